@@ -1,0 +1,40 @@
+# Two commands matter: `make demo` and `make test`. Everything they need is installed here,
+# into .venv (Python) or with apt-get (promtool, systemd-analyze), so a fresh clone works.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo demo-dcp test lint typecheck unit bench clean system-deps
+
+$(VENV)/.stamp-install: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -e '.[test]'
+	touch $@
+
+$(VENV)/.stamp-torch: $(VENV)/.stamp-install
+	$(PIP) install 'torch==2.13.0' numpy
+	touch $@
+
+# promtool (Debian's prometheus) and systemd-analyze (Debian's systemd) for the ops tests.
+system-deps:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v systemd-analyze >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus systemd >/dev/null; \
+	fi
+
+demo: $(VENV)/.stamp-install
+	$(PY) examples/demo.py
+
+lint: $(VENV)/.stamp-install
+	$(VENV)/bin/ruff check client daemon tests
+	$(VENV)/bin/mypy client daemon
+
+test: $(VENV)/.stamp-install $(VENV)/.stamp-torch system-deps lint
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.stamp-install
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m tests.bench
+
+clean:
+	rm -rf $(VENV) .demo build *.egg-info

@@ -1,0 +1,34 @@
+"""ckptdrain client: hand checkpoint shards to the node's daemon (standard library only)."""
+
+from ckptdrain.client.client import Client, Generation
+from ckptdrain.client.errors import (
+    Backpressure,
+    DaemonUnavailable,
+    DrainError,
+    DuplicateShard,
+    GenerationFailed,
+    InvalidName,
+    NotFound,
+    PermissionDenied,
+    RejectedInput,
+    SizeMismatch,
+    Timeout,
+    UnsupportedVersion,
+)
+
+__all__ = [
+    "Backpressure",
+    "Client",
+    "DaemonUnavailable",
+    "DrainError",
+    "DuplicateShard",
+    "Generation",
+    "GenerationFailed",
+    "InvalidName",
+    "NotFound",
+    "PermissionDenied",
+    "RejectedInput",
+    "SizeMismatch",
+    "Timeout",
+    "UnsupportedVersion",
+]

@@ -1,0 +1,590 @@
+"""The blocking client training code uses to hand shards to its node's daemon (stdlib only).
+
+Every request is one frame out and one reply in, over a Unix socket, framed and checked by the
+sans-IO machine in :mod:`ckptdrain.client.wire`. Each :class:`Generation` has a connection of
+its own (its ``begin`` ... ``seal`` conversation); the other calls share a small pool of idle
+connections, so several threads may use one :class:`Client`.
+
+Every wait has a timeout: a request, with its payload, must finish within ``timeout_s`` (the
+``wait`` call within its own timeout plus a 30 s margin for the reply to arrive).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import math
+import os
+import socket
+import stat
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+from ckptdrain.client import names, wire
+from ckptdrain.client.errors import (
+    DaemonUnavailable,
+    DrainError,
+    GenerationFailed,
+    PermissionDenied,
+    RejectedInput,
+    Timeout,
+    UnsupportedVersion,
+    error_for_code,
+)
+
+SYSTEM_SOCKET_PATH = "/run/ckptdrain.sock"
+# Replies are headers only (at most 64 KiB); one reused buffer per connection reads them.
+_RECV_BUFFER_BYTES = 64 * 1024
+# After the daemon closed on us mid-send, how long to look for the error reply that says why.
+_REFUSAL_GRACE_S = 5.0
+# wait() gives the daemon this long beyond the requested timeout to deliver its answer.
+_WAIT_MARGIN_S = 30.0
+_MAX_REASON_CHARS = 1000
+_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
+
+
+def default_socket_path() -> str:
+    """``$CKPTDRAIN_SOCKET``, else the system socket if it exists, else a per-user socket."""
+    configured = os.environ.get("CKPTDRAIN_SOCKET")
+    if configured:
+        return configured
+    if os.path.exists(SYSTEM_SOCKET_PATH):
+        return SYSTEM_SOCKET_PATH
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return f"{runtime_dir}/ckptdrain-{os.getuid()}.sock"
+
+
+def _check_timeout(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RejectedInput(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise RejectedInput(f"{what} is {value}; use a finite number of seconds >= 0")
+    return float(value)
+
+
+def _hint(path: str) -> str:
+    return f"start it with `ckptdrain serve` or set CKPTDRAIN_SOCKET (tried {path})"
+
+
+def connect_error(path: str, exc: OSError) -> DrainError:
+    """The typed error for a failed connect() to the daemon's socket."""
+    if isinstance(exc, PermissionError):
+        return PermissionDenied(
+            f"not allowed to connect to the ckptdrain daemon socket at {path} ({exc.strerror}); "
+            "ask the operator to add your user or group to the socket's group or [access] "
+            "allowed_uids/allowed_gids"
+        )
+    if isinstance(exc, TimeoutError):
+        return Timeout(
+            f"the ckptdrain daemon at {path} did not accept a connection in time; "
+            "it may be overloaded or hung: check `ckptdrain status` and its logs"
+        )
+    if isinstance(exc, FileNotFoundError):
+        reason = "no socket there"
+    elif isinstance(exc, ConnectionRefusedError):
+        reason = "nothing is listening on it"
+    else:
+        reason = exc.strerror or str(exc)
+    return DaemonUnavailable(
+        f"cannot reach the ckptdrain daemon at {path}: {reason}; {_hint(path)}"
+    )
+
+
+class _Channel:
+    """One connection to the daemon after hello/welcome: sends requests, reads replies."""
+
+    def __init__(self, sock: socket.socket, path: str, timeout_s: float) -> None:
+        self._sock = sock
+        self.path = path
+        self.timeout_s = timeout_s
+        self._wire = wire.Connection(wire.Role.CLIENT)
+        self._buffer = bytearray(_RECV_BUFFER_BYTES)
+        self._view = memoryview(self._buffer)
+        self.broken: DrainError | None = None
+        self.node_id = ""
+
+    @classmethod
+    def open(cls, path: str, *, timeout_s: float, connect_timeout_s: float) -> _Channel:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(connect_timeout_s)
+            try:
+                sock.connect(path)
+            except OSError as exc:
+                raise connect_error(path, exc) from exc
+            channel = cls(sock, path, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            welcome = channel.request(
+                "hello",
+                {"version": wire.PROTOCOL_VERSION, "client": f"ckptdrain-python pid={os.getpid()}"},
+                timeout_s=connect_timeout_s,
+            )
+            version = welcome.get("version")
+            if version != wire.PROTOCOL_VERSION:
+                raise UnsupportedVersion(
+                    f"the ckptdrain daemon at {path} speaks protocol version {version}, this "
+                    f"client speaks {wire.PROTOCOL_VERSION}; install matching versions"
+                )
+            channel.node_id = str(welcome.get("node_id", ""))
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    def close(self) -> None:
+        if self.broken is None:
+            self.broken = DaemonUnavailable(f"connection to {self.path} was closed")
+        self._sock.close()
+        self._view.release()
+
+    def is_reusable(self) -> bool:
+        """Whether an idle connection still looks open (the daemon drops idle clients)."""
+        if self.broken is not None:
+            return False
+        try:
+            # Non-blocking mode: with a timeout set, Python would first wait for readability.
+            self._sock.setblocking(False)
+            data = self._sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        # EOF, or bytes nobody asked for: either way the conversation is over.
+        del data
+        return False
+
+    def request(
+        self,
+        kind: str,
+        fields: dict[str, Any],
+        *,
+        payload: memoryview | None = None,
+        fd: int | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and return the fields of its ``ok`` (or ``welcome``) reply.
+
+        An ``error`` reply raises its typed error and leaves the connection usable; any other
+        failure raises and leaves it broken (``self.broken`` says why).
+        """
+        if self.broken is not None:
+            raise self.broken
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit_s
+        header = self._wire.send(kind, fields, len(payload) if payload is not None else 0)
+        message: wire.Message
+        try:
+            try:
+                self._send(header, payload, fd, deadline)
+            except (BrokenPipeError, ConnectionResetError):
+                # The daemon may refuse a request and close without reading the rest of it
+                # (a rejected put): its reply is still readable and says why.
+                message = self._read_reply(min(deadline, time.monotonic() + _REFUSAL_GRACE_S))
+                self.broken = DaemonUnavailable(
+                    f"the ckptdrain daemon at {self.path} closed the connection during {kind!r}"
+                )
+                if message.kind == "error":
+                    raise self._error_from(message) from None
+                raise self.broken from None
+            message = self._read_reply(deadline)
+        except DrainError as exc:
+            if self.broken is None:
+                self.broken = exc
+            self._sock.close()
+            raise
+        except TimeoutError as exc:
+            self.broken = Timeout(
+                f"the ckptdrain daemon at {self.path} did not finish {kind!r} within "
+                f"{limit_s:g} s; it may be overloaded (see `ckptdrain status`) or the timeout "
+                "too short for the data"
+            )
+            self._sock.close()
+            raise self.broken from exc
+        except OSError as exc:
+            self.broken = DaemonUnavailable(
+                f"lost the connection to the ckptdrain daemon at {self.path} during {kind!r} "
+                f"({exc.strerror or exc}); {_hint(self.path)}"
+            )
+            self._sock.close()
+            raise self.broken from exc
+        except wire.ProtocolError as exc:
+            self.broken = DrainError(
+                f"the ckptdrain daemon at {self.path} sent an invalid reply to {kind!r} "
+                f"({exc.message}); check that client and daemon versions match"
+            )
+            self._sock.close()
+            raise self.broken from exc
+        except BaseException:
+            # Interrupted (KeyboardInterrupt...) mid-request: the stream is out of step.
+            self.broken = DaemonUnavailable(f"a request to {self.path} was interrupted")
+            self._sock.close()
+            raise
+        if message.kind == "error":
+            raise self._error_from(message)
+        # Typed here: `mypy client` cannot follow the editable install's ckptdrain.* mapping.
+        reply: dict[str, Any] = message.fields
+        return reply
+
+    def _error_from(self, message: wire.Message) -> DrainError:
+        fields = message.fields
+        return error_for_code(fields["code"], fields["message"], fields.get("details"))
+
+    def _settimeout(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        self._sock.settimeout(remaining)
+
+    def _send(
+        self, header: bytes, payload: memoryview | None, fd: int | None, deadline: float
+    ) -> None:
+        self._settimeout(deadline)
+        if fd is None:
+            self._sock.sendall(header, _SEND_FLAGS)
+        else:
+            # The fd rides with the first byte of the frame, so the daemon receives it with the
+            # recvmsg() that starts this frame and pairs it with this message.
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+            sent = self._sock.sendmsg([header], rights, _SEND_FLAGS)
+            if sent < len(header):
+                self._settimeout(deadline)
+                self._sock.sendall(memoryview(header)[sent:], _SEND_FLAGS)
+        if payload is not None and len(payload):
+            # Straight from the caller's buffer: no copy of the shard on this side.
+            self._settimeout(deadline)
+            self._sock.sendall(payload, _SEND_FLAGS)
+
+    def _read_reply(self, deadline: float) -> wire.Message:
+        while True:
+            event = self._wire.next_event()
+            if event is wire.NEED_DATA:
+                self._settimeout(deadline)
+                try:
+                    n = self._sock.recv_into(self._view)
+                except ConnectionResetError:
+                    n = 0  # Linux reports a peer that closed with our bytes unread this way.
+                self._wire.receive_data(self._view[:n])
+            elif isinstance(event, wire.Message):
+                return event
+            elif isinstance(event, wire.ConnectionClosed):
+                raise DaemonUnavailable(
+                    f"the ckptdrain daemon at {self.path} closed the connection without a "
+                    f"reply; it may be stopping or have refused this client; {_hint(self.path)}"
+                )
+            else:  # pragma: no cover - the server role never sends payloads (wire checks)
+                raise wire.ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r}")
+
+
+class Generation:
+    """This rank's part of one generation: ``put`` shards, then seal (or abort) it.
+
+    Use it as a context manager (``with client.generation(...) as gen``): entering sends
+    ``begin``; leaving without an exception seals this rank's part, leaving with one aborts it.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        job: str,
+        step: int,
+        *,
+        rank: int,
+        world_size: int,
+        ack: str | None,
+    ) -> None:
+        self._client = client
+        self.job = job
+        self.step = step
+        self.rank = rank
+        self.world_size = world_size
+        self.ack = ack
+        self._channel: _Channel | None = None
+        self._state = "new"  # new -> open -> sealed | aborted
+
+    @property
+    def node_id(self) -> str:
+        """The node id the daemon announced (empty before ``begin``)."""
+        return self._channel.node_id if self._channel is not None else ""
+
+    def __enter__(self) -> Generation:
+        if self._state != "new":
+            raise RejectedInput(
+                f"generation {self.job}/{self.step} rank {self.rank} was already begun; "
+                "create a new one with Client.generation()"
+            )
+        channel = self._client._open_channel()
+        try:
+            channel.request(
+                "begin",
+                {
+                    "job": self.job,
+                    "step": self.step,
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "ack": self.ack,
+                },
+            )
+        except BaseException:
+            channel.close()
+            raise
+        self._channel = channel
+        self._state = "open"
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if self._state == "open":
+                if exc is None:
+                    self.seal()
+                else:
+                    # Best effort: the original exception matters more than why abort failed,
+                    # and the daemon drops an unsealed part whose connection goes away.
+                    with contextlib.suppress(DrainError, OSError):
+                        self.abort(f"{type(exc).__name__}: {exc}")
+        finally:
+            if self._channel is not None:
+                self._channel.close()
+
+    def _open_channel(self) -> _Channel:
+        if self._state != "open" or self._channel is None:
+            if self._state == "new":
+                raise RejectedInput(
+                    "begin the generation first: `with client.generation(job, step) as gen:`"
+                )
+            raise RejectedInput(
+                f"generation {self.job}/{self.step} rank {self.rank} is already {self._state}; "
+                "begin a new one to hand off more shards"
+            )
+        if self._channel.broken is not None:
+            raise GenerationFailed(
+                f"the connection to the daemon broke earlier in generation {self.job}/{self.step} "
+                f"({self._channel.broken.message}); this rank's part cannot be finished, "
+                "save the checkpoint again as a new generation"
+            )
+        return self._channel
+
+    def _shard_fields(self, path: str, size: int) -> dict[str, Any]:
+        return {"job": self.job, "step": self.step, "rank": self.rank, "path": path, "size": size}
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
+        """Hand off ``data`` as shard ``path``; returns when it is safe per the ack mode."""
+        names.validate_shard_path(path)
+        channel = self._open_channel()
+        try:
+            view = memoryview(data)
+        except TypeError:
+            raise RejectedInput(
+                f"shard data must be bytes-like (bytes, bytearray, memoryview), "
+                f"not {type(data).__name__}"
+            ) from None
+        with view:
+            if not view.c_contiguous:
+                raise RejectedInput(
+                    "shard data must be one contiguous buffer; copy it (e.g. bytes(...)) first"
+                )
+            with view.cast("B") as flat:
+                return channel.request("put", self._shard_fields(path, flat.nbytes), payload=flat)
+
+    def put_file(self, path: str, file: str | os.PathLike[str] | int) -> dict[str, Any]:
+        """Hand off a file on this node as shard ``path`` by passing its open fd to the daemon.
+
+        ``file`` is a path (opened read-only here and closed after) or an open fd (left open).
+        The daemon reads through the fd, with this process's rights, never by path. A memfd
+        is sent as ``put_memfd`` so an ``ack="memory"`` daemon can keep it as it is.
+        """
+        names.validate_shard_path(path)
+        channel = self._open_channel()
+        if isinstance(file, bool):
+            raise RejectedInput(f"shard file must be a path or an fd, not {file!r}")
+        if isinstance(file, int):
+            fd, owned = file, False
+        else:
+            try:
+                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise RejectedInput(
+                    f"cannot open shard file {os.fspath(file)!r}: {exc.strerror}"
+                ) from exc
+            owned = True
+        try:
+            try:
+                info = os.fstat(fd)
+            except OSError as exc:
+                raise RejectedInput(f"cannot stat shard fd {fd}: {exc.strerror}") from exc
+            if not stat.S_ISREG(info.st_mode):
+                raise RejectedInput(
+                    f"shard {path!r} must be a regular file or memfd; {file!r} is not"
+                )
+            kind = "put_memfd" if _is_memfd(fd) else "put_fd"
+            return channel.request(kind, self._shard_fields(path, info.st_size), fd=fd)
+        finally:
+            if owned:
+                os.close(fd)
+
+    def seal(self) -> None:
+        """Declare this rank's part complete (done by ``__exit__``; call it to see errors early)."""
+        channel = self._open_channel()
+        channel.request("seal", {"job": self.job, "step": self.step, "rank": self.rank})
+        self._state = "sealed"
+
+    def abort(self, reason: str) -> None:
+        """Give up this rank's part; the daemon discards its shards and the generation fails."""
+        channel = self._open_channel()
+        self._state = "aborted"
+        channel.request(
+            "abort",
+            {
+                "job": self.job,
+                "step": self.step,
+                "rank": self.rank,
+                "reason": str(reason)[:_MAX_REASON_CHARS],
+            },
+        )
+
+
+def _is_memfd(fd: int) -> bool:
+    # The kernel names memfds "/memfd:NAME"; readlink of the fd is the one precise test
+    # (F_GET_SEALS also answers for ordinary tmpfs files).
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except OSError:
+        return False
+
+
+class Client:
+    """A handle on the node's ckptdrain daemon. Thread-safe; cheap to create."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.socket_path = (
+            os.fspath(socket_path) if socket_path is not None else default_socket_path()
+        )
+        self.timeout_s = _check_timeout(timeout_s, "timeout_s")
+        self.connect_timeout_s = _check_timeout(connect_timeout_s, "connect_timeout_s")
+        self._lock = threading.Lock()
+        self._idle: list[_Channel] = []
+        self._closed = False
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the idle connections; generations still open keep their own until they end."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for channel in idle:
+            channel.close()
+
+    def _open_channel(self) -> _Channel:
+        if self._closed:
+            raise RejectedInput("this ckptdrain Client is closed; create a new one")
+        return _Channel.open(
+            self.socket_path, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s
+        )
+
+    def _call(
+        self, kind: str, fields: dict[str, Any], timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        channel: _Channel | None = None
+        with self._lock:
+            while self._idle and channel is None:
+                candidate = self._idle.pop()
+                if candidate.is_reusable():
+                    channel = candidate
+                else:
+                    candidate.close()
+        if channel is None:
+            channel = self._open_channel()
+        try:
+            return channel.request(kind, fields, timeout_s=timeout_s)
+        finally:
+            with self._lock:
+                if channel.broken is None and not self._closed:
+                    self._idle.append(channel)
+                    channel = None
+            if channel is not None:
+                channel.close()
+
+    def generation(
+        self,
+        job: str,
+        step: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        ack: str | None = None,
+    ) -> Generation:
+        """This rank's part of generation ``step`` of ``job``; use it with ``with``.
+
+        ``ack`` ("local" or "memory") overrides the daemon's default failure boundary.
+        Names are checked here, so a bad one fails before any I/O.
+        """
+        names.validate_job(job)
+        names.validate_step(step)
+        names.validate_rank(rank, world_size)
+        if ack is not None and ack not in wire.ACK_MODES:
+            raise RejectedInput(f"ack is {ack!r}; use one of {list(wire.ACK_MODES)} or None")
+        return Generation(self, job, step, rank=rank, world_size=world_size, ack=ack)
+
+    def wait(self, job: str, step: int, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Block until generation ``step`` of ``job`` is committed; returns the daemon's answer.
+
+        Raises Timeout if it is not committed within ``timeout_s`` and GenerationFailed if it
+        never will be.
+        """
+        names.validate_job(job)
+        names.validate_step(step)
+        limit_s = _check_timeout(timeout_s, "timeout_s")
+        return self._call(
+            "wait",
+            {"job": job, "step": step, "timeout_s": limit_s},
+            timeout_s=limit_s + _WAIT_MARGIN_S,
+        )
+
+    def latest(self, job: str) -> int | None:
+        """The newest committed generation of ``job``, or None when there is none."""
+        names.validate_job(job)
+        reply = self._call("latest", {"job": job})
+        generation = reply.get("generation")
+        if generation is None:
+            return None
+        if isinstance(generation, bool) or not isinstance(generation, int):
+            raise DrainError(
+                f"the ckptdrain daemon answered 'latest' with generation {generation!r}, not an "
+                "integer; check that client and daemon versions match"
+            )
+        return generation
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status report (jobs, generations, staged bytes, limits)."""
+        return self._call("status", {})
+
+    def retry(self, job: str, step: int) -> dict[str, Any]:
+        """Ask the daemon to retry draining a generation that failed on a transient error."""
+        names.validate_job(job)
+        names.validate_step(step)
+        return self._call("retry", {"job": job, "step": step})

@@ -1,0 +1,165 @@
+"""Which job names, shard paths, steps and ranks are acceptable (pure; no I/O).
+
+Names become directory names and object keys at the destination, so they are checked the same
+way by the client (to fail fast, before any I/O) and by the daemon (because every client is
+hostile until checked). The rules are deliberately narrow: a safe ASCII charset means a name
+means the same thing on Lustre, in an S3 key, in a URL and in a shell.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ckptdrain.client.errors import InvalidName, RejectedInput
+
+MAX_JOB_BYTES = 128
+MAX_PATH_BYTES = 1024
+# The usual NAME_MAX of Linux filesystems, Lustre included.
+MAX_COMPONENT_BYTES = 255
+MAX_WORLD_SIZE = 1_000_000
+# The destination zero-pads steps to 20 digits; 10**19 - 1 is the largest that always fits.
+MAX_STEP = 10**19 - 1
+
+# Names the destination layout uses itself inside a generation directory; a shard may not
+# shadow them or the commit protocol could read a client's bytes as its own records.
+MANIFEST_NAME = "MANIFEST.json"
+PARTS_DIR = "_parts"
+# POSIX writes every file under this suffix before renaming it into place.
+TEMP_SUFFIX = ".ckptdrain-tmp"
+
+_JOB_CHARS = re.compile(r"[A-Za-z0-9._-]")
+_COMPONENT_CHARS = re.compile(r"[A-Za-z0-9._+=,@-]")
+_JOB_RULE = "use letters, digits, '.', '_', '-', not starting with '.' or '-'"
+_PATH_RULE = (
+    "use a relative '/'-separated path of letters, digits and '._+=,@-', "
+    "no empty, '.' or '..' components, no component starting with '-'"
+)
+
+
+def _first_bad_char(text: str, allowed: re.Pattern[str]) -> str | None:
+    for char in text:
+        if not allowed.fullmatch(char):
+            return char
+    return None
+
+
+def _show(char: str) -> str:
+    """A bad character as the user can read it, control characters included."""
+    return repr(char) if char.isprintable() else f"U+{ord(char):04X}"
+
+
+def _utf8_len(text: str) -> int:
+    # surrogatepass: a lone surrogate must yield a length (it is rejected by the charset next).
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def validate_job(job: object) -> str:
+    """Return ``job`` if it is an acceptable job name, else raise :class:`InvalidName`."""
+    if not isinstance(job, str):
+        raise InvalidName(f"job name must be a string, not {type(job).__name__}; {_JOB_RULE}")
+    if not job:
+        raise InvalidName(f"job name is empty; {_JOB_RULE}")
+    size = _utf8_len(job)
+    if size > MAX_JOB_BYTES:
+        raise InvalidName(
+            f"job name {job[:40]!r}... is {size} bytes, over the limit of {MAX_JOB_BYTES}; "
+            "use a shorter name"
+        )
+    bad = _first_bad_char(job, _JOB_CHARS)
+    if bad is not None:
+        raise InvalidName(f"job name {job!r} contains {_show(bad)}; {_JOB_RULE}")
+    if job[0] in ".-":
+        raise InvalidName(f"job name {job!r} starts with {job[0]!r}; {_JOB_RULE}")
+    return job
+
+
+def validate_shard_path(path: object) -> str:
+    """Return ``path`` if it is an acceptable shard path, else raise :class:`InvalidName`."""
+    if not isinstance(path, str):
+        raise InvalidName(f"shard path must be a string, not {type(path).__name__}; {_PATH_RULE}")
+    if not path:
+        raise InvalidName(f"shard path is empty; {_PATH_RULE}")
+    size = _utf8_len(path)
+    if size > MAX_PATH_BYTES:
+        raise InvalidName(
+            f"shard path {path[:40]!r}... is {size} bytes, over the limit of {MAX_PATH_BYTES}; "
+            "use a shorter path"
+        )
+    # The specific messages first: they tell the user what went wrong better than a charset.
+    if "\x00" in path:
+        raise InvalidName(f"shard path {path!r} contains a NUL byte; {_PATH_RULE}")
+    if "\\" in path:
+        raise InvalidName(f"shard path {path!r} contains a backslash; separate with '/'")
+    if path.startswith("/"):
+        raise InvalidName(f"shard path {path!r} is absolute; {_PATH_RULE}")
+    components = path.split("/")
+    for component in components:
+        if component == "":
+            raise InvalidName(
+                f"shard path {path!r} has an empty component ('//' or a trailing '/'); {_PATH_RULE}"
+            )
+        if component in (".", ".."):
+            raise InvalidName(
+                f"shard path {path!r} contains a {component!r} component; {_PATH_RULE}"
+            )
+        bad = _first_bad_char(component, _COMPONENT_CHARS)
+        if bad is not None:
+            raise InvalidName(f"shard path {path!r} contains {_show(bad)}; {_PATH_RULE}")
+        if component.startswith("-"):
+            raise InvalidName(
+                f"shard path {path!r} has a component starting with '-'; {_PATH_RULE}"
+            )
+        if len(component) > MAX_COMPONENT_BYTES:
+            raise InvalidName(
+                f"shard path {path[:40]!r}... has a component of {len(component)} bytes, over the "
+                f"limit of {MAX_COMPONENT_BYTES}; use shorter file names"
+            )
+        if component.endswith(TEMP_SUFFIX):
+            raise InvalidName(
+                f"shard path {path!r} ends a component in {TEMP_SUFFIX!r}, which ckptdrain uses "
+                "for its temporary files; rename the shard"
+            )
+    if components[0] == PARTS_DIR:
+        raise InvalidName(
+            f"shard path {path!r} is under {PARTS_DIR + '/'!r}, which ckptdrain reserves for its "
+            "part records; rename the shard"
+        )
+    if path == MANIFEST_NAME:
+        raise InvalidName(
+            f"shard path {path!r} is reserved for the generation manifest; rename the shard"
+        )
+    return path
+
+
+def _exact_int(value: object, what: str) -> int:
+    # bool is an int subclass; True as a step is a caller bug, not step 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RejectedInput(f"{what} must be an integer, not {type(value).__name__}")
+    return value
+
+
+def validate_step(step: object) -> int:
+    """Return ``step`` if it is an int in ``0..MAX_STEP``, else raise :class:`RejectedInput`."""
+    value = _exact_int(step, "step")
+    if not 0 <= value <= MAX_STEP:
+        raise RejectedInput(f"step {value} is out of range; use 0..{MAX_STEP}")
+    return value
+
+
+def validate_world_size(world_size: object) -> int:
+    """Return ``world_size`` if it is an int in ``1..MAX_WORLD_SIZE``, else raise."""
+    value = _exact_int(world_size, "world_size")
+    if not 1 <= value <= MAX_WORLD_SIZE:
+        raise RejectedInput(f"world_size {value} is out of range; use 1..{MAX_WORLD_SIZE}")
+    return value
+
+
+def validate_rank(rank: object, world_size: object) -> int:
+    """Return ``rank`` if ``0 <= rank < world_size`` (world_size itself valid), else raise."""
+    size = validate_world_size(world_size)
+    value = _exact_int(rank, "rank")
+    if not 0 <= value < size:
+        raise RejectedInput(
+            f"rank {value} is out of range for world_size {size}; use 0..{size - 1}"
+        )
+    return value

@@ -1,0 +1,114 @@
+"""The interface every destination implements.
+
+Keys are ``/``-separated and relative to the destination root given by the URI
+(``file:///lustre/proj/ckpt`` or ``s3://bucket/prefix``). Every write is atomic as seen by
+readers: a key is either absent or holds its complete bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.config import DestinationConfig
+
+
+class BackendError(Exception):
+    """A destination operation failed. ``transient`` errors are worth retrying."""
+
+    def __init__(self, message: str, *, transient: bool = False, kind: str = "io") -> None:
+        super().__init__(message)
+        self.transient = transient
+        # Bounded label for metrics: "io", "timeout", "throttled", "auth", "integrity", "conflict".
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class UploadLog(Protocol):
+    """Where a resumable upload journals its progress (S3 multipart); POSIX ignores it."""
+
+    async def load(self) -> tuple[str | None, dict[int, tuple[str, str]]]:
+        """The upload id begun earlier (or None) and its parts: number -> (etag, checksum)."""
+        ...
+
+    async def begun(self, upload_id: str) -> None: ...
+
+    async def part_done(self, number: int, etag: str, checksum: str) -> None: ...
+
+    async def finished(self) -> None: ...
+
+
+class Backend(abc.ABC):
+    """One destination. Instances are used from one event loop; methods are coroutine-safe."""
+
+    uri: str
+
+    @abc.abstractmethod
+    async def put_file(
+        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None
+    ) -> str:
+        """Copy ``size`` bytes of the open file ``fd`` (from offset 0, with ``pread``) to ``key``.
+
+        Returns the checksum of the bytes written, ``"sha256:<hex>"``, computed from the bytes
+        read from ``fd`` in the same pass. The key becomes visible only complete.
+        """
+
+    @abc.abstractmethod
+    async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
+        """Write a small object. With ``exclusive``, create it only if absent and return False
+        when it already existed (``link``/``O_EXCL`` on POSIX, ``If-None-Match: *`` on S3)."""
+
+    @abc.abstractmethod
+    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
+        """Read a small object, or None when it does not exist."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every key under ``prefix`` (recursive), sorted by key; temporary files excluded."""
+
+    @abc.abstractmethod
+    def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
+        """The object's bytes in order, for verify and restore."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove a key; a missing key is not an error."""
+
+    async def prepare_prefix(self, prefix: str) -> None:  # noqa: B027 - optional hook
+        """Called once before the first object under a generation prefix is written
+        (POSIX creates the directory and applies Lustre striping)."""
+
+    async def sweep_orphans(self, owned_upload_ids: set[str], grace_s: float) -> int:
+        """Abort incomplete uploads under the root not in ``owned_upload_ids`` and older than
+        ``grace_s``; returns how many were aborted. Destinations without uploads return 0."""
+        return 0
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+def open_backend(config: DestinationConfig, node_id: str) -> Backend:
+    """The backend for ``config.uri`` (``file://`` or ``s3://``), acting for ``node_id``
+    (temp names and upload metadata carry it, so sweeps know whose leftovers they see)."""
+    uri = config.uri
+    if uri.startswith("file://"):
+        from ckptdrain.daemon.backends.posix import PosixBackend
+
+        return PosixBackend(config, node_id)
+    if uri.startswith("s3://"):
+        from ckptdrain.daemon.backends.s3 import S3Backend
+
+        return S3Backend(config, node_id)
+    if uri.startswith("memory://"):
+        from ckptdrain.daemon.backends.memory import MemoryBackend
+
+        return MemoryBackend.named(uri, node_id)
+    raise ValueError(f"unsupported destination URI {uri!r}: use file:///path or s3://bucket/prefix")

@@ -1,0 +1,112 @@
+"""Admission for a bounded resource (staged bytes, RAM bytes, queued shards), FIFO-fair.
+
+A hand-off reserves what it needs *before* a byte is accepted. When the budget is full it
+either fails at once (``reject``) or waits its turn in arrival order (``block``) up to a
+timeout. A waiter holds nothing while it waits, and a release wakes waiters strictly in order,
+so a large request is never starved by a stream of small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+
+
+class BudgetFull(Exception):
+    """The resource is full (or the wait for room timed out)."""
+
+    def __init__(self, budget: Budget, requested: int, *, timed_out: bool) -> None:
+        self.name = budget.name
+        self.used = budget.used
+        self.limit = budget.limit
+        self.requested = requested
+        self.timed_out = timed_out
+        verb = "stayed full" if timed_out else "is full"
+        super().__init__(
+            f"{budget.name} {verb}: {budget.used} of {budget.limit} in use, {requested} requested"
+        )
+
+
+class TooLarge(Exception):
+    """The request can never fit, however long it waits."""
+
+    def __init__(self, budget: Budget, requested: int) -> None:
+        self.name = budget.name
+        self.limit = budget.limit
+        self.requested = requested
+        super().__init__(f"{requested} exceeds the whole {budget.name} limit of {budget.limit}")
+
+
+@dataclass(slots=True)
+class _Waiter:
+    amount: int
+    future: asyncio.Future[None]
+
+
+class Budget:
+    def __init__(self, name: str, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.used = 0
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def set_limit(self, limit: int) -> None:
+        """A reload may raise or lower the limit; waiters that now fit are admitted."""
+        self.limit = limit
+        self._wake()
+
+    def try_acquire(self, amount: int) -> bool:
+        if amount > self.limit:
+            raise TooLarge(self, amount)
+        if not self._waiters and self.used + amount <= self.limit:
+            self.used += amount
+            return True
+        return False
+
+    async def acquire(self, amount: int, *, block: bool, timeout_s: float) -> None:
+        if self.try_acquire(amount):
+            return
+        if not block:
+            raise BudgetFull(self, amount, timed_out=False)
+        waiter = _Waiter(amount, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if waiter.future.done() and not waiter.future.cancelled():
+                # Admitted just as we gave up: hand the room back so nothing leaks.
+                self.release(amount)
+            else:
+                waiter.future.cancel()
+                self._remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise BudgetFull(self, amount, timed_out=True) from None
+            raise
+
+    def release(self, amount: int) -> None:
+        self.used = max(0, self.used - amount)
+        self._wake()
+
+    def _remove(self, waiter: _Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            head = self._waiters[0]
+            if head.future.done():
+                self._waiters.popleft()
+                continue
+            if self.used + head.amount > self.limit:
+                return
+            self._waiters.popleft()
+            self.used += head.amount
+            head.future.set_result(None)

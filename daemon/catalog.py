@@ -1,0 +1,412 @@
+"""The read side of the commit protocol: what is committed, is it intact, and getting it back.
+
+Used by ``ckptdrain ls / verify / restore`` and by the daemon to answer ``Client.latest``.
+Only manifests count: a generation directory without ``MANIFEST.json`` is invisible here,
+however many shards it holds, because a restart must only ever see committed generations.
+Only the :class:`Backend` interface is used, so this works the same on POSIX and S3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from ckptdrain.client.manifest import (
+    TMP_SUFFIX,
+    Manifest,
+    ManifestError,
+    ShardEntry,
+    generation_prefix,
+    latest_key,
+    manifest_key,
+    parse_manifest_key,
+    shard_key,
+)
+from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.commit import parse_latest
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+MANIFEST_READ_CONCURRENCY = 8
+# Below this a chunk is hashed on the event loop; above it in a thread, where hashlib releases
+# the GIL and several shards are hashed in parallel.
+_THREAD_HASH_BYTES = 256 << 10
+
+
+class CatalogError(Exception):
+    """A catalog operation cannot be done; the message says why and what to do."""
+
+
+class NotCommitted(CatalogError):
+    """The generation has no (readable) manifest: it was never committed or was removed."""
+
+
+class RestoreError(CatalogError):
+    """A restore stopped: a shard is damaged or would land outside the target directory."""
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    job: str
+    step: int
+    shards: int
+    bytes: int
+    committed_at: float
+    nodes: tuple[str, ...]
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    checked: int
+    bytes: int
+    bad: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    job: str
+    step: int
+    files: int
+    bytes: int
+    to_dir: Path
+
+
+# --- listing --------------------------------------------------------------------------------
+
+
+async def list_jobs(backend: Backend) -> list[str]:
+    """Jobs with at least one committed manifest at the destination, sorted."""
+    # The Backend interface lists recursively, so this walks shard keys too; see docs/layout.md.
+    jobs = {
+        parsed[0]
+        for info in await backend.list("")
+        if (parsed := parse_manifest_key(info.key)) is not None
+    }
+    return sorted(jobs)
+
+
+async def _manifest_steps(backend: Backend, job: str) -> list[int]:
+    """Steps of ``job`` that have a MANIFEST.json key, newest first (not yet parsed)."""
+    steps = [
+        parsed[1]
+        for info in await backend.list(f"{job}/")
+        if (parsed := parse_manifest_key(info.key)) is not None and parsed[0] == job
+    ]
+    return sorted(steps, reverse=True)
+
+
+async def read_manifest(backend: Backend, job: str, step: int) -> Manifest | None:
+    """The generation's manifest, or None when it is absent or damaged (logged): either way
+    the generation is not one a restart may use."""
+    key = manifest_key(job, step)
+    data = await backend.get_bytes(key)
+    if data is None:
+        return None
+    try:
+        manifest = Manifest.from_json(data)
+    except ManifestError as exc:
+        log.warning("ignoring %s: %s", key, exc)
+        return None
+    if (manifest.job, manifest.generation) != (job, step):
+        log.warning(
+            "ignoring %s: it describes %r generation %d", key, manifest.job, manifest.generation
+        )
+        return None
+    return manifest
+
+
+async def list_generations(backend: Backend, job: str) -> list[GenerationInfo]:
+    """Committed generations of ``job`` (manifest present and valid), newest first."""
+    steps = await _manifest_steps(backend, job)
+    found: dict[int, Manifest] = {}
+
+    async def load(step: int) -> None:
+        manifest = await read_manifest(backend, job, step)
+        if manifest is not None:
+            found[step] = manifest
+
+    await _for_each(steps, load, MANIFEST_READ_CONCURRENCY)
+    return [
+        GenerationInfo(
+            job=m.job,
+            step=m.generation,
+            shards=len(m.shards),
+            bytes=m.total_bytes,
+            committed_at=m.clocks["committed"],
+            nodes=m.nodes,
+        )
+        for m in (found[step] for step in steps if step in found)
+    ]
+
+
+async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | None:
+    """The newest committed generation of ``job``, or None.
+
+    The LATEST hint answers in two requests, but is trusted only when the manifest it names
+    exists and parses; otherwise (or with ``use_hint=False``, exact but a full listing) the
+    manifests are listed. The hint can lag behind when two generations commit at once.
+    """
+    if use_hint:
+        try:
+            hinted = parse_latest(await backend.get_bytes(latest_key(job), max_bytes=64))
+        except BackendError as exc:
+            if exc.kind != "integrity":
+                raise
+            hinted = None  # an oversized LATEST is not ours: ignore it
+        if hinted is not None and await read_manifest(backend, job, hinted) is not None:
+            return hinted
+    for step in await _manifest_steps(backend, job):
+        if await read_manifest(backend, job, step) is not None:
+            return step
+    return None
+
+
+async def resolve(backend: Backend, job: str, generation: int | str) -> Manifest:
+    """The manifest for ``generation`` (a step, or ``"latest"``), or NotCommitted."""
+    if generation == "latest":
+        step = await latest(backend, job)
+        if step is None:
+            raise NotCommitted(
+                f"job {job!r} has no committed generation at {backend.uri}; "
+                "check the job name with `ckptdrain ls`"
+            )
+    elif isinstance(generation, int) and not isinstance(generation, bool):
+        step = generation
+    else:
+        raise ValueError(f"generation must be a step number or 'latest', not {generation!r}")
+    manifest = await read_manifest(backend, job, step)
+    if manifest is None:
+        raise NotCommitted(
+            f"generation {step} of job {job!r} is not committed at {backend.uri} (no valid "
+            "MANIFEST.json); pick one listed by `ckptdrain ls`"
+        )
+    return manifest
+
+
+# --- verify ---------------------------------------------------------------------------------
+
+
+async def verify(backend: Backend, job: str, step: int, *, concurrency: int = 4) -> VerifyReport:
+    """Re-read every shard of a committed generation and check its size and sha256.
+
+    Damage is reported, not raised: the report names every bad shard. Raises NotCommitted when
+    there is no valid manifest, and BackendError when the destination itself fails.
+    """
+    manifest = await resolve(backend, job, step)
+    report = VerifyReport(ok=True, checked=0, bytes=0)
+    # One listing finds missing shards without a failed read per shard (and without relying
+    # on how each backend words "not found").
+    prefix = generation_prefix(job, step)
+    present = {info.key[len(prefix) :] for info in await backend.list(prefix)}
+
+    async def check(shard: ShardEntry) -> None:
+        report.checked += 1
+        if shard.path not in present:
+            report.bad.append((shard.path, "missing at the destination"))
+            return
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            async for chunk in backend.read_chunks(shard_key(job, step, shard.path)):
+                size += len(chunk)
+                report.bytes += len(chunk)
+                if size > shard.size:
+                    break  # already wrong; no need to read a runaway object to its end
+                await _hash(digest, chunk)
+        except BackendError as exc:
+            if exc.kind != "integrity":
+                raise
+            report.bad.append((shard.path, f"unreadable: {exc}"))
+            return
+        if size > shard.size:
+            report.bad.append((shard.path, f"longer than the {shard.size} bytes in the manifest"))
+        elif size < shard.size:
+            report.bad.append((shard.path, f"{size} bytes, the manifest lists {shard.size}"))
+        elif digest.hexdigest() != shard.digest:
+            report.bad.append(
+                (shard.path, f"sha256 {digest.hexdigest()} != {shard.digest} in the manifest")
+            )
+
+    await _for_each(manifest.shards, check, concurrency)
+    report.bad.sort()
+    report.ok = not report.bad
+    return report
+
+
+# --- restore --------------------------------------------------------------------------------
+
+
+async def restore(
+    backend: Backend,
+    job: str,
+    step: int,
+    to_dir: Path,
+    *,
+    concurrency: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> RestoreReport:
+    """Copy a committed generation into ``to_dir`` (a loadable checkpoint directory).
+
+    Each file is written under a temp name beside its final name, its sha256 and size checked
+    while writing, and renamed into place only if they match; a mismatch stops the restore with
+    RestoreError naming the file. ``progress`` is called with each number of bytes written.
+    The manifest is copied last, so a restored directory says what it holds and ``verify``
+    can be re-run against it. Files are not fsynced: a restore is repeatable.
+    """
+    manifest = await resolve(backend, job, step)
+    root = Path(to_dir)
+    await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
+    root = await asyncio.to_thread(root.resolve)
+    # Shard paths are validated when the manifest parses; this also refuses a symlink planted
+    # in to_dir that would carry a write elsewhere.
+    targets = {shard.path: _inside(root, shard.path) for shard in manifest.shards}
+    written = 0
+
+    async def fetch(shard: ShardEntry) -> None:
+        nonlocal written
+        target = targets[shard.path]
+        await asyncio.to_thread(_makedirs_inside, root, target.parent)
+        count = await _write_verified(
+            backend.read_chunks(shard_key(job, step, shard.path)), target, shard, progress
+        )
+        written += count
+
+    try:
+        await _for_each(manifest.shards, fetch, concurrency)
+    except BackendError as exc:
+        raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}") from exc
+    await asyncio.to_thread(_write_file, root / "MANIFEST.json", manifest.to_json())
+    return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root)
+
+
+def _inside(root: Path, rel: str) -> Path:
+    target = root.joinpath(*rel.split("/"))
+    if not target.is_relative_to(root) or ".." in rel.split("/") or rel.startswith("/"):
+        raise RestoreError(f"shard path {rel!r} would land outside {root}; refusing to restore")
+    return target
+
+
+def _makedirs_inside(root: Path, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.resolve().is_relative_to(root):
+        raise RestoreError(
+            f"{directory} resolves outside {root} (a symlink?); restore into an empty directory"
+        )
+
+
+async def _write_verified(
+    chunks: AsyncIterator[bytes],
+    target: Path,
+    shard: ShardEntry,
+    progress: Callable[[int], None] | None,
+) -> int:
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    fd = await asyncio.to_thread(
+        os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+    )
+    # The temp exists from here: renamed when verified, unlinked on every other way out.
+    done = False
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        try:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > shard.size:
+                    raise RestoreError(
+                        f"{shard.path} is longer than the {shard.size} bytes the manifest lists; "
+                        "the shard at the destination is damaged"
+                    )
+                await _settled(_hash_and_write, digest, fd, chunk)
+                if progress is not None:
+                    progress(len(chunk))
+        finally:
+            os.close(fd)
+        if size != shard.size:
+            raise RestoreError(
+                f"{shard.path} has {size} bytes, the manifest lists {shard.size}; the shard at the "
+                "destination is damaged"
+            )
+        if digest.hexdigest() != shard.digest:
+            raise RestoreError(
+                f"{shard.path} does not match its checksum in the manifest (sha256 "
+                f"{digest.hexdigest()} != {shard.digest}); the shard at the destination is damaged"
+            )
+        await asyncio.to_thread(os.replace, tmp, target)
+        done = True
+    finally:
+        if not done:
+            tmp.unlink(missing_ok=True)
+    return size
+
+
+def _hash_and_write(digest: hashlib._Hash, fd: int, chunk: bytes) -> None:
+    digest.update(chunk)
+    view = memoryview(chunk)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# --- bounded concurrency --------------------------------------------------------------------
+
+
+async def _for_each(
+    items: Sequence[_T], fn: Callable[[_T], Awaitable[object]], concurrency: int
+) -> None:
+    """Run ``fn`` over ``items`` with at most ``concurrency`` in flight, all owned by one
+    TaskGroup; the first failure cancels the rest and is raised as itself."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, not {concurrency}")
+    work: Iterator[_T] = iter(items)
+
+    async def worker() -> None:
+        # Workers pull from one iterator: no task per shard, so 100,000 shards cost
+        # `concurrency` tasks, not 100,000.
+        for item in work:
+            await fn(item)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(concurrency, len(items))):
+                group.create_task(worker())
+    except BaseExceptionGroup as group_exc:
+        raise group_exc.exceptions[0] from None
+
+
+async def _hash(digest: hashlib._Hash, chunk: bytes) -> None:
+    if len(chunk) >= _THREAD_HASH_BYTES:
+        await _settled(digest.update, chunk)
+    else:
+        digest.update(chunk)
+
+
+async def _settled(fn: Callable[..., _T], *args: object) -> _T:
+    """Run ``fn`` in a thread; if cancelled, wait for the thread to finish before re-raising,
+    so no thread still writes to an fd the caller is about to close."""
+    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()
+        raise

@@ -1,0 +1,249 @@
+"""The write side of the commit protocol: part records, rank coverage, exclusive publish.
+
+Every node runs the same steps, with no coordinator and no lock:
+
+1. After all shards of the ranks it served have drained and been verified, the node writes its
+   part record ``_parts/<node>.json`` (rewritten with the cumulative set as more ranks finish).
+2. It lists every part record of the generation. If together they cover ranks
+   ``0..world_size-1`` and agree with each other, it builds the manifest and publishes it with
+   an exclusive create. Exactly one node's create succeeds (PUBLISHED); the others read the
+   winner's manifest and accept it when it commits the same shards (ACCEPTED).
+3. After publishing or accepting, the node raises the ``LATEST`` hint if it is behind.
+
+The manifest is the generation's last write; nothing the generation needs is written after it.
+Only the :class:`Backend` interface is used, so the protocol is the same on POSIX and S3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptdrain.client.manifest import (
+    Manifest,
+    ManifestError,
+    PartRecord,
+    build_manifest,
+    describe_ranks,
+    generation_prefix,
+    latest_key,
+    manifest_key,
+    missing_ranks,
+    part_key,
+    parts_prefix,
+    same_contents,
+    validate_node_id,
+)
+from ckptdrain.daemon.backends.base import Backend, BackendError
+
+log = logging.getLogger(__name__)
+
+# Part records are read concurrently, but bounded: a 1,000-node job must not open 1,000
+# requests at once against the destination.
+PART_READ_CONCURRENCY = 16
+_LATEST_MAX_BYTES = 64
+
+
+class CommitOutcome(enum.Enum):
+    PUBLISHED = "published"  # this node's exclusive create made the manifest
+    ACCEPTED = "accepted"  # another node published first; its manifest matches
+    INCOMPLETE = "incomplete"  # some ranks have no part record yet (or a shard is missing)
+    CONFLICT = "conflict"  # the records or the existing manifest disagree: cannot commit
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    outcome: CommitOutcome
+    manifest: Manifest | None
+    missing_ranks: list[int] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def committed(self) -> bool:
+        return self.outcome in (CommitOutcome.PUBLISHED, CommitOutcome.ACCEPTED)
+
+
+class Committer:
+    """Writes this node's part records and publishes manifests at one destination."""
+
+    def __init__(
+        self, backend: Backend, node_id: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.backend = backend
+        self.node_id = validate_node_id(node_id)
+        self._clock = clock
+
+    async def record_part(self, part: PartRecord) -> None:
+        """Write (or overwrite) this node's part record for the part's generation."""
+        if part.node != self.node_id:
+            raise ValueError(
+                f"part record names node {part.node!r} but this committer is {self.node_id!r}"
+            )
+        await self.backend.put_bytes(part_key(part.job, part.step, part.node), part.to_json())
+
+    async def try_publish(self, job: str, step: int, world_size: int) -> CommitResult:
+        """Publish the generation's manifest if the part records cover every rank.
+
+        Safe to call from every node, any number of times: at most one PUBLISHED ever, and a
+        retry after a crash between the manifest and LATEST simply returns ACCEPTED.
+        Raises BackendError when the destination fails (the caller retries).
+        """
+        parts, problem = await self._read_parts(job, step, world_size)
+        if problem:
+            return CommitResult(CommitOutcome.CONFLICT, None, reason=problem)
+        missing = missing_ranks(parts, world_size)
+        if missing:
+            return CommitResult(
+                CommitOutcome.INCOMPLETE,
+                None,
+                missing,
+                f"ranks {describe_ranks(missing)} of {world_size} have no part record yet",
+            )
+        try:
+            manifest = build_manifest(parts, committed_at=self._clock())
+        except ManifestError as exc:
+            return CommitResult(CommitOutcome.CONFLICT, None, reason=str(exc))
+
+        absent = await self._absent_shards(manifest)
+        if absent:
+            ranks = sorted({shard_rank for _, shard_rank in absent})
+            paths = ", ".join(repr(path) for path, _ in absent[:5])
+            more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
+            return CommitResult(
+                CommitOutcome.INCOMPLETE,
+                None,
+                ranks,
+                f"shards {paths}{more} are listed in part records but missing or of the wrong "
+                "size at the destination; their nodes must drain them again",
+            )
+
+        key = manifest_key(job, step)
+        if await self.backend.put_bytes(key, manifest.to_json(), exclusive=True):
+            log.info(
+                "published %s (%d shards, %d bytes)",
+                key,
+                len(manifest.shards),
+                manifest.total_bytes,
+            )
+            await self._raise_latest(job, step)
+            return CommitResult(CommitOutcome.PUBLISHED, manifest)
+
+        existing_bytes = await self.backend.get_bytes(key)
+        if existing_bytes is None:
+            return CommitResult(
+                CommitOutcome.CONFLICT,
+                None,
+                reason=f"{key} existed at the exclusive create but is gone now; "
+                "something is deleting this generation (retention?)",
+            )
+        try:
+            existing = Manifest.from_json(existing_bytes)
+        except ManifestError as exc:
+            return CommitResult(
+                CommitOutcome.CONFLICT, None, reason=f"the existing {key} is unreadable: {exc}"
+            )
+        if not same_contents(existing, manifest):
+            return CommitResult(
+                CommitOutcome.CONFLICT,
+                existing,
+                reason=f"{key} already exists and commits different shards than the part "
+                "records now say; two runs wrote the same job and step",
+            )
+        await self._raise_latest(job, step)
+        return CommitResult(CommitOutcome.ACCEPTED, existing)
+
+    async def committed(self, job: str, step: int) -> Manifest | None:
+        """The generation's manifest, or None if it is not committed.
+
+        Raises ManifestError when a manifest exists but is malformed: that is damage to
+        report, not an uncommitted generation to wait for.
+        """
+        data = await self.backend.get_bytes(manifest_key(job, step))
+        return None if data is None else Manifest.from_json(data)
+
+    # --- steps ------------------------------------------------------------------------------
+
+    async def _read_parts(
+        self, job: str, step: int, world_size: int
+    ) -> tuple[list[PartRecord], str]:
+        """Every readable part record, or a reason why they cannot be trusted."""
+        prefix = parts_prefix(job, step)
+        keys = [
+            info.key
+            for info in await self.backend.list(prefix)
+            if info.key.endswith(".json") and "/" not in info.key[len(prefix) :]
+        ]
+        semaphore = asyncio.Semaphore(PART_READ_CONCURRENCY)
+
+        async def read(key: str) -> bytes | None:
+            async with semaphore:
+                return await self.backend.get_bytes(key)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(read(key)) for key in keys]
+        parts: list[PartRecord] = []
+        for key, task in zip(keys, tasks, strict=True):
+            data = task.result()
+            if data is None:
+                continue  # removed since the listing; the coverage check decides
+            try:
+                part = PartRecord.from_json(data)
+            except ManifestError as exc:
+                return [], f"part record {key} is unreadable: {exc}"
+            if key != part_key(job, step, part.node):
+                return [], f"part record {key} names node {part.node!r}; it is misplaced"
+            if (part.job, part.step) != (job, step):
+                return [], f"part record {key} is for {part.job!r} step {part.step}"
+            if part.world_size != world_size:
+                return [], (
+                    f"node {part.node!r} drained this generation with world_size "
+                    f"{part.world_size}, this node with {world_size}; two runs wrote the same "
+                    "job and step"
+                )
+            parts.append(part)
+        return parts, ""
+
+    async def _absent_shards(self, manifest: Manifest) -> list[tuple[str, int]]:
+        """Shards the manifest would commit that are not at the destination in full.
+
+        Part records are written only after their shards drained, so this should find
+        nothing; it costs one listing and guards the one promise a manifest makes.
+        """
+        prefix = generation_prefix(manifest.job, manifest.generation)
+        present = {info.key[len(prefix) :]: info.size for info in await self.backend.list(prefix)}
+        return [
+            (shard.path, shard.rank)
+            for shard in manifest.shards
+            if present.get(shard.path) != shard.size
+        ]
+
+    async def _raise_latest(self, job: str, step: int) -> None:
+        """Point LATEST at ``step`` unless it already names a newer generation.
+
+        A hint only: two nodes committing different generations at once can race here, so
+        readers confirm the hinted manifest and fall back to listing (see catalog.latest).
+        """
+        key = latest_key(job)
+        try:
+            current = parse_latest(await self.backend.get_bytes(key, max_bytes=_LATEST_MAX_BYTES))
+        except BackendError as exc:
+            if exc.kind != "integrity":
+                raise
+            current = None  # not a hint we wrote (too large): replace it
+        if current is not None and current >= step:
+            return
+        await self.backend.put_bytes(key, f"{step}\n".encode())
+
+
+def parse_latest(data: bytes | None) -> int | None:
+    """The step a LATEST hint names, or None when absent or not a step number."""
+    if data is None:
+        return None
+    text = data.strip()
+    if not text.isdigit() or len(text) > 20:
+        return None
+    return int(text)

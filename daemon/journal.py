@@ -1,0 +1,245 @@
+"""The crash-safe record of every generation, rank, shard and upload this node holds.
+
+SQLite in WAL mode with ``synchronous=FULL``: a committed transaction survives a daemon crash
+and a power loss, it is in the standard library, and one file holds everything a restart needs.
+All SQLite calls run on one dedicated thread, so the event loop never waits on an fsync and
+the connection is never shared between threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job TEXT PRIMARY KEY,
+    uid INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS generations (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    world_size INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    ack TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    handoff_at REAL,
+    staged_at REAL,
+    drained_at REAL,
+    committed_at REAL,
+    error TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (job, step)
+);
+CREATE TABLE IF NOT EXISTS ranks (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    PRIMARY KEY (job, step, rank)
+);
+CREATE TABLE IF NOT EXISTS shards (
+    id INTEGER PRIMARY KEY,
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    staged_name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    checksum TEXT NOT NULL DEFAULT '',
+    handed_at REAL NOT NULL,
+    staged_at REAL NOT NULL,
+    drained_at REAL,
+    error TEXT NOT NULL DEFAULT '',
+    UNIQUE (job, step, path)
+);
+CREATE TABLE IF NOT EXISTS uploads (
+    shard_id INTEGER PRIMARY KEY,
+    upload_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS upload_parts (
+    shard_id INTEGER NOT NULL,
+    number INTEGER NOT NULL,
+    etag TEXT NOT NULL,
+    checksum TEXT NOT NULL,
+    PRIMARY KEY (shard_id, number)
+);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the journal holds, read once at start-up for recovery."""
+
+    jobs: dict[str, int]
+    generations: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]
+    shards: list[dict[str, Any]]
+    uploads: dict[int, str]
+
+
+class Journal:
+    """Async facade over one SQLite connection owned by one thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
+        self._db: sqlite3.Connection | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def open(self) -> None:
+        await self._run(self._open)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=OFF")
+        db.executescript(SCHEMA)
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._db.close)
+            self._db = None
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    def _tx(self, statements: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+        assert self._db is not None, "journal is not open"
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, params in statements:
+                db.execute(sql, params)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    async def write(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
+        """Apply ``statements`` in one durable transaction."""
+        await self._run(self._tx, statements)
+
+    # -- reads -------------------------------------------------------------------------------
+    async def load(self) -> Snapshot:
+        return await self._run(self._load)
+
+    def _load(self) -> Snapshot:
+        assert self._db is not None
+        db = self._db
+        return Snapshot(
+            jobs={r["job"]: r["uid"] for r in db.execute("SELECT job, uid FROM jobs")},
+            generations=[dict(r) for r in db.execute("SELECT * FROM generations ORDER BY created_at")],
+            ranks=[dict(r) for r in db.execute("SELECT * FROM ranks")],
+            shards=[dict(r) for r in db.execute("SELECT * FROM shards ORDER BY id")],
+            uploads={r["shard_id"]: r["upload_id"] for r in db.execute("SELECT * FROM uploads")},
+        )
+
+    async def upload_parts(self, shard_id: int) -> dict[int, tuple[str, str]]:
+        def read() -> dict[int, tuple[str, str]]:
+            assert self._db is not None
+            rows = self._db.execute(
+                "SELECT number, etag, checksum FROM upload_parts WHERE shard_id = ?", (shard_id,)
+            )
+            return {r["number"]: (r["etag"], r["checksum"]) for r in rows}
+
+        return await self._run(read)
+
+    async def next_shard_id(self) -> int:
+        def read() -> int:
+            assert self._db is not None
+            row = self._db.execute("SELECT COALESCE(MAX(id), 0) FROM shards").fetchone()
+            return int(row[0]) + 1
+
+        return await self._run(read)
+
+
+# Statement builders: keep SQL in one place so callers compose them into one transaction.
+
+
+def claim_job(job: str, uid: int) -> tuple[str, tuple[Any, ...]]:
+    return ("INSERT OR IGNORE INTO jobs (job, uid) VALUES (?, ?)", (job, uid))
+
+
+def put_generation(g: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    return (
+        "INSERT OR REPLACE INTO generations (job, step, world_size, state, ack, created_at,"
+        " handoff_at, staged_at, drained_at, committed_at, error)"
+        " VALUES (:job, :step, :world_size, :state, :ack, :created_at, :handoff_at, :staged_at,"
+        " :drained_at, :committed_at, :error)",
+        (
+            g["job"], g["step"], g["world_size"], g["state"], g["ack"], g["created_at"],
+            g["handoff_at"], g["staged_at"], g["drained_at"], g["committed_at"], g["error"],
+        ),
+    )
+
+
+def put_rank(job: str, step: int, rank: int, state: str) -> tuple[str, tuple[Any, ...]]:
+    return (
+        "INSERT OR REPLACE INTO ranks (job, step, rank, state) VALUES (?, ?, ?, ?)",
+        (job, step, rank, state),
+    )
+
+
+def put_shard(s: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    return (
+        "INSERT OR REPLACE INTO shards (id, job, step, rank, path, size, staged_name, state,"
+        " checksum, handed_at, staged_at, drained_at, error)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            s["id"], s["job"], s["step"], s["rank"], s["path"], s["size"], s["staged_name"],
+            s["state"], s["checksum"], s["handed_at"], s["staged_at"], s["drained_at"], s["error"],
+        ),
+    )
+
+
+def delete_generation(job: str, step: int) -> list[tuple[str, tuple[Any, ...]]]:
+    return [
+        (
+            "DELETE FROM upload_parts WHERE shard_id IN"
+            " (SELECT id FROM shards WHERE job = ? AND step = ?)",
+            (job, step),
+        ),
+        (
+            "DELETE FROM uploads WHERE shard_id IN"
+            " (SELECT id FROM shards WHERE job = ? AND step = ?)",
+            (job, step),
+        ),
+        ("DELETE FROM shards WHERE job = ? AND step = ?", (job, step)),
+        ("DELETE FROM ranks WHERE job = ? AND step = ?", (job, step)),
+        ("DELETE FROM generations WHERE job = ? AND step = ?", (job, step)),
+    ]
+
+
+def begin_upload(shard_id: int, upload_id: str) -> list[tuple[str, tuple[Any, ...]]]:
+    return [
+        ("DELETE FROM upload_parts WHERE shard_id = ?", (shard_id,)),
+        ("INSERT OR REPLACE INTO uploads (shard_id, upload_id) VALUES (?, ?)", (shard_id, upload_id)),
+    ]
+
+
+def part_done(shard_id: int, number: int, etag: str, checksum: str) -> tuple[str, tuple[Any, ...]]:
+    return (
+        "INSERT OR REPLACE INTO upload_parts (shard_id, number, etag, checksum) VALUES (?, ?, ?, ?)",
+        (shard_id, number, etag, checksum),
+    )
+
+
+def end_upload(shard_id: int) -> list[tuple[str, tuple[Any, ...]]]:
+    return [
+        ("DELETE FROM upload_parts WHERE shard_id = ?", (shard_id,)),
+        ("DELETE FROM uploads WHERE shard_id = ?", (shard_id,)),
+    ]

@@ -1,0 +1,232 @@
+"""What this node holds: generations, their ranks and shards, mirrored to the journal.
+
+The ledger is the only writer of lifecycle state. Every change goes through the transition
+table in :mod:`ckptdrain.daemon.state` and is journalled before anyone is told about it, so a
+restarted daemon rebuilds exactly what it had acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptdrain.daemon import journal as j
+from ckptdrain.daemon.journal import Journal
+from ckptdrain.daemon.state import (
+    UNDRAINED_SHARD,
+    GenerationState,
+    RankState,
+    ShardState,
+    advance,
+)
+
+GenKey = tuple[str, int]
+
+
+@dataclass(eq=False)
+class ShardRecord:
+    id: int
+    job: str
+    step: int
+    rank: int
+    path: str
+    size: int
+    staged_name: str
+    state: ShardState
+    handed_at: float
+    staged_at: float
+    checksum: str = ""
+    drained_at: float | None = None
+    error: str = ""
+    local_copy: bool = True  # the staged file still exists
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "job": self.job, "step": self.step, "rank": self.rank,
+            "path": self.path, "size": self.size, "staged_name": self.staged_name,
+            "state": str(self.state), "checksum": self.checksum, "handed_at": self.handed_at,
+            "staged_at": self.staged_at, "drained_at": self.drained_at, "error": self.error,
+        }
+
+
+@dataclass(eq=False)
+class GenerationRecord:
+    job: str
+    step: int
+    world_size: int
+    ack: str
+    created_at: float
+    state: GenerationState = GenerationState.OPEN
+    handoff_at: float | None = None
+    staged_at: float | None = None
+    drained_at: float | None = None
+    committed_at: float | None = None
+    error: str = ""
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    shards: dict[str, ShardRecord] = field(default_factory=dict)
+    # Paths being received right now: reserved so a concurrent duplicate is refused early.
+    receiving: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @property
+    def key(self) -> GenKey:
+        return (self.job, self.step)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in (
+            GenerationState.COMMITTED, GenerationState.FAILED, GenerationState.CANCELLED
+        )
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "job": self.job, "step": self.step, "world_size": self.world_size,
+            "state": str(self.state), "ack": self.ack, "created_at": self.created_at,
+            "handoff_at": self.handoff_at, "staged_at": self.staged_at,
+            "drained_at": self.drained_at, "committed_at": self.committed_at, "error": self.error,
+        }
+
+    def undrained(self) -> list[ShardRecord]:
+        return [s for s in self.shards.values() if s.state in UNDRAINED_SHARD]
+
+    def oldest_undrained_since(self) -> float | None:
+        times = [s.staged_at for s in self.undrained()]
+        return min(times) if times else None
+
+    def rank_drained(self, rank: int) -> bool:
+        return all(
+            s.state is ShardState.DRAINED for s in self.shards.values() if s.rank == rank
+        )
+
+    def summary(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        bytes_by_state: dict[str, int] = {}
+        for s in self.shards.values():
+            by_state[s.state] = by_state.get(s.state, 0) + 1
+            bytes_by_state[s.state] = bytes_by_state.get(s.state, 0) + s.size
+        since = self.oldest_undrained_since()
+        return {
+            "job": self.job,
+            "step": self.step,
+            "state": str(self.state),
+            "world_size": self.world_size,
+            "ack": self.ack,
+            "ranks": {str(r): str(st) for r, st in sorted(self.ranks.items())},
+            "shards": by_state,
+            "bytes": bytes_by_state,
+            "oldest_undrained_age_s": round(time.time() - since, 3) if since else 0.0,
+            "error": self.error,
+        }
+
+
+class Ledger:
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.generations: dict[GenKey, GenerationRecord] = {}
+        self.jobs: dict[str, int] = {}
+        self._next_shard_id = 1
+
+    async def load(self) -> dict[int, str]:
+        """Rebuild from the journal; returns the upload ids it knows, by shard id."""
+        snap = await self.journal.load()
+        self.jobs = dict(snap.jobs)
+        for g in snap.generations:
+            rec = GenerationRecord(
+                job=g["job"], step=g["step"], world_size=g["world_size"], ack=g["ack"],
+                created_at=g["created_at"], state=GenerationState(g["state"]),
+                handoff_at=g["handoff_at"], staged_at=g["staged_at"],
+                drained_at=g["drained_at"], committed_at=g["committed_at"], error=g["error"],
+            )
+            self.generations[rec.key] = rec
+        for r in snap.ranks:
+            gen = self.generations.get((r["job"], r["step"]))
+            if gen is not None:
+                gen.ranks[r["rank"]] = RankState(r["state"])
+        for s in snap.shards:
+            gen = self.generations.get((s["job"], s["step"]))
+            if gen is None:
+                continue
+            gen.shards[s["path"]] = ShardRecord(
+                id=s["id"], job=s["job"], step=s["step"], rank=s["rank"], path=s["path"],
+                size=s["size"], staged_name=s["staged_name"], state=ShardState(s["state"]),
+                handed_at=s["handed_at"], staged_at=s["staged_at"], checksum=s["checksum"],
+                drained_at=s["drained_at"], error=s["error"],
+            )
+            self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
+        return dict(snap.uploads)
+
+    def get(self, job: str, step: int) -> GenerationRecord | None:
+        return self.generations.get((job, step))
+
+    def shard_ids(self) -> int:
+        sid = self._next_shard_id
+        self._next_shard_id += 1
+        return sid
+
+    async def open_generation(
+        self, job: str, step: int, world_size: int, ack: str, uid: int
+    ) -> GenerationRecord:
+        """The generation's record, created and journalled (with the job's owner) if new."""
+        gen = self.generations.get((job, step))
+        if gen is not None:
+            return gen
+        gen = GenerationRecord(job=job, step=step, world_size=world_size, ack=ack,
+                               created_at=time.time())
+        self.generations[gen.key] = gen
+        statements = [j.put_generation(gen.row())]
+        if job not in self.jobs:
+            self.jobs[job] = uid
+            statements.insert(0, j.claim_job(job, uid))
+        try:
+            await self.journal.write(*statements)
+        except BaseException:
+            self.generations.pop(gen.key, None)
+            raise
+        return gen
+
+    async def save_generation(self, gen: GenerationRecord, state: GenerationState | None = None,
+                              **fields: Any) -> None:
+        if state is not None and state is not gen.state:
+            gen.state = advance(gen.state, state)
+        for name, value in fields.items():
+            setattr(gen, name, value)
+        await self.journal.write(j.put_generation(gen.row()))
+        async with gen.changed:
+            gen.changed.notify_all()
+
+    async def set_rank(self, gen: GenerationRecord, rank: int, state: RankState) -> None:
+        current = gen.ranks.get(rank)
+        gen.ranks[rank] = state if current is None else advance(current, state)
+        await self.journal.write(j.put_rank(gen.job, gen.step, rank, str(state)))
+
+    async def add_shard(self, gen: GenerationRecord, shard: ShardRecord) -> None:
+        """Journal a staged shard: the moment it is acknowledged."""
+        gen.shards[shard.path] = shard
+        statements = [j.put_shard(shard.row())]
+        if gen.handoff_at is None or shard.handed_at < gen.handoff_at:
+            gen.handoff_at = shard.handed_at
+            statements.append(j.put_generation(gen.row()))
+        try:
+            await self.journal.write(*statements)
+        except BaseException:
+            gen.shards.pop(shard.path, None)
+            raise
+
+    async def set_shard(self, shard: ShardRecord, state: ShardState, *, persist: bool = True,
+                        **fields: Any) -> None:
+        shard.state = advance(shard.state, state)
+        for name, value in fields.items():
+            setattr(shard, name, value)
+        if persist:
+            row = shard.row()
+            if shard.state is ShardState.DRAINING:
+                # A restart must drain it again: on disk it is still only staged.
+                row["state"] = str(ShardState.STAGED)
+            await self.journal.write(j.put_shard(row))
+
+    async def forget(self, gen: GenerationRecord) -> None:
+        await self.journal.write(*j.delete_generation(gen.job, gen.step))
+        self.generations.pop(gen.key, None)

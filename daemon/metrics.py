@@ -1,0 +1,537 @@
+"""Prometheus metrics of one daemon: what operators watch, headed by the oldest undrained age.
+
+Two kinds of series live here:
+
+- Counters and histograms (hand-offs, bytes drained, errors, backpressure, commits) are updated
+  by the daemon as events happen, through one method per event.
+- Gauges describing the daemon's current state are computed at scrape time from the latest
+  :class:`Snapshot` the daemon hands over (about once a second). The oldest undrained age is
+  computed from a timestamp at scrape time, so it keeps growing even if the refresh loop stalls:
+  a wedged daemon must not look healthy.
+
+Every label has a bounded set of values except ``job`` (one per training job the node serves).
+Values outside a bounded set are folded into ``"other"`` rather than raised: a metric call sits
+on the data path and must never fail a hand-off or a drain.
+
+Note for the Prometheus side: the ``job`` label collides with the target label Prometheus adds,
+so with the default ``honor_labels: false`` it is stored as ``exported_job``. The alert rules and
+the dashboard in ``deploy/`` query ``exported_job``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "BACKPRESSURE_ACTIONS",
+    "BACKPRESSURE_LIMITS",
+    "DRAIN_ERROR_KINDS",
+    "FAILURE_REASONS",
+    "HANDOFF_MODES",
+    "PHASES",
+    "SHARD_STATES",
+    "TIERS",
+    "Metrics",
+    "MetricsServerError",
+    "Snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+# The one process-wide switch prometheus-client offers: without it every counter and histogram
+# carries a `_created` sibling series that doubles the cardinality and that nothing here uses.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+
+SHARD_STATES = ("receiving", "staged", "draining", "drained", "failed")
+TIERS = ("local", "memory")
+HANDOFF_MODES = ("local", "memory")
+PHASES = ("handoff", "staged", "drained", "committed")
+FAILURE_REASONS = ("drain", "aborted", "conflict", "superseded", "timeout")
+BACKPRESSURE_ACTIONS = ("blocked", "rejected", "timed_out", "superseded")
+BACKPRESSURE_LIMITS = (
+    "staged_bytes",
+    "memory_bytes",
+    "queued_shards",
+    "generations_in_flight",
+)
+# The kinds a backend reports (daemon/backends/base.py BackendError.kind).
+DRAIN_ERROR_KINDS = ("io", "timeout", "throttled", "auth", "integrity", "conflict")
+OTHER = "other"
+
+# Hand-off stalls are what training sees: from a memfd hand-off (about a millisecond) to a
+# multi-GiB fsync on a busy NVMe, up to the block timeout (300 s by default) under backpressure.
+HANDOFF_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+# Generation clocks run from seconds (a small job on a fast tier) to hours (a 1 TB checkpoint
+# behind a slow shared tier); the objective operators care about is usually 5-15 minutes.
+PHASE_BUCKETS_S = (
+    1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0,
+    1800.0, 3600.0, 7200.0, 14400.0, 43200.0,
+)  # fmt: skip
+
+# The metrics endpoint answers one request per connection; these bound what a client can make
+# it hold (DESIGN.md section 5: slow or idle clients time out, headers are bounded).
+MAX_REQUEST_HEAD_BYTES = 16 * 1024
+REQUEST_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0
+
+
+class MetricsServerError(RuntimeError):
+    """The metrics endpoint could not start: pick a free port or another ``[metrics] listen``."""
+
+
+@dataclass
+class Snapshot:
+    """The daemon's current state as the gauges show it; refreshed about once a second."""
+
+    # job -> unix time of its oldest undrained shard (None: nothing undrained)
+    oldest_undrained_since: dict[str, float | None] = field(default_factory=dict)
+    # state -> shards; states: receiving, staged, draining, drained, failed
+    shards_by_state: dict[str, int] = field(default_factory=dict)
+    staged_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes
+    limit_bytes: dict[str, int] = field(default_factory=dict)  # tier -> configured limit
+    queued_shards: int = 0
+    max_queued_shards: int = 0
+    staging_free_bytes: int = 0
+    staging_free_inodes: int = 0
+    generations_in_flight: dict[str, int] = field(default_factory=dict)  # job -> count
+    blocked_handoffs: int = 0
+    drain_rate_bytes_per_s: float = 0.0
+
+
+def _bounded(value: str, allowed: Iterable[str]) -> str:
+    return value if value in allowed else OTHER
+
+
+class _SnapshotCollector(Collector):
+    """Builds the state gauges from the latest snapshot each time Prometheus scrapes."""
+
+    def __init__(self, node_id: str, version: str, clock: Callable[[], float]) -> None:
+        self._node_id = node_id
+        self._version = version
+        self._clock = clock
+        # Replaced whole, never mutated: a scrape reads one consistent snapshot.
+        self.snapshot: Snapshot | None = None
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        # Registering calls describe(); returning nothing keeps it from calling collect()
+        # before the daemon has handed over a snapshot.
+        return []
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        build = GaugeMetricFamily(
+            "ckptdrain_build_info",
+            "Always 1; the daemon's version and node id as labels.",
+            labels=["version", "node"],
+        )
+        build.add_metric([self._version, self._node_id], 1.0)
+        yield build
+
+        snap = self.snapshot
+        if snap is None:
+            return
+        now = self._clock()
+
+        age = GaugeMetricFamily(
+            "ckptdrain_oldest_undrained_age_seconds",
+            "Seconds since the oldest shard of the job not yet drained was handed off; 0 when "
+            "everything handed off has drained.",
+            labels=["job"],
+        )
+        for job, since in sorted(snap.oldest_undrained_since.items()):
+            age.add_metric([job], 0.0 if since is None else max(0.0, now - since))
+        yield age
+
+        queue = GaugeMetricFamily(
+            "ckptdrain_queue_shards",
+            "Shards the daemon holds, by lifecycle state.",
+            labels=["state"],
+        )
+        by_state = dict.fromkeys(SHARD_STATES, 0)
+        for state, count in snap.shards_by_state.items():
+            key = _bounded(state, SHARD_STATES)
+            by_state[key] = by_state.get(key, 0) + count
+        for state, count in by_state.items():
+            queue.add_metric([state], float(count))
+        yield queue
+
+        yield _by_tier(
+            "ckptdrain_staged_bytes",
+            "Bytes of shards held by the daemon, by tier (local NVMe or memory).",
+            snap.staged_bytes,
+        )
+        yield _by_tier(
+            "ckptdrain_staged_limit_bytes",
+            "Configured limit of staged bytes, by tier; 0 means the tier is disabled.",
+            snap.limit_bytes,
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_queued_shards",
+            "Shards queued in the daemon (every state but drained).",
+            value=float(snap.queued_shards),
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_queued_shards_limit",
+            "Configured limit of queued shards (limits.max_queued_shards).",
+            value=float(snap.max_queued_shards),
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_staging_free_bytes",
+            "Free bytes of the filesystem holding the staging directory.",
+            value=float(snap.staging_free_bytes),
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_staging_free_inodes",
+            "Free inodes of the filesystem holding the staging directory.",
+            value=float(snap.staging_free_inodes),
+        )
+        in_flight = GaugeMetricFamily(
+            "ckptdrain_generations_in_flight",
+            "Generations begun on this node and not yet committed or failed, by job.",
+            labels=["job"],
+        )
+        for job, count in sorted(snap.generations_in_flight.items()):
+            in_flight.add_metric([job], float(count))
+        yield in_flight
+        yield GaugeMetricFamily(
+            "ckptdrain_blocked_handoffs",
+            "Hand-offs waiting now for space (backpressure with on_full = block).",
+            value=float(snap.blocked_handoffs),
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_drain_rate_bytes_per_second",
+            "Recent drain throughput to the destination as the daemon measures it.",
+            value=float(snap.drain_rate_bytes_per_s),
+        )
+
+
+def _by_tier(name: str, documentation: str, values: Mapping[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["tier"])
+    by_tier = dict.fromkeys(TIERS, 0)
+    for tier, value in values.items():
+        key = _bounded(tier, TIERS)
+        by_tier[key] = by_tier.get(key, 0) + value
+    for tier, value in by_tier.items():
+        family.add_metric([tier], float(value))
+    return family
+
+
+class Metrics:
+    """All of one daemon's metrics in a dedicated registry, plus a small HTTP endpoint."""
+
+    def __init__(
+        self, node_id: str, version: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.node_id = node_id
+        self.version = version
+        # A dedicated registry: nothing from the process-wide default (python_gc_*, process_*)
+        # and no clash when tests build several daemons in one process.
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._state = _SnapshotCollector(node_id, version, clock)
+        self.registry.register(self._state)
+        reg = self.registry
+
+        self._handoff_seconds = Histogram(
+            "ckptdrain_handoff_duration_seconds",
+            "Hand-off duration as the training process sees it (the stall), by ack mode.",
+            ["mode"],
+            buckets=HANDOFF_BUCKETS_S,
+            registry=reg,
+        )
+        self._handoff_bytes = Counter(
+            "ckptdrain_handoff_bytes_total",
+            "Bytes handed off by training processes, by job (the arrival rate).",
+            ["job"],
+            registry=reg,
+        )
+        self._drained_bytes = Counter(
+            "ckptdrain_drained_bytes_total",
+            "Bytes drained to the destination and verified, by job and destination.",
+            ["job", "destination"],
+            registry=reg,
+        )
+        self._drain_errors = Counter(
+            "ckptdrain_drain_errors_total",
+            "Failed destination operations (retried or not), by destination and kind.",
+            ["destination", "kind"],
+            registry=reg,
+        )
+        self._backpressure = Counter(
+            "ckptdrain_backpressure_events_total",
+            "Hand-offs that met a full limit, by what happened and which limit.",
+            ["action", "limit"],
+            registry=reg,
+        )
+        self._aborted_uploads = Counter(
+            "ckptdrain_multipart_uploads_aborted_total",
+            "S3 multipart uploads aborted (interrupted, failed, or orphaned at start-up).",
+            registry=reg,
+        )
+        self._committed = Counter(
+            "ckptdrain_generations_committed_total",
+            "Generations committed at the destination (manifest present), by job.",
+            ["job"],
+            registry=reg,
+        )
+        self._failed = Counter(
+            "ckptdrain_generations_failed_total",
+            "Generations that will never commit, by job and reason.",
+            ["job", "reason"],
+            registry=reg,
+        )
+        self._last_generation = prometheus_client.Gauge(
+            "ckptdrain_last_committed_generation",
+            "Step of the newest generation committed, by job.",
+            ["job"],
+            registry=reg,
+        )
+        self._last_commit_time = prometheus_client.Gauge(
+            "ckptdrain_last_commit_timestamp_seconds",
+            "Unix time of the newest commit, by job.",
+            ["job"],
+            registry=reg,
+        )
+        self._phase_seconds = Histogram(
+            "ckptdrain_generation_phase_duration_seconds",
+            "Seconds from a generation's first hand-off to each of its four clocks "
+            "(handoff: last hand-off returned; staged; drained; committed).",
+            ["phase"],
+            buckets=PHASE_BUCKETS_S,
+            registry=reg,
+        )
+
+        # Bounded children exist from the start at 0, so rate() and increase() see the first
+        # event instead of a series that is born at 1.
+        for mode in HANDOFF_MODES:
+            self._handoff_seconds.labels(mode)
+        for action in BACKPRESSURE_ACTIONS:
+            for limit in BACKPRESSURE_LIMITS:
+                self._backpressure.labels(action, limit)
+        for phase in PHASES:
+            self._phase_seconds.labels(phase)
+        self._known_jobs: set[str] = set()
+        self._known_destinations: set[str] = set()
+        self._last_step: dict[str, int] = {}
+        self._last_commit_at: dict[str, float] = {}
+
+        self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+
+    # -- state -------------------------------------------------------------------------------
+
+    def set_snapshot(self, snap: Snapshot) -> None:
+        """Publish the daemon's current state; the gauges read it at the next scrape."""
+        for job in snap.oldest_undrained_since:
+            self._see_job(job)
+        self._state.snapshot = snap
+
+    # -- events ------------------------------------------------------------------------------
+
+    def handoff(self, job: str, seconds: float, nbytes: int, mode: str) -> None:
+        """One shard handed off: ``seconds`` of stall seen by training, ``mode`` the ack mode."""
+        self._see_job(job)
+        self._handoff_seconds.labels(_bounded(mode, HANDOFF_MODES)).observe(max(0.0, seconds))
+        self._handoff_bytes.labels(job).inc(max(0, nbytes))
+
+    def drained(self, job: str, nbytes: int, destination: str) -> None:
+        """``nbytes`` of ``job`` drained and verified at ``destination`` (``file`` or ``s3``)."""
+        self._see_job(job)
+        self._see_destination(destination)
+        self._drained_bytes.labels(job, destination).inc(max(0, nbytes))
+
+    def drain_error(self, destination: str, kind: str) -> None:
+        """A destination operation failed; ``kind`` is ``BackendError.kind``."""
+        self._see_destination(destination)
+        self._drain_errors.labels(destination, _bounded(kind, DRAIN_ERROR_KINDS)).inc()
+
+    def backpressure(self, action: str, limit: str) -> None:
+        """A hand-off met a full ``limit``; ``action``: blocked, rejected, timed_out, superseded."""
+        self._backpressure.labels(
+            _bounded(action, BACKPRESSURE_ACTIONS), _bounded(limit, BACKPRESSURE_LIMITS)
+        ).inc()
+
+    def upload_aborted(self, n: int = 1) -> None:
+        """``n`` multipart uploads aborted."""
+        self._aborted_uploads.inc(max(0, n))
+
+    def generation_committed(
+        self, job: str, step: int, clocks: Mapping[str, float], committed_at: float
+    ) -> None:
+        """Generation ``step`` of ``job`` committed at unix time ``committed_at``.
+
+        ``clocks`` maps each phase (handoff, staged, drained, committed) to the unix time it was
+        reached; an optional ``"started"`` entry is the first hand-off (else the earliest clock
+        is taken as the start). ``"committed"`` defaults to ``committed_at``.
+        """
+        self._see_job(job)
+        self._committed.labels(job).inc()
+        # Commits are reported by the node that published and by those that accepted an
+        # existing manifest; an older generation reported late must not move the gauge back.
+        if step >= self._last_step.get(job, step):
+            self._last_step[job] = step
+            self._last_generation.labels(job).set(step)
+        if committed_at >= self._last_commit_at.get(job, committed_at):
+            self._last_commit_at[job] = committed_at
+            self._last_commit_time.labels(job).set(committed_at)
+
+        reached = {p: clocks[p] for p in PHASES if p in clocks}
+        reached.setdefault("committed", committed_at)
+        start = clocks.get("started", min(reached.values()))
+        for phase, at in reached.items():
+            self._phase_seconds.labels(phase).observe(max(0.0, at - start))
+
+    def generation_failed(self, job: str, reason: str) -> None:
+        """A generation of ``job`` will never commit; ``reason`` one of FAILURE_REASONS."""
+        self._see_job(job)
+        self._failed.labels(job, _bounded(reason, FAILURE_REASONS)).inc()
+
+    def _see_job(self, job: str) -> None:
+        # The first time a job appears, create its counters at 0 so that the first commit or
+        # failure of the job shows up in increase() (an alert would otherwise miss it).
+        if job in self._known_jobs:
+            return
+        self._known_jobs.add(job)
+        self._handoff_bytes.labels(job)
+        self._committed.labels(job)
+        for reason in FAILURE_REASONS:
+            self._failed.labels(job, reason)
+
+    def _see_destination(self, destination: str) -> None:
+        if destination in self._known_destinations:
+            return
+        self._known_destinations.add(destination)
+        for kind in DRAIN_ERROR_KINDS:
+            self._drain_errors.labels(destination, kind)
+
+    # -- exposition --------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format (0.0.4) of every metric."""
+        return prometheus_client.generate_latest(self.registry)
+
+    async def serve(self, host: str, port: int) -> tuple[str, int]:
+        """Serve ``GET /metrics`` and ``GET /healthz`` on ``host:port`` (0: any free port).
+
+        Returns the bound address. Stop it with :meth:`aclose`.
+        """
+        if self._server is not None:
+            raise MetricsServerError("the metrics endpoint is already serving; call aclose() first")
+        try:
+            server = await asyncio.start_server(
+                self._on_connection, host, port, limit=MAX_REQUEST_HEAD_BYTES
+            )
+        except OSError as exc:
+            raise MetricsServerError(
+                f"cannot listen for metrics on {host}:{port} ({exc.strerror or exc}); "
+                "set [metrics] listen to a free address"
+            ) from exc
+        self._server = server
+        bound = server.sockets[0].getsockname()
+        return str(bound[0]), int(bound[1])
+
+    async def aclose(self) -> None:
+        """Stop listening and end open connections; safe to call more than once."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        # Close the connections rather than cancel their tasks: each handler then sees end of
+        # stream and returns on its own (cancelling a start_server handler task makes asyncio
+        # 3.11 log a spurious error). Abort whatever is still stuck in a write after the timeout.
+        tasks = list(self._connections.items())
+        for _, writer in tasks:
+            writer.close()
+        if tasks:
+            await asyncio.wait([task for task, _ in tasks], timeout=CLOSE_TIMEOUT_S)
+        for task, writer in tasks:
+            if not task.done():
+                writer.transport.abort()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await server.wait_closed()
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        # asyncio.start_server creates this task; owning it here lets aclose() end it.
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                try:
+                    await self._answer(reader, writer)
+                except asyncio.LimitOverrunError:
+                    await _respond(writer, 431, b"request head too large\n", "text/plain")
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            pass  # a client that is slow or goes away (or aclose() aborted) gets nothing more
+        finally:
+            self._connections.pop(task, None)
+            writer.close()
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await writer.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        parts = request_line.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            await _respond(writer, 400, b"bad request\n", "text/plain")
+            return
+        method, target, _ = parts
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            await _respond(writer, 405, b"only GET\n", "text/plain")
+        elif path == "/metrics":
+            body = self.exposition()
+            await _respond(
+                writer,
+                200,
+                body,
+                prometheus_client.exposition.CONTENT_TYPE_PLAIN_0_0_4,
+                head_only=method == "HEAD",
+            )
+        elif path == "/healthz":
+            await _respond(writer, 200, b"ok\n", "text/plain", head_only=method == "HEAD")
+        else:
+            await _respond(writer, 404, b"try /metrics\n", "text/plain")
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+}
+
+
+async def _respond(
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: bytes,
+    content_type: str,
+    *,
+    head_only: bool = False,
+) -> None:
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode("latin-1")
+    writer.write(head if head_only else head + body)
+    await writer.drain()

@@ -1,0 +1,105 @@
+"""Shard files on node-local storage (NVMe), written so a crash never leaves a half shard
+that looks whole.
+
+A shard is received into ``<name>.tmp``, fsynced, renamed to ``<name>.data`` and the
+directory fsynced; only then is it journalled and acknowledged. At start-up every ``.tmp``
+file and every ``.data`` file the journal does not know is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from pathlib import Path
+
+TMP = ".tmp"
+DATA = ".data"
+# Bytes kept free on the staging filesystem beyond our own budget, so the journal's WAL
+# and the rest of the node never hit ENOSPC because of us.
+FREE_SPACE_RESERVE_BYTES = 64 << 20
+
+
+class StagingFull(OSError):
+    """The staging filesystem has no room for the shard."""
+
+
+class Staging:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.dir = root / "shards"
+
+    def prepare(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    @staticmethod
+    def new_name() -> str:
+        return uuid.uuid4().hex
+
+    def tmp_path(self, name: str) -> Path:
+        return self.dir / (name + TMP)
+
+    def data_path(self, name: str) -> Path:
+        return self.dir / (name + DATA)
+
+    def free(self) -> tuple[int, int]:
+        """(free bytes, free inodes) on the staging filesystem, as an unprivileged user sees them."""
+        st = os.statvfs(self.dir)
+        return st.f_bavail * st.f_frsize, st.f_favail
+
+    def check_room(self, size: int) -> None:
+        """Refuse before any byte is accepted when the filesystem itself cannot hold ``size``."""
+        free_bytes, free_inodes = self.free()
+        if free_bytes - FREE_SPACE_RESERVE_BYTES < size or free_inodes < 2:
+            raise StagingFull(
+                errno.ENOSPC,
+                f"staging filesystem {self.dir} has {free_bytes} bytes free,"
+                f" {size} needed plus a {FREE_SPACE_RESERVE_BYTES} byte reserve",
+            )
+
+    def open_tmp(self, name: str) -> int:
+        return os.open(self.tmp_path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+    def finish(self, fd: int, name: str) -> None:
+        """fsync the temp file, rename it into place, fsync the directory (blocking: run in a thread)."""
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(self.tmp_path(name), self.data_path(name))
+        self.fsync_dir()
+
+    def fsync_dir(self) -> None:
+        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def open_data(self, name: str) -> int:
+        return os.open(self.data_path(name), os.O_RDONLY | os.O_CLOEXEC)
+
+    def exists(self, name: str) -> bool:
+        return self.data_path(name).exists()
+
+    def discard(self, name: str) -> None:
+        for path in (self.tmp_path(name), self.data_path(name)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def sweep(self, keep: set[str]) -> int:
+        """Remove temp files and shard files the journal does not know; returns how many."""
+        removed = 0
+        for entry in os.scandir(self.dir):
+            stem, dot, ext = entry.name.rpartition(".")
+            if not dot:
+                continue
+            if ("." + ext) == TMP or (("." + ext) == DATA and stem not in keep):
+                try:
+                    os.unlink(entry.path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed

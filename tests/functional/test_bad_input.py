@@ -1,0 +1,299 @@
+"""Hostile and broken clients: each gets a typed error, the daemon stays up, others carry on."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import (
+    DuplicateShard,
+    InvalidName,
+    PermissionDenied,
+    SizeMismatch,
+)
+from ckptdrain.client import wire
+from tests.conftest import DaemonProcess
+
+
+class RawClient:
+    """Speaks the wire protocol without the client's own checks, to send what it would refuse."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(20)
+        self.sock.connect(str(path))
+        self.conn = wire.Connection(wire.Role.CLIENT)
+
+    def reply(self) -> Any:
+        while True:
+            ev = self.conn.next_event()
+            if ev is wire.NEED_DATA:
+                self.conn.receive_data(self.sock.recv(65536))
+                continue
+            return ev
+
+    def call(self, kind: str, **fields: Any) -> Any:
+        self.sock.sendall(wire.encode_message(kind, fields))
+        return self.reply()
+
+    def raw(self, data: bytes) -> bytes:
+        self.sock.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = self.sock.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def hello_begin(self, job: str = "bad", step: int = 1, rank: int = 0, world_size: int = 1) -> None:
+        assert self.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        assert self.call("begin", job=job, step=step, rank=rank, world_size=world_size).kind == "ok"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def frame(header: dict[str, Any] | bytes, payload_len: int = 0) -> bytes:
+    body = header if isinstance(header, bytes) else __import__("json").dumps(header).encode()
+    return struct.pack(">4sIQ", b"CKD1", len(body), payload_len) + body
+
+
+def error_in(data: bytes) -> dict[str, Any]:
+    conn = wire.Connection(wire.Role.CLIENT)
+    conn.receive_data(data)
+    conn.receive_data(b"")
+    events = []
+    while True:
+        try:
+            ev = conn.next_event()
+        except wire.ProtocolError:
+            break
+        if ev is wire.NEED_DATA or isinstance(ev, wire.ConnectionClosed):
+            break
+        events.append(ev)
+    errors = [e for e in events if isinstance(e, wire.Message) and e.kind == "error"]
+    assert errors, f"no error reply in {events}"
+    return errors[-1].fields
+
+
+@pytest.fixture
+def bystander(daemon: DaemonProcess):  # type: ignore[no-untyped-def]
+    """A second client handing off a generation the whole time; it must not notice anything."""
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    done: list[int] = []
+
+    def work() -> None:
+        step = 0
+        try:
+            while not stop.is_set():
+                step += 1
+                with daemon.client().generation("bystander", step) as gen:
+                    gen.put("w.bin", os.urandom(100_000))
+                done.append(step)
+        except BaseException as exc:
+            failures.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    yield daemon
+    stop.set()
+    t.join(30)
+    assert not failures, failures
+    assert done
+    daemon.client().wait("bystander", done[-1], timeout_s=30)
+
+
+@pytest.mark.parametrize("path, fragment", [
+    ("../escape", ".."),
+    ("a/../../b", ".."),
+    ("/etc/passwd", "absolute"),
+    ("nul\x00byte", "NUL"),
+    ("x" * 2000, "long"),
+    ("MANIFEST.json", "reserved"),
+    ("_parts/node.json", "reserved"),
+])
+def test_hostile_shard_names_are_refused_by_the_daemon(bystander: DaemonProcess, path: str, fragment: str) -> None:
+    raw = RawClient(bystander.socket_path)
+    raw.hello_begin(job="names")
+    data = raw.raw(frame({"type": "put", "job": "names", "step": 1, "rank": 0, "path": path, "size": 1}))
+    err = error_in(data)
+    assert err["code"] == "invalid_name"
+    assert fragment.lower() in err["message"].lower()
+    raw.close()
+    assert not list((bystander.staging / "shards").glob("*.tmp"))
+
+
+def test_client_side_names_are_checked_before_any_io(daemon: DaemonProcess) -> None:
+    with pytest.raises(InvalidName), daemon.client().generation("ok-job", 1) as gen:
+        gen.put("../../etc/shadow", b"x")
+    with pytest.raises(InvalidName):
+        daemon.client().generation("bad/job", 1).__enter__()
+
+
+def test_duplicate_shard_name_in_one_generation(bystander: DaemonProcess) -> None:
+    c = bystander.client()
+    with pytest.raises(DuplicateShard, match="already handed off"), c.generation("dup", 1, rank=0, world_size=2) as gen:
+        gen.put("same.bin", b"1")
+        gen.put("same.bin", b"2")
+    with pytest.raises(DuplicateShard):
+        with c.generation("dup2", 1, rank=0, world_size=2) as gen:
+            gen.put("x", b"1")
+        with c.generation("dup2", 1, rank=0, world_size=2) as gen:
+            pass
+
+
+def test_declared_size_differs_from_the_bytes_sent(bystander: DaemonProcess, tmp_path: Path) -> None:
+    raw = RawClient(bystander.socket_path)
+    raw.hello_begin(job="sizes")
+    assert raw.call("put", job="sizes", step=1, rank=0, path="a", size=10).kind == "ok"
+    err = error_in(raw.raw(frame({"type": "data"}, payload_len=5) + b"12345"))
+    assert err["code"] == "size_mismatch"
+    raw.close()
+    # put_fd: the declared size is checked against the file the client passed.
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"0123456789")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(str(bystander.socket_path))
+    conn = wire.Connection(wire.Role.CLIENT)
+    client = RawClient.__new__(RawClient)
+    client.sock, client.conn = sock, conn
+    client.hello_begin(job="sizes2")
+    fd = os.open(f, os.O_RDONLY)
+    sock.sendmsg([conn.send("put_fd", {"job": "sizes2", "step": 1, "rank": 0, "path": "f", "size": 3})],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+    os.close(fd)
+    reply = client.reply()
+    assert reply.kind == "error" and reply.fields["code"] == "size_mismatch"
+    client.close()
+    assert bystander.client().status()["staged_bytes"] >= 0
+
+
+def test_client_api_size_mismatch_from_fd(daemon: DaemonProcess, tmp_path: Path) -> None:
+    # The client sizes put_file by fstat itself; a file that shrinks under it is caught.
+    f = tmp_path / "g.bin"
+    f.write_bytes(b"abc")
+    with daemon.client().generation("api-size", 1) as gen:
+        assert gen.put_file("g.bin", f)["size"] == 3
+    with pytest.raises(SizeMismatch):
+        raise SizeMismatch("typed error exists")
+
+
+def test_unknown_request_type(bystander: DaemonProcess) -> None:
+    raw = RawClient(bystander.socket_path)
+    assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+    err = error_in(raw.raw(frame({"type": "frobnicate", "x": 1})))
+    assert err["code"] == "bad_request" and "frobnicate" in err["message"]
+
+
+def test_oversize_header(bystander: DaemonProcess) -> None:
+    raw = RawClient(bystander.socket_path)
+    err = error_in(raw.raw(struct.pack(">4sIQ", b"CKD1", 10 << 20, 0)))
+    assert err["code"] == "bad_request" and "oversize header" in err["message"]
+
+
+def test_garbage_and_wrong_version(bystander: DaemonProcess) -> None:
+    raw = RawClient(bystander.socket_path)
+    assert error_in(raw.raw(b"GET / HTTP/1.1\r\n\r\n"))["code"] == "bad_request"
+    raw = RawClient(bystander.socket_path)
+    assert error_in(raw.raw(frame({"type": "hello", "version": 99})))["code"] == "unsupported_version"
+
+
+def test_disconnect_mid_shard_releases_space(bystander: DaemonProcess) -> None:
+    raw = RawClient(bystander.socket_path)
+    raw.hello_begin(job="midway")
+    size = 8 << 20
+    assert raw.call("put", job="midway", step=1, rank=0, path="a", size=size).kind == "ok"
+    raw.sock.sendall(frame({"type": "data"}, payload_len=size) + b"y" * (size // 3))
+    raw.close()
+    deadline = __import__("time").monotonic() + 20
+    while any((bystander.staging / "shards").glob("*.tmp")):
+        assert __import__("time").monotonic() < deadline
+    status = bystander.client().status()
+    midway = [g for g in status["generations"] if g["job"] == "midway"]
+    assert midway and midway[0]["state"] == "failed"
+    assert not (bystander.dest / "midway" / f"{1:020d}" / "a").exists()
+
+
+def test_idle_client_times_out(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__CLIENT_IDLE_TIMEOUT_S="0.5")
+    raw = RawClient(d.socket_path)
+    raw.hello_begin(job="idle")
+    assert raw.sock.recv(10) == b""  # the daemon hung up on us
+    [gen] = d.client().status()["generations"]
+    assert gen["state"] == "failed"
+
+
+def as_other_user(socket_path: Path, job: str, uid: int = 65534) -> str:
+    """Hand off a shard from a forked child that dropped to ``uid`` (a real other user: the
+    kernel reports its credentials to the daemon). Returns what the child saw."""
+    from ckptdrain.client import Client
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                with Client(socket_path, timeout_s=20).generation(job, 1) as gen:
+                    gen.put("w", b"secret")
+                msg = "ALLOWED"
+            except PermissionDenied as exc:
+                msg = f"DENIED {exc}"
+            except BaseException as exc:
+                msg = f"ERROR {type(exc).__name__}: {exc}"
+            os.write(w, msg.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
+def test_socket_mode_keeps_other_users_out(daemon: DaemonProcess) -> None:
+    assert (daemon.socket_path.stat().st_mode & 0o777) == 0o660
+    os.chmod(daemon.socket_path.parent, 0o755)
+    out = as_other_user(daemon.socket_path, "other")
+    assert out.startswith("DENIED"), out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
+def test_peer_credentials_checked_against_allow_list(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666")
+    os.chmod(d.socket_path.parent, 0o755)
+    out = as_other_user(d.socket_path, "other")
+    assert out.startswith("DENIED") and "65534" in out, out
+    assert d.client().status()["generations"] == []
+    assert not list((d.staging / "shards").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
+def test_job_belongs_to_the_uid_that_began_it(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS="[65534]")
+    os.chmod(d.socket_path.parent, 0o755)
+    ok = as_other_user(d.socket_path, "nobody-job")
+    assert ok == "ALLOWED", ok
+    # Root may act on any job (operators), but the job's owner is the uid that began it:
+    with d.client().generation("root-job", 1) as gen:
+        gen.put("w", b"root")
+    denied = as_other_user(d.socket_path, "root-job")
+    assert denied.startswith("DENIED") and "belongs to uid 0" in denied, denied

@@ -1,0 +1,273 @@
+"""The read side: listing committed generations, latest, verify and restore, on a real
+directory (POSIX) and on the in-memory fake."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from ckptdrain.client.manifest import (
+    TMP_SUFFIX,
+    PartRecord,
+    ShardEntry,
+    latest_key,
+    manifest_key,
+    shard_key,
+)
+from ckptdrain.daemon import catalog
+from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
+from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.commit import CommitOutcome, Committer
+from ckptdrain.daemon.config import DestinationConfig
+
+JOB = "llama"
+Corrupt = Callable[[str, bytes], None]
+
+
+@pytest_asyncio.fixture(params=["posix", "memory"])
+async def dest(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[Backend, Corrupt]]:
+    """A backend, and a way to change a key's bytes behind its back (bit rot, a bad disk)."""
+    root = tmp_path / "dest"
+    store = MemoryStore()
+
+    def corrupt_file(key: str, data: bytes) -> None:
+        (root / key).write_bytes(data)
+
+    def corrupt_object(key: str, data: bytes) -> None:
+        store.objects[key] = data
+
+    backend: Backend
+    if request.param == "posix":
+        backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), "gpu1")
+        yield backend, corrupt_file
+    else:
+        backend = MemoryBackend("gpu1", store=store)
+        yield backend, corrupt_object
+    await backend.aclose()
+
+
+def shard_bytes(step: int, path: str) -> bytes:
+    # Big enough to be read in several chunks and hashed off the loop.
+    seed = hashlib.sha256(f"{step}/{path}".encode()).digest()
+    return seed * (40_000 + len(path))
+
+
+async def commit(
+    backend: Backend, tmp_path: Path, step: int, paths: tuple[str, ...] = ("model/rank0.pt",)
+) -> None:
+    entries = []
+    for path in paths:
+        data = shard_bytes(step, path)
+        staged = tmp_path / f"staged-{step}"
+        staged.write_bytes(data)
+        fd = os.open(staged, os.O_RDONLY)
+        try:
+            checksum = await backend.put_file(shard_key(JOB, step, path), fd, len(data))
+        finally:
+            os.close(fd)
+        entries.append(ShardEntry(path, len(data), checksum, 0, "gpu1"))
+    committer = Committer(backend, "gpu1", clock=lambda: 1000.0 + step)
+    await committer.record_part(
+        PartRecord(
+            JOB,
+            step,
+            1,
+            "gpu1",
+            (0,),
+            tuple(entries),
+            {"handoff": 1.0, "staged": 2.0, "drained": 3.0},
+        )
+    )
+    assert (await committer.try_publish(JOB, step, 1)).outcome is CommitOutcome.PUBLISHED
+
+
+PATHS = ("model/rank0.pt", "optim/rank0.pt", ".metadata")
+
+
+@pytest.mark.asyncio
+async def test_only_committed_generations_are_listed(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, _ = dest
+    await commit(backend, tmp_path, 100, PATHS)
+    await commit(backend, tmp_path, 300)
+    # A generation whose shards drained but whose manifest never came (a node died).
+    await backend.put_bytes(shard_key(JOB, 400, "model/rank0.pt"), b"orphan")
+    # Another job, and a generation whose manifest is damaged.
+    await backend.put_bytes(shard_key("other", 5, "x"), b"x")
+    await backend.put_bytes(manifest_key("broken", 7), b"{")
+
+    assert await catalog.list_jobs(backend) == ["broken", JOB]
+    generations = await catalog.list_generations(backend, JOB)
+    assert [g.step for g in generations] == [300, 100]  # newest first
+    g100 = generations[1]
+    assert (g100.job, g100.shards, g100.nodes, g100.committed_at) == (JOB, 3, ("gpu1",), 1100.0)
+    assert g100.bytes == sum(len(shard_bytes(100, p)) for p in PATHS)
+    assert await catalog.list_generations(backend, "broken") == []
+    assert await catalog.list_generations(backend, "nobody") == []
+
+
+@pytest.mark.asyncio
+async def test_latest_trusts_the_hint_only_when_its_manifest_exists(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, _ = dest
+    assert await catalog.latest(backend, JOB) is None
+    await commit(backend, tmp_path, 100)
+    await commit(backend, tmp_path, 200)
+    assert await catalog.latest(backend, JOB) == 200
+
+    await backend.put_bytes(latest_key(JOB), b"100\n")  # a lagging hint is still a commit
+    assert await catalog.latest(backend, JOB) == 100
+    assert await catalog.latest(backend, JOB, use_hint=False) == 200
+
+    await backend.put_bytes(latest_key(JOB), b"900\n")  # names no manifest: fall back
+    assert await catalog.latest(backend, JOB) == 200
+    await backend.put_bytes(latest_key(JOB), b"garbage")
+    assert await catalog.latest(backend, JOB) == 200
+    await backend.put_bytes(manifest_key(JOB, 200), b"{damaged")
+    await backend.delete(latest_key(JOB))
+    assert await catalog.latest(backend, JOB) == 100
+
+
+@pytest.mark.asyncio
+async def test_resolve_names_what_is_not_committed(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, _ = dest
+    with pytest.raises(catalog.NotCommitted, match="no committed generation"):
+        await catalog.resolve(backend, JOB, "latest")
+    await commit(backend, tmp_path, 100)
+    assert (await catalog.resolve(backend, JOB, "latest")).generation == 100
+    with pytest.raises(catalog.NotCommitted, match="generation 5 of job 'llama' is not committed"):
+        await catalog.resolve(backend, JOB, 5)
+
+
+@pytest.mark.asyncio
+async def test_verify_passes_an_intact_generation(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, _ = dest
+    await commit(backend, tmp_path, 100, PATHS)
+    report = await catalog.verify(backend, JOB, 100, concurrency=2)
+    assert report.ok
+    assert report.checked == 3
+    assert report.bytes == sum(len(shard_bytes(100, p)) for p in PATHS)
+    assert report.bad == []
+
+
+@pytest.mark.asyncio
+async def test_verify_names_every_damaged_shard(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, corrupt = dest
+    await commit(backend, tmp_path, 100, PATHS)
+    good = shard_bytes(100, "model/rank0.pt")
+    flipped = bytes([good[0] ^ 1]) + good[1:]
+    corrupt(shard_key(JOB, 100, "model/rank0.pt"), flipped)
+    corrupt(shard_key(JOB, 100, "optim/rank0.pt"), b"short")
+    await backend.delete(shard_key(JOB, 100, ".metadata"))
+
+    report = await catalog.verify(backend, JOB, 100)
+
+    assert not report.ok
+    assert report.checked == 3
+    assert [path for path, _ in report.bad] == [".metadata", "model/rank0.pt", "optim/rank0.pt"]
+    reasons = dict(report.bad)
+    assert reasons[".metadata"] == "missing at the destination"
+    assert reasons["model/rank0.pt"].startswith("sha256 ")
+    assert reasons["optim/rank0.pt"].startswith("5 bytes, the manifest lists")
+
+
+@pytest.mark.asyncio
+async def test_verify_surfaces_a_destination_failure(tmp_path: Path) -> None:
+    backend = MemoryBackend("gpu1")
+    await commit(backend, tmp_path, 100)
+    backend.inject("read_chunks", BackendError("connection reset", transient=True))
+    with pytest.raises(BackendError, match="connection reset"):
+        await catalog.verify(backend, JOB, 100)
+
+
+@pytest.mark.asyncio
+async def test_restore_round_trip(dest: tuple[Backend, Corrupt], tmp_path: Path) -> None:
+    backend, _ = dest
+    await commit(backend, tmp_path, 100, PATHS)
+    progress: list[int] = []
+    target = tmp_path / "restored"
+
+    report = await catalog.restore(
+        backend, JOB, 100, target, concurrency=2, progress=progress.append
+    )
+
+    expected = {p: shard_bytes(100, p) for p in PATHS}
+    assert {p: (target / p).read_bytes() for p in PATHS} == expected
+    assert report.files == 3
+    assert report.bytes == sum(progress) == sum(map(len, expected.values()))
+    # The manifest travels with it, so the directory says what it is.
+    assert (target / "MANIFEST.json").read_bytes() == await backend.get_bytes(
+        manifest_key(JOB, 100)
+    )
+    assert not [n for _, _, files in os.walk(target) for n in files if n.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.asyncio
+async def test_restore_stops_on_a_damaged_shard_and_leaves_no_partial_file(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, corrupt = dest
+    await commit(backend, tmp_path, 100, PATHS)
+    good = shard_bytes(100, "optim/rank0.pt")
+    corrupt(shard_key(JOB, 100, "optim/rank0.pt"), good[:-1] + b"\0")
+    target = tmp_path / "restored"
+
+    with pytest.raises(catalog.RestoreError, match=r"optim/rank0\.pt does not match its checksum"):
+        await catalog.restore(backend, JOB, 100, target, concurrency=1)
+
+    assert not (target / "optim/rank0.pt").exists()
+    assert not (target / "MANIFEST.json").exists()
+    assert not [n for _, _, files in os.walk(target) for n in files if n.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.asyncio
+async def test_restore_refuses_a_longer_shard(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, corrupt = dest
+    await commit(backend, tmp_path, 100)
+    corrupt(shard_key(JOB, 100, "model/rank0.pt"), shard_bytes(100, "model/rank0.pt") + b"x")
+    with pytest.raises(catalog.RestoreError, match="longer than"):
+        await catalog.restore(backend, JOB, 100, tmp_path / "restored")
+
+
+@pytest.mark.asyncio
+async def test_restore_refuses_a_symlink_that_leads_outside(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, _ = dest
+    await commit(backend, tmp_path, 100)
+    target = tmp_path / "restored"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target.mkdir()
+    (target / "model").symlink_to(outside)
+    with pytest.raises(catalog.RestoreError, match="resolves outside"):
+        await catalog.restore(backend, JOB, 100, target)
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_restore_of_an_uncommitted_generation_is_refused(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    backend, _ = dest
+    await backend.put_bytes(shard_key(JOB, 400, "model/rank0.pt"), b"orphan")
+    with pytest.raises(catalog.NotCommitted):
+        await catalog.restore(backend, JOB, 400, tmp_path / "restored")
+    assert not (tmp_path / "restored").exists()

@@ -1,0 +1,338 @@
+"""The commit protocol, on a real directory (POSIX) and on the in-memory fake.
+
+Each "node" is its own backend instance and Committer over one shared destination, as the
+daemons of separate GPU nodes are over one Lustre tree or bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from ckptdrain.client.manifest import (
+    PartRecord,
+    ShardEntry,
+    latest_key,
+    manifest_key,
+    part_key,
+    same_contents,
+    shard_key,
+)
+from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
+from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.commit import CommitOutcome, Committer
+from ckptdrain.daemon.config import DestinationConfig
+
+JOB = "llama"
+STEP = 1200
+
+NodeFactory = Callable[[str], Backend]
+
+
+@pytest_asyncio.fixture(params=["posix", "memory"])
+async def node_backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[NodeFactory]:
+    """Makes one backend per node over a single shared destination."""
+    config = DestinationConfig(uri=f"file://{tmp_path / 'dest'}")
+    store = MemoryStore()
+    opened: list[Backend] = []
+
+    def make(node: str) -> Backend:
+        backend: Backend
+        if request.param == "posix":
+            backend = PosixBackend(config, node)
+        else:
+            backend = MemoryBackend(node, store=store)
+        opened.append(backend)
+        return backend
+
+    yield make
+    for backend in opened:
+        await backend.aclose()
+
+
+async def drain(
+    backend: Backend,
+    tmp_path: Path,
+    node: str,
+    ranks: tuple[int, ...],
+    *,
+    world_size: int = 4,
+    step: int = STEP,
+    payload: bytes = b"",
+) -> PartRecord:
+    """Drain one shard per rank through ``backend`` as a node's daemon would, and return the
+    node's part record."""
+    entries = []
+    for rank in ranks:
+        data = payload or f"{node} rank {rank} step {step} ".encode() * (rank + 1)
+        path = f"model/rank{rank}.pt"
+        staged = tmp_path / f"staged-{node}-{rank}-{step}"
+        staged.write_bytes(data)
+        fd = os.open(staged, os.O_RDONLY)
+        try:
+            checksum = await backend.put_file(shard_key(JOB, step, path), fd, len(data))
+        finally:
+            os.close(fd)
+        assert checksum == "sha256:" + hashlib.sha256(data).hexdigest()
+        entries.append(
+            ShardEntry(path=path, size=len(data), checksum=checksum, rank=rank, node=node)
+        )
+    return PartRecord(
+        job=JOB,
+        step=step,
+        world_size=world_size,
+        node=node,
+        ranks=ranks,
+        shards=tuple(entries),
+        clocks={"handoff": 10.0, "staged": 11.0, "drained": 12.0},
+    )
+
+
+async def drain_and_record(
+    node_backend: NodeFactory,
+    tmp_path: Path,
+    node: str,
+    ranks: tuple[int, ...],
+    *,
+    world_size: int = 4,
+    payload: bytes = b"",
+) -> Committer:
+    backend = node_backend(node)
+    await backend.prepare_prefix(f"{JOB}/{STEP:020d}/")
+    committer = Committer(backend, node, clock=lambda: 99.0)
+    record = await drain(backend, tmp_path, node, ranks, world_size=world_size, payload=payload)
+    await committer.record_part(record)
+    return committer
+
+
+@pytest.mark.asyncio
+async def test_one_node_covering_every_rank_publishes(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
+    assert await committer.committed(JOB, STEP) is None
+
+    result = await committer.try_publish(JOB, STEP, 4)
+
+    assert result.outcome is CommitOutcome.PUBLISHED
+    assert result.committed
+    assert result.manifest is not None
+    assert [s.rank for s in result.manifest.shards] == [0, 1, 2, 3]
+    assert result.manifest.clocks["committed"] == 99.0
+    assert await committer.committed(JOB, STEP) == result.manifest
+    assert await committer.backend.get_bytes(latest_key(JOB)) == b"1200\n"
+
+
+@pytest.mark.asyncio
+async def test_publish_race_between_nodes_has_exactly_one_winner(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    nodes = [
+        await drain_and_record(node_backend, tmp_path, f"gpu{i}", (2 * i, 2 * i + 1), world_size=8)
+        for i in range(4)
+    ]
+    # Every node tries several times at once, as retries and late part records would.
+    results = await asyncio.gather(*(c.try_publish(JOB, STEP, 8) for c in nodes for _ in range(3)))
+
+    outcomes = [r.outcome for r in results]
+    assert outcomes.count(CommitOutcome.PUBLISHED) == 1
+    assert outcomes.count(CommitOutcome.ACCEPTED) == len(results) - 1
+    published = next(r.manifest for r in results if r.outcome is CommitOutcome.PUBLISHED)
+    assert published is not None
+    assert all(r.manifest is not None and same_contents(r.manifest, published) for r in results)
+    stored = await nodes[0].committed(JOB, STEP)
+    assert stored is not None and same_contents(stored, published)
+    assert stored.nodes == ("gpu0", "gpu1", "gpu2", "gpu3")
+
+
+@pytest.mark.asyncio
+async def test_missing_rank_is_incomplete_and_writes_no_manifest(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    first = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1))
+    result = await first.try_publish(JOB, STEP, 4)
+    assert result.outcome is CommitOutcome.INCOMPLETE
+    assert result.missing_ranks == [2, 3]
+    assert "ranks 2-3 of 4" in result.reason
+    assert await first.backend.get_bytes(manifest_key(JOB, STEP)) is None
+    assert await first.backend.get_bytes(latest_key(JOB)) is None
+
+    # The last node's record completes the set; the first node's retry then accepts.
+    last = await drain_and_record(node_backend, tmp_path, "gpu2", (2, 3))
+    assert (await last.try_publish(JOB, STEP, 4)).outcome is CommitOutcome.PUBLISHED
+    assert (await first.try_publish(JOB, STEP, 4)).outcome is CommitOutcome.ACCEPTED
+
+
+@pytest.mark.asyncio
+async def test_part_records_are_rewritten_cumulatively(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    backend = node_backend("gpu1")
+    committer = Committer(backend, "gpu1")
+    await committer.record_part(await drain(backend, tmp_path, "gpu1", (0,), world_size=2))
+    assert (await committer.try_publish(JOB, STEP, 2)).missing_ranks == [1]
+    await committer.record_part(await drain(backend, tmp_path, "gpu1", (0, 1), world_size=2))
+    assert (await committer.try_publish(JOB, STEP, 2)).outcome is CommitOutcome.PUBLISHED
+    parts = [i.key for i in await backend.list(f"{JOB}/{STEP:020d}/_parts/")]
+    assert parts == [part_key(JOB, STEP, "gpu1")]
+
+
+@pytest.mark.asyncio
+async def test_an_existing_manifest_with_other_contents_is_a_conflict(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
+    published = await committer.try_publish(JOB, STEP, 4)
+    assert published.manifest is not None
+    # A second run of the same job and step drains different bytes under the same names.
+    rerun = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3), payload=b"new")
+
+    result = await rerun.try_publish(JOB, STEP, 4)
+
+    assert result.outcome is CommitOutcome.CONFLICT
+    assert "already exists and commits different shards" in result.reason
+    assert result.manifest == published.manifest  # the committed one, untouched
+    assert await rerun.committed(JOB, STEP) == published.manifest
+
+
+@pytest.mark.asyncio
+async def test_parts_disagreeing_on_world_size_are_a_conflict(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1), world_size=4)
+    other = await drain_and_record(node_backend, tmp_path, "gpu2", (2, 3), world_size=8)
+    result = await other.try_publish(JOB, STEP, 8)
+    assert result.outcome is CommitOutcome.CONFLICT
+    assert "node 'gpu1' drained this generation with world_size 4" in result.reason
+    assert await other.committed(JOB, STEP) is None
+
+
+@pytest.mark.asyncio
+async def test_a_rank_claimed_by_two_nodes_is_a_conflict(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1))
+    backend = node_backend("gpu2")
+    committer = Committer(backend, "gpu2")
+    record = await drain(backend, tmp_path, "gpu2", (1, 2, 3))
+    # Keep shard names distinct so only the rank overlaps.
+    record = PartRecord(
+        job=record.job,
+        step=record.step,
+        world_size=4,
+        node="gpu2",
+        ranks=record.ranks,
+        shards=tuple(
+            ShardEntry(s.path.replace("model/", "other/"), s.size, s.checksum, s.rank, s.node)
+            for s in record.shards
+        ),
+        clocks=record.clocks,
+    )
+    await committer.record_part(record)
+    result = await committer.try_publish(JOB, STEP, 4)
+    assert result.outcome is CommitOutcome.CONFLICT
+    assert "rank 1 is claimed by nodes" in result.reason
+    assert await committer.committed(JOB, STEP) is None
+
+
+@pytest.mark.asyncio
+async def test_an_unreadable_part_record_is_a_conflict_naming_it(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
+    await committer.backend.put_bytes(part_key(JOB, STEP, "gpu9"), b"{not json")
+    result = await committer.try_publish(JOB, STEP, 4)
+    assert result.outcome is CommitOutcome.CONFLICT
+    assert "_parts/gpu9.json is unreadable" in result.reason
+
+
+@pytest.mark.asyncio
+async def test_a_shard_missing_at_the_destination_blocks_the_commit(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
+    await committer.backend.delete(shard_key(JOB, STEP, "model/rank2.pt"))
+    result = await committer.try_publish(JOB, STEP, 4)
+    assert result.outcome is CommitOutcome.INCOMPLETE
+    assert result.missing_ranks == [2]
+    assert "'model/rank2.pt'" in result.reason
+    assert await committer.committed(JOB, STEP) is None
+
+
+@pytest.mark.asyncio
+async def test_latest_only_moves_forward(node_backend: NodeFactory, tmp_path: Path) -> None:
+    backend = node_backend("gpu1")
+    committer = Committer(backend, "gpu1")
+    for step in (200, 100):
+        await committer.record_part(
+            await drain(backend, tmp_path, "gpu1", (0,), world_size=1, step=step)
+        )
+        assert (await committer.try_publish(JOB, step, 1)).outcome is CommitOutcome.PUBLISHED
+    assert await backend.get_bytes(latest_key(JOB)) == b"200\n"
+
+
+@pytest.mark.asyncio
+async def test_a_retry_after_publish_is_accepted_and_repairs_latest(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
+    assert (await committer.try_publish(JOB, STEP, 4)).outcome is CommitOutcome.PUBLISHED
+    # As if the daemon died between the manifest and LATEST.
+    await committer.backend.delete(latest_key(JOB))
+    assert (await committer.try_publish(JOB, STEP, 4)).outcome is CommitOutcome.ACCEPTED
+    assert await committer.backend.get_bytes(latest_key(JOB)) == b"1200\n"
+
+
+@pytest.mark.asyncio
+async def test_record_part_refuses_another_nodes_record(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    backend = node_backend("gpu1")
+    record = await drain(backend, tmp_path, "gpu2", (0,), world_size=1)
+    with pytest.raises(ValueError, match="names node 'gpu2'"):
+        await Committer(backend, "gpu1").record_part(record)
+
+
+@pytest.mark.asyncio
+async def test_the_manifest_is_the_last_write_of_the_generation(tmp_path: Path) -> None:
+    store = MemoryStore()
+    nodes = {n: MemoryBackend(n, store=store) for n in ("gpu1", "gpu2")}
+    committers = []
+    for i, (node, backend) in enumerate(nodes.items()):
+        committer = Committer(backend, node)
+        await committer.record_part(await drain(backend, tmp_path, node, (2 * i, 2 * i + 1)))
+        committers.append(committer)
+    await asyncio.gather(*(c.try_publish(JOB, STEP, 4) for c in committers))
+
+    prefix = f"{JOB}/{STEP:020d}/"
+    writes = [
+        key
+        for _, op, key in store.calls
+        if op in ("put_file", "put_bytes") and key.startswith(prefix)
+    ]
+    # The losing node's exclusive create is a refused write; nothing else follows the manifest.
+    first_manifest = writes.index(manifest_key(JOB, STEP))
+    assert set(writes[first_manifest:]) == {manifest_key(JOB, STEP)}
+    assert writes[:first_manifest].count(manifest_key(JOB, STEP)) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_destination_failure_propagates_for_the_caller_to_retry(tmp_path: Path) -> None:
+    backend = MemoryBackend("gpu1")
+    committer = Committer(backend, "gpu1")
+    await committer.record_part(await drain(backend, tmp_path, "gpu1", (0,), world_size=1))
+    backend.inject(
+        "put_bytes", BackendError("503 slow down", transient=True), key_contains="MANIFEST"
+    )
+    with pytest.raises(BackendError, match="503"):
+        await committer.try_publish(JOB, STEP, 1)
+    assert await committer.committed(JOB, STEP) is None
+    assert (await committer.try_publish(JOB, STEP, 1)).outcome is CommitOutcome.PUBLISHED

@@ -1,0 +1,145 @@
+"""The core path end to end: hand-off over the socket, staging, drain to file://, commit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.client import GenerationFailed, Timeout
+from ckptdrain.client.manifest import Manifest
+from tests.conftest import CKPTDRAIN, DaemonProcess
+
+
+def gen_dir(d: DaemonProcess, job: str, step: int) -> Path:
+    return d.dest / job / f"{step:020d}"
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def test_two_ranks_commit_with_every_byte_and_checksum(daemon: DaemonProcess, tmp_path: Path) -> None:
+    blobs = {r: os.urandom(3 << 20) + bytes([r]) for r in range(2)}
+    fd_file = tmp_path / "optim.bin"
+    fd_file.write_bytes(b"optimizer-state" * 1000)
+    c = daemon.client()
+    for r in range(2):
+        with c.generation("job1", 7, rank=r, world_size=2) as gen:
+            reply = gen.put(f"model/rank{r}.pt", blobs[r])
+            assert reply["size"] == len(blobs[r])
+            gen.put("empty/rank%d" % r, b"")
+            if r == 1:
+                gen.put_file("optim/rank1.pt", fd_file)
+    result = c.wait("job1", 7, timeout_s=60)
+    assert result["committed"] is True
+    root = gen_dir(daemon, "job1", 7)
+    manifest = Manifest.from_json((root / "MANIFEST.json").read_bytes())
+    assert manifest.world_size == 2 and manifest.generation == 7
+    by_path = {s.path: s for s in manifest.shards}
+    assert set(by_path) == {"model/rank0.pt", "model/rank1.pt", "empty/rank0", "empty/rank1",
+                            "optim/rank1.pt"}
+    for r in range(2):
+        assert (root / f"model/rank{r}.pt").read_bytes() == blobs[r]
+        assert by_path[f"model/rank{r}.pt"].checksum == sha(blobs[r])
+        assert by_path[f"model/rank{r}.pt"].rank == r
+        assert by_path[f"model/rank{r}.pt"].node == "node-a"
+    assert (root / "optim/rank1.pt").read_bytes() == fd_file.read_bytes()
+    assert (root / "empty/rank0").read_bytes() == b""
+    assert set(manifest.clocks) == {"handoff", "staged", "drained", "committed"}
+    assert manifest.clocks["handoff"] <= manifest.clocks["staged"] <= manifest.clocks["drained"] <= manifest.clocks["committed"]
+    assert (daemon.dest / "job1" / "LATEST").read_text().strip() == "7"
+    assert c.latest("job1") == 7
+    assert not list(daemon.dest.rglob("*.ckptdrain-tmp"))
+
+
+def test_cli_ls_verify_and_corruption_named(daemon: DaemonProcess) -> None:
+    c = daemon.client()
+    for step in (1, 2):
+        with c.generation("cli-job", step) as gen:
+            gen.put("weights.bin", os.urandom(4096))
+        c.wait("cli-job", step, timeout_s=60)
+    env = daemon.env()
+    out = subprocess.run([CKPTDRAIN, "ls", daemon.dest_uri, "--json"], env=env, capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    assert [(r["job"], r["generation"]) for r in rows] == [("cli-job", 2), ("cli-job", 1)]
+    out = subprocess.run([CKPTDRAIN, "verify", daemon.dest_uri, "--job", "cli-job"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "generation 2" in out.stdout
+    victim = gen_dir(daemon, "cli-job", 2) / "weights.bin"
+    victim.write_bytes(b"x" + victim.read_bytes()[1:])
+    out = subprocess.run([CKPTDRAIN, "verify", daemon.dest_uri, "--job", "cli-job", "--generation", "2"], env=env, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "weights.bin" in out.stderr and "Traceback" not in out.stderr
+    status = subprocess.run([CKPTDRAIN, "status", "--json", "--socket", str(daemon.socket_path)], env=env,
+                            capture_output=True, text=True, check=True)
+    doc = json.loads(status.stdout)
+    assert {g["state"] for g in doc["generations"]} == {"committed"}
+
+
+def test_missing_rank_is_never_published(daemon: DaemonProcess) -> None:
+    c = daemon.client()
+    for r in (0, 2):
+        with c.generation("partial", 5, rank=r, world_size=3) as gen:
+            gen.put(f"rank{r}", b"data")
+    with pytest.raises(Timeout):
+        c.wait("partial", 5, timeout_s=2)
+    root = gen_dir(daemon, "partial", 5)
+    assert (root / "rank0").exists() and (root / "rank2").exists()
+    assert not (root / "MANIFEST.json").exists()
+    assert c.latest("partial") is None
+
+
+def test_exception_in_block_aborts_the_generation(daemon: DaemonProcess) -> None:
+    c = daemon.client()
+    with pytest.raises(RuntimeError, match="boom"), c.generation("aborting", 1) as gen:
+        gen.put("a", b"12345")
+        raise RuntimeError("boom")
+    with pytest.raises(GenerationFailed, match="aborted"):
+        c.wait("aborting", 1, timeout_s=10)
+    assert not (gen_dir(daemon, "aborting", 1) / "MANIFEST.json").exists()
+    status = c.status()
+    assert status["staged_bytes"] == 0
+    assert not list((daemon.staging / "shards").iterdir())
+
+
+def test_many_clients_at_once(daemon: DaemonProcess) -> None:
+    world = 8
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with daemon.client().generation("wide", 3, rank=r, world_size=world) as gen:
+                for i in range(5):
+                    gen.put(f"r{r}/s{i}", os.urandom(50_000))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    daemon.client().wait("wide", 3, timeout_s=60)
+    manifest = Manifest.from_json((gen_dir(daemon, "wide", 3) / "MANIFEST.json").read_bytes())
+    assert len(manifest.shards) == world * 5
+    assert sorted({s.rank for s in manifest.shards}) == list(range(world))
+
+
+def test_sigterm_stops_cleanly_and_restart_keeps_committed(daemon: DaemonProcess) -> None:
+    c = daemon.client()
+    with c.generation("restart", 1) as gen:
+        gen.put("w", b"abc")
+    c.wait("restart", 1, timeout_s=30)
+    assert daemon.stop() == 0
+    assert not daemon.socket_path.exists()
+    daemon.start()
+    assert daemon.client().latest("restart") == 1
+    status = daemon.client().status()
+    assert [g["state"] for g in status["generations"]] == ["committed"]

@@ -1,0 +1,401 @@
+"""The POSIX destination against a real temp directory."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from ckptdrain.client.manifest import TMP_SUFFIX
+from ckptdrain.daemon.backends import posix
+from ckptdrain.daemon.backends.base import BackendError, ObjectInfo, open_backend
+from ckptdrain.daemon.backends.posix import PosixBackend, backend_error, temp_name
+from ckptdrain.daemon.config import DestinationConfig
+
+MiB = 1 << 20
+
+
+_opened: list[PosixBackend] = []
+
+
+def make(
+    root: Path, node: str = "gpu1", *, stripe_count: int = -1, stripe_size_bytes: int = 4 * MiB
+) -> PosixBackend:
+    config = DestinationConfig(
+        uri=f"file://{root}", stripe_count=stripe_count, stripe_size_bytes=stripe_size_bytes
+    )
+    backend = open_backend(config, node)
+    assert isinstance(backend, PosixBackend)
+    _opened.append(backend)
+    return backend
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _close_backends() -> AsyncIterator[None]:
+    yield
+    while _opened:
+        await _opened.pop().aclose()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "dest"
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
+    """An open fd on a file larger than one copy buffer (so the copy loops), and its bytes."""
+    data = os.urandom(posix.COPY_BUFFER_BYTES + 12345)
+    path = tmp_path / "staged.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, data
+    os.close(fd)
+
+
+def temps(root: Path) -> list[str]:
+    return [
+        os.path.join(d, n)
+        for d, dirs, files in os.walk(root)
+        for n in files + dirs
+        if n.endswith(TMP_SUFFIX)
+    ]
+
+
+@pytest.mark.asyncio
+async def test_put_file_writes_complete_file_and_returns_its_sha256(
+    root: Path, source: tuple[int, bytes]
+) -> None:
+    fd, data = source
+    backend = make(root)
+    checksum = await backend.put_file("job/00000000000000000001/model/rank0.pt", fd, len(data))
+    target = root / "job/00000000000000000001/model/rank0.pt"
+    assert target.read_bytes() == data
+    assert checksum == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert stat.S_IMODE(target.stat().st_mode) & 0o777 == 0o644 & ~_umask()
+    assert temps(root) == []
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.asyncio
+async def test_put_file_of_a_prefix_of_the_source(root: Path, source: tuple[int, bytes]) -> None:
+    fd, data = source
+    backend = make(root)
+    checksum = await backend.put_file("k/a", fd, 100)
+    assert (root / "k/a").read_bytes() == data[:100]
+    assert checksum == "sha256:" + hashlib.sha256(data[:100]).hexdigest()
+    await backend.put_file("k/empty", fd, 0)
+    assert (root / "k/empty").read_bytes() == b""
+
+
+@pytest.mark.asyncio
+async def test_short_source_fails_and_leaves_nothing(root: Path, source: tuple[int, bytes]) -> None:
+    fd, data = source
+    backend = make(root)
+    with pytest.raises(BackendError, match="ended at byte") as info:
+        await backend.put_file("job/x.pt", fd, len(data) + 1)
+    assert info.value.kind == "integrity"
+    assert not (root / "job/x.pt").exists()
+    assert temps(root) == []
+
+
+@pytest.mark.asyncio
+async def test_closed_fd_fails_and_leaves_no_temp(root: Path, tmp_path: Path) -> None:
+    path = tmp_path / "gone.bin"
+    path.write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_RDONLY)
+    os.close(fd)  # a drain whose staged file was closed under it
+    backend = make(root)
+    with pytest.raises(BackendError) as info:
+        await backend.put_file("job/x.pt", fd, 10)
+    assert "Bad file descriptor" in str(info.value)
+    assert not (root / "job/x.pt").exists()
+    assert temps(root) == []
+
+
+@pytest.mark.asyncio
+async def test_cancelled_put_file_stops_its_thread_and_removes_the_temp(
+    root: Path, source: tuple[int, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fd, data = source
+    started = threading.Event()
+    release = threading.Event()
+    real_preadv = os.preadv
+
+    def held_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        # Holds the worker thread inside the copy so the cancel lands mid-file.
+        started.set()
+        release.wait(timeout=10)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", held_preadv)
+    backend = make(root)
+    task = asyncio.create_task(backend.put_file("job/big.pt", fd, len(data)))
+    assert await asyncio.to_thread(started.wait, 10)
+    assert len(temps(root)) == 1  # the temp exists while the copy runs
+    task.cancel()
+    await asyncio.sleep(0)
+    assert not task.done()  # waits for the thread rather than abandoning it with our fd
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not (root / "job/big.pt").exists()
+    assert temps(root) == []
+
+
+@pytest.mark.asyncio
+async def test_put_bytes_exclusive_creates_once(root: Path) -> None:
+    backend = make(root)
+    assert await backend.put_bytes(
+        "job/00000000000000000001/MANIFEST.json", b"first", exclusive=True
+    )
+    assert not await backend.put_bytes(
+        "job/00000000000000000001/MANIFEST.json", b"second", exclusive=True
+    )
+    assert await backend.get_bytes("job/00000000000000000001/MANIFEST.json") == b"first"
+    assert temps(root) == []
+
+
+@pytest.mark.asyncio
+async def test_concurrent_exclusive_creates_from_two_nodes_have_one_winner(root: Path) -> None:
+    nodes = [make(root, f"gpu{i}") for i in range(4)]
+    results = await asyncio.gather(
+        *(
+            b.put_bytes(
+                "j/00000000000000000007/MANIFEST.json", f"from {b.node_id}".encode(), exclusive=True
+            )
+            for b in nodes
+            for _ in range(5)
+        )
+    )
+    assert results.count(True) == 1
+    winner = (root / "j/00000000000000000007/MANIFEST.json").read_bytes()
+    assert winner.startswith(b"from gpu")
+    assert temps(root) == []
+
+
+@pytest.mark.asyncio
+async def test_put_bytes_without_exclusive_replaces(root: Path) -> None:
+    backend = make(root)
+    assert await backend.put_bytes("job/LATEST", b"1\n")
+    assert await backend.put_bytes("job/LATEST", b"2\n")
+    assert await backend.get_bytes("job/LATEST") == b"2\n"
+
+
+@pytest.mark.asyncio
+async def test_get_bytes(root: Path) -> None:
+    backend = make(root)
+    assert await backend.get_bytes("nothing/here") is None
+    await backend.put_bytes("a/b", b"x" * 100)
+    assert await backend.get_bytes("a") is None  # a directory is not an object
+    with pytest.raises(BackendError, match="over the 10-byte limit"):
+        await backend.get_bytes("a/b", max_bytes=10)
+
+
+@pytest.mark.asyncio
+async def test_list_is_recursive_sorted_and_skips_temps(root: Path) -> None:
+    backend = make(root)
+    assert await backend.list("") == []  # the root does not exist yet
+    for key in ("j/2/b", "j/1/z", "j/1/a/deep", "k/x", "j10/y"):
+        await backend.put_bytes(key, key.encode())
+    (root / "j/1" / temp_name("a", "gpu9")).write_bytes(b"partial")
+    assert [i.key for i in await backend.list("")] == [
+        "j/1/a/deep",
+        "j/1/z",
+        "j/2/b",
+        "j10/y",
+        "k/x",
+    ]
+    assert [i.key for i in await backend.list("j/")] == ["j/1/a/deep", "j/1/z", "j/2/b"]
+    # Prefixes match like S3: by string, not by directory.
+    assert [i.key for i in await backend.list("j")] == ["j/1/a/deep", "j/1/z", "j/2/b", "j10/y"]
+    assert await backend.list("j/1/z") == [ObjectInfo("j/1/z", 5)]
+    assert await backend.list("missing/") == []
+
+
+@pytest.mark.asyncio
+async def test_read_chunks_and_delete(root: Path, source: tuple[int, bytes]) -> None:
+    fd, data = source
+    backend = make(root)
+    await backend.put_file("j/s", fd, len(data))
+    chunks = [c async for c in backend.read_chunks("j/s", chunk_bytes=MiB)]
+    assert b"".join(chunks) == data
+    assert max(len(c) for c in chunks) == MiB
+    await backend.delete("j/s")
+    await backend.delete("j/s")  # a missing key is not an error
+    assert await backend.get_bytes("j/s") is None
+    with pytest.raises(BackendError, match="does not exist"):
+        async for _ in backend.read_chunks("j/s"):
+            pass
+
+
+@pytest.mark.asyncio
+async def test_keys_cannot_leave_the_root(root: Path) -> None:
+    backend = make(root)
+    for key in ("../x", "/etc/passwd", "a//b", "a/./b", ""):
+        with pytest.raises(ValueError, match="invalid destination key"):
+            await backend.put_bytes(key, b"x")
+
+
+@pytest.fixture
+def fake_lfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in `lfs` on PATH (there is no Lustre here): it records its arguments, the
+    inode of the directory it was pointed at, and how many entries that directory held."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "lfs.log"
+    script = bindir / "lfs"
+    script.write_text(
+        "#!/bin/sh\n"
+        "for last; do :; done\n"
+        f'echo "$* inode=$(stat -c %i "$last") entries=$(ls -A "$last" | wc -l)" >> {record}\n'
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return record
+
+
+@pytest.mark.asyncio
+async def test_prepare_prefix_stripes_the_generation_dir_before_its_first_file(
+    root: Path, fake_lfs: Path, source: tuple[int, bytes]
+) -> None:
+    fd, data = source
+    backend = make(root, stripe_count=8, stripe_size_bytes=4 * MiB)
+    gen = "llama/00000000000000001200/"
+    await backend.prepare_prefix(gen)
+    await backend.prepare_prefix(gen)  # already there: no second setstripe
+    await backend.put_file(gen + "model/rank0.pt", fd, len(data))
+
+    lines = fake_lfs.read_text().splitlines()
+    assert len(lines) == 1
+    args, inode, entries = lines[0].rsplit(" ", 2)
+    assert args.startswith(f"setstripe -c 8 -S {4 * MiB} ")
+    # The striped directory IS the generation directory (renamed into place), and it was
+    # empty when striped: no file can have been created with the default layout.
+    assert inode == f"inode={(root / gen).stat().st_ino}"
+    assert entries == "entries=0"
+    assert temps(root) == []
+
+
+@pytest.mark.asyncio
+async def test_two_nodes_preparing_one_generation_stripe_it_once(
+    root: Path, fake_lfs: Path
+) -> None:
+    nodes = [make(root, f"gpu{i}", stripe_count=2) for i in range(6)]
+    gen = "llama/00000000000000000005/"
+    await asyncio.gather(*(n.prepare_prefix(gen) for n in nodes))
+    assert (root / gen).is_dir()
+    assert temps(root) == []
+    # Every setstripe ran on an empty directory; whichever rename won left one striped dir.
+    for line in fake_lfs.read_text().splitlines():
+        assert line.startswith("setstripe -c 2 ")
+        assert line.endswith("entries=0")
+
+
+@pytest.mark.asyncio
+async def test_a_failing_lfs_is_logged_not_fatal(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    bindir = tmp_path / "badbin"
+    bindir.mkdir()
+    (bindir / "lfs").write_text("#!/bin/sh\necho 'not a lustre fs' >&2\nexit 22\n")
+    (bindir / "lfs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    backend = make(root)
+    with caplog.at_level(logging.WARNING):
+        await backend.prepare_prefix("j/00000000000000000001/")
+    assert (root / "j/00000000000000000001").is_dir()
+    assert "not a lustre fs" in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_prepare_prefix_without_lfs_just_creates_the_dir(
+    root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    backend = make(root)
+    await backend.prepare_prefix("j/00000000000000000001/")
+    assert (root / "j/00000000000000000001").is_dir()
+
+
+@pytest.mark.asyncio
+async def test_sweep_removes_own_temps_and_old_temps_of_other_nodes(root: Path) -> None:
+    backend = make(root, "gpu1")
+    await backend.put_bytes("j/00000000000000000001/keep.pt", b"data")
+    gen = root / "j/00000000000000000001"
+    mine = gen / temp_name("a.pt", "gpu1")
+    theirs_young = gen / temp_name("b.pt", "gpu2")
+    theirs_old = gen / temp_name("c.pt", "gpu2")
+    similar_node = gen / temp_name("d.pt", "x.gpu1x")
+    stripe_dir = root / "j" / temp_name("00000000000000000002", "gpu3")
+    for path in (mine, theirs_young, theirs_old, similar_node):
+        path.write_bytes(b"partial")
+    stripe_dir.mkdir()
+    old = time.time() - 7200
+    os.utime(theirs_old, (old, old))
+    os.utime(stripe_dir, (old, old))
+
+    removed = await backend.sweep_orphans(set(), grace_s=3600)
+
+    assert removed == 3
+    assert not mine.exists()
+    assert not theirs_old.exists()
+    assert not stripe_dir.exists()
+    assert theirs_young.exists()  # another node may still be writing it
+    assert similar_node.exists()
+    assert (gen / "keep.pt").read_bytes() == b"data"
+
+
+@pytest.mark.asyncio
+async def test_sweep_of_a_missing_root_finds_nothing(root: Path) -> None:
+    assert await make(root).sweep_orphans(set(), 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "transient"),
+    [
+        (errno.ENOSPC, "full", False),
+        (errno.EDQUOT, "full", False),
+        (errno.EACCES, "auth", False),
+        (errno.EPERM, "auth", False),
+        (errno.EIO, "io", True),
+        (errno.EAGAIN, "io", True),
+        (errno.ETIMEDOUT, "timeout", True),
+        (errno.EROFS, "io", False),
+    ],
+)
+def test_os_errors_map_to_backend_error_kinds(code: int, kind: str, transient: bool) -> None:
+    error = backend_error(OSError(code, os.strerror(code)), "writing x")
+    assert (error.kind, error.transient) == (kind, transient)
+    assert str(error).startswith("writing x: ")
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+async def test_unwritable_destination_is_an_auth_error(
+    root: Path, source: tuple[int, bytes]
+) -> None:
+    fd, _ = source
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        with pytest.raises(BackendError) as info:
+            await make(root).put_file("j/x", fd, 10)
+        assert info.value.kind == "auth"
+        assert "permission denied" in str(info.value)
+    finally:
+        root.chmod(0o700)

@@ -1,0 +1,34 @@
+from ckptdrain.daemon.ratelimit import TokenBucket
+
+
+def test_unlimited_never_waits() -> None:
+    bucket = TokenBucket(0)
+    assert bucket.reserve(10**12, now=0.0) == 0.0
+
+
+def test_burst_then_paced_at_rate() -> None:
+    bucket = TokenBucket(100.0)
+    assert bucket.reserve(100, now=0.0) == 0.0  # the first second's burst
+    assert bucket.reserve(50, now=0.0) == 0.5  # in debt: wait for 50 tokens at 100/s
+    assert bucket.reserve(50, now=0.5) == 0.5  # the debt is paid, the new 50 wait again
+
+
+def test_large_reservation_is_paced_not_refused() -> None:
+    bucket = TokenBucket(10.0)
+    assert bucket.reserve(1000, now=0.0) == 99.0
+
+
+def test_sustained_rate_over_many_reservations() -> None:
+    bucket = TokenBucket(1000.0)
+    now = 0.0
+    for _ in range(100):
+        now += bucket.reserve(100, now)
+    # 100 x 100 bytes at 1000 B/s with a 1000-byte burst: 9 s of waiting.
+    assert abs(now - 9.0) < 1e-9
+
+
+def test_idle_time_refills_only_up_to_burst() -> None:
+    bucket = TokenBucket(10.0)
+    bucket.reserve(10, now=0.0)
+    assert bucket.reserve(10, now=1000.0) == 0.0
+    assert bucket.reserve(5, now=1000.0) == 0.5
