@@ -26,9 +26,14 @@ system-deps:
 demo: $(VENV)/.stamp-install
 	$(PY) examples/demo.py
 
+# mypy resolves ckptdrain.* through a symlinked tree: the sources live in client/ and daemon/,
+# mapped to ckptdrain.client / ckptdrain.daemon by setuptools, which mypy cannot follow.
 lint: $(VENV)/.stamp-install
-	$(VENV)/bin/ruff check client daemon tests
-	$(VENV)/bin/mypy client daemon
+	$(VENV)/bin/ruff check client daemon tests examples
+	mkdir -p build/mypy/ckptdrain
+	ln -sfn ../../../client build/mypy/ckptdrain/client
+	ln -sfn ../../../daemon build/mypy/ckptdrain/daemon
+	cd build/mypy && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p ckptdrain.client -p ckptdrain.daemon
 
 test: $(VENV)/.stamp-install $(VENV)/.stamp-torch system-deps lint
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider

@@ -6,7 +6,8 @@ its own (its ``begin`` ... ``seal`` conversation); the other calls share a small
 connections, so several threads may use one :class:`Client`.
 
 Every wait has a timeout: a request, with its payload, must finish within ``timeout_s`` (the
-``wait`` call within its own timeout plus a 30 s margin for the reply to arrive).
+``wait`` call within its own timeout plus a 30 s margin for the reply to arrive). A ``put`` of
+bytes is two requests (admission, then the data), each within ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import names, wire
 from ckptdrain.client.errors import (
@@ -33,6 +35,9 @@ from ckptdrain.client.errors import (
     UnsupportedVersion,
     error_for_code,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 SYSTEM_SOCKET_PATH = "/run/ckptdrain.sock"
 # Replies are headers only (at most 64 KiB); one reused buffer per connection reads them.
@@ -136,6 +141,10 @@ class _Channel:
             raise
         return channel
 
+    @property
+    def awaiting_data(self) -> bool:
+        return self._wire.awaiting_data is not None
+
     def close(self) -> None:
         if self.broken is None:
             self.broken = DaemonUnavailable(f"connection to {self.path} was closed")
@@ -176,14 +185,21 @@ class _Channel:
             raise self.broken
         limit_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit_s
-        header = self._wire.send(kind, fields, len(payload) if payload is not None else 0)
+        try:
+            header = self._wire.send(kind, fields, len(payload) if payload is not None else 0)
+        except wire.ProtocolError as exc:
+            # Only this module sends, so this is a bug here or an interrupted put/data pair:
+            # either way the conversation cannot go on.
+            self.broken = DrainError(f"cannot send {kind!r} to the ckptdrain daemon: {exc.message}")
+            self._sock.close()
+            raise self.broken from exc
         message: wire.Message
         try:
             try:
                 self._send(header, payload, fd, deadline)
             except (BrokenPipeError, ConnectionResetError):
                 # The daemon may refuse a request and close without reading the rest of it
-                # (a rejected put): its reply is still readable and says why.
+                # (a shard it cannot stage): its reply is still readable and says why.
                 message = self._read_reply(min(deadline, time.monotonic() + _REFUSAL_GRACE_S))
                 self.broken = DaemonUnavailable(
                     f"the ckptdrain daemon at {self.path} closed the connection during {kind!r}"
@@ -365,6 +381,10 @@ class Generation:
                 f"generation {self.job}/{self.step} rank {self.rank} is already {self._state}; "
                 "begin a new one to hand off more shards"
             )
+        if self._channel.awaiting_data and self._channel.broken is None:
+            # A put was admitted but its data never went (interrupted between the two).
+            self._channel.broken = DaemonUnavailable("a put was interrupted before its data")
+            self._channel.close()
         if self._channel.broken is not None:
             raise GenerationFailed(
                 f"the connection to the daemon broke earlier in generation {self.job}/{self.step} "
@@ -376,7 +396,7 @@ class Generation:
     def _shard_fields(self, path: str, size: int) -> dict[str, Any]:
         return {"job": self.job, "step": self.step, "rank": self.rank, "path": path, "size": size}
 
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    def put(self, path: str, data: ReadableBuffer) -> dict[str, Any]:
         """Hand off ``data`` as shard ``path``; returns when it is safe per the ack mode."""
         names.validate_shard_path(path)
         channel = self._open_channel()
@@ -393,7 +413,10 @@ class Generation:
                     "shard data must be one contiguous buffer; copy it (e.g. bytes(...)) first"
                 )
             with view.cast("B") as flat:
-                return channel.request("put", self._shard_fields(path, flat.nbytes), payload=flat)
+                # Two round trips: the daemon admits the shard (or pushes back) before any of
+                # its bytes are on the wire, then takes them in one data frame.
+                channel.request("put", self._shard_fields(path, flat.nbytes))
+                return channel.request("data", {}, payload=flat)
 
     def put_file(self, path: str, file: str | os.PathLike[str] | int) -> dict[str, Any]:
         """Hand off a file on this node as shard ``path`` by passing its open fd to the daemon.
@@ -452,6 +475,14 @@ class Generation:
         )
 
 
+def _close_channels(channels: list[_Channel], lock: threading.Lock) -> None:
+    with lock:
+        idle = list(channels)
+        channels.clear()
+    for channel in idle:
+        channel.close()
+
+
 def _is_memfd(fd: int) -> bool:
     # The kernel names memfds "/memfd:NAME"; readlink of the fd is the one precise test
     # (F_GET_SEALS also answers for ordinary tmpfs files).
@@ -478,6 +509,9 @@ class Client:
         self.connect_timeout_s = _check_timeout(connect_timeout_s, "connect_timeout_s")
         self._lock = threading.Lock()
         self._idle: list[_Channel] = []
+        # A Client dropped without close() (Client().latest(job) is a fine one-liner) still
+        # closes its pooled sockets when collected; the finalizer holds the list, not the Client.
+        self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
         self._closed = False
 
     def __enter__(self) -> Client:
@@ -493,11 +527,8 @@ class Client:
 
     def close(self) -> None:
         """Close the idle connections; generations still open keep their own until they end."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for channel in idle:
-            channel.close()
+        self._closed = True
+        self._finalizer()
 
     def _open_channel(self) -> _Channel:
         if self._closed:

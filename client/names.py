@@ -62,7 +62,7 @@ def validate_job(job: object) -> str:
     size = _utf8_len(job)
     if size > MAX_JOB_BYTES:
         raise InvalidName(
-            f"job name {job[:40]!r}... is {size} bytes, over the limit of {MAX_JOB_BYTES}; "
+            f"job name {job[:40]!r}... is too long: {size} bytes, over the limit of {MAX_JOB_BYTES}; "
             "use a shorter name"
         )
     bad = _first_bad_char(job, _JOB_CHARS)
@@ -82,7 +82,7 @@ def validate_shard_path(path: object) -> str:
     size = _utf8_len(path)
     if size > MAX_PATH_BYTES:
         raise InvalidName(
-            f"shard path {path[:40]!r}... is {size} bytes, over the limit of {MAX_PATH_BYTES}; "
+            f"shard path {path[:40]!r}... is too long: {size} bytes, over the limit of {MAX_PATH_BYTES}; "
             "use a shorter path"
         )
     # The specific messages first: they tell the user what went wrong better than a charset.
@@ -111,17 +111,17 @@ def validate_shard_path(path: object) -> str:
             )
         if len(component) > MAX_COMPONENT_BYTES:
             raise InvalidName(
-                f"shard path {path[:40]!r}... has a component of {len(component)} bytes, over the "
+                f"shard path {path[:40]!r}... has a component too long: {len(component)} bytes, over the "
                 f"limit of {MAX_COMPONENT_BYTES}; use shorter file names"
             )
         if component.endswith(TEMP_SUFFIX):
             raise InvalidName(
-                f"shard path {path!r} ends a component in {TEMP_SUFFIX!r}, which ckptdrain uses "
-                "for its temporary files; rename the shard"
+                f"shard path {path!r} ends a component in {TEMP_SUFFIX!r}, which is reserved for "
+                "ckptdrain's temporary files; rename the shard"
             )
     if components[0] == PARTS_DIR:
         raise InvalidName(
-            f"shard path {path!r} is under {PARTS_DIR + '/'!r}, which ckptdrain reserves for its "
+            f"shard path {path!r} is reserved: ckptdrain reserves {PARTS_DIR + '/'!r} for its "
             "part records; rename the shard"
         )
     if path == MANIFEST_NAME:

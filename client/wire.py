@@ -13,11 +13,19 @@ Frame (both directions)::
     +------+------------+-------------+------------------------+---------------------+
 
 The header is a JSON object whose ``"type"`` names the message; the other keys are its fields.
-Only ``put`` carries a payload, and its ``payload_len`` equals its ``size`` field. ``put_fd`` and
-``put_memfd`` carry one file descriptor instead (SCM_RIGHTS, attached to the frame's first byte);
-the IO layer moves the fd, this machine only says which types need one (:func:`needs_fd`).
 
-Events: a :class:`Message` per frame; after a ``put`` Message, its payload as
+A shard sent as bytes takes two round trips: ``put`` declares it (``size``, no payload), the
+daemon answers ``ok`` once it has admitted it (budget reserved: backpressure happens before any
+byte is sent, never with gigabytes stuck in a socket), then the client sends one ``data`` frame
+whose payload is the shard, exactly ``size`` bytes, and the daemon answers again. Only ``data``
+carries a payload. The machine tracks this on both sides: ``data`` is refused unless it follows
+an accepted ``put`` with the same size, and nothing else may come between.
+
+``put_fd`` and ``put_memfd`` carry one file descriptor instead (SCM_RIGHTS, attached to the
+frame's first byte) and take one round trip; the IO layer moves the fd, this machine only says
+which types need one (:func:`needs_fd`).
+
+Events: a :class:`Message` per frame; after a ``data`` Message, its payload as
 :class:`PayloadChunk` events and always one :class:`PayloadEnd` (even for an empty payload);
 :class:`ConnectionClosed` when the peer closed at a frame boundary; ``NEED_DATA`` when more bytes
 are needed. Hostile input raises :class:`ProtocolError` and leaves the receiving side dead.
@@ -96,14 +104,14 @@ class Message:
 
 @dataclass(frozen=True)
 class PayloadChunk:
-    """Part of the payload of the last ``put`` Message (a view of bytes nobody else holds)."""
+    """Part of the payload of the last ``data`` Message (a view of bytes nobody else holds)."""
 
     data: memoryview
 
 
 @dataclass(frozen=True)
 class PayloadEnd:
-    """The payload of the last ``put`` Message is complete."""
+    """The payload of the last ``data`` Message is complete."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,7 @@ _CLIENT_KINDS: dict[str, _Schema] = {
         "ack": (_check_ack, False),
     },
     "put": _SHARD,
+    "data": {},
     "put_fd": _SHARD,
     "put_memfd": _SHARD,
     "seal": {"job": (_job, True), "step": (_step, True), "rank": (_rank, True)},
@@ -258,7 +267,7 @@ _SERVER_KINDS: dict[str, _Schema | None] = {
         "details": (_check_dict, False),
     },
 }
-_PAYLOAD_KINDS: Final = frozenset({"put"})
+_PAYLOAD_KINDS: Final = frozenset({"data"})
 _FD_KINDS: Final = frozenset({"put_fd", "put_memfd"})
 
 CLIENT_MESSAGE_TYPES: Final = frozenset(_CLIENT_KINDS)
@@ -323,12 +332,6 @@ def _validate(
             names.validate_rank(checked["rank"], checked["world_size"])
         except RejectedInput as exc:
             raise ProtocolError(BAD_REQUEST, f"'begin': {exc.message}") from None
-    if kind in _PAYLOAD_KINDS and payload_len != checked["size"]:
-        raise ProtocolError(
-            SIZE_MISMATCH,
-            f"{kind!r} declares size {checked['size']} but its frame carries {payload_len} "
-            "payload bytes; they must be equal",
-        )
     return checked
 
 
@@ -400,8 +403,18 @@ class Connection:
         self._payload_left = 0
         self._received_any = False
         self._sent_any = False
+        # The two-phase put, tracked alike on both sides. _put_size: a put went out (client) or
+        # came in (server) and its answer is not known yet. _data_size: the daemon answered it
+        # ok, so the client's next frame must be its `data`, carrying exactly this many bytes.
+        self._put_size: int | None = None
+        self._data_size: int | None = None
 
     # --- receiving ---------------------------------------------------------------------------
+
+    @property
+    def awaiting_data(self) -> int | None:
+        """The size the next ``data`` frame must have (after an accepted put), else None."""
+        return self._data_size
 
     @property
     def buffered(self) -> int:
@@ -410,7 +423,7 @@ class Connection:
 
     @property
     def payload_remaining(self) -> int:
-        """Payload bytes of the current ``put`` not yet returned or consumed."""
+        """Payload bytes of the current ``data`` frame not yet returned or consumed."""
         return self._payload_left if self._in_payload else 0
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
@@ -566,8 +579,46 @@ class Connection:
             if self._received_any and kind == "welcome":
                 raise ProtocolError(BAD_REQUEST, "second 'welcome' on one connection")
         checked = _validate(kind, fields, payload_len, outgoing=False)
+        if self.role is Role.SERVER:
+            self._check_client_frame(kind, payload_len)
+            self._client_frame_done(kind, checked)
+        else:
+            self._server_frame_done(kind)
         self._received_any = True
         return Message(kind, checked, payload_len)
+
+    def _check_client_frame(self, kind: str, payload_len: int) -> None:
+        if self._data_size is not None:
+            if kind != "data":
+                raise ProtocolError(
+                    BAD_REQUEST,
+                    f"expected the 'data' frame of the accepted put, got {kind!r}; "
+                    "send the shard's bytes right after the daemon's 'ok' to its put",
+                )
+            if payload_len != self._data_size:
+                raise ProtocolError(
+                    SIZE_MISMATCH,
+                    f"the put declared {self._data_size} bytes but its 'data' frame carries "
+                    f"{payload_len}; they must be equal",
+                )
+        elif kind == "data":
+            raise ProtocolError(
+                BAD_REQUEST,
+                "'data' frame without a put the daemon accepted; send 'put' and wait for its "
+                "'ok' first",
+            )
+
+    def _client_frame_done(self, kind: str, fields: Mapping[str, Any]) -> None:
+        if kind == "data":
+            self._data_size = None
+        elif kind == "put":
+            self._put_size = fields["size"]
+
+    def _server_frame_done(self, kind: str) -> None:
+        if self._put_size is not None:
+            if kind == "ok":
+                self._data_size = self._put_size
+            self._put_size = None
 
     # --- sending -----------------------------------------------------------------------------
 
@@ -593,7 +644,13 @@ class Connection:
                     BAD_REQUEST,
                     f"error code {fields.get('code')!r} is not one of {sorted(ERROR_CODES)}",
                 )
+        if self.role is Role.CLIENT:
+            self._check_client_frame(kind, payload_len)
         data = encode_message(kind, fields, payload_len)
+        if self.role is Role.CLIENT:
+            self._client_frame_done(kind, fields or {})
+        else:
+            self._server_frame_done(kind)
         self._sent_any = True
         return data
 

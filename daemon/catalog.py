@@ -16,7 +16,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from ckptdrain.client.manifest import (
     TMP_SUFFIX,
@@ -171,7 +171,7 @@ async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | 
     return None
 
 
-async def resolve(backend: Backend, job: str, generation: int | str) -> Manifest:
+async def resolve(backend: Backend, job: str, generation: int | Literal["latest"]) -> Manifest:
     """The manifest for ``generation`` (a step, or ``"latest"``), or NotCommitted."""
     if generation == "latest":
         step = await latest(backend, job)
@@ -196,13 +196,16 @@ async def resolve(backend: Backend, job: str, generation: int | str) -> Manifest
 # --- verify ---------------------------------------------------------------------------------
 
 
-async def verify(backend: Backend, job: str, step: int, *, concurrency: int = 4) -> VerifyReport:
+async def verify(
+    backend: Backend, job: str, step: int | Literal["latest"], *, concurrency: int = 4
+) -> VerifyReport:
     """Re-read every shard of a committed generation and check its size and sha256.
 
     Damage is reported, not raised: the report names every bad shard. Raises NotCommitted when
     there is no valid manifest, and BackendError when the destination itself fails.
     """
     manifest = await resolve(backend, job, step)
+    step = manifest.generation
     report = VerifyReport(ok=True, checked=0, bytes=0)
     # One listing finds missing shards without a failed read per shard (and without relying
     # on how each backend words "not found").
@@ -249,7 +252,7 @@ async def verify(backend: Backend, job: str, step: int, *, concurrency: int = 4)
 async def restore(
     backend: Backend,
     job: str,
-    step: int,
+    step: int | Literal["latest"],
     to_dir: Path,
     *,
     concurrency: int = 8,
@@ -264,6 +267,7 @@ async def restore(
     can be re-run against it. Files are not fsynced: a restore is repeatable.
     """
     manifest = await resolve(backend, job, step)
+    step = manifest.generation
     root = Path(to_dir)
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
     root = await asyncio.to_thread(root.resolve)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptdrain.client.manifest import (
+    STEP_DIGITS,
     Manifest,
     ManifestError,
     PartRecord,
@@ -38,6 +39,7 @@ from ckptdrain.client.manifest import (
     same_contents,
     validate_node_id,
 )
+from ckptdrain.client.names import MAX_STEP
 from ckptdrain.daemon.backends.base import Backend, BackendError
 
 log = logging.getLogger(__name__)
@@ -240,10 +242,11 @@ class Committer:
 
 
 def parse_latest(data: bytes | None) -> int | None:
-    """The step a LATEST hint names, or None when absent or not a step number."""
+    """The step a LATEST hint names, or None when absent or not a valid step number."""
     if data is None:
         return None
     text = data.strip()
-    if not text.isdigit() or len(text) > 20:
+    if not text.isdigit() or len(text) > STEP_DIGITS:
         return None
-    return int(text)
+    step = int(text)
+    return step if step <= MAX_STEP else None

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -291,13 +291,13 @@ class Metrics:
             ["job", "reason"],
             registry=reg,
         )
-        self._last_generation = prometheus_client.Gauge(
+        self._last_generation = Gauge(
             "ckptdrain_last_committed_generation",
             "Step of the newest generation committed, by job.",
             ["job"],
             registry=reg,
         )
-        self._last_commit_time = prometheus_client.Gauge(
+        self._last_commit_time = Gauge(
             "ckptdrain_last_commit_timestamp_seconds",
             "Unix time of the newest commit, by job.",
             ["job"],
@@ -333,7 +333,7 @@ class Metrics:
 
     def set_snapshot(self, snap: Snapshot) -> None:
         """Publish the daemon's current state; the gauges read it at the next scrape."""
-        for job in snap.oldest_undrained_since:
+        for job in (*snap.oldest_undrained_since, *snap.generations_in_flight):
             self._see_job(job)
         self._state.snapshot = snap
 

@@ -146,7 +146,7 @@ class Scheduler:
                 self.metrics.drain_error(self.destination, "staging")
                 await self._fail_shard(gen, shard, f"staged copy unreadable: {exc}")
                 return
-        if gen.terminal:
+        if gen.terminal or shard.state is not ShardState.DRAINING:
             return
         now = time.time()
         await self.ledger.set_shard(shard, ShardState.DRAINED, checksum=checksum, drained_at=now)
@@ -167,6 +167,8 @@ class Scheduler:
             os.close(fd)
 
     async def _fail_shard(self, gen: GenerationRecord, shard: ShardRecord, reason: str) -> None:
+        if shard.state is not ShardState.DRAINING:
+            return  # discarded meanwhile: its generation was aborted or cancelled
         await self.ledger.set_shard(shard, ShardState.FAILED, error=reason)
         if not gen.terminal:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",

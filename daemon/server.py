@@ -105,6 +105,8 @@ class Daemon:
             async with contextlib.AsyncExitStack() as stack:
                 stack.push_async_callback(self.backend.aclose)
                 await self._recover()
+                # Leftovers of this node's interrupted writes go before any new drain starts.
+                await self._sweep_once(timeout_s=60.0)
                 if self.config.metrics.listen:
                     self.metrics_address = await self.metrics.serve(
                         self.config.metrics.host, self.config.metrics.port)
@@ -241,18 +243,23 @@ class Daemon:
         log_event(log, logging.INFO, "recovered", generations=len(self.ledger.generations),
                   requeued=len(requeue), removed_files=removed)
 
-    async def _sweep_orphans(self) -> None:
-        grace = self.config.destination.orphan_grace_s
-        while True:
-            try:
-                owned = await self._owned_upload_ids()
-                aborted = await self.backend.sweep_orphans(owned, grace)
-                if aborted:
+    async def _sweep_once(self, *, timeout_s: float) -> None:
+        try:
+            owned = await self._owned_upload_ids()
+            aborted = await asyncio.wait_for(
+                self.backend.sweep_orphans(owned, self.config.destination.orphan_grace_s), timeout_s)
+            if aborted:
+                if self.config.destination.scheme == "s3":
                     self.metrics.upload_aborted(aborted)
-                    log_event(log, logging.INFO, "orphans_swept", aborted=aborted)
-            except Exception as exc:
-                log_event(log, logging.WARNING, "orphan_sweep_failed", error=str(exc))
-            await asyncio.sleep(max(60.0, grace / 4))
+                log_event(log, logging.INFO, "orphans_swept", removed=aborted)
+        except Exception as exc:  # the destination may be down; draining retries on its own
+            log_event(log, logging.WARNING, "orphan_sweep_failed", error=str(exc) or type(exc).__name__)
+
+    async def _sweep_orphans(self) -> None:
+        interval = max(60.0, self.config.destination.orphan_grace_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            await self._sweep_once(timeout_s=interval)
 
     async def _owned_upload_ids(self) -> set[str]:
         snap = await self.journal.load()
@@ -494,6 +501,10 @@ class ClientHandler:
                 reply = await self._dispatch(msg)
             except RequestError as exc:
                 await self.channel.sendall(self.conn.send_error(exc.code, exc.message, exc.details or None))
+                if self.conn.payload_remaining or self.conn.awaiting_data is not None:
+                    # Failed part-way through a shard's bytes: the rest of them are still on
+                    # the way and cannot be told apart from the next frame. Hang up.
+                    return
                 continue
             await self._send("ok", reply)
 

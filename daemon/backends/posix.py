@@ -47,6 +47,8 @@ EXTRA_THREADS = 4
 # default layout rather than not at all.
 LFS_TIMEOUT_S = 30.0
 _RANDOM_HEX = 12
+# Longest file name on Linux filesystems, Lustre included (names are ASCII, so bytes = chars).
+NAME_MAX = 255
 _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE})
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _AUTH_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
@@ -89,8 +91,14 @@ def backend_error(exc: OSError, what: str) -> BackendError:
 
 def temp_name(final_name: str, node_id: str) -> str:
     """``.<name>.<node>.<random>.ckptdrain-tmp``: hidden, unique, and saying whose it is, so
-    a sweep can remove this node's leftovers at once and other nodes' only when old."""
-    return f".{final_name}.{node_id}.{secrets.token_hex(_RANDOM_HEX // 2)}{TMP_SUFFIX}"
+    a sweep can remove this node's leftovers at once and other nodes' only when old.
+
+    The name part is shortened to keep the whole within NAME_MAX: it is only there to help a
+    human, while the owner and suffix (which sweeps parse from the end) must survive.
+    """
+    tail = f".{node_id}.{secrets.token_hex(_RANDOM_HEX // 2)}{TMP_SUFFIX}"
+    budget = max(0, NAME_MAX - 1 - len(tail))
+    return f".{final_name[:budget]}{tail}"
 
 
 def _temp_owner_matches(name: str, node_id: str) -> bool:
@@ -148,6 +156,9 @@ class PosixBackend(Backend):
         # default executor has min(32, cores + 4) threads and serves everyone else too).
         self.max_threads = int(config.max_concurrency) + EXTRA_THREADS
         self._executor: ThreadPoolExecutor | None = None
+        # Temp names this process is writing right now: a sweep (at start-up or periodic)
+        # must never take a file from under a copy in flight.
+        self._live: set[str] = set()
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -201,7 +212,12 @@ class PosixBackend(Backend):
     def _put_file_sync(self, final: Path, src_fd: int, size: int, stop: threading.Event) -> str:
         _makedirs(final.parent)
         tmp = final.with_name(temp_name(final.name, self.node_id))
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._live.add(str(tmp))
+        try:
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except BaseException:
+            self._live.discard(str(tmp))
+            raise
         # The temp exists from here: every way out either renames it or unlinks it.
         published = False
         try:
@@ -215,6 +231,7 @@ class PosixBackend(Backend):
         finally:
             if not published:
                 tmp.unlink(missing_ok=True)
+            self._live.discard(str(tmp))
         _fsync_dir(final.parent)
         return format_checksum("sha256", digest)
 
@@ -252,7 +269,12 @@ class PosixBackend(Backend):
         del stop  # one small write: nothing to interrupt
         _makedirs(final.parent)
         tmp = final.with_name(temp_name(final.name, self.node_id))
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._live.add(str(tmp))
+        try:
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except BaseException:
+            self._live.discard(str(tmp))
+            raise
         created = True
         try:
             try:
@@ -271,6 +293,7 @@ class PosixBackend(Backend):
                 os.rename(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
+            self._live.discard(str(tmp))
         if created:
             _fsync_dir(final.parent)
         return created
@@ -292,7 +315,12 @@ class PosixBackend(Backend):
         # file in it first. Whoever loses the race removes its (empty) temp directory.
         _makedirs(directory.parent)
         tmp = directory.with_name(temp_name(directory.name, self.node_id))
-        tmp.mkdir()
+        self._live.add(str(tmp))
+        try:
+            tmp.mkdir()
+        except BaseException:
+            self._live.discard(str(tmp))
+            raise
         try:
             self._setstripe(lfs, tmp)
             try:
@@ -303,6 +331,7 @@ class PosixBackend(Backend):
         finally:
             if tmp.exists():
                 tmp.rmdir()
+            self._live.discard(str(tmp))
         _fsync_dir(directory.parent)
 
     def _setstripe(self, lfs: str, directory: Path) -> None:
@@ -454,6 +483,8 @@ class PosixBackend(Backend):
                 if not name.endswith(TMP_SUFFIX):
                     continue
                 path = os.path.join(dirpath, name)
+                if path in self._live:
+                    continue
                 try:
                     st = os.lstat(path)
                     mine = _temp_owner_matches(name, self.node_id)

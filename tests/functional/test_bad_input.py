@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 import threading
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,12 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def frame(header: dict[str, Any] | bytes, payload_len: int = 0) -> bytes:
@@ -124,14 +131,14 @@ def bystander(daemon: DaemonProcess):  # type: ignore[no-untyped-def]
     ("_parts/node.json", "reserved"),
 ])
 def test_hostile_shard_names_are_refused_by_the_daemon(bystander: DaemonProcess, path: str, fragment: str) -> None:
-    raw = RawClient(bystander.socket_path)
-    raw.hello_begin(job="names")
-    data = raw.raw(frame({"type": "put", "job": "names", "step": 1, "rank": 0, "path": path, "size": 1}))
+    with RawClient(bystander.socket_path) as raw:
+        raw.hello_begin(job="names")
+        data = raw.raw(frame({"type": "put", "job": "names", "step": 1, "rank": 0, "path": path, "size": 1}))
     err = error_in(data)
     assert err["code"] == "invalid_name"
     assert fragment.lower() in err["message"].lower()
-    raw.close()
-    assert not list((bystander.staging / "shards").glob("*.tmp"))
+    status = bystander.client().status()
+    assert [g["shards"] for g in status["generations"] if g["job"] == "names"] in ([], [{}])
 
 
 def test_client_side_names_are_checked_before_any_io(daemon: DaemonProcess) -> None:
@@ -154,28 +161,24 @@ def test_duplicate_shard_name_in_one_generation(bystander: DaemonProcess) -> Non
 
 
 def test_declared_size_differs_from_the_bytes_sent(bystander: DaemonProcess, tmp_path: Path) -> None:
-    raw = RawClient(bystander.socket_path)
-    raw.hello_begin(job="sizes")
-    assert raw.call("put", job="sizes", step=1, rank=0, path="a", size=10).kind == "ok"
-    err = error_in(raw.raw(frame({"type": "data"}, payload_len=5) + b"12345"))
+    with RawClient(bystander.socket_path) as raw:
+        raw.hello_begin(job="sizes")
+        assert raw.call("put", job="sizes", step=1, rank=0, path="a", size=10).kind == "ok"
+        err = error_in(raw.raw(frame({"type": "data"}, payload_len=5) + b"12345"))
     assert err["code"] == "size_mismatch"
-    raw.close()
     # put_fd: the declared size is checked against the file the client passed.
     f = tmp_path / "f.bin"
     f.write_bytes(b"0123456789")
-    sock = socket.socket(socket.AF_UNIX)
-    sock.connect(str(bystander.socket_path))
-    conn = wire.Connection(wire.Role.CLIENT)
-    client = RawClient.__new__(RawClient)
-    client.sock, client.conn = sock, conn
+    client = RawClient(bystander.socket_path)
     client.hello_begin(job="sizes2")
     fd = os.open(f, os.O_RDONLY)
-    sock.sendmsg([conn.send("put_fd", {"job": "sizes2", "step": 1, "rank": 0, "path": "f", "size": 3})],
-                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+    header = wire.encode_message("put_fd", {"job": "sizes2", "step": 1, "rank": 0, "path": "f", "size": 3})
+    client.sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
     os.close(fd)
     reply = client.reply()
-    assert reply.kind == "error" and reply.fields["code"] == "size_mismatch"
     client.close()
+    assert reply.kind == "error" and reply.fields["code"] == "size_mismatch"
+    assert "holds 10" in reply.fields["message"]
     assert bystander.client().status()["staged_bytes"] >= 0
 
 
@@ -190,46 +193,47 @@ def test_client_api_size_mismatch_from_fd(daemon: DaemonProcess, tmp_path: Path)
 
 
 def test_unknown_request_type(bystander: DaemonProcess) -> None:
-    raw = RawClient(bystander.socket_path)
-    assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
-    err = error_in(raw.raw(frame({"type": "frobnicate", "x": 1})))
+    with RawClient(bystander.socket_path) as raw:
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        err = error_in(raw.raw(frame({"type": "frobnicate", "x": 1})))
     assert err["code"] == "bad_request" and "frobnicate" in err["message"]
 
 
 def test_oversize_header(bystander: DaemonProcess) -> None:
-    raw = RawClient(bystander.socket_path)
-    err = error_in(raw.raw(struct.pack(">4sIQ", b"CKD1", 10 << 20, 0)))
+    with RawClient(bystander.socket_path) as raw:
+        err = error_in(raw.raw(struct.pack(">4sIQ", b"CKD1", 10 << 20, 0)))
     assert err["code"] == "bad_request" and "oversize header" in err["message"]
 
 
 def test_garbage_and_wrong_version(bystander: DaemonProcess) -> None:
-    raw = RawClient(bystander.socket_path)
-    assert error_in(raw.raw(b"GET / HTTP/1.1\r\n\r\n"))["code"] == "bad_request"
-    raw = RawClient(bystander.socket_path)
-    assert error_in(raw.raw(frame({"type": "hello", "version": 99})))["code"] == "unsupported_version"
+    with RawClient(bystander.socket_path) as raw:
+        assert error_in(raw.raw(b"GET / HTTP/1.1\r\n\r\n"))["code"] == "bad_request"
+    with RawClient(bystander.socket_path) as raw:
+        assert error_in(raw.raw(frame({"type": "hello", "version": 99})))["code"] == "unsupported_version"
 
 
 def test_disconnect_mid_shard_releases_space(bystander: DaemonProcess) -> None:
-    raw = RawClient(bystander.socket_path)
-    raw.hello_begin(job="midway")
     size = 8 << 20
-    assert raw.call("put", job="midway", step=1, rank=0, path="a", size=size).kind == "ok"
-    raw.sock.sendall(frame({"type": "data"}, payload_len=size) + b"y" * (size // 3))
-    raw.close()
-    deadline = __import__("time").monotonic() + 20
-    while any((bystander.staging / "shards").glob("*.tmp")):
-        assert __import__("time").monotonic() < deadline
-    status = bystander.client().status()
-    midway = [g for g in status["generations"] if g["job"] == "midway"]
-    assert midway and midway[0]["state"] == "failed"
+    with RawClient(bystander.socket_path) as raw:
+        raw.hello_begin(job="midway")
+        assert raw.call("put", job="midway", step=1, rank=0, path="a", size=size).kind == "ok"
+        raw.sock.sendall(frame({"type": "data"}, payload_len=size) + b"y" * (size // 3))
+    deadline = time.monotonic() + 20
+    while True:
+        midway = [g for g in bystander.client().status()["generations"] if g["job"] == "midway"]
+        if midway and midway[0]["state"] == "failed":
+            break
+        assert time.monotonic() < deadline, midway
+        time.sleep(0.02)
+    assert midway[0]["shards"] == {}
     assert not (bystander.dest / "midway" / f"{1:020d}" / "a").exists()
 
 
 def test_idle_client_times_out(make_daemon) -> None:  # type: ignore[no-untyped-def]
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__CLIENT_IDLE_TIMEOUT_S="0.5")
-    raw = RawClient(d.socket_path)
-    raw.hello_begin(job="idle")
-    assert raw.sock.recv(10) == b""  # the daemon hung up on us
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin(job="idle")
+        assert raw.sock.recv(10) == b""  # the daemon hung up on us
     [gen] = d.client().status()["generations"]
     assert gen["state"] == "failed"
 

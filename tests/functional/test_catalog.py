@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from ckptdrain.client.manifest import (
     TMP_SUFFIX,
     PartRecord,
@@ -130,8 +131,9 @@ async def test_latest_trusts_the_hint_only_when_its_manifest_exists(
 
     await backend.put_bytes(latest_key(JOB), b"900\n")  # names no manifest: fall back
     assert await catalog.latest(backend, JOB) == 200
-    await backend.put_bytes(latest_key(JOB), b"garbage")
-    assert await catalog.latest(backend, JOB) == 200
+    for junk in (b"garbage", b"99999999999999999999", b"-1", b"x" * 100):
+        await backend.put_bytes(latest_key(JOB), junk)
+        assert await catalog.latest(backend, JOB) == 200
     await backend.put_bytes(manifest_key(JOB, 200), b"{damaged")
     await backend.delete(latest_key(JOB))
     assert await catalog.latest(backend, JOB) == 100
@@ -156,7 +158,7 @@ async def test_verify_passes_an_intact_generation(
 ) -> None:
     backend, _ = dest
     await commit(backend, tmp_path, 100, PATHS)
-    report = await catalog.verify(backend, JOB, 100, concurrency=2)
+    report = await catalog.verify(backend, JOB, "latest", concurrency=2)
     assert report.ok
     assert report.checked == 3
     assert report.bytes == sum(len(shard_bytes(100, p)) for p in PATHS)

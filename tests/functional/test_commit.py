@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from ckptdrain.client.manifest import (
     PartRecord,
     ShardEntry,

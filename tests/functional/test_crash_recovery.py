@@ -148,16 +148,17 @@ CLIENT_SCRIPT = textwrap.dedent("""
 
 
 def test_client_killed_mid_shard_leaves_nothing(daemon: DaemonProcess) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, str(daemon.socket_path)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "HALF"
-        wait_for(lambda: any((daemon.staging / "shards").glob("*.tmp")))
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    with subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, str(daemon.socket_path)],
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "HALF"
+            wait_for(lambda: any((daemon.staging / "shards").glob("*.tmp")))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
     wait_for(lambda: not any((daemon.staging / "shards").iterdir()))
+    wait_for(lambda: daemon.client().status()["generations"][0]["state"] == "failed")
     status = daemon.client().status()
     assert status["staged_bytes"] == 0 and status["queued_shards"] == 0
     [gen] = status["generations"]

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo, open_backend
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.config import DestinationConfig

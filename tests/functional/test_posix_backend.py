@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.daemon.backends import posix
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo, open_backend
@@ -155,6 +156,19 @@ async def test_cancelled_put_file_stops_its_thread_and_removes_the_temp(
         await task
     assert not (root / "job/big.pt").exists()
     assert temps(root) == []
+
+
+@pytest.mark.asyncio
+async def test_a_name_of_the_longest_allowed_length_still_gets_a_temp_name(
+    root: Path, source: tuple[int, bytes]
+) -> None:
+    fd, data = source
+    backend = make(root, "n" * 128)
+    name = "x" * 255
+    await backend.put_file(f"j/{name}", fd, 10)
+    assert (root / "j" / name).read_bytes() == data[:10]
+    assert len(temp_name(name, "n" * 128)) == 255
+    assert await backend.sweep_orphans(set(), 0) == 0
 
 
 @pytest.mark.asyncio

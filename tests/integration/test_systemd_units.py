@@ -85,7 +85,9 @@ def test_verify_catches_a_broken_unit(verifiable: Path) -> None:
 def test_security_exposure_is_ok_and_documented(verifiable: Path) -> None:
     result = analyze("security", "--offline=yes", "./ckptdrain.service", cwd=verifiable)
     assert result.returncode == 0, result.stdout + result.stderr
-    match = re.search(r"Overall exposure level for ckptdrain\.service: (\d+\.\d+) (\w+)", result.stdout)
+    match = re.search(
+        r"Overall exposure level for ckptdrain\.service: (\d+\.\d+) (\w+)", result.stdout
+    )
     assert match, result.stdout
     exposure, verdict = float(match[1]), match[2]
     assert exposure <= MAX_EXPOSURE, result.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from ckptdrain.client.manifest import (
     FORMAT_VERSION,
     TMP_SUFFIX,

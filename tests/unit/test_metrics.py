@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
 from ckptdrain.daemon import metrics as metrics_module
 from ckptdrain.daemon.metrics import (
     BACKPRESSURE_ACTIONS,
@@ -18,7 +20,6 @@ from ckptdrain.daemon.metrics import (
     MetricsServerError,
     Snapshot,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 Labels = frozenset[tuple[str, str]]
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from ckptdrain.daemon.systemd import Notifier, SocketActivationError, listen_fds
 
 RECV_TIMEOUT_S = 5.0

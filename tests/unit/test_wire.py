@@ -7,6 +7,7 @@ import struct
 from typing import Any
 
 import pytest
+
 from ckptdrain.client import wire
 from ckptdrain.client.wire import (
     NEED_DATA,
@@ -35,16 +36,28 @@ def frame(
 HELLO = frame({"type": "hello", "version": 1, "client": "test"})
 
 
+def put(path: str, size: int) -> bytes:
+    return frame({"type": "put", **JOB, "path": path, "size": size})
+
+
+def data(payload: bytes) -> bytes:
+    return frame({"type": "data"}, payload)
+
+
 def client_stream() -> tuple[bytes, list[int]]:
     """A valid client->server stream and the offsets where its frames end."""
     frames = [
         HELLO,
         frame({"type": "begin", **JOB, "world_size": 8, "ack": "memory"}),
-        frame({"type": "put", **JOB, "path": "model/rank3.pt", "size": len(PAYLOAD)}, PAYLOAD),
-        frame({"type": "put", **JOB, "path": "empty.bin", "size": 0}),
+        put("model/rank3.pt", len(PAYLOAD)),
+        data(PAYLOAD),
+        put("empty.bin", 0),
+        data(b""),
         frame({"type": "put_fd", **JOB, "path": "optim/rank3.pt", "size": 1 << 40}),
         frame({"type": "put_memfd", **JOB, "path": "optim/rank3.mem", "size": 5}),
-        frame({"type": "put", **JOB, "path": "x/y.bin", "size": 3}, b"xyz"),
+        put("refused.bin", 10),  # the daemon says no (see answer()): no data frame follows
+        put("x/y.bin", 3),
+        data(b"xyz"),
         frame({"type": "seal", **JOB}),
         frame({"type": "abort", **JOB, "reason": "KeyboardInterrupt: ü"}),
         frame({"type": "wait", "job": "llama-70b", "step": 1200, "timeout_s": 1.5}),
@@ -74,8 +87,21 @@ def normalize(events: list[Any]) -> list[Any]:
     return out
 
 
-def drain(conn: Connection) -> list[Any]:
-    """Every event available now (stops at NEED_DATA or after ConnectionClosed)."""
+def answer(conn: Connection, message: Message) -> bytes:
+    """What a daemon would send back: the machine tracks the put/data exchange from it."""
+    if message.kind == "hello":
+        return conn.send("welcome", {"version": 1, "node_id": "n"})
+    if message.kind == "put" and message.fields["path"] == "refused.bin":
+        return conn.send_error("backpressure", "full")
+    return conn.send("ok", {"ready": True} if message.kind == "put" else {})
+
+
+def drain(conn: Connection, replies: list[bytes] | None = None) -> list[Any]:
+    """Every event available now (stops at NEED_DATA or after ConnectionClosed).
+
+    In the SERVER role each Message is answered as a daemon would, before the next is parsed;
+    the answers go to ``replies``.
+    """
     events: list[Any] = []
     while True:
         event = conn.next_event()
@@ -84,6 +110,10 @@ def drain(conn: Connection) -> list[Any]:
         events.append(event)
         if isinstance(event, ConnectionClosed):
             return events
+        if conn.role is Role.SERVER and isinstance(event, Message):
+            reply = answer(conn, event)
+            if replies is not None:
+                replies.append(reply)
 
 
 def feed(role: Role, chunks: list[bytes], eof: bool = True) -> list[Any]:
@@ -124,13 +154,17 @@ def test_whole_stream_yields_each_message_its_payload_and_a_clean_close() -> Non
         "hello",
         "begin",
         "put",
+        "data",
         PAYLOAD,
         PayloadEnd(),
         "put",
+        "data",
         PayloadEnd(),  # an empty payload still ends, so the server's loop is always the same
         "put_fd",
         "put_memfd",
         "put",
+        "put",
+        "data",
         b"xyz",
         PayloadEnd(),
         "seal",
@@ -141,10 +175,8 @@ def test_whole_stream_yields_each_message_its_payload_and_a_clean_close() -> Non
         "retry",
         ConnectionClosed(),
     ]
-    put = events[2]
-    assert put == Message(
-        "put", {**JOB, "path": "model/rank3.pt", "size": len(PAYLOAD)}, len(PAYLOAD)
-    )
+    assert events[2] == Message("put", {**JOB, "path": "model/rank3.pt", "size": len(PAYLOAD)})
+    assert events[3] == Message("data", {}, len(PAYLOAD))
     assert events[1].fields == {**JOB, "world_size": 8, "ack": "memory"}
 
 
@@ -220,14 +252,21 @@ def test_truncated_anywhere_inside_a_frame_is_an_error_and_at_a_boundary_a_close
             assert info.value.code == "bad_request"
 
 
-def test_fast_path_payload_consumed_skips_the_machine() -> None:
+def accepted_put(size: int) -> Connection:
+    """A server-role machine that has said hello and accepted a put of ``size`` bytes."""
     conn = Connection(Role.SERVER)
-    header = wire.encode_message("put", {**JOB, "path": "a.bin", "size": 1000}, 1000)
-    conn.receive_data(HELLO + header + PAYLOAD[:100])
-    hello = conn.next_event()
-    assert isinstance(hello, Message) and hello.kind == "hello"
+    conn.receive_data(HELLO + put("a.bin", size))
+    assert [e.kind for e in drain(conn)] == ["hello", "put"]  # drain() answers both with ok
+    assert conn.awaiting_data == size
+    return conn
+
+
+def test_fast_path_payload_consumed_skips_the_machine() -> None:
+    conn = accepted_put(1000)
+    conn.receive_data(wire.encode_message("data", {}, 1000) + PAYLOAD[:100])
     message = conn.next_event()
-    assert isinstance(message, Message) and message.payload_len == 1000
+    assert message == Message("data", {}, 1000)
+    assert conn.awaiting_data is None
     assert conn.payload_remaining == 1000 and conn.buffered == 100
     with pytest.raises(RuntimeError, match="still buffered"):
         conn.payload_consumed(1)
@@ -251,9 +290,9 @@ def test_fast_path_payload_consumed_skips_the_machine() -> None:
 
 
 def test_fast_path_eof_before_the_payload_is_done_is_truncated() -> None:
-    conn = Connection(Role.SERVER)
-    conn.receive_data(HELLO + wire.encode_message("put", {**JOB, "path": "a", "size": 10}, 10))
-    drain(conn)
+    conn = accepted_put(10)
+    conn.receive_data(wire.encode_message("data", {}, 10))
+    assert conn.next_event() == Message("data", {}, 10)
     conn.payload_consumed(4)
     conn.receive_data(b"")
     with pytest.raises(ProtocolError, match="6 bytes missing"):
@@ -291,14 +330,43 @@ def test_oversize_payload_is_refused() -> None:
     expect_error(Role.SERVER, prefix, "bad_request", "oversize payload")
 
 
-def test_declared_payload_length_must_equal_size() -> None:
-    put = {"type": "put", **JOB, "path": "a.bin", "size": 10}
-    expect_error(Role.SERVER, HELLO + frame(put, b"x" * 9), "size_mismatch", "declares size 10")
-    expect_error(Role.SERVER, HELLO + frame(put, b"x" * 11), "size_mismatch", "11 payload bytes")
+def test_the_data_frame_must_carry_exactly_the_declared_size() -> None:
+    for wrong in (b"x" * 9, b"x" * 11, b""):
+        error = expect_error(
+            Role.SERVER, HELLO + put("a.bin", 10) + data(wrong), "size_mismatch", "declared 10"
+        )
+        assert f"carries {len(wrong)}" in error.message
+
+
+def test_data_only_right_after_a_put_the_daemon_accepted() -> None:
+    never = "'data' frame without a put the daemon accepted"
+    expect_error(Role.SERVER, HELLO + data(b"abc"), "bad_request", never)
+    # Refused put: the daemon's error answer means no data frame may follow.
+    expect_error(Role.SERVER, HELLO + put("refused.bin", 3) + data(b"abc"), "bad_request", never)
+    # Accepted put: the data frame must come next, nothing else.
+    expect_error(
+        Role.SERVER,
+        HELLO + put("a.bin", 3) + frame({"type": "seal", **JOB}),
+        "bad_request",
+        "expected the 'data' frame of the accepted put, got 'seal'",
+    )
+    # Before the daemon answered the put: the client has not waited for admission.
+    conn = Connection(Role.SERVER)
+    conn.receive_data(HELLO + put("a.bin", 3) + data(b"abc"))
+    hello = conn.next_event()
+    assert isinstance(hello, Message)
+    answer(conn, hello)
+    assert isinstance(conn.next_event(), Message)  # the put, left unanswered
+    with pytest.raises(ProtocolError, match=never):
+        conn.next_event()
 
 
 def test_payload_on_a_type_that_takes_none() -> None:
-    for header in ({"type": "seal", **JOB}, {"type": "put_fd", **JOB, "path": "a", "size": 3}):
+    for header in (
+        {"type": "seal", **JOB},
+        {"type": "put", **JOB, "path": "a", "size": 3},
+        {"type": "put_fd", **JOB, "path": "a", "size": 3},
+    ):
         expect_error(
             Role.SERVER, HELLO + frame(header, b"abc"), "bad_request", "carries no payload"
         )
@@ -466,12 +534,11 @@ def test_receive_after_eof_is_a_usage_error() -> None:
 
 def test_round_trip_of_every_client_message() -> None:
     client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
-    sent: list[Message] = []
-    wire_bytes = b""
-    for kind, fields, payload in [
+    script: list[tuple[str, dict[str, Any] | None, bytes]] = [
         ("hello", {"version": wire.PROTOCOL_VERSION, "client": "pytest"}, b""),
         ("begin", {**JOB, "world_size": 4, "ack": None}, b""),  # None optional: left out
-        ("put", {**JOB, "path": "m/ü".replace("ü", "u"), "size": 4}, b"abcd"),
+        ("put", {**JOB, "path": "m/u", "size": 4}, b""),
+        ("data", None, b"abcd"),
         ("put_fd", {**JOB, "path": "o.pt", "size": 12345}, b""),
         ("put_memfd", {**JOB, "path": "o.mem", "size": 0}, b""),
         ("seal", JOB, b""),
@@ -480,14 +547,21 @@ def test_round_trip_of_every_client_message() -> None:
         ("latest", {"job": "j"}, b""),
         ("status", None, b""),
         ("retry", {"job": "j", "step": 2}, b""),
-    ]:
-        wire_bytes += client.send(kind, fields, len(payload)) + payload
+    ]
+    for kind, fields, payload in script:
+        # Request, then its answer, one at a time as real peers do.
+        server.receive_data(client.send(kind, fields, len(payload)) + payload)
+        replies: list[bytes] = []
+        events = drain(server, replies)
         clean = {k: v for k, v in (fields or {}).items() if v is not None}
-        sent.append(Message(kind, clean, len(payload)))
-    server.receive_data(wire_bytes)
-    received = [e for e in drain(server) if isinstance(e, Message)]
-    assert received == sent
+        assert events[0] == Message(kind, clean, len(payload))
+        if payload:
+            assert normalize(events[1:]) == [payload, PayloadEnd()]
+        client.receive_data(b"".join(replies))
+        expected = "welcome" if kind == "hello" else "ok"
+        assert [m.kind for m in drain(client)] == [expected]
     assert wire.needs_fd("put_fd") and wire.needs_fd("put_memfd") and not wire.needs_fd("put")
+    assert wire.takes_payload("data") and not wire.takes_payload("put")
 
 
 def test_round_trip_of_server_messages() -> None:
@@ -526,11 +600,12 @@ def test_send_refuses_what_receive_would_refuse() -> None:
     with pytest.raises(ProtocolError, match="unknown message type 'nope'"):
         client.send("nope")
     with pytest.raises(ProtocolError, match="missing required field 'size'") as info:
-        client.send("put", {**JOB, "path": "a"}, 3)
+        client.send("put", {**JOB, "path": "a"})
     assert info.value.code == "bad_request"
-    with pytest.raises(ProtocolError) as info:
-        client.send("put", {**JOB, "path": "a", "size": 3}, 4)
-    assert info.value.code == "size_mismatch"
+    with pytest.raises(ProtocolError, match="carries no payload"):
+        client.send("put", {**JOB, "path": "a", "size": 3}, 3)
+    with pytest.raises(ProtocolError, match="without a put the daemon accepted"):
+        client.send("data", None, 3)
     with pytest.raises(ProtocolError) as info:
         client.send("begin", {**JOB, "world_size": 4, "job": "a b"})
     assert info.value.code == "invalid_name"
@@ -559,11 +634,43 @@ def test_send_refuses_what_receive_would_refuse() -> None:
         server.send("ok", {"x": float("inf")})
 
 
+def test_client_side_put_then_data_follows_the_daemons_answer() -> None:
+    client = Connection(Role.CLIENT)
+    client.send("hello", {"version": 1})
+    client.receive_data(frame({"type": "welcome", "version": 1, "node_id": "n"}))
+    drain(client)
+    # Refused: no data may follow, the next request is free.
+    client.send("put", {**JOB, "path": "a", "size": 3})
+    with pytest.raises(ProtocolError, match="without a put the daemon accepted"):
+        client.send("data", None, 3)  # not answered yet
+    client.receive_data(frame({"type": "error", "code": "backpressure", "message": "full"}))
+    drain(client)
+    assert client.awaiting_data is None
+    with pytest.raises(ProtocolError, match="without a put the daemon accepted"):
+        client.send("data", None, 3)
+    # Accepted: the data frame, of exactly that size, must come next.
+    client.send("put", {**JOB, "path": "a", "size": 3})
+    client.receive_data(frame({"type": "ok", "ready": True}))
+    drain(client)
+    assert client.awaiting_data == 3
+    with pytest.raises(ProtocolError, match="expected the 'data' frame"):
+        client.send("seal", JOB)
+    with pytest.raises(ProtocolError) as info:
+        client.send("data", None, 4)
+    assert info.value.code == "size_mismatch"
+    assert client.send("data", None, 3).startswith(b"CKD1")
+    assert client.awaiting_data is None
+    client.send("seal", JOB)
+
+
 def test_encoded_frame_layout_is_the_documented_one() -> None:
-    data = wire.encode_message("put", {**JOB, "path": "a", "size": 7}, 7)
-    magic, header_len, payload_len = struct.unpack(">4sIQ", data[:16])
-    assert (magic, header_len, payload_len) == (b"CKD1", len(data) - 16, 7)
-    assert json.loads(data[16:]) == {"type": "put", **JOB, "path": "a", "size": 7}
+    encoded = wire.encode_message("data", {}, 7)
+    magic, header_len, payload_len = struct.unpack(">4sIQ", encoded[:16])
+    assert (magic, header_len, payload_len) == (b"CKD1", len(encoded) - 16, 7)
+    assert json.loads(encoded[16:]) == {"type": "data"}
+    encoded = wire.encode_message("put", {**JOB, "path": "a", "size": 7})
+    assert encoded[:16] == struct.pack(">4sIQ", b"CKD1", len(encoded) - 16, 0)
+    assert json.loads(encoded[16:]) == {"type": "put", **JOB, "path": "a", "size": 7}
 
 
 def test_error_codes_match_the_client_error_classes() -> None:

@@ -1,0 +1,357 @@
+"""An HTTP/1.1-aware TCP proxy that breaks requests on purpose, between a client and a server.
+
+    async with FaultProxy("127.0.0.1", server_port, seed=1) as proxy:
+        proxy.set_rates(reset=0.1, slowdown=0.1)     # 20% of requests fail, chosen by the seed
+        proxy.inject("error200", match=lambda r: r.method == "POST" and "uploadId=" in r.target)
+        proxy.unreachable = True                     # every connection is reset from now on
+        ... endpoint_url=proxy.endpoint_url ...
+
+It reads each request's head and body (``Content-Length`` framing; botocore sends no chunked
+bodies) and then either forwards it and relays the answer, or injects one fault:
+
+- ``reset``: the client connection is closed with a TCP RST right after the request head;
+- ``slowdown``: ``503 SlowDown`` with S3's XML error body (the connection is kept);
+- ``stall``: no answer at all until ``stall_s`` (the client's read timeout fires first);
+- ``error200``: ``200 OK`` whose body is an S3 ``<Error>`` (what S3 may answer to
+  CompleteMultipartUpload when it fails after sending the status line);
+- ``drop_response``: the request is forwarded and done by the server, but its answer is
+  thrown away and the client connection reset (so the client's retry finds the work done).
+
+Faults come first from the scripted queue (``inject``), then at random from ``set_rates`` with
+a seeded generator. ``unreachable`` resets every connection, old and new (the request head is
+still read, so tests can see what was attempted). Every request seen is in ``requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response")
+_MAX_HEAD = 64 * 1024
+_RELAY_CHUNK = 1 << 20
+
+
+@dataclass
+class ProxiedRequest:
+    """One request as the proxy saw it, and what it did with it (``fault`` None: forwarded;
+    ``"unreachable"``: refused while unreachable)."""
+
+    method: str
+    target: str
+    fault: str | None = None
+
+    @property
+    def is_upload_part(self) -> bool:
+        return self.method == "PUT" and "partNumber=" in self.target and "uploadId=" in self.target
+
+
+@dataclass
+class _Scripted:
+    fault: str
+    times: int
+    match: Callable[[ProxiedRequest], bool] | None
+
+
+@dataclass
+class _Head:
+    raw: bytes
+    first_line: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class FaultProxy:
+    def __init__(self, upstream_host: str, upstream_port: int, *, seed: int = 0,
+                 stall_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.stall_s = stall_s
+        self.connect_timeout_s = connect_timeout_s
+        self.requests: list[ProxiedRequest] = []
+        self._rng = random.Random(seed)
+        self._rates: dict[str, float] = dict.fromkeys(FAULTS, 0.0)
+        self._script: list[_Scripted] = []
+        self._unreachable = False
+        self._unreachable_after: int | None = None
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._closing = asyncio.Event()
+        self.port = 0
+
+    # -- control ----------------------------------------------------------------------------
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_rates(self, **rates: float) -> None:
+        """Fault probabilities per request, e.g. ``set_rates(reset=0.1, slowdown=0.1)``."""
+        unknown = set(rates) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; choose from {FAULTS}")
+        self._rates = dict.fromkeys(FAULTS, 0.0) | rates
+        if sum(self._rates.values()) > 1.0:
+            raise ValueError("fault rates add up to more than 1")
+
+    def inject(self, fault: str, *, times: int = 1,
+               match: Callable[[ProxiedRequest], bool] | None = None) -> None:
+        """Apply ``fault`` to the next ``times`` requests that ``match`` (all if None)."""
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; choose from {FAULTS}")
+        self._script.append(_Scripted(fault, times, match))
+
+    @property
+    def unreachable(self) -> bool:
+        return self._unreachable
+
+    @unreachable.setter
+    def unreachable(self, value: bool) -> None:
+        self._unreachable = value
+        self._unreachable_after = None
+        if value:
+            for writer in list(self._writers):
+                _reset(writer)
+
+    def unreachable_after(self, n_requests: int) -> None:
+        """Forward ``n_requests`` more requests, then become unreachable."""
+        self._unreachable_after = sum(1 for r in self.requests if r.fault is None) + n_requests
+
+    def faults(self, kind: str | None = None) -> list[ProxiedRequest]:
+        return [r for r in self.requests
+                if r.fault is not None and (kind is None or r.fault == kind)]
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> FaultProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0,
+                                                  limit=_MAX_HEAD)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def aclose(self) -> None:
+        self._closing.set()
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            _reset(writer)
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=5.0)
+        if self._server is not None:
+            await asyncio.wait_for(self._server.wait_closed(), timeout=5.0)
+
+    async def __aenter__(self) -> FaultProxy:
+        return await self.start()
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    # -- per connection ---------------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._writers.add(writer)
+        up_reader: asyncio.StreamReader | None = None
+        up_writer: asyncio.StreamWriter | None = None
+        try:
+            while not self._closing.is_set():
+                head = await _read_head(reader)
+                if head is None:
+                    return
+                method, target = _request_line(head.first_line)
+                request = ProxiedRequest(method, target)
+                self.requests.append(request)
+                self._maybe_go_unreachable()
+                if self._unreachable:
+                    request.fault = "unreachable"
+                    _reset(writer)
+                    return
+                request.fault = self._choose(request)
+                if request.fault == "reset":
+                    _reset(writer)
+                    return
+                length = int(head.headers.get("content-length", "0") or 0)
+                if "chunked" in head.headers.get("transfer-encoding", "").lower():
+                    raise ValueError("chunked request bodies are not supported by the proxy")
+                if request.fault is not None and request.fault != "drop_response":
+                    await _discard(reader, length)
+                    if request.fault == "stall":
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._closing.wait(), self.stall_s)
+                        _reset(writer)
+                        return
+                    writer.write(_fault_response(request.fault, target))
+                    await writer.drain()
+                    continue
+                if up_writer is None or up_writer.is_closing():
+                    up_reader, up_writer = await asyncio.wait_for(
+                        asyncio.open_connection(*self.upstream), self.connect_timeout_s)
+                assert up_reader is not None
+                up_writer.write(head.raw)
+                await _copy(reader, up_writer, length)
+                if request.fault == "drop_response":
+                    await _relay_response(up_reader, None, method)
+                    _reset(writer)
+                    return
+                keep = await _relay_response(up_reader, writer, method)
+                if not keep:
+                    return
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            _reset(writer)
+        finally:
+            self._writers.discard(writer)
+            if up_writer is not None:
+                up_writer.close()
+            if not writer.is_closing():
+                writer.close()
+            self._handlers.discard(task)
+
+    def _maybe_go_unreachable(self) -> None:
+        if self._unreachable_after is None:
+            return
+        forwarded = sum(1 for r in self.requests if r.fault is None)
+        if forwarded > self._unreachable_after:
+            self.unreachable = True
+
+    def _choose(self, request: ProxiedRequest) -> str | None:
+        for scripted in self._script:
+            if scripted.times > 0 and (scripted.match is None or scripted.match(request)):
+                scripted.times -= 1
+                return scripted.fault
+        draw = self._rng.random()
+        for fault in FAULTS:
+            rate = self._rates[fault]
+            if draw < rate:
+                return fault
+            draw -= rate
+        return None
+
+
+# -- HTTP framing -----------------------------------------------------------------------------
+
+
+async def _read_head(reader: asyncio.StreamReader) -> _Head | None:
+    """The request or response head (through the blank line), or None at a clean EOF."""
+    try:
+        raw = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise
+    except asyncio.LimitOverrunError as exc:
+        raise ValueError("HTTP head too large") from exc
+    lines = raw.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    return _Head(raw=raw, first_line=lines[0], headers=headers)
+
+
+def _request_line(line: str) -> tuple[str, str]:
+    parts = line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise ValueError(f"not an HTTP/1.x request line: {line!r}")
+    return parts[0], parts[1]
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None,
+                length: int) -> None:
+    """Move ``length`` bytes from reader to writer (None: throw them away)."""
+    left = length
+    while left > 0:
+        chunk = await reader.read(min(left, _RELAY_CHUNK))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", left)
+        if writer is not None:
+            writer.write(chunk)
+            await writer.drain()
+        left -= len(chunk)
+
+
+async def _discard(reader: asyncio.StreamReader, length: int) -> None:
+    await _copy(reader, None, length)
+
+
+async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter | None,
+                          method: str) -> bool:
+    """Relay one response (after any 1xx interim ones) to ``client`` (None: read and drop
+    it); True if the connection stays open."""
+
+    def out(data: bytes) -> None:
+        if client is not None:
+            client.write(data)
+
+    while True:
+        head = await _read_head(up)
+        if head is None:
+            raise asyncio.IncompleteReadError(b"", None)
+        out(head.raw)
+        status = int(head.first_line.split(" ")[1])
+        if not 100 <= status < 200:
+            break
+    keep = head.headers.get("connection", "").lower() != "close"
+    if method == "HEAD" or status in (204, 304):
+        pass
+    elif "chunked" in head.headers.get("transfer-encoding", "").lower():
+        while True:
+            size_line = await up.readuntil(b"\r\n")
+            out(size_line)
+            size = int(size_line.split(b";")[0].strip(), 16)
+            if size == 0:
+                # Trailers (usually none) up to the blank line.
+                while (line := await up.readuntil(b"\r\n")) != b"\r\n":
+                    out(line)
+                out(line)
+                break
+            await _copy(up, client, size + 2)
+    elif "content-length" in head.headers:
+        await _copy(up, client, int(head.headers["content-length"]))
+    else:
+        while chunk := await up.read(_RELAY_CHUNK):
+            out(chunk)
+            if client is not None:
+                await client.drain()
+        keep = False
+    if client is not None:
+        await client.drain()
+    return keep
+
+
+def _fault_response(fault: str, target: str) -> bytes:
+    resource = target.split("?")[0]
+    if fault == "slowdown":
+        status, code, message = "503 Slow Down", "SlowDown", "Please reduce your request rate."
+    else:  # error200
+        status, code, message = "200 OK", "InternalError", "We encountered an internal error."
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{message}</Message>"
+        f"<Resource>{resource}</Resource><RequestId>faultproxy</RequestId></Error>"
+    ).encode()
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\nx-amz-request-id: faultproxy\r\n\r\n"
+    ).encode() + body
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP RST (SO_LINGER 0), as a crashed server or a dropped link looks."""
+    if writer.is_closing():
+        return
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()

@@ -1,0 +1,537 @@
+"""S3Backend against a real SeaweedFS, directly and through a fault-injecting proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.s3 import (
+    GiB,
+    MiB,
+    S3Backend,
+    multipart_etag,
+    part_plan,
+)
+from ckptdrain.daemon.config import DestinationConfig
+from tests.integration.faultproxy import FaultProxy
+from tests.integration.seaweedfs import REGION, SeaweedFS
+
+NODE = "node-a"
+PREFIX = "ckpt/run1"
+
+# aiohttp warns (ResourceWarning, ignored outside tests) when a body over 1 MiB is given as
+# bytes-like: it fears one large transport write. Part bodies are pooled bytearrays on purpose
+# (io.BytesIO would copy every part into fresh memory), so the warning is expected here.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Sending a large body directly with raw bytes:ResourceWarning"
+)
+
+
+def dest_config(bucket: str, endpoint_url: str, **overrides: Any) -> DestinationConfig:
+    settings: dict[str, Any] = {
+        "uri": f"s3://{bucket}/{PREFIX}",
+        "endpoint_url": endpoint_url,
+        "region": REGION,
+        "addressing_style": "path",
+        "checksum": "when_required",
+        "retry_mode": "standard",
+        "max_attempts": 5,
+        "part_size_bytes": 8 * MiB,
+        "multipart_threshold_bytes": 8 * MiB,
+        "max_concurrency": 4,
+        "connect_timeout_s": 2.0,
+        "read_timeout_s": 30.0,
+    }
+    settings.update(overrides)
+    return DestinationConfig(**settings)
+
+
+class Staged:
+    """A staged shard: a file of seeded random bytes, open for reading."""
+
+    def __init__(self, directory: Path, size: int, seed: int = 0) -> None:
+        self.data = random.Random(seed).randbytes(size)
+        self.path = directory / f"shard-{seed}-{size}"
+        self.path.write_bytes(self.data)
+        self.size = size
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.checksum = "sha256:" + hashlib.sha256(self.data).hexdigest()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.fixture
+def staged(tmp_path: Path) -> Iterator[Any]:
+    made: list[Staged] = []
+
+    def make(size: int, seed: int = 0) -> Staged:
+        s = Staged(tmp_path, size, seed)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+class RecordingUploadLog:
+    """An UploadLog in memory that records every call."""
+
+    def __init__(self, upload_id: str | None = None,
+                 parts: dict[int, tuple[str, str]] | None = None) -> None:
+        self.upload_id = upload_id
+        self.parts = dict(parts or {})
+        self.calls: list[tuple[Any, ...]] = []
+        self.first_part = asyncio.Event()
+
+    async def load(self) -> tuple[str | None, dict[int, tuple[str, str]]]:
+        self.calls.append(("load",))
+        return self.upload_id, dict(self.parts)
+
+    async def begun(self, upload_id: str) -> None:
+        self.calls.append(("begun", upload_id))
+        self.upload_id = upload_id
+        self.parts = {}
+
+    async def part_done(self, number: int, etag: str, checksum: str) -> None:
+        self.calls.append(("part_done", number))
+        self.parts[number] = (etag, checksum)
+        self.first_part.set()
+
+    async def finished(self) -> None:
+        self.calls.append(("finished",))
+
+    def ops(self, name: str) -> list[tuple[Any, ...]]:
+        return [c for c in self.calls if c[0] == name]
+
+
+@pytest_asyncio.fixture
+async def backends() -> AsyncIterator[Any]:
+    """Factory for S3Backends, closed after the test."""
+    made: list[S3Backend] = []
+
+    def make(config: DestinationConfig, node_id: str = NODE) -> S3Backend:
+        b = S3Backend(config, node_id)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        await b.aclose()
+
+
+@pytest_asyncio.fixture
+async def proxy(seaweedfs: SeaweedFS) -> AsyncIterator[FaultProxy]:
+    async with FaultProxy("127.0.0.1", seaweedfs.ports["s3"], seed=7) as p:
+        yield p
+
+
+def uploads(seaweedfs: SeaweedFS, bucket: str, prefix: str = "") -> list[dict[str, Any]]:
+    answer = seaweedfs.client().list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+    result: list[dict[str, Any]] = answer.get("Uploads", [])
+    return result
+
+
+async def read_all(backend: S3Backend, key: str, chunk_bytes: int = 8 << 20) -> bytes:
+    return b"".join([chunk async for chunk in backend.read_chunks(key, chunk_bytes=chunk_bytes)])
+
+
+# -- part_plan (pure) -------------------------------------------------------------------------
+
+
+def test_part_plan_keeps_the_configured_size_when_it_fits() -> None:
+    assert part_plan(40 * MiB, 8 * MiB) == (8 * MiB, 5)
+    assert part_plan(16 * MiB, 8 * MiB) == (8 * MiB, 2)
+    assert part_plan(1, 8 * MiB) == (8 * MiB, 1)
+    assert part_plan(0, 8 * MiB) == (8 * MiB, 1)
+
+
+def test_part_plan_raises_small_parts_to_the_5_mib_floor() -> None:
+    assert part_plan(100 * MiB, 1 * MiB) == (5 * MiB, 20)
+
+
+def test_part_plan_clamps_to_the_5_gib_ceiling() -> None:
+    assert part_plan(40 * GiB, 10 * GiB) == (5 * GiB, 8)
+
+
+def test_part_plan_grows_parts_to_stay_within_10000() -> None:
+    size = 1 << 40  # 1 TiB at 8 MiB would be 131,072 parts
+    part, count = part_plan(size, 8 * MiB)
+    assert count <= 10_000
+    assert part % MiB == 0
+    assert part * (count - 1) < size <= part * count
+    assert part_plan(10_000 * 8 * MiB, 8 * MiB) == (8 * MiB, 10_000)
+    assert part_plan(10_000 * 8 * MiB + 1, 8 * MiB)[1] <= 10_000
+
+
+def test_part_plan_limits() -> None:
+    largest = 10_000 * 5 * GiB
+    assert part_plan(largest, 8 * MiB) == (5 * GiB, 10_000)
+    with pytest.raises(ValueError, match="split the shard"):
+        part_plan(largest + 1, 8 * MiB)
+    with pytest.raises(ValueError):
+        part_plan(-1, 8 * MiB)
+
+
+def test_part_plan_invariants_over_many_sizes() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        size = rng.randrange(0, 10_000 * 5 * GiB)
+        wish = rng.choice([1, 5 * MiB, 8 * MiB, 64 * MiB, 5 * GiB, 6 * GiB])
+        part, count = part_plan(size, wish)
+        assert 5 * MiB <= part <= 5 * GiB
+        assert 1 <= count <= 10_000
+        assert part * count >= size
+        assert size == 0 or part * (count - 1) < size
+
+
+def test_multipart_etag_is_md5_of_part_md5s() -> None:
+    a, b = hashlib.md5(b"a").hexdigest(), hashlib.md5(b"b").hexdigest()
+    expected = hashlib.md5(bytes.fromhex(a) + bytes.fromhex(b)).hexdigest()
+    assert multipart_etag([f'"{a}"', b]) == f'"{expected}-2"'
+
+
+# -- against SeaweedFS ------------------------------------------------------------------------
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [1 * 1024, 7 * MiB, 40 * MiB, 130 * MiB],
+                         ids=["1KiB", "7MiB", "40MiB", "130MiB"])
+async def test_round_trip(seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+                          size: int) -> None:
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    shard = staged(size, seed=size)
+    log = RecordingUploadLog()
+
+    checksum = await backend.put_file("job/00000000000000000001/model/rank0.pt", shard.fd,
+                                      size, upload_log=log)
+
+    assert checksum == shard.checksum
+    back = await read_all(backend, "job/00000000000000000001/model/rank0.pt",
+                          chunk_bytes=3 * MiB)
+    assert hashlib.sha256(back).hexdigest() == hashlib.sha256(shard.data).hexdigest()
+    assert back == shard.data
+    chunks = [len(c) async for c in backend.read_chunks(
+        "job/00000000000000000001/model/rank0.pt", chunk_bytes=3 * MiB)]
+    assert all(n == 3 * MiB for n in chunks[:-1]) and 0 < chunks[-1] <= 3 * MiB
+
+    listed = await backend.list("job/")
+    assert [(o.key, o.size) for o in listed] == [
+        ("job/00000000000000000001/model/rank0.pt", size)]
+    head = seaweedfs.client().head_object(
+        Bucket=s3_bucket, Key=f"{PREFIX}/job/00000000000000000001/model/rank0.pt")
+    assert head["Metadata"]["ckptdrain-node"] == NODE
+    if size < 8 * MiB:
+        assert "-" not in head["ETag"]  # one PutObject
+        assert log.calls == []
+    else:
+        _, count = part_plan(size, 8 * MiB)
+        assert head["ETag"].strip('"').endswith(f"-{count}")
+        assert count > 1
+        assert len(log.ops("begun")) == 1
+        assert sorted(c[1] for c in log.ops("part_done")) == list(range(1, count + 1))
+        assert log.ops("finished") == [("finished",)]
+    # Memory stays bounded by the pool: max_concurrency buffers at most.
+    assert backend.buffers.allocated <= 4
+    assert uploads(seaweedfs, s3_bucket) == []
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_small_objects_list_get_delete(seaweedfs: SeaweedFS, s3_bucket: str,
+                                             backends: Any) -> None:
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    backend.list_page_size = 2  # page through a real listing
+    keys = [f"job/0001/_parts/node-{i}.json" for i in range(5)] + ["job/0001b/x", "other/y"]
+    for i, key in enumerate(keys):
+        assert await backend.put_bytes(key, f"record {i}".encode()) is True
+
+    assert [o.key for o in await backend.list("job/0001/")] == sorted(keys[:5])
+    assert [o.key for o in await backend.list("job/0001")] == sorted(keys[:6])
+    assert len(await backend.list("")) == 7
+    assert await backend.get_bytes("job/0001/_parts/node-3.json") == b"record 3"
+    assert await backend.get_bytes("job/0001/missing") is None
+    with pytest.raises(BackendError) as small:
+        await backend.get_bytes("job/0001/_parts/node-3.json", max_bytes=3)
+    assert small.value.transient is False
+
+    await backend.delete("job/0001/_parts/node-3.json")
+    await backend.delete("job/0001/_parts/node-3.json")  # missing is fine
+    assert await backend.get_bytes("job/0001/_parts/node-3.json") is None
+    # Keys are stored under the URI's prefix.
+    listed = seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix="other/")
+    assert listed.get("KeyCount", 0) == 0
+    assert seaweedfs.client().head_object(Bucket=s3_bucket, Key=f"{PREFIX}/other/y")
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_missing_bucket_is_a_permanent_not_found(seaweedfs: SeaweedFS,
+                                                       backends: Any) -> None:
+    backend = backends(dest_config("no-such-bucket-here", seaweedfs.endpoint_url))
+    with pytest.raises(BackendError) as err:
+        await backend.list("")
+    assert (err.value.kind, err.value.transient) == ("not_found", False)
+    assert "destination.uri" in str(err.value)
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_exclusive_create_has_exactly_one_winner(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                       backends: Any) -> None:
+    a = backends(dest_config(s3_bucket, seaweedfs.endpoint_url), "node-a")
+    b = backends(dest_config(s3_bucket, seaweedfs.endpoint_url), "node-b")
+    for round_ in range(5):
+        key = f"job/{round_:020d}/MANIFEST.json"
+        won = await asyncio.gather(a.put_bytes(key, b"from a", exclusive=True),
+                                   b.put_bytes(key, b"from b", exclusive=True))
+        assert sorted(won) == [False, True]
+        winner = b"from a" if won[0] else b"from b"
+        assert await a.get_bytes(key) == winner
+        assert await b.put_bytes(key, b"late", exclusive=True) is False
+        assert await a.get_bytes(key) == winner
+    assert await a.put_bytes("job/plain", b"1") is True
+    assert await a.put_bytes("job/plain", b"2") is True  # not exclusive: overwrites
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_upload_survives_20_percent_faults(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                 backends: Any, staged: Any,
+                                                 proxy: FaultProxy) -> None:
+    proxy.set_rates(reset=0.1, slowdown=0.1)
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB, max_attempts=10))
+    shard = staged(40 * MiB, seed=11)
+    small = staged(1 * MiB, seed=12)
+
+    assert await backend.put_file("job/big", shard.fd, shard.size) == shard.checksum
+    assert await backend.put_file("job/small", small.fd, small.size) == small.checksum
+    for i in range(6):
+        assert await backend.put_bytes(f"job/rec{i}", b"x" * i) is True
+    assert await read_all(backend, "job/big") == shard.data
+    assert len(await backend.list("job/")) == 8
+
+    assert proxy.faults("reset") and proxy.faults("slowdown")
+    assert uploads(seaweedfs, s3_bucket) == []
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_error_inside_200_and_lost_complete_answer(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                         backends: Any, staged: Any,
+                                                         proxy: FaultProxy) -> None:
+    def is_complete(r: Any) -> bool:
+        return r.method == "POST" and "uploadId=" in r.target
+
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB))
+    shard = staged(12 * MiB, seed=21)
+
+    # A 200 whose body is an <Error>: botocore retries it as a 500.
+    proxy.inject("error200", match=is_complete)
+    assert await backend.put_file("job/a", shard.fd, shard.size) == shard.checksum
+    assert len(proxy.faults("error200")) == 1
+
+    # Complete succeeds on the server but its answer is lost: the retry finds NoSuchUpload,
+    # and the object's ETag shows the upload did complete.
+    proxy.inject("drop_response", match=is_complete)
+    assert await backend.put_file("job/b", shard.fd, shard.size) == shard.checksum
+    assert len(proxy.faults("drop_response")) == 1
+    assert await read_all(backend, "job/b") == shard.data
+    assert backend.aborted_uploads == 0
+    assert uploads(seaweedfs, s3_bucket) == []
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_errors_are_typed_after_botocore_gives_up(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                        backends: Any,
+                                                        proxy: FaultProxy) -> None:
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url, max_attempts=2,
+                                   read_timeout_s=0.5))
+    # One stall is retried away.
+    proxy.inject("stall")
+    assert await backend.put_bytes("job/x", b"1") is True
+    assert len(proxy.faults("stall")) == 1
+
+    proxy.set_rates(stall=1.0)
+    with pytest.raises(BackendError) as timeout:
+        await backend.put_bytes("job/y", b"1")
+    assert (timeout.value.kind, timeout.value.transient) == ("timeout", True)
+
+    proxy.set_rates(slowdown=1.0)
+    with pytest.raises(BackendError) as throttled:
+        await backend.get_bytes("job/x")
+    assert (throttled.value.kind, throttled.value.transient) == ("throttled", True)
+    # max_attempts counts every try, the first included.
+    assert len(proxy.faults("slowdown")) == 2
+
+    proxy.set_rates(reset=1.0)
+    with pytest.raises(BackendError) as io:
+        await backend.list("job/")
+    assert (io.value.kind, io.value.transient) == ("io", True)
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_unreachable_server_fails_transient_and_sweep_cleans_up(
+    seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any, proxy: FaultProxy
+) -> None:
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB, max_attempts=2,
+                                   max_concurrency=2))
+    shard = staged(30 * MiB, seed=31)
+    proxy.unreachable_after(3)  # CreateMultipartUpload and two parts get through
+
+    with pytest.raises(BackendError) as err:
+        await backend.put_file("job/big", shard.fd, shard.size)
+    assert err.value.transient is True
+
+    # The abort was attempted but could not reach the server: the upload is still there, and
+    # nothing claims it was aborted.
+    assert [r for r in proxy.requests
+            if r.method == "DELETE" and "uploadId=" in r.target and r.fault == "unreachable"]
+    left = uploads(seaweedfs, s3_bucket, PREFIX)
+    assert len(left) == 1
+    assert backend.aborted_uploads == 0
+
+    # Once reachable, the sweep (as at daemon start-up, with nothing journalled) removes it.
+    proxy.unreachable = False
+    assert await backend.sweep_orphans(set(), 0) == 1
+    assert uploads(seaweedfs, s3_bucket) == []
+    assert backend.aborted_uploads == 1
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_resume_sends_only_missing_parts(seaweedfs: SeaweedFS, s3_bucket: str,
+                                               backends: Any, staged: Any,
+                                               proxy: FaultProxy) -> None:
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB, max_attempts=2,
+                                   max_concurrency=1))
+    shard = staged(32 * MiB + 123, seed=41)  # 7 parts, the last short
+    count = part_plan(shard.size, 5 * MiB)[1]
+    log = RecordingUploadLog()
+
+    # First attempt: the link drops after CreateMultipartUpload and three parts.
+    proxy.unreachable_after(4)
+    with pytest.raises(BackendError) as err:
+        await backend.put_file("job/big", shard.fd, shard.size, upload_log=log)
+    assert err.value.transient is True
+    # With a journal, a transient failure keeps the upload for the next attempt.
+    assert not [r for r in proxy.requests if r.method == "DELETE"]
+    upload_id = log.upload_id
+    assert upload_id is not None and sorted(log.parts) == [1, 2, 3]
+    assert [u["UploadId"] for u in uploads(seaweedfs, s3_bucket)] == [upload_id]
+
+    # The journal's record of part 2 does not match the server: it must be sent again.
+    log.parts[2] = ('"00000000000000000000000000000000"', log.parts[2][1])
+    proxy.unreachable = False
+    sent_before = len([r for r in proxy.requests if r.is_upload_part and r.fault is None])
+
+    assert await backend.put_file("job/big", shard.fd, shard.size,
+                                  upload_log=log) == shard.checksum
+
+    sent = [r for r in proxy.requests if r.is_upload_part and r.fault is None][sent_before:]
+    numbers = sorted(int(r.target.split("partNumber=")[1].split("&")[0]) for r in sent)
+    assert numbers == [2, *range(4, count + 1)]
+    assert not log.ops("begun")[1:]  # the same upload continued
+    assert log.ops("finished") == [("finished",)]
+    assert await read_all(backend, "job/big") == shard.data
+    assert uploads(seaweedfs, s3_bucket) == []
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_resume_of_a_vanished_upload_starts_over(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                       backends: Any, staged: Any) -> None:
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB))
+    shard = staged(11 * MiB, seed=51)
+    log = RecordingUploadLog("no-such-upload", {1: ('"abc"', "crc32:00000000")})
+
+    assert await backend.put_file("job/x", shard.fd, shard.size, upload_log=log) == shard.checksum
+    begun = log.ops("begun")
+    assert len(begun) == 1 and begun[0][1] != "no-such-upload"
+    assert sorted(c[1] for c in log.ops("part_done")) == [1, 2, 3]
+    assert await read_all(backend, "job/x") == shard.data
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_cancel_mid_multipart_leaves_nothing(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                   backends: Any, staged: Any) -> None:
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB, max_concurrency=2))
+    shard = staged(60 * MiB, seed=61)
+    log = RecordingUploadLog()
+
+    task = asyncio.create_task(backend.put_file("job/big", shard.fd, shard.size, upload_log=log))
+    await asyncio.wait_for(log.first_part.wait(), timeout=60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    assert uploads(seaweedfs, s3_bucket) == []
+    assert backend.aborted_uploads == 1
+    assert await backend.list("job/") == []
+    assert not log.ops("finished")
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_unreadable_staged_copy_aborts_the_upload(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                        backends: Any, staged: Any) -> None:
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB))
+    shard = staged(12 * MiB, seed=71)
+    log = RecordingUploadLog()
+
+    # The file is shorter than declared: a local fault, reported as OSError, never retried.
+    with pytest.raises(OSError, match="truncated"):
+        await backend.put_file("job/x", shard.fd, shard.size + 5 * MiB, upload_log=log)
+    assert uploads(seaweedfs, s3_bucket) == []
+    assert backend.aborted_uploads == 1
+    assert await backend.list("job/") == []
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_sweep_aborts_foreign_uploads_older_than_grace(seaweedfs: SeaweedFS,
+                                                             s3_bucket: str,
+                                                             backends: Any) -> None:
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    backend.list_page_size = 2  # page through a real listing
+    admin = seaweedfs.client()
+
+    def create(key: str) -> str:
+        answer = admin.create_multipart_upload(Bucket=s3_bucket, Key=key,
+                                               Metadata={"ckptdrain-node": "node-b"})
+        return str(answer["UploadId"])
+
+    foreign = {create(f"{PREFIX}/job/0002/rank{i}.pt") for i in range(3)}
+    owned = create(f"{PREFIX}/job/0002/rank9.pt")
+    elsewhere = create("another-prefix/job/0002/rank0.pt")
+
+    # Fresh uploads (a large grace) are left alone, whoever owns them.
+    assert await backend.sweep_orphans({owned}, 3600) == 0
+    assert len(uploads(seaweedfs, s3_bucket)) == 5
+
+    assert await backend.sweep_orphans({owned}, 0) == 3
+    left = {u["UploadId"] for u in uploads(seaweedfs, s3_bucket)}
+    assert left == {owned, elsewhere}
+    assert not left & foreign
+    assert backend.aborted_uploads == 3
