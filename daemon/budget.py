@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from dataclasses import dataclass
 
 
@@ -93,10 +94,8 @@ class Budget:
         self._wake()
 
     def _remove(self, waiter: _Waiter) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
-        except ValueError:
-            pass
         self._wake()
 
     def _wake(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import contextlib
 import os
 import socket
 import struct
@@ -60,7 +61,12 @@ class Channel:
     async def _readable(self) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         fd = self.sock.fileno()
-        self._loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._loop.add_reader(fd, wake)
         try:
             await asyncio.wait_for(fut, self.idle_timeout_s)
         except TimeoutError:
@@ -76,8 +82,6 @@ class Channel:
 
     def close(self) -> None:
         while self.fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self.fds.popleft())
-            except OSError:
-                pass
         self.sock.close()

@@ -224,7 +224,7 @@ def cmd_restore(ns: argparse.Namespace) -> int:
             from ckptdrain.client.manifest import Manifest
 
             total = Manifest.from_json(manifest).total_bytes
-        bar = ProgressBar(total, enabled=not ns.quiet and sys.stderr.isatty() or ns.progress)
+        bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
         try:
             report = await catalog.restore(backend, ns.job, step, Path(ns.to), progress=bar.advance)
         finally:
@@ -267,7 +267,13 @@ def cmd_retry(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from ckptdrain.daemon.plan import PlanError, compute_plan, plan_from_args, render_plan, render_plan_json
+    from ckptdrain.daemon.plan import (
+        PlanError,
+        compute_plan,
+        plan_from_args,
+        render_plan,
+        render_plan_json,
+    )
 
     try:
         inp = plan_from_args(ns)

@@ -10,6 +10,7 @@ the manifest (DESIGN.md section 4); generations waiting on other nodes are polle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -284,10 +285,8 @@ class Scheduler:
         """Generations whose part record is written wait for the other nodes' records; poll."""
         interval = self.config.drain.commit_poll_interval_s
         while True:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._recorded_poll.wait(), interval)
-            except TimeoutError:
-                pass
             self._recorded_poll.clear()
             for gen in list(self.ledger.generations.values()):
                 if gen.state is GenerationState.RECORDED:

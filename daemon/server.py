@@ -20,8 +20,7 @@ from typing import Any
 
 from ckptdrain.client import wire
 from ckptdrain.client.wire import Message, PayloadChunk, PayloadEnd, ProtocolError
-from ckptdrain.daemon import __version__
-from ckptdrain.daemon import catalog
+from ckptdrain.daemon import __version__, catalog
 from ckptdrain.daemon.backends.base import open_backend
 from ckptdrain.daemon.budget import Budget, BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout
@@ -551,7 +550,7 @@ class ClientHandler:
         if rank >= world_size:
             raise RequestError(wire.BAD_REQUEST, f"rank {rank} is outside world_size {world_size}")
         self._check_job_owner(job)
-        effective = self.d.config.ack
+        effective: str = self.d.config.ack
         if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:
             effective = ack
         gen = self.d.ledger.get(job, step)

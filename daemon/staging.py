@@ -8,6 +8,7 @@ file and every ``.data`` file the journal does not know is removed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
@@ -84,10 +85,8 @@ class Staging:
 
     def discard(self, name: str) -> None:
         for path in (self.tmp_path(name), self.data_path(name)):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            except FileNotFoundError:
-                pass
 
     def sweep(self, keep: set[str]) -> int:
         """Remove temp files and shard files the journal does not know; returns how many."""

@@ -54,6 +54,8 @@ def main() -> int:
         "CKPTDRAIN_METRICS__LISTEN": "127.0.0.1:0",
         "CKPTDRAIN_NODE_ID": "demo-node",
         "DEMO_TMP": str(runtime),
+        # Paced so `ckptdrain status` below catches the drain in progress.
+        "CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S": str(100 << 20),
     })
     os.environ.update(env)
     exe = str(Path(sys.executable).with_name("ckptdrain"))
@@ -66,7 +68,7 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while not Path(socket_path).exists():
             if daemon.poll() is not None or time.monotonic() > deadline:
-                print(open(log.name).read())
+                print(Path(log.name).read_text())
                 print("the daemon did not start", file=sys.stderr)
                 return 1
             time.sleep(0.05)

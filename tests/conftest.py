@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -136,10 +137,8 @@ def make_daemon(tmp_path: Path, short_tmp: Path) -> Iterator[object]:
 
     yield factory
     for d in made:
-        try:
+        with contextlib.suppress(AssertionError):
             d.stop(timeout_s=20)
-        except AssertionError:
-            pass
 
 
 @pytest.fixture

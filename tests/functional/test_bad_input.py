@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,8 @@ from ckptdrain.client import (
     InvalidName,
     PermissionDenied,
     SizeMismatch,
+    wire,
 )
-from ckptdrain.client import wire
 from tests.conftest import DaemonProcess
 
 

@@ -33,7 +33,7 @@ def test_two_ranks_commit_with_every_byte_and_checksum(daemon: DaemonProcess, tm
         with c.generation("job1", 7, rank=r, world_size=2) as gen:
             reply = gen.put(f"model/rank{r}.pt", blobs[r])
             assert reply["size"] == len(blobs[r])
-            gen.put("empty/rank%d" % r, b"")
+            gen.put(f"empty/rank{r}", b"")
             if r == 1:
                 gen.put_file("optim/rank1.pt", fd_file)
     result = c.wait("job1", 7, timeout_s=60)

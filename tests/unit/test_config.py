@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+
 from ckptdrain.daemon.config import (
     AccessConfig,
     Config,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from ckptdrain.daemon.logs import (
     KeyValueFormatter,
     OncePerCause,

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+
 from ckptdrain.daemon.plan import (
     Plan,
     PlanError,
