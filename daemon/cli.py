@@ -80,7 +80,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         runner: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
         runner = asyncio.run
-    daemon = Daemon(config, inherited=inherited[0] if inherited else None)
+    daemon = Daemon(config, inherited=inherited[0] if inherited else None,
+                    config_path=str(ns.config) if ns.config else None)
     try:
         runner(daemon.run())
     except OSError as exc:

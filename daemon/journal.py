@@ -243,3 +243,35 @@ def end_upload(shard_id: int) -> list[tuple[str, tuple[Any, ...]]]:
         ("DELETE FROM upload_parts WHERE shard_id = ?", (shard_id,)),
         ("DELETE FROM uploads WHERE shard_id = ?", (shard_id,)),
     ]
+
+
+class JournalUploadLog:
+    """The journal-backed :class:`~ckptdrain.daemon.backends.base.UploadLog` of one shard:
+    where a multipart upload records its id and finished parts, so a restarted daemon resumes
+    it (ListParts) instead of sending every part again, and the orphan sweep knows it is ours."""
+
+    def __init__(self, journal: Journal, shard_id: int) -> None:
+        self.journal = journal
+        self.shard_id = shard_id
+
+    async def load(self) -> tuple[str | None, dict[int, tuple[str, str]]]:
+        snap_id = await self.journal._run(self._upload_id)
+        if snap_id is None:
+            return None, {}
+        return snap_id, await self.journal.upload_parts(self.shard_id)
+
+    def _upload_id(self) -> str | None:
+        assert self.journal._db is not None
+        row = self.journal._db.execute(
+            "SELECT upload_id FROM uploads WHERE shard_id = ?", (self.shard_id,)
+        ).fetchone()
+        return None if row is None else str(row[0])
+
+    async def begun(self, upload_id: str) -> None:
+        await self.journal.write(*begin_upload(self.shard_id, upload_id))
+
+    async def part_done(self, number: int, etag: str, checksum: str) -> None:
+        await self.journal.write(part_done(self.shard_id, number, etag, checksum))
+
+    async def finished(self) -> None:
+        await self.journal.write(*end_upload(self.shard_id))

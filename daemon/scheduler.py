@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptdrain.client.manifest import PartRecord, ShardEntry, generation_prefix, shard_key
-from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import log_event
@@ -47,7 +47,7 @@ class Scheduler:
         metrics: Metrics,
         on_drained: Callable[[ShardRecord], None],
         on_terminal: Callable[[GenerationRecord], None],
-        upload_log_for: Callable[[ShardRecord], object | None] | None = None,
+        upload_log_for: Callable[[ShardRecord], UploadLog | None] | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -162,7 +162,7 @@ class Scheduler:
             upload_log = self._upload_log_for(shard) if self._upload_log_for else None
             return await self.backend.put_file(
                 shard_key(shard.job, shard.step, shard.path), fd, shard.size,
-                upload_log=upload_log,  # type: ignore[arg-type]
+                upload_log=upload_log,
             )
         finally:
             os.close(fd)

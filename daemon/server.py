@@ -26,7 +26,7 @@ from ckptdrain.daemon.budget import Budget, BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import Config
-from ckptdrain.daemon.journal import Journal
+from ckptdrain.daemon.journal import Journal, JournalUploadLog
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics, Snapshot
@@ -55,8 +55,9 @@ class RequestError(Exception):
 
 class Daemon:
     def __init__(self, config: Config, *, inherited: socket.socket | None = None,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path
         self.node_id = config.node_id
         self.notifier = notifier or Notifier()
         self._inherited = inherited
@@ -74,6 +75,7 @@ class Daemon:
             config=config, ledger=self.ledger, staging=self.staging, backend=self.backend,
             committer=self.committer, metrics=self.metrics, on_drained=self._on_drained,
             on_terminal=self._after_terminal,
+            upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
         self.started_at = time.time()
         self._stop = asyncio.Event()
@@ -91,11 +93,38 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             await self._run()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+
+    def reload(self) -> None:
+        """SIGHUP: take new limits and log level from the config; keep everything else.
+
+        A config that does not load is logged and ignored: the daemon keeps running as it was.
+        """
+        from ckptdrain.daemon.config import ConfigError, load_config
+        from ckptdrain.daemon.logs import setup_logging
+
+        self.notifier.reloading("reloading limits")
+        try:
+            new = self.config.with_limits_from(load_config(self.config_path))
+        except ConfigError as exc:
+            log_event(log, logging.ERROR, "reload_failed", error=str(exc))
+            self.notifier.ready(self._status_line())
+            return
+        self.config = new
+        self.scheduler.config = new
+        self.staged_budget.set_limit(new.limits.max_staged_bytes)
+        self.shard_budget.set_limit(new.limits.max_queued_shards)
+        for budget in self._gen_slots.values():
+            budget.set_limit(new.limits.max_generations_in_flight)
+        setup_logging(new.log_level)
+        log_event(log, logging.INFO, "reloaded", max_staged_bytes=new.limits.max_staged_bytes,
+                  on_full=new.limits.on_full, log_level=new.log_level)
+        self.notifier.ready(self._status_line())
 
     async def _run(self) -> None:
         self.staging.prepare()

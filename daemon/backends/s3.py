@@ -533,8 +533,12 @@ class S3Backend(Backend):
         concurrently; returns [(number, etag, crc32 hex)] in order and the sha256 hex."""
         sha = hashlib.sha256()
         results: dict[int, tuple[str, str]] = {}
+        # Buffers handed to part tasks and not yet given back. A task cancelled before its
+        # first step never runs its finally, so what is left here is released below.
+        lent: dict[int, bytearray] = {}
 
-        async def send(number: int, buf: bytearray, crc: str) -> None:
+        async def send(number: int, crc: str) -> None:
+            buf = lent[number]
             reuse = False
             try:
                 answer = await self._call(
@@ -544,6 +548,7 @@ class S3Backend(Backend):
                 )
                 reuse = True
             finally:
+                del lent[number]
                 self.buffers.release(buf, reuse=reuse)
             etag = str(answer["ETag"])
             results[number] = (etag, crc)
@@ -566,9 +571,14 @@ class S3Backend(Backend):
                         results[number] = (old[0], crc)
                         self.buffers.release(buf)
                         continue
-                    tg.create_task(send(number, buf, crc), name=f"s3-part-{number}")
+                    lent[number] = buf
+                    tg.create_task(send(number, crc), name=f"s3-part-{number}")
         except BaseExceptionGroup as group:
             raise _first_cause(group) from None
+        finally:
+            for buf in lent.values():
+                self.buffers.release(buf, reuse=False)
+            lent.clear()
         return [(n, *results[n]) for n in range(1, count + 1)], sha.hexdigest()
 
     async def _complete(
@@ -738,7 +748,10 @@ class S3Backend(Backend):
         own object and this returns False too: callers compare the bytes, as they must.)"""
         full = self._key(key)
         params: dict[str, Any] = {
-            "Bucket": self.bucket, "Key": full, "Body": data,
+            # A bytearray, not bytes: botocore wraps bytes in a BytesIO and then sends
+            # "Expect: 100-continue", a round trip per manifest and one aiohttp waits on
+            # without a timeout if a proxy never answers it.
+            "Bucket": self.bucket, "Key": full, "Body": bytearray(data),
             "ChecksumCRC32": crc32_header(crc32_hex(data)),
             "Metadata": {NODE_METADATA_KEY: self.node_id},
         }
@@ -818,6 +831,8 @@ class S3Backend(Backend):
             try:
                 answer = await self._call(what, "get_object", **params)
             except S3Failure as exc:
+                if exc.code == "InvalidRange" and etag is not None:
+                    return  # cut right after the last byte: nothing was left to read
                 if exc.code == "NoSuchKey":
                     raise S3Failure(f"{key} does not exist at {self.uri}; it was never "
                                     "written or has been deleted", transient=False,

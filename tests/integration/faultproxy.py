@@ -15,7 +15,10 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
 - ``error200``: ``200 OK`` whose body is an S3 ``<Error>`` (what S3 may answer to
   CompleteMultipartUpload when it fails after sending the status line);
 - ``drop_response``: the request is forwarded and done by the server, but its answer is
-  thrown away and the client connection reset (so the client's retry finds the work done).
+  thrown away and the client connection reset (so the client's retry finds the work done);
+- ``corrupt``: the request is forwarded with one byte of its body flipped (a server that checks
+  the body's checksum must refuse it);
+- ``truncate``: the answer is relayed up to half its body, then the connection is reset.
 
 Faults come first from the scripted queue (``inject``), then at random from ``set_rates`` with
 a seeded generator. ``unreachable`` resets every connection, old and new (the request head is
@@ -33,7 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
-FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response")
+FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate")
+# Faults applied to a request that is still forwarded to the server.
+_FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate"})
 _MAX_HEAD = 64 * 1024
 _RELAY_CHUNK = 1 << 20
 
@@ -183,7 +188,13 @@ class FaultProxy:
                 length = int(head.headers.get("content-length", "0") or 0)
                 if "chunked" in head.headers.get("transfer-encoding", "").lower():
                     raise ValueError("chunked request bodies are not supported by the proxy")
-                if request.fault is not None and request.fault != "drop_response":
+                if head.headers.get("expect", "").lower() == "100-continue":
+                    # Answer the client's Expect ourselves (as a server would) and do not pass it
+                    # on: the body is read here either way, and aiohttp waits for the 100
+                    # without any timeout.
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    head = _without_header(head, "expect")
+                if request.fault not in _FORWARDED:
                     await _discard(reader, length)
                     if request.fault == "stall":
                         with contextlib.suppress(TimeoutError):
@@ -196,11 +207,21 @@ class FaultProxy:
                 if up_writer is None or up_writer.is_closing():
                     up_reader, up_writer = await asyncio.wait_for(
                         asyncio.open_connection(*self.upstream), self.connect_timeout_s)
-                assert up_reader is not None
-                up_writer.write(head.raw)
-                await _copy(reader, up_writer, length)
+                assert up_reader is not None and up_writer is not None
+                if request.fault == "corrupt":
+                    body = bytearray(await reader.readexactly(length))
+                    if body:
+                        body[len(body) // 2] ^= 0xFF
+                    up_writer.write(head.raw + body)
+                else:
+                    up_writer.write(head.raw)
+                    await _copy(reader, up_writer, length)
                 if request.fault == "drop_response":
                     await _relay_response(up_reader, None, method)
+                    _reset(writer)
+                    return
+                if request.fault == "truncate":
+                    await _relay_response(up_reader, writer, method, truncate=True)
                     _reset(writer)
                     return
                 keep = await _relay_response(up_reader, writer, method)
@@ -259,6 +280,14 @@ async def _read_head(reader: asyncio.StreamReader) -> _Head | None:
     return _Head(raw=raw, first_line=lines[0], headers=headers)
 
 
+def _without_header(head: _Head, name: str) -> _Head:
+    lines = head.raw.split(b"\r\n")
+    kept = [line for line in lines[1:] if not line.lower().startswith(name.encode() + b":")]
+    headers = {k: v for k, v in head.headers.items() if k != name}
+    return _Head(raw=b"\r\n".join([lines[0], *kept]), first_line=head.first_line,
+                 headers=headers)
+
+
 def _request_line(line: str) -> tuple[str, str]:
     parts = line.split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -285,9 +314,10 @@ async def _discard(reader: asyncio.StreamReader, length: int) -> None:
 
 
 async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter | None,
-                          method: str) -> bool:
+                          method: str, *, truncate: bool = False) -> bool:
     """Relay one response (after any 1xx interim ones) to ``client`` (None: read and drop
-    it); True if the connection stays open."""
+    it); True if the connection stays open. With ``truncate``, stop half-way through a
+    ``Content-Length`` body (the caller then resets both connections)."""
 
     def out(data: bytes) -> None:
         if client is not None:
@@ -317,7 +347,8 @@ async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter
                 break
             await _copy(up, client, size + 2)
     elif "content-length" in head.headers:
-        await _copy(up, client, int(head.headers["content-length"]))
+        length = int(head.headers["content-length"])
+        await _copy(up, client, length // 2 if truncate else length)
     else:
         while chunk := await up.read(_RELAY_CHUNK):
             out(chunk)

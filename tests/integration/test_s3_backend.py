@@ -535,3 +535,48 @@ async def test_sweep_aborts_foreign_uploads_older_than_grace(seaweedfs: SeaweedF
     assert left == {owned, elsewhere}
     assert not left & foreign
     assert backend.aborted_uploads == 3
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_corrupted_part_is_refused_and_aborted(seaweedfs: SeaweedFS, s3_bucket: str,
+                                                     backends: Any, staged: Any,
+                                                     proxy: FaultProxy) -> None:
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url, part_size_bytes=5 * MiB,
+                                   multipart_threshold_bytes=5 * MiB))
+    shard = staged(12 * MiB, seed=81)
+
+    # One byte flipped on the way: the server checks the part's CRC32 and refuses it.
+    proxy.inject("corrupt", match=lambda r: r.is_upload_part)
+    with pytest.raises(BackendError) as err:
+        await backend.put_file("job/x", shard.fd, shard.size)
+    assert err.value.kind == "integrity"
+    assert uploads(seaweedfs, s3_bucket) == []
+    assert backend.aborted_uploads == 1
+    assert await backend.list("job/") == []
+
+    # The same for a single PutObject.
+    proxy.inject("corrupt", match=lambda r: r.method == "PUT")
+    with pytest.raises(BackendError) as err:
+        await backend.put_bytes("job/record", b"x" * 1000)
+    assert err.value.kind == "integrity"
+    assert await backend.get_bytes("job/record") is None
+
+    assert await backend.put_file("job/x", shard.fd, shard.size) == shard.checksum
+    assert await read_all(backend, "job/x") == shard.data
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_read_resumes_after_a_cut_stream(seaweedfs: SeaweedFS, s3_bucket: str,
+                                               backends: Any, staged: Any,
+                                               proxy: FaultProxy) -> None:
+    direct = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    shard = staged(20 * MiB, seed=91)
+    assert await direct.put_file("job/x", shard.fd, shard.size) == shard.checksum
+
+    via_proxy = backends(dest_config(s3_bucket, proxy.endpoint_url))
+    proxy.inject("truncate", match=lambda r: r.method == "GET")
+    assert await read_all(via_proxy, "job/x", chunk_bytes=4 * MiB) == shard.data
+    gets = [r for r in proxy.requests if r.method == "GET"]
+    assert [r.fault for r in gets] == ["truncate", None]

@@ -1,0 +1,95 @@
+"""The daemon under systemd's protocols: socket activation (LISTEN_FDS), sd_notify
+(READY after the socket is served, WATCHDOG at half WATCHDOG_USEC, STOPPING on SIGTERM) and
+SIGHUP reloading limits. A real datagram socket stands in for systemd's notify socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from ckptdrain.client import Client
+from tests.conftest import CKPTDRAIN, DaemonProcess
+
+
+def recv_until(sock: socket.socket, wanted: str, timeout_s: float = 30.0) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            msg = sock.recv(4096).decode()
+        except TimeoutError:
+            break
+        seen.append(msg)
+        if wanted in msg.splitlines():
+            return seen
+    raise AssertionError(f"{wanted!r} never arrived; got {seen}")
+
+
+def test_socket_activation_and_notify(tmp_path: Path, short_tmp: Path) -> None:
+    notify_path = short_tmp / "notify"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    listen_path = short_tmp / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(listen_path))
+    listener.listen(16)
+    env = DaemonProcess(root=tmp_path, socket_path=short_tmp / "unused.sock",
+                        dest_uri=f"file://{tmp_path / 'dest'}").env()
+    env.update({"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000", "LISTEN_FDS": "1"})
+    fd = listener.fileno()
+
+    def as_fd3() -> None:
+        os.dup2(fd, 3)
+
+    # LISTEN_PID must be the daemon's own pid: the shell exports its pid, then execs it.
+    # preexec_fn runs before the child closes fds, so fd 3 must be in pass_fds too.
+    proc = subprocess.Popen(["sh", "-c", 'LISTEN_PID=$$ exec "$0" serve', CKPTDRAIN], env=env,
+                            pass_fds=(3, fd), preexec_fn=as_fd3, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        listener.close()  # the daemon holds its copy
+        first = recv_until(notify, "READY=1")
+        # READY means served: a client gets an answer on the inherited socket right away.
+        with Client(listen_path, timeout_s=10) as c:
+            assert c.status()["node_id"] == "node-a"
+        assert not (short_tmp / "unused.sock").exists(), "must not bind its own socket"
+        pings = [m for m in recv_until(notify, "WATCHDOG=1") + recv_until(notify, "WATCHDOG=1")
+                 if "WATCHDOG=1" in m.splitlines()]
+        assert len(pings) >= 2
+        assert any(line.startswith("STATUS=") for m in first for line in m.splitlines())
+        proc.send_signal(signal.SIGTERM)
+        recv_until(notify, "STOPPING=1")
+        assert proc.wait(30) == 0
+        assert listen_path.exists(), "an inherited socket belongs to systemd: not unlinked"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()
+
+
+def test_sighup_reloads_limits_and_keeps_the_rest(make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text('[limits]\nmax_staged_bytes = "1GiB"\n')
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    d.start()
+    assert d.client().status()["limits"]["max_staged_bytes"] == 1 << 30
+    config.write_text('[limits]\nmax_staged_bytes = "2GiB"\non_full = "reject"\n')
+    os.kill(d.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while d.client().status()["limits"]["max_staged_bytes"] != 2 << 30:
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.05)
+    assert d.client().status()["limits"]["on_full"] == "reject"
+    # A broken config on reload is logged and ignored: the daemon keeps its limits.
+    config.write_text("[limits]\nmax_staged_bytes = 'lots'\n")
+    os.kill(d.pid, signal.SIGHUP)
+    time.sleep(0.5)
+    assert d.client().status()["limits"]["max_staged_bytes"] == 2 << 30
+    assert "reload_failed" in d.log()
+    assert d.stop() == 0
