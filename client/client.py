@@ -393,11 +393,21 @@ class Generation:
             )
         return self._channel
 
-    def _shard_fields(self, path: str, size: int) -> dict[str, Any]:
-        return {"job": self.job, "step": self.step, "rank": self.rank, "path": path, "size": size}
+    def _shard_fields(self, path: str, size: int, deferred: bool) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "job": self.job, "step": self.step, "rank": self.rank, "path": path, "size": size
+        }
+        if deferred:
+            fields["deferred"] = True
+        return fields
 
-    def put(self, path: str, data: ReadableBuffer) -> dict[str, Any]:
-        """Hand off ``data`` as shard ``path``; returns when it is safe per the ack mode."""
+    def put(self, path: str, data: ReadableBuffer, *, deferred: bool = False) -> dict[str, Any]:
+        """Hand off ``data`` as shard ``path``; returns when it is safe per the ack mode.
+
+        ``deferred=True`` holds the shard back until every rank's shards are at the
+        destination, and writes it just before the manifest: for a file whose presence makes
+        the directory look complete to other readers (DCP's ``.metadata``).
+        """
         names.validate_shard_path(path)
         channel = self._open_channel()
         try:
@@ -415,10 +425,12 @@ class Generation:
             with view.cast("B") as flat:
                 # Two round trips: the daemon admits the shard (or pushes back) before any of
                 # its bytes are on the wire, then takes them in one data frame.
-                channel.request("put", self._shard_fields(path, flat.nbytes))
+                channel.request("put", self._shard_fields(path, flat.nbytes, deferred))
                 return channel.request("data", {}, payload=flat)
 
-    def put_file(self, path: str, file: str | os.PathLike[str] | int) -> dict[str, Any]:
+    def put_file(
+        self, path: str, file: str | os.PathLike[str] | int, *, deferred: bool = False
+    ) -> dict[str, Any]:
         """Hand off a file on this node as shard ``path`` by passing its open fd to the daemon.
 
         ``file`` is a path (opened read-only here and closed after) or an open fd (left open).
@@ -449,7 +461,7 @@ class Generation:
                     f"shard {path!r} must be a regular file or memfd; {file!r} is not"
                 )
             kind = "put_memfd" if _is_memfd(fd) else "put_fd"
-            return channel.request(kind, self._shard_fields(path, info.st_size), fd=fd)
+            return channel.request(kind, self._shard_fields(path, info.st_size, deferred), fd=fd)
         finally:
             if owned:
                 os.close(fd)

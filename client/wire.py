@@ -198,6 +198,11 @@ def _check_ack(kind: str, name: str, value: Any) -> None:
         )
 
 
+def _check_bool(kind: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _type_error(kind, name, "true or false", value)
+
+
 def _names_checker(validate: Callable[[object], object]) -> _Checker:
     """Run a names.py rule, turning its typed error into the matching wire error code."""
 
@@ -232,6 +237,9 @@ _SHARD: _Schema = {
     "rank": (_rank, True),
     "path": (_path, True),
     "size": (_check_size, True),
+    # Deferred: drained only once every rank's shards are at the destination, right before
+    # the manifest (e.g. DCP's .metadata, which makes a directory loadable on its own).
+    "deferred": (_check_bool, False),
 }
 _CLIENT_KINDS: dict[str, _Schema] = {
     "hello": {"version": (_check_version, True), "client": (_check_str, False)},

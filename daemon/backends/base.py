@@ -30,6 +30,8 @@ class BackendError(Exception):
 class ObjectInfo:
     key: str
     size: int
+    # Unix time of the last write, when the destination reports it (None: unknown).
+    modified: float | None = None
 
 
 class UploadLog(Protocol):

@@ -76,6 +76,8 @@ NODE_METADATA_KEY = "ckptdrain-node"
 _CONTROL_CONNECTIONS = 4
 # S3 answers at most 1,000 entries per listing page.
 _LIST_PAGE = 1000
+# Longest wait for an abort and its confirmation (the sweep and the lifecycle rule catch up).
+_CLEANUP_TIMEOUT_S = 30.0
 # How often an abort is retried when a late part re-appears after it.
 _ABORT_ROUNDS = 3
 # A read thread cannot be interrupted; a cancelled read waits this long for it before giving
@@ -316,10 +318,11 @@ class S3Backend(Backend):
         self._threshold = int(config.multipart_threshold_bytes)
         self._concurrency = int(config.max_concurrency)
         self._max_attempts = int(config.max_attempts)
-        # Bound on any one cleanup (abort and confirm): every attempt's timeouts plus
-        # botocore's longest backoff (20 s), so a dead endpoint cannot hold a cancelled task.
-        self._cleanup_timeout_s = self._max_attempts * (
-            float(config.connect_timeout_s) + float(config.read_timeout_s) + 20.0
+        # Bound on one abort-and-confirm, so a dead endpoint cannot hold a cancelled task (or
+        # a stopping daemon) for long: what is not aborted by then is left to the sweep.
+        self.cleanup_timeout_s = min(
+            _CLEANUP_TIMEOUT_S,
+            self._max_attempts * (float(config.connect_timeout_s) + float(config.read_timeout_s)),
         )
         self.buffers = BufferPool(self._concurrency)
         self._session = AioSession()
@@ -619,7 +622,7 @@ class S3Backend(Backend):
         done, leaving the upload to the orphan sweep and the lifecycle rule."""
         aborted = False
         try:
-            async with asyncio.timeout(self._cleanup_timeout_s):
+            async with asyncio.timeout(self.cleanup_timeout_s):
                 for _ in range(_ABORT_ROUNDS):
                     try:
                         await self._call(f"aborting the upload of {key}",

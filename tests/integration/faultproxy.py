@@ -229,6 +229,10 @@ class FaultProxy:
                     return
         except (OSError, asyncio.IncompleteReadError, ValueError):
             _reset(writer)
+        except asyncio.CancelledError:
+            # aclose() cancels handlers on purpose; ending quietly keeps asyncio's stream
+            # callback from logging the cancellation as an error.
+            _reset(writer)
         finally:
             self._writers.discard(writer)
             if up_writer is not None:

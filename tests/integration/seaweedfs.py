@@ -112,7 +112,8 @@ class SeaweedFS:
         assert self.workdir is not None
         p = self.ports
         return [
-            self.weed, "server",
+            # Logs to stderr (our weed.log) only: by default weed also writes log files to /tmp.
+            self.weed, "-logtostderr=true", "server",
             f"-dir={self.workdir / 'data'}",
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
