@@ -237,6 +237,59 @@ def cmd_restore(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_gc(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon import retention
+
+    policy = _load_config(ns).retention
+    keep_last = policy.keep_last if ns.keep_last is None else ns.keep_last
+    grace_s = policy.abandoned_grace_s if ns.grace_s is None else ns.grace_s
+    if keep_last < 1:
+        _fail(f"--keep-last must be at least 1 (the newest committed generation is always kept), not {keep_last}", EXIT_USAGE)
+    if not 0 <= grace_s < float("inf"):
+        _fail(f"--grace-s must be a finite number of seconds >= 0, not {grace_s}", EXIT_USAGE)
+    if ns.job:
+        from ckptdrain.client.errors import RejectedInput
+        from ckptdrain.client.names import validate_job
+
+        try:
+            validate_job(ns.job)
+        except RejectedInput as exc:
+            _fail(f"--job: {exc.message}", EXIT_USAGE)
+
+    async def run(backend: Any) -> list[Any]:
+        jobs = [ns.job] if ns.job else None
+        return await retention.gc(backend, jobs, keep_last, grace_s, ns.dry_run)
+
+    reports = _run(_with_backend(ns, ns.dest, run))
+    if ns.json:
+        print(json.dumps([{
+            "job": r.job, "dry_run": r.dry_run, "keep_last": keep_last, "abandoned_grace_s": grace_s,
+            "kept": r.kept, "deleted": r.deleted, "abandoned_deleted": r.abandoned_deleted,
+            "skipped": [{"generation": s, "reason": why} for s, why in r.skipped],
+            "failed": [{"generation": s, "reason": why} for s, why in r.failed],
+        } for r in reports], indent=2))
+    elif not reports:
+        print(f"no committed generations at {ns.dest}; nothing to do")
+    else:
+        verb = "would delete" if ns.dry_run else "deleted"
+        for r in reports:
+            print(f"job {r.job}: kept {_steps(r.kept)}; {verb} {_steps(r.deleted)}; "
+                  f"{verb} abandoned {_steps(r.abandoned_deleted)}")
+            for step, why in r.skipped:
+                print(f"    left {step}: {why}")
+            for step, why in r.failed:
+                print(f"    FAILED {step}: {why}", file=sys.stderr)
+    failed = [(r.job, step, why) for r in reports for step, why in r.failed]
+    if failed:
+        job, step, why = failed[0]
+        raise CommandFailed(f"{len(failed)} generation(s) could not be removed, first {job!r} {step}: {why}")
+    return EXIT_OK
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"
+
+
 class ProgressBar:
     """A one-line progress bar on stderr (only on a terminal unless asked for)."""
 
@@ -326,6 +379,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
             p.add_argument("--quiet", action="store_true")
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("gc", help="apply retention: delete old and abandoned generations at a destination")
+    common(p)
+    p.add_argument("dest", metavar="DEST", help="file:///path or s3://bucket/prefix")
+    p.add_argument("--job", help="only this job (default: every job with a committed generation)")
+    p.add_argument("--keep-last", type=int, metavar="N", help="committed generations kept per job (default: retention.keep_last)")
+    p.add_argument("--grace-s", type=float, metavar="S", help="age after which an uncommitted generation older than the newest committed one is removed (default: retention.abandoned_grace_s)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_gc)
 
     p = sub.add_parser("retry", help="drain a failed generation again from its local copy")
     common(p, socket=True)

@@ -158,6 +158,11 @@ class Committer:
         await self._raise_latest(job, step)
         return CommitResult(CommitOutcome.ACCEPTED, existing)
 
+    async def ranks_missing(self, job: str, step: int, world_size: int) -> list[int] | None:
+        """Ranks with no part record yet; None when the records disagree (try_publish says why)."""
+        parts, problem = await self._read_parts(job, step, world_size)
+        return None if problem else missing_ranks(parts, world_size)
+
     async def committed(self, job: str, step: int) -> Manifest | None:
         """The generation's manifest, or None if it is not committed.
 

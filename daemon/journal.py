@@ -58,6 +58,7 @@ CREATE TABLE IF NOT EXISTS shards (
     staged_at REAL NOT NULL,
     drained_at REAL,
     error TEXT NOT NULL DEFAULT '',
+    deferred INTEGER NOT NULL DEFAULT 0,
     UNIQUE (job, step, path)
 );
 CREATE TABLE IF NOT EXISTS uploads (
@@ -197,11 +198,12 @@ def put_rank(job: str, step: int, rank: int, state: str) -> tuple[str, tuple[Any
 def put_shard(s: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
     return (
         "INSERT OR REPLACE INTO shards (id, job, step, rank, path, size, staged_name, state,"
-        " checksum, handed_at, staged_at, drained_at, error)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " checksum, handed_at, staged_at, drained_at, error, deferred)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             s["id"], s["job"], s["step"], s["rank"], s["path"], s["size"], s["staged_name"],
             s["state"], s["checksum"], s["handed_at"], s["staged_at"], s["drained_at"], s["error"],
+            int(s["deferred"]),
         ),
     )
 

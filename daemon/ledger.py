@@ -40,6 +40,8 @@ class ShardRecord:
     checksum: str = ""
     drained_at: float | None = None
     error: str = ""
+    # Drained only after every rank's shards are at the destination, right before the manifest.
+    deferred: bool = False
     local_copy: bool = True  # the staged file still exists
 
     def row(self) -> dict[str, Any]:
@@ -48,7 +50,15 @@ class ShardRecord:
             "path": self.path, "size": self.size, "staged_name": self.staged_name,
             "state": str(self.state), "checksum": self.checksum, "handed_at": self.handed_at,
             "staged_at": self.staged_at, "drained_at": self.drained_at, "error": self.error,
+            "deferred": self.deferred,
         }
+
+    @property
+    def settled(self) -> bool:
+        """Ready for the part record: drained, or deferred with its checksum known."""
+        if self.deferred:
+            return self.state in (ShardState.STAGED, ShardState.DRAINED) and bool(self.checksum)
+        return self.state is ShardState.DRAINED
 
 
 @dataclass(eq=False)
@@ -97,9 +107,10 @@ class GenerationRecord:
         return min(times) if times else None
 
     def rank_drained(self, rank: int) -> bool:
-        return all(
-            s.state is ShardState.DRAINED for s in self.shards.values() if s.rank == rank
-        )
+        return all(s.settled for s in self.shards.values() if s.rank == rank)
+
+    def pending_deferred(self) -> list[ShardRecord]:
+        return [s for s in self.shards.values() if s.deferred and s.state is ShardState.STAGED]
 
     def summary(self) -> dict[str, Any]:
         by_state: dict[str, int] = {}
@@ -153,7 +164,7 @@ class Ledger:
                 id=s["id"], job=s["job"], step=s["step"], rank=s["rank"], path=s["path"],
                 size=s["size"], staged_name=s["staged_name"], state=ShardState(s["state"]),
                 handed_at=s["handed_at"], staged_at=s["staged_at"], checksum=s["checksum"],
-                drained_at=s["drained_at"], error=s["error"],
+                drained_at=s["drained_at"], error=s["error"], deferred=bool(s["deferred"]),
             )
             self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
         return dict(snap.uploads)

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.scheduler")
 
 
+class _Discarded(Exception):
+    """The copy was cancelled because its generation failed or was cancelled."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -68,6 +72,10 @@ class Scheduler:
         self.destination = config.destination.scheme
         self._logged_causes: set[str] = set()
         self.pacer = TokenBucket(config.drain.max_bandwidth_bytes_per_s)
+        # Copies in flight, by shard id: a failed or cancelled generation cancels them (an S3
+        # upload then waits for its in-flight parts and aborts itself).
+        self._inflight: dict[int, asyncio.Task[str]] = {}
+        self._tg: asyncio.TaskGroup | None = None
 
     # -- queueing ----------------------------------------------------------------------------
     def enqueue(self, gen: GenerationRecord, shard: ShardRecord) -> None:
@@ -93,6 +101,7 @@ class Scheduler:
     # -- tasks -------------------------------------------------------------------------------
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
+            self._tg = tg
             for i in range(max(1, self.config.destination.max_concurrency)):
                 tg.create_task(self._worker(), name=f"drain-{i}")
             tg.create_task(self._commit_poller(), name="commit-poller")
@@ -102,19 +111,21 @@ class Scheduler:
             _, _, _, shard = await self._queue.get()
             try:
                 gen = self.ledger.get(shard.job, shard.step)
-                if gen is None or gen.terminal or shard.state is not ShardState.STAGED:
+                if (gen is None or gen.terminal or shard.state is not ShardState.STAGED
+                        or shard.deferred):
                     continue
                 await self._drain(gen, shard)
             finally:
                 self._queue.task_done()
 
-    async def _drain(self, gen: GenerationRecord, shard: ShardRecord) -> None:
+    async def _drain(self, gen: GenerationRecord, shard: ShardRecord, *, then_advance: bool = True) -> bool:
+        """Copy one shard to the destination; True when it drained."""
         # Pace before the copy so draining never takes more than its share of the network.
         delay = self.pacer.reserve(shard.size, time.monotonic())
         if delay:
             await asyncio.sleep(delay)
             if gen.terminal or shard.state is not ShardState.STAGED:
-                return
+                return False
         await self.ledger.set_shard(shard, ShardState.DRAINING, persist=False)
         prefix = generation_prefix(gen.job, gen.step)
         budget_s = self.config.drain.retry_budget_s
@@ -129,6 +140,8 @@ class Scheduler:
                     self._prepared.add(prefix)
                 checksum = await self._put(shard)
                 break
+            except _Discarded:
+                return False
             except BackendError as exc:
                 self.metrics.drain_error(self.destination, exc.kind)
                 cause = f"{gen.job}:{exc.kind}:{exc}"
@@ -139,38 +152,56 @@ class Scheduler:
                               attempt=attempt, error=str(exc))
                 if not exc.transient or time.monotonic() + backoff > deadline:
                     await self._fail_shard(gen, shard, f"{exc.kind}: {exc}")
-                    return
+                    return False
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
             except OSError as exc:
                 # The staged copy itself is unreadable: nothing a retry can fix.
                 self.metrics.drain_error(self.destination, "staging")
                 await self._fail_shard(gen, shard, f"staged copy unreadable: {exc}")
-                return
+                return False
         if gen.terminal or shard.state is not ShardState.DRAINING:
-            return
+            return False
+        if shard.deferred and shard.checksum and checksum != shard.checksum:
+            # The part record already promised shard.checksum: the staged copy changed.
+            self.metrics.drain_error(self.destination, "integrity")
+            await self._fail_shard(gen, shard, f"staged copy changed: {checksum} != {shard.checksum}")
+            return False
         now = time.time()
         await self.ledger.set_shard(shard, ShardState.DRAINED, checksum=checksum, drained_at=now)
         self._drained_bytes_window.append((time.monotonic(), shard.size))
         self.metrics.drained(gen.job, shard.size, self.destination)
         self._on_drained(shard)
-        await self.advance(gen)
+        if then_advance:
+            await self.advance(gen)
+        return True
 
     async def _put(self, shard: ShardRecord) -> str:
         fd = self.staging.open_data(shard.staged_name)
         try:
             upload_log = self._upload_log_for(shard) if self._upload_log_for else None
-            return await self.backend.put_file(
+            # Its own task so fail_generation can cancel just this copy; awaited right here.
+            task = asyncio.ensure_future(self.backend.put_file(
                 shard_key(shard.job, shard.step, shard.path), fd, shard.size,
                 upload_log=upload_log,
-            )
+            ))
+            self._inflight[shard.id] = task
+            try:
+                return await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the daemon is stopping
+                raise _Discarded from None
         finally:
+            self._inflight.pop(shard.id, None)
             os.close(fd)
 
     async def _fail_shard(self, gen: GenerationRecord, shard: ShardRecord, reason: str) -> None:
         if shard.state is not ShardState.DRAINING:
             return  # discarded meanwhile: its generation was aborted or cancelled
         await self.ledger.set_shard(shard, ShardState.FAILED, error=reason)
+        await self._abort_upload(shard)
         if not gen.terminal:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",
                                        kind="drain")
@@ -181,8 +212,29 @@ class Scheduler:
         await self.ledger.save_generation(gen, GenerationState.FAILED, error=reason)
         self.metrics.generation_failed(gen.job, kind)
         self._on_terminal(gen)
+        for shard in gen.shards.values():
+            task = self._inflight.get(shard.id)
+            if task is not None:
+                task.cancel()
+            elif shard.state is not ShardState.DRAINED and self._tg is not None:
+                # A resumable upload kept from an earlier transient failure: give it up.
+                self._tg.create_task(self._abort_upload(shard))
         log_event(log, logging.ERROR, "generation_failed", job=gen.job, step=gen.step,
                   reason=reason)
+
+    async def _abort_upload(self, shard: ShardRecord) -> None:
+        if self._upload_log_for is None:
+            return
+        upload_log = self._upload_log_for(shard)
+        if upload_log is None:
+            return
+        try:
+            await self.backend.abort_upload(
+                shard_key(shard.job, shard.step, shard.path), upload_log)
+        except BackendError as exc:
+            log_event(log, logging.WARNING, "abort_failed", job=shard.job, step=shard.step,
+                      path=shard.path, error=str(exc),
+                      action="left to the orphan sweep and the lifecycle rule")
 
     # -- commit ------------------------------------------------------------------------------
     async def advance(self, gen: GenerationRecord) -> None:
@@ -203,7 +255,25 @@ class Scheduler:
             if gen.state is GenerationState.OPEN:
                 await self.ledger.save_generation(gen, GenerationState.RECORDED)
             if gen.state is GenerationState.RECORDED:
-                await self._try_publish(gen)
+                await self._publish_when_covered(gen)
+
+    async def _publish_when_covered(self, gen: GenerationRecord) -> None:
+        """Publish, first draining deferred shards once every rank has its part record.
+        Called with ``gen.lock`` held."""
+        deferred = gen.pending_deferred()
+        if deferred:
+            try:
+                missing = await self._with_retries(
+                    gen, lambda: self.committer.ranks_missing(gen.job, gen.step, gen.world_size))
+            except BackendError as exc:
+                await self.fail_generation(gen, f"commit failed: {exc}", kind="drain")
+                return
+            if missing is None or missing:
+                return  # other nodes are not done (or disagree: try_publish will say so)
+            for shard in deferred:
+                if not await self._drain(gen, shard, then_advance=False):
+                    return
+        await self._try_publish(gen)
 
     async def _record_part(self, gen: GenerationRecord, ready: list[int]) -> None:
         recorded = sorted(
@@ -293,7 +363,7 @@ class Scheduler:
                     try:
                         async with gen.lock:
                             if gen.state is GenerationState.RECORDED:
-                                await self._try_publish(gen)
+                                await self._publish_when_covered(gen)
                     except Exception as exc:  # keep polling the others
                         log_event(log, logging.WARNING, "commit_poll_error", job=gen.job,
                                   step=gen.step, error=str(exc))

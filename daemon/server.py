@@ -267,7 +267,8 @@ class Daemon:
             if not gen.terminal:
                 self.staged_budget.used += shard.size
                 self.shard_budget.used += 1
-                self.scheduler.enqueue(gen, shard)
+                if not shard.deferred:
+                    self.scheduler.enqueue(gen, shard)
         log_event(log, logging.INFO, "recovered", generations=len(self.ledger.generations),
                   requeued=len(requeue), removed_files=removed)
 
@@ -277,8 +278,6 @@ class Daemon:
             aborted = await asyncio.wait_for(
                 self.backend.sweep_orphans(owned, self.config.destination.orphan_grace_s), timeout_s)
             if aborted:
-                if self.config.destination.scheme == "s3":
-                    self.metrics.upload_aborted(aborted)
                 log_event(log, logging.INFO, "orphans_swept", removed=aborted)
         except Exception as exc:  # the destination may be down; draining retries on its own
             log_event(log, logging.WARNING, "orphan_sweep_failed", error=str(exc) or type(exc).__name__)
@@ -412,7 +411,12 @@ class Daemon:
     async def _refresh_loop(self) -> None:
         interval = self.notifier.watchdog_interval_s()
         period = min(1.0, interval) if interval else 1.0
+        counted_aborts = 0
         while True:
+            aborted = self.backend.aborted_uploads
+            if aborted > counted_aborts:
+                self.metrics.upload_aborted(aborted - counted_aborts)
+                counted_aborts = aborted
             self.refresh_snapshot()
             self.notifier.status(self._status_line())
             if interval:
@@ -548,7 +552,8 @@ class ClientHandler:
         if kind == "begin":
             return await self._begin(f["job"], f["step"], f["rank"], f["world_size"], f.get("ack"))
         if kind in ("put", "put_fd", "put_memfd"):
-            return await self._put(kind, f["job"], f["step"], f["rank"], f["path"], f["size"])
+            return await self._put(kind, f["job"], f["step"], f["rank"], f["path"], f["size"],
+                                   bool(f.get("deferred", False)))
         if kind == "seal":
             return await self._seal(self._own_rank(f))
         if kind == "abort":
@@ -629,18 +634,20 @@ class ClientHandler:
                                f"{gen.error or 'no more shards accepted'}")
         return gen, rank
 
-    async def _put(self, kind: str, job: str, step: int, rank: int, path: str, size: int) -> dict[str, Any]:
+    async def _put(self, kind: str, job: str, step: int, rank: int, path: str, size: int,
+                   deferred: bool) -> dict[str, Any]:
         fd = self.channel.take_fd() if wire.needs_fd(kind) else None
         try:
             gen, rank = self._own_rank({"job": job, "step": step, "rank": rank})
             if fd is None and wire.needs_fd(kind):
                 raise RequestError(wire.BAD_REQUEST, f"{kind} arrived without a file descriptor")
-            return await self._stage(gen, rank, path, size, fd)
+            return await self._stage(gen, rank, path, size, fd, deferred)
         finally:
             if fd is not None:
                 os.close(fd)
 
-    async def _stage(self, gen: GenerationRecord, rank: int, path: str, size: int, src_fd: int | None) -> dict[str, Any]:
+    async def _stage(self, gen: GenerationRecord, rank: int, path: str, size: int,
+                     src_fd: int | None, deferred: bool) -> dict[str, Any]:
         started = time.perf_counter()
         handed_at = time.time()
         limits = self.d.config.limits
@@ -685,14 +692,18 @@ class ClientHandler:
                 await asyncio.to_thread(_kernel_copy, src_fd, tmp_fd, size)
             fd, tmp_fd = tmp_fd, None
             await asyncio.to_thread(self.d.staging.finish, fd, name)
+            # A deferred shard is listed in the part record before it drains, so its
+            # checksum is needed now (deferred shards are small: DCP's .metadata).
+            checksum = await asyncio.to_thread(self.d.staging.checksum, name) if deferred else ""
             shard = ShardRecord(
                 id=self.d.ledger.shard_ids(), job=gen.job, step=gen.step, rank=rank, path=path,
                 size=size, staged_name=name, state=ShardState.STAGED, handed_at=handed_at,
-                staged_at=time.time(),
+                staged_at=time.time(), deferred=deferred, checksum=checksum,
             )
             await self.d.ledger.add_shard(gen, shard)
             reserved_bytes = reserved_shard = False  # now owned by the shard until it drains
-            self.d.scheduler.enqueue(gen, shard)
+            if not deferred:
+                self.d.scheduler.enqueue(gen, shard)
         except OSError as exc:
             if exc.errno in (28, 122):  # ENOSPC, EDQUOT
                 self.d.metrics.backpressure("rejected", "staging_filesystem")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import uuid
 from pathlib import Path
@@ -76,6 +77,16 @@ class Staging:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+    def checksum(self, name: str) -> str:
+        """sha256 of a staged shard, in the manifest's format (blocking: run in a thread)."""
+        digest = hashlib.sha256()
+        with open(self.data_path(name), "rb", buffering=0) as f:
+            buf = bytearray(1 << 20)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                digest.update(view[:n])
+        return "sha256:" + digest.hexdigest()
 
     def open_data(self, name: str) -> int:
         return os.open(self.data_path(name), os.O_RDONLY | os.O_CLOEXEC)

@@ -52,6 +52,8 @@ class Backend(abc.ABC):
     """One destination. Instances are used from one event loop; methods are coroutine-safe."""
 
     uri: str
+    # Incomplete uploads this backend aborted so far (put_file cleanup and sweeps together).
+    aborted_uploads: int = 0
 
     @abc.abstractmethod
     async def put_file(
@@ -87,6 +89,12 @@ class Backend(abc.ABC):
     async def prepare_prefix(self, prefix: str) -> None:  # noqa: B027 - optional hook
         """Called once before the first object under a generation prefix is written
         (POSIX creates the directory and applies Lustre striping)."""
+
+    async def abort_upload(self, key: str, upload_log: UploadLog) -> bool:
+        """Give up the resumable upload ``upload_log`` holds for ``key`` (a shard whose
+        generation failed or was cancelled): abort it, confirm nothing is left, and clear the
+        log. True when nothing remains; destinations without uploads have nothing to do."""
+        return True
 
     async def sweep_orphans(self, owned_upload_ids: set[str], grace_s: float) -> int:
         """Abort incomplete uploads under the root not in ``owned_upload_ids`` and older than

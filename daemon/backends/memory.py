@@ -14,7 +14,8 @@ import asyncio
 import builtins
 import hashlib
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ckptdrain.client.manifest import format_checksum
@@ -42,6 +43,10 @@ class MemoryStore:
     """The shared "bucket": objects by key. One per ``memory://`` URI via ``named``."""
 
     objects: dict[str, bytes] = field(default_factory=dict)
+    # Unix time of each object's last write, from ``clock``: tests age objects by editing it
+    # or by passing a clock, as retention's grace period needs old objects.
+    modified: dict[str, float] = field(default_factory=dict)
+    clock: Callable[[], float] = time.time
     # Every call of every backend on this store, in order, as (node_id, op, key).
     calls: list[tuple[str, str, str]] = field(default_factory=list)
 
@@ -165,6 +170,7 @@ class MemoryBackend(Backend):
             await self._throttle(len(chunk))
         # Stored in one step at the end: a failed or cancelled put leaves nothing.
         self.store.objects[key] = b"".join(chunks)
+        self.store.modified[key] = self.store.clock()
         return format_checksum("sha256", digest.hexdigest())
 
     async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
@@ -172,6 +178,7 @@ class MemoryBackend(Backend):
         if exclusive and key in self.store.objects:
             return False
         self.store.objects[key] = bytes(data)
+        self.store.modified[key] = self.store.clock()
         return True
 
     async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
@@ -186,7 +193,7 @@ class MemoryBackend(Backend):
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         self._enter("list", prefix)
         return [
-            ObjectInfo(key=key, size=len(data))
+            ObjectInfo(key=key, size=len(data), modified=self.store.modified.get(key))
             for key, data in sorted(self.store.objects.items())
             if key.startswith(prefix)
         ]
@@ -204,6 +211,7 @@ class MemoryBackend(Backend):
     async def delete(self, key: str) -> None:
         self._enter("delete", key)
         self.store.objects.pop(key, None)
+        self.store.modified.pop(key, None)
 
     async def prepare_prefix(self, prefix: str) -> None:
         self._enter("prepare_prefix", prefix)

@@ -432,7 +432,7 @@ class PosixBackend(Backend):
                 except FileNotFoundError:
                     continue  # deleted since the directory was read
                 if stat.S_ISREG(st.st_mode):
-                    found.append(ObjectInfo(key=key, size=st.st_size))
+                    found.append(ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime))
         found.sort(key=lambda info: info.key)
         return found
 

@@ -617,6 +617,15 @@ class S3Backend(Backend):
                     transient=True, kind="not_found", code="NoSuchUpload",
                 ) from exc
 
+    async def abort_upload(self, key: str, upload_log: UploadLog) -> bool:
+        upload_id, _ = await upload_log.load()
+        if upload_id is None:
+            return True
+        if await self._abort(key, self._key(key), upload_id):
+            await upload_log.finished()
+            return True
+        return False
+
     async def _abort(self, key: str, full: str, upload_id: str) -> bool:
         """Abort and confirm nothing is left; False (and a log line) when that could not be
         done, leaving the upload to the orphan sweep and the lifecycle rule."""
@@ -812,7 +821,11 @@ class S3Backend(Backend):
                 full_key = str(item["Key"])
                 if full_key.endswith("/"):
                     continue  # a "directory" marker some stores list
-                found.append(ObjectInfo(key=self._strip_root(full_key), size=int(item["Size"])))
+                modified = item.get("LastModified")
+                found.append(ObjectInfo(
+                    key=self._strip_root(full_key), size=int(item["Size"]),
+                    modified=modified.timestamp() if modified is not None else None,
+                ))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 break

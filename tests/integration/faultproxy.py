@@ -194,7 +194,7 @@ class FaultProxy:
                     # without any timeout.
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     head = _without_header(head, "expect")
-                if request.fault not in _FORWARDED:
+                if request.fault is not None and request.fault not in _FORWARDED:
                     await _discard(reader, length)
                     if request.fault == "stall":
                         with contextlib.suppress(TimeoutError):

@@ -1,0 +1,231 @@
+"""The processes a benchmark runs and what it reads about them from /proc.
+
+:class:`BenchDaemon` is one real ``ckptdrain serve`` configured through environment overrides
+(as the functional tests do), stopped by PID: SIGTERM, then SIGKILL after a timeout.
+:func:`run_timed` runs a baseline command and returns its wall time and its own CPU time
+(``wait4`` rusage of that one child, so daemons exiting meanwhile are not counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptdrain.client import Client, DaemonUnavailable
+
+CKPTDRAIN = str(Path(sys.executable).with_name("ckptdrain"))
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_TS_RE = re.compile(r"^ts=(\S+)Z level=\S+ event=(\S+)")
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not measure what it set out to (the message says what failed)."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (/proc/<pid>/stat utime + stime)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        # The command name may hold spaces and parentheses: split after the last ')'.
+        fields = f.read().rpartition(b")")[2].split()
+    # fields[0] is the state (field 3); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def status_bytes(pid: int, key: str) -> int:
+    """A ``kB`` line of /proc/<pid>/status (``VmHWM``, ``VmRSS``) in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise BenchError(f"/proc/{pid}/status has no {key} line")
+
+
+@dataclass
+class BenchDaemon:
+    """One ``ckptdrain serve`` for a benchmark; ``overrides`` are ``CKPTDRAIN_*`` variables."""
+
+    root: Path
+    socket_path: Path
+    dest_uri: str
+    staging_dir: Path | None = None
+    overrides: Mapping[str, str] = field(default_factory=dict)
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def staging(self) -> Path:
+        return self.staging_dir or self.root / "staging"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTDRAIN_")}
+        env.update(self.extra_env)
+        env.update({
+            "CKPTDRAIN_NODE_ID": "bench-node",
+            "CKPTDRAIN_SOCKET": str(self.socket_path),
+            "CKPTDRAIN_STAGING_DIR": str(self.staging),
+            "CKPTDRAIN_DESTINATION__URI": self.dest_uri,
+            # No metrics listener: nothing a benchmark measures needs it.
+            "CKPTDRAIN_METRICS__LISTEN": "",
+            "CKPTDRAIN_DRAIN__COMMIT_POLL_INTERVAL_S": "0.2",
+            "CKPTDRAIN_LOG_LEVEL": "info",
+            # Benchmarks commit many generations: no retention deletes racing the next run,
+            # and no local copies filling the staging disk.
+            "CKPTDRAIN_RETENTION__KEEP_LAST": "1000",
+            "CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY": "false",
+            "XDG_STATE_HOME": str(self.root / "xdg"),
+        })
+        env.update(self.overrides)
+        return env
+
+    def start(self, timeout_s: float = 60.0, *, wait_ready: bool = True) -> BenchDaemon:
+        if self.proc is not None and self.proc.poll() is None:
+            raise BenchError("this daemon is already running")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.root / f"daemon-{time.monotonic_ns()}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([CKPTDRAIN, "serve"], env=self.env(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if wait_ready:
+            self.wait_answering(timeout_s)
+        return self
+
+    def wait_answering(self, timeout_s: float) -> None:
+        """Until the daemon answers ``status`` on its socket."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"the daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with Client(self.socket_path, timeout_s=10, connect_timeout_s=2) as c:
+                    c.status()
+                return
+            except DaemonUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise BenchError(f"the daemon did not answer within {timeout_s} s:\n{self.log_tail()}")
+            time.sleep(0.02)
+
+    def client(self, timeout_s: float = 600.0) -> Client:
+        return Client(self.socket_path, timeout_s=timeout_s)
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise BenchError("the daemon was never started")
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        return self.log_text()[-n_chars:]
+
+    def event_time(self, event: str, *, last: bool = False) -> float | None:
+        """Epoch seconds of the first (or last) log line of ``event``; None if not logged."""
+        found: float | None = None
+        for line in self.log_text().splitlines():
+            m = _TS_RE.match(line)
+            if m and m.group(2) == event:
+                stamp = _dt.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f")
+                found = stamp.replace(tzinfo=_dt.UTC).timestamp()
+                if not last:
+                    return found
+        return found
+
+    def wait_event(self, event: str, timeout_s: float, poll_s: float = 0.005) -> None:
+        """Until ``event`` appears in the log (polled: the daemon flushes each line)."""
+        assert self.proc is not None and self.log_path is not None
+        needle = f" event={event}".encode()
+        deadline = time.monotonic() + timeout_s
+        offset = 0
+        carry = b""
+        with open(self.log_path, "rb") as f:
+            while True:
+                f.seek(offset)
+                chunk = f.read()
+                offset += len(chunk)
+                text = carry + chunk
+                if needle in text:
+                    return
+                carry = text[-len(needle):]
+                if self.proc.poll() is not None:
+                    raise BenchError(f"the daemon exited with {self.proc.returncode} before "
+                                     f"{event}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise BenchError(f"no {event} from the daemon within {timeout_s} s:\n"
+                                     f"{self.log_tail()}")
+                time.sleep(poll_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM by PID, SIGKILL after ``timeout_s``."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise BenchError(f"the daemon ignored SIGTERM for {timeout_s} s:\n{self.log_tail()}") from None
+
+    def kill(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+@dataclass(frozen=True)
+class Timed:
+    wall_s: float
+    cpu_s: float
+
+
+def run_timed(argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None,
+              cwd: Path | None = None) -> Timed:
+    """Run ``argv``; its wall time and the CPU time of that process and its waited children.
+
+    Fails with the command's output if it exits non-zero; killed (SIGKILL by PID) after
+    ``timeout_s``.
+    """
+    with tempfile.TemporaryFile() as out:
+        started = time.perf_counter()
+        proc = subprocess.Popen(list(argv), env=dict(env) if env is not None else None, cwd=cwd,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        killer = threading.Timer(timeout_s, _kill_pid, (proc.pid,))
+        killer.start()
+        try:
+            # wait4 reaps exactly this child and returns its own rusage (and its children's).
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        wall = time.perf_counter() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        output = out.read().decode(errors="replace")
+    if proc.returncode == -signal.SIGKILL:
+        raise BenchError(f"{argv[0]} did not finish within {timeout_s} s: {output[-2000:]}")
+    if proc.returncode != 0:
+        raise BenchError(f"{' '.join(argv)} exited {proc.returncode}: {output[-2000:]}")
+    return Timed(wall, usage.ru_utime + usage.ru_stime)
+
+
+def _kill_pid(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

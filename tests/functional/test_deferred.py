@@ -1,0 +1,46 @@
+"""Deferred shards (DCP's .metadata): written only once every rank's data is at the
+destination, right before the manifest, so the directory never looks loadable early."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ckptdrain.client.manifest import Manifest
+from tests.conftest import DaemonProcess
+
+
+def test_deferred_shard_waits_for_every_rank(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    root: Path = a.dest / "dcp" / f"{4:020d}"
+    with a.client().generation("dcp", 4, rank=0, world_size=2) as gen:
+        gen.put("__0_0.distcp", b"rank zero data" * 100)
+        gen.put(".metadata", b"the metadata", deferred=True)
+    deadline = time.monotonic() + 30
+    while not (root / "_parts" / "node-a.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.5)  # several commit polls: still nothing may drain .metadata
+    assert (root / "__0_0.distcp").exists()
+    assert not (root / ".metadata").exists(), ".metadata drained before rank 1's data"
+    with b.client().generation("dcp", 4, rank=1, world_size=2) as gen:
+        gen.put("__1_0.distcp", b"rank one data" * 100)
+    a.client().wait("dcp", 4, timeout_s=30)
+    b.client().wait("dcp", 4, timeout_s=30)
+    assert (root / ".metadata").read_bytes() == b"the metadata"
+    assert (root / ".metadata").stat().st_mtime_ns >= (root / "__1_0.distcp").stat().st_mtime_ns
+    manifest = Manifest.from_json((root / "MANIFEST.json").read_bytes())
+    assert {s.path for s in manifest.shards} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+
+
+def test_deferred_shard_on_a_single_node_survives_a_restart(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("dcp1", 1, rank=0, world_size=1) as gen:
+        gen.put("__0_0.distcp", b"x" * 1000)
+        gen.put(".metadata", b"meta", deferred=True)
+    d.kill()
+    d.overrides.pop("CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S")
+    d.start()
+    d.client().wait("dcp1", 1, timeout_s=30)
+    assert (d.dest / "dcp1" / f"{1:020d}" / ".metadata").read_bytes() == b"meta"

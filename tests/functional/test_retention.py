@@ -1,0 +1,607 @@
+"""Retention and ``ckptdrain gc``: what is kept, what is removed, in which order, and that a
+reader never sees a manifest whose shards are gone. On a real directory (POSIX) and on the
+recording in-memory fake."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from ckptdrain.client.manifest import (
+    Manifest,
+    ManifestError,
+    PartRecord,
+    ShardEntry,
+    format_checksum,
+    generation_prefix,
+    latest_key,
+    manifest_key,
+    part_key,
+    shard_key,
+)
+from ckptdrain.daemon import catalog
+from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
+from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.commit import CommitOutcome, Committer
+from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.retention import RetentionReport, apply_retention, gc
+
+JOB = "llama"
+NODE = "gpu1"
+GRACE_S = 600.0
+PATHS = ("model/rank0.pt", "optim/rank0.pt", ".metadata")
+CKPTDRAIN = str(Path(sys.executable).with_name("ckptdrain"))
+
+
+class YieldingMemoryBackend(MemoryBackend):
+    """The fake, but every call lets other tasks run first, as a network round trip would:
+    without it a concurrent reader could never observe a run half-way."""
+
+    async def delete(self, key: str) -> None:
+        await asyncio.sleep(0)
+        await super().delete(key)
+
+    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
+        await asyncio.sleep(0)
+        return await super().get_bytes(key, max_bytes=max_bytes)
+
+    async def list(self, prefix: str) -> list:  # type: ignore[type-arg]
+        await asyncio.sleep(0)
+        return await super().list(prefix)
+
+
+@dataclass
+class Dest:
+    """A destination under test, and hands behind the backend's back."""
+
+    kind: str
+    root: Path
+    store: MemoryStore
+    backends: list[Backend]
+
+    def backend(self, node: str = NODE) -> Backend:
+        made: Backend
+        if self.kind == "posix":
+            made = PosixBackend(DestinationConfig(uri=f"file://{self.root}"), node)
+        else:
+            made = YieldingMemoryBackend(node, store=self.store)
+        self.backends.append(made)
+        return made
+
+    def age(self, step: int, by_s: float, job: str = JOB) -> None:
+        """Make every object of a generation look ``by_s`` seconds older."""
+        prefix = generation_prefix(job, step)
+        if self.kind == "posix":
+            for dirpath, _dirs, files in os.walk(self.root / prefix):
+                for name in files:
+                    path = os.path.join(dirpath, name)
+                    st = os.stat(path)
+                    os.utime(path, (st.st_atime - by_s, st.st_mtime - by_s))
+        else:
+            for key in self.store.modified:
+                if key.startswith(prefix):
+                    self.store.modified[key] -= by_s
+
+    def all_keys(self) -> list[str]:
+        if self.kind == "posix":
+            return sorted(
+                str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file()
+            )
+        return sorted(self.store.objects)
+
+
+@pytest_asyncio.fixture(params=["posix", "memory"])
+async def dest(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Dest]:
+    d = Dest(request.param, tmp_path / "dest", MemoryStore(), [])
+    yield d
+    for backend in d.backends:
+        await backend.aclose()
+
+
+def shard_bytes(step: int, path: str) -> bytes:
+    return hashlib.sha256(f"{step}/{path}".encode()).digest() * (8 + len(path))
+
+
+async def write_shards(
+    backend: Backend, step: int, paths: tuple[str, ...], job: str = JOB
+) -> list[ShardEntry]:
+    entries = []
+    for path in paths:
+        data = shard_bytes(step, path)
+        await backend.put_bytes(shard_key(job, step, path), data)
+        digest = format_checksum("sha256", hashlib.sha256(data).hexdigest())
+        entries.append(ShardEntry(path, len(data), digest, 0, NODE))
+    return entries
+
+
+async def commit(backend: Backend, step: int, paths: tuple[str, ...] = PATHS, job: str = JOB) -> None:
+    """A committed generation, written by the real commit protocol."""
+    entries = await write_shards(backend, step, paths, job)
+    committer = Committer(backend, NODE)
+    clocks = {"handoff": 1.0, "staged": 2.0, "drained": 3.0}
+    await committer.record_part(PartRecord(job, step, 1, NODE, (0,), tuple(entries), clocks))
+    assert (await committer.try_publish(job, step, 1)).outcome is CommitOutcome.PUBLISHED
+
+
+async def abandon(backend: Backend, step: int, job: str = JOB) -> None:
+    """An uncommitted generation: rank 0 of two drained and recorded, rank 1 never came."""
+    entries = await write_shards(backend, step, PATHS[:2], job)
+    clocks = {"handoff": 1.0, "staged": 2.0, "drained": 3.0}
+    await Committer(backend, NODE).record_part(
+        PartRecord(job, step, 2, NODE, (0,), tuple(entries), clocks)
+    )
+
+
+def steps_present(d: Dest, job: str = JOB) -> set[int]:
+    return {int(k.split("/")[1]) for k in d.all_keys() if k.startswith(f"{job}/0")}
+
+
+async def committed_steps(backend: Backend, job: str = JOB) -> list[int]:
+    return [g.step for g in await catalog.list_generations(backend, job)]
+
+
+async def retain(backend: Backend, keep_last: int, **kw: float | bool) -> RetentionReport:
+    return await apply_retention(
+        backend, JOB, keep_last=keep_last, abandoned_grace_s=kw.pop("grace", GRACE_S), **kw  # type: ignore[arg-type]
+    )
+
+
+# --- what is kept ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_keep_last_two_of_five_leaves_exactly_the_newest_two(dest: Dest) -> None:
+    backend = dest.backend()
+    for step in (100, 200, 300, 400, 500):
+        await commit(backend, step)
+    await commit(backend, 7, job="other")  # another job is none of this run's business
+
+    report = await retain(backend, 2)
+
+    assert (report.kept, report.deleted, report.abandoned_deleted) == ([500, 400], [300, 200, 100], [])
+    assert (report.skipped, report.failed, report.dry_run) == ([], [], False)
+    assert await committed_steps(backend) == [500, 400]
+    expected = {
+        *(shard_key(JOB, s, p) for s in (400, 500) for p in PATHS),
+        *(manifest_key(JOB, s) for s in (400, 500)),
+        *(part_key(JOB, s, NODE) for s in (400, 500)),
+        latest_key(JOB),
+    }
+    assert {k for k in dest.all_keys() if k.startswith(f"{JOB}/")} == expected
+    for step in (400, 500):
+        assert (await catalog.verify(backend, JOB, step)).ok
+    assert await committed_steps(backend, "other") == [7]
+    # A second run finds nothing more to do.
+    again = await retain(backend, 2)
+    assert (again.kept, again.deleted, again.abandoned_deleted) == ([500, 400], [], [])
+
+
+@pytest.mark.asyncio
+async def test_manifest_goes_before_part_records_before_shards(tmp_path: Path) -> None:
+    store = MemoryStore()
+    backend = MemoryBackend(NODE, store=store)
+    for step in (10, 20, 30, 40):
+        await commit(backend, step)
+    await abandon(backend, 15)
+    for key in list(store.modified):
+        store.modified[key] -= 2 * GRACE_S
+    store.calls.clear()
+
+    report = await retain(backend, 1)
+
+    assert (report.deleted, report.abandoned_deleted) == ([30, 20, 10], [15])
+    deletes = [key for _node, op, key in store.calls if op == "delete"]
+    for step in report.deleted:
+        prefix = generation_prefix(JOB, step)
+        mine = [k for k in deletes if k.startswith(prefix)]
+        assert mine[0] == manifest_key(JOB, step), mine
+        kinds = ["manifest" if k.endswith("MANIFEST.json") else "part" if "/_parts/" in k
+                 else "shard" for k in mine]
+        # One manifest, then every part record, then every shard: never a shard first.
+        assert kinds == sorted(kinds, key=["manifest", "part", "shard"].index)
+        assert kinds.count("shard") == len(PATHS)
+    # An abandoned generation loses its part records first (so no node can publish it any
+    # more), is checked once more for a manifest, and only then loses its shards.
+    calls = [(op, key) for _node, op, key in store.calls]
+    prefix = generation_prefix(JOB, 15)
+    mine = [(op, key) for op, key in calls if key.startswith(prefix)]
+    assert mine == [
+        ("delete", part_key(JOB, 15, NODE)),
+        ("get_bytes", manifest_key(JOB, 15)),
+        *(("delete", shard_key(JOB, 15, p)) for p in sorted(PATHS[:2])),
+    ]
+    await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_newest_committed_is_never_deleted_and_newer_uncommitted_is_untouched(
+    dest: Dest,
+) -> None:
+    backend = dest.backend()
+    await commit(backend, 100)
+    await abandon(backend, 200)  # newer than anything committed: maybe still draining
+    dest.age(100, 10 * GRACE_S)
+    dest.age(200, 10 * GRACE_S)
+    before = dest.all_keys()
+
+    report = await retain(backend, 1, grace=0.0)
+
+    assert report.kept == [100]
+    assert (report.deleted, report.abandoned_deleted) == ([], [])
+    assert [step for step, _ in report.skipped] == [200]
+    assert "in flight" in report.skipped[0][1]
+    assert dest.all_keys() == before
+    assert await catalog.latest(backend, JOB) == 100
+
+
+@pytest.mark.asyncio
+async def test_abandoned_generations_go_only_after_the_grace_period(dest: Dest) -> None:
+    backend = dest.backend()
+    await commit(backend, 100)
+    await abandon(backend, 150)  # a node died: no manifest will ever come
+    await commit(backend, 200)
+    await abandon(backend, 300)  # newer than the newest committed: in flight
+
+    early = await retain(backend, 3)
+    assert early.abandoned_deleted == []
+    assert {step for step, _ in early.skipped} == {150, 300}
+    assert steps_present(dest) == {100, 150, 200, 300}
+
+    dest.age(150, 2 * GRACE_S)
+    dest.age(300, 2 * GRACE_S)
+    late = await retain(backend, 3)
+
+    assert (late.kept, late.deleted, late.abandoned_deleted) == ([200, 100], [], [150])
+    assert [step for step, _ in late.skipped] == [300]
+    assert steps_present(dest) == {100, 200, 300}
+    assert {k for k in dest.all_keys() if k.startswith(generation_prefix(JOB, 300))} == {
+        shard_key(JOB, 300, PATHS[0]),
+        shard_key(JOB, 300, PATHS[1]),
+        part_key(JOB, 300, NODE),
+    }
+    assert await committed_steps(backend) == [200, 100]
+
+
+@pytest.mark.asyncio
+async def test_a_damaged_manifest_is_not_counted_and_is_kept_for_inspection(dest: Dest) -> None:
+    backend = dest.backend()
+    for step in (100, 200, 300):
+        await commit(backend, step)
+    await write_shards(backend, 400, PATHS)
+    await backend.put_bytes(manifest_key(JOB, 400), b"{not json")
+
+    report = await retain(backend, 2)
+
+    # 400 is not a committed generation: the newest two valid ones are kept, 400 stays.
+    assert (report.kept, report.deleted) == ([300, 200], [100])
+    assert [step for step, _ in report.skipped] == [400]
+    assert "inspection" in report.skipped[0][1]
+    assert steps_present(dest) == {200, 300, 400}
+
+
+@pytest.mark.asyncio
+async def test_latest_naming_a_removed_generation_is_raised_to_the_newest(dest: Dest) -> None:
+    backend = dest.backend()
+    for step in (100, 200, 300):
+        await commit(backend, step)
+    # A LATEST that lagged (two commits raced) and now names what retention removes.
+    await backend.put_bytes(latest_key(JOB), b"100\n")
+
+    await retain(backend, 2)
+
+    assert await backend.get_bytes(latest_key(JOB)) == b"300\n"
+    # A hint naming a kept generation is left as it is.
+    await backend.put_bytes(latest_key(JOB), b"200\n")
+    await commit(backend, 400)  # raises LATEST to 400 itself
+    await backend.put_bytes(latest_key(JOB), b"300\n")
+    await retain(backend, 2)
+    assert await backend.get_bytes(latest_key(JOB)) == b"300\n"
+
+
+@pytest.mark.asyncio
+async def test_dry_run_reports_and_removes_nothing(dest: Dest) -> None:
+    backend = dest.backend()
+    for step in (100, 200, 300):
+        await commit(backend, step)
+    await abandon(backend, 250)
+    dest.age(250, 2 * GRACE_S)
+    before = dest.all_keys()
+    if isinstance(backend, MemoryBackend):
+        backend.calls.clear()
+
+    report = await retain(backend, 1, dry_run=True)
+
+    assert report.dry_run
+    assert (report.kept, report.deleted, report.abandoned_deleted) == ([300], [200, 100], [250])
+    assert dest.all_keys() == before
+    if isinstance(backend, MemoryBackend):
+        assert backend.count("delete") == 0 and backend.count("put_bytes") == 0
+
+
+@pytest.mark.asyncio
+async def test_a_failed_delete_is_reported_and_the_next_run_finishes(tmp_path: Path) -> None:
+    backend = MemoryBackend(NODE)
+    for step in (100, 200, 300):
+        await commit(backend, step)
+    backend.inject("delete", BackendError("503 SlowDown", transient=True), key_contains="00200/")
+
+    first = await retain(backend, 1)
+
+    assert first.deleted == [100]
+    assert [step for step, _ in first.failed] == [200]
+    assert "next run" in first.failed[0][1]
+    second = await retain(backend, 1)
+    assert second.failed == []
+    assert 200 in second.deleted + second.abandoned_deleted
+    assert {k.split("/")[1] for k in backend.objects if k.startswith(f"{JOB}/0")} == {
+        f"{300:020d}"
+    }
+
+
+@pytest.mark.asyncio
+async def test_bad_arguments_are_refused() -> None:
+    backend = MemoryBackend(NODE)
+    with pytest.raises(ValueError, match="keep_last"):
+        await apply_retention(backend, JOB, keep_last=0, abandoned_grace_s=1.0)
+    with pytest.raises(ValueError, match="abandoned_grace_s"):
+        await apply_retention(backend, JOB, keep_last=1, abandoned_grace_s=-1.0)
+    with pytest.raises(ManifestError):
+        await apply_retention(backend, "../etc", keep_last=1, abandoned_grace_s=1.0)
+    assert backend.count("list") == 0
+
+
+# --- concurrency ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_two_nodes_running_retention_at_once_agree(dest: Dest) -> None:
+    a, b = dest.backend("node-a"), dest.backend("node-b")
+    for step in (100, 200, 300, 400, 500, 600):
+        await commit(a, step)
+    await abandon(a, 350)
+    await abandon(a, 700)
+    dest.age(350, 2 * GRACE_S)
+    dest.age(700, 2 * GRACE_S)
+
+    ra, rb = await asyncio.gather(retain(a, 2), retain(b, 2))
+
+    for report in (ra, rb):
+        assert report.failed == []
+        assert report.kept == [600, 500]
+    # Between them, everything old went (each may have found some of it already gone).
+    assert set(ra.deleted) | set(rb.deleted) | set(ra.abandoned_deleted) | set(
+        rb.abandoned_deleted
+    ) >= {100, 200, 300, 400, 350}
+    assert steps_present(dest) == {500, 600, 700}
+    assert await committed_steps(a) == [600, 500]
+    for step in (500, 600):
+        assert (await catalog.verify(b, JOB, step)).ok
+    assert await catalog.latest(b, JOB) == 600
+
+
+@pytest.mark.asyncio
+async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_memory() -> None:
+    store = MemoryStore()
+    backend = YieldingMemoryBackend(NODE, store=store)
+    reader_backend = YieldingMemoryBackend("reader", store=store)
+    paths = tuple(f"model/rank0-{i}.pt" for i in range(12))
+    for step in range(1, 9):
+        await commit(backend, step, paths)
+    done = asyncio.Event()
+    seen = Observed()
+
+    async def reader() -> None:
+        while True:  # at least one full pass, however fast retention is
+            finished = done.is_set()
+            await check_committed(reader_backend, seen)
+            await asyncio.sleep(0)
+            if finished:
+                return
+
+    async with asyncio.TaskGroup() as group:
+        task = group.create_task(reader())
+        report = await retain(backend, 2)
+        done.set()
+        await asyncio.wait_for(task, 30)
+
+    assert report.deleted == [6, 5, 4, 3, 2, 1]
+    assert seen.violations == []
+    assert seen.manifests_checked > 0
+    # The reader ran while generations were half removed (manifest gone, shards still there).
+    assert seen.half_removed > 0
+
+
+@dataclass
+class Observed:
+    manifests_checked: int = 0
+    half_removed: int = 0
+    violations: list[str] = field(default_factory=list)
+
+
+async def check_committed(backend: Backend, seen: Observed) -> None:
+    """One reader pass: every listed manifest's shards must exist, unless the manifest itself
+    is gone by the time a missing shard is noticed (retention removed it first)."""
+    listed = {info.key for info in await backend.list(f"{JOB}/")}
+    manifests = {k.split("/")[1] for k in listed if k.endswith("/MANIFEST.json")}
+    seen.half_removed += len({k.split("/")[1] for k in listed if "/" in k} - manifests - {"LATEST"})
+    for generation in await catalog.list_generations(backend, JOB):
+        manifest = await catalog.read_manifest(backend, JOB, generation.step)
+        if manifest is None:
+            continue  # removed since the listing: nothing to check
+        seen.manifests_checked += 1
+        prefix = generation_prefix(JOB, generation.step)
+        present = {info.key for info in await backend.list(prefix)}
+        missing = [s.path for s in manifest.shards if prefix + s.path not in present]
+        if missing and await backend.get_bytes(manifest_key(JOB, generation.step)) is not None:
+            seen.violations.append(f"generation {generation.step} lists missing {missing}")
+
+
+@pytest.mark.asyncio
+async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_posix(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), NODE)
+    paths = tuple(f"model/rank0-{i}.pt" for i in range(24))
+    for step in range(1, 9):
+        await commit(backend, step, paths)
+    done = threading.Event()
+    violations: list[str] = []
+    checked = [0]
+    passes = [0]
+
+    def reader() -> None:
+        # A restart script reading the directory by hand, as docs/layout.md describes.
+        while True:  # at least one full pass, however fast retention is
+            finished = done.is_set()
+            for manifest_path in sorted((root / JOB).glob("*/MANIFEST.json")):
+                try:
+                    manifest = Manifest.from_json(manifest_path.read_bytes())
+                except FileNotFoundError:
+                    continue
+                checked[0] += 1
+                gen_dir = manifest_path.parent
+                missing = [s.path for s in manifest.shards if not (gen_dir / s.path).exists()]
+                if missing and manifest_path.exists():
+                    violations.append(f"{gen_dir.name} lists missing {missing}")
+            passes[0] += 1
+            if finished:
+                return
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        report = await retain(backend, 2)
+    finally:
+        done.set()
+        await asyncio.to_thread(thread.join, 30)
+        await backend.aclose()
+    assert not thread.is_alive()
+    assert report.deleted == [6, 5, 4, 3, 2, 1]
+    assert violations == []
+    assert checked[0] > 0
+    print("PASSES", passes[0], checked[0])
+    assert sorted(p.parent.name for p in (root / JOB).glob("*/MANIFEST.json")) == [
+        f"{7:020d}",
+        f"{8:020d}",
+    ]
+
+
+@pytest.mark.asyncio
+async def test_gc_covers_every_job_with_a_committed_generation() -> None:
+    backend = MemoryBackend(NODE)
+    for job in ("a", "b"):
+        for step in (1, 2, 3):
+            await commit(backend, step, job=job)
+    reports = await gc(backend, None, 1, GRACE_S, False)
+    assert [(r.job, r.kept, r.deleted) for r in reports] == [("a", [3], [2, 1]), ("b", [3], [2, 1])]
+    only = await gc(backend, ["a"], 1, GRACE_S, True)
+    assert [(r.job, r.deleted, r.dry_run) for r in only] == [("a", [], True)]
+
+
+# --- ckptdrain gc ---------------------------------------------------------------------------
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CKPTDRAIN_")}
+    clean.update(env)
+    return subprocess.run(
+        [CKPTDRAIN, *args], capture_output=True, text=True, env=clean, timeout=60, check=False
+    )
+
+
+def populate(root: Path) -> None:
+    async def build() -> None:
+        backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), NODE)
+        try:
+            for step in (100, 200, 300, 400):
+                await commit(backend, step)
+            await abandon(backend, 150)
+        finally:
+            await backend.aclose()
+
+    asyncio.run(build())
+    old = time.time() - 2 * GRACE_S
+    for path in (root / generation_prefix(JOB, 150)).rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+
+
+def files_of(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_gc_command_dry_run_then_for_real(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    populate(root)
+    before = files_of(root)
+    uri = f"file://{root}"
+
+    dry = run_cli("gc", uri, "--keep-last", "2", "--grace-s", str(GRACE_S), "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    [report] = json.loads(dry.stdout)
+    assert report["dry_run"] is True
+    assert (report["job"], report["kept"], report["deleted"]) == (JOB, [400, 300], [200, 100])
+    assert report["abandoned_deleted"] == [150]
+    assert files_of(root) == before
+
+    text = run_cli("gc", uri, "--keep-last", "2", "--grace-s", str(GRACE_S), "--dry-run")
+    assert text.returncode == 0, text.stderr
+    assert "would delete 200, 100" in text.stdout
+
+    real = run_cli("gc", uri, "--keep-last", "2", "--grace-s", str(GRACE_S))
+    assert real.returncode == 0, real.stderr
+    assert f"job {JOB}: kept 400, 300; deleted 200, 100; deleted abandoned 150" in real.stdout
+    listed = run_cli("ls", uri, "--json")
+    assert [row["generation"] for row in json.loads(listed.stdout)] == [400, 300]
+    assert {int(name) for name in {f.split("/")[1] for f in files_of(root)} - {"LATEST"}} == {
+        300,
+        400,
+    }
+
+
+def test_gc_command_takes_its_defaults_from_the_config(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    populate(root)
+    uri = f"file://{root}"
+
+    result = run_cli(
+        "gc", uri, "--job", JOB, "--json",
+        CKPTDRAIN_RETENTION__KEEP_LAST="3",
+        CKPTDRAIN_RETENTION__ABANDONED_GRACE_S=str(10 * GRACE_S),
+    )
+
+    assert result.returncode == 0, result.stderr
+    [report] = json.loads(result.stdout)
+    assert (report["kept"], report["deleted"], report["abandoned_deleted"]) == ([400, 300, 200], [100], [])
+    assert (report["keep_last"], report["abandoned_grace_s"]) == (3, 10 * GRACE_S)
+    assert [step for step, in ((s["generation"],) for s in report["skipped"])] == [150]
+
+
+def test_gc_command_refuses_bad_usage(tmp_path: Path) -> None:
+    uri = f"file://{tmp_path / 'dest'}"
+    zero = run_cli("gc", uri, "--keep-last", "0")
+    assert zero.returncode == 2
+    assert "--keep-last must be at least 1" in zero.stderr
+    assert "Traceback" not in zero.stderr
+    job = run_cli("gc", uri, "--job", "../x")
+    assert job.returncode == 2
+    assert "--job" in job.stderr and "Traceback" not in job.stderr
+    empty = run_cli("gc", uri)
+    assert empty.returncode == 0, empty.stderr
+    assert "nothing to do" in empty.stdout
+    bad_config = run_cli("gc", uri, CKPTDRAIN_RETENTION__KEEP_LAST="0")
+    assert bad_config.returncode == 78
+    assert "keep_last" in bad_config.stderr
+

@@ -1,0 +1,235 @@
+"""The daemon draining to a real S3 server (SeaweedFS): same layout and commit protocol as
+file://, multipart with resumable uploads, retries through faults, aborts, orphan sweeps."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import GenerationFailed
+from ckptdrain.client.manifest import Manifest
+from tests.conftest import CKPTDRAIN, DaemonProcess
+from tests.integration.faultproxy import FaultProxy
+from tests.integration.seaweedfs import SeaweedFS
+
+pytestmark = pytest.mark.s3
+
+PREFIX = "ckpt"
+
+
+class ThreadedProxy:
+    """The asyncio fault proxy on its own loop in a thread, so a daemon process can use it
+    while the test body stays synchronous."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.proxy = FaultProxy(host, int(port), seed=7, stall_s=5)
+        self.call(self.proxy.start())
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def do(self, fn: Callable[[], Any]) -> Any:
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return fut.result(10)
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.proxy.endpoint_url
+
+    def close(self) -> None:
+        self.call(self.proxy.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def proxy(seaweedfs: SeaweedFS) -> Iterator[ThreadedProxy]:
+    p = ThreadedProxy(seaweedfs.endpoint_url)
+    yield p
+    p.close()
+
+
+def s3_daemon(make_daemon: Any, node: str, bucket: str, endpoint: str, **env: str) -> DaemonProcess:
+    settings = {
+        "CKPTDRAIN_DESTINATION__ENDPOINT_URL": endpoint,
+        "CKPTDRAIN_DESTINATION__PART_SIZE_BYTES": "8MiB",
+        "CKPTDRAIN_DESTINATION__MULTIPART_THRESHOLD_BYTES": "8MiB",
+        "CKPTDRAIN_DESTINATION__MAX_CONCURRENCY": "4",
+    } | env
+    return make_daemon(node, dest=f"s3://{bucket}/{PREFIX}", **settings)  # type: ignore[no-any-return]
+
+
+def uploads(server: SeaweedFS, bucket: str) -> list[dict[str, Any]]:
+    return list(server.client().list_multipart_uploads(Bucket=bucket, Prefix=PREFIX).get("Uploads", []))
+
+
+def get(server: SeaweedFS, bucket: str, key: str) -> bytes:
+    return server.client().get_object(Bucket=bucket, Key=f"{PREFIX}/{key}")["Body"].read()  # type: ignore[no-any-return]
+
+
+def test_round_trip_three_ranks_multipart(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, tmp_path: Path) -> None:
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url)
+    sizes = {"tiny": 1 << 10, "small": 7 << 20, "medium": 40 << 20, "large": 130 << 20}
+    blobs: dict[str, bytes] = {}
+    for rank in range(3):
+        with d.client(timeout_s=300).generation("s3job", 10, rank=rank, world_size=3) as gen:
+            for name, size in sizes.items():
+                data = os.urandom(size) if name != "large" else os.urandom(1 << 20) * 130
+                blobs[f"r{rank}/{name}.bin"] = data
+                gen.put(f"r{rank}/{name}.bin", data)
+    d.client().wait("s3job", 10, timeout_s=300)
+    manifest = Manifest.from_json(get(seaweedfs, s3_bucket, f"s3job/{10:020d}/MANIFEST.json"))
+    assert {s.path for s in manifest.shards} == set(blobs)
+    for shard in manifest.shards:
+        assert shard.checksum == "sha256:" + hashlib.sha256(blobs[shard.path]).hexdigest()
+    assert get(seaweedfs, s3_bucket, f"s3job/{10:020d}/r1/large.bin") == blobs["r1/large.bin"]
+    assert uploads(seaweedfs, s3_bucket) == []
+    env = d.env()
+    dest = f"s3://{s3_bucket}/{PREFIX}"
+    out = subprocess.run([CKPTDRAIN, "ls", dest, "--json"], env=env, capture_output=True, text=True, check=True)
+    assert [r["generation"] for r in json.loads(out.stdout)] == [10]
+    out = subprocess.run([CKPTDRAIN, "verify", dest, "--job", "s3job"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    restored = tmp_path / "restored"
+    out = subprocess.run([CKPTDRAIN, "restore", dest, "--job", "s3job", "--to", str(restored)], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (restored / "r2" / "medium.bin").read_bytes() == blobs["r2/medium.bin"]
+
+
+def test_commits_through_twenty_percent_faults(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str,
+                                               proxy: ThreadedProxy) -> None:
+    proxy.do(lambda: proxy.proxy.set_rates(reset=0.1, slowdown=0.1))
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DESTINATION__MAX_ATTEMPTS="3")
+    blobs = {f"s{i}": os.urandom((3 + 7 * i) << 20) for i in range(4)}
+    with d.client().generation("faulty", 1) as gen:
+        for path, data in blobs.items():
+            gen.put(path, data)
+    d.client().wait("faulty", 1, timeout_s=240)
+    faults = proxy.do(lambda: len(proxy.proxy.faults()))
+    assert faults > 0, "the proxy injected nothing: the test proved nothing"
+    for path, data in blobs.items():
+        assert get(seaweedfs, s3_bucket, f"faulty/{1:020d}/{path}") == data
+    assert uploads(seaweedfs, s3_bucket) == []
+
+
+def test_unreachable_past_retry_budget_fails_and_leaves_no_upload(make_daemon: Any, seaweedfs: SeaweedFS,
+                                                                  s3_bucket: str, proxy: ThreadedProxy) -> None:
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DESTINATION__MAX_ATTEMPTS="2",
+                  CKPTDRAIN_DESTINATION__CONNECT_TIMEOUT_S="1",
+                  CKPTDRAIN_DRAIN__RETRY_BUDGET_S="3")
+    # Reachable for the first part requests, then gone: the upload exists server-side.
+    proxy.do(lambda: proxy.proxy.unreachable_after(4))
+    with d.client().generation("gone", 1) as gen:
+        gen.put("big.bin", os.urandom(40 << 20))
+    with pytest.raises(GenerationFailed, match="could not drain"):
+        d.client().wait("gone", 1, timeout_s=120)
+    status = d.client().status()
+    assert status["generations"][0]["state"] == "failed"
+    assert "big.bin" in status["generations"][0]["error"]
+    # Reachable again: the failed generation's upload is aborted, nothing is left behind.
+    proxy.do(lambda: setattr(proxy.proxy, "unreachable", False))
+    deadline = time.monotonic() + 60
+    while uploads(seaweedfs, s3_bucket):
+        assert time.monotonic() < deadline, uploads(seaweedfs, s3_bucket)
+        time.sleep(0.5)
+    # The local copy is kept: `ckptdrain retry` drains it again and the generation commits.
+    out = subprocess.run([CKPTDRAIN, "retry", "gone", "1", "--socket", str(d.socket_path)], env=d.env(),
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    d.client().wait("gone", 1, timeout_s=120)
+
+
+def test_kill_mid_multipart_resumes(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str,
+                                    proxy: ThreadedProxy) -> None:
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1")
+    data = os.urandom(1 << 20) * 96  # 12 parts of 8 MiB
+    with d.client().generation("resume", 1) as gen:
+        gen.put("big.bin", data)
+
+    def parts_sent() -> int:
+        return proxy.do(lambda: sum(1 for r in proxy.proxy.requests if r.is_upload_part and r.fault is None))
+
+    deadline = time.monotonic() + 120
+    while parts_sent() < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    d.kill()
+    before = parts_sent()
+    assert uploads(seaweedfs, s3_bucket), "the upload should be in progress when killed"
+    d.start()
+    d.client().wait("resume", 1, timeout_s=180)
+    resent = parts_sent() - before
+    assert resent < 12, f"{resent} parts sent after the restart: the upload did not resume"
+    assert get(seaweedfs, s3_bucket, f"resume/{1:020d}/big.bin") == data
+    assert uploads(seaweedfs, s3_bucket) == []
+
+
+def test_foreign_orphans_swept_after_grace(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    s3 = seaweedfs.client()
+    old = s3.create_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/j/{1:020d}/old.bin",
+                                     Metadata={"ckptdrain-node": "dead-node"})["UploadId"]
+    time.sleep(3)
+    fresh = s3.create_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/j/{2:020d}/fresh.bin",
+                                       Metadata={"ckptdrain-node": "busy-node"})["UploadId"]
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
+                  CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S="2.5")
+    left = {u["UploadId"] for u in uploads(seaweedfs, s3_bucket)}
+    assert old not in left and fresh in left
+    assert d.client().status()["node_id"] == "node-a"
+    s3.abort_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/j/{2:020d}/fresh.bin", UploadId=fresh)
+
+
+def test_two_daemons_publish_at_once(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    a = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url)
+    b = s3_daemon(make_daemon, "node-b", s3_bucket, seaweedfs.endpoint_url)
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def rank(d: DaemonProcess, r: int) -> None:
+        try:
+            with d.client().generation("race", 3, rank=r, world_size=2) as gen:
+                gen.put(f"rank{r}.bin", os.urandom(2 << 20))
+                barrier.wait(30)
+            d.client().wait("race", 3, timeout_s=120)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(d, r)) for r, d in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    keys = [o["Key"] for o in seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/race/").get("Contents", [])]
+    assert sum(k.endswith("MANIFEST.json") for k in keys) == 1
+    for d in (a, b):
+        [gen] = d.client().status()["generations"]
+        assert gen["state"] == "committed"
