@@ -23,7 +23,7 @@ from ckptdrain.client.manifest import PartRecord, ShardEntry, generation_prefix,
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
-from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.ratelimit import TokenBucket
 from ckptdrain.daemon.state import GenerationState, RankState, ShardState
 
@@ -70,7 +70,10 @@ class Scheduler:
         self._recorded_poll = asyncio.Event()
         self._drained_bytes_window: list[tuple[float, int]] = []
         self.destination = config.destination.scheme
-        self._logged_causes: set[str] = set()
+        # A destination outage fails every shard the same way: log each cause once a minute
+        # with a count, not once per shard and attempt.
+        self._error_log = OncePerCause(60.0)
+        self._pacer_changed = asyncio.Event()
         self.pacer = TokenBucket(config.drain.max_bandwidth_bytes_per_s)
         # Copies in flight, by shard id: a failed or cancelled generation cancels them (an S3
         # upload then waits for its in-flight parts and aborts itself).
@@ -81,6 +84,13 @@ class Scheduler:
     def enqueue(self, gen: GenerationRecord, shard: ShardRecord) -> None:
         # Oldest generation first; within it, in hand-off order.
         self._queue.put_nowait((gen.created_at, shard.id, next(self._seq), shard))
+
+    def set_bandwidth(self, bytes_per_s: int) -> None:
+        """A new drain rate (SIGHUP): waiters paced at the old rate go now; the new rate
+        applies from here on."""
+        self.pacer = TokenBucket(bytes_per_s)
+        self._pacer_changed.set()
+        self._pacer_changed = asyncio.Event()
 
     def poke_commits(self) -> None:
         self._recorded_poll.set()
@@ -123,7 +133,9 @@ class Scheduler:
         # Pace before the copy so draining never takes more than its share of the network.
         delay = self.pacer.reserve(shard.size, time.monotonic())
         if delay:
-            await asyncio.sleep(delay)
+            # A reload that changes the rate wakes the wait early (set_bandwidth).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._pacer_changed.wait(), delay)
             if gen.terminal or shard.state is not ShardState.STAGED:
                 return False
         await self.ledger.set_shard(shard, ShardState.DRAINING, persist=False)
@@ -144,12 +156,10 @@ class Scheduler:
                 return False
             except BackendError as exc:
                 self.metrics.drain_error(self.destination, exc.kind)
-                cause = f"{gen.job}:{exc.kind}:{exc}"
-                if cause not in self._logged_causes:
-                    self._logged_causes.add(cause)
-                    log_event(log, logging.WARNING, "drain_error", job=gen.job, step=gen.step,
-                              path=shard.path, kind=exc.kind, transient=exc.transient,
-                              attempt=attempt, error=str(exc))
+                self._error_log.log_event(
+                    log, logging.WARNING, "drain_error", cause=f"{self.destination}:{exc.kind}",
+                    job=gen.job, step=gen.step, path=shard.path, kind=exc.kind,
+                    transient=exc.transient, attempt=attempt, error=str(exc))
                 if not exc.transient or time.monotonic() + backoff > deadline:
                     await self._fail_shard(gen, shard, f"{exc.kind}: {exc}")
                     return False
@@ -336,6 +346,7 @@ class Scheduler:
             await self.ledger.save_generation(gen, GenerationState.COMMITTED,
                                               committed_at=committed_at)
             clocks = {
+                "started": gen.created_at,
                 "handoff": gen.handoff_at or gen.created_at,
                 "staged": gen.staged_at or committed_at,
                 "drained": gen.drained_at or committed_at,

@@ -110,7 +110,11 @@ class Daemon:
 
         self.notifier.reloading("reloading limits")
         try:
-            new = self.config.with_limits_from(load_config(self.config_path))
+            loaded = load_config(self.config_path)
+            new = self.config.with_limits_from(loaded)
+            # The drain's pace is a limit too: an operator slows or frees it without a restart.
+            new = new.model_copy(update={"drain": new.drain.model_copy(update={
+                "max_bandwidth_bytes_per_s": loaded.drain.max_bandwidth_bytes_per_s})})
         except ConfigError as exc:
             log_event(log, logging.ERROR, "reload_failed", error=str(exc))
             self.notifier.ready(self._status_line())
@@ -121,6 +125,7 @@ class Daemon:
         self.shard_budget.set_limit(new.limits.max_queued_shards)
         for budget in self._gen_slots.values():
             budget.set_limit(new.limits.max_generations_in_flight)
+        self.scheduler.set_bandwidth(new.drain.max_bandwidth_bytes_per_s)
         setup_logging(new.log_level)
         log_event(log, logging.INFO, "reloaded", max_staged_bytes=new.limits.max_staged_bytes,
                   on_full=new.limits.on_full, log_level=new.log_level)
@@ -357,6 +362,8 @@ class Daemon:
             "uptime_s": round(now - self.started_at, 3),
             "ack": self.config.ack,
             "destination": self.config.destination.uri,
+            "metrics": f"http://{self.metrics_address[0]}:{self.metrics_address[1]}/metrics"
+            if self.metrics_address else None,
             "staged_bytes": self.staged_budget.used,
             "limits": {
                 "max_staged_bytes": self.staged_budget.limit,

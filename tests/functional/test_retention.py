@@ -32,7 +32,7 @@ from ckptdrain.client.manifest import (
     shard_key,
 )
 from ckptdrain.daemon import catalog
-from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.commit import CommitOutcome, Committer
@@ -58,7 +58,7 @@ class YieldingMemoryBackend(MemoryBackend):
         await asyncio.sleep(0)
         return await super().get_bytes(key, max_bytes=max_bytes)
 
-    async def list(self, prefix: str) -> list:  # type: ignore[type-arg]
+    async def list(self, prefix: str) -> list[ObjectInfo]:
         await asyncio.sleep(0)
         return await super().list(prefix)
 
@@ -153,9 +153,11 @@ async def committed_steps(backend: Backend, job: str = JOB) -> list[int]:
     return [g.step for g in await catalog.list_generations(backend, job)]
 
 
-async def retain(backend: Backend, keep_last: int, **kw: float | bool) -> RetentionReport:
+async def retain(
+    backend: Backend, keep_last: int, *, grace: float = GRACE_S, dry_run: bool = False
+) -> RetentionReport:
     return await apply_retention(
-        backend, JOB, keep_last=keep_last, abandoned_grace_s=kw.pop("grace", GRACE_S), **kw  # type: ignore[arg-type]
+        backend, JOB, keep_last=keep_last, abandoned_grace_s=grace, dry_run=dry_run
     )
 
 
@@ -217,8 +219,8 @@ async def test_manifest_goes_before_part_records_before_shards(tmp_path: Path) -
     # more), is checked once more for a manifest, and only then loses its shards.
     calls = [(op, key) for _node, op, key in store.calls]
     prefix = generation_prefix(JOB, 15)
-    mine = [(op, key) for op, key in calls if key.startswith(prefix)]
-    assert mine == [
+    abandoned_calls = [(op, key) for op, key in calls if key.startswith(prefix)]
+    assert abandoned_calls == [
         ("delete", part_key(JOB, 15, NODE)),
         ("get_bytes", manifest_key(JOB, 15)),
         *(("delete", shard_key(JOB, 15, p)) for p in sorted(PATHS[:2])),
@@ -459,7 +461,6 @@ async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_posix(tmp_pa
     done = threading.Event()
     violations: list[str] = []
     checked = [0]
-    passes = [0]
 
     def reader() -> None:
         # A restart script reading the directory by hand, as docs/layout.md describes.
@@ -475,7 +476,6 @@ async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_posix(tmp_pa
                 missing = [s.path for s in manifest.shards if not (gen_dir / s.path).exists()]
                 if missing and manifest_path.exists():
                     violations.append(f"{gen_dir.name} lists missing {missing}")
-            passes[0] += 1
             if finished:
                 return
 
@@ -491,7 +491,6 @@ async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_posix(tmp_pa
     assert report.deleted == [6, 5, 4, 3, 2, 1]
     assert violations == []
     assert checked[0] > 0
-    print("PASSES", passes[0], checked[0])
     assert sorted(p.parent.name for p in (root / JOB).glob("*/MANIFEST.json")) == [
         f"{7:020d}",
         f"{8:020d}",
