@@ -35,6 +35,7 @@ from ckptdrain.client.errors import (
     UnsupportedVersion,
     error_for_code,
 )
+from ckptdrain.client.memfd import MemfdPool, fill
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -321,6 +322,8 @@ class Generation:
         self.ack = ack
         self._channel: _Channel | None = None
         self._state = "new"  # new -> open -> sealed | aborted
+        # The boundary in force, as the daemon answered begin (never weaker than asked).
+        self.effective_ack: str | None = None
 
     @property
     def node_id(self) -> str:
@@ -335,7 +338,7 @@ class Generation:
             )
         channel = self._client._open_channel()
         try:
-            channel.request(
+            reply = channel.request(
                 "begin",
                 {
                     "job": self.job,
@@ -350,6 +353,8 @@ class Generation:
             raise
         self._channel = channel
         self._state = "open"
+        ack = reply.get("ack")
+        self.effective_ack = ack if isinstance(ack, str) else None
         return self
 
     def __exit__(
@@ -423,10 +428,29 @@ class Generation:
                     "shard data must be one contiguous buffer; copy it (e.g. bytes(...)) first"
                 )
             with view.cast("B") as flat:
+                if self.effective_ack == "memory":
+                    return self._put_memory(channel, path, flat, deferred)
                 # Two round trips: the daemon admits the shard (or pushes back) before any of
                 # its bytes are on the wire, then takes them in one data frame.
                 channel.request("put", self._shard_fields(path, flat.nbytes, deferred))
                 return channel.request("data", {}, payload=flat)
+
+    def _put_memory(
+        self, channel: _Channel, path: str, data: memoryview, deferred: bool
+    ) -> dict[str, Any]:
+        """ack=memory: copy into a pooled memfd and pass it; the daemon owns it from here."""
+        pool = self._client._memfds
+        fd = pool.acquire()
+        try:
+            fill(fd, data)
+            reply = channel.request(
+                "put_memfd", self._shard_fields(path, data.nbytes, deferred), fd=fd
+            )
+        except BaseException:
+            pool.discard(fd)
+            raise
+        pool.release(fd)  # reused once the daemon lets go of it
+        return reply
 
     def put_file(
         self, path: str, file: str | os.PathLike[str] | int, *, deferred: bool = False
@@ -523,7 +547,9 @@ class Client:
         self._idle: list[_Channel] = []
         # A Client dropped without close() (Client().latest(job) is a fine one-liner) still
         # closes its pooled sockets when collected; the finalizer holds the list, not the Client.
+        self._memfds = MemfdPool()
         self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
+        self._memfd_finalizer = weakref.finalize(self, self._memfds.close)
         self._closed = False
 
     def __enter__(self) -> Client:
@@ -541,6 +567,7 @@ class Client:
         """Close the idle connections; generations still open keep their own until they end."""
         self._closed = True
         self._finalizer()
+        self._memfd_finalizer()
 
     def _open_channel(self) -> _Channel:
         if self._closed:

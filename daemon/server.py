@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import grp
 import logging
 import os
@@ -70,6 +71,7 @@ class Daemon:
         limits = config.limits
         self.staged_budget = Budget("max_staged_bytes", limits.max_staged_bytes)
         self.shard_budget = Budget("max_queued_shards", limits.max_queued_shards)
+        self.memory_budget = Budget("max_memory_bytes", limits.max_memory_bytes)
         self._gen_slots: dict[str, Budget] = {}
         self.scheduler = Scheduler(
             config=config, ledger=self.ledger, staging=self.staging, backend=self.backend,
@@ -122,6 +124,7 @@ class Daemon:
         self.config = new
         self.scheduler.config = new
         self.staged_budget.set_limit(new.limits.max_staged_bytes)
+        self.memory_budget.set_limit(new.limits.max_memory_bytes)
         self.shard_budget.set_limit(new.limits.max_queued_shards)
         for budget in self._gen_slots.values():
             budget.set_limit(new.limits.max_generations_in_flight)
@@ -255,6 +258,15 @@ class Daemon:
                         shard.local_copy = False
             if gen.terminal:
                 continue
+            held = [s.path for s in gen.shards.values() if s.state is ShardState.HELD]
+            if held:
+                for shard in gen.shards.values():
+                    if shard.state is ShardState.HELD:
+                        await self.ledger.set_shard(shard, ShardState.DISCARDED)
+                await self._fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
+                                      "local storage; memory hand-offs do not survive a daemon "
+                                      "crash; save this generation again", kind="aborted")
+                continue
             if open_ranks:
                 for r in open_ranks:
                     await self.ledger.set_rank(gen, r, RankState.ABORTED)
@@ -336,6 +348,48 @@ class Daemon:
             self.staging.discard(shard.staged_name)
             shard.local_copy = False
 
+    async def persist_held(self, gen: GenerationRecord, shard: ShardRecord, fd: int) -> None:
+        """Write an ack=memory shard from its memfd to local storage, then queue it."""
+        limits = self.config.limits
+        name = shard.staged_name
+        staged = queued = False
+        tmp_fd: int | None = None
+        try:
+            await self.shard_budget.acquire(1, block=True, timeout_s=limits.block_timeout_s)
+            queued = True
+            await self.staged_budget.acquire(shard.size, block=True, timeout_s=limits.block_timeout_s)
+            staged = True
+            self.staging.check_room(shard.size)
+            if gen.terminal or shard.state is not ShardState.HELD:
+                return
+            tmp_fd = self.staging.open_tmp(name)
+            await asyncio.to_thread(_kernel_copy, fd, tmp_fd, shard.size)
+            out, tmp_fd = tmp_fd, None
+            await asyncio.to_thread(self.staging.finish, out, name)
+            if shard.deferred:
+                shard.checksum = await asyncio.to_thread(self.staging.checksum, name)
+            if gen.terminal or shard.state is not ShardState.HELD:
+                return
+            await self.ledger.set_shard(shard, ShardState.STAGED, staged_at=time.time())
+            staged = queued = False  # owned by the shard until it drains
+            if shard.deferred:
+                await self.scheduler.advance(gen)
+            else:
+                self.scheduler.enqueue(gen, shard)
+        except (BudgetFull, TooLarge, OSError) as exc:
+            await self._fail(gen, f"could not write the memory hand-off {shard.path!r} to local "
+                                  f"storage: {exc}", kind="drain")
+        finally:
+            if tmp_fd is not None:
+                os.close(tmp_fd)
+            if staged:
+                self.staged_budget.release(shard.size)
+                self.staging.discard(name)
+            if queued:
+                self.shard_budget.release(1)
+            self.memory_budget.release(shard.size)
+            os.close(fd)  # drops our record lock: the client's pool may reuse the memfd
+
     def _drop_older_local_copies(self, gen: GenerationRecord) -> None:
         for other in self.ledger.generations.values():
             if other.job != gen.job or other is gen or other.step > gen.step:
@@ -365,8 +419,10 @@ class Daemon:
             "metrics": f"http://{self.metrics_address[0]}:{self.metrics_address[1]}/metrics"
             if self.metrics_address else None,
             "staged_bytes": self.staged_budget.used,
+            "memory_bytes": self.memory_budget.used,
             "limits": {
                 "max_staged_bytes": self.staged_budget.limit,
+                "max_memory_bytes": self.memory_budget.limit,
                 "max_queued_shards": self.shard_budget.limit,
                 "max_generations_in_flight": self.config.limits.max_generations_in_flight,
                 "on_full": self.config.limits.on_full,
@@ -376,7 +432,7 @@ class Daemon:
             "staging_free_inodes": free_inodes,
             "drain_rate_bytes_per_s": round(self.scheduler.drain_rate_bytes_per_s(), 1),
             "blocked_handoffs": self.staged_budget.waiting + self.shard_budget.waiting
-            + sum(b.waiting for b in self._gen_slots.values()),
+            + self.memory_budget.waiting + sum(b.waiting for b in self._gen_slots.values()),
             "oldest_undrained_age_s": oldest,
             "generations": [g.summary() for g in gens],
         }
@@ -399,7 +455,7 @@ class Daemon:
         self.metrics.set_snapshot(Snapshot(
             oldest_undrained_since=oldest,
             shards_by_state=shards_by_state,
-            staged_bytes={"local": self.staged_budget.used, "memory": 0},
+            staged_bytes={"local": self.staged_budget.used, "memory": self.memory_budget.used},
             limit_bytes={"local": self.staged_budget.limit,
                          "memory": self.config.limits.max_memory_bytes},
             queued_shards=self.shard_budget.used,
@@ -407,7 +463,8 @@ class Daemon:
             staging_free_bytes=free_bytes,
             staging_free_inodes=free_inodes,
             generations_in_flight=in_flight,
-            blocked_handoffs=self.staged_budget.waiting + self.shard_budget.waiting,
+            blocked_handoffs=self.staged_budget.waiting + self.shard_budget.waiting
+            + self.memory_budget.waiting + sum(b.waiting for b in self._gen_slots.values()),
             drain_rate_bytes_per_s=self.scheduler.drain_rate_bytes_per_s(),
         ))
 
@@ -477,6 +534,7 @@ class ClientHandler:
         self.gid = -1
         self.gen: GenerationRecord | None = None
         self.rank: int | None = None
+        self.ack = daemon.config.ack  # the boundary in force for this connection's rank
 
     async def run(self) -> None:
         try:
@@ -625,7 +683,7 @@ class ClientHandler:
         if gen.state is GenerationState.RECORDED:
             await self.d.ledger.save_generation(gen, GenerationState.OPEN)
         await self.d.ledger.set_rank(gen, rank, RankState.OPEN)
-        self.gen, self.rank = gen, rank
+        self.gen, self.rank, self.ack = gen, rank, effective
         return {"job": job, "step": step, "rank": rank, "ack": effective, "node_id": self.d.node_id}
 
     def _own_rank(self, f: dict[str, Any]) -> tuple[GenerationRecord, int]:
@@ -648,6 +706,10 @@ class ClientHandler:
             gen, rank = self._own_rank({"job": job, "step": step, "rank": rank})
             if fd is None and wire.needs_fd(kind):
                 raise RequestError(wire.BAD_REQUEST, f"{kind} arrived without a file descriptor")
+            if kind == "put_memfd" and self.ack == "memory" and fd is not None:
+                reply = await self._hold(gen, rank, path, size, fd, deferred)
+                fd = None  # owned by the background writer now
+                return reply
             return await self._stage(gen, rank, path, size, fd, deferred)
         finally:
             if fd is not None:
@@ -658,12 +720,7 @@ class ClientHandler:
         started = time.perf_counter()
         handed_at = time.time()
         limits = self.d.config.limits
-        if path in gen.shards or path in gen.receiving:
-            raise RequestError(wire.DUPLICATE, f"shard {path!r} was already handed off in step "
-                               f"{gen.step} of job {gen.job!r}; shard paths are unique per generation")
-        if size > limits.max_shard_bytes:
-            raise RequestError(wire.BAD_REQUEST, f"shard {path!r} is {size} bytes, over "
-                               f"limits.max_shard_bytes ({limits.max_shard_bytes})")
+        self._check_new_shard(gen, path, size)
         if src_fd is not None:
             st = os.fstat(src_fd)
             if not stat.S_ISREG(st.st_mode):
@@ -731,6 +788,47 @@ class ClientHandler:
         seconds = time.perf_counter() - started
         self.d.metrics.handoff(gen.job, seconds, size, "fd" if src_fd is not None else "socket")
         return {"path": path, "size": size, "ack": gen.ack}
+
+    async def _hold(self, gen: GenerationRecord, rank: int, path: str, size: int, fd: int,
+                    deferred: bool) -> dict[str, Any]:
+        """ack=memory: keep the client's memfd and acknowledge at once; a background task
+        writes it to local storage and queues it for the drain."""
+        started = time.perf_counter()
+        limits = self.d.config.limits
+        self._check_new_shard(gen, path, size)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise RequestError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but the "
+                               f"memfd passed holds {st.st_size}")
+        block = limits.on_full != "reject"
+        try:
+            await self.d.memory_budget.acquire(size, block=block, timeout_s=limits.block_timeout_s)
+        except (BudgetFull, TooLarge) as exc:
+            raise self.d.backpressure_error(exc, gen.job) from None
+        try:
+            # Marks the memfd busy for the client's pool until we close it (memfd.py).
+            fcntl.lockf(fd, fcntl.LOCK_SH)
+            shard = ShardRecord(
+                id=self.d.ledger.shard_ids(), job=gen.job, step=gen.step, rank=rank, path=path,
+                size=size, staged_name=self.d.staging.new_name(), state=ShardState.HELD,
+                handed_at=time.time(), staged_at=time.time(), deferred=deferred,
+            )
+            await self.d.ledger.add_shard(gen, shard)
+        except BaseException:
+            self.d.memory_budget.release(size)
+            raise
+        assert self.d._tg is not None
+        self.d._tg.create_task(self.d.persist_held(gen, shard, fd))
+        self.d.metrics.handoff(gen.job, time.perf_counter() - started, size, "memfd")
+        return {"path": path, "size": size, "ack": "memory"}
+
+    def _check_new_shard(self, gen: GenerationRecord, path: str, size: int) -> None:
+        if path in gen.shards or path in gen.receiving:
+            raise RequestError(wire.DUPLICATE, f"shard {path!r} was already handed off in step "
+                               f"{gen.step} of job {gen.job!r}; shard paths are unique per generation")
+        if size > self.d.config.limits.max_shard_bytes:
+            raise RequestError(wire.BAD_REQUEST, f"shard {path!r} is {size} bytes, over "
+                               f"limits.max_shard_bytes ({self.d.config.limits.max_shard_bytes})")
 
     async def _receive_payload(self, fd: int, size: int, path: str) -> None:
         msg = await self._next_message()

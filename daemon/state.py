@@ -12,6 +12,7 @@ from typing import TypeVar
 
 
 class ShardState(enum.StrEnum):
+    HELD = "held"  # ack=memory: acknowledged, in a memfd the daemon holds, not yet on NVMe
     STAGED = "staged"  # fsynced in staging and journalled: acknowledged to the client
     DRAINING = "draining"  # being copied to the destination
     DRAINED = "drained"  # at the destination, checksum known
@@ -42,6 +43,7 @@ _S, _R, _G = ShardState, RankState, GenerationState
 
 TRANSITIONS: dict[type[enum.StrEnum], dict[enum.StrEnum, frozenset[enum.StrEnum]]] = {
     ShardState: {
+        _S.HELD: frozenset({_S.STAGED, _S.DISCARDED}),
         _S.STAGED: frozenset({_S.DRAINING, _S.DISCARDED}),
         _S.DRAINING: frozenset({_S.DRAINED, _S.STAGED, _S.FAILED, _S.DISCARDED}),
         _S.DRAINED: frozenset({_S.DISCARDED}),
@@ -83,4 +85,4 @@ def advance(current: S, new: S) -> S:
 
 
 TERMINAL_GENERATION = frozenset({_G.COMMITTED, _G.CANCELLED})
-UNDRAINED_SHARD = frozenset({_S.STAGED, _S.DRAINING, _S.FAILED})
+UNDRAINED_SHARD = frozenset({_S.HELD, _S.STAGED, _S.DRAINING, _S.FAILED})
