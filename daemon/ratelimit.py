@@ -7,14 +7,17 @@ of waiting for a bucket that can never hold it.
 
 from __future__ import annotations
 
+BURST_S = 0.1
+
 
 class TokenBucket:
     def __init__(self, rate_bytes_per_s: float, burst_bytes: float | None = None) -> None:
         if rate_bytes_per_s < 0:
             raise ValueError("rate must be >= 0 (0 = unlimited)")
         self.rate = float(rate_bytes_per_s)
-        # One second's worth by default: short bursts are fine, sustained rate is capped.
-        self.burst = float(burst_bytes if burst_bytes is not None else rate_bytes_per_s)
+        # A tenth of a second's worth by default: a short burst, and a measured rate that
+        # stays close to the cap even over a few seconds of draining.
+        self.burst = float(burst_bytes if burst_bytes is not None else rate_bytes_per_s * BURST_S)
         self._tokens = self.burst
         self._at: float | None = None
 
@@ -25,7 +28,7 @@ class TokenBucket:
     def set_rate(self, rate_bytes_per_s: float, now: float) -> None:
         self._refill(now)
         self.rate = float(rate_bytes_per_s)
-        self.burst = self.rate
+        self.burst = self.rate * BURST_S
         self._tokens = min(self._tokens, self.burst)
 
     def _refill(self, now: float) -> None:

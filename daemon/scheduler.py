@@ -216,10 +216,14 @@ class Scheduler:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",
                                        kind="drain")
 
-    async def fail_generation(self, gen: GenerationRecord, reason: str, *, kind: str) -> None:
+    async def fail_generation(self, gen: GenerationRecord, reason: str, *, kind: str,
+                              state: GenerationState = GenerationState.FAILED) -> None:
+        """End a generation that cannot commit from this node (FAILED), or that a newer one
+        of the same job replaced (CANCELLED): its copies in flight are cancelled and its
+        resumable uploads aborted."""
         if gen.terminal:
             return
-        await self.ledger.save_generation(gen, GenerationState.FAILED, error=reason)
+        await self.ledger.save_generation(gen, state, error=reason)
         self.metrics.generation_failed(gen.job, kind)
         self._on_terminal(gen)
         for shard in gen.shards.values():
@@ -229,8 +233,8 @@ class Scheduler:
             elif shard.state is not ShardState.DRAINED and self._tg is not None:
                 # A resumable upload kept from an earlier transient failure: give it up.
                 self._tg.create_task(self._abort_upload(shard))
-        log_event(log, logging.ERROR, "generation_failed", job=gen.job, step=gen.step,
-                  reason=reason)
+        log_event(log, logging.ERROR if state is GenerationState.FAILED else logging.WARNING,
+                  f"generation_{state}", job=gen.job, step=gen.step, reason=reason)
 
     async def _abort_upload(self, shard: ShardRecord) -> None:
         if self._upload_log_for is None:

@@ -317,16 +317,19 @@ class Daemon:
             self._gen_slots[job] = budget
         return budget
 
-    async def _fail(self, gen: GenerationRecord, reason: str, *, kind: str) -> None:
-        await self.scheduler.fail_generation(gen, reason, kind=kind)
+    async def _fail(self, gen: GenerationRecord, reason: str, *, kind: str,
+                    state: GenerationState = GenerationState.FAILED) -> None:
+        await self.scheduler.fail_generation(gen, reason, kind=kind, state=state)
 
     def _after_terminal(self, gen: GenerationRecord) -> None:
         """Free what a finished generation held on this node."""
         self._gen_budget(gen.job).release(1)
         if gen.state is GenerationState.COMMITTED:
             self._drop_older_local_copies(gen)
-        elif any(st is RankState.ABORTED for st in gen.ranks.values()):
-            # An aborted rank can never be retried: nothing of it is worth keeping.
+        elif gen.state is GenerationState.CANCELLED or any(
+            st is RankState.ABORTED for st in gen.ranks.values()
+        ):
+            # Superseded, or an aborted rank: never retried, nothing of it is worth keeping.
             for shard in gen.shards.values():
                 self._release_shard(shard, delete=True)
 
@@ -359,9 +362,9 @@ class Daemon:
             queued = True
             await self.staged_budget.acquire(shard.size, block=True, timeout_s=limits.block_timeout_s)
             staged = True
-            self.staging.check_room(shard.size)
             if gen.terminal or shard.state is not ShardState.HELD:
                 return
+            self.staging.check_room(shard.size)
             tmp_fd = self.staging.open_tmp(name)
             await asyncio.to_thread(_kernel_copy, fd, tmp_fd, shard.size)
             out, tmp_fd = tmp_fd, None
@@ -389,6 +392,28 @@ class Daemon:
                 self.shard_budget.release(1)
             self.memory_budget.release(shard.size)
             os.close(fd)  # drops our record lock: the client's pool may reuse the memfd
+
+    async def supersede(self, job: str, step: int, budget: Budget, amount: int) -> bool:
+        """on_full = "supersede": cancel this job's older uncommitted generations, oldest
+        first, until ``amount`` fits ``budget``; True when it was acquired. Never touches a
+        committed generation, another job's, or one that already drained everything here."""
+        while not budget.try_acquire(amount):
+            victims = sorted(
+                (g for g in self.ledger.generations.values()
+                 if g.job == job and g.step < step and g.state is GenerationState.OPEN),
+                key=lambda g: g.step,
+            )
+            if not victims:
+                return False
+            victim = victims[0]
+            self.metrics.backpressure("superseded", budget.name)
+            await self._fail(victim, f"superseded by step {step}: {budget.name} was full and "
+                                     "on_full = \"supersede\" keeps the newest checkpoint",
+                             kind="superseded", state=GenerationState.CANCELLED)
+            for shard in victim.shards.values():
+                if shard.state is not ShardState.DISCARDED:
+                    await self.ledger.set_shard(shard, ShardState.DISCARDED)
+        return True
 
     def _drop_older_local_copies(self, gen: GenerationRecord) -> None:
         for other in self.ledger.generations.values():
@@ -534,7 +559,7 @@ class ClientHandler:
         self.gid = -1
         self.gen: GenerationRecord | None = None
         self.rank: int | None = None
-        self.ack = daemon.config.ack  # the boundary in force for this connection's rank
+        self.ack: str = daemon.config.ack  # the boundary in force for this connection's rank
 
     async def run(self) -> None:
         try:
@@ -654,12 +679,8 @@ class ClientHandler:
             effective = ack
         gen = self.d.ledger.get(job, step)
         if gen is None:
-            limits = self.d.config.limits
             budget = self.d._gen_budget(job)
-            try:
-                await budget.acquire(1, block=limits.on_full != "reject", timeout_s=limits.block_timeout_s)
-            except (BudgetFull, TooLarge) as exc:
-                raise self.d.backpressure_error(exc, job) from None
+            await self._admit(budget, 1, job, step)
             gen = self.d.ledger.get(job, step)
             if gen is None:
                 try:
@@ -694,10 +715,24 @@ class ClientHandler:
             raise RequestError(wire.BAD_REQUEST, f"this connection began job {gen.job!r} step "
                                f"{gen.step} rank {rank}, not job {f['job']!r} step {f['step']} "
                                f"rank {f['rank']}")
+        if gen.terminal:
+            raise RequestError(wire.GENERATION_FAILED, f"step {gen.step} of job {gen.job!r} is "
+                               f"{gen.state}: {gen.error}")
         if gen.ranks.get(rank) is not RankState.OPEN:
             raise RequestError(wire.GENERATION_FAILED, f"rank {rank} is {gen.ranks.get(rank)}: "
                                f"{gen.error or 'no more shards accepted'}")
         return gen, rank
+
+    async def _admit(self, budget: Budget, amount: int, job: str, step: int) -> None:
+        """Reserve ``amount`` of ``budget`` per limits.on_full, or raise the backpressure error."""
+        limits = self.d.config.limits
+        try:
+            if limits.on_full == "supersede" and await self.d.supersede(job, step, budget, amount):
+                return
+            await budget.acquire(amount, block=limits.on_full != "reject",
+                                 timeout_s=limits.block_timeout_s)
+        except (BudgetFull, TooLarge) as exc:
+            raise self.d.backpressure_error(exc, job) from None
 
     async def _put(self, kind: str, job: str, step: int, rank: int, path: str, size: int,
                    deferred: bool) -> dict[str, Any]:
@@ -719,7 +754,6 @@ class ClientHandler:
                      src_fd: int | None, deferred: bool) -> dict[str, Any]:
         started = time.perf_counter()
         handed_at = time.time()
-        limits = self.d.config.limits
         self._check_new_shard(gen, path, size)
         if src_fd is not None:
             st = os.fstat(src_fd)
@@ -730,19 +764,18 @@ class ClientHandler:
                                    f"the file passed holds {st.st_size}")
         gen.receiving.add(path)
         reserved_bytes = reserved_shard = False
+        promised = 0
         name = self.d.staging.new_name()
         tmp_fd: int | None = None
         try:
-            block = limits.on_full != "reject"
-            try:
-                await self.d.shard_budget.acquire(1, block=block, timeout_s=limits.block_timeout_s)
-                reserved_shard = True
-                await self.d.staged_budget.acquire(size, block=block, timeout_s=limits.block_timeout_s)
-                reserved_bytes = True
-            except (BudgetFull, TooLarge) as exc:
-                raise self.d.backpressure_error(exc, gen.job) from None
+            await self._admit(self.d.shard_budget, 1, gen.job, gen.step)
+            reserved_shard = True
+            await self._admit(self.d.staged_budget, size, gen.job, gen.step)
+            reserved_bytes = True
             try:
                 self.d.staging.check_room(size)
+                self.d.staging.pending_bytes += size
+                promised = size
             except StagingFull as exc:
                 self.d.metrics.backpressure("rejected", "staging_filesystem")
                 raise RequestError(wire.BACKPRESSURE, f"{exc.strerror}; free space on the staging "
@@ -777,6 +810,7 @@ class ClientHandler:
             raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}") from None
         finally:
             gen.receiving.discard(path)
+            self.d.staging.pending_bytes -= promised
             if tmp_fd is not None:
                 os.close(tmp_fd)
             if reserved_bytes or reserved_shard or tmp_fd is not None:
@@ -794,17 +828,12 @@ class ClientHandler:
         """ack=memory: keep the client's memfd and acknowledge at once; a background task
         writes it to local storage and queues it for the drain."""
         started = time.perf_counter()
-        limits = self.d.config.limits
         self._check_new_shard(gen, path, size)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             raise RequestError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but the "
                                f"memfd passed holds {st.st_size}")
-        block = limits.on_full != "reject"
-        try:
-            await self.d.memory_budget.acquire(size, block=block, timeout_s=limits.block_timeout_s)
-        except (BudgetFull, TooLarge) as exc:
-            raise self.d.backpressure_error(exc, gen.job) from None
+        await self._admit(self.d.memory_budget, size, gen.job, gen.step)
         try:
             # Marks the memfd busy for the client's pool until we close it (memfd.py).
             fcntl.lockf(fd, fcntl.LOCK_SH)

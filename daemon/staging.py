@@ -18,8 +18,9 @@ from pathlib import Path
 TMP = ".tmp"
 DATA = ".data"
 # Bytes kept free on the staging filesystem beyond our own budget, so the journal's WAL
-# and the rest of the node never hit ENOSPC because of us.
+# and the rest of the node never hit ENOSPC because of us: 64 MiB, or 5% of a small disk.
 FREE_SPACE_RESERVE_BYTES = 64 << 20
+FREE_SPACE_RESERVE_FRACTION = 0.05
 
 
 class StagingFull(OSError):
@@ -30,6 +31,9 @@ class Staging:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.dir = root / "shards"
+        # Bytes promised to hand-offs being received right now: not on disk yet, so statvfs
+        # does not show them, but two concurrent shards must not both count the same room.
+        self.pending_bytes = 0
 
     def prepare(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -49,14 +53,20 @@ class Staging:
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize, st.f_favail
 
+    def reserve_bytes(self) -> int:
+        st = os.statvfs(self.dir)
+        return min(FREE_SPACE_RESERVE_BYTES, int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
+
     def check_room(self, size: int) -> None:
-        """Refuse before any byte is accepted when the filesystem itself cannot hold ``size``."""
+        """Refuse before any byte is accepted when the filesystem itself cannot hold ``size``
+        (on top of what concurrent hand-offs are about to write)."""
         free_bytes, free_inodes = self.free()
-        if free_bytes - FREE_SPACE_RESERVE_BYTES < size or free_inodes < 2:
+        reserve = self.reserve_bytes()
+        if free_bytes - reserve - self.pending_bytes < size or free_inodes < 2:
             raise StagingFull(
                 errno.ENOSPC,
-                f"staging filesystem {self.dir} has {free_bytes} bytes free,"
-                f" {size} needed plus a {FREE_SPACE_RESERVE_BYTES} byte reserve",
+                f"staging filesystem {self.dir} has {free_bytes} bytes free ({self.pending_bytes} "
+                f"promised to hand-offs in progress), {size} needed plus a {reserve} byte reserve",
             )
 
     def open_tmp(self, name: str) -> int:

@@ -7,19 +7,25 @@ def test_unlimited_never_waits() -> None:
 
 
 def test_burst_then_paced_at_rate() -> None:
-    bucket = TokenBucket(100.0)
-    assert bucket.reserve(100, now=0.0) == 0.0  # the first second's burst
+    bucket = TokenBucket(100.0, burst_bytes=100)
+    assert bucket.reserve(100, now=0.0) == 0.0  # the burst
     assert bucket.reserve(50, now=0.0) == 0.5  # in debt: wait for 50 tokens at 100/s
     assert bucket.reserve(50, now=0.5) == 0.5  # the debt is paid, the new 50 wait again
 
 
+def test_default_burst_is_a_tenth_of_a_second() -> None:
+    bucket = TokenBucket(1000.0)
+    assert bucket.reserve(100, now=0.0) == 0.0
+    assert bucket.reserve(100, now=0.0) == 0.1
+
+
 def test_large_reservation_is_paced_not_refused() -> None:
-    bucket = TokenBucket(10.0)
+    bucket = TokenBucket(10.0, burst_bytes=10)
     assert bucket.reserve(1000, now=0.0) == 99.0
 
 
 def test_sustained_rate_over_many_reservations() -> None:
-    bucket = TokenBucket(1000.0)
+    bucket = TokenBucket(1000.0, burst_bytes=1000)
     now = 0.0
     for _ in range(100):
         now += bucket.reserve(100, now)
@@ -28,7 +34,7 @@ def test_sustained_rate_over_many_reservations() -> None:
 
 
 def test_idle_time_refills_only_up_to_burst() -> None:
-    bucket = TokenBucket(10.0)
+    bucket = TokenBucket(10.0, burst_bytes=10)
     bucket.reserve(10, now=0.0)
     assert bucket.reserve(10, now=1000.0) == 0.0
     assert bucket.reserve(5, now=1000.0) == 0.5

@@ -1,0 +1,237 @@
+"""Limits that push back: block in FIFO order, reject at once, time out with figures; a full
+staging disk; drain pacing; supersede; many clients without leaking fds or memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import Backpressure, GenerationFailed
+from ckptdrain.client.manifest import Manifest
+from tests.conftest import DaemonProcess
+
+MiB = 1 << 20
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def blocked(d: DaemonProcess) -> int:
+    return int(d.client().status()["blocked_handoffs"])
+
+
+def test_block_then_complete_as_the_drain_frees_space(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="64MiB",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S=str(40 * MiB))
+    saw_blocked = threading.Event()
+
+    def watch() -> None:
+        while not saw_blocked.is_set():
+            try:
+                if blocked(d):
+                    saw_blocked.set()
+            except Exception:
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with d.client(timeout_s=120).generation("bp", 1) as gen:
+        for i in range(12):  # 192 MiB through a 64 MiB staging budget
+            gen.put(f"s{i}", os.urandom(16 * MiB))
+    d.client().wait("bp", 1, timeout_s=120)
+    saw_blocked.set()
+    watcher.join(5)
+    status = d.client().status()
+    assert status["staged_bytes"] == 0
+    m = Manifest.from_json((d.dest / "bp" / f"{1:020d}" / "MANIFEST.json").read_bytes())
+    assert len(m.shards) == 12
+
+
+def test_reject_at_once_with_the_figures(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("rej", 1) as gen:
+        gen.put("first", os.urandom(3 * MiB))
+        t0 = time.monotonic()
+        with pytest.raises(Backpressure) as info:
+            gen.put("second", os.urandom(2 * MiB))
+        assert time.monotonic() - t0 < 5  # at once, not after block_timeout_s
+        gen.put("small", b"fits")  # the rank is not poisoned by a refusal
+    err = info.value
+    assert err.details["limit"] == "max_staged_bytes"
+    assert err.details["limit_value"] == 4 * MiB
+    assert err.details["current"] == 3 * MiB
+    assert err.details["oldest_undrained"].endswith("rej/1/first")
+    assert err.details["oldest_undrained_age_s"] >= 0
+    assert "drain_rate_bytes_per_s" in err.details and err.retry_after_s >= 1
+    assert "max_staged_bytes" in err.message and "retry" in err.message
+    assert not list((d.staging / "shards").glob("*.tmp"))
+
+
+def test_block_timeout_gives_the_same_error(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="0.5",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("slow", 1) as gen:
+        gen.put("first", os.urandom(3 * MiB))
+        with pytest.raises(Backpressure, match="stayed full") as info:
+            gen.put("second", os.urandom(2 * MiB))
+    assert info.value.details["limit"] == "max_staged_bytes"
+    assert blocked(d) == 0, "a timed-out waiter holds nothing"
+
+
+def test_waiters_are_served_in_order(make_daemon: Any, tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[limits]\nmax_staged_bytes = "8MiB"\n[drain]\nmax_bandwidth_bytes_per_s = 1\n')
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    d.start()
+    with d.client().generation("fifo", 0) as gen:
+        gen.put("occupant", os.urandom(8 * MiB))  # fills the budget; the drain is held
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def rank(name: str, step: int) -> None:
+        with d.client(timeout_s=120).generation("fifo", step) as g:
+            g.put(name, os.urandom(8 * MiB))
+        with lock:
+            finished.append(name)
+
+    threads = []
+    for i, name in enumerate(["a", "b", "c"]):
+        t = threading.Thread(target=rank, args=(name, i + 1))
+        t.start()
+        threads.append(t)
+        wait_for(lambda n=i + 1: blocked(d) >= n)  # type: ignore[misc]
+    # Free the drain: each waiter is admitted only when the one before it has drained.
+    config.write_text('[limits]\nmax_staged_bytes = "8MiB"\nmax_generations_in_flight = 8\n')
+    os.kill(d.pid, signal.SIGHUP)
+    for t in threads:
+        t.join(120)
+    assert finished == ["a", "b", "c"]
+
+
+def test_generations_in_flight_limit(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT="1",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("gens", 1) as gen:
+        gen.put("w", os.urandom(1000))
+    with pytest.raises(Backpressure, match="max_generations_in_flight"):
+        d.client().generation("gens", 2).__enter__()
+    with d.client().generation("other-job", 1) as gen:  # per job
+        gen.put("w", b"x")
+
+
+def test_supersede_cancels_the_older_uncommitted_generation(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="10MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="supersede",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="2")
+    c = d.client()
+    with c.generation("job-a", 0) as gen:
+        gen.put("w", b"z")  # tiny: drains and commits even at 2 B/s
+    c.wait("job-a", 0, timeout_s=30)
+    with c.generation("job-a", 1) as gen:
+        gen.put("w", os.urandom(6 * MiB))
+    with c.generation("job-b", 1) as gen:
+        gen.put("w", os.urandom(2 * MiB))
+    with c.generation("job-a", 2) as gen:
+        gen.put("w", os.urandom(6 * MiB))  # would not fit: job-a step 1 is superseded
+    states = {(g["job"], g["step"]): g for g in c.status()["generations"]}
+    assert states[("job-a", 1)]["state"] == "cancelled"
+    assert "superseded by step 2" in states[("job-a", 1)]["error"]
+    assert states[("job-b", 1)]["state"] == "open" and states[("job-b", 1)]["shards"] == {"staged": 1}
+    assert states[("job-a", 0)]["state"] == "committed"
+    assert states[("job-a", 2)]["state"] == "open"
+    assert (d.dest / "job-a" / f"{0:020d}" / "MANIFEST.json").exists()
+    with pytest.raises(GenerationFailed, match="superseded"):
+        c.wait("job-a", 1, timeout_s=5)
+    assert c.status()["staged_bytes"] == 8 * MiB
+    assert "generation_cancelled" in d.log()
+
+
+def test_drain_bandwidth_cap_is_respected(make_daemon: Any) -> None:
+    rate = 20_000_000
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S=str(rate))
+    total = 0
+    with d.client().generation("paced", 1) as gen:
+        for i in range(15):
+            data = os.urandom(4 * MiB)
+            total += len(data)
+            gen.put(f"s{i}", data)
+    d.client().wait("paced", 1, timeout_s=60)
+    m = Manifest.from_json((d.dest / "paced" / f"{1:020d}" / "MANIFEST.json").read_bytes())
+    measured = total / (m.clocks["drained"] - m.clocks["handoff"])
+    assert abs(measured - rate) / rate < 0.15, f"drained at {measured / 1e6:.1f} MB/s, cap 20 MB/s"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Any:
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_staging_disk_that_fills(make_daemon: Any, small_tmpfs: Path) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    c = d.client()
+    with c.generation("fill", 1) as gen:
+        gen.put("a", os.urandom(40 * MiB))
+        with pytest.raises(Backpressure, match="staging") as info:
+            gen.put("b", os.urandom(30 * MiB))
+    assert info.value.details["limit"] == "staging_filesystem"
+    names = os.listdir(small_tmpfs / "staging" / "shards")
+    assert len(names) == 1 and names[0].endswith(".data"), names
+    assert not (d.dest / "fill" / f"{1:020d}" / "b").exists()
+    # Other jobs are still served.
+    with c.generation("other", 1) as gen:
+        gen.put("small", b"still here")
+    status = c.status()
+    assert {g["job"] for g in status["generations"]} == {"fill", "other"}
+
+
+def test_many_clients_no_fd_leak_memory_bounded(daemon: DaemonProcess) -> None:
+    fd_dir = Path(f"/proc/{daemon.pid}/fd")
+    before = len(os.listdir(fd_dir))
+    world, per_rank = 64, 50
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with daemon.client(timeout_s=120).generation("crowd", 1, rank=r, world_size=world) as gen:
+                for i in range(per_rank):
+                    gen.put(f"r{r}/s{i}", os.urandom(4096))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    daemon.client().wait("crowd", 1, timeout_s=120)
+    m = Manifest.from_json((daemon.dest / "crowd" / f"{1:020d}" / "MANIFEST.json").read_bytes())
+    assert len(m.shards) == world * per_rank
+    wait_for(lambda: len(os.listdir(fd_dir)) <= before + 2)  # +2: a status connection and slack
+    status = Path(f"/proc/{daemon.pid}/status").read_text()
+    peak_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+    assert peak_kib < 400 * 1024, f"peak RSS {peak_kib} KiB"
