@@ -31,6 +31,7 @@ from ckptdrain.daemon.journal import Journal, JournalUploadLog
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics, Snapshot
+from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
 from ckptdrain.daemon.staging import Staging, StagingFull
 from ckptdrain.daemon.state import GenerationState, RankState, ShardState
@@ -73,6 +74,7 @@ class Daemon:
         self.shard_budget = Budget("max_queued_shards", limits.max_queued_shards)
         self.memory_budget = Budget("max_memory_bytes", limits.max_memory_bytes)
         self._gen_slots: dict[str, Budget] = {}
+        self._retention_locks: dict[str, asyncio.Lock] = {}
         self.scheduler = Scheduler(
             config=config, ledger=self.ledger, staging=self.staging, backend=self.backend,
             committer=self.committer, metrics=self.metrics, on_drained=self._on_drained,
@@ -326,6 +328,8 @@ class Daemon:
         self._gen_budget(gen.job).release(1)
         if gen.state is GenerationState.COMMITTED:
             self._drop_older_local_copies(gen)
+            if self._tg is not None:
+                self._tg.create_task(self._retain(gen.job))
         elif gen.state is GenerationState.CANCELLED or any(
             st is RankState.ABORTED for st in gen.ranks.values()
         ):
@@ -414,6 +418,33 @@ class Daemon:
                 if shard.state is not ShardState.DISCARDED:
                     await self.ledger.set_shard(shard, ShardState.DISCARDED)
         return True
+
+    async def _retain(self, job: str) -> None:
+        """Retention after a commit: keep the newest ``keep_last`` committed generations.
+        Every node does this; the steps are idempotent, so they may overlap safely."""
+        lock = self._retention_locks.setdefault(job, asyncio.Lock())
+        if lock.locked():
+            return  # a run for this job is under way and will see this commit's listing
+        async with lock:
+            retention = self.config.retention
+            try:
+                report = await apply_retention(self.backend, job, keep_last=retention.keep_last,
+                                               abandoned_grace_s=retention.abandoned_grace_s)
+            except Exception as exc:  # a destination hiccup: the next commit runs it again
+                log_event(log, logging.WARNING, "retention_failed", job=job, error=str(exc))
+                return
+            if report.deleted or report.abandoned_deleted or report.failed:
+                log_event(log, logging.INFO, "retention", job=job, kept=report.kept,
+                          deleted=report.deleted, abandoned=report.abandoned_deleted,
+                          failed=[step for step, _ in report.failed])
+            for step in (*report.deleted, *report.abandoned_deleted):
+                old = self.ledger.get(job, step)
+                if old is not None and old.terminal:
+                    for shard in old.shards.values():
+                        if shard.local_copy:
+                            self.staging.discard(shard.staged_name)
+                            shard.local_copy = False
+                    await self.ledger.forget(old)
 
     def _drop_older_local_copies(self, gen: GenerationRecord) -> None:
         for other in self.ledger.generations.values():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -30,8 +30,9 @@ class BackendError(Exception):
 class ObjectInfo:
     key: str
     size: int
-    # Unix time of the last write, when the destination reports it (None: unknown).
-    modified: float | None = None
+    # Unix time of the last write, when the destination reports it (None: unknown). Not part
+    # of equality: two listings of the same objects compare equal.
+    modified: float | None = field(default=None, compare=False)
 
 
 class UploadLog(Protocol):

@@ -364,8 +364,7 @@ class PosixBackend(Backend):
     async def delete(self, key: str) -> None:
         await self._run(f"deleting {key}", self._delete_sync, self._path(key))
 
-    @staticmethod
-    def _delete_sync(path: Path, stop: threading.Event) -> None:
+    def _delete_sync(self, path: Path, stop: threading.Event) -> None:
         del stop
         try:
             path.unlink()
@@ -374,6 +373,15 @@ class PosixBackend(Backend):
         # Retention deletes a manifest before its shards; the unlink must be durable before
         # the shards go, or a crash could resurrect a manifest whose shards are gone.
         _fsync_dir(path.parent)
+        # Directories left empty (a removed generation's) would use up Lustre inodes. Only
+        # retention deletes, and only generations nobody writes; <root>/<job> itself stays.
+        parent = path.parent
+        while parent != self.root and parent.parent != self.root:
+            try:
+                parent.rmdir()
+            except OSError:
+                break  # not empty (or gone): stop here
+            parent = parent.parent
 
     # --- reads ------------------------------------------------------------------------------
 

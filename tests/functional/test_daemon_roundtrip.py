@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,19 @@ def test_sigterm_stops_cleanly_and_restart_keeps_committed(daemon: DaemonProcess
     assert daemon.client().latest("restart") == 1
     status = daemon.client().status()
     assert [g["state"] for g in status["generations"]] == ["committed"]
+
+
+def test_retention_runs_after_each_commit(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LAST="2")
+    c = d.client()
+    for step in range(1, 5):
+        with c.generation("kept", step) as gen:
+            gen.put("w.bin", os.urandom(1000))
+        c.wait("kept", step, timeout_s=30)
+    deadline = time.monotonic() + 30
+    while sorted(p.name for p in (d.dest / "kept").iterdir() if p.is_dir()) != [f"{3:020d}", f"{4:020d}"]:
+        assert time.monotonic() < deadline, sorted((d.dest / "kept").iterdir())
+        time.sleep(0.05)
+    assert c.latest("kept") == 4
+    steps = [g["step"] for g in c.status()["generations"]]
+    assert steps == [3, 4] or steps == [2, 3, 4]  # forgotten once retention removed them

@@ -37,7 +37,14 @@ from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.config import DestinationConfig
-from ckptdrain.daemon.retention import RetentionReport, apply_retention, gc
+from ckptdrain.daemon.retention import (
+    RetentionReport,
+    apply_retention,
+    gc,
+    group_generations,
+    manifests_to_read,
+    plan_retention,
+)
 
 JOB = "llama"
 NODE = "gpu1"
@@ -363,6 +370,33 @@ async def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ManifestError):
         await apply_retention(backend, "../etc", keep_last=1, abandoned_grace_s=1.0)
     assert backend.count("list") == 0
+
+
+def test_plan_with_fewer_valid_generations_than_keep_last_removes_no_committed_one() -> None:
+    listing = [
+        ObjectInfo(manifest_key(JOB, 1), 10, 100.0),
+        ObjectInfo(shard_key(JOB, 1, "a"), 10, 100.0),
+        ObjectInfo(manifest_key(JOB, 2), 10, 200.0),
+        ObjectInfo(shard_key(JOB, 3, "a"), 10, None),  # a store that reports no write time
+        ObjectInfo(latest_key(JOB), 2, 300.0),
+    ]
+    generations = group_generations(JOB, listing)
+    assert sorted(generations) == [1, 2, 3]
+    assert manifests_to_read(generations) == [2, 1]
+
+    # Step 2's manifest is damaged; only step 1 is valid, and keep_last is 3.
+    plan = plan_retention(
+        generations, [1], {2: "unreadable: not JSON"}, keep_last=3, abandoned_grace_s=0.0, now=1e9
+    )
+    assert (plan.kept, plan.delete_committed, plan.delete_abandoned) == ([1], [], [])
+    assert [step for step, _ in plan.skipped] == [3, 2]
+    assert "in flight" in plan.skipped[0][1] and "not JSON" in plan.skipped[1][1]
+
+    # With step 2 valid and an older uncommitted step whose write time is unknown.
+    older = group_generations(JOB, [*listing, ObjectInfo(shard_key(JOB, 0, "a"), 1, None)])
+    plan = plan_retention(older, [2, 1], {}, keep_last=1, abandoned_grace_s=0.0, now=1e9)
+    assert (plan.kept, plan.delete_committed, plan.newest_committed) == ([2], [1], 2)
+    assert plan.skipped[-1] == (0, "uncommitted, but the destination does not report write times")
 
 
 # --- concurrency ----------------------------------------------------------------------------
