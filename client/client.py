@@ -653,6 +653,17 @@ class Client:
         """The daemon's status report (jobs, generations, staged bytes, limits)."""
         return self._call("status", {})
 
+    def fetch_local(self, job: str, step: int, path: str, fd: int) -> dict[str, Any]:
+        """Have the daemon copy its local copy of a committed shard into ``fd`` (open for
+        writing); returns ``{"size", "checksum"}`` of what it wrote. Raises NotFound when this
+        node holds no local copy. The caller checks the checksum against the manifest."""
+        names.validate_shard_path(path)
+        channel = self._open_channel()
+        try:
+            return channel.request("fetch", {"job": job, "step": step, "path": path}, fd=fd)
+        finally:
+            channel.close()
+
     def retry(self, job: str, step: int) -> dict[str, Any]:
         """Ask the daemon to retry draining a generation that failed on a transient error."""
         names.validate_job(job)

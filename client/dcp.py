@@ -148,7 +148,7 @@ class DrainWriter(StorageWriter):
         # ``with`` block. The finalizer aborts it if the writer is dropped in between.
         self._open: contextlib.ExitStack | None = None
         self._part: Generation | None = None
-        self._finalizer: weakref.finalize[..., None] | None = None
+        self._finalizer: weakref.finalize[[contextlib.ExitStack, str], DrainWriter] | None = None
         self._state = "new"  # new -> writing -> open (coordinator) -> sealed | aborted
 
     # -- identity ----------------------------------------------------------------------------

@@ -265,6 +265,9 @@ _CLIENT_KINDS: dict[str, _Schema] = {
     "latest": {"job": (_job, True)},
     "status": {},
     "retry": {"job": (_job, True), "step": (_step, True)},
+    # Restore's fast path: the daemon copies its local copy of a shard into the file whose
+    # (writable) fd travels with the frame, and answers with the sha256 of what it wrote.
+    "fetch": {"job": (_job, True), "step": (_step, True), "path": (_path, True)},
 }
 _SERVER_KINDS: dict[str, _Schema | None] = {
     "welcome": {"version": (_check_version, True), "node_id": (_check_str, True)},
@@ -276,7 +279,7 @@ _SERVER_KINDS: dict[str, _Schema | None] = {
     },
 }
 _PAYLOAD_KINDS: Final = frozenset({"data"})
-_FD_KINDS: Final = frozenset({"put_fd", "put_memfd"})
+_FD_KINDS: Final = frozenset({"put_fd", "put_memfd", "fetch"})
 
 CLIENT_MESSAGE_TYPES: Final = frozenset(_CLIENT_KINDS)
 SERVER_MESSAGE_TYPES: Final = frozenset(_SERVER_KINDS)

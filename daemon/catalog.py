@@ -79,6 +79,13 @@ class RestoreReport:
     files: int
     bytes: int
     to_dir: Path
+    local_files: int = 0  # copied from this node's local copies (checksums verified)
+    local_rejected: int = 0  # local copies whose checksum did not match: fetched remotely
+
+
+# Restore's fast path: fill the open fd from a local copy of the shard; returns the sha256
+# ("sha256:<hex>") of what was written, or None when there is no local copy.
+LocalSource = Callable[[ShardEntry, int], Awaitable[str | None]]
 
 
 # --- listing --------------------------------------------------------------------------------
@@ -257,6 +264,7 @@ async def restore(
     *,
     concurrency: int = 8,
     progress: Callable[[int], None] | None = None,
+    local: LocalSource | None = None,
 ) -> RestoreReport:
     """Copy a committed generation into ``to_dir`` (a loadable checkpoint directory).
 
@@ -274,12 +282,22 @@ async def restore(
     # Shard paths are validated when the manifest parses; this also refuses a symlink planted
     # in to_dir that would carry a write elsewhere.
     targets = {shard.path: _inside(root, shard.path) for shard in manifest.shards}
-    written = 0
+    written = local_files = local_rejected = 0
 
     async def fetch(shard: ShardEntry) -> None:
-        nonlocal written
+        nonlocal written, local_files, local_rejected
         target = targets[shard.path]
         await asyncio.to_thread(_makedirs_inside, root, target.parent)
+        if local is not None:
+            outcome = await _write_local(local, target, shard)
+            if outcome == "ok":
+                written += shard.size
+                local_files += 1
+                if progress is not None:
+                    progress(shard.size)
+                return
+            if outcome == "rejected":
+                local_rejected += 1
         count = await _write_verified(
             backend.read_chunks(shard_key(job, step, shard.path)), target, shard, progress
         )
@@ -290,7 +308,36 @@ async def restore(
     except BackendError as exc:
         raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}") from exc
     await asyncio.to_thread(_write_file, root / "MANIFEST.json", manifest.to_json())
-    return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root)
+    return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root,
+                         local_files=local_files, local_rejected=local_rejected)
+
+
+async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> str:
+    """"ok" when the local copy was written and matches the manifest's checksum; "missing"
+    when there is none; "rejected" when it did not match (never trusted: the caller fetches
+    the shard from the destination instead)."""
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    fd = await asyncio.to_thread(
+        os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+    )
+    outcome = "missing"
+    try:
+        try:
+            checksum = await local(shard, fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if checksum is not None:
+            outcome = "ok" if checksum == shard.checksum and size == shard.size else "rejected"
+        if outcome == "ok":
+            await asyncio.to_thread(os.replace, tmp, target)
+    finally:
+        if outcome != "ok":
+            await asyncio.to_thread(tmp.unlink, missing_ok=True)
+    if outcome == "rejected":
+        log.warning("local copy of %s failed its checksum; restoring it from the destination",
+                    shard.path)
+    return outcome
 
 
 def _inside(root: Path, rel: str) -> Path:

@@ -227,14 +227,42 @@ def cmd_restore(ns: argparse.Namespace) -> int:
             total = Manifest.from_json(manifest).total_bytes
         bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
         try:
-            report = await catalog.restore(backend, ns.job, step, Path(ns.to), progress=bar.advance)
+            report = await catalog.restore(backend, ns.job, step, Path(ns.to), progress=bar.advance,
+                                           local=None if ns.no_local else _local_source(ns, step))
         finally:
             bar.close()
         return step, report
 
     step, report = _run(_with_backend(ns, ns.dest, run))
-    print(f"restored generation {step} of job {ns.job!r} to {ns.to}: {report.files} files, {_human(report.bytes)}, checksums verified")
+    local = ""
+    if report.local_files or report.local_rejected:
+        local = f" ({report.local_files} from this node's local copy"
+        local += f", {report.local_rejected} local copies failed their checksum and came from {ns.dest})" if report.local_rejected else ")"
+    print(f"restored generation {step} of job {ns.job!r} to {ns.to}: {report.files} files, "
+          f"{_human(report.bytes)}, checksums verified{local}")
     return EXIT_OK
+
+
+def _local_source(ns: argparse.Namespace, step: int) -> Any:
+    """Restore's fast path: when this node's daemon drains to the same destination, it copies
+    the shards it still holds locally (checked against the manifest's checksums)."""
+    from ckptdrain.client import NotFound
+
+    try:
+        client = Client(_socket_path(ns), timeout_s=600, connect_timeout_s=2)
+        if client.status()["destination"].rstrip("/") != ns.dest.rstrip("/"):
+            return None
+    except DrainError:
+        return None  # no daemon here, or not ours: the destination has everything
+
+    async def fetch(shard: Any, fd: int) -> str | None:
+        try:
+            reply = await asyncio.to_thread(client.fetch_local, ns.job, step, shard.path, fd)
+        except NotFound:
+            return None
+        return str(reply["checksum"])
+
+    return fetch
 
 
 def cmd_gc(ns: argparse.Namespace) -> int:
@@ -378,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--to", required=True, help="directory to restore into")
             p.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
             p.add_argument("--quiet", action="store_true")
+            p.add_argument("--socket", type=Path, help="this node's daemon, for the local fast path")
+            p.add_argument("--no-local", action="store_true",
+                           help="read everything from DEST, not from this node's local copies")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("gc", help="apply retention: delete old and abandoned generations at a destination")

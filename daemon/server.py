@@ -689,6 +689,14 @@ class ClientHandler:
             return self.d.status()
         if kind == "retry":
             return await self._retry(f["job"], f["step"])
+        if kind == "fetch":
+            fd = self.channel.take_fd()
+            if fd is None:
+                raise RequestError(wire.BAD_REQUEST, "fetch arrived without a file descriptor")
+            try:
+                return await self._fetch(f["job"], f["step"], f["path"], fd)
+            finally:
+                os.close(fd)
         raise RequestError(wire.BAD_REQUEST, f"{kind!r} is not a request a client may send")
 
     # -- requests ----------------------------------------------------------------------------
@@ -966,6 +974,27 @@ class ClientHandler:
             async with gen.changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(gen.changed.wait(), min(left, max(poll, 1.0)))
+
+    async def _fetch(self, job: str, step: int, path: str, out_fd: int) -> dict[str, Any]:
+        """Restore's fast path: copy this node's local copy of a committed shard into the
+        client's file. The client checks the checksum against the manifest: a local copy is
+        never trusted on its own."""
+        self._check_job_owner(job)
+        gen = self.d.ledger.get(job, step)
+        shard = gen.shards.get(path) if gen is not None else None
+        if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
+                or not shard.local_copy or not self.d.staging.exists(shard.staged_name)):
+            raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} of "
+                               f"step {step} of job {job!r}; read it from the destination")
+        st = os.fstat(out_fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for writing")
+        try:
+            size, checksum = await asyncio.to_thread(self.d.staging.copy_out, shard.staged_name, out_fd)
+        except OSError as exc:
+            raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file passed: "
+                               f"{exc.strerror or exc}") from None
+        return {"path": path, "size": size, "checksum": checksum}
 
     async def _retry(self, job: str, step: int) -> dict[str, Any]:
         self._check_job_owner(job)

@@ -98,6 +98,21 @@ class Staging:
                 digest.update(view[:n])
         return "sha256:" + digest.hexdigest()
 
+    def copy_out(self, name: str, out_fd: int) -> tuple[int, str]:
+        """Write a staged shard into ``out_fd``, hashing what is written (blocking)."""
+        digest = hashlib.sha256()
+        size = 0
+        with open(self.data_path(name), "rb", buffering=0) as f:
+            buf = bytearray(8 << 20)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                digest.update(view[:n])
+                done = 0
+                while done < n:
+                    done += os.write(out_fd, view[done:n])
+                size += n
+        return size, "sha256:" + digest.hexdigest()
+
     def open_data(self, name: str) -> int:
         return os.open(self.data_path(name), os.O_RDONLY | os.O_CLOEXEC)
 

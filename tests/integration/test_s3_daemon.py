@@ -119,6 +119,13 @@ def test_round_trip_three_ranks_multipart(make_daemon: Any, seaweedfs: SeaweedFS
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (restored / "r2" / "medium.bin").read_bytes() == blobs["r2/medium.bin"]
+    assert "12 from this node's local copy" in out.stdout
+    from_s3 = tmp_path / "from-s3"
+    out = subprocess.run([CKPTDRAIN, "restore", dest, "--job", "s3job", "--to", str(from_s3), "--no-local"],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for path, data in blobs.items():
+        assert (from_s3 / path).read_bytes() == data == (restored / path).read_bytes()
 
 
 def test_commits_through_twenty_percent_faults(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str,

@@ -1,0 +1,57 @@
+"""Restore: from the destination, and the fast path from this node's local copy (never trusted
+without the manifest's checksums: a corrupted local copy is detected and fetched remotely)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from tests.conftest import CKPTDRAIN, DaemonProcess
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def restore(d: DaemonProcess, to: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CKPTDRAIN, "restore", d.dest_uri, "--job", "rj", "--to", str(to),
+                           "--socket", str(d.socket_path), *extra],
+                          env=d.env(), capture_output=True, text=True)
+
+
+def test_local_fast_path_equals_destination_and_catches_corruption(daemon: DaemonProcess, tmp_path: Path) -> None:
+    with daemon.client().generation("rj", 5) as gen:
+        for i in range(4):
+            gen.put(f"dir{i % 2}/s{i}.bin", os.urandom(300_000 + i))
+    daemon.client().wait("rj", 5, timeout_s=30)
+
+    remote = restore(daemon, tmp_path / "remote", "--no-local")
+    assert remote.returncode == 0, remote.stderr
+    assert "local copy" not in remote.stdout
+    local = restore(daemon, tmp_path / "local")
+    assert local.returncode == 0, local.stderr
+    assert "4 from this node's local copy" in local.stdout
+    assert tree(tmp_path / "local") == tree(tmp_path / "remote")
+
+    # Corrupt one staged copy: restore notices, takes that shard from the destination.
+    staged = sorted((daemon.staging / "shards").glob("*.data"))
+    assert len(staged) == 4
+    data = bytearray(staged[0].read_bytes())
+    data[100] ^= 0xFF
+    staged[0].write_bytes(bytes(data))
+    again = restore(daemon, tmp_path / "again")
+    assert again.returncode == 0, again.stderr
+    assert "3 from this node's local copy, 1 local copies failed their checksum" in again.stdout
+    assert tree(tmp_path / "again") == tree(tmp_path / "remote")
+
+
+def test_restore_with_a_progress_bar_and_without_a_daemon(daemon: DaemonProcess, tmp_path: Path) -> None:
+    with daemon.client().generation("rj", 1) as gen:
+        gen.put("w.bin", os.urandom(2 << 20))
+    daemon.client().wait("rj", 1, timeout_s=30)
+    daemon.stop()
+    out = restore(daemon, tmp_path / "r", "--progress")
+    assert out.returncode == 0, out.stderr
+    assert "100.0%" in out.stderr and "[" in out.stderr
+    assert (tmp_path / "r" / "w.bin").stat().st_size == 2 << 20
