@@ -372,7 +372,10 @@ class PosixBackend(Backend):
             return
         # Retention deletes a manifest before its shards; the unlink must be durable before
         # the shards go, or a crash could resurrect a manifest whose shards are gone.
-        _fsync_dir(path.parent)
+        try:
+            _fsync_dir(path.parent)
+        except FileNotFoundError:
+            return  # a concurrent delete emptied and removed the directory: durable already
         # Directories left empty (a removed generation's) would use up Lustre inodes. Only
         # retention deletes, and only generations nobody writes; <root>/<job> itself stays.
         parent = path.parent

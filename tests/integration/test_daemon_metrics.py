@@ -143,13 +143,14 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
                          env=daemon.env(), capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
     top = {"node_id": str, "version": str, "uptime_s": float, "ack": str, "destination": str,
-           "metrics": str, "staged_bytes": int, "limits": dict, "queued_shards": int,
+           "metrics": str, "staged_bytes": int, "memory_bytes": int, "limits": dict, "queued_shards": int,
            "staging_free_bytes": int, "staging_free_inodes": int, "drain_rate_bytes_per_s": float,
            "blocked_handoffs": int, "oldest_undrained_age_s": dict, "generations": list}
     assert set(doc) == set(top)
     for key, kind in top.items():
         assert isinstance(doc[key], kind), (key, doc[key])
-    assert set(doc["limits"]) == {"max_staged_bytes", "max_queued_shards", "max_generations_in_flight", "on_full"}
+    assert set(doc["limits"]) == {"max_staged_bytes", "max_memory_bytes", "max_queued_shards",
+                                  "max_generations_in_flight", "on_full"}
     [gen] = doc["generations"]
     assert set(gen) == {"job", "step", "state", "world_size", "ack", "ranks", "shards", "bytes",
                         "oldest_undrained_age_s", "error"}
