@@ -103,6 +103,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
         f"  queued shards {status['queued_shards']}/{limits['max_queued_shards']}"
         f"  drain {_human(status['drain_rate_bytes_per_s'])}/s"
         f"  blocked hand-offs {status['blocked_handoffs']}"
+        + "".join(f" ({n} on {limit})" for limit, n in status.get("blocked_by_limit", {}).items())
     )
     gens = status["generations"]
     if not gens:

@@ -490,6 +490,16 @@ class Daemon:
             "blocked_handoffs": self.staged_budget.waiting + self.shard_budget.waiting
             + self.memory_budget.waiting + sum(b.waiting for b in self._gen_slots.values()),
             "oldest_undrained_age_s": oldest,
+            # What blocked hand-offs wait for: hand-offs waiting per limit.
+            "blocked_by_limit": {
+                name: waiting for name, waiting in (
+                    ("max_staged_bytes", self.staged_budget.waiting),
+                    ("max_memory_bytes", self.memory_budget.waiting),
+                    ("max_queued_shards", self.shard_budget.waiting),
+                    ("max_generations_in_flight",
+                     sum(b.waiting for b in self._gen_slots.values())),
+                ) if waiting
+            },
             "generations": [g.summary() for g in gens],
         }
 

@@ -145,7 +145,8 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
     top = {"node_id": str, "version": str, "uptime_s": float, "ack": str, "destination": str,
            "metrics": str, "staged_bytes": int, "memory_bytes": int, "limits": dict, "queued_shards": int,
            "staging_free_bytes": int, "staging_free_inodes": int, "drain_rate_bytes_per_s": float,
-           "blocked_handoffs": int, "oldest_undrained_age_s": dict, "generations": list}
+           "blocked_handoffs": int, "oldest_undrained_age_s": dict, "blocked_by_limit": dict,
+           "generations": list}
     assert set(doc) == set(top)
     for key, kind in top.items():
         assert isinstance(doc[key], kind), (key, doc[key])
