@@ -26,6 +26,10 @@ system-deps:
 demo: $(VENV)/.stamp-install
 	$(PY) examples/demo.py
 
+# A 4-rank torchrun job saving through DCP + ckptdrain, killed mid-run and resumed (< 2 min).
+demo-dcp: $(VENV)/.stamp-torch
+	$(PY) examples/dcp_train.py
+
 # mypy resolves ckptdrain.* through a symlinked tree: the sources live in client/ and daemon/,
 # mapped to ckptdrain.client / ckptdrain.daemon by setuptools, which mypy cannot follow.
 lint: $(VENV)/.stamp-install

@@ -149,7 +149,7 @@ class DrainWriter(StorageWriter):
         self._open: contextlib.ExitStack | None = None
         self._part: Generation | None = None
         self._finalizer: weakref.finalize[[contextlib.ExitStack, str], DrainWriter] | None = None
-        self._state = "new"  # new -> writing -> open (coordinator) -> sealed | aborted
+        self._state = "new"  # new -> writing -> open (coordinator) -> sealed | failed | aborted
 
     # -- identity ----------------------------------------------------------------------------
     @property
@@ -215,20 +215,19 @@ class DrainWriter(StorageWriter):
             self.job, self.step, rank=rank_plan.rank, world_size=rank_plan.world_size,
             ack=self.ack,
         )
-        with contextlib.ExitStack() as stack:
-            # Entering begins the rank's part; leaving the stack with an exception aborts it.
-            stack.enter_context(generation)
-            try:
+        try:
+            with contextlib.ExitStack() as stack:
+                # Entering begins the rank's part; leaving the stack seals it, or aborts it
+                # when an exception leaves with it.
+                stack.enter_context(generation)
                 results = self._hand_off(generation, plan, planner, rank_plan.prefix)
-            except BaseException:
-                self._state = "aborted"
-                raise
-            if self.is_coordinator:
-                # Kept open for finish(): the part is sealed after .metadata joins it.
-                self._keep_open(stack.pop_all(), generation)
-                self._state = "open"
-            else:
-                self._state = "sealed"  # leaving the stack seals
+                if self.is_coordinator:
+                    # Kept open for finish(): sealed once .metadata has joined the part.
+                    self._keep_open(stack.pop_all(), generation)
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "open" if self.is_coordinator else "sealed"
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -243,14 +242,14 @@ class DrainWriter(StorageWriter):
         generation, self._part = self._part, None
         assert generation is not None and self._finalizer is not None
         self._finalizer.detach()
-        with stack:
-            try:
-                data = self._metadata_bytes(metadata, results)
-                generation.put(METADATA_NAME, data, deferred=True)
-            except BaseException:
-                self._state = "aborted"
-                raise
-            self._state = "sealed"
+        try:
+            with stack:  # seals the part, or aborts it if the hand-off raised
+                generation.put(METADATA_NAME, self._metadata_bytes(metadata, results),
+                               deferred=True)
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "sealed"
 
     # -- after the save ----------------------------------------------------------------------
     def wait(self, timeout_s: float = 600.0) -> dict[str, Any]:
