@@ -51,6 +51,19 @@ _MAX_REASON_CHARS = 1000
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
 
 
+def default_attempt() -> str:
+    """The attempt at a step every rank of a run agrees on without talking: $CKPTDRAIN_ATTEMPT,
+    else torchrun's run id and restart count (a restarted run is a new attempt), else ""."""
+    explicit = os.environ.get("CKPTDRAIN_ATTEMPT")
+    if explicit:
+        return explicit
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if run_id and restarts is not None:
+        return f"torchelastic:{run_id}:{restarts}"
+    return ""
+
+
 def default_socket_path() -> str:
     """``$CKPTDRAIN_SOCKET``, else the system socket if it exists, else a per-user socket."""
     configured = os.environ.get("CKPTDRAIN_SOCKET")
@@ -313,6 +326,7 @@ class Generation:
         rank: int,
         world_size: int,
         ack: str | None,
+        attempt: str | None = None,
     ) -> None:
         self._client = client
         self.job = job
@@ -320,6 +334,7 @@ class Generation:
         self.rank = rank
         self.world_size = world_size
         self.ack = ack
+        self.attempt = attempt if attempt is not None else default_attempt()
         self._channel: _Channel | None = None
         self._state = "new"  # new -> open -> sealed | aborted
         # The boundary in force, as the daemon answered begin (never weaker than asked).
@@ -346,6 +361,7 @@ class Generation:
                     "rank": self.rank,
                     "world_size": self.world_size,
                     "ack": self.ack,
+                    "attempt": self.attempt or None,
                 },
             )
         except BaseException:
@@ -607,10 +623,14 @@ class Client:
         rank: int = 0,
         world_size: int = 1,
         ack: str | None = None,
+        attempt: str | None = None,
     ) -> Generation:
         """This rank's part of generation ``step`` of ``job``; use it with ``with``.
 
         ``ack`` ("local" or "memory") overrides the daemon's default failure boundary.
+        ``attempt`` names this attempt at saving the step; every rank of the attempt must pass
+        the same. A new attempt at a step that failed or never finished replaces the old one
+        (a restarted job saving the same step again). Default: :func:`default_attempt`.
         Names are checked here, so a bad one fails before any I/O.
         """
         names.validate_job(job)
@@ -618,7 +638,13 @@ class Client:
         names.validate_rank(rank, world_size)
         if ack is not None and ack not in wire.ACK_MODES:
             raise RejectedInput(f"ack is {ack!r}; use one of {list(wire.ACK_MODES)} or None")
-        return Generation(self, job, step, rank=rank, world_size=world_size, ack=ack)
+        if attempt is not None and (not isinstance(attempt, str) or len(attempt) > wire.MAX_ATTEMPT_CHARS
+                                    or not attempt.isprintable()):
+            raise RejectedInput(
+                f"attempt must be printable text of at most {wire.MAX_ATTEMPT_CHARS} characters"
+            )
+        return Generation(self, job, step, rank=rank, world_size=world_size, ack=ack,
+                          attempt=attempt)
 
     def wait(self, job: str, step: int, timeout_s: float = 600.0) -> dict[str, Any]:
         """Block until generation ``step`` of ``job`` is committed; returns the daemon's answer.

@@ -73,6 +73,7 @@ class _RankPlan:
     prefix: str
     rank: int
     world_size: int
+    attempt: str = ""
 
 
 class _FileBuffer(io.BytesIO):
@@ -193,8 +194,13 @@ class DrainWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         world_size = len(plans)
+        # One token per save, chosen here and handed to every rank in its plan: a restarted
+        # job saving the same step again is a new attempt, never mixed with the old one.
+        attempt = f"dcp:{uuid.uuid4().hex}"
         return [
-            dataclasses.replace(plan, storage_data=_RankPlan(f"__{rank}_", rank, world_size))
+            dataclasses.replace(
+                plan, storage_data=_RankPlan(f"__{rank}_", rank, world_size, attempt)
+            )
             for rank, plan in enumerate(plans)
         ]
 
@@ -213,7 +219,7 @@ class DrainWriter(StorageWriter):
         self._state = "writing"
         generation = self._client.generation(
             self.job, self.step, rank=rank_plan.rank, world_size=rank_plan.world_size,
-            ack=self.ack,
+            ack=self.ack, attempt=rank_plan.attempt,
         )
         try:
             with contextlib.ExitStack() as stack:

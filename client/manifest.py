@@ -53,7 +53,10 @@ _HEX_RE = re.compile(r"[0-9a-f]+")
 
 _SHARD_FIELDS = frozenset({"path", "size", "checksum", "rank", "node"})
 _PART_FIELDS = frozenset(
-    {"format_version", "kind", "job", "step", "world_size", "node", "ranks", "shards", "clocks"}
+    {
+        "format_version", "kind", "job", "step", "world_size", "node", "ranks", "shards",
+        "clocks", "attempt",
+    }
 )
 _MANIFEST_FIELDS = frozenset(
     {
@@ -366,9 +369,14 @@ class PartRecord:
     ranks: tuple[int, ...]
     shards: tuple[ShardEntry, ...]
     clocks: dict[str, float]
+    # Which attempt at the step wrote it: coverage only counts records of one attempt, so a
+    # restarted job that saves the same step again never mixes with the old attempt's shards.
+    attempt: str = ""
 
     def __post_init__(self) -> None:
         what = f"part record of node {self.node!r}"
+        if not isinstance(self.attempt, str):
+            raise ManifestError(f"{what}: attempt must be a string")
         _checked(validate_job, self.job)
         _checked(validate_step, self.step)
         _checked(validate_world_size, self.world_size)
@@ -402,6 +410,7 @@ class PartRecord:
             "node": self.node,
             "ranks": list(self.ranks),
             "clocks": self.clocks,
+            "attempt": self.attempt,
         }
         return _render(header, self.shards)
 
@@ -425,6 +434,7 @@ class PartRecord:
             ranks=ranks,
             shards=shards,
             clocks=_clocks(obj["clocks"], PART_CLOCKS, what),
+            attempt=_str(obj["attempt"], f"{what} attempt"),
         )
 
 

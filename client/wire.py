@@ -198,6 +198,18 @@ def _check_ack(kind: str, name: str, value: Any) -> None:
         )
 
 
+MAX_ATTEMPT_CHARS = 128
+
+
+def _check_attempt(kind: str, name: str, value: Any) -> None:
+    if not isinstance(value, str) or len(value) > MAX_ATTEMPT_CHARS or not value.isprintable():
+        raise ProtocolError(
+            BAD_REQUEST,
+            f"{kind!r} field {name!r} must be printable text of at most {MAX_ATTEMPT_CHARS} "
+            "characters",
+        )
+
+
 def _check_bool(kind: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise _type_error(kind, name, "true or false", value)
@@ -249,6 +261,9 @@ _CLIENT_KINDS: dict[str, _Schema] = {
         "rank": (_rank, True),
         "world_size": (_world_size, True),
         "ack": (_check_ack, False),
+        # Names one attempt at saving this step (all ranks of the attempt send the same):
+        # a new attempt at an uncommitted step replaces the old one instead of failing.
+        "attempt": (_check_attempt, False),
     },
     "put": _SHARD,
     "data": {},

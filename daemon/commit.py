@@ -87,14 +87,16 @@ class Committer:
             )
         await self.backend.put_bytes(part_key(part.job, part.step, part.node), part.to_json())
 
-    async def try_publish(self, job: str, step: int, world_size: int) -> CommitResult:
+    async def try_publish(
+        self, job: str, step: int, world_size: int, attempt: str = ""
+    ) -> CommitResult:
         """Publish the generation's manifest if the part records cover every rank.
 
         Safe to call from every node, any number of times: at most one PUBLISHED ever, and a
         retry after a crash between the manifest and LATEST simply returns ACCEPTED.
         Raises BackendError when the destination fails (the caller retries).
         """
-        parts, problem = await self._read_parts(job, step, world_size)
+        parts, problem = await self._read_parts(job, step, world_size, attempt)
         if problem:
             return CommitResult(CommitOutcome.CONFLICT, None, reason=problem)
         missing = missing_ranks(parts, world_size)
@@ -158,9 +160,11 @@ class Committer:
         await self._raise_latest(job, step)
         return CommitResult(CommitOutcome.ACCEPTED, existing)
 
-    async def ranks_missing(self, job: str, step: int, world_size: int) -> list[int] | None:
+    async def ranks_missing(
+        self, job: str, step: int, world_size: int, attempt: str = ""
+    ) -> list[int] | None:
         """Ranks with no part record yet; None when the records disagree (try_publish says why)."""
-        parts, problem = await self._read_parts(job, step, world_size)
+        parts, problem = await self._read_parts(job, step, world_size, attempt)
         return None if problem else missing_ranks(parts, world_size)
 
     async def committed(self, job: str, step: int) -> Manifest | None:
@@ -175,9 +179,10 @@ class Committer:
     # --- steps ------------------------------------------------------------------------------
 
     async def _read_parts(
-        self, job: str, step: int, world_size: int
+        self, job: str, step: int, world_size: int, attempt: str = ""
     ) -> tuple[list[PartRecord], str]:
-        """Every readable part record, or a reason why they cannot be trusted."""
+        """Every readable part record of ``attempt``, or a reason why they cannot be trusted.
+        Records of another attempt at the same step are stale: not counted, not a conflict."""
         prefix = parts_prefix(job, step)
         keys = [
             info.key
@@ -205,6 +210,8 @@ class Committer:
                 return [], f"part record {key} names node {part.node!r}; it is misplaced"
             if (part.job, part.step) != (job, step):
                 return [], f"part record {key} is for {part.job!r} step {part.step}"
+            if part.attempt != attempt:
+                continue  # left by another attempt at this step; its node will rewrite it
             if part.world_size != world_size:
                 return [], (
                     f"node {part.node!r} drained this generation with world_size "

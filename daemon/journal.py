@@ -35,6 +35,7 @@ CREATE TABLE IF NOT EXISTS generations (
     drained_at REAL,
     committed_at REAL,
     error TEXT NOT NULL DEFAULT '',
+    attempt TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job, step)
 );
 CREATE TABLE IF NOT EXISTS ranks (
@@ -178,12 +179,12 @@ def claim_job(job: str, uid: int) -> tuple[str, tuple[Any, ...]]:
 def put_generation(g: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
     return (
         "INSERT OR REPLACE INTO generations (job, step, world_size, state, ack, created_at,"
-        " handoff_at, staged_at, drained_at, committed_at, error)"
-        " VALUES (:job, :step, :world_size, :state, :ack, :created_at, :handoff_at, :staged_at,"
-        " :drained_at, :committed_at, :error)",
+        " handoff_at, staged_at, drained_at, committed_at, error, attempt)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             g["job"], g["step"], g["world_size"], g["state"], g["ack"], g["created_at"],
             g["handoff_at"], g["staged_at"], g["drained_at"], g["committed_at"], g["error"],
+            g["attempt"],
         ),
     )
 

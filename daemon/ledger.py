@@ -68,6 +68,7 @@ class GenerationRecord:
     world_size: int
     ack: str
     created_at: float
+    attempt: str = ""
     state: GenerationState = GenerationState.OPEN
     handoff_at: float | None = None
     staged_at: float | None = None
@@ -97,6 +98,7 @@ class GenerationRecord:
             "state": str(self.state), "ack": self.ack, "created_at": self.created_at,
             "handoff_at": self.handoff_at, "staged_at": self.staged_at,
             "drained_at": self.drained_at, "committed_at": self.committed_at, "error": self.error,
+            "attempt": self.attempt,
         }
 
     def undrained(self) -> list[ShardRecord]:
@@ -150,6 +152,7 @@ class Ledger:
                 created_at=g["created_at"], state=GenerationState(g["state"]),
                 handoff_at=g["handoff_at"], staged_at=g["staged_at"],
                 drained_at=g["drained_at"], committed_at=g["committed_at"], error=g["error"],
+                attempt=g["attempt"],
             )
             self.generations[rec.key] = rec
         for r in snap.ranks:
@@ -178,14 +181,14 @@ class Ledger:
         return sid
 
     async def open_generation(
-        self, job: str, step: int, world_size: int, ack: str, uid: int
+        self, job: str, step: int, world_size: int, ack: str, uid: int, attempt: str = ""
     ) -> GenerationRecord:
         """The generation's record, created and journalled (with the job's owner) if new."""
         gen = self.generations.get((job, step))
         if gen is not None:
             return gen
         gen = GenerationRecord(job=job, step=step, world_size=world_size, ack=ack,
-                               created_at=time.time())
+                               created_at=time.time(), attempt=attempt)
         self.generations[gen.key] = gen
         statements = [j.put_generation(gen.row())]
         if job not in self.jobs:

@@ -211,7 +211,7 @@ class Scheduler:
         if shard.state is not ShardState.DRAINING:
             return  # discarded meanwhile: its generation was aborted or cancelled
         await self.ledger.set_shard(shard, ShardState.FAILED, error=reason)
-        await self._abort_upload(shard)
+        await self.abort_upload(shard)
         if not gen.terminal:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",
                                        kind="drain")
@@ -232,11 +232,11 @@ class Scheduler:
                 task.cancel()
             elif shard.state is not ShardState.DRAINED and self._tg is not None:
                 # A resumable upload kept from an earlier transient failure: give it up.
-                self._tg.create_task(self._abort_upload(shard))
+                self._tg.create_task(self.abort_upload(shard))
         log_event(log, logging.ERROR if state is GenerationState.FAILED else logging.WARNING,
                   f"generation_{state}", job=gen.job, step=gen.step, reason=reason)
 
-    async def _abort_upload(self, shard: ShardRecord) -> None:
+    async def abort_upload(self, shard: ShardRecord) -> None:
         if self._upload_log_for is None:
             return
         upload_log = self._upload_log_for(shard)
@@ -278,7 +278,7 @@ class Scheduler:
         if deferred:
             try:
                 missing = await self._with_retries(
-                    gen, lambda: self.committer.ranks_missing(gen.job, gen.step, gen.world_size))
+                    gen, lambda: self.committer.ranks_missing(gen.job, gen.step, gen.world_size, gen.attempt))
             except BackendError as exc:
                 await self.fail_generation(gen, f"commit failed: {exc}", kind="drain")
                 return
@@ -316,6 +316,7 @@ class Scheduler:
                 "staged": staged_at,
                 "drained": drained_at,
             },
+            attempt=gen.attempt,
         )
         await self._with_retries(gen, lambda: self.committer.record_part(part))
         for r in ready:
@@ -338,7 +339,7 @@ class Scheduler:
     async def _try_publish(self, gen: GenerationRecord) -> None:
         try:
             result = await self._with_retries(
-                gen, lambda: self.committer.try_publish(gen.job, gen.step, gen.world_size)
+                gen, lambda: self.committer.try_publish(gen.job, gen.step, gen.world_size, gen.attempt)
             )
         except BackendError as exc:
             await self.fail_generation(gen, f"commit failed: {exc}", kind="drain")

@@ -397,6 +397,23 @@ class Daemon:
             self.memory_budget.release(shard.size)
             os.close(fd)  # drops our record lock: the client's pool may reuse the memfd
 
+    async def replace_generation(self, gen: GenerationRecord, attempt: str) -> None:
+        """A new attempt at an uncommitted step: end the old attempt on this node, drop what it
+        staged, and forget it. Its part record at the destination names the old attempt, so
+        no node counts it; this node rewrites it for the new attempt."""
+        reason = (f"replaced by a new attempt at this step ({attempt or 'unnamed'}); "
+                  f"the old attempt was {gen.attempt or 'unnamed'}")
+        if not gen.terminal:
+            await self._fail(gen, reason, kind="aborted", state=GenerationState.CANCELLED)
+        else:
+            for shard in gen.shards.values():
+                if shard.state is ShardState.FAILED:
+                    await self.scheduler.abort_upload(shard)
+                self._release_shard(shard, delete=True)
+        log_event(log, logging.INFO, "generation_replaced", job=gen.job, step=gen.step,
+                  old_attempt=gen.attempt, attempt=attempt)
+        await self.ledger.forget(gen)
+
     async def supersede(self, job: str, step: int, budget: Budget, amount: int) -> bool:
         """on_full = "supersede": cancel this job's older uncommitted generations, oldest
         first, until ``amount`` fits ``budget``; True when it was acquired. Never touches a
@@ -681,7 +698,8 @@ class ClientHandler:
         f = msg.fields
         kind = msg.kind
         if kind == "begin":
-            return await self._begin(f["job"], f["step"], f["rank"], f["world_size"], f.get("ack"))
+            return await self._begin(f["job"], f["step"], f["rank"], f["world_size"], f.get("ack"),
+                                     f.get("attempt") or "")
         if kind in ("put", "put_fd", "put_memfd"):
             return await self._put(kind, f["job"], f["step"], f["rank"], f["path"], f["size"],
                                    bool(f.get("deferred", False)))
@@ -716,7 +734,8 @@ class ClientHandler:
             raise RequestError(wire.PERMISSION_DENIED,
                                f"job {job!r} belongs to uid {owner}; uid {self.uid} may not write it")
 
-    async def _begin(self, job: str, step: int, rank: int, world_size: int, ack: str | None) -> dict[str, Any]:
+    async def _begin(self, job: str, step: int, rank: int, world_size: int, ack: str | None,
+                     attempt: str) -> dict[str, Any]:
         if self.gen is not None:
             raise RequestError(wire.BAD_REQUEST, "this connection already began a rank; "
                                "use one connection per generation and rank")
@@ -727,13 +746,18 @@ class ClientHandler:
         if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:
             effective = ack
         gen = self.d.ledger.get(job, step)
+        if gen is not None and gen.attempt != attempt and gen.state is not GenerationState.COMMITTED:
+            # A restarted job saving this step again: the new attempt replaces the old one here.
+            await self.d.replace_generation(gen, attempt)
+            gen = self.d.ledger.get(job, step)
         if gen is None:
             budget = self.d._gen_budget(job)
             await self._admit(budget, 1, job, step)
             gen = self.d.ledger.get(job, step)
             if gen is None:
                 try:
-                    gen = await self.d.ledger.open_generation(job, step, world_size, effective, self.uid)
+                    gen = await self.d.ledger.open_generation(job, step, world_size, effective,
+                                                              self.uid, attempt)
                 except BaseException:
                     budget.release(1)
                     raise

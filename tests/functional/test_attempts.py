@@ -1,0 +1,81 @@
+"""A restarted job saving the same step again: a new attempt replaces the old one, and the
+commit never mixes shards of two attempts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ckptdrain.client import GenerationFailed
+from ckptdrain.client.manifest import Manifest
+from tests.conftest import DaemonProcess
+
+
+def manifest_path(d: DaemonProcess, job: str, step: int):  # type: ignore[no-untyped-def]
+    return d.dest / job / f"{step:020d}" / "MANIFEST.json"
+
+
+def test_a_new_attempt_replaces_a_failed_one(daemon: DaemonProcess) -> None:
+    c = daemon.client()
+    with c.generation("again", 20, rank=1, world_size=2, attempt="run-1") as g:
+        g.put("b", b"old rank 1")
+    with pytest.raises(RuntimeError), c.generation("again", 20, rank=0, world_size=2, attempt="run-1") as g:
+        g.put("a", b"old rank 0")
+        raise RuntimeError("killed mid-save")
+    with pytest.raises(GenerationFailed):
+        c.wait("again", 20, timeout_s=5)
+    # The same attempt may not reuse the failed step ...
+    with pytest.raises(GenerationFailed, match="failed"):
+        c.generation("again", 20, rank=0, world_size=2, attempt="run-1").__enter__()
+    # ... a new attempt replaces it.
+    for rank in (0, 1):
+        with c.generation("again", 20, rank=rank, world_size=2, attempt="run-2") as g:
+            g.put("a" if rank == 0 else "b", f"new rank {rank}".encode())
+    c.wait("again", 20, timeout_s=30)
+    root = manifest_path(daemon, "again", 20).parent
+    assert (root / "a").read_bytes() == b"new rank 0" and (root / "b").read_bytes() == b"new rank 1"
+    assert "event=generation_replaced" in daemon.log()
+    assert c.status()["staged_bytes"] == 0
+
+
+def test_records_of_two_attempts_never_make_one_manifest(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    # Attempt 1: rank 1 (node-b) finishes; rank 0 (node-a) dies mid-save.
+    with b.client().generation("mix", 7, rank=1, world_size=2, attempt="one") as g:
+        g.put("r1", b"rank 1 from attempt one")
+    parts = a.dest / "mix" / f"{7:020d}" / "_parts"
+    deadline = time.monotonic() + 30
+    while not (parts / "node-b.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(RuntimeError), a.client().generation("mix", 7, rank=0, world_size=2, attempt="one") as g:
+        raise RuntimeError("died")
+    # Attempt 2 on node-a only: node-b's record of attempt one must not complete it.
+    with a.client().generation("mix", 7, rank=0, world_size=2, attempt="two") as g:
+        g.put("r0", b"rank 0 from attempt two")
+    time.sleep(1.0)  # several commit polls on both nodes
+    assert not manifest_path(a, "mix", 7).exists(), "mixed two attempts into one commit"
+    # Attempt 2 reaches node-b: it replaces attempt one there, and the step commits.
+    with b.client().generation("mix", 7, rank=1, world_size=2, attempt="two") as g:
+        g.put("r1", b"rank 1 from attempt two")
+    a.client().wait("mix", 7, timeout_s=30)
+    b.client().wait("mix", 7, timeout_s=30)
+    m = Manifest.from_json(manifest_path(a, "mix", 7).read_bytes())
+    root = manifest_path(a, "mix", 7).parent
+    assert {s.path for s in m.shards} == {"r0", "r1"}
+    assert (root / "r1").read_bytes() == b"rank 1 from attempt two"
+
+
+def test_torchrun_restarts_are_new_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptdrain.client.client import default_attempt
+
+    monkeypatch.delenv("CKPTDRAIN_ATTEMPT", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = default_attempt()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert default_attempt() != first
+    monkeypatch.setenv("CKPTDRAIN_ATTEMPT", "mine")
+    assert default_attempt() == "mine"
