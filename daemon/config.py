@@ -196,6 +196,7 @@ class LimitsConfig(BaseModel):
     on_full: Literal["block", "reject", "supersede"] = "block"
     block_timeout_s: float = Field(default=300.0, ge=0)
     client_idle_timeout_s: float = Field(default=120.0, gt=0)
+    open_rank_idle_timeout_s: float = Field(default=3600.0, gt=0)
     max_clients: int = Field(default=1024, ge=1)
     max_shard_bytes: ByteSize = Field(default=1 * TiB, ge=1)
 

@@ -622,7 +622,14 @@ class ClientHandler:
     async def run(self) -> None:
         try:
             await self._serve()
-        except (IdleTimeout, ConnectionError, TimeoutError) as exc:
+        except IdleTimeout as exc:
+            log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc))
+            # Said before hanging up, so the client's next request reads why.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.channel.sendall(self.conn.send_error(
+                    wire.TIMEOUT, f"the daemon closed this connection: {exc}; raise "
+                    "limits.client_idle_timeout_s or limits.open_rank_idle_timeout_s")), 1.0)
+        except (ConnectionError, TimeoutError) as exc:
             log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc) or type(exc).__name__)
         except ProtocolError as exc:
             log_event(log, logging.INFO, "client_protocol_error", uid=self.uid, code=exc.code, error=exc.message)
@@ -645,9 +652,15 @@ class ClientHandler:
         await self.channel.sendall(self.conn.send(kind, fields or {}))
 
     async def _next_message(self) -> Message | None:
+        limits = self.d.config.limits
         while True:
             event = self.conn.next_event()
             if event is wire.NEED_DATA:
+                # Between requests, a rank in progress may wait long (its process is busy
+                # computing the next shard); anything else, or a stall mid-frame, may not.
+                between = self.conn.buffered == 0 and self.gen is not None and not self.gen.terminal
+                self.channel.idle_timeout_s = (limits.open_rank_idle_timeout_s if between
+                                               else limits.client_idle_timeout_s)
                 n = await self.channel.recv_into(self.view)
                 self.conn.receive_data(self.view[:n])
                 continue

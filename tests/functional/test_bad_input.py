@@ -230,10 +230,20 @@ def test_disconnect_mid_shard_releases_space(bystander: DaemonProcess) -> None:
 
 
 def test_idle_client_times_out(make_daemon) -> None:  # type: ignore[no-untyped-def]
-    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__CLIENT_IDLE_TIMEOUT_S="0.5")
-    with RawClient(d.socket_path) as raw:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__CLIENT_IDLE_TIMEOUT_S="0.5",
+                                   CKPTDRAIN_LIMITS__OPEN_RANK_IDLE_TIMEOUT_S="1.5")
+    with RawClient(d.socket_path) as raw:  # no rank begun: the short timeout
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        t0 = time.monotonic()
+        err = error_in(raw.raw(b""))
+    assert err["code"] == "timeout" and "client_idle_timeout_s" in err["message"]
+    with RawClient(d.socket_path) as raw:  # a rank begun may wait longer between requests
         raw.hello_begin(job="idle")
-        assert raw.sock.recv(10) == b""  # the daemon hung up on us
+        t0 = time.monotonic()
+        err = error_in(raw.raw(b""))
+        waited = time.monotonic() - t0
+    assert err["code"] == "timeout"
+    assert waited >= 1.0, "an open rank got the short idle timeout"
     [gen] = d.client().status()["generations"]
     assert gen["state"] == "failed"
 
