@@ -142,7 +142,7 @@ async def list_generations(backend: Backend, job: str) -> list[GenerationInfo]:
         if manifest is not None:
             found[step] = manifest
 
-    await _for_each(steps, load, MANIFEST_READ_CONCURRENCY)
+    await for_each_bounded(steps, load, MANIFEST_READ_CONCURRENCY)
     return [
         GenerationInfo(
             job=m.job,
@@ -247,7 +247,7 @@ async def verify(
                 (shard.path, f"sha256 {digest.hexdigest()} != {shard.digest} in the manifest")
             )
 
-    await _for_each(manifest.shards, check, concurrency)
+    await for_each_bounded(manifest.shards, check, concurrency)
     report.bad.sort()
     report.ok = not report.bad
     return report
@@ -304,7 +304,7 @@ async def restore(
         written += count
 
     try:
-        await _for_each(manifest.shards, fetch, concurrency)
+        await for_each_bounded(manifest.shards, fetch, concurrency)
     except BackendError as exc:
         raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}") from exc
     await asyncio.to_thread(_write_file, root / "MANIFEST.json", manifest.to_json())
@@ -420,7 +420,7 @@ def _write_file(path: Path, data: bytes) -> None:
 # --- bounded concurrency --------------------------------------------------------------------
 
 
-async def _for_each(
+async def for_each_bounded(
     items: Sequence[_T], fn: Callable[[_T], Awaitable[object]], concurrency: int
 ) -> None:
     """Run ``fn`` over ``items`` with at most ``concurrency`` in flight, all owned by one

@@ -23,10 +23,9 @@ Planning (:func:`plan_retention`) is pure; :func:`apply_retention` does the I/O 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptdrain.client.manifest import (
@@ -40,6 +39,7 @@ from ckptdrain.client.manifest import (
 )
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
+from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.commit import parse_latest
 
 log = logging.getLogger(__name__)
@@ -386,23 +386,9 @@ async def _delete_abandoned(backend: Backend, job: str, gen: GenerationKeys) -> 
 
 
 async def _delete_all(backend: Backend, keys: Sequence[str]) -> None:
-    """Delete ``keys`` with at most DELETE_CONCURRENCY in flight, all owned by one TaskGroup;
-    the first failure cancels the rest and is raised as itself."""
-    if not keys:
-        return
-    work: Iterator[str] = iter(keys)
-
-    async def worker() -> None:
-        # Workers pull from one iterator: a 100,000-shard generation costs 16 tasks.
-        for key in work:
-            await backend.delete(key)
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            for _ in range(min(DELETE_CONCURRENCY, len(keys))):
-                group.create_task(worker())
-    except BaseExceptionGroup as group_exc:
-        raise group_exc.exceptions[0] from None
+    """Delete ``keys`` with at most DELETE_CONCURRENCY in flight; the first failure cancels
+    the rest and is raised as itself."""
+    await for_each_bounded(keys, backend.delete, DELETE_CONCURRENCY)
 
 
 async def _repair_latest(backend: Backend, job: str, removed: set[int], newest: int) -> None:

@@ -209,15 +209,20 @@ class PosixBackend(Backend):
             raise ValueError(f"size must be >= 0, not {size}")
         return await self._run(f"writing {key}", self._put_file_sync, self._path(key), fd, size)
 
-    def _put_file_sync(self, final: Path, src_fd: int, size: int, stop: threading.Event) -> str:
-        _makedirs(final.parent)
+    def _open_temp(self, final: Path) -> tuple[Path, int]:
+        """A new temp file beside ``final``, marked live so no sweep takes it; the caller
+        renames or unlinks it and then drops it from ``_live``."""
         tmp = final.with_name(temp_name(final.name, self.node_id))
         self._live.add(str(tmp))
         try:
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except BaseException:
             self._live.discard(str(tmp))
             raise
+
+    def _put_file_sync(self, final: Path, src_fd: int, size: int, stop: threading.Event) -> str:
+        _makedirs(final.parent)
+        tmp, out = self._open_temp(final)
         # The temp exists from here: every way out either renames it or unlinks it.
         published = False
         try:
@@ -268,13 +273,7 @@ class PosixBackend(Backend):
     ) -> bool:
         del stop  # one small write: nothing to interrupt
         _makedirs(final.parent)
-        tmp = final.with_name(temp_name(final.name, self.node_id))
-        self._live.add(str(tmp))
-        try:
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except BaseException:
-            self._live.discard(str(tmp))
-            raise
+        tmp, out = self._open_temp(final)
         created = True
         try:
             try:
