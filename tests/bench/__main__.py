@@ -31,8 +31,10 @@ and the same disk, several times, alternating their order; the figures are media
 lowest and highest run in brackets. The **ratio** is ours / baseline. Absolute figures on this
 shared machine are noise; the ratio is the figure to watch. *Bounded by* says what limits both
 sides, so a ratio near 1 means ckptdrain adds little on top of what the machine allows.
-Select benchmarks with `python -m tests.bench NAME ...`; `--quick` runs small sizes once (a
-smoke test, not a measurement).
+Select benchmarks with `python -m tests.bench NAME ...` (`--list` names them); `--quick`
+runs small sizes once (a smoke test, not a measurement); `--workdir DIR` puts staging and the
+file:// destinations on the disk you want measured (a node's NVMe), `--runs N` overrides the
+number of runs. Targets are the issue's; a row that cannot run says why instead of failing.
 """
 
 

@@ -7,10 +7,7 @@ destination on the same disk. Peak RSS must stay under 300 MiB and not grow with
 
 from __future__ import annotations
 
-import threading
-import time
-
-from tests.bench.processes import BenchDaemon, cpu_seconds, status_bytes
+from tests.bench.processes import cpu_seconds, status_bytes
 from tests.bench.report import GiB, MiB, Row, Section, Target, figure, size_text
 from tests.bench.suite import FREE_MARGIN_BYTES, Benchmark, Context, free_bytes
 from tests.bench.workload import commit_and_clear, random_buffer
@@ -19,25 +16,12 @@ JOB = "bench-rss"
 LIMIT_BYTES = 300 * MiB
 
 
-def _sample_rss(daemon: BenchDaemon, stop: threading.Event, peaks: list[int]) -> None:
-    # VmHWM is what counts; VmRSS sampled meanwhile shows when the peak happens (logs only).
-    while not stop.wait(0.1):
-        try:
-            peaks.append(status_bytes(daemon.pid, "VmRSS"))
-        except (OSError, RuntimeError):
-            return
-
-
 def _one(ctx: Context, shard: int, total: int) -> tuple[int, float]:
     """(peak RSS bytes, CPU seconds) of a daemon taking and draining ``total`` bytes."""
     staging = ctx.fresh(f"rss-{size_text(shard).replace(' ', '')}-staging")
     dest = ctx.fresh(f"rss-{size_text(shard).replace(' ', '')}-dest")
     daemon = ctx.daemon("rss", f"file://{dest}", staging_dir=staging)
     data = random_buffer(shard)
-    stop = threading.Event()
-    samples: list[int] = []
-    sampler = threading.Thread(target=_sample_rss, args=(daemon, stop, samples), daemon=True)
-    sampler.start()
     try:
         with daemon.client(timeout_s=900) as client:
             with client.generation(JOB, 1) as gen:
@@ -47,8 +31,6 @@ def _one(ctx: Context, shard: int, total: int) -> tuple[int, float]:
         peak = status_bytes(daemon.pid, "VmHWM")
         cpu = cpu_seconds(daemon.pid)
     finally:
-        stop.set()
-        sampler.join(5)
         daemon.stop()
     del data
     return peak, cpu
@@ -87,7 +69,6 @@ def run_rss(ctx: Context, section: Section) -> None:
         f"reading of 'independent of shard size'. Daemon CPU for hand-off + drain: "
         f"{cpu_big / gb:.2f} CPU s/GB ({size_text(big)} shards), {cpu_small / gb:.2f} CPU s/GB "
         f"({size_text(small)} shards).")
-    del time  # (kept imported for symmetry with other modules' timing helpers)
 
 
 RSS = Benchmark(

@@ -17,9 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptdrain.client import DrainError
-from tests.bench.processes import BenchDaemon, BenchError
-from tests.bench.report import MiB, Row, Section, Target, figure, size_text
+from tests.bench.processes import BenchDaemon, BenchError, cpu_seconds
+from tests.bench.report import MiB, Row, Section, Target, busy, figure, size_text
 from tests.bench.suite import Benchmark, Context
 from tests.bench.workload import (
     commit_and_clear,
@@ -45,7 +44,7 @@ def _rotations(cases: list[str], runs: int) -> list[list[str]]:
 
 def run_handoff(ctx: Context, section: Section) -> None:
     size = ctx.pick(256 * MiB, 32 * MiB)
-    runs = ctx.runs(5, quick=2)
+    runs = ctx.runs(7, quick=2)
     data = random_buffer(size)
     staging = ctx.fresh("handoff-staging")
     scratch = ctx.fresh("handoff-baseline")  # same filesystem as the staging dir
@@ -55,24 +54,29 @@ def run_handoff(ctx: Context, section: Section) -> None:
     client = daemon.client()
     step = 0
     times: dict[str, list[float]] = {"baseline": [], "put": [], "put_file": []}
+    cpu: dict[str, list[float]] = {"baseline": [], "put": [], "put_file": []}
 
     def handoff(kind: str) -> float:
         nonlocal step
         step += 1
         with client.generation(JOB, step) as gen:
             settle()
+            cpu_before = cpu_seconds(daemon.pid)
             started = time.perf_counter()
             if kind == "put":
                 gen.put("shard.bin", data)
             else:
                 gen.put_file("shard.bin", src)
             took = time.perf_counter() - started
+            cpu[kind].append(cpu_seconds(daemon.pid) - cpu_before)
         commit_and_clear(client, JOB, step, dest)
         return took
 
     def baseline() -> float:
         settle()
+        cpu_before = time.process_time()
         took = durable_write(scratch / "shard.bin", data)
+        cpu["baseline"].append(time.process_time() - cpu_before)
         (scratch / "shard.bin").unlink()
         return took
 
@@ -83,40 +87,44 @@ def run_handoff(ctx: Context, section: Section) -> None:
     client.close()
     daemon.stop()
     base = figure(times["baseline"], "s")
-    bound = "the staging disk's write + fsync bandwidth (both sides)"
+    bound = ("the staging disk's write + fsync (both); daemon {ours} during the hand-off, "
+             "the writing process " + busy(cpu["baseline"], times["baseline"]))
     section.rows.append(Row(
         case=f"`put(bytes)`, {size_text(size)} shard", baseline_name="write+fsync",
-        ours=figure(times["put"], "s"), baseline=base, target=Target("<=", 1.15), bound=bound))
+        ours=figure(times["put"], "s"), baseline=base, target=Target("<=", 1.15),
+        bound=bound.format(ours=busy(cpu["put"], times["put"]))))
     section.rows.append(Row(
         case=f"`put_file`, {size_text(size)} shard", baseline_name="write+fsync",
         ours=figure(times["put_file"], "s"), baseline=base, target=Target("<=", 1.15),
-        bound=bound + "; the daemon copies in the kernel (copy_file_range)"))
+        bound=bound.format(ours=busy(cpu["put_file"], times["put_file"]))
+        + "; the daemon copies in the kernel (copy_file_range)"))
     section.notes.append(
         "ours also renames the staged file, fsyncs its directory and journals the shard "
         "(SQLite, one fsync) before it answers; the baseline only creates, writes and fsyncs.")
 
 
 def memory_tier_available(ctx: Context) -> str:
-    """Empty if the daemon keeps ``ack="memory"`` shards in RAM; else why the row cannot run.
+    """Empty if the daemon has a RAM tier for ``ack="memory"``; else why the row cannot run.
 
-    The probe: a daemon whose disk budget (max_staged_bytes) is smaller than the shard and
-    that rejects rather than waits. A RAM tier takes the shard; a daemon that stages every
-    shard on disk refuses it.
+    The probe: a daemon configured ``ack = "memory"`` must report a memory budget in its
+    status and acknowledge a ``put`` as ``ack=memory`` (a daemon without the tier staged every
+    shard on disk and answered with the generation's ack all the same).
     """
     uri, _ = _destination(ctx, "memory-probe")
-    probe = ctx.daemon("memory-probe", uri, CKPTDRAIN_ACK="memory",
-                       CKPTDRAIN_LIMITS__MAX_STAGED_BYTES=str(1 * MiB),
-                       CKPTDRAIN_LIMITS__ON_FULL="reject")
+    probe = ctx.daemon("memory-probe", uri, overrides={"CKPTDRAIN_ACK": "memory"})
     try:
-        with probe.client(timeout_s=60) as client, \
-                client.generation("bench-probe", 1, ack="memory") as gen:
-            reply = gen.put("probe.bin", bytes(4 * MiB))
+        with probe.client(timeout_s=60) as client:
+            status = client.status()
+            if "memory_bytes" not in status and "max_memory_bytes" not in status.get("limits", {}):
+                return "the daemon reports no memory tier in its status (ack=memory shards are staged on disk)"
+            with client.generation("bench-probe", 1, ack="memory") as gen:
+                reply = gen.put("probe.bin", bytes(4 * MiB))
+            client.wait("bench-probe", 1, timeout_s=120)
         if reply.get("ack") != "memory":
             return f"the daemon acknowledged an ack=memory hand-off as ack={reply.get('ack')!r}"
         return ""
-    except DrainError as exc:
-        return ("the daemon stages ack=memory shards on disk (a shard larger than "
-                f"max_staged_bytes was refused: {exc.message[:160]})")
+    except Exception as exc:  # a half-finished feature: the row says so, the run goes on
+        return f"an ack=memory hand-off failed: {type(exc).__name__}: {str(exc)[:200]}"
     finally:
         probe.stop()
 
@@ -136,7 +144,7 @@ def run_memory(ctx: Context, section: Section) -> None:
     runs = ctx.runs(5, quick=2)
     data = random_buffer(size)
     uri, dest = _destination(ctx, "memory")
-    daemon: BenchDaemon = ctx.daemon("memory", uri, CKPTDRAIN_ACK="memory")
+    daemon: BenchDaemon = ctx.daemon("memory", uri, overrides={"CKPTDRAIN_ACK": "memory"})
     client = daemon.client()
     reused = os.memfd_create("bench-reused", os.MFD_CLOEXEC)
     ctx.stack.callback(os.close, reused)
@@ -144,12 +152,14 @@ def run_memory(ctx: Context, section: Section) -> None:
     write_all(reused, data, offset=0)  # first touch allocates; the timed copies reuse pages
     step = 0
     times: dict[str, list[float]] = {"baseline": [], "put": [], "memfd": []}
+    own_cpu: dict[str, list[float]] = {"baseline": [], "put": [], "memfd": []}
 
     def handoff(kind: str) -> float:
         nonlocal step
         step += 1
         with client.generation(JOB, step, ack="memory") as gen:
             settle()
+            own_before = time.process_time()
             started = time.perf_counter()
             if kind == "put":
                 reply = gen.put("shard.bin", data)
@@ -161,6 +171,7 @@ def run_memory(ctx: Context, section: Section) -> None:
                 finally:
                     os.close(fd)
             took = time.perf_counter() - started
+            own_cpu[kind].append(time.process_time() - own_before)
         if reply.get("ack") != "memory":
             raise BenchError(f"hand-off acknowledged as ack={reply.get('ack')!r}, not memory")
         commit_and_clear(client, JOB, step, dest)
@@ -168,9 +179,12 @@ def run_memory(ctx: Context, section: Section) -> None:
 
     def baseline() -> float:
         settle()
+        own_before = time.process_time()
         started = time.perf_counter()
         write_all(reused, data, offset=0)
-        return time.perf_counter() - started
+        took = time.perf_counter() - started
+        own_cpu["baseline"].append(time.process_time() - own_before)
+        return took
 
     run_case: dict[str, Callable[[], float]] = {
         "baseline": baseline, "put": lambda: handoff("put"), "memfd": lambda: handoff("memfd")}
@@ -182,9 +196,16 @@ def run_memory(ctx: Context, section: Section) -> None:
     daemon.stop()
     base = figure(times["baseline"], "s")
     for case, key in zip(cases, ("put", "memfd"), strict=True):
-        section.rows.append(Row(case=case, baseline_name="copy into a reused memfd",
-                                ours=figure(times[key], "s"), baseline=base,
-                                target=Target("<=", 1.25), bound="memory copy bandwidth"))
+        section.rows.append(Row(
+            case=case, baseline_name="copy into a reused memfd", ours=figure(times[key], "s"),
+            baseline=base, target=Target("<=", 1.25),
+            bound=(f"memory copy bandwidth: the training process {busy(own_cpu[key], times[key])}"
+                   f" (ours), {busy(own_cpu['baseline'], times['baseline'])} (baseline)")))
+    section.notes.append(
+        "ours: `put(bytes)` copies into a memfd from the client's pool and passes it; a fresh "
+        "memfd also pays for its first-touch page faults. After the acknowledgement the daemon "
+        "writes the memfd to local storage in the background; each run waits for the commit "
+        "before the next, so no run pays for the previous one's write.")
 
 
 HANDOFF = Benchmark(

@@ -139,6 +139,15 @@ def human(value: float, unit: Unit, *, bare: bool = False) -> str:
     return f"{text} {suffix}" if suffix != "/s" else f"{text}/s"
 
 
+def busy(cpu_s: Sequence[float], wall_s: Sequence[float]) -> str:
+    """How busy a process kept the CPU, as the median over runs of CPU time / wall time:
+    near 100% of a core a single-threaded side is CPU-bound; far below it, it waits on I/O."""
+    shares = [c / w for c, w in zip(cpu_s, wall_s, strict=True) if w > 0]
+    if not shares:
+        return "?"
+    return f"{statistics.median(shares):.0%} of a core"
+
+
 def size_text(n: int) -> str:
     for unit, div in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= div and n % div == 0:

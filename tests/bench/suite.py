@@ -11,7 +11,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,11 +67,13 @@ class Context:
 
     def daemon(self, name: str, dest_uri: str, *, staging_dir: Path | None = None,
                root: Path | None = None, socket_path: Path | None = None, start: bool = True,
-               **overrides: str) -> BenchDaemon:
-        """A ``ckptdrain serve`` (started unless ``start=False``), stopped when the suite ends."""
+               overrides: Mapping[str, str] | None = None) -> BenchDaemon:
+        """A ``ckptdrain serve`` (started unless ``start=False``), killed when the benchmark
+        ends; ``overrides`` are ``CKPTDRAIN_*`` settings."""
         d = BenchDaemon(root=root or self.fresh(f"{name}-root"),
                         socket_path=socket_path or self.socket_path(name), dest_uri=dest_uri,
-                        staging_dir=staging_dir, overrides=overrides, extra_env=self.aws_env)
+                        staging_dir=staging_dir, overrides=dict(overrides or {}),
+                        extra_env=self.aws_env)
         self.stack.callback(d.kill)
         return d.start() if start else d
 

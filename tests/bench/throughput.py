@@ -12,11 +12,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.bench.bare import end_run, send
-from tests.bench.processes import BenchError
-from tests.bench.report import MiB, Row, Section, Target, figure, size_text
+from tests.bench.processes import BenchError, cpu_seconds
+from tests.bench.report import MiB, Row, Section, Target, busy, figure, size_text
 from tests.bench.suite import FREE_MARGIN_BYTES, Benchmark, Context, free_bytes
 from tests.bench.workload import commit_and_clear, random_buffer
 
@@ -24,7 +25,7 @@ JOB = "bench-socket"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _bare_receiver(ctx: Context, name: str, discard: bool) -> socket.socket:
+def _bare_receiver(ctx: Context, name: str, discard: bool) -> tuple[socket.socket, int]:
     """Start a bare receiver process (killed by PID when the benchmark ends) and connect."""
     path = ctx.socket_path(name)
     outdir = ctx.fresh(f"{name}-files", shm=True)
@@ -49,7 +50,7 @@ def _bare_receiver(ctx: Context, name: str, discard: bool) -> socket.socket:
                 raise BenchError("the bare receiver did not start") from None
             time.sleep(0.02)
     sock.settimeout(300)
-    return sock
+    return sock, proc.pid
 
 
 def run_socket(ctx: Context, section: Section) -> None:
@@ -66,27 +67,42 @@ def run_socket(ctx: Context, section: Section) -> None:
     dest = ctx.fresh("socket-dest", shm=on_shm)
     daemon = ctx.daemon("socket", f"file://{dest}", staging_dir=staging)
     client = daemon.client()
-    bare = _bare_receiver(ctx, "bare", discard=False)
-    drop = _bare_receiver(ctx, "drop", discard=True)
+    receivers = {"bare": _bare_receiver(ctx, "bare", discard=False),
+                 "drop": _bare_receiver(ctx, "drop", discard=True)}
     times: dict[str, list[float]] = {"ours": [], "bare": [], "drop": []}
+    # CPU seconds of the receiving process (daemon or bare receiver) and of the sender (this
+    # process) over each timed span.
+    receiver_cpu: dict[str, list[float]] = {"ours": [], "bare": [], "drop": []}
+    sender_cpu: dict[str, list[float]] = {"ours": [], "bare": [], "drop": []}
     step = 0
+
+    def measured(case: str, pid: int, send_all: Callable[[], None]) -> float:
+        cpu_before, own_before = cpu_seconds(pid), time.process_time()
+        started = time.perf_counter()
+        send_all()
+        took = time.perf_counter() - started
+        receiver_cpu[case].append(cpu_seconds(pid) - cpu_before)
+        sender_cpu[case].append(time.process_time() - own_before)
+        return took
 
     def ours() -> float:
         nonlocal step
         step += 1
         with client.generation(JOB, step) as gen:
-            started = time.perf_counter()
-            for k in range(shards):
-                gen.put(f"shard-{k}.bin", data)
-            took = time.perf_counter() - started
+            def send_all() -> None:
+                for k in range(shards):
+                    gen.put(f"shard-{k}.bin", data)
+            took = measured("ours", daemon.pid, send_all)
         commit_and_clear(client, JOB, step, dest)
         return took
 
-    def pair(sock: socket.socket) -> float:
-        started = time.perf_counter()
-        for _ in range(shards):
-            send(sock, data)
-        took = time.perf_counter() - started
+    def pair(case: str) -> float:
+        sock, pid = receivers[case]
+
+        def send_all() -> None:
+            for _ in range(shards):
+                send(sock, data)
+        took = measured(case, pid, send_all)
         end_run(sock)
         return took
 
@@ -95,7 +111,7 @@ def run_socket(ctx: Context, section: Section) -> None:
         order = ["ours", "bare", "drop"]
         order = order[i % 3:] + order[:i % 3]
         for case in order:
-            times[case].append(ours() if case == "ours" else pair(bare if case == "bare" else drop))
+            times[case].append(ours() if case == "ours" else pair(case))
     client.close()
     daemon.stop()
     rate = {k: [total / t for t in v] for k, v in times.items()}
@@ -104,7 +120,11 @@ def run_socket(ctx: Context, section: Section) -> None:
         case=f"`put(bytes)`, {shards} x {size_text(size)}, staging on {where}",
         baseline_name="bare pair writing files", ours=figure(rate["ours"], "B/s"),
         baseline=figure(rate["bare"], "B/s"), target=Target(">=", 0.7),
-        bound="CPU: socket copy + copy into tmpfs pages (2 cores for both ends)"))
+        bound=(f"CPU: daemon {busy(receiver_cpu['ours'], times['ours'])}, client "
+               f"{busy(sender_cpu['ours'], times['ours'])}; bare receiver "
+               f"{busy(receiver_cpu['bare'], times['bare'])}, sender "
+               f"{busy(sender_cpu['bare'], times['bare'])} (copies through the socket and into "
+               "tmpfs pages)")))
     section.notes.append(
         f"the socket alone (bare pair, receiver drops the bytes): "
         f"{figure(rate['drop'], 'B/s').show()}; ours / that = "

