@@ -278,3 +278,55 @@ class JournalUploadLog:
 
     async def finished(self) -> None:
         await self.journal.write(*end_upload(self.shard_id))
+
+
+class GroupCommit:
+    """Acknowledging a staged shard takes two fsyncs beyond the shard's own: the staging
+    directory's (its rename) and the journal's (its record). Hand-offs that finish together
+    share them: the first waiter commits everything queued behind it in one directory fsync
+    and one transaction, and goes on while more arrive; the rest just wait for their batch.
+    """
+
+    def __init__(self, journal: Journal, before: Callable[[], None]) -> None:
+        self.journal = journal
+        self.before = before
+        self._queue: list[tuple[tuple[tuple[str, tuple[Any, ...]], ...], asyncio.Future[None]]] = []
+        self._leading = False
+        self.batches = 0  # for tests and status: how many commits served the hand-offs
+
+    def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
+        self.before()
+        self.journal._tx(statements)
+
+    async def __call__(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append((statements, done))
+        if self._leading:
+            await done
+            return
+        self._leading = True
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    await self.journal._run(
+                        self._commit, [s for stmts, _ in batch for s in stmts])
+                except BaseException as exc:
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc if isinstance(exc, Exception) else
+                                              RuntimeError("journal commit interrupted"))
+                    if not isinstance(exc, Exception):
+                        raise
+                else:
+                    self.batches += 1
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_result(None)
+        finally:
+            self._leading = False
+            for _, fut in self._queue:  # interrupted with waiters queued: let them retry
+                if not fut.done():
+                    fut.set_exception(RuntimeError("journal commit interrupted"))
+            self._queue = []
+        await done

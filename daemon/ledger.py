@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,8 +137,11 @@ class GenerationRecord:
 
 
 class Ledger:
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal,
+                 acknowledge: Callable[..., Awaitable[None]] | None = None) -> None:
         self.journal = journal
+        # How a staged shard's record is made durable (a GroupCommit in the daemon).
+        self._acknowledge = acknowledge or journal.write
         self.generations: dict[GenKey, GenerationRecord] = {}
         self.jobs: dict[str, int] = {}
         self._next_shard_id = 1
@@ -224,7 +228,7 @@ class Ledger:
             gen.handoff_at = shard.handed_at
             statements.append(j.put_generation(gen.row()))
         try:
-            await self.journal.write(*statements)
+            await self._acknowledge(*statements)
         except BaseException:
             gen.shards.pop(shard.path, None)
             raise

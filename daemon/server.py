@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import grp
 import logging
@@ -27,19 +28,20 @@ from ckptdrain.daemon.budget import Budget, BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import Config
-from ckptdrain.daemon.journal import Journal, JournalUploadLog
+from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics, Snapshot
 from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
-from ckptdrain.daemon.staging import Staging, StagingFull
+from ckptdrain.daemon.staging import Staging, StagingFull, start_writeback
 from ckptdrain.daemon.state import GenerationState, RankState, ShardState
 from ckptdrain.daemon.systemd import Notifier
 
 log = logging.getLogger("ckptdrain.server")
 
 RECV_BUFFER_BYTES = 1 << 20
+WRITEBACK_KICK_BYTES = 32 << 20
 COPY_CHUNK_BYTES = 64 << 20
 STOP_GRACE_S = 10.0
 ACK_STRENGTH = {"memory": 0, "local": 1}
@@ -65,7 +67,8 @@ class Daemon:
         self._inherited = inherited
         self.staging = Staging(config.staging_dir)
         self.journal = Journal(config.journal_path)
-        self.ledger = Ledger(self.journal)
+        self.acknowledge = GroupCommit(self.journal, before=self.staging.fsync_dir)
+        self.ledger = Ledger(self.journal, acknowledge=self.acknowledge)
         self.metrics = Metrics(config.node_id, __version__)
         self.backend = open_backend(config.destination, config.node_id)
         self.committer = Committer(self.backend, config.node_id)
@@ -87,6 +90,7 @@ class Daemon:
         self._listener: socket.socket | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.metrics_address: tuple[str, int] | None = None
+        self.splice_ok = True  # cleared the first time splice is refused
         self.stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -874,7 +878,9 @@ class ClientHandler:
             else:
                 await asyncio.to_thread(_kernel_copy, src_fd, tmp_fd, size)
             fd, tmp_fd = tmp_fd, None
-            await asyncio.to_thread(self.d.staging.finish, fd, name)
+            # The directory fsync that makes the rename durable is shared with the journal
+            # commit of concurrent hand-offs (GroupCommit, in add_shard below).
+            await asyncio.to_thread(self.d.staging.finish, fd, name, fsync_dir=False)
             # A deferred shard is listed in the part record before it drains, so its
             # checksum is needed now (deferred shards are small: DCP's .metadata).
             checksum = await asyncio.to_thread(self.d.staging.checksum, name) if deferred else ""
@@ -955,23 +961,43 @@ class ClientHandler:
             raise ProtocolError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but the "
                                 f"data frame carries {msg.payload_len}")
         conn, view = self.conn, self.view
+        written = kicked = 0
         while True:
             if conn.buffered or conn.payload_remaining == 0:
                 event = conn.next_event()
                 if isinstance(event, PayloadChunk):
                     _write_all(fd, event.data)
+                    written += len(event.data)
                     continue
                 if isinstance(event, PayloadEnd):
                     return
                 raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
-            want = min(conn.payload_remaining, len(view))
-            n = await self.channel.recv_into(view[:want])
+            want = conn.payload_remaining
+            n = 0
+            if self.d.splice_ok:
+                try:
+                    # Socket to staging file inside the kernel: no copy through our buffers.
+                    n = await self.channel.splice_to(fd, want)
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+                    self.d.splice_ok = False  # this kernel or filesystem cannot: recv it is
+                    continue
+            else:
+                n = await self.channel.recv_into(view[:min(want, len(view))])
+                if n:
+                    _write_all(fd, view[:n])
             if n == 0:
                 conn.receive_data(b"")
                 conn.next_event()  # raises the truncated-frame error
                 raise ConnectionError("client left mid-shard")
-            _write_all(fd, view[:n])
             conn.payload_consumed(n)
+            written += n
+            if written - kicked >= WRITEBACK_KICK_BYTES:
+                # Start writing back what has arrived, so the fsync before the
+                # acknowledgement waits for the tail only, not the whole shard.
+                start_writeback(fd, kicked, written - kicked)
+                kicked = written
 
     async def _seal(self, owned: tuple[GenerationRecord, int]) -> dict[str, Any]:
         gen, rank = owned
