@@ -10,7 +10,9 @@ the manifest (DESIGN.md section 4); generations waiting on other nodes are polle
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import heapq
 import itertools
 import logging
 import os
@@ -33,6 +35,43 @@ if TYPE_CHECKING:
     from ckptdrain.daemon.staging import Staging
 
 log = logging.getLogger("ckptdrain.scheduler")
+
+
+class FairQueue:
+    """Shards waiting to drain. Jobs take turns, so one job's backlog never starves another's
+    newer checkpoint; within a job the oldest generation goes first, in hand-off order."""
+
+    def __init__(self) -> None:
+        self._heaps: dict[str, list[tuple[tuple[float, int, int], ShardRecord]]] = {}
+        self._turns: collections.deque[str] = collections.deque()
+        self._ready = asyncio.Event()
+        self._size = 0
+
+    def put(self, job: str, key: tuple[float, int, int], shard: ShardRecord) -> None:
+        heap = self._heaps.get(job)
+        if heap is None:
+            heap = self._heaps[job] = []
+            self._turns.append(job)
+        heapq.heappush(heap, (key, shard))
+        self._size += 1
+        self._ready.set()
+
+    async def get(self) -> ShardRecord:
+        while not self._size:
+            self._ready.clear()
+            await self._ready.wait()
+        job = self._turns.popleft()
+        heap = self._heaps[job]
+        _, shard = heapq.heappop(heap)
+        self._size -= 1
+        if heap:
+            self._turns.append(job)
+        else:
+            del self._heaps[job]
+        return shard
+
+    def qsize(self) -> int:
+        return self._size
 
 
 class _Discarded(Exception):
@@ -62,9 +101,7 @@ class Scheduler:
         self._on_drained = on_drained
         self._on_terminal = on_terminal
         self._upload_log_for = upload_log_for
-        self._queue: asyncio.PriorityQueue[tuple[float, int, int, ShardRecord]] = (
-            asyncio.PriorityQueue()
-        )
+        self._queue = FairQueue()
         self._seq = itertools.count()
         self._prepared: set[str] = set()
         self._recorded_poll = asyncio.Event()
@@ -82,8 +119,8 @@ class Scheduler:
 
     # -- queueing ----------------------------------------------------------------------------
     def enqueue(self, gen: GenerationRecord, shard: ShardRecord) -> None:
-        # Oldest generation first; within it, in hand-off order.
-        self._queue.put_nowait((gen.created_at, shard.id, next(self._seq), shard))
+        # Jobs take turns; within a job, oldest generation first, then hand-off order.
+        self._queue.put(gen.job, (gen.created_at, shard.id, next(self._seq)), shard)
 
     def set_bandwidth(self, bytes_per_s: int) -> None:
         """A new drain rate (SIGHUP): waiters paced at the old rate go now; the new rate
@@ -118,15 +155,12 @@ class Scheduler:
 
     async def _worker(self) -> None:
         while True:
-            _, _, _, shard = await self._queue.get()
-            try:
-                gen = self.ledger.get(shard.job, shard.step)
-                if (gen is None or gen.terminal or shard.state is not ShardState.STAGED
-                        or shard.deferred):
-                    continue
-                await self._drain(gen, shard)
-            finally:
-                self._queue.task_done()
+            shard = await self._queue.get()
+            gen = self.ledger.get(shard.job, shard.step)
+            if (gen is None or gen.terminal or shard.state is not ShardState.STAGED
+                    or shard.deferred):
+                continue
+            await self._drain(gen, shard)
 
     async def _drain(self, gen: GenerationRecord, shard: ShardRecord, *, then_advance: bool = True) -> bool:
         """Copy one shard to the destination; True when it drained."""

@@ -27,18 +27,20 @@ def test_each_mode_round_trips_exactly(make_daemon, tmp_path: Path, ack: str) ->
     d: DaemonProcess = make_daemon(CKPTDRAIN_ACK=ack)
     big = os.urandom(1 << 20) * 300
     blobs = {"zero": b"", "one": b"\x01", "big": big}
-    f = tmp_path / "file.bin"
-    f.write_bytes(big[: 5 << 20])
+    files = {}
+    for path, data in blobs.items():
+        files[path] = tmp_path / f"{path}.bin"
+        files[path].write_bytes(data)
     with d.client(timeout_s=120).generation("modes", 1) as gen:
         assert gen.effective_ack == ack
         for path, data in blobs.items():
-            assert gen.put(path, data)["size"] == len(data)
-        gen.put_file("file", f)
+            assert gen.put(path, data)["size"] == len(data)  # bytes over the socket / memfd
+            assert gen.put_file(f"fd/{path}", files[path])["size"] == len(data)  # the file's fd
     d.client().wait("modes", 1, timeout_s=120)
     for path, data in blobs.items():
-        got = shard_path(d, "modes", 1, path).read_bytes()
-        assert len(got) == len(data) and hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
-    assert shard_path(d, "modes", 1, "file").read_bytes() == f.read_bytes()
+        for stored in (path, f"fd/{path}"):
+            got = shard_path(d, "modes", 1, stored).read_bytes()
+            assert len(got) == len(data) and hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
 
 
 def test_a_job_may_choose_a_stronger_boundary_never_a_weaker_one(make_daemon) -> None:  # type: ignore[no-untyped-def]
