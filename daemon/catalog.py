@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -299,7 +299,7 @@ async def restore(
             if outcome == "rejected":
                 local_rejected += 1
         count = await _write_verified(
-            backend.read_chunks(shard_key(job, step, shard.path)), target, shard, progress
+            backend, shard_key(job, step, shard.path), target, shard, progress
         )
         written += count
 
@@ -356,7 +356,8 @@ def _makedirs_inside(root: Path, directory: Path) -> None:
 
 
 async def _write_verified(
-    chunks: AsyncIterator[bytes],
+    backend: Backend,
+    key: str,
     target: Path,
     shard: ShardEntry,
     progress: Callable[[int], None] | None,
@@ -367,31 +368,21 @@ async def _write_verified(
     )
     # The temp exists from here: renamed when verified, unlinked on every other way out.
     done = False
-    digest = hashlib.sha256()
-    size = 0
     try:
         try:
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > shard.size:
-                    raise RestoreError(
-                        f"{shard.path} is longer than the {shard.size} bytes the manifest lists; "
-                        "the shard at the destination is damaged"
-                    )
-                await _settled(_hash_and_write, digest, fd, chunk)
-                if progress is not None:
-                    progress(len(chunk))
+            size, checksum = await backend.copy_into(key, fd, progress=progress)
         finally:
             os.close(fd)
         if size != shard.size:
+            relation = "longer than" if size > shard.size else "shorter than"
             raise RestoreError(
-                f"{shard.path} has {size} bytes, the manifest lists {shard.size}; the shard at the "
-                "destination is damaged"
+                f"{shard.path} is {relation} the {shard.size} bytes the manifest lists ({size}); "
+                "the shard at the destination is damaged"
             )
-        if digest.hexdigest() != shard.digest:
+        if checksum != shard.checksum:
             raise RestoreError(
-                f"{shard.path} does not match its checksum in the manifest (sha256 "
-                f"{digest.hexdigest()} != {shard.digest}); the shard at the destination is damaged"
+                f"{shard.path} does not match its checksum in the manifest ({checksum} != "
+                f"{shard.checksum}); the shard at the destination is damaged"
             )
         await asyncio.to_thread(os.replace, tmp, target)
         done = True
