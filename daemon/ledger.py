@@ -80,6 +80,9 @@ class GenerationRecord:
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     # Paths being received right now: reserved so a concurrent duplicate is refused early.
     receiving: set[str] = field(default_factory=set)
+    # Shards per rank not yet settled (drained, or deferred with a checksum): kept by the
+    # ledger so "has this rank drained?" costs O(1), not a scan of every shard per drain.
+    unsettled: dict[int, int] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
@@ -110,7 +113,11 @@ class GenerationRecord:
         return min(times) if times else None
 
     def rank_drained(self, rank: int) -> bool:
-        return all(s.settled for s in self.shards.values() if s.rank == rank)
+        return self.unsettled.get(rank, 0) == 0
+
+    def count(self, shard: ShardRecord, delta: int) -> None:
+        if not shard.settled:
+            self.unsettled[shard.rank] = self.unsettled.get(shard.rank, 0) + delta
 
     def pending_deferred(self) -> list[ShardRecord]:
         return [s for s in self.shards.values() if s.deferred and s.state is ShardState.STAGED]
@@ -173,6 +180,7 @@ class Ledger:
                 handed_at=s["handed_at"], staged_at=s["staged_at"], checksum=s["checksum"],
                 drained_at=s["drained_at"], error=s["error"], deferred=bool(s["deferred"]),
             )
+            gen.count(gen.shards[s["path"]], +1)
             self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
         return dict(snap.uploads)
 
@@ -223,6 +231,7 @@ class Ledger:
     async def add_shard(self, gen: GenerationRecord, shard: ShardRecord) -> None:
         """Journal a staged shard: the moment it is acknowledged."""
         gen.shards[shard.path] = shard
+        gen.count(shard, +1)
         statements = [j.put_shard(shard.row())]
         if gen.handoff_at is None or shard.handed_at < gen.handoff_at:
             gen.handoff_at = shard.handed_at
@@ -231,13 +240,19 @@ class Ledger:
             await self._acknowledge(*statements)
         except BaseException:
             gen.shards.pop(shard.path, None)
+            gen.count(shard, -1)
             raise
 
     async def set_shard(self, shard: ShardRecord, state: ShardState, *, persist: bool = True,
                         **fields: Any) -> None:
+        gen = self.generations.get((shard.job, shard.step))
+        if gen is not None:
+            gen.count(shard, -1)
         shard.state = advance(shard.state, state)
         for name, value in fields.items():
             setattr(shard, name, value)
+        if gen is not None:
+            gen.count(shard, +1)
         if persist:
             row = shard.row()
             if shard.state is ShardState.DRAINING:
