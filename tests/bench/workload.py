@@ -19,6 +19,11 @@ from tests.bench.report import MiB
 # random block. Nothing on the path deduplicates or compresses, so repetition costs nothing.
 _BLOCK_BYTES = 64 * MiB
 
+# Settings for a daemon that takes hand-offs but does not drain (1 byte/s: the first shard
+# waits longer than any benchmark runs). Used to time the hand-off path alone, and to stage
+# shards for a drain timed on its own.
+DRAIN_PAUSED = {"CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S": "1"}
+
 
 def random_buffer(size: int) -> bytearray:
     """``size`` bytes of random data, as one contiguous buffer."""
