@@ -88,7 +88,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self._listener: socket.socket | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], ClientHandler] = {}
         self.metrics_address: tuple[str, int] | None = None
         self.splice_ok = True  # cleared the first time splice is refused
         self.stopping = False
@@ -185,9 +185,13 @@ class Daemon:
             log_event(log, logging.INFO, "stopped", node=self.node_id)
 
     async def _drain_connections(self) -> None:
-        """Let hand-offs in flight finish (their clients get an answer), then cut the rest."""
+        """Let hand-offs in flight finish (their clients get an answer); connections waiting
+        for their next request go at once; whatever is left after the grace period is cut."""
+        for task, handler in list(self._connections.items()):
+            if not handler.busy:
+                task.cancel()
         if self._connections:
-            _, pending = await asyncio.wait(self._connections, timeout=STOP_GRACE_S)
+            _, pending = await asyncio.wait(list(self._connections), timeout=STOP_GRACE_S)
             for task in pending:
                 task.cancel()
 
@@ -243,9 +247,10 @@ class Daemon:
                 conn.close()
                 self.metrics.backpressure("rejected", "max_clients")
                 continue
-            task = self._tg.create_task(ClientHandler(self, conn).run())
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            handler = ClientHandler(self, conn)
+            task = self._tg.create_task(handler.run())
+            self._connections[task] = handler
+            task.add_done_callback(lambda t: self._connections.pop(t, None))
 
     # -- recovery ----------------------------------------------------------------------------
     async def _recover(self) -> None:
@@ -621,6 +626,7 @@ class ClientHandler:
         self.gid = -1
         self.gen: GenerationRecord | None = None
         self.rank: int | None = None
+        self.busy = False  # serving a hand-off request right now (see Daemon._drain_connections)
         self.ack: str = daemon.config.ack  # the boundary in force for this connection's rank
 
     async def run(self) -> None:
@@ -694,6 +700,8 @@ class ClientHandler:
             msg = await self._next_message()
             if msg is None:
                 return
+            # A hand-off in progress is let finish on shutdown; a long `wait` is not one.
+            self.busy = msg.kind not in ("wait", "status", "latest")
             try:
                 reply = await self._dispatch(msg)
             except RequestError as exc:
@@ -703,6 +711,8 @@ class ClientHandler:
                     # the way and cannot be told apart from the next frame. Hang up.
                     return
                 continue
+            finally:
+                self.busy = False
             await self._send("ok", reply)
 
     def _allowed(self) -> bool:

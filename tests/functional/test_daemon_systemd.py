@@ -93,3 +93,18 @@ def test_sighup_reloads_limits_and_keeps_the_rest(make_daemon, tmp_path: Path) -
     assert d.client().status()["limits"]["max_staged_bytes"] == 2 << 30
     assert "reload_failed" in d.log()
     assert d.stop() == 0
+
+
+def test_sigterm_does_not_wait_for_idle_clients(daemon: DaemonProcess) -> None:
+    # A rank between two puts holds its connection open; stopping must not wait on it, and
+    # the unfinished rank is aborted (its generation can never commit from this attempt).
+    gen = daemon.client().generation("idle-at-stop", 1)
+    gen.__enter__()
+    gen.put("first", b"x")
+    try:
+        assert daemon.stop(timeout_s=8) == 0  # under the 10 s grace given to busy hand-offs
+    finally:
+        gen._channel.close()  # type: ignore[union-attr]
+    daemon.start()
+    [state] = daemon.client().status()["generations"]
+    assert state["state"] == "failed"
