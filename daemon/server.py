@@ -463,13 +463,18 @@ class Daemon:
                 log_event(log, logging.INFO, "retention", job=job, kept=report.kept,
                           deleted=report.deleted, abandoned=report.abandoned_deleted,
                           failed=[step for step, _ in report.failed])
-            for step in (*report.deleted, *report.abandoned_deleted):
-                old = self.ledger.get(job, step)
-                if old is not None and old.terminal:
+            # Forget what retention removed, and failed or cancelled generations older than
+            # the newest commit once the grace period is over (nobody will retry them now):
+            # the journal and the local copies stay bounded.
+            newest = max(report.kept, default=None)
+            cutoff = time.time() - retention.abandoned_grace_s
+            gone = set(report.deleted) | set(report.abandoned_deleted)
+            for old in [g for g in self.ledger.generations.values() if g.job == job]:
+                stale = (old.state in (GenerationState.FAILED, GenerationState.CANCELLED)
+                         and newest is not None and old.step < newest and old.created_at < cutoff)
+                if old.terminal and (old.step in gone or stale):
                     for shard in old.shards.values():
-                        if shard.local_copy:
-                            self.staging.discard(shard.staged_name)
-                            shard.local_copy = False
+                        self._release_shard(shard, delete=True)
                     await self.ledger.forget(old)
 
     def _drop_older_local_copies(self, gen: GenerationRecord) -> None:

@@ -160,3 +160,20 @@ def test_retention_runs_after_each_commit(make_daemon) -> None:  # type: ignore[
     assert c.latest("kept") == 4
     steps = [g["step"] for g in c.status()["generations"]]
     assert steps == [3, 4] or steps == [2, 3, 4]  # forgotten once retention removed them
+
+
+def test_old_failed_generations_are_forgotten_after_the_grace(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__ABANDONED_GRACE_S="0")
+    c = d.client()
+    with pytest.raises(RuntimeError), c.generation("forget", 1) as gen:
+        gen.put("w", b"lost")
+        raise RuntimeError("crashed")
+    for step in (2, 3):
+        with c.generation("forget", step) as gen:
+            gen.put("w", b"kept")
+        c.wait("forget", step, timeout_s=30)
+    deadline = time.monotonic() + 30
+    while 1 in [g["step"] for g in c.status()["generations"]]:
+        assert time.monotonic() < deadline, c.status()["generations"]
+        time.sleep(0.05)
+    assert c.status()["staged_bytes"] == 0
