@@ -246,6 +246,9 @@ class Ledger:
     async def set_shard(self, shard: ShardRecord, state: ShardState, *, persist: bool = True,
                         **fields: Any) -> None:
         gen = self.generations.get((shard.job, shard.step))
+        if gen is not None and gen.shards.get(shard.path) is not shard:
+            gen = None  # a forgotten attempt's shard: it counts for nobody
+            persist = False
         if gen is not None:
             gen.count(shard, -1)
         shard.state = advance(shard.state, state)

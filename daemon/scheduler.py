@@ -158,12 +158,23 @@ class Scheduler:
             shard = await self._queue.get()
             gen = self.ledger.get(shard.job, shard.step)
             if (gen is None or gen.terminal or shard.state is not ShardState.STAGED
-                    or shard.deferred):
-                continue
+                    or shard.deferred or gen.shards.get(shard.path) is not shard):
+                continue  # gone, ended, or an old attempt's shard: not this generation's
             await self._drain(gen, shard)
 
     async def _drain(self, gen: GenerationRecord, shard: ShardRecord, *, then_advance: bool = True) -> bool:
         """Copy one shard to the destination; True when it drained."""
+        if gen.terminal or shard.state is not ShardState.STAGED:
+            return False
+        try:
+            return await self._drain_staged(gen, shard, then_advance=then_advance)
+        finally:
+            if shard.state in (ShardState.DRAINING,):  # (mypy narrows `is` from the guard)
+                # Given up half-way (its generation ended): staged again, so a retry sends it.
+                await self.ledger.set_shard(shard, ShardState.STAGED, persist=False)
+
+    async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
+                            then_advance: bool) -> bool:
         # Pace before the copy so draining never takes more than its share of the network.
         delay = self.pacer.reserve(shard.size, time.monotonic())
         if delay:

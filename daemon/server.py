@@ -267,6 +267,11 @@ class Daemon:
                         keep.add(shard.staged_name)
                     else:
                         shard.local_copy = False
+                if shard.state in (ShardState.STAGED, ShardState.FAILED) and shard.local_copy:
+                    # Held against the limits exactly as while running (_release_shard gives
+                    # it back), whatever the generation's state: a failed one keeps its copy.
+                    self.staged_budget.used += shard.size
+                    self.shard_budget.used += 1
             if gen.terminal:
                 continue
             held = [s.path for s in gen.shards.values() if s.state is ShardState.HELD]
@@ -292,11 +297,8 @@ class Daemon:
                     requeue.append((gen, shard))
         removed = self.staging.sweep(keep)
         for gen, shard in requeue:
-            if not gen.terminal:
-                self.staged_budget.used += shard.size
-                self.shard_budget.used += 1
-                if not shard.deferred:
-                    self.scheduler.enqueue(gen, shard)
+            if not gen.terminal and not shard.deferred:
+                self.scheduler.enqueue(gen, shard)
         log_event(log, logging.INFO, "recovered", generations=len(self.ledger.generations),
                   requeued=len(requeue), removed_files=removed)
 
@@ -419,6 +421,10 @@ class Daemon:
                 if shard.state is ShardState.FAILED:
                     await self.scheduler.abort_upload(shard)
                 self._release_shard(shard, delete=True)
+        for shard in gen.shards.values():
+            if shard.state is not ShardState.DISCARDED:
+                # Still queued, perhaps: a worker must never take it for the new attempt's.
+                await self.ledger.set_shard(shard, ShardState.DISCARDED, persist=False)
         log_event(log, logging.INFO, "generation_replaced", job=gen.job, step=gen.step,
                   old_attempt=gen.attempt, attempt=attempt)
         await self.ledger.forget(gen)
@@ -828,6 +834,11 @@ class ClientHandler:
                                f"{gen.error or 'no more shards accepted'}")
         return gen, rank
 
+    def _still_open(self, gen: GenerationRecord, rank: int) -> None:
+        if gen.terminal or gen.ranks.get(rank) is not RankState.OPEN:
+            raise RequestError(wire.GENERATION_FAILED, f"step {gen.step} of job {gen.job!r} "
+                               f"ended while this shard was handed off ({gen.state}: {gen.error})")
+
     async def _admit(self, budget: Budget, amount: int, job: str, step: int) -> None:
         """Reserve ``amount`` of ``budget`` per limits.on_full, or raise the backpressure error."""
         limits = self.d.config.limits
@@ -896,6 +907,9 @@ class ClientHandler:
             # The directory fsync that makes the rename durable is shared with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below).
             await asyncio.to_thread(self.d.staging.finish, fd, name, fsync_dir=False)
+            # The generation may have ended while this hand-off waited for room or bytes
+            # (another rank aborted, a newer one superseded it): then nothing is kept.
+            self._still_open(gen, rank)
             # A deferred shard is listed in the part record before it drains, so its
             # checksum is needed now (deferred shards are small: DCP's .metadata).
             checksum = await asyncio.to_thread(self.d.staging.checksum, name) if deferred else ""
@@ -942,6 +956,7 @@ class ClientHandler:
                                f"memfd passed holds {st.st_size}")
         await self._admit(self.d.memory_budget, size, gen.job, gen.step)
         try:
+            self._still_open(gen, rank)
             # Marks the memfd busy for the client's pool until we close it (memfd.py).
             fcntl.lockf(fd, fcntl.LOCK_SH)
             shard = ShardRecord(
@@ -1094,6 +1109,11 @@ class ClientHandler:
         if any(st is RankState.ABORTED for st in gen.ranks.values()):
             raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} had an aborted "
                                "rank; it cannot be retried, save a new step")
+        lost = [s.path for s in gen.shards.values()
+                if s.state in (ShardState.HELD, ShardState.DISCARDED)]
+        if lost:
+            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} lost shards "
+                               f"{lost[:5]} before they reached local storage; save a new step")
         missing = [s.path for s in gen.shards.values()
                    if s.state is ShardState.FAILED and not self.d.staging.exists(s.staged_name)]
         if missing:

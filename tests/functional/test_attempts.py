@@ -79,3 +79,21 @@ def test_torchrun_restarts_are_new_attempts(monkeypatch: pytest.MonkeyPatch) -> 
     assert default_attempt() != first
     monkeypatch.setenv("CKPTDRAIN_ATTEMPT", "mine")
     assert default_attempt() == "mine"
+
+
+def test_a_new_attempt_is_not_disturbed_by_the_old_attempts_queued_shards(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # The old attempt's shards are still queued (a slow drain) when the new attempt begins.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="4000",
+                                   CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1")
+    c = d.client()
+    with c.generation("queued", 5, attempt="one") as g:
+        for i in range(6):
+            g.put(f"s{i}", b"x" * 2000)
+    with c.generation("queued", 5, attempt="two") as g:
+        g.put("s0", b"y" * 100)
+    c.wait("queued", 5, timeout_s=30)
+    root = manifest_path(d, "queued", 5).parent
+    assert (root / "s0").read_bytes() == b"y" * 100
+    assert {s.path for s in Manifest.from_json(manifest_path(d, "queued", 5).read_bytes()).shards} == {"s0"}
+    status = c.status()
+    assert status["staged_bytes"] == 0 and status["queued_shards"] == 0

@@ -237,3 +237,31 @@ def test_many_clients_no_fd_leak_memory_bounded(daemon: DaemonProcess) -> None:
     status = Path(f"/proc/{daemon.pid}/status").read_text()
     peak_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
     assert peak_kib < 400 * 1024, f"peak RSS {peak_kib} KiB"
+
+
+def test_a_shard_that_waited_while_its_generation_ended_is_not_kept(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="100",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="3000",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="20")
+    rank0 = d.client().generation("ended", 5, rank=0, world_size=2)
+    rank0.__enter__()
+    rank0.put("a", b"x" * 2500)
+    outcome: list[BaseException | str] = []
+
+    def rank1() -> None:
+        try:
+            with d.client().generation("ended", 5, rank=1, world_size=2) as g:
+                g.put("b", b"y" * 1000)  # blocks: the staging budget is full
+            outcome.append("ok")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    wait_for(lambda: blocked(d) == 1)
+    rank0.__exit__(RuntimeError, RuntimeError("rank 0 crashed"), None)  # ends the generation
+    t.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], GenerationFailed), outcome
+    wait_for(lambda: d.client().status()["staged_bytes"] == 0)
+    assert d.client().status()["queued_shards"] == 0
+    assert not list((d.staging / "shards").iterdir())
