@@ -51,16 +51,9 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None 
 def write_files(directory: Path, names: Sequence[str], data: bytes | bytearray) -> list[Path]:
     """One fsynced file per name, each holding ``data``."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name in names:
-        path = directory / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        paths.append(path)
+    paths = [directory / name for name in names]
+    for path in paths:
+        durable_write(path, data)
     return paths
 
 
