@@ -2,8 +2,10 @@
 
 from ckptdrain.client.client import Client, Generation
 from ckptdrain.client.errors import (
+    AlreadyCommitted,
     Backpressure,
     DaemonUnavailable,
+    DestinationError,
     DrainError,
     DuplicateShard,
     GenerationFailed,
@@ -17,9 +19,11 @@ from ckptdrain.client.errors import (
 )
 
 __all__ = [
+    "AlreadyCommitted",
     "Backpressure",
     "Client",
     "DaemonUnavailable",
+    "DestinationError",
     "DrainError",
     "DuplicateShard",
     "Generation",

@@ -55,6 +55,19 @@ class DuplicateShard(RejectedInput):
     code = "duplicate"
 
 
+class AlreadyCommitted(RejectedInput):
+    """The step is committed at the destination; nothing may overwrite it: save a new step."""
+
+    code = "committed"
+
+
+class DestinationError(DrainError):
+    """The daemon could not read the destination, or found it damaged (a malformed manifest):
+    check the destination (``ckptdrain verify``) and retry."""
+
+    code = "destination"
+
+
 class SizeMismatch(RejectedInput):
     """The declared size does not match the bytes sent."""
 
@@ -100,6 +113,8 @@ _BY_CODE: dict[str, type[DrainError]] = {
         RejectedInput,
         InvalidName,
         DuplicateShard,
+        AlreadyCommitted,
+        DestinationError,
         SizeMismatch,
         UnsupportedVersion,
         PermissionDenied,

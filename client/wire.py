@@ -64,8 +64,14 @@ TIMEOUT: Final = "timeout"
 UNSUPPORTED_VERSION: Final = "unsupported_version"
 UNAVAILABLE: Final = "unavailable"
 INTERNAL: Final = "internal"
+# The step is committed at the destination: it can never be saved again.
+COMMITTED: Final = "committed"
+# The destination could not be read or holds something damaged (wait, latest).
+DESTINATION: Final = "destination"
 ERROR_CODES: Final = frozenset(
     {
+        COMMITTED,
+        DESTINATION,
         BAD_REQUEST,
         INVALID_NAME,
         DUPLICATE,

@@ -29,6 +29,11 @@ class BudgetFull(Exception):
         )
 
 
+class AccountingError(RuntimeError):
+    """A budget was given back more than was taken: a bug (a double release), never a user
+    error. It raises instead of clamping at zero, so tests catch the leak's twin."""
+
+
 class TooLarge(Exception):
     """The request can never fit, however long it waits."""
 
@@ -90,8 +95,27 @@ class Budget:
             raise
 
     def release(self, amount: int) -> None:
-        self.used = max(0, self.used - amount)
+        if amount < 0 or amount > self.used:
+            raise AccountingError(f"{self.name}: releasing {amount} with only {self.used} in use")
+        self.used -= amount
         self._wake()
+
+    def force(self, amount: int) -> None:
+        """Take ``amount`` even past the limit: what recovery finds on disk is held whatever
+        the limit says now; hand-offs wait until eviction or draining brings it back under."""
+        self.used += amount
+
+    async def reserve(self, amount: int, *, block: bool, timeout_s: float) -> Reservation:
+        await self.acquire(amount, block=block, timeout_s=timeout_s)
+        return Reservation(self, amount)
+
+    def reserve_now(self, amount: int) -> Reservation | None:
+        return Reservation(self, amount) if self.try_acquire(amount) else None
+
+    def adopt(self, amount: int) -> Reservation:
+        """A reservation for room recovery found in use (see :meth:`force`)."""
+        self.force(amount)
+        return Reservation(self, amount)
 
     def _remove(self, waiter: _Waiter) -> None:
         with contextlib.suppress(ValueError):
@@ -109,3 +133,29 @@ class Budget:
             self._waiters.popleft()
             self.used += head.amount
             head.future.set_result(None)
+
+
+class Reservation:
+    """Room held on one budget by exactly one owner, released exactly once.
+
+    Whoever holds the object owns the room; handing it on is handing the object on. A second
+    :meth:`release` raises :class:`AccountingError`: the owner model makes a double release a
+    bug to find, not a count to clamp.
+    """
+
+    __slots__ = ("amount", "budget", "released")
+
+    def __init__(self, budget: Budget, amount: int) -> None:
+        self.budget = budget
+        self.amount = amount
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            raise AccountingError(f"{self.budget.name}: reservation of {self.amount} released twice")
+        self.released = True
+        self.budget.release(self.amount)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"Reservation({self.budget.name}, {self.amount}, {state})"

@@ -12,14 +12,16 @@ import array
 import asyncio
 import collections
 import contextlib
-import fcntl
 import os
 import socket
 import struct
 
+from ckptdrain.daemon.dataplane import SocketPump
+
 MAX_FDS_PER_MESSAGE = 4
-SPLICE_PIPE_BYTES = 1 << 20
-_SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+# Fds waiting for a frame to claim them. A client that passes fds on frames that take none,
+# or pipelines many, is cut off here instead of growing the daemon's fd table.
+MAX_QUEUED_FDS = 8
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 
 
@@ -33,7 +35,7 @@ class Channel:
         self.sock = sock
         self.idle_timeout_s = idle_timeout_s
         self.fds: collections.deque[int] = collections.deque()
-        self._pipe: tuple[int, int] | None = None
+        self._pump: SocketPump | None = None
         self._loop = asyncio.get_running_loop()
 
     def peer_credentials(self) -> tuple[int, int, int]:
@@ -57,6 +59,10 @@ class Channel:
                     fds = array.array("i")
                     fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
                     self.fds.extend(fds)
+            if len(self.fds) > MAX_QUEUED_FDS:
+                self.close_fds()
+                raise ConnectionError(f"client passed more than {MAX_QUEUED_FDS} file "
+                                      "descriptors no request took")
             if flags & socket.MSG_CTRUNC:
                 # More fds than we accept in one message: the kernel dropped some. Refuse.
                 raise ConnectionError("client passed too many file descriptors at once")
@@ -81,39 +87,26 @@ class Channel:
     async def sendall(self, data: bytes) -> None:
         await asyncio.wait_for(self._loop.sock_sendall(self.sock, data), self.idle_timeout_s)
 
-    async def splice_to(self, out_fd: int, max_bytes: int) -> int:
-        """Move up to ``max_bytes`` from the socket into ``out_fd`` inside the kernel
-        (socket -> pipe -> file with splice): no copy through Python buffers. 0 at EOF."""
-        if self._pipe is None:
-            r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-            self._pipe = (r, w)
-            with contextlib.suppress(OSError):  # the default 64 KiB works too, only slower
-                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, SPLICE_PIPE_BYTES)
-        r, w = self._pipe
-        want = min(max_bytes, SPLICE_PIPE_BYTES)
-        while True:
-            try:
-                n = os.splice(self.sock.fileno(), w, want, flags=_SPLICE_FLAGS)
-                break
-            except BlockingIOError:
-                await self._readable()
-            except ConnectionResetError:
-                return 0
-        left = n
-        while left:
-            # The pipe holds exactly what was just spliced in: this never waits.
-            left -= os.splice(r, out_fd, left, flags=os.SPLICE_F_MOVE)
-        return n
+    def socket_pump(self) -> SocketPump:
+        """The thread-side mover of this connection's shard bytes (see dataplane.SocketPump)."""
+        if self._pump is None:
+            self._pump = SocketPump(self.sock.fileno())
+        return self._pump
 
     def take_fd(self) -> int | None:
         return self.fds.popleft() if self.fds else None
 
-    def close(self) -> None:
-        if self._pipe is not None:
-            for fd in self._pipe:
-                os.close(fd)
-            self._pipe = None
+    def close_fds(self) -> int:
+        """Close every fd no frame claimed; returns how many."""
+        closed = 0
         while self.fds:
             with contextlib.suppress(OSError):
                 os.close(self.fds.popleft())
+            closed += 1
+        return closed
+
+    def close(self) -> None:
+        if self._pump is not None:
+            self._pump.close()
+        self.close_fds()
         self.sock.close()

@@ -199,6 +199,13 @@ class LimitsConfig(BaseModel):
     open_rank_idle_timeout_s: float = Field(default=3600.0, gt=0)
     max_clients: int = Field(default=1024, ge=1)
     max_shard_bytes: ByteSize = Field(default=1 * TiB, ge=1)
+    # The data plane: threads that move hand-off bytes (socket or fd to staging, fsync,
+    # unlink), so hand-offs use the node's cores and never the event loop's thread.
+    # 0 = one per core, at least 4 and at most 64.
+    io_threads: int = Field(default=0, ge=0, le=1024)
+    # One blocking step of a hand-off (copying from a client's fd, an fsync) that takes
+    # longer fails that hand-off; its thread is counted as stuck until the call returns.
+    io_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class DestinationConfig(BaseModel):
@@ -330,6 +337,10 @@ class DrainConfig(BaseModel):
     retry_initial_backoff_s: float = Field(default=0.5, gt=0)
     retry_max_backoff_s: float = Field(default=30.0, gt=0)
     commit_poll_interval_s: float = Field(default=1.0, gt=0)
+    # How long a generation waits for the other nodes after this node recorded its part; then
+    # it fails and frees its max_generations_in_flight slot (a node that never comes back
+    # must not block the job for good).
+    commit_wait_s: float = Field(default=3600.0, gt=0)
 
     @model_validator(mode="after")
     def _check_backoff(self) -> DrainConfig:

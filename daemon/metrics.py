@@ -66,6 +66,7 @@ BACKPRESSURE_LIMITS = (
 )
 # The kinds a backend reports (daemon/backends/base.py BackendError.kind).
 DRAIN_ERROR_KINDS = ("io", "timeout", "throttled", "auth", "integrity", "conflict")
+INTERNAL_ERROR_WHERE = ("connection", "drain", "commit", "background")
 OTHER = "other"
 
 # Hand-off stalls are what training sees: from a memfd hand-off (about a millisecond) to a
@@ -274,6 +275,15 @@ class Metrics:
             ["action", "limit"],
             registry=reg,
         )
+        self._internal_errors = Counter(
+            "ckptdrain_internal_errors_total",
+            "Unexpected errors caught at a failure boundary (the daemon carried on), by where: "
+            "connection, drain, commit, background.",
+            ["where"],
+            registry=reg,
+        )
+        for where in INTERNAL_ERROR_WHERE:
+            self._internal_errors.labels(where)  # 0 until it happens, so rate() sees it start
         self._aborted_uploads = Counter(
             "ckptdrain_multipart_uploads_aborted_total",
             "S3 multipart uploads aborted (interrupted, failed, or orphaned at start-up).",
@@ -361,6 +371,10 @@ class Metrics:
         self._backpressure.labels(
             _bounded(action, BACKPRESSURE_ACTIONS), _bounded(limit, BACKPRESSURE_LIMITS)
         ).inc()
+
+    def internal_error(self, where: str) -> None:
+        """An unexpected exception was caught at a failure boundary (a bug: it is logged)."""
+        self._internal_errors.labels(_bounded(where, INTERNAL_ERROR_WHERE)).inc()
 
     def upload_aborted(self, n: int = 1) -> None:
         """``n`` multipart uploads aborted."""

@@ -75,11 +75,19 @@ class Staging:
         st = os.statvfs(self.dir)
         return min(FREE_SPACE_RESERVE_BYTES, int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
 
-    def check_room(self, size: int) -> None:
+    def room(self) -> tuple[int, int, int]:
+        """(free bytes, free inodes, reserve): one statvfs (blocking: run in the data plane)."""
+        st = os.statvfs(self.dir)
+        reserve = min(FREE_SPACE_RESERVE_BYTES,
+                      int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
+        return st.f_bavail * st.f_frsize, st.f_favail, reserve
+
+    def check_room(self, size: int, room: tuple[int, int, int] | None = None) -> None:
         """Refuse before any byte is accepted when the filesystem itself cannot hold ``size``
-        (on top of what concurrent hand-offs are about to write)."""
-        free_bytes, free_inodes = self.free()
-        reserve = self.reserve_bytes()
+        (on top of what concurrent hand-offs are about to write). ``room`` is a sample from
+        :meth:`room` taken off the event loop; the comparison with ``pending_bytes`` runs on
+        the loop, so two concurrent hand-offs never both count the same free bytes."""
+        free_bytes, free_inodes, reserve = room if room is not None else self.room()
         if free_bytes - reserve - self.pending_bytes < size or free_inodes < 2:
             raise StagingFull(
                 errno.ENOSPC,
@@ -92,11 +100,9 @@ class Staging:
 
     def finish(self, fd: int, name: str, *, fsync_dir: bool = True) -> None:
         """fsync the temp file, rename it into place, fsync the directory (blocking: run in a
-        thread). ``fsync_dir=False`` when the caller's group commit fsyncs the directory."""
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        thread). ``fsync_dir=False`` when the caller's group commit fsyncs the directory.
+        The caller keeps owning ``fd``."""
+        os.fsync(fd)
         os.rename(self.tmp_path(name), self.data_path(name))
         if fsync_dir:
             self.fsync_dir()

@@ -36,7 +36,8 @@ def test_a_new_attempt_replaces_a_failed_one(daemon: DaemonProcess) -> None:
     root = manifest_path(daemon, "again", 20).parent
     assert (root / "a").read_bytes() == b"new rank 0" and (root / "b").read_bytes() == b"new rank 1"
     assert "event=generation_replaced" in daemon.log()
-    assert c.status()["staged_bytes"] == 0
+    status = c.status()  # only the new attempt's kept copies are left on staging
+    assert status["staged_bytes"] == status["kept_copy_bytes"] == len(b"new rank 0") * 2
 
 
 def test_records_of_two_attempts_never_make_one_manifest(make_daemon) -> None:  # type: ignore[no-untyped-def]
@@ -95,5 +96,6 @@ def test_a_new_attempt_is_not_disturbed_by_the_old_attempts_queued_shards(make_d
     root = manifest_path(d, "queued", 5).parent
     assert (root / "s0").read_bytes() == b"y" * 100
     assert {s.path for s in Manifest.from_json(manifest_path(d, "queued", 5).read_bytes()).shards} == {"s0"}
-    status = c.status()
-    assert status["staged_bytes"] == 0 and status["queued_shards"] == 0
+    status = c.status()  # the replaced attempt's six queued shards hold nothing any more
+    assert status["staged_bytes"] == status["kept_copy_bytes"] == 100
+    assert status["queued_shards"] == 0

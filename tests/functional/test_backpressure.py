@@ -55,7 +55,8 @@ def test_block_then_complete_as_the_drain_frees_space(make_daemon: Any) -> None:
     saw_blocked.set()
     watcher.join(5)
     status = d.client().status()
-    assert status["staged_bytes"] == 0
+    # Nothing undrained is left; what staging still holds are kept copies, inside the limit.
+    assert status["staged_bytes"] == status["kept_copy_bytes"] <= 64 * MiB
     m = Manifest.from_json((d.dest / "bp" / f"{1:020d}" / "MANIFEST.json").read_bytes())
     assert len(m.shards) == 12
 

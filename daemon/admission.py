@@ -1,0 +1,140 @@
+"""Admission: every budget a hand-off draws on, behind one :class:`Reservation` each.
+
+A hand-off reserves what it needs before a byte is accepted: a slot in the job's
+``max_generations_in_flight`` for its generation, a ``max_queued_shards`` slot and
+``max_staged_bytes`` for a shard on local storage, ``max_memory_bytes`` for a memfd held in
+RAM. Each reservation has one owner at a time (the request, then the shard or generation it
+became) and is released exactly once; a second release raises.
+
+When ``max_staged_bytes`` is full, local copies that are only a convenience (drained shards
+kept for a fast restore) are evicted first, oldest first (see :mod:`.copies`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from ckptdrain.client import wire
+from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
+from ckptdrain.daemon.errors import RequestError
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.config import Config
+    from ckptdrain.daemon.ledger import GenerationRecord, Ledger
+    from ckptdrain.daemon.metrics import Metrics
+
+
+class Admission:
+    def __init__(self, config: Config, metrics: Metrics, ledger: Ledger,
+                 drain_rate: Callable[[], float]) -> None:
+        limits = config.limits
+        self.config = config
+        self.metrics = metrics
+        self.ledger = ledger
+        self._drain_rate = drain_rate
+        self.staged = Budget("max_staged_bytes", limits.max_staged_bytes)
+        self.shards = Budget("max_queued_shards", limits.max_queued_shards)
+        self.memory = Budget("max_memory_bytes", limits.max_memory_bytes)
+        self._slots: dict[str, Budget] = {}
+        # One slot per generation in flight, owned by the generation until it ends.
+        self._held: dict[GenerationRecord, Reservation] = {}
+        # Frees room on max_staged_bytes by evicting kept local copies (set by the daemon).
+        self.make_room: Callable[[int], Awaitable[int]] | None = None
+        # on_full = "supersede": ends this job's older generations (set by the daemon).
+        self.supersede: Callable[[str, int, Budget, int], Awaitable[bool]] | None = None
+
+    def set_limits(self, config: Config) -> None:
+        self.config = config
+        limits = config.limits
+        self.staged.set_limit(limits.max_staged_bytes)
+        self.memory.set_limit(limits.max_memory_bytes)
+        self.shards.set_limit(limits.max_queued_shards)
+        for budget in self._slots.values():
+            budget.set_limit(limits.max_generations_in_flight)
+
+    # -- generations ---------------------------------------------------------------------------
+    def slots(self, job: str) -> Budget:
+        budget = self._slots.get(job)
+        if budget is None:
+            budget = Budget("max_generations_in_flight", self.config.limits.max_generations_in_flight)
+            self._slots[job] = budget
+        return budget
+
+    def hold_generation(self, gen: GenerationRecord, slot: Reservation) -> None:
+        if gen in self._held:
+            slot.release()
+            return
+        self._held[gen] = slot
+
+    def adopt_generation(self, gen: GenerationRecord) -> None:
+        """Recovery: a generation still in flight holds its slot whatever the limit is now."""
+        self.hold_generation(gen, self.slots(gen.job).adopt(1))
+
+    def release_generation(self, gen: GenerationRecord) -> None:
+        slot = self._held.pop(gen, None)
+        if slot is not None:
+            slot.release()
+
+    def holds(self, gen: GenerationRecord) -> bool:
+        return gen in self._held
+
+    @property
+    def slots_waiting(self) -> int:
+        return sum(b.waiting for b in self._slots.values())
+
+    @property
+    def waiting(self) -> int:
+        return self.staged.waiting + self.shards.waiting + self.memory.waiting + self.slots_waiting
+
+    # -- admission ----------------------------------------------------------------------------
+    async def admit(self, budget: Budget, amount: int, job: str, step: int) -> Reservation:
+        """Reserve ``amount`` of ``budget`` per limits.on_full, or raise the backpressure error."""
+        limits = self.config.limits
+        try:
+            if budget is self.staged and self.make_room is not None:
+                ready = budget.reserve_now(amount)
+                if ready is not None:
+                    return ready
+                await self.make_room(amount)
+            if (limits.on_full == "supersede" and self.supersede is not None
+                    and await self.supersede(job, step, budget, amount)):
+                return Reservation(budget, amount)
+            return await budget.reserve(amount, block=limits.on_full != "reject",
+                                        timeout_s=limits.block_timeout_s)
+        except (BudgetFull, TooLarge) as exc:
+            raise self.backpressure_error(exc, job) from None
+
+    def backpressure_error(self, exc: BudgetFull | TooLarge, job: str) -> RequestError:
+        oldest_path, oldest_age = "", 0.0
+        now = time.time()
+        for g in self.ledger.generations.values():
+            for s in g.undrained():
+                if now - s.staged_at > oldest_age:
+                    oldest_age, oldest_path = now - s.staged_at, f"{g.job}/{g.step}/{s.path}"
+        rate = self._drain_rate()
+        retry_after = 1.0
+        if isinstance(exc, BudgetFull) and rate > 0 and exc.name == "max_staged_bytes":
+            retry_after = max(1.0, exc.requested / rate)
+        details = {
+            "limit": exc.name,
+            "limit_value": exc.limit,
+            "current": getattr(exc, "used", None),
+            "requested": exc.requested,
+            "oldest_undrained": oldest_path,
+            "oldest_undrained_age_s": round(oldest_age, 3),
+            "drain_rate_bytes_per_s": round(rate, 1),
+            "retry_after_s": round(retry_after, 1),
+        }
+        if isinstance(exc, TooLarge):
+            return RequestError(wire.BAD_REQUEST, f"{exc}; raise limits.{exc.name} or split the shard",
+                                details)
+        action = "timed_out" if exc.timed_out else "rejected"
+        self.metrics.backpressure(action, exc.name)
+        message = (
+            f"backpressure: {exc}; oldest undrained shard {oldest_path or '-'} is "
+            f"{oldest_age:.1f} s old, draining at {rate / 1e6:.1f} MB/s; retry in about "
+            f"{retry_after:.0f} s or checkpoint less often"
+        )
+        return RequestError(wire.BACKPRESSURE, message, details)

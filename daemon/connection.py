@@ -1,0 +1,407 @@
+"""One client connection: a SERVER-role wire machine fed from a :class:`Channel`, behind the
+daemon's failure boundary.
+
+The boundary (uvicorn's per-request ``except`` is the model): an exception nobody expected in
+one connection is logged once with its traceback at error level, the client gets a typed
+``internal`` error, that connection closes, and the daemon and every other client carry on.
+Expected conditions are :class:`RequestError`: a typed reply, and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import stat
+import time
+from typing import TYPE_CHECKING, Any
+
+from ckptdrain.client import wire
+from ckptdrain.client.manifest import ManifestError
+from ckptdrain.client.wire import Message, ProtocolError
+from ckptdrain.daemon import catalog
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.budget import BudgetFull, TooLarge
+from ckptdrain.daemon.channel import Channel, IdleTimeout
+from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.ledger import GenerationRecord
+from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.state import GenerationState, RankState, ShardState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.server import Daemon
+
+log = logging.getLogger("ckptdrain.connection")
+
+RECV_BUFFER_BYTES = 1 << 20
+ACK_STRENGTH = {"memory": 0, "local": 1}
+# Requests that are not hand-offs: a stop does not wait for them.
+_NOT_BUSY = frozenset({"wait", "status", "latest"})
+
+
+class ClientHandler:
+    def __init__(self, daemon: Daemon, sock: socket.socket) -> None:
+        self.d = daemon
+        self.channel = Channel(sock, idle_timeout_s=daemon.config.limits.client_idle_timeout_s)
+        self.conn = wire.Connection(wire.Role.SERVER)
+        self.buf = bytearray(RECV_BUFFER_BYTES)
+        self.view = memoryview(self.buf)
+        self.uid = -1
+        self.gid = -1
+        self.gen: GenerationRecord | None = None
+        self.rank: int | None = None
+        self.busy = False  # serving a hand-off request right now (see Listener._drain)
+        self.ack: str = daemon.config.ack  # the boundary in force for this connection's rank
+
+    async def run(self) -> None:
+        try:
+            await self._serve()
+        except IdleTimeout as exc:
+            log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc))
+            # Said before hanging up, so the client's next request reads why.
+            await self._last_word(wire.TIMEOUT, f"the daemon closed this connection: {exc}; raise "
+                                  "limits.client_idle_timeout_s or limits.open_rank_idle_timeout_s")
+        except (ConnectionError, TimeoutError) as exc:
+            log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc) or type(exc).__name__)
+        except ProtocolError as exc:
+            log_event(log, logging.INFO, "client_protocol_error", uid=self.uid, code=exc.code, error=exc.message)
+            await self._last_word(exc.code, exc.message)
+        except Exception:
+            # The boundary. Nothing this client did may end the daemon.
+            log.exception("unexpected error serving uid %s; closing that connection", self.uid)
+            self.d.metrics.internal_error("connection")
+            await self._last_word(wire.INTERNAL, "the daemon hit an internal error serving this "
+                                  "connection and closed it (it is logged); reconnect and retry")
+        finally:
+            try:
+                await self._abandon()
+            except Exception:
+                log.exception("could not abort the rank of a closed connection (uid %s)", self.uid)
+            finally:
+                self.channel.close()
+
+    async def _last_word(self, code: str, message: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.channel.sendall(self.conn.send_error(code, message)), 1.0)
+
+    async def _abandon(self) -> None:
+        """A client that leaves without sealing aborts its rank: the rank is incomplete."""
+        gen, rank = self.gen, self.rank
+        if gen is None or rank is None or gen.ranks.get(rank) is not RankState.OPEN:
+            return
+        await self.abort_rank(gen, rank, "the client disconnected before sealing the rank")
+
+    async def send(self, kind: str, fields: dict[str, Any] | None = None) -> None:
+        await self.channel.sendall(self.conn.send(kind, fields or {}))
+
+    async def next_message(self) -> Message | None:
+        limits = self.d.config.limits
+        while True:
+            event = self.conn.next_event()
+            if event is wire.NEED_DATA:
+                # Between requests, a rank in progress may wait long (its process is busy
+                # computing the next shard); anything else, or a stall mid-frame, may not.
+                between = self.conn.buffered == 0 and self.gen is not None and not self.gen.terminal
+                self.channel.idle_timeout_s = (limits.open_rank_idle_timeout_s if between
+                                               else limits.client_idle_timeout_s)
+                n = await self.channel.recv_into(self.view)
+                self.conn.receive_data(self.view[:n])
+                continue
+            if isinstance(event, wire.ConnectionClosed):
+                return None
+            if isinstance(event, Message):
+                return event
+            raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
+
+    async def _serve(self) -> None:
+        _, self.uid, self.gid = self.channel.peer_credentials()
+        hello = await self.next_message()
+        if hello is None:
+            return
+        if hello.fields.get("version") != wire.PROTOCOL_VERSION:
+            raise ProtocolError(wire.UNSUPPORTED_VERSION,
+                                f"this daemon speaks protocol version {wire.PROTOCOL_VERSION}, "
+                                f"the client {hello.fields.get('version')}; upgrade the older side")
+        if not self._allowed():
+            await self.channel.sendall(self.conn.send_error(
+                wire.PERMISSION_DENIED,
+                f"uid {self.uid} gid {self.gid} may not use this ckptdrain daemon; ask the "
+                "operator to add it to [access] allowed_uids or allowed_gids"))
+            return
+        self._drop_unclaimed_fds()
+        await self.send("welcome", {"version": wire.PROTOCOL_VERSION, "node_id": self.d.node_id})
+        while True:
+            msg = await self.next_message()
+            if msg is None:
+                return
+            # A hand-off in progress is let finish on shutdown; a long `wait` is not one.
+            self.busy = msg.kind not in _NOT_BUSY
+            try:
+                reply = await self._dispatch(msg)
+            except RequestError as exc:
+                await self.channel.sendall(self.conn.send_error(exc.code, exc.message, exc.details or None))
+                if self.conn.payload_remaining or self.conn.awaiting_data is not None:
+                    # Failed part-way through a shard's bytes: the rest of them are still on
+                    # the way and cannot be told apart from the next frame. Hang up.
+                    return
+                self._drop_unclaimed_fds()
+                continue
+            finally:
+                self.busy = False
+            self._drop_unclaimed_fds()
+            await self.send("ok", reply)
+
+    def _drop_unclaimed_fds(self) -> None:
+        """Fds passed on frames that take none are closed once the request is done. Only when
+        nothing more is buffered: a pipelined next frame's fd may already have arrived."""
+        if self.conn.buffered == 0 and self.channel.fds:
+            dropped = self.channel.close_fds()
+            log_event(log, logging.DEBUG, "unclaimed_fds_closed", uid=self.uid, fds=dropped)
+
+    def _allowed(self) -> bool:
+        access = self.d.config.access
+        if self.uid in (0, os.getuid()) or self.uid in access.allowed_uids:
+            return True
+        return self.gid in access.allowed_gids
+
+    async def _dispatch(self, msg: Message) -> dict[str, Any]:
+        f = msg.fields
+        kind = msg.kind
+        if kind == "begin":
+            return await self.begin(f["job"], f["step"], f["rank"], f["world_size"], f.get("ack"),
+                                    f.get("attempt") or "")
+        if kind in ("put", "put_fd", "put_memfd"):
+            return await self._put(kind, f["job"], f["step"], f["rank"], f["path"], f["size"],
+                                   bool(f.get("deferred", False)))
+        if kind == "seal":
+            return await self.seal(self._own_rank(f))
+        if kind == "abort":
+            gen, rank = self._own_rank(f)
+            await self.abort_rank(gen, rank, f"the client aborted: {f['reason']}")
+            return {}
+        if kind == "wait":
+            return await self.wait(f["job"], f["step"], float(f["timeout_s"]))
+        if kind == "latest":
+            return await self._latest(f["job"])
+        if kind == "status":
+            return self.d.status()
+        if kind == "retry":
+            return await self.retry(f["job"], f["step"])
+        if kind == "fetch":
+            fd = self.channel.take_fd()
+            if fd is None:
+                raise RequestError(wire.BAD_REQUEST, "fetch arrived without a file descriptor")
+            try:
+                return await self.fetch(f["job"], f["step"], f["path"], fd)
+            finally:
+                os.close(fd)
+        raise RequestError(wire.BAD_REQUEST, f"{kind!r} is not a request a client may send")
+
+    async def _latest(self, job: str) -> dict[str, Any]:
+        try:
+            step = await catalog.latest(self.d.backend, job)
+        except (BackendError, ManifestError, OSError) as exc:
+            raise destination_error(job, None, exc) from None
+        return {"job": job, "generation": step}
+
+    # -- hand-off requests -------------------------------------------------------------------
+    def check_job_owner(self, job: str) -> None:
+        owner = self.d.ledger.jobs.get(job)
+        if owner is not None and owner != self.uid and self.uid != 0:
+            raise RequestError(wire.PERMISSION_DENIED,
+                               f"job {job!r} belongs to uid {owner}; uid {self.uid} may not write it")
+
+    def _own_rank(self, f: dict[str, Any]) -> tuple[GenerationRecord, int]:
+        gen, rank = self.gen, self.rank
+        if gen is None or rank is None:
+            raise RequestError(wire.BAD_REQUEST, "send begin before handing off shards")
+        if (f["job"], f["step"], f["rank"]) != (gen.job, gen.step, rank):
+            raise RequestError(wire.BAD_REQUEST, f"this connection began job {gen.job!r} step "
+                               f"{gen.step} rank {rank}, not job {f['job']!r} step {f['step']} "
+                               f"rank {f['rank']}")
+        if gen.terminal:
+            raise RequestError(wire.GENERATION_FAILED, f"step {gen.step} of job {gen.job!r} is "
+                               f"{gen.state}: {gen.error}")
+        if gen.ranks.get(rank) is not RankState.OPEN:
+            raise RequestError(wire.GENERATION_FAILED, f"rank {rank} is {gen.ranks.get(rank)}: "
+                               f"{gen.error or 'no more shards accepted'}")
+        return gen, rank
+
+    def still_open(self, gen: GenerationRecord, rank: int) -> None:
+        if gen.terminal or gen.ranks.get(rank) is not RankState.OPEN:
+            raise RequestError(wire.GENERATION_FAILED, f"step {gen.step} of job {gen.job!r} "
+                               f"ended while this shard was handed off ({gen.state}: {gen.error})")
+
+    async def _put(self, kind: str, job: str, step: int, rank: int, path: str, size: int,
+                   deferred: bool) -> dict[str, Any]:
+        fd = self.channel.take_fd() if wire.needs_fd(kind) else None
+        try:
+            gen, rank = self._own_rank({"job": job, "step": step, "rank": rank})
+            if fd is None and wire.needs_fd(kind):
+                raise RequestError(wire.BAD_REQUEST, f"{kind} arrived without a file descriptor")
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        # From here the hand-off owns the fd (closes it, or leaves it to a stuck thread).
+        if kind == "put_memfd" and self.ack == "memory" and fd is not None:
+            return await self.d.handoffs.hold(self, gen, rank, path, size, fd, deferred)
+        return await self.d.handoffs.stage(self, gen, rank, path, size, fd, deferred)
+
+    async def begin(self, job: str, step: int, rank: int, world_size: int, ack: str | None,
+                    attempt: str) -> dict[str, Any]:
+        if self.gen is not None:
+            raise RequestError(wire.BAD_REQUEST, "this connection already began a rank; "
+                               "use one connection per generation and rank")
+        if rank >= world_size:
+            raise RequestError(wire.BAD_REQUEST, f"rank {rank} is outside world_size {world_size}")
+        self.check_job_owner(job)
+        effective: str = self.d.config.ack
+        if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:
+            effective = ack
+        gen = await self.d.begin_generation(job, step, world_size, effective, self.uid, attempt)
+        if gen.world_size != world_size:
+            raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} began with world_size "
+                               f"{gen.world_size}, not {world_size}")
+        if gen.state is GenerationState.COMMITTED:
+            raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is committed; save a "
+                               "new step")
+        if gen.terminal:
+            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} is "
+                               f"{gen.state}: {gen.error}; save a new step")
+        if rank in gen.ranks:
+            raise RequestError(wire.DUPLICATE, f"rank {rank} of step {step} of job {job!r} already "
+                               f"began on this node ({gen.ranks[rank]})")
+        if gen.state is GenerationState.RECORDED:
+            await self.d.ledger.save_generation(gen, GenerationState.OPEN)
+        await self.d.ledger.set_rank(gen, rank, RankState.OPEN)
+        self.gen, self.rank, self.ack = gen, rank, effective
+        return {"job": job, "step": step, "rank": rank, "ack": effective, "node_id": self.d.node_id}
+
+    async def wait(self, job: str, step: int, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        poll = self.d.config.drain.commit_poll_interval_s
+        while True:
+            gen = self.d.ledger.get(job, step)
+            if gen is not None:
+                if gen.state is GenerationState.COMMITTED:
+                    return {"job": job, "step": step, "committed": True, "committed_at": gen.committed_at}
+                if gen.terminal:
+                    raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} "
+                                       f"{gen.state}: {gen.error}")
+            else:
+                try:
+                    manifest = await self.d.committer.committed(job, step)
+                except (BackendError, ManifestError, OSError) as exc:
+                    raise destination_error(job, step, exc) from None
+                if manifest is not None:
+                    return {"job": job, "step": step, "committed": True,
+                            "committed_at": manifest.clocks.get("committed")}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                state = gen.summary() if gen is not None else {"state": "unknown to this node"}
+                raise RequestError(wire.TIMEOUT, f"step {step} of job {job!r} is not committed after "
+                                   f"{timeout_s:g} s (state: {state['state']})", {"generation": state})
+            if gen is None:
+                await asyncio.sleep(min(poll, left))
+                continue
+            async with gen.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(gen.changed.wait(), min(left, max(poll, 1.0)))
+
+    async def seal(self, owned: tuple[GenerationRecord, int]) -> dict[str, Any]:
+        gen, rank = owned
+        await self.d.ledger.set_rank(gen, rank, RankState.SEALED)
+        shards = [s for s in gen.shards.values() if s.rank == rank]
+        # The commit outlives this request: the supervisor owns it.
+        self.d.supervisor.spawn(lambda: self.d.scheduler.advance(gen),
+                                what=f"advance {gen.job}/{gen.step}")
+        return {"job": gen.job, "step": gen.step, "rank": rank, "shards": len(shards),
+                "bytes": sum(s.size for s in shards)}
+
+    async def abort_rank(self, gen: GenerationRecord, rank: int, reason: str) -> None:
+        if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED):
+            await self.d.ledger.set_rank(gen, rank, RankState.ABORTED)
+        if not gen.terminal:
+            await self.d.fail(gen, f"rank {rank}: {reason}", kind="aborted")
+            for shard in gen.shards.values():
+                if shard.state is not ShardState.DISCARDED:
+                    await self.d.ledger.set_shard(shard, ShardState.DISCARDED)
+
+    async def fetch(self, job: str, step: int, path: str, out_fd: int) -> dict[str, Any]:
+        """Restore's fast path: copy this node's local copy of a committed shard into the
+        client's file. The client checks the checksum against the manifest: a local copy is
+        never trusted on its own."""
+        self.check_job_owner(job)
+        gen = self.d.ledger.get(job, step)
+        shard = gen.shards.get(path) if gen is not None else None
+        if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
+                or not shard.local_copy):
+            raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} of "
+                               f"step {step} of job {job!r}; read it from the destination")
+        st = os.fstat(out_fd)
+        if not stat.S_ISREG(st.st_mode) or not _writable(out_fd):
+            raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for writing")
+        try:
+            size, checksum = await self.d.dataplane.call(self.d.staging.copy_out,
+                                                         shard.staged_name, out_fd)
+        except FileNotFoundError:
+            raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read "
+                               "it from the destination") from None
+        except OSError as exc:
+            raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file passed: "
+                               f"{exc.strerror or exc}") from None
+        return {"path": path, "size": size, "checksum": checksum}
+
+    async def retry(self, job: str, step: int) -> dict[str, Any]:
+        self.check_job_owner(job)
+        d = self.d
+        gen = d.ledger.get(job, step)
+        if gen is None:
+            raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}")
+        if gen.state is not GenerationState.FAILED:
+            raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is {gen.state}, not failed")
+        if any(st is RankState.ABORTED for st in gen.ranks.values()):
+            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} had an aborted "
+                               "rank; it cannot be retried, save a new step")
+        lost = [s.path for s in gen.shards.values()
+                if s.state in (ShardState.HELD, ShardState.DISCARDED)]
+        if lost:
+            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} lost shards "
+                               f"{lost[:5]} before they reached local storage; save a new step")
+        missing = [s.path for s in gen.shards.values()
+                   if s.state is ShardState.FAILED and not s.local_copy]
+        if missing:
+            raise RequestError(wire.GENERATION_FAILED, f"local copies are gone for {missing[:5]}")
+        try:
+            slot = await d.admission.slots(job).reserve(1, block=False, timeout_s=0)
+        except (BudgetFull, TooLarge) as exc:
+            raise d.admission.backpressure_error(exc, job) from None
+        d.admission.hold_generation(gen, slot)
+        await d.ledger.save_generation(gen, GenerationState.OPEN, error="")
+        requeued = 0
+        for shard in gen.shards.values():
+            if shard.state is ShardState.FAILED:
+                await d.ledger.set_shard(shard, ShardState.STAGED, error="")
+            if shard.state is ShardState.STAGED:
+                d.scheduler.enqueue(gen, shard)
+                requeued += 1
+        d.supervisor.spawn(lambda: d.scheduler.advance(gen), what=f"advance {job}/{step}")
+        return {"job": job, "step": step, "requeued": requeued}
+
+
+def _writable(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:
+    what = f"step {step} of job {job!r}" if step is not None else f"job {job!r}"
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, ManifestError):
+        return RequestError(wire.DESTINATION, f"the manifest of {what} at the destination is "
+                            f"damaged: {detail}; run `ckptdrain verify` on it")
+    return RequestError(wire.DESTINATION, f"could not read {what} at the destination: {detail}; "
+                        "check the destination and retry")

@@ -1,0 +1,150 @@
+"""Every shard file this node holds on local storage, and the one owner of its room.
+
+A staged shard holds two reservations: its bytes on ``max_staged_bytes`` for as long as its
+file exists, and a ``max_queued_shards`` slot until it has drained (or is discarded). Both
+live here, keyed by the shard record, and are released exactly once: the slot when the shard
+drains or is dropped, the bytes after its file is unlinked (off the event loop).
+
+Copies kept after draining (for a fast restore, for a failed generation's ``retry``, for a
+generation still waiting on other nodes) stay inside ``max_staged_bytes``. When a hand-off
+needs room they are evicted oldest first; a shard not yet drained is never evicted, and the
+newest committed generation of a job, the copy a fast restore would use, goes only after
+every other candidate.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ckptdrain.daemon.budget import Reservation
+from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.state import GenerationState, ShardState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.admission import Admission
+    from ckptdrain.daemon.dataplane import DataPlane
+    from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
+    from ckptdrain.daemon.staging import Staging
+    from ckptdrain.daemon.supervisor import Supervisor
+
+log = logging.getLogger("ckptdrain.copies")
+
+
+class LocalCopies:
+    def __init__(self, staging: Staging, admission: Admission, ledger: Ledger,
+                 dataplane: DataPlane, supervisor: Supervisor) -> None:
+        self.staging = staging
+        self.admission = admission
+        self.ledger = ledger
+        self.dataplane = dataplane
+        self.supervisor = supervisor
+        self.keep_after_drain = True
+        self._room: dict[ShardRecord, Reservation] = {}
+        self._slot: dict[ShardRecord, Reservation] = {}
+        self.evicted = 0
+
+    # -- ownership ----------------------------------------------------------------------------
+    def adopt(self, shard: ShardRecord, room: Reservation, slot: Reservation | None) -> None:
+        """The shard's file now exists: it owns its room (and its queue slot until drained)."""
+        self._room[shard] = room
+        if slot is not None:
+            self._slot[shard] = slot
+
+    def recovered(self, shard: ShardRecord) -> None:
+        """Recovery found ``shard``'s file: held against the limits whatever they are now."""
+        self._room[shard] = self.admission.staged.adopt(shard.size)
+        if shard.state in (ShardState.STAGED, ShardState.FAILED):
+            self._slot[shard] = self.admission.shards.adopt(1)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of drained copies: inside max_staged_bytes, but evicted when room is needed."""
+        return sum(r.amount for s, r in self._room.items() if s.state is ShardState.DRAINED)
+
+    def held_bytes(self, shard: ShardRecord) -> int:
+        room = self._room.get(shard)
+        return room.amount if room is not None else 0
+
+    # -- events -------------------------------------------------------------------------------
+    def drained(self, shard: ShardRecord) -> None:
+        """The bytes are safe at the destination: its queue slot goes back; the file stays as
+        a local copy (inside max_staged_bytes) unless keep_local_copy is off."""
+        slot = self._slot.pop(shard, None)
+        if slot is not None:
+            slot.release()
+        if not self.keep_after_drain:
+            self.discard(shard)
+
+    def discard(self, shard: ShardRecord) -> None:
+        """Drop the shard's file and everything it holds. Its room goes back at once (the
+        decision is made; the staging filesystem's own free-space check covers the moment
+        until the unlink, which runs in the data plane, is done)."""
+        slot = self._slot.pop(shard, None)
+        if slot is not None:
+            slot.release()
+        room = self._room.pop(shard, None)
+        if room is not None:
+            room.release()
+        if not shard.local_copy and room is None:
+            return
+        shard.local_copy = False
+        name = shard.staged_name
+        self.supervisor.spawn(lambda: self.dataplane.call(self.staging.discard, name),
+                              what=f"unlink {name}")
+
+    def discard_generation(self, gen: GenerationRecord) -> None:
+        for shard in gen.shards.values():
+            self.discard(shard)
+
+    def drop_older_committed(self, gen: GenerationRecord) -> None:
+        """``gen`` committed: older committed generations of its job are no longer the
+        newest, so their copies go."""
+        for other in self.ledger.generations.values():
+            if (other.job == gen.job and other is not gen and other.step < gen.step
+                    and other.state is GenerationState.COMMITTED):
+                self.discard_generation(other)
+
+    # -- eviction -----------------------------------------------------------------------------
+    def evictable(self) -> list[ShardRecord]:
+        """Drained copies, oldest first; the newest committed generation of each job last."""
+        newest: dict[str, int] = {}
+        for g in self.ledger.generations.values():
+            if g.state is GenerationState.COMMITTED and g.step > newest.get(g.job, -1):
+                newest[g.job] = g.step
+        candidates = []
+        for g in self.ledger.generations.values():
+            last_resort = newest.get(g.job) == g.step and g.state is GenerationState.COMMITTED
+            for s in g.shards.values():
+                if s.state is ShardState.DRAINED and s in self._room:
+                    candidates.append((last_resort, s.drained_at or s.staged_at, s.id, s))
+        candidates.sort(key=lambda c: c[:3])
+        return [c[3] for c in candidates]
+
+    async def make_room(self, amount: int) -> int:
+        """Evict kept copies until ``amount`` fits max_staged_bytes (what waiters ahead of it
+        need included); returns the bytes evicted. Waits for the unlinks, so the room is real
+        when the hand-off goes on."""
+        budget = self.admission.staged
+        need = budget.used + amount - budget.limit
+        if need <= 0:
+            return 0
+        freed = 0
+        victims = []
+        for shard in self.evictable():
+            if freed >= need:
+                break
+            victims.append(shard)
+            freed += self._room[shard].amount
+        for shard in victims:
+            room = self._room.pop(shard)
+            shard.local_copy = False
+            try:
+                await self.dataplane.call(self.staging.discard, shard.staged_name)
+            finally:
+                room.release()
+        if victims:
+            self.evicted += len(victims)
+            log_event(log, logging.INFO, "local_copies_evicted", shards=len(victims), bytes=freed,
+                      reason="a hand-off needed room on max_staged_bytes")
+        return freed

@@ -1,0 +1,259 @@
+"""The data plane: every blocking byte move of a hand-off, in a bounded pool of threads.
+
+The event loop parses, decides, journals and replies; it never copies a shard's bytes, fsyncs,
+unlinks or stats the disk. Those calls run here, in ``limits.io_threads`` threads, so hand-off
+throughput grows with the node's cores and one client's slow disk or hung mount never stalls
+another client's request.
+
+Every call has a timeout (``limits.io_timeout_s``). A call that outlives it fails its
+hand-off with :class:`StuckIO`; the thread is counted in :attr:`DataPlane.stuck` (shown in
+``status``) until the call returns, and the file descriptors it uses are closed then by the
+clean-up the caller handed over, never while the thread may still use them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import fcntl
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ckptdrain.daemon.errors import StuckIO
+from ckptdrain.daemon.staging import start_writeback
+
+T = TypeVar("T")
+
+PIPE_BYTES = 1 << 20
+WRITEBACK_KICK_BYTES = 32 << 20
+COPY_CHUNK_BYTES = 64 << 20
+# How often a pump blocked on a silent client looks at its idle deadline and at cancellation.
+POLL_SLICE_S = 0.5
+
+
+class Cancelled(Exception):
+    """The pump was told to stop (its hand-off was cancelled)."""
+
+
+class ClientIdle(Exception):
+    """The client sent nothing for longer than its idle timeout mid-shard."""
+
+
+def io_threads(configured: int) -> int:
+    return configured or max(4, min(64, os.cpu_count() or 4))
+
+
+class DataPlane:
+    def __init__(self, threads: int, timeout_s: float, *, pumps: int) -> None:
+        self.threads = threads
+        self.timeout_s = timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ckptdrain-io")
+        # Socket pumps wait on their clients, so they get threads of their own (at most one
+        # per connection, created as needed): a slow client never takes an fsync's thread.
+        self._pumps = concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump")
+        self.stuck = 0
+        self.busy = 0
+
+    async def call(self, fn: Callable[..., T], *args: object,
+                   cleanup: Callable[[], None] | None = None) -> T:
+        """Run ``fn(*args)`` in the pool, within ``io_timeout_s``.
+
+        Ownership rule: when ``cleanup`` is given and the call raises, for whatever reason,
+        ``cleanup`` has run or will run once the thread returns: the caller must not release
+        what it handed over. Without ``cleanup``, or when the call returns, the caller owns
+        its resources as before."""
+        return await self._run(self._pool, fn, args, self.timeout_s, None, cleanup)
+
+    async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event) -> T:
+        """Run a socket pump: no overall timeout (it enforces the client's idle timeout
+        itself); on cancellation ``cancel`` tells it to stop within POLL_SLICE_S."""
+        return await self._run(self._pumps, fn, args, None, cancel, None)
+
+    async def _run(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
+                   args: tuple[object, ...], limit: float | None, cancel: threading.Event | None,
+                   cleanup: Callable[[], None] | None) -> T:
+        loop = asyncio.get_running_loop()
+        self.busy += 1
+        future = loop.run_in_executor(pool, fn, *args)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), limit)
+        except BaseException as exc:
+            if cancel is not None:
+                cancel.set()
+            if future.done():
+                self.busy -= 1
+                if cleanup is not None:
+                    cleanup()
+            else:
+                # Still running: a timeout means stuck (shown in status); a cancellation only
+                # waits for the pump to see its cancel flag.
+                stuck = isinstance(exc, TimeoutError)
+                self.stuck += stuck
+
+                def finished(done: asyncio.Future[T]) -> None:
+                    self.stuck -= stuck
+                    self.busy -= 1
+                    if not done.cancelled():
+                        done.exception()  # retrieved: the hand-off already failed
+                    if cleanup is not None:
+                        cleanup()
+
+                future.add_done_callback(finished)
+            if isinstance(exc, TimeoutError):
+                raise StuckIO(f"a blocking call ({getattr(fn, '__name__', fn)}) took longer than "
+                              f"{limit or 0:g} s (limits.io_timeout_s)") from None
+            raise
+        self.busy -= 1
+        return result
+
+    def close(self) -> None:
+        # Stuck threads cannot be joined: leave them to the process's exit.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pumps.shutdown(wait=False, cancel_futures=True)
+
+
+# -- blocking steps, run in the pool ---------------------------------------------------------
+def write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def kernel_copy(src: int, dst: int, size: int) -> None:
+    """Copy with copy_file_range (in-kernel, no user-space bounce), sendfile as fallback."""
+    offset = 0
+    while offset < size:
+        want = min(COPY_CHUNK_BYTES, size - offset)
+        try:
+            n = os.copy_file_range(src, dst, want, offset)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            n = os.sendfile(dst, src, offset, want)
+        if n == 0:
+            raise OSError(errno.EIO, f"source file ended at {offset} of {size} bytes")
+        offset += n
+
+
+class SocketPump:
+    """Moves one shard's bytes from a client socket into its staging file, in a pool thread.
+
+    splice socket -> pipe -> file keeps the bytes in the kernel; where splice is refused (some
+    filesystems) it falls back to recv into a reused buffer and write. The socket stays
+    non-blocking (the event loop owns it between requests); the thread waits with poll() in
+    short slices, so it notices its idle deadline and a cancellation promptly.
+    """
+
+    def __init__(self, sock_fd: int) -> None:
+        # Our own reference to the socket: a cancelled pump may outlive the connection's
+        # close by a poll slice, and must never find its fd number reused by another client.
+        self.sock_fd = os.dup(sock_fd)
+        self._pipe: tuple[int, int] | None = None
+        self._buf: bytearray | None = None
+        self.splice_ok = True
+        # The connection may close while a cancelled pump is still in its thread: the pipe
+        # is then closed by the thread on its way out, never under it.
+        self._lock = threading.Lock()
+        self._busy = False
+        self._closed = False
+
+    def pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
+             cancel: threading.Event) -> int:
+        with self._lock:
+            if self._closed:
+                raise Cancelled
+            self._busy = True
+        try:
+            return self._pump(out_fd, nbytes, idle_timeout_s, cancel)
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._closed:
+                    self._close_pipe()
+
+    def _pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
+              cancel: threading.Event) -> int:
+        poller = select.poll()
+        poller.register(self.sock_fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        done = kicked = 0
+        idle_since = time.monotonic()
+        while done < nbytes:
+            if cancel.is_set():
+                raise Cancelled
+            try:
+                n = self._move(out_fd, nbytes - done)
+            except BlockingIOError:
+                if time.monotonic() - idle_since > idle_timeout_s:
+                    raise ClientIdle(f"client idle for {idle_timeout_s:g} s mid-shard") from None
+                poller.poll(int(min(POLL_SLICE_S, idle_timeout_s) * 1000))
+                continue
+            if n == 0:
+                raise ConnectionError("client left mid-shard")
+            done += n
+            idle_since = time.monotonic()
+            if done - kicked >= WRITEBACK_KICK_BYTES:
+                # Start writing back what has arrived, so the fsync before the acknowledgement
+                # waits for the tail only, not the whole shard.
+                start_writeback(out_fd, kicked, done - kicked)
+                kicked = done
+        return done
+
+    def _move(self, out_fd: int, want: int) -> int:
+        if self.splice_ok:
+            r, w = self._pipes()
+            try:
+                n = os.splice(self.sock_fd, w, min(want, PIPE_BYTES),
+                              flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
+            except ConnectionResetError:
+                return 0
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                self.splice_ok = False
+                return self._move(out_fd, want)
+            left = n
+            while left:
+                # The pipe holds exactly what was just spliced in: this never waits.
+                left -= os.splice(r, out_fd, left, flags=os.SPLICE_F_MOVE)
+            return n
+        if self._buf is None:
+            self._buf = bytearray(PIPE_BYTES)
+        view = memoryview(self._buf)[: min(want, PIPE_BYTES)]
+        try:
+            n = os.readv(self.sock_fd, [view])
+        except ConnectionResetError:
+            return 0
+        write_all(out_fd, view[:n])
+        return n
+
+    def _pipes(self) -> tuple[int, int]:
+        if self._pipe is None:
+            r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            self._pipe = (r, w)
+            with contextlib.suppress(OSError):  # the default 64 KiB works too, only slower
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        return self._pipe
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if not self._busy:
+                self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self._pipe is not None:
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+        if self.sock_fd >= 0:
+            os.close(self.sock_fd)
+            self.sock_fd = -1
+
+

@@ -1,0 +1,32 @@
+"""The daemon's error root, and the refusal every request handler raises.
+
+Every error the daemon raises on purpose derives from :class:`DaemonError`; only ``cli.py``
+turns them into exit codes. A :class:`RequestError` goes back to the client as a typed error
+frame and the daemon carries on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DaemonError(Exception):
+    """Root of the daemon's own errors."""
+
+
+class RequestError(DaemonError):
+    """An expected refusal: sent to the client as a typed error; the daemon carries on."""
+
+    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = details or {}
+
+
+class StuckIO(DaemonError):
+    """A blocking call (a client's fd on a hung mount, an fsync) outlived ``io_timeout_s``.
+
+    The hand-off fails; the thread stays counted as stuck until the call returns, and the
+    resources it holds are released then, by the thread's own clean-up.
+    """

@@ -1,0 +1,316 @@
+"""The hand-off: a shard's bytes from a client into staging, or held in RAM (ack=memory).
+
+The event loop decides and journals; every byte copy, fsync, statvfs and unlink runs in the
+data plane's threads (:mod:`.dataplane`). Resources have one owner at a time: the request
+holds the reservations and file descriptors until the shard is journalled, then the shard
+owns its room (:mod:`.copies`). When a blocking call outlives ``io_timeout_s`` its thread
+keeps the descriptors it was given and closes them when it returns; nobody else does.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import os
+import stat
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ckptdrain.client import wire
+from ckptdrain.client.wire import PayloadChunk, PayloadEnd, ProtocolError
+from ckptdrain.daemon.budget import BudgetFull, Reservation, TooLarge
+from ckptdrain.daemon.channel import IdleTimeout
+from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, kernel_copy, write_all
+from ckptdrain.daemon.errors import RequestError, StuckIO
+from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
+from ckptdrain.daemon.staging import StagingFull
+from ckptdrain.daemon.state import ShardState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.connection import ClientHandler
+    from ckptdrain.daemon.server import Daemon
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
+
+
+def _readable(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+
+
+def _disk_full(path: str) -> RequestError:
+    return RequestError(wire.BACKPRESSURE, f"staging disk full while receiving {path!r}; free "
+                        "space on the staging disk or lower limits.max_staged_bytes",
+                        {"limit": "staging_filesystem", "retry_after_s": 5.0})
+
+
+class Handoffs:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    def check_new_shard(self, gen: GenerationRecord, path: str, size: int) -> None:
+        if path in gen.shards or path in gen.receiving:
+            raise RequestError(wire.DUPLICATE, f"shard {path!r} was already handed off in step "
+                               f"{gen.step} of job {gen.job!r}; shard paths are unique per generation")
+        if size > self.d.config.limits.max_shard_bytes:
+            raise RequestError(wire.BAD_REQUEST, f"shard {path!r} is {size} bytes, over "
+                               f"limits.max_shard_bytes ({self.d.config.limits.max_shard_bytes})")
+
+    async def _check_source(self, fd: int, path: str, size: int, what: str) -> None:
+        if not _readable(fd):
+            raise RequestError(wire.BAD_REQUEST, f"the {what} passed for {path!r} is not open for "
+                               "reading; open it O_RDONLY or O_RDWR")
+        # fstat of a file on a hung network mount can block: in the data plane, with a timeout.
+        st = await self.d.dataplane.call(os.fstat, fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RequestError(wire.BAD_REQUEST, f"the {what} passed for {path!r} is not a regular file")
+        if st.st_size != size:
+            raise RequestError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but "
+                               f"the {what} passed holds {st.st_size}")
+
+    async def _reserve_disk(self, size: int) -> int:
+        staging = self.d.staging
+        room = await self.d.dataplane.call(staging.room)
+        try:
+            staging.check_room(size, room)
+        except StagingFull as exc:
+            self.d.metrics.backpressure("rejected", "staging_filesystem")
+            raise RequestError(wire.BACKPRESSURE, f"{exc.strerror}; free space on the staging "
+                               "disk or lower limits.max_staged_bytes",
+                               {"limit": "staging_filesystem", "retry_after_s": 5.0}) from None
+        staging.pending_bytes += size
+        return size
+
+    # -- ack=local: into staging, fsynced, journalled, then acknowledged -------------------------
+    async def stage(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,
+                    src_fd: int | None, deferred: bool) -> dict[str, Any]:
+        """Owns ``src_fd`` (closes it, or leaves it to a stuck thread's clean-up)."""
+        d = self.d
+        started = time.perf_counter()
+        handed_at = time.time()
+        slot: Reservation | None = None
+        room: Reservation | None = None
+        promised = 0
+        name = d.staging.new_name()
+        tmp_fd: int | None = None
+        created = False
+        receiving = False
+        via = "socket" if src_fd is None else "fd"
+        try:
+            self.check_new_shard(gen, path, size)
+            if src_fd is not None:
+                await self._check_source(src_fd, path, size, "descriptor")
+            gen.receiving.add(path)
+            receiving = True
+            slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
+            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step)
+            promised = await self._reserve_disk(size)
+            tmp_fd = await d.dataplane.call(d.staging.open_tmp, name)
+            created = True
+            if src_fd is None:
+                await h.send("ok", {"ready": True})
+                await self._receive_payload(h, tmp_fd, size, path)
+            else:
+                src, dst = src_fd, tmp_fd
+                src_fd = tmp_fd = None  # the copy's thread owns them until it returns
+                await d.dataplane.call(kernel_copy, src, dst, size,
+                                       cleanup=lambda: _close(src, dst))
+                src_fd, tmp_fd = src, dst
+                _close(src_fd)
+                src_fd = None
+            # The directory fsync that makes the rename durable is shared with the journal
+            # commit of concurrent hand-offs (GroupCommit, in add_shard below).
+            fd, tmp_fd = tmp_fd, None
+            await d.dataplane.call(functools.partial(d.staging.finish, fd, name, fsync_dir=False),
+                                   cleanup=lambda: _close(fd))
+            _close(fd)
+            # The generation may have ended while this hand-off waited for room or bytes
+            # (another rank aborted, a newer one superseded it): then nothing is kept.
+            h.still_open(gen, rank)
+            # A deferred shard is listed in the part record before it drains, so its
+            # checksum is needed now (deferred shards are small: DCP's .metadata).
+            checksum = await d.dataplane.call(d.staging.checksum, name) if deferred else ""
+            shard = ShardRecord(
+                id=d.ledger.shard_ids(), job=gen.job, step=gen.step, rank=rank, path=path,
+                size=size, staged_name=name, state=ShardState.STAGED, handed_at=handed_at,
+                staged_at=time.time(), deferred=deferred, checksum=checksum,
+            )
+            await d.ledger.add_shard(gen, shard)
+            d.copies.adopt(shard, room, slot)
+            room = slot = None  # owned by the shard now
+            created = False
+            if not deferred:
+                d.scheduler.enqueue(gen, shard)
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                d.metrics.backpressure("rejected", "staging_filesystem")
+                raise _disk_full(path) from None
+            raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}") from None
+        except StuckIO as exc:
+            raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}; the disk or "
+                               "mount behind it is not answering") from None
+        finally:
+            if receiving:
+                gen.receiving.discard(path)
+            d.staging.pending_bytes -= promised
+            _close(src_fd, tmp_fd)
+            if created:
+                d.supervisor.spawn(lambda: d.dataplane.call(d.staging.discard, name),
+                                   what=f"unlink {name}")
+            if room is not None:
+                room.release()
+            if slot is not None:
+                slot.release()
+        d.metrics.handoff(gen.job, time.perf_counter() - started, size, via)
+        return {"path": path, "size": size, "ack": gen.ack}
+
+    async def _receive_payload(self, h: ClientHandler, fd: int, size: int, path: str) -> None:
+        msg = await h.next_message()
+        if msg is None:
+            raise ConnectionError(f"client left before sending the bytes of {path!r}")
+        if msg.kind != "data":
+            raise ProtocolError(wire.BAD_REQUEST, f"expected the data frame of {path!r}, got {msg.kind!r}")
+        if msg.payload_len != size:
+            raise ProtocolError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but the "
+                                f"data frame carries {msg.payload_len}")
+        conn = h.conn
+        pending: list[bytes] = []
+        while True:
+            if conn.buffered or conn.payload_remaining == 0:
+                event = conn.next_event()
+                if isinstance(event, PayloadChunk):
+                    pending.append(bytes(event.data))
+                    continue
+                if pending:
+                    # What the wire machine had buffered (at most one receive buffer).
+                    await self.d.dataplane.call(write_all, fd, b"".join(pending))
+                    pending.clear()
+                if isinstance(event, PayloadEnd):
+                    return
+                raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
+            if pending:
+                await self.d.dataplane.call(write_all, fd, b"".join(pending))
+                pending.clear()
+            want = conn.payload_remaining
+            cancel = threading.Event()
+            pump = h.channel.socket_pump()
+            try:
+                # The byte pump runs in a thread of its own: splice socket -> pipe -> file.
+                # The wire machine is told afterwards what bypassed it.
+                await self.d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
+                                            cancel, cancel=cancel)
+            except ClientIdle as exc:
+                raise IdleTimeout(str(exc)) from None
+            except Cancelled:
+                raise ConnectionError("hand-off cancelled") from None
+            conn.payload_consumed(want)
+
+    # -- ack=memory: the client's memfd, held and acknowledged at once ---------------------------
+    async def hold(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,
+                   fd: int, deferred: bool) -> dict[str, Any]:
+        """Owns ``fd``: on success the background writer closes it after persisting."""
+        d = self.d
+        started = time.perf_counter()
+        memory: Reservation | None = None
+        receiving = False
+        try:
+            self.check_new_shard(gen, path, size)
+            await self._check_source(fd, path, size, "memfd")
+            # Reserved across every await below: a concurrent duplicate is refused.
+            gen.receiving.add(path)
+            receiving = True
+            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step)
+            h.still_open(gen, rank)
+            try:
+                # Marks the memfd busy for the client's pool until we close it (memfd.py).
+                # Never blocking: a client that write-locked its memfd is refused, not waited for.
+                fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EACCES, errno.EAGAIN):
+                    raise RequestError(wire.BAD_REQUEST, f"the memfd passed for {path!r} is locked "
+                                       "by another process; pass a memfd nobody holds a write lock "
+                                       "on") from None
+                raise RequestError(wire.BAD_REQUEST, f"the memfd passed for {path!r} cannot be "
+                                   f"locked ({exc.strerror}); pass a memfd opened O_RDWR") from None
+            shard = ShardRecord(
+                id=d.ledger.shard_ids(), job=gen.job, step=gen.step, rank=rank, path=path,
+                size=size, staged_name=d.staging.new_name(), state=ShardState.HELD,
+                handed_at=time.time(), staged_at=time.time(), deferred=deferred,
+            )
+            await d.ledger.add_shard(gen, shard)
+        except BaseException:
+            if memory is not None:
+                memory.release()
+            os.close(fd)
+            raise
+        finally:
+            if receiving:
+                gen.receiving.discard(path)
+        held = memory
+        d.supervisor.spawn(lambda: self.persist_held(gen, shard, fd, held),
+                           what=f"persist {gen.job}/{gen.step}/{path}", critical=True)
+        d.metrics.handoff(gen.job, time.perf_counter() - started, size, "memfd")
+        return {"path": path, "size": size, "ack": "memory"}
+
+    async def persist_held(self, gen: GenerationRecord, shard: ShardRecord, fd: int,
+                           memory: Reservation) -> None:
+        """Write an ack=memory shard from its memfd to local storage, then queue it. Owns
+        ``fd`` and ``memory``; closing the fd drops our record lock, so the client's pool may
+        reuse the memfd only after the bytes are on local storage (or given up)."""
+        d = self.d
+        limits = d.config.limits
+        name = shard.staged_name
+        slot: Reservation | None = None
+        room: Reservation | None = None
+        tmp_fd: int | None = None
+        src_fd: int | None = fd
+        created = False
+        try:
+            slot = await d.admission.shards.reserve(1, block=True, timeout_s=limits.block_timeout_s)
+            await d.copies.make_room(shard.size)
+            room = await d.admission.staged.reserve(shard.size, block=True,
+                                                    timeout_s=limits.block_timeout_s)
+            if gen.terminal or shard.state is not ShardState.HELD:
+                return
+            d.staging.check_room(shard.size, await d.dataplane.call(d.staging.room))
+            tmp_fd = await d.dataplane.call(d.staging.open_tmp, name)
+            created = True
+            src, dst = src_fd, tmp_fd
+            src_fd = tmp_fd = None
+            await d.dataplane.call(kernel_copy, src, dst, shard.size,
+                                   cleanup=lambda: _close(src, dst))
+            await d.dataplane.call(functools.partial(d.staging.finish, dst, name),
+                                   cleanup=lambda: _close(src, dst))
+            _close(src, dst)
+            if shard.deferred:
+                shard.checksum = await d.dataplane.call(d.staging.checksum, name)
+            if gen.terminal or shard.state is not ShardState.HELD:
+                return
+            await d.ledger.set_shard(shard, ShardState.STAGED, staged_at=time.time())
+            d.copies.adopt(shard, room, slot)
+            room = slot = None
+            created = False
+            if shard.deferred:
+                await d.scheduler.advance(gen)
+            else:
+                d.scheduler.enqueue(gen, shard)
+        except (BudgetFull, TooLarge, OSError, StuckIO) as exc:
+            await d.fail(gen, f"could not write the memory hand-off {shard.path!r} to local "
+                              f"storage: {exc}", kind="drain")
+        finally:
+            _close(src_fd, tmp_fd)
+            if created:
+                d.supervisor.spawn(lambda: d.dataplane.call(d.staging.discard, name),
+                                   what=f"unlink {name}")
+            if room is not None:
+                room.release()
+            if slot is not None:
+                slot.release()
+            memory.release()

@@ -1,0 +1,119 @@
+"""Start-up recovery: rebuild what this node had acknowledged, clean up what it had not.
+
+Runs before the socket is served. Acknowledged shards go back on the drain queue, temp files
+and shards the journal never acknowledged are deleted, every kept file is counted against the
+limits again, and generations that cannot go on (a rank still open at the crash, a memory
+hand-off that never reached local storage) fail here. Their uploads' aborts are queued to the
+supervisor, which starts with the scheduler, so they happen even though nothing runs yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.state import RankState, ShardState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
+    from ckptdrain.daemon.server import Daemon
+
+log = logging.getLogger("ckptdrain.recovery")
+
+
+async def recover(d: Daemon) -> None:
+    uploads = await d.ledger.load()
+    keep: set[str] = set()
+    requeue: list[tuple[GenerationRecord, ShardRecord]] = []
+    exists = await d.dataplane.call(_existing, d.staging.dir)
+    for gen in sorted(d.ledger.generations.values(), key=lambda g: g.created_at):
+        if not gen.terminal:
+            d.admission.adopt_generation(gen)
+        open_ranks = [r for r, st in gen.ranks.items() if st is RankState.OPEN]
+        for shard in gen.shards.values():
+            if shard.state in (ShardState.STAGED, ShardState.FAILED, ShardState.DRAINED):
+                if shard.staged_name in exists:
+                    keep.add(shard.staged_name)
+                    # Held against the limits exactly as while running, whatever the
+                    # generation's state: a failed one keeps its copy for retry.
+                    d.copies.recovered(shard)
+                else:
+                    shard.local_copy = False
+        if gen.terminal:
+            continue
+        held = [s.path for s in gen.shards.values() if s.state is ShardState.HELD]
+        if held:
+            for shard in gen.shards.values():
+                if shard.state is ShardState.HELD:
+                    await d.ledger.set_shard(shard, ShardState.DISCARDED)
+            await d.fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
+                              "local storage; memory hand-offs do not survive a daemon "
+                              "crash; save this generation again", kind="aborted")
+            continue
+        if open_ranks:
+            for r in open_ranks:
+                await d.ledger.set_rank(gen, r, RankState.ABORTED)
+            await d.fail(gen, f"the daemon restarted while rank(s) {open_ranks} were still "
+                              "handing off; save this generation again", kind="aborted")
+            continue
+        for shard in gen.shards.values():
+            if shard.state is ShardState.STAGED:
+                if not shard.local_copy:
+                    await d.fail(gen, f"staged copy of {shard.path!r} is missing", kind="drain")
+                    break
+                requeue.append((gen, shard))
+    # Uploads of generations that ended (here, or before the crash) are aborted now: queued
+    # to the supervisor, which runs once serving starts. The orphan sweep cannot do it: it
+    # skips anything younger than orphan_grace_s.
+    for gen in d.ledger.generations.values():
+        if gen.terminal:
+            for shard in gen.shards.values():
+                if shard.id in uploads and shard.state is not ShardState.DRAINED:
+                    d.supervisor.spawn(_aborter(d, shard), what=f"abort upload {shard.path}")
+    removed = await d.dataplane.call(d.staging.sweep, keep)
+    for gen, shard in requeue:
+        if not gen.terminal and not shard.deferred:
+            d.scheduler.enqueue(gen, shard)
+    log_event(log, logging.INFO, "recovered", generations=len(d.ledger.generations),
+              requeued=len(requeue), removed_files=removed)
+
+
+def _aborter(d: Daemon, shard: ShardRecord) -> Callable[[], Awaitable[None]]:
+    return lambda: d.scheduler.abort_upload(shard)
+
+
+def _existing(directory: Path) -> set[str]:
+    """Names of the staged files present: one directory scan, not a stat per shard."""
+    return {entry.name[: -len(".data")] for entry in os.scandir(directory)
+            if entry.name.endswith(".data")}
+
+
+async def owned_upload_ids(d: Daemon) -> set[str]:
+    """Uploads this node will still resume: those of shards in generations in flight. A
+    failed or finished generation's upload is an orphan like any other, for the sweep."""
+    snap = await d.journal.load()
+    live = {s.id for g in d.ledger.generations.values() if not g.terminal for s in g.shards.values()}
+    return {upload for shard_id, upload in snap.uploads.items() if shard_id in live}
+
+
+async def sweep_once(d: Daemon, *, timeout_s: float) -> None:
+    try:
+        owned = await owned_upload_ids(d)
+        aborted = await asyncio.wait_for(
+            d.backend.sweep_orphans(owned, d.config.destination.orphan_grace_s), timeout_s)
+        if aborted:
+            log_event(log, logging.INFO, "orphans_swept", removed=aborted)
+    except Exception as exc:  # the destination may be down; draining retries on its own
+        log_event(log, logging.WARNING, "orphan_sweep_failed", error=str(exc) or type(exc).__name__)
+
+
+async def sweep_forever(d: Daemon) -> None:
+    interval = max(60.0, d.config.destination.orphan_grace_s / 4)
+    while True:
+        await asyncio.sleep(interval)
+        await sweep_once(d, timeout_s=interval)

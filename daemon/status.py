@@ -1,0 +1,104 @@
+"""What ``ckptdrain status`` and the metrics snapshot show: built from memory only.
+
+The staging filesystem's free space is sampled by the refresh loop in the data plane (statvfs
+can block on a sick disk), so answering ``status`` never touches the disk.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ckptdrain.daemon import __version__
+from ckptdrain.daemon.metrics import Snapshot
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.server import Daemon
+
+
+def status(d: Daemon) -> dict[str, Any]:
+    gens = sorted(d.ledger.generations.values(), key=lambda g: (g.job, g.step))
+    oldest: dict[str, float] = {}
+    now = time.time()
+    for g in gens:
+        since = g.oldest_undrained_since()
+        if since is not None:
+            oldest[g.job] = max(oldest.get(g.job, 0.0), round(now - since, 3))
+    free_bytes, free_inodes = d.staging_free
+    a = d.admission
+    return {
+        "node_id": d.node_id,
+        "version": __version__,
+        "uptime_s": round(now - d.started_at, 3),
+        "ack": d.config.ack,
+        "destination": d.config.destination.uri,
+        "metrics": f"http://{d.metrics_address[0]}:{d.metrics_address[1]}/metrics"
+        if d.metrics_address else None,
+        # Every byte on staging counted against max_staged_bytes; of those, kept_copy_bytes
+        # are drained copies kept for a fast restore, evicted when a hand-off needs the room.
+        "staged_bytes": a.staged.used,
+        "kept_copy_bytes": d.copies.kept_bytes,
+        "memory_bytes": a.memory.used,
+        "limits": {
+            "max_staged_bytes": a.staged.limit,
+            "max_memory_bytes": a.memory.limit,
+            "max_queued_shards": a.shards.limit,
+            "max_generations_in_flight": d.config.limits.max_generations_in_flight,
+            "on_full": d.config.limits.on_full,
+        },
+        "queued_shards": a.shards.used,
+        "staging_free_bytes": free_bytes,
+        "staging_free_inodes": free_inodes,
+        "drain_rate_bytes_per_s": round(d.scheduler.drain_rate_bytes_per_s(), 1),
+        "blocked_handoffs": a.waiting,
+        "oldest_undrained_age_s": oldest,
+        # What blocked hand-offs wait for: hand-offs waiting per limit.
+        "blocked_by_limit": {
+            name: waiting for name, waiting in (
+                ("max_staged_bytes", a.staged.waiting),
+                ("max_memory_bytes", a.memory.waiting),
+                ("max_queued_shards", a.shards.waiting),
+                ("max_generations_in_flight", a.slots_waiting),
+            ) if waiting
+        },
+        # The data plane: threads moving bytes now, and calls that outlived io_timeout_s.
+        "io_threads": {"size": d.dataplane.threads, "busy": d.dataplane.busy,
+                       "stuck": d.dataplane.stuck},
+        "generations": [g.summary() for g in gens],
+    }
+
+
+def refresh_snapshot(d: Daemon) -> None:
+    shards_by_state: dict[str, int] = {}
+    oldest: dict[str, float | None] = {}
+    in_flight: dict[str, int] = {}
+    for g in d.ledger.generations.values():
+        oldest.setdefault(g.job, None)
+        since = g.oldest_undrained_since()
+        if since is not None:
+            cur = oldest[g.job]
+            oldest[g.job] = since if cur is None else min(cur, since)
+        if not g.terminal:
+            in_flight[g.job] = in_flight.get(g.job, 0) + 1
+        for s in g.shards.values():
+            shards_by_state[s.state] = shards_by_state.get(s.state, 0) + 1
+    free_bytes, free_inodes = d.staging_free
+    a = d.admission
+    d.metrics.set_snapshot(Snapshot(
+        oldest_undrained_since=oldest,
+        shards_by_state=shards_by_state,
+        staged_bytes={"local": a.staged.used, "memory": a.memory.used},
+        limit_bytes={"local": a.staged.limit, "memory": d.config.limits.max_memory_bytes},
+        queued_shards=a.shards.used,
+        max_queued_shards=a.shards.limit,
+        staging_free_bytes=free_bytes,
+        staging_free_inodes=free_inodes,
+        generations_in_flight=in_flight,
+        blocked_handoffs=a.waiting,
+        drain_rate_bytes_per_s=d.scheduler.drain_rate_bytes_per_s(),
+    ))
+
+
+def status_line(d: Daemon) -> str:
+    return (f"{d.admission.shards.used} shards / {d.admission.staged.used} bytes staged, "
+            f"{sum(not g.terminal for g in d.ledger.generations.values())} generations in flight")
