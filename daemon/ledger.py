@@ -1,8 +1,9 @@
 """What this node holds: generations, their ranks and shards, mirrored to the journal.
 
-The ledger is the only writer of lifecycle state. Every change goes through the transition
-table in :mod:`ckptdrain.daemon.state` and is journalled before anyone is told about it, so a
-restarted daemon rebuilds exactly what it had acknowledged.
+The ledger is the only writer of lifecycle state. Every change is an event passed to
+:meth:`Ledger.apply`, which looks the move up in :mod:`ckptdrain.daemon.state`'s table and
+journals it before anyone is told about it, so a restarted daemon rebuilds exactly what it had
+acknowledged.
 """
 
 from __future__ import annotations
@@ -11,16 +12,27 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.state import (
+    INITIAL_GENERATION,
+    INITIAL_RANK,
+    INITIAL_SHARD,
+    TERMINAL_GENERATION,
+    TRANSITIONS,
     UNDRAINED_SHARD,
+    GenerationEvent,
     GenerationState,
+    IllegalTransition,
+    RankEvent,
     RankState,
+    ShardEvent,
     ShardState,
-    advance,
+    journalled,
+    settled,
+    transition,
 )
 
 GenKey = tuple[str, int]
@@ -56,10 +68,7 @@ class ShardRecord:
 
     @property
     def settled(self) -> bool:
-        """Ready for the part record: drained, or deferred with its checksum known."""
-        if self.deferred:
-            return self.state in (ShardState.STAGED, ShardState.DRAINED) and bool(self.checksum)
-        return self.state is ShardState.DRAINED
+        return settled(self.state, self.deferred, bool(self.checksum))
 
 
 @dataclass(eq=False)
@@ -70,7 +79,7 @@ class GenerationRecord:
     ack: str
     created_at: float
     attempt: str = ""
-    state: GenerationState = GenerationState.OPEN
+    state: GenerationState = INITIAL_GENERATION
     handoff_at: float | None = None
     staged_at: float | None = None
     drained_at: float | None = None
@@ -92,9 +101,7 @@ class GenerationRecord:
 
     @property
     def terminal(self) -> bool:
-        return self.state in (
-            GenerationState.COMMITTED, GenerationState.FAILED, GenerationState.CANCELLED
-        )
+        return self.state in TERMINAL_GENERATION
 
     def row(self) -> dict[str, Any]:
         return {
@@ -213,23 +220,10 @@ class Ledger:
             raise
         return gen
 
-    async def save_generation(self, gen: GenerationRecord, state: GenerationState | None = None,
-                              **fields: Any) -> None:
-        if state is not None and state is not gen.state:
-            gen.state = advance(gen.state, state)
-        for name, value in fields.items():
-            setattr(gen, name, value)
-        await self.journal.write(j.put_generation(gen.row()))
-        async with gen.changed:
-            gen.changed.notify_all()
-
-    async def set_rank(self, gen: GenerationRecord, rank: int, state: RankState) -> None:
-        current = gen.ranks.get(rank)
-        gen.ranks[rank] = state if current is None else advance(current, state)
-        await self.journal.write(j.put_rank(gen.job, gen.step, rank, str(state)))
-
     async def add_shard(self, gen: GenerationRecord, shard: ShardRecord) -> None:
-        """Journal a staged shard: the moment it is acknowledged."""
+        """Journal a new shard: the moment it is acknowledged."""
+        if shard.state not in INITIAL_SHARD:
+            raise IllegalTransition(f"a shard begins held or staged, not {shard.state}")
         gen.shards[shard.path] = shard
         gen.count(shard, +1)
         statements = [j.put_shard(shard.row())]
@@ -243,26 +237,153 @@ class Ledger:
             gen.count(shard, -1)
             raise
 
-    async def set_shard(self, shard: ShardRecord, state: ShardState, *, persist: bool = True,
-                        **fields: Any) -> None:
+    async def open_rank(self, gen: GenerationRecord, rank: int) -> None:
+        """Journal a rank that began handing off on this node."""
+        if rank in gen.ranks:
+            raise IllegalTransition(f"rank {rank} of step {gen.step} of job {gen.job!r} "
+                                    f"already began ({gen.ranks[rank]})")
+        gen.ranks[rank] = INITIAL_RANK
+        try:
+            await self._journal(gen, j.put_rank(gen.job, gen.step, rank, str(INITIAL_RANK)))
+        except BaseException:
+            # Not begun after all: an open rank nobody hands off would hold the generation
+            # back for good.
+            gen.ranks.pop(rank, None)
+            raise
+
+    # -- the one way a state changes ---------------------------------------------------------
+    @overload
+    async def apply(self, record: ShardRecord, event: ShardEvent, *, persist: bool = True,
+                    **fields: Any) -> ShardState: ...
+    @overload
+    async def apply(self, record: tuple[GenerationRecord, int], event: RankEvent) -> RankState: ...
+    @overload
+    async def apply(self, record: GenerationRecord, event: GenerationEvent,
+                    **fields: Any) -> GenerationState: ...
+    async def apply(self, record: Any, event: Any, *, persist: bool = True,
+                    **fields: Any) -> Any:
+        """Move ``record`` by ``event`` through the transition table, set ``fields`` on it and
+        journal it; returns the new state. A rank is named by ``(generation, rank)``: its state
+        lives in the generation. ``persist=False`` leaves the journal as it is (a shard about
+        to be forgotten, or a drain starting or given up: on disk it is staged either way).
+        Raises :class:`IllegalTransition` for a move the table lacks, before changing anything.
+        """
+        if isinstance(record, ShardRecord) and isinstance(event, ShardEvent):
+            return await self._apply_shard(record, event, persist, fields)
+        if isinstance(record, GenerationRecord) and isinstance(event, GenerationEvent):
+            if not persist:
+                raise TypeError("a generation's state change is always journalled")
+            return await self._apply_generation(record, event, fields)
+        if isinstance(record, tuple) and isinstance(event, RankEvent):
+            if fields or not persist:
+                raise TypeError("a rank has no fields, and its state change is always journalled")
+            gen, rank = record
+            return await self._apply_rank(gen, rank, event)
+        raise TypeError(f"{event!r} does not apply to {type(record).__name__}")
+
+    async def _apply_shard(self, shard: ShardRecord, event: ShardEvent, persist: bool,
+                           fields: dict[str, Any]) -> ShardState:
+        new = transition(shard.state, event)
+        _check_fields(shard, fields)
         gen = self.generations.get((shard.job, shard.step))
-        if gen is not None and gen.shards.get(shard.path) is not shard:
-            gen = None  # a forgotten attempt's shard: it counts for nobody
+        if gen is None or gen.shards.get(shard.path) is not shard:
+            # A forgotten generation's or a replaced attempt's shard counts for nobody, and
+            # its row must not come back into the journal (or overwrite the new attempt's).
+            gen = None
             persist = False
         if gen is not None:
             gen.count(shard, -1)
-        shard.state = advance(shard.state, state)
+        shard.state = new
         for name, value in fields.items():
             setattr(shard, name, value)
         if gen is not None:
             gen.count(shard, +1)
         if persist:
             row = shard.row()
-            if shard.state is ShardState.DRAINING:
-                # A restart must drain it again: on disk it is still only staged.
-                row["state"] = str(ShardState.STAGED)
+            row["state"] = str(journalled(new))
             await self.journal.write(j.put_shard(row))
+        return new
+
+    async def _apply_rank(self, gen: GenerationRecord, rank: int, event: RankEvent) -> RankState:
+        current = gen.ranks.get(rank)
+        if current is None:
+            raise IllegalTransition(f"RankEvent.{event.name}: rank {rank} of step {gen.step} "
+                                    f"of job {gen.job!r} never began on this node")
+        new = gen.ranks[rank] = transition(current, event)
+        await self._journal(gen, j.put_rank(gen.job, gen.step, rank, str(new)))
+        return new
+
+    async def _apply_generation(self, gen: GenerationRecord, event: GenerationEvent,
+                                fields: dict[str, Any]) -> GenerationState:
+        new = transition(gen.state, event)
+        _check_fields(gen, fields)
+        gen.state = new
+        await self._save(gen, fields)
+        return new
+
+    async def update_generation(self, gen: GenerationRecord, **fields: Any) -> None:
+        """Journal new values of a generation's fields; its state changes only by :meth:`apply`."""
+        _check_fields(gen, fields)
+        await self._save(gen, fields)
+
+    async def _save(self, gen: GenerationRecord, fields: dict[str, Any]) -> None:
+        for name, value in fields.items():
+            setattr(gen, name, value)
+        await self._journal(gen, j.put_generation(gen.row()))
+        async with gen.changed:
+            gen.changed.notify_all()
+
+    async def _journal(self, gen: GenerationRecord, statement: tuple[str, tuple[Any, ...]]) -> None:
+        # Rows are keyed by (job, step): a forgotten generation's late change (its old
+        # connection leaving, say) must not land on a new attempt's rows at the same step.
+        if self.generations.get(gen.key) is gen:
+            await self.journal.write(statement)
+
+    # -- deprecated: target-state setters, until every call site names its event -------------
+    async def save_generation(self, gen: GenerationRecord, state: GenerationState | None = None,
+                              **fields: Any) -> None:
+        """Deprecated: :meth:`apply` (a state change) or :meth:`update_generation` (fields)."""
+        if state is None or state is gen.state:
+            await self.update_generation(gen, **fields)
+        else:
+            await self.apply(gen, _event_for(gen.state, state, GenerationEvent), **fields)
+
+    async def set_rank(self, gen: GenerationRecord, rank: int, state: RankState) -> None:
+        """Deprecated: :meth:`open_rank` (OPEN) or ``apply((gen, rank), event)``."""
+        current = gen.ranks.get(rank)
+        if current is None and state is INITIAL_RANK:
+            await self.open_rank(gen, rank)
+        elif current is None:
+            raise IllegalTransition(f"rank {rank} never began; it cannot become {state}")
+        else:
+            await self.apply((gen, rank), _event_for(current, state, RankEvent))
+
+    async def set_shard(self, shard: ShardRecord, state: ShardState, *, persist: bool = True,
+                        **fields: Any) -> None:
+        """Deprecated: ``apply(shard, event)``."""
+        await self.apply(shard, _event_for(shard.state, state, ShardEvent), persist=persist,
+                         **fields)
 
     async def forget(self, gen: GenerationRecord) -> None:
         await self.journal.write(*j.delete_generation(gen.job, gen.step))
         self.generations.pop(gen.key, None)
+
+
+def _check_fields(record: object, fields: dict[str, Any]) -> None:
+    # A misspelt name would otherwise become a new attribute nobody reads, and "state" would
+    # bypass the table.
+    for name in fields:
+        if name == "state" or not hasattr(record, name):
+            raise TypeError(f"{type(record).__name__} has no field {name!r} to set")
+
+
+_E = TypeVar("_E", ShardEvent, RankEvent, GenerationEvent)
+
+
+def _event_for(current: Any, target: Any, kind: type[_E]) -> _E:
+    """The one event of ``kind`` that takes ``current`` to ``target`` (for the deprecated
+    setters). Identity, not equality: StrEnum states of different lifecycles compare equal."""
+    for (state, event), new in TRANSITIONS.items():
+        if state is current and new is target and isinstance(event, kind):
+            return event
+    raise IllegalTransition(f"{type(current).__name__}: {current} -> {target} is not allowed")

@@ -1,14 +1,16 @@
-"""Shard, rank and generation lifecycles: one transition table, pure.
+"""Shard, rank and generation lifecycles: one transition table keyed by state and event, pure.
 
-Every state change in the daemon goes through :func:`advance`, so an illegal move (draining a
-shard that was never staged, committing a failed generation) raises instead of corrupting the
-journal.
+Callers say what happened (an event); the table says where that leads from where the record
+is. A key the table lacks is a move the daemon must never make (draining a shard that was
+never staged, committing a cancelled generation): :func:`transition` raises instead of letting
+the journal record it. Where a record begins is not a transition: a shard is born HELD or
+STAGED, a rank and a generation OPEN.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TypeVar
+from typing import Final, TypeAlias, overload
 
 
 class ShardState(enum.StrEnum):
@@ -32,57 +34,136 @@ class GenerationState(enum.StrEnum):
     RECORDED = "recorded"  # this node's part record is written; waiting for other nodes
     COMMITTED = "committed"  # MANIFEST.json exists at the destination
     FAILED = "failed"  # cannot commit from this node (aborted rank, drain failure, conflict)
-    CANCELLED = "cancelled"  # superseded by a newer generation of the same job
+    CANCELLED = "cancelled"  # superseded by a newer generation, or replaced by a new attempt
+
+
+# Events are plain enums, not StrEnums: a StrEnum member equals (and hashes as) its string, so
+# ("open", "recorded") would be one key for a rank and a generation alike, and a rank would
+# silently take a generation's move. Events are never journalled; only states are.
+
+
+class ShardEvent(enum.Enum):
+    STAGED = enum.auto()  # an ack=memory shard's memfd was written to staging and journalled
+    DRAIN_STARTED = enum.auto()  # a worker began copying it to the destination
+    DRAINED = enum.auto()  # the destination holds it, checksum known
+    DRAIN_GAVE_UP = enum.auto()  # its generation ended mid-copy: staged again, a retry sends it
+    DRAIN_FAILED = enum.auto()  # a permanent error, or the retry budget is spent
+    DISCARDED = enum.auto()  # its generation was aborted, cancelled or replaced
+    RETRIED = enum.auto()  # `ckptdrain retry`: the kept local copy is queued again
+
+
+class RankEvent(enum.Enum):
+    SEALED = enum.auto()  # the client finished handing off the rank
+    RECORDED = enum.auto()  # this node's part record now lists it
+    ABORTED = enum.auto()  # the client failed or left before sealing, or the daemon restarted
+
+
+class GenerationEvent(enum.Enum):
+    RECORDED = enum.auto()  # every begun rank drained here and this node's part record is written
+    REOPENED = enum.auto()  # another rank began on this node after the part record
+    COMMITTED = enum.auto()  # the manifest is published (by this node or, matching, another)
+    FAILED = enum.auto()  # cannot commit from here: drain or commit failure, conflict, lost shard
+    CANCELLED = enum.auto()  # superseded by a newer step, or replaced by a new attempt
+    RETRIED = enum.auto()  # `ckptdrain retry` of a failed generation
+
+
+State: TypeAlias = ShardState | RankState | GenerationState
+Event: TypeAlias = ShardEvent | RankEvent | GenerationEvent
 
 
 class IllegalTransition(RuntimeError):
     """A lifecycle move the table does not allow: a bug, never a user error."""
 
 
-_S, _R, _G = ShardState, RankState, GenerationState
+_S, _SE = ShardState, ShardEvent
+_R, _RE = RankState, RankEvent
+_G, _GE = GenerationState, GenerationEvent
 
-TRANSITIONS: dict[type[enum.StrEnum], dict[enum.StrEnum, frozenset[enum.StrEnum]]] = {
-    ShardState: {
-        _S.HELD: frozenset({_S.STAGED, _S.DISCARDED}),
-        _S.STAGED: frozenset({_S.DRAINING, _S.DISCARDED}),
-        _S.DRAINING: frozenset({_S.DRAINED, _S.STAGED, _S.FAILED, _S.DISCARDED}),
-        _S.DRAINED: frozenset({_S.DISCARDED}),
-        _S.FAILED: frozenset({_S.STAGED, _S.DISCARDED}),
-        _S.DISCARDED: frozenset(),
-    },
-    RankState: {
-        _R.OPEN: frozenset({_R.SEALED, _R.ABORTED}),
-        _R.SEALED: frozenset({_R.RECORDED, _R.ABORTED}),
-        _R.RECORDED: frozenset(),
-        _R.ABORTED: frozenset(),
-    },
-    GenerationState: {
-        # RECORDED -> OPEN: another rank of the same generation began on this node after the
-        # part record was written; the record is rewritten when that rank drains.
-        _G.OPEN: frozenset({_G.RECORDED, _G.COMMITTED, _G.FAILED, _G.CANCELLED}),
-        _G.RECORDED: frozenset({_G.OPEN, _G.COMMITTED, _G.FAILED, _G.CANCELLED}),
-        _G.COMMITTED: frozenset(),
-        # An operator's `ckptdrain retry` reopens a failed generation.
-        _G.FAILED: frozenset({_G.OPEN}),
-        _G.CANCELLED: frozenset(),
-    },
+TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
+    (_S.HELD, _SE.STAGED): _S.STAGED,
+    (_S.HELD, _SE.DISCARDED): _S.DISCARDED,
+    (_S.STAGED, _SE.DRAIN_STARTED): _S.DRAINING,
+    (_S.STAGED, _SE.DISCARDED): _S.DISCARDED,
+    (_S.DRAINING, _SE.DRAINED): _S.DRAINED,
+    (_S.DRAINING, _SE.DRAIN_GAVE_UP): _S.STAGED,
+    (_S.DRAINING, _SE.DRAIN_FAILED): _S.FAILED,
+    (_S.DRAINING, _SE.DISCARDED): _S.DISCARDED,
+    # A drained shard's local copy goes when a later rank of its generation aborts.
+    (_S.DRAINED, _SE.DISCARDED): _S.DISCARDED,
+    (_S.FAILED, _SE.RETRIED): _S.STAGED,
+    (_S.FAILED, _SE.DISCARDED): _S.DISCARDED,
+
+    (_R.OPEN, _RE.SEALED): _R.SEALED,
+    (_R.OPEN, _RE.ABORTED): _R.ABORTED,
+    (_R.SEALED, _RE.RECORDED): _R.RECORDED,
+    # Sealed but not yet recorded: its generation can still fail under it.
+    (_R.SEALED, _RE.ABORTED): _R.ABORTED,
+
+    (_G.OPEN, _GE.RECORDED): _G.RECORDED,
+    # Only a RECORDED generation publishes, but a rank may begin (REOPENED) while the publish
+    # is in flight; the manifest is the truth, so it commits from OPEN too.
+    (_G.OPEN, _GE.COMMITTED): _G.COMMITTED,
+    (_G.OPEN, _GE.FAILED): _G.FAILED,
+    (_G.OPEN, _GE.CANCELLED): _G.CANCELLED,
+    # The part record is rewritten when the new rank drains.
+    (_G.RECORDED, _GE.REOPENED): _G.OPEN,
+    (_G.RECORDED, _GE.COMMITTED): _G.COMMITTED,
+    (_G.RECORDED, _GE.FAILED): _G.FAILED,
+    (_G.RECORDED, _GE.CANCELLED): _G.CANCELLED,
+    # The only way out of an ended state, and only on an operator's word.
+    (_G.FAILED, _GE.RETRIED): _G.OPEN,
+}
+
+# Which states an event's lifecycle moves: the table alone cannot tell a string that happens
+# to equal a state's value from the state itself.
+_LIFECYCLE: Final[dict[type[Event], type[State]]] = {
+    ShardEvent: ShardState,
+    RankEvent: RankState,
+    GenerationEvent: GenerationState,
 }
 
 
-def allowed(current: enum.StrEnum, new: enum.StrEnum) -> bool:
-    table = TRANSITIONS[type(current)]
-    return type(new) is type(current) and new in table[current]
-
-
-S = TypeVar("S", bound=enum.StrEnum)
-
-
-def advance(current: S, new: S) -> S:
-    """``new`` if the table allows ``current -> new``; raises :class:`IllegalTransition`."""
-    if not allowed(current, new):
-        raise IllegalTransition(f"{type(current).__name__}: {current} -> {new} is not allowed")
+@overload
+def transition(state: ShardState, event: ShardEvent) -> ShardState: ...
+@overload
+def transition(state: RankState, event: RankEvent) -> RankState: ...
+@overload
+def transition(state: GenerationState, event: GenerationEvent) -> GenerationState: ...
+def transition(state: State, event: Event) -> State:
+    """Where ``event`` takes a record in ``state``; raises :class:`IllegalTransition`."""
+    kind = _LIFECYCLE.get(type(event))
+    new = TRANSITIONS.get((state, event)) if type(state) is kind else None
+    if new is None:
+        raise IllegalTransition(
+            f"{type(event).__name__}.{event.name} is not allowed in "
+            f"{type(state).__name__}.{getattr(state, 'name', repr(state))}")
     return new
 
 
-TERMINAL_GENERATION = frozenset({_G.COMMITTED, _G.CANCELLED})
-UNDRAINED_SHARD = frozenset({_S.HELD, _S.STAGED, _S.DRAINING, _S.FAILED})
+# Where each lifecycle begins (records are created in these states, not moved into them).
+INITIAL_SHARD: Final = frozenset({_S.HELD, _S.STAGED})
+INITIAL_RANK: Final = _R.OPEN
+INITIAL_GENERATION: Final = _G.OPEN
+
+# Ended: the daemon moves it no further. A failed generation keeps its local copies, and only
+# an operator's `ckptdrain retry` (GenerationEvent.RETRIED) reopens it.
+TERMINAL_SHARD: Final = frozenset({_S.DISCARDED})
+TERMINAL_RANK: Final = frozenset({_R.RECORDED, _R.ABORTED})
+TERMINAL_GENERATION: Final = frozenset({_G.COMMITTED, _G.FAILED, _G.CANCELLED})
+
+# Bytes this node is still answerable for: what "age of the oldest undrained shard" measures.
+UNDRAINED_SHARD: Final = frozenset({_S.HELD, _S.STAGED, _S.DRAINING, _S.FAILED})
+
+
+def settled(state: ShardState, deferred: bool, has_checksum: bool) -> bool:
+    """Ready for the part record: drained, or (deferred: drained only right before the
+    manifest) a whole local copy whose checksum the record can already promise."""
+    if deferred:
+        return state in (_S.STAGED, _S.DRAINED) and has_checksum
+    return state is _S.DRAINED
+
+
+def journalled(state: ShardState) -> ShardState:
+    """The state a shard is journalled in: a restart must drain a DRAINING shard again, since
+    on disk it is only staged."""
+    return _S.STAGED if state is _S.DRAINING else state

@@ -1,4 +1,5 @@
-"""The journal: durable records in SQLite, and group commit of concurrent acknowledgements."""
+"""The journal: durable records in SQLite, group commit of concurrent acknowledgements, and the
+ledger's state changes as the journal records them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import pytest
 
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import GroupCommit, Journal
+from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
+from ckptdrain.daemon.state import (
+    GenerationEvent,
+    GenerationState,
+    IllegalTransition,
+    RankEvent,
+    RankState,
+    ShardEvent,
+    ShardState,
+)
 
 
 def shard_row(i: int) -> dict[str, object]:
@@ -54,3 +65,175 @@ async def test_a_failed_commit_fails_its_whole_batch_and_the_next_one_works(tmp_
     finally:
         await journal.close()
     assert [s["id"] for s in snap.shards] == [2]
+
+
+# -- the ledger's state changes, as the journal records them --------------------------------
+
+
+def new_shard(gen: GenerationRecord, sid: int, *, rank: int = 0, state: ShardState = ShardState.STAGED,
+              deferred: bool = False, checksum: str = "") -> ShardRecord:
+    return ShardRecord(id=sid, job=gen.job, step=gen.step, rank=rank, path=f"s{sid}", size=sid,
+                       staged_name=f"n{sid}", state=state, handed_at=1.0, staged_at=2.0,
+                       deferred=deferred, checksum=checksum)
+
+
+async def reloaded(path: Path) -> Ledger:
+    journal = Journal(path)
+    await journal.open()
+    ledger = Ledger(journal)
+    await ledger.load()
+    await journal.close()
+    return ledger
+
+
+@pytest.mark.asyncio
+async def test_apply_journals_every_lifecycle_and_a_restart_sees_it(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal(path)
+    await journal.open()
+    ledger = Ledger(journal)
+    try:
+        gen = await ledger.open_generation("j", 1, 1, "local", uid=0, attempt="a")
+        await ledger.open_rank(gen, 0)
+        drained, draining = new_shard(gen, 1), new_shard(gen, 2)
+        await ledger.add_shard(gen, drained)
+        await ledger.add_shard(gen, draining)
+        assert gen.unsettled == {0: 2}
+        assert await ledger.apply(drained, ShardEvent.DRAIN_STARTED) is ShardState.DRAINING
+        await ledger.apply(drained, ShardEvent.DRAINED, checksum="c1", drained_at=3.0)
+        await ledger.apply(draining, ShardEvent.DRAIN_STARTED)
+        assert gen.unsettled == {0: 1} and not gen.rank_drained(0)
+        assert await ledger.apply((gen, 0), RankEvent.SEALED) is RankState.SEALED
+        woke = asyncio.Event()
+
+        async def waiter() -> None:
+            async with gen.changed:
+                await gen.changed.wait()
+            woke.set()
+
+        task = asyncio.create_task(waiter())
+        await asyncio.sleep(0)
+        await ledger.apply(gen, GenerationEvent.FAILED, error="boom")
+        await asyncio.wait_for(task, 5)
+        assert woke.is_set() and gen.terminal
+    finally:
+        await journal.close()
+    again = await reloaded(path)
+    gen2 = again.get("j", 1)
+    assert gen2 is not None
+    assert (gen2.state, gen2.error) == (GenerationState.FAILED, "boom")
+    assert gen2.ranks == {0: RankState.SEALED}
+    assert gen2.shards["s1"].state is ShardState.DRAINED and gen2.shards["s1"].checksum == "c1"
+    # Mid-copy at the crash: on disk only staged, so the restart drains it again.
+    assert gen2.shards["s2"].state is ShardState.STAGED
+    assert gen2.unsettled == {0: 1}
+
+
+@pytest.mark.asyncio
+async def test_an_illegal_move_raises_and_changes_nothing(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    ledger = Ledger(journal)
+    try:
+        gen = await ledger.open_generation("j", 1, 1, "local", uid=0)
+        shard = new_shard(gen, 1)
+        await ledger.add_shard(gen, shard)
+        with pytest.raises(IllegalTransition, match=r"ShardEvent.DRAINED is not allowed in ShardState.STAGED"):
+            await ledger.apply(shard, ShardEvent.DRAINED, checksum="c")
+        assert (shard.state, shard.checksum, gen.unsettled) == (ShardState.STAGED, "", {0: 1})
+        with pytest.raises(IllegalTransition, match=r"REOPENED is not allowed in GenerationState.OPEN"):
+            await ledger.apply(gen, GenerationEvent.REOPENED)
+        with pytest.raises(IllegalTransition, match="never began"):
+            await ledger.apply((gen, 3), RankEvent.SEALED)
+        await ledger.open_rank(gen, 0)
+        with pytest.raises(IllegalTransition, match="already began"):
+            await ledger.open_rank(gen, 0)
+        with pytest.raises(IllegalTransition, match="begins held or staged"):
+            await ledger.add_shard(gen, new_shard(gen, 2, state=ShardState.DRAINED))
+        with pytest.raises(TypeError):
+            await ledger.apply(gen, ShardEvent.DISCARDED)
+        with pytest.raises(TypeError, match="'state'"):
+            await ledger.apply(shard, ShardEvent.DISCARDED, state=ShardState.DRAINED)
+        with pytest.raises(TypeError, match="'erorr'"):
+            await ledger.update_generation(gen, erorr="typo")
+        snap = await journal.load()
+    finally:
+        await journal.close()
+    assert [s["state"] for s in snap.shards] == ["staged"]
+    assert [g["state"] for g in snap.generations] == ["open"]
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_attempt_never_writes_over_the_new_one(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal(path)
+    await journal.open()
+    ledger = Ledger(journal)
+    try:
+        old = await ledger.open_generation("j", 1, 1, "local", uid=0, attempt="a")
+        await ledger.open_rank(old, 0)
+        old_shard = new_shard(old, 1)
+        await ledger.add_shard(old, old_shard)
+        await ledger.apply(old, GenerationEvent.CANCELLED)
+        await ledger.forget(old)
+        new = await ledger.open_generation("j", 1, 1, "local", uid=0, attempt="b")
+        await ledger.open_rank(new, 0)
+        await ledger.add_shard(new, new_shard(new, 2))
+        # The old attempt's connection leaves late, and its queued shard is dropped.
+        await ledger.apply((old, 0), RankEvent.ABORTED)
+        await ledger.apply(old_shard, ShardEvent.DISCARDED)
+        assert old.ranks == {0: RankState.ABORTED} and old_shard.state is ShardState.DISCARDED
+        assert new.unsettled == {0: 1}
+    finally:
+        await journal.close()
+    again = await reloaded(path)
+    gen = again.get("j", 1)
+    assert gen is not None and gen.attempt == "b"
+    assert gen.ranks == {0: RankState.OPEN}
+    assert list(gen.shards) == ["s2"]
+
+
+@pytest.mark.asyncio
+async def test_deferred_shards_settle_once_their_checksum_is_known(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    ledger = Ledger(journal)
+    try:
+        gen = await ledger.open_generation("j", 1, 1, "memory", uid=0)
+        held = new_shard(gen, 1, state=ShardState.HELD, deferred=True)
+        await ledger.add_shard(gen, held)
+        assert not gen.rank_drained(0)
+        held.checksum = "c"  # computed while writing the memfd to staging
+        await ledger.apply(held, ShardEvent.STAGED, staged_at=5.0)
+        assert gen.rank_drained(0) and gen.pending_deferred() == [held]
+    finally:
+        await journal.close()
+
+
+@pytest.mark.asyncio
+async def test_the_old_setters_are_the_same_events(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    ledger = Ledger(journal)
+    try:
+        gen = await ledger.open_generation("j", 1, 1, "local", uid=0)
+        await ledger.set_rank(gen, 0, RankState.OPEN)
+        shard = new_shard(gen, 1)
+        await ledger.add_shard(gen, shard)
+        await ledger.set_shard(shard, ShardState.DRAINING, persist=False)
+        await ledger.set_shard(shard, ShardState.STAGED, persist=False)  # DRAIN_GAVE_UP
+        await ledger.set_shard(shard, ShardState.DRAINING, persist=False)
+        await ledger.set_shard(shard, ShardState.FAILED, error="e")
+        await ledger.save_generation(gen, GenerationState.FAILED, error="e")
+        await ledger.save_generation(gen, GenerationState.FAILED, error="still")  # no move
+        await ledger.save_generation(gen, GenerationState.OPEN, error="")  # RETRIED
+        await ledger.set_shard(shard, ShardState.STAGED, error="")  # RETRIED
+        await ledger.set_rank(gen, 0, RankState.SEALED)
+        assert (gen.state, gen.ranks, shard.state) == (
+            GenerationState.OPEN, {0: RankState.SEALED}, ShardState.STAGED)
+        with pytest.raises(IllegalTransition):
+            await ledger.set_shard(shard, ShardState.DRAINED)
+        with pytest.raises(IllegalTransition):
+            await ledger.set_rank(gen, 1, RankState.SEALED)
+    finally:
+        await journal.close()
