@@ -240,3 +240,38 @@ def test_two_daemons_publish_at_once(make_daemon: Any, seaweedfs: SeaweedFS, s3_
     for d in (a, b):
         [gen] = d.client().status()["generations"]
         assert gen["state"] == "committed"
+
+
+def test_restart_with_an_open_rank_mid_upload_leaves_no_upload(make_daemon: Any, seaweedfs: SeaweedFS,
+                                                               s3_bucket: str, proxy: ThreadedProxy) -> None:
+    """One node, killed while a rank was still open and its shard mid-multipart: recovery fails
+    the generation before anything else runs, and its upload must still be aborted (not left
+    to a sweep that skips young uploads)."""
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1")
+    data = os.urandom(1 << 20) * 96  # 12 parts of 8 MiB
+    gen = d.client().generation("open-rank", 1)
+    gen.__enter__()
+    try:
+        gen.put("big.bin", data)  # acknowledged; the rank stays open (never sealed)
+
+        def parts_sent() -> int:
+            return proxy.do(lambda: sum(1 for r in proxy.proxy.requests if r.is_upload_part and r.fault is None))
+
+        deadline = time.monotonic() + 120
+        while parts_sent() < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        d.kill()
+        assert uploads(seaweedfs, s3_bucket), "the upload should be in progress when killed"
+    finally:
+        # The daemon is gone: drop the rank's socket without sealing (the test's own end).
+        if gen._channel is not None:
+            gen._channel.close()
+    d.start()
+    with pytest.raises(GenerationFailed, match="restarted"):
+        d.client().wait("open-rank", 1, timeout_s=30)
+    deadline = time.monotonic() + 60
+    while uploads(seaweedfs, s3_bucket):
+        assert time.monotonic() < deadline, f"upload left behind: {uploads(seaweedfs, s3_bucket)}"
+        time.sleep(0.1)
