@@ -20,14 +20,16 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ckptdrain.client.manifest import (
     STEP_DIGITS,
     Manifest,
     ManifestError,
     PartRecord,
+    ShardEntry,
     build_manifest,
     describe_ranks,
     generation_prefix,
@@ -44,9 +46,14 @@ from ckptdrain.daemon.backends.base import Backend, BackendError
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 # Part records are read concurrently, but bounded: a 1,000-node job must not open 1,000
 # requests at once against the destination.
 PART_READ_CONCURRENCY = 16
+# Shards checked at once before a publish: a 100,000-shard generation is 100,000 HEADs on S3
+# (a few seconds at this width) and must not be 100,000 requests at once.
+SHARD_CHECK_CONCURRENCY = 32
 _LATEST_MAX_BYTES = 64
 
 
@@ -112,17 +119,22 @@ class Committer:
         except ManifestError as exc:
             return CommitResult(CommitOutcome.CONFLICT, None, reason=str(exc))
 
-        absent = await self._absent_shards(manifest)
+        absent, different = await self._unproven_shards(manifest)
+        if different:
+            return CommitResult(
+                CommitOutcome.CONFLICT,
+                None,
+                reason=f"shards {_some(different)} at the destination are not the bytes their "
+                "part records name (another attempt at this step wrote them); this attempt "
+                "cannot commit: save a new step",
+            )
         if absent:
-            ranks = sorted({shard_rank for _, shard_rank in absent})
-            paths = ", ".join(repr(path) for path, _ in absent[:5])
-            more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
             return CommitResult(
                 CommitOutcome.INCOMPLETE,
                 None,
-                ranks,
-                f"shards {paths}{more} are listed in part records but missing or of the wrong "
-                "size at the destination; their nodes must drain them again",
+                sorted({shard.rank for shard in absent}),
+                f"shards {_some(absent)} are listed in part records but missing at the "
+                "destination; their nodes must drain them again",
             )
 
         key = manifest_key(job, step)
@@ -221,19 +233,33 @@ class Committer:
             parts.append(part)
         return parts, ""
 
-    async def _absent_shards(self, manifest: Manifest) -> list[tuple[str, int]]:
-        """Shards the manifest would commit that are not at the destination in full.
+    async def _unproven_shards(
+        self, manifest: Manifest
+    ) -> tuple[list[ShardEntry], list[ShardEntry]]:
+        """(absent, different): the shards the manifest would commit that are not at the
+        destination, and those that are there with other bytes than their part record says.
 
-        Part records are written only after their shards drained, so this should find
-        nothing; it costs one listing and guards the one promise a manifest makes.
+        Part records are written only after their shards drained, so this normally finds
+        nothing; it guards the one promise a manifest makes, also against another attempt at
+        the same step that replaced an uncommitted shard. One ``stat`` per shard: the size and
+        the checksum recorded when the object was created (S3 metadata, a POSIX xattr), no
+        read of the bytes. An object with no recorded checksum (written by an older version,
+        or a new multipart S3 object, which only its writer's record can name: see s3.py) is
+        proved by its size alone, as before.
         """
         prefix = generation_prefix(manifest.job, manifest.generation)
-        present = {info.key[len(prefix) :]: info.size for info in await self.backend.list(prefix)}
-        return [
-            (shard.path, shard.rank)
-            for shard in manifest.shards
-            if present.get(shard.path) != shard.size
-        ]
+        absent: list[ShardEntry] = []
+        different: list[ShardEntry] = []
+
+        async def check(shard: ShardEntry) -> None:
+            found = await self.backend.stat(prefix + shard.path)
+            if found is None:
+                absent.append(shard)
+            elif found.size != shard.size or found.checksum not in (None, shard.checksum):
+                different.append(shard)
+
+        await _bounded(manifest.shards, check, SHARD_CHECK_CONCURRENCY)
+        return sorted(absent, key=_by_rank), sorted(different, key=_by_rank)
 
     async def _raise_latest(self, job: str, step: int) -> None:
         """Point LATEST at ``step`` unless it already names a newer generation.
@@ -251,6 +277,35 @@ class Committer:
         if current is not None and current >= step:
             return
         await self.backend.put_bytes(key, f"{step}\n".encode())
+
+
+def _by_rank(shard: ShardEntry) -> tuple[int, str]:
+    return shard.rank, shard.path
+
+
+def _some(shards: Sequence[ShardEntry], shown: int = 5) -> str:
+    """``'a', 'b' and 3 more``: bounded, so 100,000 bad shards make a readable reason."""
+    names = ", ".join(repr(shard.path) for shard in shards[:shown])
+    return names + (f" and {len(shards) - shown} more" if len(shards) > shown else "")
+
+
+async def _bounded(
+    items: Sequence[_T], fn: Callable[[_T], Awaitable[None]], concurrency: int
+) -> None:
+    """``fn`` over ``items``, at most ``concurrency`` at once, owned by one TaskGroup; the
+    workers share one iterator, so 100,000 items cost ``concurrency`` tasks."""
+    work = iter(items)
+
+    async def worker() -> None:
+        for item in work:
+            await fn(item)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(concurrency, len(items))):
+                group.create_task(worker())
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
 
 
 def parse_latest(data: bytes | None) -> int | None:

@@ -2,13 +2,15 @@
 
 Keys are ``/``-separated and relative to the destination root given by the URI
 (``file:///lustre/proj/ckpt`` or ``s3://bucket/prefix``). Every write is atomic as seen by
-readers: a key is either absent or holds its complete bytes.
+readers: a key is either absent or holds its complete bytes. Shard writes (``put_file``) are
+create-once: they never replace bytes a committed manifest lists (see ``collision.py``).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import builtins
 import hashlib
 import os
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +31,15 @@ class BackendError(Exception):
         self.kind = kind
 
 
+class ShardConflict(BackendError):
+    """A shard write found its key taken by bytes this write may not replace: the generation
+    is committed (or its MANIFEST.json is otherwise taken). Not transient: retrying cannot
+    help; the attempt must save a new step. The committed bytes were left alone."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False, kind="conflict")
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     key: str
@@ -36,6 +47,9 @@ class ObjectInfo:
     # Unix time of the last write, when the destination reports it (None: unknown). Not part
     # of equality: two listings of the same objects compare equal.
     modified: float | None = field(default=None, compare=False)
+    # "sha256:<hex>" of the bytes, as the destination recorded it when the object was created
+    # (only ``stat`` fills it; None: not recorded, e.g. an object an older version wrote).
+    checksum: str | None = field(default=None, compare=False)
 
 
 class UploadLog(Protocol):
@@ -66,7 +80,12 @@ class Backend(abc.ABC):
         """Copy ``size`` bytes of the open file ``fd`` (from offset 0, with ``pread``) to ``key``.
 
         Returns the checksum of the bytes written, ``"sha256:<hex>"``, computed from the bytes
-        read from ``fd`` in the same pass. The key becomes visible only complete.
+        read from ``fd`` in the same pass. The key becomes visible only complete, and the
+        checksum is recorded with it (``stat`` returns it).
+
+        Create-once: when ``key`` already exists, identical bytes (size and checksum) count as
+        drained and nothing is written; other bytes are replaced only if their generation is
+        not committed, and a committed one raises :class:`ShardConflict` (see collision.py).
         """
 
     @abc.abstractmethod
@@ -81,6 +100,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def list(self, prefix: str) -> list[ObjectInfo]:
         """Every key under ``prefix`` (recursive), sorted by key; temporary files excluded."""
+
+    @abc.abstractmethod
+    async def stat(self, key: str) -> ObjectInfo | None:
+        """Size, modification time and recorded checksum of ``key``; None when it is absent.
+        One request or syscall, never a read of the bytes, except on a POSIX filesystem that
+        could not record the checksum (no user xattrs), where the file is hashed instead."""
+
+    @abc.abstractmethod
+    async def list_dirs(self, prefix: str) -> builtins.list[str]:
+        """Names of the immediate "directories" under ``prefix`` (which ends in ``/``), sorted:
+        the generation directories of ``<job>/`` in one request, without listing shards."""
 
     @abc.abstractmethod
     def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:

@@ -1,8 +1,10 @@
 """An in-memory destination that records every call and injects faults: ``memory://name``.
 
 Tests use it where a real destination cannot show what they need: a failure on the third
-upload, a drain held mid-flight, a slow link. Its semantics match the real backends: a key
-appears only complete, an exclusive create fails on an existing key, listing is sorted.
+upload, a drain held mid-flight, a slow link, two nodes stopped at exact points of the commit
+protocol (:meth:`MemoryBackend.hold`), or many seeded interleavings of concurrent calls
+(``interleave``). Its semantics match the real backends: a key appears only complete, an
+exclusive create fails on an existing key, listing is sorted.
 
 ``MemoryBackend.named(uri, node_id)`` returns backends sharing one store per URI, so two
 daemons in one process (two "nodes") see the same bucket, as they would on S3 or Lustre.
@@ -14,12 +16,14 @@ import asyncio
 import builtins
 import hashlib
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ckptdrain.client.manifest import format_checksum
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
+from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 
 OPS = frozenset(
     {
@@ -31,6 +35,8 @@ OPS = frozenset(
         "delete",
         "prepare_prefix",
         "sweep_orphans",
+        "stat",
+        "list_dirs",
     }
 )
 # A paused put_file waits at most this long: a test that forgets resume() fails, not hangs.
@@ -49,6 +55,28 @@ class MemoryStore:
     clock: Callable[[], float] = time.time
     # Every call of every backend on this store, in order, as (node_id, op, key).
     calls: list[tuple[str, str, str]] = field(default_factory=list)
+    # The checksum recorded with each object at its creation, as S3 metadata or a POSIX
+    # xattr is; a test removes one to stand for an object an older version wrote.
+    checksums: dict[str, str] = field(default_factory=dict)
+
+
+class Hold:
+    """Calls of one op held at their start until :meth:`release` (see MemoryBackend.hold)."""
+
+    def __init__(self, op: str, key_contains: str, times: int) -> None:
+        self.op = op
+        self.key_contains = key_contains
+        self.remaining = times
+        # Set when the first held call arrives: the caller is now stopped at that point.
+        self.reached = asyncio.Event()
+        self._open = asyncio.Event()
+
+    def release(self) -> None:
+        self._open.set()
+
+    async def wait_reached(self, timeout_s: float = DEFAULT_GATE_TIMEOUT_S) -> None:
+        """Until a call is held here; a test whose call never comes fails, not hangs."""
+        await asyncio.wait_for(self.reached.wait(), timeout_s)
 
 
 @dataclass
@@ -73,6 +101,7 @@ class MemoryBackend(Backend):
         uri: str = "memory://",
         bandwidth_bytes_per_s: float | None = None,
         gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+        interleave: random.Random | None = None,
     ) -> None:
         self.uri = uri
         self.node_id = node_id
@@ -82,6 +111,11 @@ class MemoryBackend(Backend):
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
         self.gate_timeout_s = gate_timeout_s
         self._faults: list[_Fault] = []
+        self._holds: list[Hold] = []
+        # With a seeded generator, every call yields to the event loop a random number of
+        # times before and after its effect: concurrent callers interleave differently per
+        # seed, as requests to a real destination would, and a failing seed replays exactly.
+        self.interleave = interleave
         self._open = asyncio.Event()
         self._open.set()
         self.closed = False
@@ -115,6 +149,18 @@ class MemoryBackend(Backend):
             raise ValueError(f"times must be >= 1, not {times}")
         self._faults.append(_Fault(op, exc, times, key_contains))
 
+    def hold(self, op: str, key_contains: str = "", times: int = 1) -> Hold:
+        """Stop the next ``times`` calls of ``op`` on keys containing ``key_contains`` just
+        after they are recorded and before they take effect, until ``release()``: the way to
+        stop one node between two steps of a protocol while another acts."""
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; use one of {sorted(OPS)}")
+        if times < 1:
+            raise ValueError(f"times must be >= 1, not {times}")
+        held = Hold(op, key_contains, times)
+        self._holds.append(held)
+        return held
+
     def pause(self) -> None:
         """Hold every put_file at its start until resume() (to keep drains in flight)."""
         self._open.clear()
@@ -136,6 +182,28 @@ class MemoryBackend(Backend):
                     self._faults.remove(fault)
                 raise fault.exc
 
+    async def _gate(self, op: str, key: str) -> None:
+        """The yield points every call passes before its effect: holds, then interleaving."""
+        for held in self._holds:
+            if held.op == op and held.key_contains in key and held.remaining > 0:
+                held.remaining -= 1
+                held.reached.set()
+                try:
+                    await asyncio.wait_for(held._open.wait(), self.gate_timeout_s)
+                except TimeoutError as exc:
+                    raise BackendError(
+                        f"{op} {key} was held for {self.gate_timeout_s}s; call release()",
+                        transient=True,
+                        kind="timeout",
+                    ) from exc
+                break
+        await self._yield()
+
+    async def _yield(self) -> None:
+        if self.interleave is not None:
+            for _ in range(self.interleave.randrange(3)):
+                await asyncio.sleep(0)
+
     async def _throttle(self, nbytes: int) -> None:
         if self.bandwidth_bytes_per_s:
             await asyncio.sleep(nbytes / self.bandwidth_bytes_per_s)
@@ -147,6 +215,7 @@ class MemoryBackend(Backend):
     ) -> str:
         del upload_log
         self._enter("put_file", key)
+        await self._gate("put_file", key)
         try:
             await asyncio.wait_for(self._open.wait(), self.gate_timeout_s)
         except TimeoutError as exc:
@@ -168,21 +237,33 @@ class MemoryBackend(Backend):
             chunks.append(chunk)
             offset += len(chunk)
             await self._throttle(len(chunk))
-        # Stored in one step at the end: a failed or cancelled put leaves nothing.
-        self.store.objects[key] = b"".join(chunks)
-        self.store.modified[key] = self.store.clock()
-        return format_checksum("sha256", digest.hexdigest())
+        data = b"".join(chunks)
+        checksum = format_checksum("sha256", digest.hexdigest())
+        # Created in one step at the end: a failed or cancelled put leaves nothing. The check
+        # and the store run without an await between them: an atomic create-if-absent.
+        if key not in self.store.objects:
+            self._store(key, data, checksum)
+            await self._yield()
+            return checksum
+        existing = self._info(key, self.store.objects[key], with_checksum=True)
+        if await settle_existing(self, key, size, checksum, existing):
+            return checksum
+        self._store(key, data, checksum)
+        await check_replaced(self, key, size, checksum)
+        return checksum
 
     async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
         self._enter("put_bytes", key)
+        await self._gate("put_bytes", key)
         if exclusive and key in self.store.objects:
             return False
-        self.store.objects[key] = bytes(data)
-        self.store.modified[key] = self.store.clock()
+        self._store(key, bytes(data), format_checksum("sha256", hashlib.sha256(data).hexdigest()))
+        await self._yield()
         return True
 
     async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
         self._enter("get_bytes", key)
+        await self._gate("get_bytes", key)
         data = self.store.objects.get(key)
         if data is not None and len(data) > max_bytes:
             raise BackendError(
@@ -192,14 +273,32 @@ class MemoryBackend(Backend):
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         self._enter("list", prefix)
+        await self._gate("list", prefix)
         return [
-            ObjectInfo(key=key, size=len(data), modified=self.store.modified.get(key))
+            self._info(key, data)
             for key, data in sorted(self.store.objects.items())
             if key.startswith(prefix)
         ]
 
+    async def stat(self, key: str) -> ObjectInfo | None:
+        self._enter("stat", key)
+        await self._gate("stat", key)
+        data = self.store.objects.get(key)
+        return None if data is None else self._info(key, data, with_checksum=True)
+
+    async def list_dirs(self, prefix: str) -> builtins.list[str]:
+        self._enter("list_dirs", prefix)
+        await self._gate("list_dirs", prefix)
+        names = {
+            rest.partition("/")[0]
+            for key in self.store.objects
+            if key.startswith(prefix) and "/" in (rest := key[len(prefix) :])
+        }
+        return sorted(names)
+
     async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
         self._enter("read_chunks", key)
+        await self._gate("read_chunks", key)
         data = self.store.objects.get(key)
         if data is None:
             raise BackendError(f"{key} does not exist", kind="integrity")
@@ -210,15 +309,33 @@ class MemoryBackend(Backend):
 
     async def delete(self, key: str) -> None:
         self._enter("delete", key)
+        await self._gate("delete", key)
         self.store.objects.pop(key, None)
         self.store.modified.pop(key, None)
+        self.store.checksums.pop(key, None)
+        await self._yield()
 
     async def prepare_prefix(self, prefix: str) -> None:
         self._enter("prepare_prefix", prefix)
+        await self._gate("prepare_prefix", prefix)
 
     async def sweep_orphans(self, owned_upload_ids: set[str], grace_s: float) -> int:
         self._enter("sweep_orphans", "")
+        await self._gate("sweep_orphans", "")
         return 0
 
     async def aclose(self) -> None:
         self.closed = True
+
+    def _store(self, key: str, data: bytes, checksum: str) -> None:
+        self.store.objects[key] = data
+        self.store.modified[key] = self.store.clock()
+        self.store.checksums[key] = checksum
+
+    def _info(self, key: str, data: bytes, *, with_checksum: bool = False) -> ObjectInfo:
+        return ObjectInfo(
+            key=key,
+            size=len(data),
+            modified=self.store.modified.get(key),
+            checksum=self.store.checksums.get(key) if with_checksum else None,
+        )

@@ -1,10 +1,12 @@
 """The POSIX destination (Lustre, NFS, a local directory): ``file:///path``.
 
 Every file is written under a temporary name in its final directory (same directory, same
-mount: ``rename`` never meets EXDEV), fsynced, renamed into place, and the directory fsynced,
-so a key is either absent or complete even across a power cut. Exclusive creates (the
-manifest) use ``link()``, which fails on an existing name atomically on every POSIX
-filesystem Lustre included, where ``O_EXCL`` alone would expose a half-written file.
+mount: no EXDEV), fsynced, put in place, and the directory fsynced, so a key is either absent
+or complete even across a power cut. Shards and the manifest are created once, with
+``link()``, which fails on an existing name atomically on every POSIX filesystem Lustre
+included (``O_EXCL`` alone would expose a half-written file, ``rename`` would replace one);
+a shard's checksum travels with its inode in an xattr (see posixfs.py). Part records and
+LATEST, which are rewritten, use ``rename``.
 
 All blocking calls run in worker threads, never on the event loop. A cancelled call waits for
 its thread to reach the next chunk boundary and clean up before the cancellation propagates,
@@ -19,7 +21,6 @@ import errno
 import hashlib
 import logging
 import os
-import secrets
 import shutil
 import stat
 import subprocess
@@ -32,114 +33,41 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ckptdrain.client.manifest import TMP_SUFFIX, format_checksum
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
+from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
+from ckptdrain.daemon.backends.posixfs import (
+    COPY_BUFFER_BYTES,
+    NAME_MAX,
+    ChecksumXattr,
+    Stopped,
+    backend_error,
+    copy_and_hash,
+    copy_buffer,
+    fsync_dir,
+    makedirs,
+    stat_file,
+    temp_name,
+    temp_owner_matches,
+    write_all,
+)
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
+
+# Re-exported: the names tests and older imports know this module by.
+__all__ = ["COPY_BUFFER_BYTES", "NAME_MAX", "PosixBackend", "backend_error", "temp_name"]
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-COPY_BUFFER_BYTES = 8 << 20
 # Threads beyond max_concurrency, for small metadata operations during a full drain.
 EXTRA_THREADS = 4
 # `lfs setstripe` talks to the MDS; if it hangs, the generation is written with the directory's
 # default layout rather than not at all.
 LFS_TIMEOUT_S = 30.0
-_RANDOM_HEX = 12
-# Longest file name on Linux filesystems, Lustre included (names are ASCII, so bytes = chars).
-NAME_MAX = 255
-_TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE})
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_AUTH_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC
-
-# One copy buffer per worker thread, reused for every file: allocating 8 MiB per file costs
-# more than the copy (seeds: fresh memory is ~10x slower than a reused buffer).
-_buffers = threading.local()
-
-
-def _copy_buffer() -> memoryview:
-    buf = getattr(_buffers, "buf", None)
-    if buf is None:
-        buf = memoryview(bytearray(COPY_BUFFER_BYTES))
-        _buffers.buf = buf
-    return buf
-
-
-class _Stopped(Exception):
-    """The awaiting coroutine was cancelled; the worker thread abandons the copy."""
-
-
-def backend_error(exc: OSError, what: str) -> BackendError:
-    """Map an OSError to the BackendError kind operators see in metrics and alerts."""
-    code = exc.errno
-    if code in _FULL_ERRNOS:
-        return BackendError(
-            f"{what}: the destination is full ({exc.strerror}); free space or raise the quota",
-            kind="full",
-        )
-    if code in _AUTH_ERRNOS:
-        return BackendError(
-            f"{what}: permission denied ({exc.strerror}); let the daemon's user write there",
-            kind="auth",
-        )
-    if code == errno.ETIMEDOUT:
-        return BackendError(f"{what}: {exc.strerror}", transient=True, kind="timeout")
-    return BackendError(f"{what}: {exc.strerror or exc}", transient=code in _TRANSIENT_ERRNOS)
-
-
-def temp_name(final_name: str, node_id: str) -> str:
-    """``.<name>.<node>.<random>.ckptdrain-tmp``: hidden, unique, and saying whose it is, so
-    a sweep can remove this node's leftovers at once and other nodes' only when old.
-
-    The name part is shortened to keep the whole within NAME_MAX: it is only there to help a
-    human, while the owner and suffix (which sweeps parse from the end) must survive.
-    """
-    tail = f".{node_id}.{secrets.token_hex(_RANDOM_HEX // 2)}{TMP_SUFFIX}"
-    budget = max(0, NAME_MAX - 1 - len(tail))
-    return f".{final_name[:budget]}{tail}"
-
-
-def _temp_owner_matches(name: str, node_id: str) -> bool:
-    stem = name[: -len(TMP_SUFFIX)]
-    head, dot, rand = stem.rpartition(".")
-    if not dot or len(rand) != _RANDOM_HEX:
-        return False
-    return head.endswith(f".{node_id}")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, _DIR_FLAGS)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _makedirs(directory: Path) -> None:
-    """``mkdir -p`` that makes each new directory entry durable: a file fsynced into a
-    directory whose own entry was never fsynced can vanish with it after a power cut."""
-    missing: list[Path] = []
-    probe = directory
-    while not probe.is_dir():
-        missing.append(probe)
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue  # another writer made it; its creator makes it durable
-        _fsync_dir(path.parent)
-
-
-def _write_all(fd: int, data: memoryview | bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
+# How often a create-once write retries when the existing file it found vanished before it
+# could be compared (retention removing an abandoned generation at that very moment).
+_CREATE_ROUNDS = 3
 
 
 class PosixBackend(Backend):
@@ -159,6 +87,7 @@ class PosixBackend(Backend):
         # Temp names this process is writing right now: a sweep (at start-up or periodic)
         # must never take a file from under a copy in flight.
         self._live: set[str] = set()
+        self._xattr = ChecksumXattr()
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -207,11 +136,40 @@ class PosixBackend(Backend):
         del upload_log
         if size < 0:
             raise ValueError(f"size must be >= 0, not {size}")
-        return await self._run(f"writing {key}", self._put_file_sync, self._path(key), fd, size)
+        final = self._path(key)
+        checksum, tmp = await self._run(
+            f"writing {key}", self._create_sync, final, fd, size
+        )
+        if tmp is None:
+            return checksum
+        # The name was taken. The complete temp file is kept until we know what to do: it is
+        # either renamed over a leftover or unlinked, on every way out.
+        try:
+            for _ in range(_CREATE_ROUNDS):
+                existing = await self.stat(key)
+                if existing is None:
+                    if await self._run(f"writing {key}", self._link_sync, tmp, final):
+                        tmp = None
+                        return checksum
+                    continue
+                if await settle_existing(self, key, size, checksum, existing):
+                    return checksum
+                await self._run(f"replacing {key}", self._replace_sync, tmp, final)
+                tmp = None
+                await check_replaced(self, key, size, checksum)
+                return checksum
+            raise BackendError(
+                f"{key} at {self.uri} kept appearing and vanishing while it was written; "
+                "something else is writing or deleting it",
+                transient=True,
+            )
+        finally:
+            if tmp is not None:
+                await self._run(f"removing the temp file of {key}", self._discard_sync, tmp)
 
     def _open_temp(self, final: Path) -> tuple[Path, int]:
         """A new temp file beside ``final``, marked live so no sweep takes it; the caller
-        renames or unlinks it and then drops it from ``_live``."""
+        links, renames or unlinks it and then drops it from ``_live``."""
         tmp = final.with_name(temp_name(final.name, self.node_id))
         self._live.add(str(tmp))
         try:
@@ -220,48 +178,59 @@ class PosixBackend(Backend):
             self._live.discard(str(tmp))
             raise
 
-    def _put_file_sync(self, final: Path, src_fd: int, size: int, stop: threading.Event) -> str:
-        _makedirs(final.parent)
+    def _create_sync(
+        self, final: Path, src_fd: int, size: int, stop: threading.Event
+    ) -> tuple[str, Path | None]:
+        """Write the shard and link it into place: (checksum, None) when created, or
+        (checksum, the complete temp file) when the name exists."""
+        makedirs(final.parent)
         tmp, out = self._open_temp(final)
-        # The temp exists from here: every way out either renames it or unlinks it.
-        published = False
+        # The temp exists from here: every way out links and unlinks it, or hands it back.
+        kept = False
         try:
             try:
-                digest = self._copy(src_fd, out, size, stop, final)
+                checksum = format_checksum(
+                    "sha256", copy_and_hash(src_fd, out, size, stop, final.name)
+                )
+                # On the inode before it has a final name: the name appears with it.
+                self._xattr.record(out, checksum)
                 os.fsync(out)
             finally:
                 os.close(out)
-            os.rename(tmp, final)
-            published = True
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                kept = True
+                return checksum, tmp
         finally:
-            if not published:
+            if not kept:
                 tmp.unlink(missing_ok=True)
-            self._live.discard(str(tmp))
-        _fsync_dir(final.parent)
-        return format_checksum("sha256", digest)
+                self._live.discard(str(tmp))
+        fsync_dir(final.parent)
+        return checksum, None
 
-    @staticmethod
-    def _copy(src_fd: int, out: int, size: int, stop: threading.Event, final: Path) -> str:
-        buf = _copy_buffer()
-        digest = hashlib.sha256()
-        offset = 0
-        while offset < size:
-            if stop.is_set():
-                raise _Stopped
-            want = min(len(buf), size - offset)
-            got = os.preadv(src_fd, [buf[:want]], offset)
-            if got == 0:
-                raise BackendError(
-                    f"source of {final.name} ended at byte {offset} of {size}: the staged file "
-                    "was truncated",
-                    kind="integrity",
-                )
-            chunk = buf[:got]
-            # hashlib releases the GIL for large updates, so other drains proceed meanwhile.
-            digest.update(chunk)
-            _write_all(out, chunk)
-            offset += got
-        return digest.hexdigest()
+    def _link_sync(self, tmp: Path, final: Path, stop: threading.Event) -> bool:
+        del stop
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        tmp.unlink()
+        self._live.discard(str(tmp))
+        fsync_dir(final.parent)
+        return True
+
+    def _replace_sync(self, tmp: Path, final: Path, stop: threading.Event) -> None:
+        """Put the temp file over a leftover no manifest names (collision.py decided)."""
+        del stop
+        os.rename(tmp, final)
+        self._live.discard(str(tmp))
+        fsync_dir(final.parent)
+
+    def _discard_sync(self, tmp: Path, stop: threading.Event) -> None:
+        del stop
+        tmp.unlink(missing_ok=True)
+        self._live.discard(str(tmp))
 
     async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
         return await self._run(
@@ -272,12 +241,12 @@ class PosixBackend(Backend):
         self, final: Path, data: bytes, exclusive: bool, stop: threading.Event
     ) -> bool:
         del stop  # one small write: nothing to interrupt
-        _makedirs(final.parent)
+        makedirs(final.parent)
         tmp, out = self._open_temp(final)
         created = True
         try:
             try:
-                _write_all(out, data)
+                write_all(out, data)
                 os.fsync(out)
             finally:
                 os.close(out)
@@ -294,7 +263,7 @@ class PosixBackend(Backend):
             tmp.unlink(missing_ok=True)
             self._live.discard(str(tmp))
         if created:
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         return created
 
     async def prepare_prefix(self, prefix: str) -> None:
@@ -306,13 +275,13 @@ class PosixBackend(Backend):
             return
         lfs = shutil.which("lfs")
         if lfs is None:
-            _makedirs(directory)
+            makedirs(directory)
             return
         # Striping applies only to files created after it is set, and other nodes write into
         # the same generation directory. So stripe a private temp directory and rename it into
         # place: the generation directory appears already striped, and no node can create a
         # file in it first. Whoever loses the race removes its (empty) temp directory.
-        _makedirs(directory.parent)
+        makedirs(directory.parent)
         tmp = directory.with_name(temp_name(directory.name, self.node_id))
         self._live.add(str(tmp))
         try:
@@ -331,7 +300,7 @@ class PosixBackend(Backend):
             if tmp.exists():
                 tmp.rmdir()
             self._live.discard(str(tmp))
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
 
     def _setstripe(self, lfs: str, directory: Path) -> None:
         cmd = [
@@ -372,7 +341,7 @@ class PosixBackend(Backend):
         # Retention deletes a manifest before its shards; the unlink must be durable before
         # the shards go, or a crash could resurrect a manifest whose shards are gone.
         try:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except FileNotFoundError:
             return  # a concurrent delete emptied and removed the directory: durable already
         # Directories left empty (a removed generation's) would use up Lustre inodes. Only
@@ -428,7 +397,7 @@ class PosixBackend(Backend):
         found: builtins.list[ObjectInfo] = []
         for dirpath, _dirs, files in os.walk(base):
             if stop.is_set():
-                raise _Stopped
+                raise Stopped
             rel = os.path.relpath(dirpath, self.root)
             key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             for name in files:
@@ -445,6 +414,32 @@ class PosixBackend(Backend):
                     found.append(ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime))
         found.sort(key=lambda info: info.key)
         return found
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        found = await self._run(f"checking {key}", stat_file, self._path(key), self._xattr)
+        if found is None:
+            return None
+        size, modified, checksum = found
+        return ObjectInfo(key=key, size=size, modified=modified, checksum=checksum)
+
+    async def list_dirs(self, prefix: str) -> builtins.list[str]:
+        base = prefix.rstrip("/")
+        return await self._run(
+            f"listing {prefix or '/'}", self._list_dirs_sync, self._path(base) if base else self.root
+        )
+
+    @staticmethod
+    def _list_dirs_sync(directory: Path, stop: threading.Event) -> builtins.list[str]:
+        del stop
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(
+            e.name
+            for e in entries
+            if not e.name.endswith(TMP_SUFFIX) and e.is_dir(follow_symlinks=False)
+        )
 
     async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
         path = self._path(key)
@@ -471,15 +466,15 @@ class PosixBackend(Backend):
                         stop: threading.Event) -> tuple[int, str]:
         src = self._open_sync(path, stop)
         try:
-            view = _copy_buffer()
+            view = copy_buffer()
             digest = hashlib.sha256()
             size = 0
             while n := os.readv(src, [view]):
                 if stop.is_set():
-                    raise _Stopped
+                    raise Stopped
                 chunk = view[:n]
                 digest.update(chunk)
-                _write_all(out_fd, chunk)
+                write_all(out_fd, chunk)
                 size += n
                 if progress is not None:
                     progress(n)
@@ -516,7 +511,7 @@ class PosixBackend(Backend):
         removed = 0
         for dirpath, dirs, files in os.walk(self.root):
             if stop.is_set():
-                raise _Stopped
+                raise Stopped
             for name in [*files, *dirs]:
                 if not name.endswith(TMP_SUFFIX):
                     continue
@@ -525,7 +520,7 @@ class PosixBackend(Backend):
                     continue
                 try:
                     st = os.lstat(path)
-                    mine = _temp_owner_matches(name, self.node_id)
+                    mine = temp_owner_matches(name, self.node_id)
                     if not mine and st.st_mtime > cutoff:
                         continue
                     if stat.S_ISDIR(st.st_mode):

@@ -24,7 +24,7 @@ from ckptdrain.client.manifest import (
     same_contents,
     shard_key,
 )
-from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.base import Backend, BackendError, ShardConflict
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.commit import CommitOutcome, Committer
@@ -68,13 +68,14 @@ async def drain(
     world_size: int = 4,
     step: int = STEP,
     payload: bytes = b"",
+    directory: str = "model",
 ) -> PartRecord:
     """Drain one shard per rank through ``backend`` as a node's daemon would, and return the
     node's part record."""
     entries = []
     for rank in ranks:
         data = payload or f"{node} rank {rank} step {step} ".encode() * (rank + 1)
-        path = f"model/rank{rank}.pt"
+        path = f"{directory}/rank{rank}.pt"
         staged = tmp_path / f"staged-{node}-{rank}-{step}"
         staged.write_bytes(data)
         fd = os.open(staged, os.O_RDONLY)
@@ -105,11 +106,15 @@ async def drain_and_record(
     *,
     world_size: int = 4,
     payload: bytes = b"",
+    directory: str = "model",
 ) -> Committer:
     backend = node_backend(node)
     await backend.prepare_prefix(f"{JOB}/{STEP:020d}/")
     committer = Committer(backend, node, clock=lambda: 99.0)
-    record = await drain(backend, tmp_path, node, ranks, world_size=world_size, payload=payload)
+    record = await drain(
+        backend, tmp_path, node, ranks, world_size=world_size, payload=payload,
+        directory=directory,
+    )
     await committer.record_part(record)
     return committer
 
@@ -193,8 +198,14 @@ async def test_an_existing_manifest_with_other_contents_is_a_conflict(
     committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
     published = await committer.try_publish(JOB, STEP, 4)
     assert published.manifest is not None
-    # A second run of the same job and step drains different bytes under the same names.
-    rerun = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3), payload=b"new")
+    # A second run of the same job and step cannot drain other bytes under the same names
+    # (shard writes are create-once) ...
+    with pytest.raises(ShardConflict, match="is committed with different bytes"):
+        await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3), payload=b"new")
+    # ... and when its part record names other shards, the publish changes nothing.
+    rerun = await drain_and_record(
+        node_backend, tmp_path, "gpu1", (0, 1, 2, 3), payload=b"new", directory="rerun"
+    )
 
     result = await rerun.try_publish(JOB, STEP, 4)
 

@@ -426,8 +426,9 @@ async def test_resume_sends_only_missing_parts(seaweedfs: SeaweedFS, s3_bucket: 
     count = part_plan(shard.size, 5 * MiB)[1]
     log = RecordingUploadLog()
 
-    # First attempt: the link drops after CreateMultipartUpload and three parts.
-    proxy.unreachable_after(4)
+    # First attempt: the link drops after the create-once HEAD, CreateMultipartUpload and
+    # three parts.
+    proxy.unreachable_after(5)
     with pytest.raises(BackendError) as err:
         await backend.put_file("job/big", shard.fd, shard.size, upload_log=log)
     assert err.value.transient is True

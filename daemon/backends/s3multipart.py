@@ -1,0 +1,364 @@
+"""The multipart half of the S3 destination: sending an object as parts, resuming an
+interrupted upload from its journal, completing it (create-once with ``If-None-Match: *``),
+and aborting uploads that can no longer complete, including those a dead process left.
+
+A multipart upload is resumable through the :class:`UploadLog` journal, and it is aborted where
+it is created when it can no longer complete: on a permanent failure, on cancellation, or on
+any failure when there is no journal to resume it from. The abort waits for in-flight parts
+first and then checks that nothing is left, because a part that lands after an abort keeps its
+bytes (and its bill).
+
+:class:`MultipartUploads` is a mixin of :class:`~ckptdrain.daemon.backends.s3.S3Backend`: it
+uses the backend's client plumbing (``_call``, ``_read``) and buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import datetime as dt
+import hashlib
+import logging
+from typing import Any
+
+from ckptdrain.daemon.backends.base import BackendError, UploadLog
+from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
+from ckptdrain.daemon.backends.s3parts import (
+    ABORT_ROUNDS,
+    MAX_PARTS,
+    BufferPool,
+    UploadInfo,
+    crc32_header,
+    multipart_etag,
+    part_checksum,
+    part_plan,
+    same_etag,
+)
+from ckptdrain.daemon.logs import log_event
+
+log = logging.getLogger(__name__)
+
+
+class MultipartUploads:
+    """Multipart uploads, resumption, aborts and the orphan sweep (mixed into S3Backend)."""
+
+    # Provided by S3Backend.
+    uri: str
+    bucket: str
+    buffers: BufferPool
+    list_page_size: int
+    cleanup_timeout_s: float
+    aborted_uploads: int
+    root: str
+    _part_size: int
+    _live_uploads: set[str]
+
+    async def _call(self, what: str, operation: str, **params: Any) -> Any:
+        raise NotImplementedError
+
+    async def _read(self, fd: int, buf: bytearray, offset: int, sha: Any) -> str:
+        raise NotImplementedError
+
+    async def _head(self, key: str, full: str) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _key(self, key: str) -> str:
+        raise NotImplementedError
+
+    async def _upload(
+        self, key: str, full: str, fd: int, size: int, upload_log: UploadLog | None,
+        metadata: dict[str, str], *, exclusive: bool,
+    ) -> tuple[str, bool]:
+        """Send ``size`` bytes of ``fd`` to ``full`` as a multipart upload: (sha256 hex of the
+        bytes, created). With ``exclusive`` the Complete carries ``If-None-Match: *``; created
+        is False when another object took the key meanwhile: this upload is then aborted and
+        nothing was written. ``metadata`` applies to a new upload (a resumed one keeps its own).
+        """
+        part_size, count = part_plan(size, self._part_size)
+        upload_id, kept = await self._resume(key, full, upload_log, part_size, size)
+        new = upload_id is None
+        if upload_id is None:
+            created = await self._call(
+                f"starting the upload of {key}", "create_multipart_upload",
+                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32", Metadata=metadata,
+            )
+            upload_id = str(created["UploadId"])
+        # Cleanup is registered here, where the upload exists.
+        self._live_uploads.add(upload_id)
+        done = False
+        resumable = False
+        try:
+            if new and upload_log is not None:
+                await upload_log.begun(upload_id)
+            parts, digest = await self._send_parts(
+                key, full, fd, size, part_size, count, upload_id, kept, upload_log
+            )
+            completed = await self._complete(key, full, upload_id, parts, exclusive=exclusive)
+            if not completed:
+                await self._abort(key, full, upload_id)
+            done = True
+            if upload_log is not None:
+                await upload_log.finished()
+        except BackendError as exc:
+            # With a journal, a transient failure leaves the upload for the next attempt to
+            # resume (ListParts); without one nothing could, so it is aborted like the rest.
+            resumable = exc.transient and upload_log is not None
+            raise
+        finally:
+            self._live_uploads.discard(upload_id)
+            if not done and not resumable:
+                await self._abort(key, full, upload_id)
+        return digest, completed
+
+    async def _resume(
+        self, key: str, full: str, upload_log: UploadLog | None, part_size: int, size: int
+    ) -> tuple[str | None, dict[int, tuple[str, str]]]:
+        """The journalled upload id and the parts that need not be sent again, or (None, {})
+        when there is nothing to resume."""
+        if upload_log is None:
+            return None, {}
+        upload_id, journal = await upload_log.load()
+        if upload_id is None:
+            return None, {}
+        on_server = await self._list_parts(key, full, upload_id)
+        if on_server is None:
+            log_event(log, logging.INFO, "s3_upload_gone", key=key, upload_id=upload_id)
+            return None, {}
+        kept: dict[int, tuple[str, str]] = {}
+        for number, (etag, checksum) in journal.items():
+            expected = min(part_size, size - (number - 1) * part_size)
+            found = on_server.get(number)
+            if found is not None and same_etag(found[0], etag) and found[1] == expected:
+                kept[number] = (etag, checksum)
+        log_event(log, logging.INFO, "s3_upload_resumed", key=key, upload_id=upload_id,
+                  parts_kept=len(kept))
+        return upload_id, kept
+
+    async def _send_parts(
+        self, key: str, full: str, fd: int, size: int, part_size: int, count: int,
+        upload_id: str, kept: dict[int, tuple[str, str]], upload_log: UploadLog | None,
+    ) -> tuple[list[tuple[int, str, str]], str]:
+        """Read every part in file order (hashing as it goes), send those not ``kept``
+        concurrently; returns [(number, etag, crc32 hex)] in order and the sha256 hex."""
+        sha = hashlib.sha256()
+        results: dict[int, tuple[str, str]] = {}
+        # Buffers handed to part tasks and not yet given back. A task cancelled before its
+        # first step never runs its finally, so what is left here is released below.
+        lent: dict[int, bytearray] = {}
+
+        async def send(number: int, crc: str) -> None:
+            buf = lent[number]
+            reuse = False
+            try:
+                answer = await self._call(
+                    f"uploading part {number} of {key}", "upload_part", Bucket=self.bucket,
+                    Key=full, UploadId=upload_id, PartNumber=number, Body=buf,
+                    ChecksumCRC32=crc32_header(crc),
+                )
+                reuse = True
+            finally:
+                del lent[number]
+                self.buffers.release(buf, reuse=reuse)
+            etag = str(answer["ETag"])
+            results[number] = (etag, crc)
+            if upload_log is not None:
+                await upload_log.part_done(number, etag, part_checksum(crc))
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for number in range(1, count + 1):
+                    offset = (number - 1) * part_size
+                    buf = await self.buffers.acquire(min(part_size, size - offset))
+                    try:
+                        crc = await self._read(fd, buf, offset, sha)
+                    except BaseException:
+                        self.buffers.release(buf, reuse=False)
+                        raise
+                    old = kept.get(number)
+                    if old is not None and old[1] == part_checksum(crc):
+                        # Already on the server with these very bytes: hashed, not re-sent.
+                        results[number] = (old[0], crc)
+                        self.buffers.release(buf)
+                        continue
+                    lent[number] = buf
+                    tg.create_task(send(number, crc), name=f"s3-part-{number}")
+        except BaseExceptionGroup as group:
+            raise first_cause(group) from None
+        finally:
+            for buf in lent.values():
+                self.buffers.release(buf, reuse=False)
+            lent.clear()
+        return [(n, *results[n]) for n in range(1, count + 1)], sha.hexdigest()
+
+
+    async def _complete(
+        self, key: str, full: str, upload_id: str, parts: list[tuple[int, str, str]], *,
+        exclusive: bool,
+    ) -> bool:
+        """Complete the upload; False when ``exclusive`` and another object holds the key."""
+        listing = [
+            {"PartNumber": n, "ETag": etag, "ChecksumCRC32": crc32_header(crc)}
+            for n, etag, crc in parts
+        ]
+        expected = multipart_etag([etag for _, etag, _ in parts])
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "UploadId": upload_id,
+                                  "MultipartUpload": {"Parts": listing}}
+        if exclusive:
+            params["IfNoneMatch"] = "*"
+        try:
+            # botocore turns an error inside a 200 answer to Complete into a retried 500.
+            await self._call(f"completing the upload of {key}", "complete_multipart_upload",
+                             **params)
+            return True
+        except S3Failure as exc:
+            taken = exc.code == "PreconditionFailed" or exc.status == 412
+            if exc.code != "NoSuchUpload" and not taken:
+                raise
+            # A retried Complete whose first try succeeded finds the upload gone, or (on some
+            # stores) the key taken: the object is ours if its ETag is the one these parts make.
+            head = await self._head(key, full) or {}
+            if same_etag(str(head.get("ETag", "")), expected):
+                return True
+            if taken:
+                return False
+            raise S3Failure(
+                f"the upload of {key} at {self.uri} vanished before it completed "
+                "(aborted by another node's sweep or a lifecycle rule); it will be sent "
+                "again. Raise destination.orphan_grace_s above the longest upload",
+                transient=True, kind="not_found", code="NoSuchUpload",
+            ) from exc
+
+    async def abort_upload(self, key: str, upload_log: UploadLog) -> bool:
+        upload_id, _ = await upload_log.load()
+        if upload_id is None:
+            return True
+        if await self._abort(key, self._key(key), upload_id):
+            await upload_log.finished()
+            return True
+        return False
+
+    async def _abort(self, key: str, full: str, upload_id: str) -> bool:
+        """Abort and confirm nothing is left; False (and a log line) when that could not be
+        done, leaving the upload to the orphan sweep and the lifecycle rule."""
+        aborted = False
+        try:
+            async with asyncio.timeout(self.cleanup_timeout_s):
+                for _ in range(ABORT_ROUNDS):
+                    try:
+                        await self._call(f"aborting the upload of {key}",
+                                         "abort_multipart_upload", Bucket=self.bucket,
+                                         Key=full, UploadId=upload_id)
+                        aborted = True
+                    except S3Failure as exc:
+                        if exc.code != "NoSuchUpload":
+                            raise
+                    # A part in flight during the abort can land after it and bring the
+                    # upload back on some stores: look, and abort again if so.
+                    if await self._list_parts(key, full, upload_id) is None and not any(
+                        u.upload_id == upload_id for u in await self._list_uploads(full)
+                    ):
+                        if aborted:
+                            self.aborted_uploads += 1
+                        log_event(log, logging.INFO, "s3_upload_aborted", key=key,
+                                  upload_id=upload_id)
+                        return True
+        except (BackendError, TimeoutError) as exc:
+            log_event(log, logging.WARNING, "s3_abort_failed", key=key, upload_id=upload_id,
+                      error=str(exc) or "timed out",
+                      action="left to the orphan sweep and the lifecycle rule")
+            if aborted:
+                self.aborted_uploads += 1
+            return False
+        log_event(log, logging.WARNING, "s3_abort_unconfirmed", key=key, upload_id=upload_id,
+                  action="left to the orphan sweep and the lifecycle rule")
+        if aborted:
+            self.aborted_uploads += 1
+        return False
+
+    async def _list_parts(
+        self, key: str, full: str, upload_id: str
+    ) -> dict[int, tuple[str, int]] | None:
+        """number -> (etag, size) of the parts on the server; None when the upload is gone."""
+        found: dict[int, tuple[str, int]] = {}
+        marker = 0
+        for _ in range(MAX_PARTS):
+            params: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "UploadId": upload_id,
+                                      "MaxParts": self.list_page_size}
+            if marker:
+                params["PartNumberMarker"] = marker
+            try:
+                page = await self._call(f"listing the parts of {key}", "list_parts", **params)
+            except S3Failure as exc:
+                if exc.code == "NoSuchUpload":
+                    return None
+                raise
+            for part in page.get("Parts", []):
+                found[int(part["PartNumber"])] = (str(part["ETag"]), int(part["Size"]))
+            following = int(page.get("NextPartNumberMarker") or 0)
+            if not page.get("IsTruncated") or following <= marker:
+                break
+            marker = following
+        return found
+
+    async def _list_uploads(self, prefix: str) -> builtins.list[UploadInfo]:
+        """Every incomplete upload whose key starts with ``prefix`` (a full key prefix)."""
+        found: dict[str, UploadInfo] = {}
+        key_marker: str | None = None
+        id_marker: str | None = None
+        while True:
+            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix,
+                                      "MaxUploads": self.list_page_size}
+            if key_marker:
+                params["KeyMarker"] = key_marker
+            if id_marker:
+                params["UploadIdMarker"] = id_marker
+            page = await self._call("listing multipart uploads", "list_multipart_uploads",
+                                    **params)
+            for upload in page.get("Uploads", []):
+                info = UploadInfo(str(upload["Key"]), str(upload["UploadId"]),
+                                  upload.get("Initiated"))
+                found[info.upload_id] = info
+            if not page.get("IsTruncated"):
+                break
+            # AWS returns both markers; SeaweedFS pages by upload id alone (no NextKeyMarker).
+            next_key = page.get("NextKeyMarker") or None
+            next_id = page.get("NextUploadIdMarker") or None
+            if (next_key, next_id) == (key_marker, id_marker) or not (next_key or next_id):
+                raise S3Failure(
+                    f"listing multipart uploads at {self.uri} did not advance past "
+                    f"{key_marker!r}/{id_marker!r}; the server's paging is broken",
+                    transient=True, kind="io",
+                )
+            key_marker, id_marker = next_key, next_id
+        return list(found.values())
+
+    async def sweep_orphans(self, owned_upload_ids: set[str], grace_s: float) -> int:
+        """Abort uploads under the root that are neither owned (journalled) nor open in this
+        process and were initiated more than ``grace_s`` ago."""
+        prefix = f"{self.root}/" if self.root else ""
+        now = dt.datetime.now(dt.UTC)
+        aborted = 0
+        for upload in await self._list_uploads(prefix):
+            if upload.upload_id in owned_upload_ids or upload.upload_id in self._live_uploads:
+                continue
+            if grace_s > 0:
+                if upload.initiated is None:
+                    continue
+                initiated = upload.initiated
+                if initiated.tzinfo is None:
+                    initiated = initiated.replace(tzinfo=dt.UTC)
+                if (now - initiated).total_seconds() <= grace_s:
+                    continue
+            try:
+                await self._call(f"aborting orphaned upload of {upload.key}",
+                                 "abort_multipart_upload", Bucket=self.bucket, Key=upload.key,
+                                 UploadId=upload.upload_id)
+            except S3Failure as exc:
+                if exc.code != "NoSuchUpload":
+                    raise
+                continue
+            aborted += 1
+            self.aborted_uploads += 1
+            log_event(log, logging.INFO, "s3_orphan_aborted", key=upload.key,
+                      upload_id=upload.upload_id, initiated=str(upload.initiated))
+        return aborted

@@ -1,0 +1,46 @@
+"""The tombstone: what retention writes at ``MANIFEST.json`` of a generation it removes as
+abandoned, before it deletes anything.
+
+The manifest key is the one key every publisher of a generation must create (exclusively),
+so it is the only place where "publish" and "delete the shards" can exclude each other on a
+destination without multi-key transactions. Retention takes the key with its own exclusive
+create; from then on no node's publish can succeed, and retention deletes the shards knowing
+no manifest can appear over them (docs/layout.md, "Retention racing a late publish").
+
+A tombstone is not a manifest: ``Manifest.from_json`` refuses it (it lacks the manifest's
+fields), so every reader, older versions included, sees a generation that is not committed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ckptdrain.client.manifest import FORMAT_VERSION
+
+TOMBSTONE_KIND = "abandoned"
+# A tombstone is a few hundred bytes; anything much larger is a manifest (or foreign).
+_MAX_TOMBSTONE_BYTES = 4096
+
+
+def tombstone_json(job: str, step: int, node: str, at: float) -> bytes:
+    """The tombstone of ``job`` step ``step``, written by retention on ``node`` at ``at``."""
+    body = {
+        "abandoned_at": at,
+        "format_version": FORMAT_VERSION,
+        "generation": step,
+        "job": job,
+        "kind": TOMBSTONE_KIND,
+        "node": node,
+    }
+    return (json.dumps(body, sort_keys=True) + "\n").encode()
+
+
+def is_tombstone(data: bytes) -> bool:
+    """Whether these bytes, read from a MANIFEST.json key, are a tombstone."""
+    if len(data) > _MAX_TOMBSTONE_BYTES:
+        return False
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get("kind") == TOMBSTONE_KIND
