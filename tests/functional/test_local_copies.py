@@ -1,0 +1,68 @@
+"""Every local copy counts: staging never holds more than max_staged_bytes, kept copies are
+evicted oldest first when a hand-off needs the room, and nothing undrained is ever evicted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from ckptdrain.client import Backpressure
+from tests.conftest import DaemonProcess
+
+MiB = 1 << 20
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def on_disk(d: DaemonProcess) -> int:
+    return sum(p.stat().st_size for p in (d.staging / "shards").iterdir() if p.suffix == ".data")
+
+
+def state(d: DaemonProcess, job: str, step: int) -> str:
+    for g in d.client().status()["generations"]:
+        if (g["job"], g["step"]) == (job, step):
+            return str(g["state"])
+    return "gone"
+
+
+def test_copies_of_generations_waiting_on_other_nodes_stay_inside_the_limit(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(
+        CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
+        CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT="4",
+        CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true",
+    )
+    c = d.client()
+    for step in (1, 2, 3):
+        # Rank 1 never comes: each generation drains here and waits on the other node.
+        with c.generation("waiting", step, rank=0, world_size=2) as gen:
+            gen.put("r0", bytes([step]) * (3 * MiB))
+        wait_for(lambda step=step: state(d, "waiting", step) == "recorded")  # type: ignore[misc]
+        status = c.status()
+        assert status["staged_bytes"] <= 4 * MiB, status
+    wait_for(lambda: on_disk(d) <= 4 * MiB)
+    # The newest one's copy is the one left; the older ones were evicted for it.
+    assert c.status()["kept_copy_bytes"] == 3 * MiB
+    assert "event=local_copies_evicted" in d.log()
+
+
+def test_undrained_shards_are_never_evicted(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(
+        CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
+        CKPTDRAIN_LIMITS__ON_FULL="reject",
+        CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1",  # nothing drains
+    )
+    c = d.client()
+    with c.generation("slow", 1) as gen:
+        gen.put("a", b"a" * (3 * MiB))
+        with pytest.raises(Backpressure) as refused:
+            gen.put("b", b"b" * (3 * MiB))  # cannot fit while the first is undrained
+        assert refused.value.details["limit"] == "max_staged_bytes"
+        gen.abort("test over")
+    assert on_disk(d) <= 3 * MiB
