@@ -43,6 +43,7 @@ from ckptdrain.client.manifest import (
 )
 from ckptdrain.client.names import MAX_STEP
 from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.tombstone import is_tombstone
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,30 @@ PART_READ_CONCURRENCY = 16
 # (a few seconds at this width) and must not be 100,000 requests at once.
 SHARD_CHECK_CONCURRENCY = 32
 _LATEST_MAX_BYTES = 64
+_PARSE_IN_THREAD_BYTES = 1 << 20
+
+
+class CommitError(Exception):
+    """Root of the commit protocol's refusals: the message says what to do."""
+
+
+class StepUnusable(CommitError):
+    """A step whose MANIFEST.json key is taken by something other than a valid manifest of
+    that step: a new attempt there could never commit. Refuse it; the job saves a new step."""
+
+    def __init__(self, job: str, step: int, message: str) -> None:
+        super().__init__(message)
+        self.job = job
+        self.step = step
+
+
+class ManifestDamaged(StepUnusable):
+    """The step's MANIFEST.json exists but is not a valid manifest of that step: committed
+    (nothing may overwrite it), but not loadable. Keep it for inspection."""
+
+
+class StepAbandoned(StepUnusable):
+    """Retention is removing the step as abandoned (its tombstone holds the manifest key)."""
 
 
 class CommitOutcome(enum.Enum):
@@ -180,13 +205,53 @@ class Committer:
         return None if problem else missing_ranks(parts, world_size)
 
     async def committed(self, job: str, step: int) -> Manifest | None:
-        """The generation's manifest, or None if it is not committed.
+        """The generation's manifest, or None if it is not committed (also when retention
+        has tombstoned it as abandoned).
 
         Raises ManifestError when a manifest exists but is malformed: that is damage to
         report, not an uncommitted generation to wait for.
         """
         data = await self.backend.get_bytes(manifest_key(job, step))
-        return None if data is None else Manifest.from_json(data)
+        if data is None or is_tombstone(data):
+            return None
+        return Manifest.from_json(data)
+
+    async def is_committed(self, job: str, step: int) -> bool:
+        """Whether ``job`` step ``step`` is committed at the destination: what a ``begin``
+        asks before accepting a generation (a committed step must be refused: "step 5 of job
+        X is committed; save a new step").
+
+        Raises :class:`ManifestDamaged` when the manifest key holds anything but a valid
+        manifest of this step, and :class:`StepAbandoned` when retention has tombstoned it:
+        either way a new attempt there could never commit, so the caller refuses it too.
+        BackendError when the destination cannot answer (transient ones are worth a retry).
+        """
+        key = manifest_key(job, step)
+        data = await self.backend.get_bytes(key)
+        if data is None:
+            return False
+        if is_tombstone(data):
+            raise StepAbandoned(
+                job, step,
+                f"step {step} of job {job!r} was abandoned and is being removed by retention "
+                f"({key} holds its tombstone); save a new step",
+            )
+        try:
+            manifest = await _parse_manifest(data)
+        except ManifestError as exc:
+            raise ManifestDamaged(
+                job, step,
+                f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} ({exc}); "
+                "nothing may overwrite it: inspect it, and save a new step",
+            ) from exc
+        if (manifest.job, manifest.generation) != (job, step):
+            raise ManifestDamaged(
+                job, step,
+                f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} (it "
+                f"describes {manifest.job!r} generation {manifest.generation}); nothing may "
+                "overwrite it: inspect it, and save a new step",
+            )
+        return True
 
     # --- steps ------------------------------------------------------------------------------
 
@@ -277,6 +342,14 @@ class Committer:
         if current is not None and current >= step:
             return
         await self.backend.put_bytes(key, f"{step}\n".encode())
+
+
+async def _parse_manifest(data: bytes) -> Manifest:
+    """Manifest.from_json, in a worker thread for a large one: a 100,000-shard manifest is
+    20 MB of JSON, too much to parse on the event loop."""
+    if len(data) < _PARSE_IN_THREAD_BYTES:
+        return Manifest.from_json(data)
+    return await asyncio.to_thread(Manifest.from_json, data)
 
 
 def _by_rank(shard: ShardEntry) -> tuple[int, str]:

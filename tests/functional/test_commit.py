@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from ckptdrain.client.manifest import (
+    Manifest,
     PartRecord,
     ShardEntry,
     latest_key,
@@ -27,8 +28,15 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon.backends.base import Backend, BackendError, ShardConflict
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
-from ckptdrain.daemon.commit import CommitOutcome, Committer
+from ckptdrain.daemon.commit import (
+    CommitOutcome,
+    Committer,
+    ManifestDamaged,
+    StepAbandoned,
+    StepUnusable,
+)
 from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.tombstone import tombstone_json
 
 JOB = "llama"
 STEP = 1200
@@ -348,3 +356,43 @@ async def test_a_destination_failure_propagates_for_the_caller_to_retry(tmp_path
         await committer.try_publish(JOB, STEP, 1)
     assert await committer.committed(JOB, STEP) is None
     assert (await committer.try_publish(JOB, STEP, 1)).outcome is CommitOutcome.PUBLISHED
+
+
+@pytest.mark.asyncio
+async def test_is_committed_says_whether_a_begin_must_be_refused(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
+    assert await committer.is_committed(JOB, STEP) is False
+    assert (await committer.try_publish(JOB, STEP, 4)).outcome is CommitOutcome.PUBLISHED
+    assert await committer.is_committed(JOB, STEP) is True
+    assert await committer.is_committed(JOB, STEP + 1) is False
+
+
+@pytest.mark.asyncio
+async def test_is_committed_refuses_a_step_whose_manifest_is_damaged_or_abandoned(
+    node_backend: NodeFactory,
+) -> None:
+    backend = node_backend("gpu1")
+    committer = Committer(backend, "gpu1")
+    await backend.put_bytes(manifest_key(JOB, STEP), b'{"truncated": ')
+    with pytest.raises(StepUnusable, match=r"damaged MANIFEST\.json") as damaged:
+        await committer.is_committed(JOB, STEP)
+    assert isinstance(damaged.value, ManifestDamaged)
+    assert "save a new step" in str(damaged.value)
+    assert (damaged.value.job, damaged.value.step) == (JOB, STEP)
+
+    # A manifest of another generation at this key is damage too (a copy gone wrong).
+    entry = ShardEntry("a", 1, "sha256:" + "0" * 64, 0, "gpu1")
+    misplaced = Manifest(JOB, STEP + 1, 1, (entry,), ("gpu1",),
+                         {"handoff": 1.0, "staged": 2.0, "drained": 3.0, "committed": 4.0})
+    await backend.put_bytes(manifest_key(JOB, STEP), misplaced.to_json())
+    with pytest.raises(ManifestDamaged, match="describes 'llama' generation 1201"):
+        await committer.is_committed(JOB, STEP)
+
+    await backend.put_bytes(manifest_key(JOB, STEP), tombstone_json(JOB, STEP, "gpu9", 1.0))
+    with pytest.raises(StepAbandoned, match="abandoned") as abandoned:
+        await committer.is_committed(JOB, STEP)
+    assert "save a new step" in str(abandoned.value)
+    # committed() is for readers: an abandoned step is simply not committed.
+    assert await committer.committed(JOB, STEP) is None
