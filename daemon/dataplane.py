@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -49,26 +50,47 @@ def io_threads(configured: int) -> int:
     return configured or max(4, min(64, os.cpu_count() or 4))
 
 
+_PR_SET_NAME = 15
+_prctl: Callable[..., int] | None
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: threads keep the process's name
+    _prctl = None
+
+
+def name_os_thread() -> None:
+    """Give a pool thread its Python name in the kernel too (``/proc/<pid>/task/<tid>/comm``,
+    15 bytes: ``ckptdrain-io_3``, ``ckptdrain-pump_``), so ``top -H`` and the benchmarks can
+    tell the event loop (the main thread) from the data plane's threads."""
+    if _prctl is not None:
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(threading.current_thread().name.encode()[:15]),
+               0, 0, 0)
+
+
 class DataPlane:
     def __init__(self, threads: int, timeout_s: float, *, pumps: int) -> None:
         self.threads = threads
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ckptdrain-io")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ckptdrain-io",
+                                                           initializer=name_os_thread)
         # Socket pumps wait on their clients, so they get threads of their own (at most one
         # per connection, created as needed): a slow client never takes an fsync's thread.
-        self._pumps = concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump")
+        self._pumps = concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump",
+                                                            initializer=name_os_thread)
         self.stuck = 0
         self.busy = 0
 
     async def call(self, fn: Callable[..., T], *args: object,
-                   cleanup: Callable[[], None] | None = None) -> T:
+                   cleanup: Callable[[], None] | None = None,
+                   cancel: threading.Event | None = None) -> T:
         """Run ``fn(*args)`` in the pool, within ``io_timeout_s``.
 
         Ownership rule: when ``cleanup`` is given and the call raises, for whatever reason,
         ``cleanup`` has run or will run once the thread returns: the caller must not release
         what it handed over. Without ``cleanup``, or when the call returns, the caller owns
-        its resources as before."""
-        return await self._run(self._pool, fn, args, self.timeout_s, None, cleanup)
+        its resources as before. ``cancel`` is set when the call is given up on, for work
+        that can stop part-way (a long copy stops at its next chunk)."""
+        return await self._run(self._pool, fn, args, self.timeout_s, cancel, cleanup)
 
     async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event) -> T:
         """Run a socket pump: no overall timeout (it enforces the client's idle timeout
@@ -126,10 +148,13 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def kernel_copy(src: int, dst: int, size: int) -> None:
-    """Copy with copy_file_range (in-kernel, no user-space bounce), sendfile as fallback."""
+def kernel_copy(src: int, dst: int, size: int, cancel: threading.Event | None = None) -> None:
+    """Copy with copy_file_range (in-kernel, no user-space bounce), sendfile as fallback.
+    Stops at the next chunk once ``cancel`` is set (the hand-off was given up on)."""
     offset = 0
     while offset < size:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled
         want = min(COPY_CHUNK_BYTES, size - offset)
         try:
             n = os.copy_file_range(src, dst, want, offset)

@@ -120,8 +120,9 @@ class Handoffs:
             else:
                 src, dst = src_fd, tmp_fd
                 src_fd = tmp_fd = None  # the copy's thread owns them until it returns
-                await d.dataplane.call(kernel_copy, src, dst, size,
-                                       cleanup=lambda: _close(src, dst))
+                stop = threading.Event()
+                await d.dataplane.call(kernel_copy, src, dst, size, stop,
+                                       cleanup=lambda: _close(src, dst), cancel=stop)
                 src_fd, tmp_fd = src, dst
                 _close(src_fd)
                 src_fd = None

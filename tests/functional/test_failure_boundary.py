@@ -262,3 +262,21 @@ def traced(pid: int) -> bool:
                 return int(line.split()[1])
         return 0
     return all(tracer(t) for t in tasks)
+
+
+def test_a_blocking_call_past_io_timeout_fails_the_hand_off_and_is_counted(make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Stands in for a client fd on a hung mount: with a timeout far below what copying a
+    large file takes, the copy outlives it. The hand-off gets a typed error naming the limit,
+    the thread is shown as stuck until it returns, and the daemon keeps serving."""
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__IO_TIMEOUT_S="0.5")
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:  # sparse: costs no disk to make, seconds to copy
+        f.truncate(16 << 30)
+    c = d.client()
+    with pytest.raises(DrainError, match="io_timeout_s"), c.generation("hung", 1) as gen:
+        gen.put_file("big.bin", big)
+    status = c.status()
+    assert status["io_threads"]["size"] >= 4
+    wait_for(lambda: c.status()["io_threads"]["stuck"] == 0)
+    assert d.proc is not None and d.proc.poll() is None
+    assert c.status()["staged_bytes"] == 0
