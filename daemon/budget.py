@@ -13,8 +13,10 @@ import collections
 import contextlib
 from dataclasses import dataclass
 
+from ckptdrain.daemon.errors import DaemonError
 
-class BudgetFull(Exception):
+
+class BudgetFull(DaemonError):
     """The resource is full (or the wait for room timed out)."""
 
     def __init__(self, budget: Budget, requested: int, *, timed_out: bool) -> None:
@@ -29,12 +31,12 @@ class BudgetFull(Exception):
         )
 
 
-class AccountingError(RuntimeError):
+class AccountingError(DaemonError):
     """A budget was given back more than was taken: a bug (a double release), never a user
     error. It raises instead of clamping at zero, so tests catch the leak's twin."""
 
 
-class TooLarge(Exception):
+class TooLarge(DaemonError):
     """The request can never fit, however long it waits."""
 
     def __init__(self, budget: Budget, requested: int) -> None:

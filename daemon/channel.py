@@ -17,6 +17,7 @@ import socket
 import struct
 
 from ckptdrain.daemon.dataplane import SocketPump
+from ckptdrain.daemon.errors import DaemonError
 
 MAX_FDS_PER_MESSAGE = 4
 # Fds waiting for a frame to claim them. A client that passes fds on frames that take none,
@@ -25,7 +26,7 @@ MAX_QUEUED_FDS = 8
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 
 
-class IdleTimeout(Exception):
+class IdleTimeout(DaemonError):
     """The client sent nothing for longer than the idle timeout."""
 
 

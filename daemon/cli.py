@@ -19,12 +19,13 @@ from typing import Any, NoReturn, TypeVar
 from ckptdrain.client import Client, DrainError
 from ckptdrain.client.client import default_socket_path
 from ckptdrain.daemon import __version__
+from ckptdrain.daemon.errors import DaemonError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
 T = TypeVar("T")
 
 
-class CommandFailed(Exception):
+class CommandFailed(DaemonError):
     """An expected failure of a command: its message is shown as is, exit 1."""
 
 

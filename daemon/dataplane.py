@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ckptdrain.daemon.errors import StuckIO
+from ckptdrain.daemon.errors import DaemonError, StuckIO
 from ckptdrain.daemon.staging import start_writeback
 
 T = TypeVar("T")
@@ -38,11 +38,11 @@ COPY_CHUNK_BYTES = 64 << 20
 POLL_SLICE_S = 0.5
 
 
-class Cancelled(Exception):
+class Cancelled(DaemonError):
     """The pump was told to stop (its hand-off was cancelled)."""
 
 
-class ClientIdle(Exception):
+class ClientIdle(DaemonError):
     """The client sent nothing for longer than its idle timeout mid-shard."""
 
 

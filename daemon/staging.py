@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from ckptdrain.daemon.errors import DaemonError
+
 TMP = ".tmp"
 DATA = ".data"
 # Bytes kept free on the staging filesystem beyond our own budget, so the journal's WAL
@@ -41,7 +43,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-class StagingFull(OSError):
+class StagingFull(DaemonError, OSError):
     """The staging filesystem has no room for the shard."""
 
 
