@@ -38,6 +38,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ckptdrain.daemon.errors import DaemonError
+
 __all__ = [
     "ENV_IGNORED",
     "ENV_IGNORED_PREFIXES",
@@ -71,7 +73,7 @@ TiB = 1 << 40
 _MAX_SOCKET_PATH_BYTES = 107
 
 
-class ConfigError(Exception):
+class ConfigError(DaemonError):
     """The configuration is wrong. ``key`` is the dotted key (``limits.max_staged_bytes``), the
     file path or the environment variable at fault; ``reason`` says what is wrong and the fix."""
 
