@@ -1,0 +1,115 @@
+"""Ownership primitives: a Reservation is released exactly once; the supervisor owns work that
+outlives a request, behind a failure boundary, and a stop waits only for critical work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from ckptdrain.daemon.budget import AccountingError, Budget
+from ckptdrain.daemon.dataplane import DataPlane
+from ckptdrain.daemon.errors import DaemonError, StuckIO
+from ckptdrain.daemon.supervisor import Supervisor
+
+
+def test_a_reservation_released_twice_raises() -> None:
+    budget = Budget("max_staged_bytes", 100)
+    held = budget.reserve_now(60)
+    assert held is not None and budget.used == 60
+    held.release()
+    assert budget.used == 0
+    with pytest.raises(AccountingError, match="released twice"):
+        held.release()
+    assert budget.used == 0
+
+
+def test_releasing_more_than_is_held_raises_instead_of_clamping() -> None:
+    budget = Budget("max_queued_shards", 10)
+    budget.reserve_now(1)
+    with pytest.raises(AccountingError):
+        budget.release(2)
+    assert budget.used == 1
+    assert issubclass(AccountingError, DaemonError)
+
+
+def test_recovered_room_may_exceed_the_limit_and_blocks_new_room() -> None:
+    budget = Budget("max_staged_bytes", 100)
+    found = budget.adopt(150)  # what recovery found on disk, whatever the limit says now
+    assert budget.used == 150 and budget.reserve_now(1) is None
+    found.release()
+    assert budget.reserve_now(100) is not None
+
+
+@pytest.mark.asyncio
+async def test_the_supervisor_survives_a_failing_job(caplog: pytest.LogCaptureFixture) -> None:
+    sup = Supervisor()
+    done = asyncio.Event()
+
+    async def boom() -> None:
+        raise RuntimeError("a bug in one job")
+
+    async def fine() -> None:
+        done.set()
+
+    runner = asyncio.create_task(sup.run())
+    with caplog.at_level(logging.ERROR, logger="ckptdrain.supervisor"):
+        sup.spawn(boom, what="boom")
+        sup.spawn(fine, what="fine")
+        await asyncio.wait_for(done.wait(), 5)
+        while sup.failures == 0:
+            await asyncio.sleep(0)
+    assert sup.failures == 1
+    assert any("boom" in r.getMessage() and r.exc_info for r in caplog.records)
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+@pytest.mark.asyncio
+async def test_a_stop_waits_for_critical_work_only() -> None:
+    sup = Supervisor()
+    release = asyncio.Event()
+    finished: list[str] = []
+
+    async def persist() -> None:
+        await release.wait()
+        finished.append("persist")
+
+    async def retention() -> None:
+        await asyncio.Event().wait()  # would wait forever
+
+    runner = asyncio.create_task(sup.run())
+    sup.spawn(persist, what="persist", critical=True)
+    sup.spawn(retention, what="retention")
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(sup.finish(5.0))
+    await asyncio.sleep(0)
+    sup.spawn(persist, what="too late", critical=True)  # dropped: no new work once stopping
+    release.set()
+    assert await stopping == 0
+    assert finished == ["persist"]
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+@pytest.mark.asyncio
+async def test_a_call_past_its_timeout_is_stuck_until_it_returns_and_then_cleaned_up() -> None:
+    import threading
+
+    plane = DataPlane(2, 0.05, pumps=2)
+    gate = threading.Event()
+    cleaned: list[bool] = []
+    try:
+        with pytest.raises(StuckIO, match="io_timeout_s"):
+            await plane.call(gate.wait, 10.0, cleanup=lambda: cleaned.append(True))
+        assert plane.stuck == 1 and not cleaned  # nobody releases what the thread still uses
+        gate.set()
+        while plane.stuck:
+            await asyncio.sleep(0.01)
+        assert cleaned == [True] and plane.busy == 0
+    finally:
+        gate.set()
+        plane.close()
