@@ -24,13 +24,12 @@ from ckptdrain.client.manifest import (
     ManifestError,
     ShardEntry,
     generation_prefix,
-    latest_key,
     manifest_key,
     parse_manifest_key,
     shard_key,
 )
 from ckptdrain.daemon.backends.base import Backend, BackendError
-from ckptdrain.daemon.commit import parse_latest
+from ckptdrain.daemon.commit import newest_committed, read_latest
 
 log = logging.getLogger(__name__)
 
@@ -159,23 +158,19 @@ async def list_generations(backend: Backend, job: str) -> list[GenerationInfo]:
 async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | None:
     """The newest committed generation of ``job``, or None.
 
-    The LATEST hint answers in two requests, but is trusted only when the manifest it names
-    exists and parses; otherwise (or with ``use_hint=False``, exact but a full listing) the
-    manifests are listed. The hint can lag behind when two generations commit at once.
+    The LATEST hint is trusted only when the manifest it names exists and parses, and even
+    then only as a floor: a node can write a stale, lower hint over a newer one, so the
+    generation directories above it are listed (one request, not a listing of shards) and
+    the newest with a valid manifest wins. Never a step older than a generation whose
+    manifest existed when the call began. ``use_hint=False`` skips the hint.
     """
+    floor: int | None = None
     if use_hint:
-        try:
-            hinted = parse_latest(await backend.get_bytes(latest_key(job), max_bytes=64))
-        except BackendError as exc:
-            if exc.kind != "integrity":
-                raise
-            hinted = None  # an oversized LATEST is not ours: ignore it
+        hinted = await read_latest(backend, job)
         if hinted is not None and await read_manifest(backend, job, hinted) is not None:
-            return hinted
-    for step in await _manifest_steps(backend, job):
-        if await read_manifest(backend, job, step) is not None:
-            return step
-    return None
+            floor = hinted
+    newer = await newest_committed(backend, job, above=-1 if floor is None else floor)
+    return newer if newer is not None else floor
 
 
 async def resolve(backend: Backend, job: str, generation: int | Literal["latest"]) -> Manifest:

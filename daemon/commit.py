@@ -36,6 +36,7 @@ from ckptdrain.client.manifest import (
     latest_key,
     manifest_key,
     missing_ranks,
+    parse_generation_dir,
     part_key,
     parts_prefix,
     same_contents,
@@ -56,6 +57,8 @@ PART_READ_CONCURRENCY = 16
 # (a few seconds at this width) and must not be 100,000 requests at once.
 SHARD_CHECK_CONCURRENCY = 32
 _LATEST_MAX_BYTES = 64
+# Write-then-check rounds of raise_latest: two racing writers settle within two.
+LATEST_ROUNDS = 5
 _PARSE_IN_THREAD_BYTES = 1 << 20
 
 
@@ -110,6 +113,8 @@ class Committer:
         self.backend = backend
         self.node_id = validate_node_id(node_id)
         self._clock = clock
+        # One per job this committer has raised LATEST for: a handful per daemon.
+        self._latest_locks: dict[str, asyncio.Lock] = {}
 
     async def record_part(self, part: PartRecord) -> None:
         """Write (or overwrite) this node's part record for the part's generation."""
@@ -329,19 +334,82 @@ class Committer:
     async def _raise_latest(self, job: str, step: int) -> None:
         """Point LATEST at ``step`` unless it already names a newer generation.
 
-        A hint only: two nodes committing different generations at once can race here, so
-        readers confirm the hinted manifest and fall back to listing (see catalog.latest).
+        Raises are serialised per job in this process: two generations of one job published
+        at once by this daemon would otherwise both read the old hint and the slower one
+        would write its older step last. Across nodes, :func:`raise_latest` repairs it.
         """
-        key = latest_key(job)
-        try:
-            current = parse_latest(await self.backend.get_bytes(key, max_bytes=_LATEST_MAX_BYTES))
-        except BackendError as exc:
-            if exc.kind != "integrity":
-                raise
-            current = None  # not a hint we wrote (too large): replace it
-        if current is not None and current >= step:
+        async with self._latest_locks.setdefault(job, asyncio.Lock()):
+            await raise_latest(self.backend, job, step)
+
+
+async def read_latest(backend: Backend, job: str) -> int | None:
+    """The step ``<job>/LATEST`` names; None when absent, garbage, or not a hint we wrote."""
+    try:
+        return parse_latest(await backend.get_bytes(latest_key(job), max_bytes=_LATEST_MAX_BYTES))
+    except BackendError as exc:
+        if exc.kind != "integrity":
+            raise
+        return None  # too large to be ours: replaced by the next raise
+
+
+async def raise_latest(backend: Backend, job: str, step: int) -> None:
+    """Point LATEST at ``step``, or at a newer committed step, and never lower it for good.
+
+    Destinations offer no compare-and-swap on one key that works everywhere (POSIX has none),
+    so a node that read the hint just before another node raised it can write its older step
+    over the newer one. Every writer therefore looks, after its write, for a committed
+    generation newer than what it wrote, and writes that instead. Whoever writes last also
+    checks last, and all manifests it could have lowered were created before its check, so
+    the hint ends at the newest commit. A writer that dies between its write and its check
+    can leave the hint low: readers treat it as a floor, never as the answer
+    (catalog.latest). Bounded, so a store that keeps changing cannot hold a publish here.
+    """
+    key = latest_key(job)
+    target = step
+    for _ in range(LATEST_ROUNDS):
+        current = await read_latest(backend, job)
+        if current is not None and current >= target:
             return
-        await self.backend.put_bytes(key, f"{step}\n".encode())
+        await backend.put_bytes(key, f"{target}\n".encode())
+        newer = await newest_committed(backend, job, above=target)
+        if newer is not None:
+            target = newer
+            continue
+        current = await read_latest(backend, job)
+        if current is not None and current >= target:
+            return
+    log.warning(
+        "%s did not settle at step %d after %d rounds (another node keeps writing it); "
+        "readers still find the newest commit by listing", key, target, LATEST_ROUNDS,
+    )
+
+
+async def newest_committed(backend: Backend, job: str, above: int) -> int | None:
+    """The newest step of ``job`` above ``above`` with a valid manifest, or None.
+
+    One listing of the job's generation directories (not of their shards), then a manifest
+    read per directory, newest first, until one is valid: directories above the newest
+    commit are usually just the generations in flight.
+    """
+    steps = sorted(
+        (
+            step
+            for name in await backend.list_dirs(f"{job}/")
+            if (step := parse_generation_dir(name)) is not None and step > above
+        ),
+        reverse=True,
+    )
+    for step in steps:
+        data = await backend.get_bytes(manifest_key(job, step))
+        if data is None or is_tombstone(data):
+            continue
+        try:
+            manifest = await _parse_manifest(data)
+        except ManifestError:
+            continue  # damaged: not a commit a restart may use (catalog logs it)
+        if (manifest.job, manifest.generation) == (job, step):
+            return step
+    return None
 
 
 async def _parse_manifest(data: bytes) -> Manifest:

@@ -40,7 +40,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.catalog import for_each_bounded
-from ckptdrain.daemon.commit import parse_latest
+from ckptdrain.daemon.commit import raise_latest, read_latest
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 # and one request at a time would take minutes for a 100,000-shard generation; an unbounded
 # burst would be throttled (503 SlowDown) or swamp a Lustre MDS.
 DELETE_CONCURRENCY = 16
-_LATEST_MAX_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -395,18 +394,11 @@ async def _repair_latest(backend: Backend, job: str, removed: set[int], newest: 
     """Point LATEST at ``newest`` if it names a generation this run removed.
 
     Readers trust LATEST only when its manifest exists, so a dangling hint is never wrong,
-    only slow (a full listing per lookup); raising it saves that. It is rewritten only when
-    it names a removed step, which is always older than ``newest``, so this never lowers a
-    hint that a concurrent commit has just raised past it (except in the instant between the
-    read and the write, when it can lag like any LATEST; see docs/layout.md).
+    only slow (a full listing per lookup); raising it saves that. It is raised the way a
+    publish raises it (commit.raise_latest), so a commit racing this run is not undone.
     """
-    key = latest_key(job)
-    try:
-        hinted = parse_latest(await backend.get_bytes(key, max_bytes=_LATEST_MAX_BYTES))
-    except BackendError as exc:
-        if exc.kind != "integrity":
-            raise
-        return  # not a hint ckptdrain wrote; the committer replaces it on the next commit
+    hinted = await read_latest(backend, job)
     if hinted is not None and hinted in removed:
-        await backend.put_bytes(key, f"{newest}\n".encode())
-        log.info("retention: %s named removed generation %d; now %d", key, hinted, newest)
+        await raise_latest(backend, job, newest)
+        log.info("retention: %s named removed generation %d; raised to %d", latest_key(job),
+                 hinted, newest)

@@ -58,6 +58,9 @@ class MemoryStore:
     # The checksum recorded with each object at its creation, as S3 metadata or a POSIX
     # xattr is; a test removes one to stand for an object an older version wrote.
     checksums: dict[str, str] = field(default_factory=dict)
+    # Called with (key, bytes) at the instant each object is stored: a test's exact record of
+    # the order of writes to one key (LATEST), which call records cannot give.
+    on_write: Callable[[str, bytes], None] | None = None
 
 
 class Hold:
@@ -331,6 +334,8 @@ class MemoryBackend(Backend):
         self.store.objects[key] = data
         self.store.modified[key] = self.store.clock()
         self.store.checksums[key] = checksum
+        if self.store.on_write is not None:
+            self.store.on_write(key, data)
 
     def _info(self, key: str, data: bytes, *, with_checksum: bool = False) -> ObjectInfo:
         return ObjectInfo(
