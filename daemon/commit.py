@@ -5,9 +5,13 @@ Every node runs the same steps, with no coordinator and no lock:
 1. After all shards of the ranks it served have drained and been verified, the node writes its
    part record ``_parts/<node>.json`` (rewritten with the cumulative set as more ranks finish).
 2. It lists every part record of the generation. If together they cover ranks
-   ``0..world_size-1`` and agree with each other, it builds the manifest and publishes it with
-   an exclusive create. Exactly one node's create succeeds (PUBLISHED); the others read the
-   winner's manifest and accept it when it commits the same shards (ACCEPTED).
+   ``0..world_size-1`` and agree with each other, and every shard they list is at the
+   destination with the size and recorded checksum its record names (another attempt at the
+   same step may have replaced an uncommitted shard: then this attempt cannot commit), it
+   builds the manifest and publishes it with an exclusive create. Exactly one node's create
+   succeeds (PUBLISHED); the others read the winner's manifest and accept it when it commits
+   the same shards (ACCEPTED). A create that finds retention's tombstone (tombstone.py) fails:
+   the generation was abandoned and its shards are being deleted.
 3. After publishing or accepting, the node raises the ``LATEST`` hint if it is behind.
 
 The manifest is the generation's last write; nothing the generation needs is written after it.
@@ -179,6 +183,14 @@ class Committer:
             return CommitResult(CommitOutcome.PUBLISHED, manifest)
 
         existing_bytes = await self.backend.get_bytes(key)
+        if existing_bytes is not None and is_tombstone(existing_bytes):
+            return CommitResult(
+                CommitOutcome.CONFLICT,
+                None,
+                reason=f"step {step} of job {job!r} was abandoned: retention took {key} for "
+                "its tombstone before this publish and is removing the generation; it can no "
+                "longer commit: save a new step",
+            )
         if existing_bytes is None:
             return CommitResult(
                 CommitOutcome.CONFLICT,

@@ -14,18 +14,30 @@ Rules (docs/layout.md, "Retention"):
 - A generation whose manifest exists but cannot be read is not counted as committed and is
   kept for inspection until ``keep_last`` newer valid generations exist.
 
+Removing an abandoned generation races a late publish of it (a slow node may still hold every
+part record). The two meet at the one key both must create, ``MANIFEST.json``: retention first
+creates it exclusively, holding a tombstone (tombstone.py), and deletes shards only if that
+create succeeded or found a tombstone; a publish whose create finds the tombstone fails. So
+whichever create lands first wins, on S3 as on POSIX, and no manifest ever lists deleted
+shards. Two separate keys (an ``ABANDONED`` marker beside the manifest) would not do: each
+side would write its key and then read the other's, and on a store without multi-key
+transactions both reads can come before both writes. The tombstone stays for one grace period
+after the shards are gone, so that a publisher which read the part records just before they
+were deleted finds it too; a later run removes it.
+
 Any node may run it, all nodes at once included: every decision is taken from one listing,
 deletes are idempotent, and a key that is already gone is not an error. Only the
 :class:`Backend` interface is used, so POSIX and S3 behave the same.
 
-Planning (:func:`plan_retention`) is pure; :func:`apply_retention` does the I/O around it.
+Planning (retention_plan.py) is pure; :func:`apply_retention` does the I/O around it.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptdrain.client.manifest import (
@@ -34,13 +46,27 @@ from ckptdrain.client.manifest import (
     generation_prefix,
     latest_key,
     manifest_key,
-    parse_generation_dir,
-    parts_prefix,
 )
 from ckptdrain.daemon import catalog
-from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
+from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.commit import raise_latest, read_latest
+from ckptdrain.daemon.retention_plan import (
+    GenerationKeys,
+    RetentionPlan,
+    check_arguments,
+    deletion_order,
+    group_generations,
+    manifests_to_read,
+    plan_retention,
+)
+from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json
+
+# Re-exported: retention's planning lived here first.
+__all__ = [
+    "GenerationKeys", "RetentionPlan", "RetentionReport", "apply_retention", "deletion_order",
+    "gc", "group_generations", "manifests_to_read", "plan_retention",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,153 +95,11 @@ class RetentionReport:
     dry_run: bool = False
 
 
-@dataclass(frozen=True)
-class GenerationKeys:
-    """Everything listed under one generation directory."""
 
-    step: int
-    keys: tuple[str, ...]
-    has_manifest: bool
-    # Unix time of the newest object, or None when the destination did not say for some key.
-    newest_write: float | None
-
-
-@dataclass(frozen=True)
-class RetentionPlan:
-    kept: list[int]
-    delete_committed: list[int]
-    delete_abandoned: list[int]
-    skipped: list[tuple[int, str]]
-    newest_committed: int | None
-
-
-# --- planning (pure) ------------------------------------------------------------------------
-
-
-def group_generations(job: str, infos: Iterable[ObjectInfo]) -> dict[int, GenerationKeys]:
-    """The generation directories of ``job`` in a listing of ``<job>/``, by step.
-
-    Keys that are not under a ``<20 digits>/`` directory (``LATEST``, stray files) are
-    ignored: retention removes only what the layout says is a generation.
-    """
-    head = f"{job}/"
-    keys: dict[int, list[str]] = {}
-    newest: dict[int, float | None] = {}
-    for info in infos:
-        if not info.key.startswith(head):
-            continue
-        dirname, sep, rest = info.key[len(head) :].partition("/")
-        if not sep or not rest:
-            continue
-        step = parse_generation_dir(dirname)
-        if step is None:
-            continue
-        keys.setdefault(step, []).append(info.key)
-        before = newest.get(step, 0.0)
-        if before is None or info.modified is None:
-            newest[step] = None
-        else:
-            newest[step] = max(before, info.modified)
-    return {
-        step: GenerationKeys(
-            step=step,
-            keys=tuple(sorted(found)),
-            has_manifest=manifest_key(job, step) in found,
-            newest_write=newest[step],
-        )
-        for step, found in keys.items()
-    }
-
-
-def manifests_to_read(generations: Mapping[int, GenerationKeys]) -> list[int]:
-    """Steps with a manifest key, newest first: the order in which to validate them."""
-    return sorted((g.step for g in generations.values() if g.has_manifest), reverse=True)
-
-
-def plan_retention(
-    generations: Mapping[int, GenerationKeys],
-    valid: Sequence[int],
-    unreadable: Mapping[int, str],
-    *,
-    keep_last: int,
-    abandoned_grace_s: float,
-    now: float,
-) -> RetentionPlan:
-    """Decide what to keep and what to remove.
-
-    ``valid`` are the steps whose manifests were read and are valid, newest first, and
-    ``unreadable`` the steps whose manifest key was listed but did not read back as a valid
-    manifest (with the reason). Manifests are validated newest first until ``keep_last``
-    valid ones are found; older manifest keys need not have been read, they are removed.
-    """
-    _check_arguments(keep_last, abandoned_grace_s)
-    kept = sorted(valid, reverse=True)[:keep_last]
-    newest = kept[0] if kept else None
-    # Manifest-bearing generations below the oldest kept one go; with fewer than keep_last
-    # valid generations there is no such boundary and none goes.
-    boundary = kept[-1] if len(kept) == keep_last else None
-    delete_committed: list[int] = []
-    delete_abandoned: list[int] = []
-    skipped: list[tuple[int, str]] = []
-    for step in sorted(generations, reverse=True):
-        gen = generations[step]
-        if step in kept:
-            continue
-        if gen.has_manifest:
-            if boundary is not None and step < boundary:
-                delete_committed.append(step)
-            else:
-                reason = unreadable.get(step, "its manifest was not read")
-                skipped.append((step, f"manifest not usable ({reason}); kept for inspection"))
-            continue
-        if newest is None:
-            skipped.append((step, "uncommitted, and the job has no committed generation yet"))
-        elif step > newest:
-            skipped.append((step, "uncommitted and newer than the newest committed: in flight"))
-        elif gen.newest_write is None:
-            skipped.append(
-                (step, "uncommitted, but the destination does not report write times")
-            )
-        elif now - gen.newest_write < abandoned_grace_s:
-            skipped.append(
-                (
-                    step,
-                    f"uncommitted, last written {max(now - gen.newest_write, 0.0):.0f}s ago, "
-                    f"within the {abandoned_grace_s:g}s grace period",
-                )
-            )
-        else:
-            delete_abandoned.append(step)
-    return RetentionPlan(
-        kept=kept,
-        delete_committed=delete_committed,
-        delete_abandoned=delete_abandoned,
-        skipped=skipped,
-        newest_committed=newest,
-    )
-
-
-def deletion_order(job: str, gen: GenerationKeys) -> tuple[list[str], list[str], list[str]]:
-    """``(manifest, part records, everything else)``: the three batches, deleted in order."""
-    manifest = manifest_key(job, gen.step)
-    parts = parts_prefix(job, gen.step)
-    first = [k for k in gen.keys if k == manifest]
-    second = [k for k in gen.keys if k.startswith(parts)]
-    rest = [k for k in gen.keys if k != manifest and not k.startswith(parts)]
-    return first, second, rest
-
-
-def _check_arguments(keep_last: int, abandoned_grace_s: float) -> None:
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(
-            f"keep_last must be an integer >= 1 (the newest committed generation is always "
-            f"kept), not {keep_last!r}"
-        )
-    if not abandoned_grace_s >= 0:
-        raise ValueError(f"abandoned_grace_s must be >= 0 seconds, not {abandoned_grace_s!r}")
-
-
-# --- doing ----------------------------------------------------------------------------------
+class _Abandoned(enum.Enum):
+    REMOVED = "removed"  # shards and part records gone (the tombstone may stay a while)
+    TOMBSTONE_KEPT = "kept"  # only a tombstone left, younger than the grace period
+    COMMITTED = "committed"  # a manifest was created before the tombstone: nothing removed
 
 
 async def apply_retention(
@@ -234,12 +118,12 @@ async def apply_retention(
     Raises BackendError when the job cannot be listed or its kept manifests cannot be read;
     an error while removing one generation is reported in ``failed`` and the run goes on.
     """
-    _check_arguments(keep_last, abandoned_grace_s)
+    check_arguments(keep_last, abandoned_grace_s)
     generation_prefix(job, 0)  # validates the job name before anything is listed
     if now is None:
         now = time.time()
     generations = group_generations(job, await backend.list(f"{job}/"))
-    valid, unreadable = await _validate_newest(backend, job, generations, keep_last)
+    valid, unreadable, tombstoned = await _validate_newest(backend, job, generations, keep_last)
     plan = plan_retention(
         generations,
         valid,
@@ -247,35 +131,36 @@ async def apply_retention(
         keep_last=keep_last,
         abandoned_grace_s=abandoned_grace_s,
         now=now,
+        tombstoned=tombstoned,
     )
     deleted: list[int] = []
     abandoned: list[int] = []
     skipped = list(plan.skipped)
     failed: list[tuple[int, str]] = []
     # Oldest first: if a run is interrupted, what is left is the newer end of the history.
-    for step in sorted(plan.delete_committed):
+    removals = [(step, True) for step in plan.delete_committed]
+    removals += [(step, False) for step in plan.delete_abandoned]
+    for step, committed in sorted(removals):
         if dry_run:
-            deleted.append(step)
+            (deleted if committed else abandoned).append(step)
             continue
+        gen = generations[step]
         try:
-            await _delete_committed(backend, job, generations[step])
+            if committed and not await _is_tombstoned(backend, job, step):
+                await _delete_committed(backend, job, gen)
+                log.info("retention removed committed generation %d of job %r", step, job)
+                deleted.append(step)
+                continue
+            outcome = await _delete_abandoned(backend, job, gen, now, abandoned_grace_s)
         except BackendError as exc:
             failed.append((step, f"removal interrupted: {exc}; the next run retries it"))
             continue
-        log.info("retention removed committed generation %d of job %r", step, job)
-        deleted.append(step)
-    for step in sorted(plan.delete_abandoned):
-        if dry_run:
-            abandoned.append(step)
-            continue
-        try:
-            removed = await _delete_abandoned(backend, job, generations[step])
-        except BackendError as exc:
-            failed.append((step, f"removal interrupted: {exc}; the next run retries it"))
-            continue
-        if removed:
+        if outcome is _Abandoned.REMOVED:
             log.info("retention removed abandoned generation %d of job %r", step, job)
             abandoned.append(step)
+        elif outcome is _Abandoned.TOMBSTONE_KEPT:
+            skipped.append((step, f"abandoned and removed; its tombstone stays until it is "
+                                  f"{abandoned_grace_s:g}s old, so no late publish can commit it"))
         else:
             skipped.append((step, "committed while retention was removing it; kept"))
     if not dry_run and plan.newest_committed is not None and (deleted or abandoned):
@@ -306,7 +191,7 @@ async def gc(
 ) -> list[RetentionReport]:
     """:func:`apply_retention` over ``jobs`` (default: every job with a committed manifest),
     one job after another so the destination sees one job's deletes at a time."""
-    _check_arguments(keep_last, abandoned_grace_s)
+    check_arguments(keep_last, abandoned_grace_s)
     if jobs is None:
         jobs = await catalog.list_jobs(backend)
     return [
@@ -324,14 +209,16 @@ async def gc(
 
 async def _validate_newest(
     backend: Backend, job: str, generations: Mapping[int, GenerationKeys], keep_last: int
-) -> tuple[list[int], dict[int, str]]:
-    """Read manifests newest first until ``keep_last`` valid ones are found.
+) -> tuple[list[int], dict[int, str], set[int]]:
+    """Read manifests newest first until ``keep_last`` valid ones are found: (valid steps,
+    unreadable ones with the reason, tombstoned ones).
 
     Only the generations that will be kept are read (normally ``keep_last`` small objects),
     never the older ones about to be removed.
     """
     valid: list[int] = []
     unreadable: dict[int, str] = {}
+    tombstoned: set[int] = set()
     for step in manifests_to_read(generations):
         if len(valid) == keep_last:
             break
@@ -340,13 +227,16 @@ async def _validate_newest(
             # Listed a moment ago, gone now: another node's retention is removing it.
             unreadable[step] = "removed while this run was reading it"
             continue
+        if is_tombstone(data):
+            tombstoned.add(step)
+            continue
         reason = _manifest_problem(job, step, data)
         if reason:
             log.warning("retention: %s: %s", manifest_key(job, step), reason)
             unreadable[step] = reason
         else:
             valid.append(step)
-    return valid, unreadable
+    return valid, unreadable, tombstoned
 
 
 def _manifest_problem(job: str, step: int, data: bytes) -> str:
@@ -360,6 +250,13 @@ def _manifest_problem(job: str, step: int, data: bytes) -> str:
     return ""
 
 
+async def _is_tombstoned(backend: Backend, job: str, step: int) -> bool:
+    """Whether an old generation's manifest key holds a tombstone (manifests below the kept
+    ones are not read by _validate_newest): its removal must keep the key until last."""
+    data = await backend.get_bytes(manifest_key(job, step))
+    return data is not None and is_tombstone(data)
+
+
 async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys) -> None:
     manifest, parts, rest = deletion_order(job, gen)
     # The manifest goes alone and first; each batch starts only after the previous one
@@ -371,17 +268,29 @@ async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys) -> 
     await _delete_all(backend, rest)
 
 
-async def _delete_abandoned(backend: Backend, job: str, gen: GenerationKeys) -> bool:
-    """Remove an uncommitted generation; False (nothing but part records removed) if its
-    manifest appeared since the listing."""
+async def _delete_abandoned(
+    backend: Backend, job: str, gen: GenerationKeys, now: float, grace_s: float
+) -> _Abandoned:
+    """Remove an uncommitted generation, tombstone first (see the module docstring)."""
+    key = manifest_key(job, gen.step)
+    tombstone = tombstone_json(job, gen.step, backend.node_id, now)
+    if not await backend.put_bytes(key, tombstone, exclusive=True):
+        data = await backend.get_bytes(key)
+        if data is not None and not is_tombstone(data):
+            # A node published before our create: it is committed now, and its shards stay.
+            # (A damaged manifest stays too: the rules keep those for inspection.)
+            return _Abandoned.COMMITTED
+        # A tombstone (ours from an earlier run, or another node's running now), or gone
+        # since (another run removed an old tombstone after the shards): finish the removal.
     _, parts, rest = deletion_order(job, gen)
     await _delete_all(backend, parts)
-    # A node could have published between the listing and now (with its part records gone,
-    # no node can from here on): never take shards from under a manifest.
-    if await backend.get_bytes(manifest_key(job, gen.step)) is not None:
-        return False
     await _delete_all(backend, rest)
-    return True
+    if gen.manifest_written is None or now - gen.manifest_written < grace_s:
+        return _Abandoned.TOMBSTONE_KEPT if not (parts or rest) else _Abandoned.REMOVED
+    # A publisher that read the part records before they went has had a whole grace period
+    # to reach its create and meet the tombstone: the key can go now.
+    await backend.delete(key)
+    return _Abandoned.REMOVED
 
 
 async def _delete_all(backend: Backend, keys: Sequence[str]) -> None:

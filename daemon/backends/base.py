@@ -70,6 +70,8 @@ class Backend(abc.ABC):
     """One destination. Instances are used from one event loop; methods are coroutine-safe."""
 
     uri: str
+    # The node this backend writes for (temp names, upload metadata, tombstones carry it).
+    node_id: str = ""
     # Incomplete uploads this backend aborted so far (put_file cleanup and sweeps together).
     aborted_uploads: int = 0
 

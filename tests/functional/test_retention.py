@@ -45,6 +45,7 @@ from ckptdrain.daemon.retention import (
     manifests_to_read,
     plan_retention,
 )
+from ckptdrain.daemon.tombstone import is_tombstone
 
 JOB = "llama"
 NODE = "gpu1"
@@ -102,6 +103,10 @@ class Dest:
                 if key.startswith(prefix):
                     self.store.modified[key] -= by_s
 
+    def tombstone(self, key: str) -> bool:
+        data = (self.root / key).read_bytes() if self.kind == "posix" else self.store.objects[key]
+        return is_tombstone(data)
+
     def all_keys(self) -> list[str]:
         if self.kind == "posix":
             return sorted(
@@ -153,7 +158,13 @@ async def abandon(backend: Backend, step: int, job: str = JOB) -> None:
 
 
 def steps_present(d: Dest, job: str = JOB) -> set[int]:
-    return {int(k.split("/")[1]) for k in d.all_keys() if k.startswith(f"{job}/0")}
+    """Steps with anything left but the tombstone an abandoned removal keeps at MANIFEST.json
+    for one grace period (test_retention_race.py covers its life)."""
+    return {
+        int(k.split("/")[1])
+        for k in d.all_keys()
+        if k.startswith(f"{job}/0") and not (k.endswith("/MANIFEST.json") and d.tombstone(k))
+    }
 
 
 async def committed_steps(backend: Backend, job: str = JOB) -> list[int]:
@@ -222,14 +233,15 @@ async def test_manifest_goes_before_part_records_before_shards(tmp_path: Path) -
         # One manifest, then every part record, then every shard: never a shard first.
         assert kinds == sorted(kinds, key=["manifest", "part", "shard"].index)
         assert kinds.count("shard") == len(PATHS)
-    # An abandoned generation loses its part records first (so no node can publish it any
-    # more), is checked once more for a manifest, and only then loses its shards.
+    # An abandoned generation first takes its manifest key for a tombstone (an exclusive
+    # create: from then on no node can publish it), and only then loses its part records and
+    # its shards; the tombstone itself stays for a grace period.
     calls = [(op, key) for _node, op, key in store.calls]
     prefix = generation_prefix(JOB, 15)
     abandoned_calls = [(op, key) for op, key in calls if key.startswith(prefix)]
     assert abandoned_calls == [
+        ("put_bytes", manifest_key(JOB, 15)),
         ("delete", part_key(JOB, 15, NODE)),
-        ("get_bytes", manifest_key(JOB, 15)),
         *(("delete", shard_key(JOB, 15, p)) for p in sorted(PATHS[:2])),
     ]
     await backend.aclose()
@@ -599,9 +611,14 @@ def test_gc_command_dry_run_then_for_real(tmp_path: Path) -> None:
     listed = run_cli("ls", uri, "--json")
     assert [row["generation"] for row in json.loads(listed.stdout)] == [400, 300]
     assert {int(name) for name in {f.split("/")[1] for f in files_of(root)} - {"LATEST"}} == {
+        150,
         300,
         400,
     }
+    # All that is left of 150 is its tombstone, until it is a grace period old.
+    abandoned = root / JOB / f"{150:020d}"
+    assert [p.name for p in abandoned.rglob("*") if p.is_file()] == ["MANIFEST.json"]
+    assert is_tombstone((abandoned / "MANIFEST.json").read_bytes())
 
 
 def test_gc_command_takes_its_defaults_from_the_config(tmp_path: Path) -> None:

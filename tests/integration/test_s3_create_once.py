@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import MiB, S3Backend
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.retention import apply_retention
 from tests.integration.seaweedfs import REGION, SeaweedFS
 
 PREFIX = "ckpt/run1"
@@ -227,3 +229,56 @@ async def test_stat_and_list_dirs(nodes: Nodes, tmp_path: Path) -> None:
     backend.list_page_size = 1  # paging through a real server
     assert await backend.list_dirs(f"{JOB}/") == [f"{STEP:020d}", f"{7:020d}"]
     assert await backend.list_dirs("nothing/") == []
+
+
+@pytest.mark.parametrize("first", ["retention", "publish"])
+async def test_retention_and_a_late_publish_meet_at_the_manifest_key(
+    nodes: Nodes, tmp_path: Path, first: str
+) -> None:
+    """On S3 the one arbiter is the conditional create of MANIFEST.json: whichever of the
+    tombstone and the manifest lands first holds it, and the other side backs off."""
+    n1, gc = nodes("n1"), nodes("gc")
+    for step in (4, 6):  # committed on both sides of the late step 5
+        data = f"step {step}".encode()
+        await put_step(n1, tmp_path, step, data)
+        committer = Committer(n1, "n1")
+        await committer.record_part(record_of(step, data))
+        assert (await committer.try_publish(JOB, step, 1)).committed
+    await put_step(n1, tmp_path, STEP, b"late")
+    await Committer(n1, "n1").record_part(record_of(STEP, b"late"))
+    later = time.time() + 7200  # the late generation looks abandoned to this run
+
+    async def removal() -> Any:
+        return await apply_retention(gc, JOB, keep_last=5, abandoned_grace_s=600, now=later)
+
+    if first == "retention":
+        report = await removal()
+        assert report.abandoned_deleted == [STEP]
+        assert [i.key for i in await gc.list(f"{JOB}/{STEP:020d}/")] == [manifest_key(JOB, STEP)]
+        # The late node still has everything and writes it all again: its publish fails.
+        await put_step(n1, tmp_path, STEP, b"late")
+        await Committer(n1, "n1").record_part(record_of(STEP, b"late"))
+        result = await Committer(n1, "n1").try_publish(JOB, STEP, 1)
+        assert result.outcome is CommitOutcome.CONFLICT and "abandoned" in result.reason
+        assert await catalog.latest(gc, JOB) == 6
+    else:
+        result = await Committer(n1, "n1").try_publish(JOB, STEP, 1)
+        report = await removal()
+        assert result.outcome is CommitOutcome.PUBLISHED
+        assert report.abandoned_deleted == [] and STEP in report.kept
+        assert (await catalog.verify(gc, JOB, STEP)).ok
+
+
+async def put_step(backend: S3Backend, tmp_path: Path, step: int, data: bytes) -> None:
+    staged = tmp_path / f"step-{step}"
+    staged.write_bytes(data)
+    fd = os.open(staged, os.O_RDONLY)
+    try:
+        await backend.put_file(shard_key(JOB, step, "w.bin"), fd, len(data))
+    finally:
+        os.close(fd)
+
+
+def record_of(step: int, data: bytes) -> PartRecord:
+    entry = ShardEntry("w.bin", len(data), "sha256:" + hashlib.sha256(data).hexdigest(), 0, "n1")
+    return PartRecord(JOB, step, 1, "n1", (0,), (entry,), CLOCKS)
