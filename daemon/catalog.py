@@ -29,7 +29,7 @@ from ckptdrain.client.manifest import (
     shard_key,
 )
 from ckptdrain.daemon.backends.base import Backend, BackendError
-from ckptdrain.daemon.commit import newest_committed, read_latest
+from ckptdrain.daemon.latest import newest_committed, read_latest
 
 log = logging.getLogger(__name__)
 

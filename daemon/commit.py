@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckptdrain.client.manifest import (
-    STEP_DIGITS,
     Manifest,
     ManifestError,
     PartRecord,
@@ -37,18 +36,22 @@ from ckptdrain.client.manifest import (
     build_manifest,
     describe_ranks,
     generation_prefix,
-    latest_key,
     manifest_key,
     missing_ranks,
-    parse_generation_dir,
     part_key,
     parts_prefix,
     same_contents,
     validate_node_id,
 )
-from ckptdrain.client.names import MAX_STEP
-from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.base import Backend
+from ckptdrain.daemon.latest import parse_latest, parse_manifest, raise_latest
 from ckptdrain.daemon.tombstone import is_tombstone
+
+# Re-exported: the LATEST helpers lived here first (latest.py now).
+__all__ = [
+    "CommitError", "CommitOutcome", "CommitResult", "Committer", "ManifestDamaged",
+    "StepAbandoned", "StepUnusable", "parse_latest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +63,6 @@ PART_READ_CONCURRENCY = 16
 # Shards checked at once before a publish: a 100,000-shard generation is 100,000 HEADs on S3
 # (a few seconds at this width) and must not be 100,000 requests at once.
 SHARD_CHECK_CONCURRENCY = 32
-_LATEST_MAX_BYTES = 64
-# Write-then-check rounds of raise_latest: two racing writers settle within two.
-LATEST_ROUNDS = 5
-_PARSE_IN_THREAD_BYTES = 1 << 20
 
 
 class CommitError(Exception):
@@ -254,7 +253,7 @@ class Committer:
                 f"({key} holds its tombstone); save a new step",
             )
         try:
-            manifest = await _parse_manifest(data)
+            manifest = await parse_manifest(data)
         except ManifestError as exc:
             raise ManifestDamaged(
                 job, step,
@@ -354,84 +353,6 @@ class Committer:
             await raise_latest(self.backend, job, step)
 
 
-async def read_latest(backend: Backend, job: str) -> int | None:
-    """The step ``<job>/LATEST`` names; None when absent, garbage, or not a hint we wrote."""
-    try:
-        return parse_latest(await backend.get_bytes(latest_key(job), max_bytes=_LATEST_MAX_BYTES))
-    except BackendError as exc:
-        if exc.kind != "integrity":
-            raise
-        return None  # too large to be ours: replaced by the next raise
-
-
-async def raise_latest(backend: Backend, job: str, step: int) -> None:
-    """Point LATEST at ``step``, or at a newer committed step, and never lower it for good.
-
-    Destinations offer no compare-and-swap on one key that works everywhere (POSIX has none),
-    so a node that read the hint just before another node raised it can write its older step
-    over the newer one. Every writer therefore looks, after its write, for a committed
-    generation newer than what it wrote, and writes that instead. Whoever writes last also
-    checks last, and all manifests it could have lowered were created before its check, so
-    the hint ends at the newest commit. A writer that dies between its write and its check
-    can leave the hint low: readers treat it as a floor, never as the answer
-    (catalog.latest). Bounded, so a store that keeps changing cannot hold a publish here.
-    """
-    key = latest_key(job)
-    target = step
-    for _ in range(LATEST_ROUNDS):
-        current = await read_latest(backend, job)
-        if current is not None and current >= target:
-            return
-        await backend.put_bytes(key, f"{target}\n".encode())
-        newer = await newest_committed(backend, job, above=target)
-        if newer is not None:
-            target = newer
-            continue
-        current = await read_latest(backend, job)
-        if current is not None and current >= target:
-            return
-    log.warning(
-        "%s did not settle at step %d after %d rounds (another node keeps writing it); "
-        "readers still find the newest commit by listing", key, target, LATEST_ROUNDS,
-    )
-
-
-async def newest_committed(backend: Backend, job: str, above: int) -> int | None:
-    """The newest step of ``job`` above ``above`` with a valid manifest, or None.
-
-    One listing of the job's generation directories (not of their shards), then a manifest
-    read per directory, newest first, until one is valid: directories above the newest
-    commit are usually just the generations in flight.
-    """
-    steps = sorted(
-        (
-            step
-            for name in await backend.list_dirs(f"{job}/")
-            if (step := parse_generation_dir(name)) is not None and step > above
-        ),
-        reverse=True,
-    )
-    for step in steps:
-        data = await backend.get_bytes(manifest_key(job, step))
-        if data is None or is_tombstone(data):
-            continue
-        try:
-            manifest = await _parse_manifest(data)
-        except ManifestError:
-            continue  # damaged: not a commit a restart may use (catalog logs it)
-        if (manifest.job, manifest.generation) == (job, step):
-            return step
-    return None
-
-
-async def _parse_manifest(data: bytes) -> Manifest:
-    """Manifest.from_json, in a worker thread for a large one: a 100,000-shard manifest is
-    20 MB of JSON, too much to parse on the event loop."""
-    if len(data) < _PARSE_IN_THREAD_BYTES:
-        return Manifest.from_json(data)
-    return await asyncio.to_thread(Manifest.from_json, data)
-
-
 def _by_rank(shard: ShardEntry) -> tuple[int, str]:
     return shard.rank, shard.path
 
@@ -459,14 +380,3 @@ async def _bounded(
                 group.create_task(worker())
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
-
-
-def parse_latest(data: bytes | None) -> int | None:
-    """The step a LATEST hint names, or None when absent or not a valid step number."""
-    if data is None:
-        return None
-    text = data.strip()
-    if not text.isdigit() or len(text) > STEP_DIGITS:
-        return None
-    step = int(text)
-    return step if step <= MAX_STEP else None

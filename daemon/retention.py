@@ -50,7 +50,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.catalog import for_each_bounded
-from ckptdrain.daemon.commit import raise_latest, read_latest
+from ckptdrain.daemon.latest import raise_latest, read_latest
 from ckptdrain.daemon.retention_plan import (
     GenerationKeys,
     RetentionPlan,

@@ -1,0 +1,123 @@
+"""The ``<job>/LATEST`` hint: read it, raise it, and find the commits it may lag behind.
+
+LATEST names the newest committed step as decimal text. It is only a hint: writers raise it
+after a manifest is published, and readers (catalog.latest) use it as a floor, never as the
+answer, because without a compare-and-swap that works on every destination a node can write
+a stale, lower step over a newer one. :func:`raise_latest` repairs that from the writer's side
+and :func:`newest_committed` lets a reader look past it, both with one listing of the job's
+generation directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ckptdrain.client.manifest import (
+    STEP_DIGITS,
+    Manifest,
+    ManifestError,
+    latest_key,
+    manifest_key,
+    parse_generation_dir,
+)
+from ckptdrain.client.names import MAX_STEP
+from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.tombstone import is_tombstone
+
+log = logging.getLogger(__name__)
+
+_LATEST_MAX_BYTES = 64
+# Write-then-check rounds of raise_latest: two racing writers settle within two.
+LATEST_ROUNDS = 5
+# Manifests larger than this are parsed in a worker thread.
+_PARSE_IN_THREAD_BYTES = 1 << 20
+
+
+def parse_latest(data: bytes | None) -> int | None:
+    """The step a LATEST hint names, or None when absent or not a valid step number."""
+    if data is None:
+        return None
+    text = data.strip()
+    if not text.isdigit() or len(text) > STEP_DIGITS:
+        return None
+    step = int(text)
+    return step if step <= MAX_STEP else None
+
+
+async def read_latest(backend: Backend, job: str) -> int | None:
+    """The step ``<job>/LATEST`` names; None when absent, garbage, or not a hint we wrote."""
+    try:
+        return parse_latest(await backend.get_bytes(latest_key(job), max_bytes=_LATEST_MAX_BYTES))
+    except BackendError as exc:
+        if exc.kind != "integrity":
+            raise
+        return None  # too large to be ours: replaced by the next raise
+
+
+async def raise_latest(backend: Backend, job: str, step: int) -> None:
+    """Point LATEST at ``step``, or at a newer committed step, and never lower it for good.
+
+    Destinations offer no compare-and-swap on one key that works everywhere (POSIX has none),
+    so a node that read the hint just before another node raised it can write its older step
+    over the newer one. Every writer therefore looks, after its write, for a committed
+    generation newer than what it wrote, and writes that instead. Whoever writes last also
+    checks last, and all manifests it could have lowered were created before its check, so
+    the hint ends at the newest commit. A writer that dies between its write and its check
+    can leave the hint low: readers treat it as a floor, never as the answer
+    (catalog.latest). Bounded, so a store that keeps changing cannot hold a publish here.
+    """
+    key = latest_key(job)
+    target = step
+    for _ in range(LATEST_ROUNDS):
+        current = await read_latest(backend, job)
+        if current is not None and current >= target:
+            return
+        await backend.put_bytes(key, f"{target}\n".encode())
+        newer = await newest_committed(backend, job, above=target)
+        if newer is not None:
+            target = newer
+            continue
+        current = await read_latest(backend, job)
+        if current is not None and current >= target:
+            return
+    log.warning(
+        "%s did not settle at step %d after %d rounds (another node keeps writing it); "
+        "readers still find the newest commit by listing", key, target, LATEST_ROUNDS,
+    )
+
+
+async def newest_committed(backend: Backend, job: str, above: int) -> int | None:
+    """The newest step of ``job`` above ``above`` with a valid manifest, or None.
+
+    One listing of the job's generation directories (not of their shards), then a manifest
+    read per directory, newest first, until one is valid: directories above the newest
+    commit are usually just the generations in flight.
+    """
+    steps = sorted(
+        (
+            step
+            for name in await backend.list_dirs(f"{job}/")
+            if (step := parse_generation_dir(name)) is not None and step > above
+        ),
+        reverse=True,
+    )
+    for step in steps:
+        data = await backend.get_bytes(manifest_key(job, step))
+        if data is None or is_tombstone(data):
+            continue
+        try:
+            manifest = await parse_manifest(data)
+        except ManifestError:
+            continue  # damaged: not a commit a restart may use (catalog logs it)
+        if (manifest.job, manifest.generation) == (job, step):
+            return step
+    return None
+
+
+async def parse_manifest(data: bytes) -> Manifest:
+    """Manifest.from_json, in a worker thread for a large one: a 100,000-shard manifest is
+    20 MB of JSON, too much to parse on the event loop."""
+    if len(data) < _PARSE_IN_THREAD_BYTES:
+        return Manifest.from_json(data)
+    return await asyncio.to_thread(Manifest.from_json, data)
