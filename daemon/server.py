@@ -22,13 +22,12 @@ import time
 from typing import Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError
 from ckptdrain.daemon import __version__
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.admission import Admission
 from ckptdrain.daemon.backends.base import BackendError, open_backend
 from ckptdrain.daemon.budget import Budget
-from ckptdrain.daemon.commit import Committer
+from ckptdrain.daemon.commit import Committer, StepUnusable
 from ckptdrain.daemon.config import Config
 from ckptdrain.daemon.connection import ClientHandler
 from ckptdrain.daemon.copies import LocalCopies
@@ -245,17 +244,16 @@ class Daemon:
     async def _refuse_if_committed(self, job: str, step: int) -> None:
         """Refuse a step another node already committed: nothing may overwrite it."""
         try:
-            manifest = await asyncio.wait_for(self.committer.committed(job, step),
-                                              COMMITTED_CHECK_TIMEOUT_S)
-        except ManifestError as exc:
-            raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} has a damaged "
-                               f"manifest at the destination ({exc}); save a new step") from None
+            committed = await asyncio.wait_for(self.committer.is_committed(job, step),
+                                               COMMITTED_CHECK_TIMEOUT_S)
+        except StepUnusable as exc:
+            raise RequestError(wire.COMMITTED, str(exc)) from None
         except (BackendError, OSError, TimeoutError) as exc:
             # Cannot tell now; the create-once shard writes still protect a committed step.
             log_event(log, logging.WARNING, "committed_check_failed", job=job, step=step,
                       error=str(exc) or type(exc).__name__)
             return
-        if manifest is not None:
+        if committed:
             raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is committed; save a "
                                "new step")
 
