@@ -58,6 +58,12 @@ _PART_FIELDS = frozenset(
         "clocks", "attempt",
     }
 )
+# Present only in the record of a node that ended the generation: a record without them is
+# byte-identical to one written before they existed.
+_PART_OPTIONAL_FIELDS = frozenset({"aborted_ranks", "abort_reason"})
+# Why the ranks aborted, bounded: a 4 KiB part record per node stays a 4 KiB read for every
+# node that polls it.
+MAX_ABORT_REASON_CHARS = 1024
 _MANIFEST_FIELDS = frozenset(
     {
         "format_version",
@@ -209,7 +215,9 @@ def _list(value: object, what: str) -> list[Any]:
     return value
 
 
-def _object(value: object, what: str, fields: frozenset[str]) -> dict[str, Any]:
+def _object(
+    value: object, what: str, fields: frozenset[str], optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ManifestError(f"{what} must be an object, not {type(value).__name__}")
     missing = sorted(fields - value.keys())
@@ -217,7 +225,7 @@ def _object(value: object, what: str, fields: frozenset[str]) -> dict[str, Any]:
         raise ManifestError(f"{what} lacks {', '.join(missing)}")
     # Strict: an unknown field means a newer or foreign writer; format_version is how the
     # format grows, so guessing past an unknown field could hide a changed meaning.
-    unknown = sorted(value.keys() - fields)
+    unknown = sorted(value.keys() - fields - optional)
     if unknown:
         raise ManifestError(f"{what} has unknown field(s) {', '.join(unknown)}")
     return value
@@ -372,11 +380,18 @@ class PartRecord:
     # Which attempt at the step wrote it: coverage only counts records of one attempt, so a
     # restarted job that saves the same step again never mixes with the old attempt's shards.
     attempt: str = ""
+    # Ranks this node served that will never be complete in this attempt (the client aborted,
+    # or a shard could not drain), and why: the other nodes end the generation at once rather
+    # than wait for a manifest that cannot come. They never count as covered.
+    aborted_ranks: tuple[int, ...] = ()
+    abort_reason: str = ""
 
     def __post_init__(self) -> None:
         what = f"part record of node {self.node!r}"
         if not isinstance(self.attempt, str):
             raise ManifestError(f"{what}: attempt must be a string")
+        if not isinstance(self.aborted_ranks, tuple) or not isinstance(self.abort_reason, str):
+            raise ManifestError(f"{what}: aborted_ranks must be a tuple, abort_reason a string")
         _checked(validate_job, self.job)
         _checked(validate_step, self.step)
         _checked(validate_world_size, self.world_size)
@@ -389,6 +404,7 @@ class PartRecord:
             raise ManifestError(f"{what} lists a rank twice: {sorted(self.ranks)}")
         _check_shards(self.shards, self.world_size, what, (self.node,))
         ranks = set(self.ranks)
+        self._check_aborted(what, ranks)
         for shard in self.shards:
             if shard.rank not in ranks:
                 raise ManifestError(
@@ -397,8 +413,25 @@ class PartRecord:
                 )
         # Normalised, so a record equals itself after a round trip through JSON.
         object.__setattr__(self, "ranks", tuple(sorted(self.ranks)))
+        object.__setattr__(self, "aborted_ranks", tuple(sorted(self.aborted_ranks)))
         object.__setattr__(self, "shards", _sorted_shards(self.shards))
         object.__setattr__(self, "clocks", _clocks(self.clocks, PART_CLOCKS, what))
+
+    def _check_aborted(self, what: str, ranks: set[int]) -> None:
+        for rank in self.aborted_ranks:
+            _checked(validate_rank, rank, self.world_size)
+        if len(set(self.aborted_ranks)) != len(self.aborted_ranks):
+            raise ManifestError(f"{what} lists an aborted rank twice: {sorted(self.aborted_ranks)}")
+        both = ranks.intersection(self.aborted_ranks)
+        if both:
+            raise ManifestError(f"{what} lists rank(s) {sorted(both)} as both drained and aborted")
+        if bool(self.aborted_ranks) != bool(self.abort_reason):
+            raise ManifestError(f"{what}: aborted_ranks and abort_reason go together")
+        if len(self.abort_reason) > MAX_ABORT_REASON_CHARS:
+            raise ManifestError(
+                f"{what} abort_reason is {len(self.abort_reason)} characters; at most "
+                f"{MAX_ABORT_REASON_CHARS}"
+            )
 
     def to_json(self) -> bytes:
         header: dict[str, object] = {
@@ -412,12 +445,15 @@ class PartRecord:
             "clocks": self.clocks,
             "attempt": self.attempt,
         }
+        if self.aborted_ranks:
+            header["aborted_ranks"] = list(self.aborted_ranks)
+            header["abort_reason"] = self.abort_reason
         return _render(header, self.shards)
 
     @classmethod
     def from_json(cls, data: bytes) -> PartRecord:
         what = "part record"
-        obj = _object(_load_json(data, what), what, _PART_FIELDS)
+        obj = _object(_load_json(data, what), what, _PART_FIELDS, _PART_OPTIONAL_FIELDS)
         _check_version(obj, "part", what)
         node = _str(obj["node"], f"{what} node")
         what = f"part record of node {node!r}"
@@ -435,6 +471,11 @@ class PartRecord:
             shards=shards,
             clocks=_clocks(obj["clocks"], PART_CLOCKS, what),
             attempt=_str(obj["attempt"], f"{what} attempt"),
+            aborted_ranks=tuple(
+                _int(r, f"{what} aborted rank")
+                for r in _list(obj.get("aborted_ranks", []), f"{what} aborted_ranks")
+            ),
+            abort_reason=_str(obj.get("abort_reason", ""), f"{what} abort_reason"),
         )
 
 
@@ -519,11 +560,24 @@ class Manifest:
 
 
 def missing_ranks(parts: Sequence[PartRecord], world_size: int) -> list[int]:
-    """The ranks in ``0..world_size-1`` that no part record covers yet, ascending."""
+    """The ranks in ``0..world_size-1`` that no part record covers yet, ascending. An aborted
+    rank is never covered: only ``ranks`` count, never ``aborted_ranks``."""
     covered: set[int] = set()
     for part in parts:
         covered.update(part.ranks)
     return [rank for rank in range(world_size) if rank not in covered]
+
+
+def describe_aborted(parts: Sequence[PartRecord]) -> str:
+    """Why these part records can never commit, e.g. ``"rank 3 aborted on node 'n1': ..."``;
+    ``""`` when no record says a rank aborted. One clause per node, nodes sorted."""
+    clauses = []
+    for part in sorted(parts, key=lambda p: p.node):
+        if part.aborted_ranks:
+            ranks = part.aborted_ranks
+            noun = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+            clauses.append(f"{noun} aborted on node {part.node!r}: {part.abort_reason}")
+    return "; ".join(clauses)
 
 
 def build_manifest(parts: Sequence[PartRecord], committed_at: float) -> Manifest:
@@ -535,6 +589,9 @@ def build_manifest(parts: Sequence[PartRecord], committed_at: float) -> Manifest
     """
     if not parts:
         raise ManifestError("no part records to build a manifest from")
+    aborted = describe_aborted(parts)
+    if aborted:
+        raise ManifestError(f"the generation cannot commit: {aborted}")
     first = parts[0]
     nodes: list[str] = []
     owner_of_rank: dict[int, str] = {}
