@@ -381,9 +381,13 @@ _E = TypeVar("_E", ShardEvent, RankEvent, GenerationEvent)
 
 
 def _event_for(current: Any, target: Any, kind: type[_E]) -> _E:
-    """The one event of ``kind`` that takes ``current`` to ``target`` (for the deprecated
-    setters). Identity, not equality: StrEnum states of different lifecycles compare equal."""
-    for (state, event), new in TRANSITIONS.items():
-        if state is current and new is target and isinstance(event, kind):
-            return event
-    raise IllegalTransition(f"{type(current).__name__}: {current} -> {target} is not allowed")
+    """The event of ``kind`` that takes ``current`` to ``target``, for the deprecated setters:
+    the only one, or, where several lead there (FAILED, CANCELLED), the plain one named for the
+    target. Identity, not equality: StrEnum states of different lifecycles compare equal."""
+    events = [e for (state, e), new in TRANSITIONS.items()
+              if state is current and new is target and isinstance(e, kind)]
+    if len(events) > 1:
+        events = [e for e in events if e.name == target.name]
+    if len(events) != 1:
+        raise IllegalTransition(f"{type(current).__name__}: {current} -> {target} is not allowed")
+    return events[0]

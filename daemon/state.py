@@ -62,8 +62,12 @@ class GenerationEvent(enum.Enum):
     RECORDED = enum.auto()  # every begun rank drained here and this node's part record is written
     REOPENED = enum.auto()  # another rank began on this node after the part record
     COMMITTED = enum.auto()  # the manifest is published (by this node or, matching, another)
-    FAILED = enum.auto()  # cannot commit from here: drain or commit failure, conflict, lost shard
-    CANCELLED = enum.auto()  # superseded by a newer step, or replaced by a new attempt
+    FAILED = enum.auto()  # cannot commit from here: a drain or commit failure, a conflict, a
+    #                       rank of this node aborted, an ack=memory shard lost in a crash
+    PEER_ABORTED = enum.auto()  # another node's part record says one of its ranks aborted
+    EXPIRED = enum.auto()  # recorded, but not committed within drain.commit_wait_s
+    CANCELLED = enum.auto()  # superseded by a newer step (on_full), or replaced by a new attempt
+    SUPERSEDED_BY_COMMIT = enum.auto()  # a newer step of the job committed while it waited
     RETRIED = enum.auto()  # `ckptdrain retry` of a failed generation
 
 
@@ -104,12 +108,19 @@ TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     # is in flight; the manifest is the truth, so it commits from OPEN too.
     (_G.OPEN, _GE.COMMITTED): _G.COMMITTED,
     (_G.OPEN, _GE.FAILED): _G.FAILED,
+    # Read while recorded, but a rank may have begun here since: the abort stands regardless.
+    (_G.OPEN, _GE.PEER_ABORTED): _G.FAILED,
     (_G.OPEN, _GE.CANCELLED): _G.CANCELLED,
     # The part record is rewritten when the new rank drains.
     (_G.RECORDED, _GE.REOPENED): _G.OPEN,
     (_G.RECORDED, _GE.COMMITTED): _G.COMMITTED,
     (_G.RECORDED, _GE.FAILED): _G.FAILED,
+    (_G.RECORDED, _GE.PEER_ABORTED): _G.FAILED,
+    # Only a generation waiting on other nodes has a commit wait, or can be overtaken by a
+    # newer commit while it waits.
+    (_G.RECORDED, _GE.EXPIRED): _G.FAILED,
     (_G.RECORDED, _GE.CANCELLED): _G.CANCELLED,
+    (_G.RECORDED, _GE.SUPERSEDED_BY_COMMIT): _G.CANCELLED,
     # The only way out of an ended state, and only on an operator's word.
     (_G.FAILED, _GE.RETRIED): _G.OPEN,
 }

@@ -10,7 +10,7 @@ import pytest
 
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import GroupCommit, Journal
-from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
+from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord, _event_for
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -224,7 +224,8 @@ async def test_the_old_setters_are_the_same_events(tmp_path: Path) -> None:
         await ledger.set_shard(shard, ShardState.STAGED, persist=False)  # DRAIN_GAVE_UP
         await ledger.set_shard(shard, ShardState.DRAINING, persist=False)
         await ledger.set_shard(shard, ShardState.FAILED, error="e")
-        await ledger.save_generation(gen, GenerationState.FAILED, error="e")
+        await ledger.save_generation(gen, GenerationState.RECORDED)
+        await ledger.save_generation(gen, GenerationState.FAILED, error="e")  # not EXPIRED
         await ledger.save_generation(gen, GenerationState.FAILED, error="still")  # no move
         await ledger.save_generation(gen, GenerationState.OPEN, error="")  # RETRIED
         await ledger.set_shard(shard, ShardState.STAGED, error="")  # RETRIED
@@ -233,6 +234,11 @@ async def test_the_old_setters_are_the_same_events(tmp_path: Path) -> None:
             GenerationState.OPEN, {0: RankState.SEALED}, ShardState.STAGED)
         with pytest.raises(IllegalTransition):
             await ledger.set_shard(shard, ShardState.DRAINED)
+        # Several events fail or cancel a recorded generation; the old setter means the plain one.
+        assert _event_for(GenerationState.RECORDED, GenerationState.FAILED,
+                          GenerationEvent) is GenerationEvent.FAILED
+        assert _event_for(GenerationState.RECORDED, GenerationState.CANCELLED,
+                          GenerationEvent) is GenerationEvent.CANCELLED
         with pytest.raises(IllegalTransition):
             await ledger.set_rank(gen, 1, RankState.SEALED)
     finally:
