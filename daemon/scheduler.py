@@ -1,10 +1,11 @@
-"""Drains staged shards to the destination and commits generations.
+"""Drains staged shards to the destination.
 
-Oldest generation first, at most ``destination.max_concurrency`` drains at once, every task
-owned by the scheduler's TaskGroup. A shard is retried with backoff and jitter until its retry
-budget is spent; then its generation fails and the local copy is kept for ``ckptdrain retry``.
-After the last shard of a rank drains, this node rewrites its part record and tries to publish
-the manifest (DESIGN.md section 4); generations waiting on other nodes are polled.
+Jobs take turns, oldest generation first within a job, at most ``destination.max_concurrency``
+copies at once, every task owned by the scheduler's TaskGroup. A shard is retried with backoff
+and jitter until its retry budget is spent; then its generation fails and the local copy is
+kept for ``ckptdrain retry``. What follows a drain (the part record, the manifest, the end of
+every generation) is the :class:`~ckptdrain.daemon.publisher.Publisher`'s, which runs inside
+the scheduler's TaskGroup; the methods the server calls stay here and hand over to it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ckptdrain.client.manifest import PartRecord, ShardEntry, generation_prefix, shard_key
+from ckptdrain.client.manifest import generation_prefix, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
-from ckptdrain.daemon.commit import CommitOutcome, Committer
+from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
+from ckptdrain.daemon.publisher import Publisher
 from ckptdrain.daemon.ratelimit import TokenBucket
-from ckptdrain.daemon.state import GenerationState, RankState, ShardState
+from ckptdrain.daemon.state import GenerationState, ShardEvent, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
@@ -92,19 +94,20 @@ class Scheduler:
         on_terminal: Callable[[GenerationRecord], None],
         upload_log_for: Callable[[ShardRecord], UploadLog | None] | None = None,
     ) -> None:
-        self.config = config
         self.ledger = ledger
         self.staging = staging
         self.backend = backend
-        self.committer = committer
         self.metrics = metrics
         self._on_drained = on_drained
-        self._on_terminal = on_terminal
         self._upload_log_for = upload_log_for
+        self.publisher = Publisher(
+            config=config, ledger=ledger, committer=committer, metrics=metrics,
+            drain=self._drain_deferred, on_terminal=on_terminal, on_ended=self._discard_copies,
+        )
+        self.config = config
         self._queue = FairQueue()
         self._seq = itertools.count()
         self._prepared: set[str] = set()
-        self._recorded_poll = asyncio.Event()
         self._drained_bytes_window: list[tuple[float, int]] = []
         self.destination = config.destination.scheme
         # A destination outage fails every shard the same way: log each cause once a minute
@@ -112,10 +115,19 @@ class Scheduler:
         self._error_log = OncePerCause(60.0)
         self._pacer_changed = asyncio.Event()
         self.pacer = TokenBucket(config.drain.max_bandwidth_bytes_per_s)
-        # Copies in flight, by shard id: a failed or cancelled generation cancels them (an S3
-        # upload then waits for its in-flight parts and aborts itself).
-        self._inflight: dict[int, asyncio.Task[str]] = {}
-        self._tg: asyncio.TaskGroup | None = None
+        # Copies in flight, by shard id, each in a cancel scope: ending its generation cancels
+        # just that copy (an S3 upload then waits for its in-flight parts and aborts itself).
+        self._inflight: dict[int, asyncio.Timeout] = {}
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        # A reload (SIGHUP) sets it here; the publisher reads the same one.
+        self._config = config
+        self.publisher.config = config
 
     # -- queueing ----------------------------------------------------------------------------
     def enqueue(self, gen: GenerationRecord, shard: ShardRecord) -> None:
@@ -130,7 +142,7 @@ class Scheduler:
         self._pacer_changed = asyncio.Event()
 
     def poke_commits(self) -> None:
-        self._recorded_poll.set()
+        self.publisher.poke()
 
     @property
     def queued(self) -> int:
@@ -145,13 +157,24 @@ class Scheduler:
         span = max(1.0, now - self._drained_bytes_window[0][0])
         return total / span
 
+    # -- what the server calls; the publisher does it ----------------------------------------
+    async def advance(self, gen: GenerationRecord) -> None:
+        """Record this node's part and publish when every rank is covered. Never raises: a
+        failure fails the generation (see :meth:`Publisher.advance`)."""
+        await self.publisher.advance(gen)
+
+    async def fail_generation(self, gen: GenerationRecord, reason: str, *, kind: str,
+                              state: GenerationState = GenerationState.FAILED) -> None:
+        """End a generation that cannot commit from this node (FAILED), or that a newer one
+        of the same job replaced (CANCELLED)."""
+        await self.publisher.end(gen, reason, kind=kind, state=state)
+
     # -- tasks -------------------------------------------------------------------------------
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            self._tg = tg
             for i in range(max(1, self.config.destination.max_concurrency)):
                 tg.create_task(self._worker(), name=f"drain-{i}")
-            tg.create_task(self._commit_poller(), name="commit-poller")
+            tg.create_task(self.publisher.run(), name="publisher")
 
     async def _worker(self) -> None:
         while True:
@@ -160,7 +183,19 @@ class Scheduler:
             if (gen is None or gen.terminal or shard.state is not ShardState.STAGED
                     or shard.deferred or gen.shards.get(shard.path) is not shard):
                 continue  # gone, ended, or an old attempt's shard: not this generation's
-            await self._drain(gen, shard)
+            # The failure boundary of a drain: whatever goes wrong fails this generation and
+            # the worker takes the next shard; nothing reaches the TaskGroup.
+            try:
+                await self._drain(gen, shard)
+            except Exception as exc:
+                log_event(log, logging.ERROR, "drain_crashed", job=gen.job, step=gen.step,
+                          path=shard.path, exc_info=True)
+                await self.publisher.end_safely(
+                    gen, f"draining {shard.path!r} failed unexpectedly ({type(exc).__name__}: "
+                         f"{exc}); the daemon log has the traceback", kind="internal")
+
+    async def _drain_deferred(self, gen: GenerationRecord, shard: ShardRecord) -> bool:
+        return await self._drain(gen, shard, then_advance=False)
 
     async def _drain(self, gen: GenerationRecord, shard: ShardRecord, *, then_advance: bool = True) -> bool:
         """Copy one shard to the destination; True when it drained."""
@@ -171,7 +206,7 @@ class Scheduler:
         finally:
             if shard.state in (ShardState.DRAINING,):  # (mypy narrows `is` from the guard)
                 # Given up half-way (its generation ended): staged again, so a retry sends it.
-                await self.ledger.set_shard(shard, ShardState.STAGED, persist=False)
+                await self.ledger.apply(shard, ShardEvent.DRAIN_GAVE_UP, persist=False)
 
     async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
                             then_advance: bool) -> bool:
@@ -183,7 +218,7 @@ class Scheduler:
                 await asyncio.wait_for(self._pacer_changed.wait(), delay)
             if gen.terminal or shard.state is not ShardState.STAGED:
                 return False
-        await self.ledger.set_shard(shard, ShardState.DRAINING, persist=False)
+        await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
         prefix = generation_prefix(gen.job, gen.step)
         budget_s = self.config.drain.retry_budget_s
         backoff = self.config.drain.retry_initial_backoff_s
@@ -223,63 +258,65 @@ class Scheduler:
             await self._fail_shard(gen, shard, f"staged copy changed: {checksum} != {shard.checksum}")
             return False
         now = time.time()
-        await self.ledger.set_shard(shard, ShardState.DRAINED, checksum=checksum, drained_at=now)
+        await self.ledger.apply(shard, ShardEvent.DRAINED, checksum=checksum, drained_at=now)
         self._drained_bytes_window.append((time.monotonic(), shard.size))
         self.metrics.drained(gen.job, shard.size, self.destination)
         self._on_drained(shard)
         if then_advance:
-            await self.advance(gen)
+            await self.publisher.advance(gen)
         return True
 
     async def _put(self, shard: ShardRecord) -> str:
         fd = self.staging.open_data(shard.staged_name)
+        scope: asyncio.Timeout | None = None
         try:
             upload_log = self._upload_log_for(shard) if self._upload_log_for else None
-            # Its own task so fail_generation can cancel just this copy; awaited right here.
-            task = asyncio.ensure_future(self.backend.put_file(
-                shard_key(shard.job, shard.step, shard.path), fd, shard.size,
-                upload_log=upload_log,
-            ))
-            self._inflight[shard.id] = task
-            try:
-                return await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # the daemon is stopping
+            # A cancel scope rather than a task of its own: _discard_copies expires it, which
+            # cancels this copy alone, and a stopping daemon's cancellation passes through.
+            async with asyncio.timeout(None) as scope:
+                self._inflight[shard.id] = scope
+                try:
+                    return await self.backend.put_file(
+                        shard_key(shard.job, shard.step, shard.path), fd, shard.size,
+                        upload_log=upload_log,
+                    )
+                finally:
+                    self._inflight.pop(shard.id, None)
+        except TimeoutError:
+            if scope is not None and scope.expired():
                 raise _Discarded from None
+            raise
         finally:
-            self._inflight.pop(shard.id, None)
             os.close(fd)
 
     async def _fail_shard(self, gen: GenerationRecord, shard: ShardRecord, reason: str) -> None:
         if shard.state is not ShardState.DRAINING:
             return  # discarded meanwhile: its generation was aborted or cancelled
-        await self.ledger.set_shard(shard, ShardState.FAILED, error=reason)
+        await self.ledger.apply(shard, ShardEvent.DRAIN_FAILED, error=reason)
         await self.abort_upload(shard)
         if not gen.terminal:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",
                                        kind="drain")
 
-    async def fail_generation(self, gen: GenerationRecord, reason: str, *, kind: str,
-                              state: GenerationState = GenerationState.FAILED) -> None:
-        """End a generation that cannot commit from this node (FAILED), or that a newer one
-        of the same job replaced (CANCELLED): its copies in flight are cancelled and its
-        resumable uploads aborted."""
-        if gen.terminal:
-            return
-        await self.ledger.save_generation(gen, state, error=reason)
-        self.metrics.generation_failed(gen.job, kind)
-        self._on_terminal(gen)
+    def _discard_copies(self, gen: GenerationRecord) -> None:
+        """Its generation ended: cancel its copies in flight, and give up the resumable
+        uploads kept from earlier transient failures (in the publisher's TaskGroup)."""
+        loop = asyncio.get_running_loop()
+        kept: list[ShardRecord] = []
         for shard in gen.shards.values():
-            task = self._inflight.get(shard.id)
-            if task is not None:
-                task.cancel()
-            elif shard.state is not ShardState.DRAINED and self._tg is not None:
-                # A resumable upload kept from an earlier transient failure: give it up.
-                self._tg.create_task(self.abort_upload(shard))
-        log_event(log, logging.ERROR if state is GenerationState.FAILED else logging.WARNING,
-                  f"generation_{state}", job=gen.job, step=gen.step, reason=reason)
+            scope = self._inflight.get(shard.id)
+            if scope is not None:
+                if not scope.expired():
+                    scope.reschedule(loop.time())
+            elif shard.state is not ShardState.DRAINED:
+                kept.append(shard)
+        if kept and self._upload_log_for is not None:
+            self.publisher.submit(f"abort-uploads {gen.job} {gen.step}",
+                                  lambda: self._abort_uploads(kept))
+
+    async def _abort_uploads(self, shards: list[ShardRecord]) -> None:
+        for shard in shards:
+            await self.abort_upload(shard)
 
     async def abort_upload(self, shard: ShardRecord) -> None:
         if self._upload_log_for is None:
@@ -294,137 +331,3 @@ class Scheduler:
             log_event(log, logging.WARNING, "abort_failed", job=shard.job, step=shard.step,
                       path=shard.path, error=str(exc),
                       action="left to the orphan sweep and the lifecycle rule")
-
-    # -- commit ------------------------------------------------------------------------------
-    async def advance(self, gen: GenerationRecord) -> None:
-        """Write this node's part record once every sealed rank has drained, then try to
-        publish the manifest."""
-        async with gen.lock:
-            if gen.terminal or not gen.ranks:
-                return
-            pending = [
-                r for r, st in gen.ranks.items()
-                if st is RankState.OPEN or (st is RankState.SEALED and not gen.rank_drained(r))
-            ]
-            if pending:
-                return
-            ready = [r for r, st in gen.ranks.items() if st is RankState.SEALED]
-            if ready:
-                await self._record_part(gen, ready)
-            if gen.state is GenerationState.OPEN:
-                await self.ledger.save_generation(gen, GenerationState.RECORDED)
-            if gen.state is GenerationState.RECORDED:
-                await self._publish_when_covered(gen)
-
-    async def _publish_when_covered(self, gen: GenerationRecord) -> None:
-        """Publish, first draining deferred shards once every rank has its part record.
-        Called with ``gen.lock`` held."""
-        deferred = gen.pending_deferred()
-        if deferred:
-            try:
-                missing = await self._with_retries(
-                    gen, lambda: self.committer.ranks_missing(gen.job, gen.step, gen.world_size, gen.attempt))
-            except BackendError as exc:
-                await self.fail_generation(gen, f"commit failed: {exc}", kind="drain")
-                return
-            if missing is None or missing:
-                return  # other nodes are not done (or disagree: try_publish will say so)
-            for shard in deferred:
-                if not await self._drain(gen, shard, then_advance=False):
-                    return
-        await self._try_publish(gen)
-
-    async def _record_part(self, gen: GenerationRecord, ready: list[int]) -> None:
-        recorded = sorted(
-            r for r, st in gen.ranks.items() if st is RankState.RECORDED or r in ready
-        )
-        shards = sorted(
-            (s for s in gen.shards.values() if s.rank in recorded),
-            key=lambda s: (s.rank, s.path),
-        )
-        now = time.time()
-        staged_at = max((s.staged_at for s in shards), default=now)
-        drained_at = max((s.drained_at or now for s in shards), default=now)
-        part = PartRecord(
-            job=gen.job,
-            step=gen.step,
-            world_size=gen.world_size,
-            node=self.config.node_id,
-            ranks=tuple(recorded),
-            shards=tuple(
-                ShardEntry(path=s.path, size=s.size, checksum=s.checksum, rank=s.rank,
-                           node=self.config.node_id)
-                for s in shards
-            ),
-            clocks={
-                "handoff": gen.handoff_at or min((s.handed_at for s in shards), default=now),
-                "staged": staged_at,
-                "drained": drained_at,
-            },
-            attempt=gen.attempt,
-        )
-        await self._with_retries(gen, lambda: self.committer.record_part(part))
-        for r in ready:
-            await self.ledger.set_rank(gen, r, RankState.RECORDED)
-        gen.staged_at, gen.drained_at = staged_at, drained_at
-
-    async def _with_retries(self, gen: GenerationRecord, op: Callable[[], object]) -> object:
-        backoff = self.config.drain.retry_initial_backoff_s
-        deadline = time.monotonic() + self.config.drain.retry_budget_s
-        while True:
-            try:
-                return await op()  # type: ignore[misc]
-            except BackendError as exc:
-                self.metrics.drain_error(self.destination, exc.kind)
-                if not exc.transient or time.monotonic() + backoff > deadline:
-                    raise
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
-
-    async def _try_publish(self, gen: GenerationRecord) -> None:
-        try:
-            result = await self._with_retries(
-                gen, lambda: self.committer.try_publish(gen.job, gen.step, gen.world_size, gen.attempt)
-            )
-        except BackendError as exc:
-            await self.fail_generation(gen, f"commit failed: {exc}", kind="drain")
-            return
-        outcome = result.outcome  # type: ignore[attr-defined]
-        if outcome in (CommitOutcome.PUBLISHED, CommitOutcome.ACCEPTED):
-            manifest = result.manifest  # type: ignore[attr-defined]
-            committed_at = manifest.clocks.get("committed", time.time()) if manifest else time.time()
-            await self.ledger.save_generation(gen, GenerationState.COMMITTED,
-                                              committed_at=committed_at)
-            clocks = {
-                "started": gen.created_at,
-                "handoff": gen.handoff_at or gen.created_at,
-                "staged": gen.staged_at or committed_at,
-                "drained": gen.drained_at or committed_at,
-                "committed": committed_at,
-            }
-            self.metrics.generation_committed(gen.job, gen.step, clocks, committed_at)
-            self._on_terminal(gen)
-            log_event(log, logging.INFO, "generation_committed", job=gen.job, step=gen.step,
-                      outcome=outcome.name.lower(), shards=len(gen.shards),
-                      bytes=sum(s.size for s in gen.shards.values()))
-        elif outcome is CommitOutcome.CONFLICT:
-            await self.fail_generation(
-                gen, f"another manifest for this generation differs: {result.reason}",  # type: ignore[attr-defined]
-                kind="conflict")
-
-    async def _commit_poller(self) -> None:
-        """Generations whose part record is written wait for the other nodes' records; poll."""
-        interval = self.config.drain.commit_poll_interval_s
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._recorded_poll.wait(), interval)
-            self._recorded_poll.clear()
-            for gen in list(self.ledger.generations.values()):
-                if gen.state is GenerationState.RECORDED:
-                    try:
-                        async with gen.lock:
-                            if gen.state is GenerationState.RECORDED:
-                                await self._publish_when_covered(gen)
-                    except Exception as exc:  # keep polling the others
-                        log_event(log, logging.WARNING, "commit_poll_error", job=gen.job,
-                                  step=gen.step, error=str(exc))

@@ -1,14 +1,27 @@
-"""Drain order: jobs take turns; within a job, the oldest generation first."""
+"""Drain order: jobs take turns; within a job, the oldest generation first. And the failure
+boundary: a bug in one generation's drain or commit fails that generation, nothing else."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
-from ckptdrain.daemon.ledger import ShardRecord
-from ckptdrain.daemon.scheduler import FairQueue
-from ckptdrain.daemon.state import ShardState
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.memory import MemoryBackend
+from ckptdrain.daemon.commit import Committer
+from ckptdrain.daemon.config import Config, DestinationConfig, DrainConfig
+from ckptdrain.daemon.journal import Journal
+from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
+from ckptdrain.daemon.metrics import Metrics
+from ckptdrain.daemon.scheduler import FairQueue, Scheduler
+from ckptdrain.daemon.staging import Staging
+from ckptdrain.daemon.state import GenerationState, RankEvent, ShardState
 
 
 def shard(job: str, step: int, sid: int) -> ShardRecord:
@@ -45,3 +58,107 @@ async def test_a_waiting_worker_wakes_on_put() -> None:
     q.put("j", (1.0, 1, 1), shard("j", 1, 1))
     got = await asyncio.wait_for(getter, 5)
     assert got.id == 1
+
+
+# --- the failure boundary -------------------------------------------------------------------
+# In-process, on the in-memory backend: only a fault-injecting fake can make a destination
+# call raise something no real backend raises (a bug), which is what the boundary is for.
+
+
+async def _staged_generation(ledger: Ledger, staging: Staging, job: str) -> GenerationRecord:
+    gen = await ledger.open_generation(job, 1, 1, "local", uid=0)
+    await ledger.open_rank(gen, 0)
+    name = staging.new_name()
+    staging.data_path(name).write_bytes(b"x" * 100)
+    now = time.time()
+    await ledger.add_shard(gen, ShardRecord(
+        id=ledger.shard_ids(), job=job, step=1, rank=0, path="a.bin", size=100,
+        staged_name=name, state=ShardState.STAGED, handed_at=now, staged_at=now))
+    await ledger.apply((gen, 0), RankEvent.SEALED)
+    return gen
+
+
+@contextlib.asynccontextmanager
+async def running_scheduler(
+    tmp_path: Path, backend: MemoryBackend,
+) -> AsyncIterator[tuple[Scheduler, Ledger, Staging, list[GenerationRecord]]]:
+    config = Config(
+        node_id="n0", socket=tmp_path / "d.sock", staging_dir=tmp_path / "staging",
+        destination=DestinationConfig(uri="memory://boundary"),
+        drain=DrainConfig(commit_poll_interval_s=0.05, retry_initial_backoff_s=0.01),
+    )
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    ledger = Ledger(journal)
+    staging = Staging(tmp_path / "staging")
+    staging.prepare()
+    ended: list[GenerationRecord] = []
+    scheduler = Scheduler(
+        config=config, ledger=ledger, staging=staging, backend=backend,
+        committer=Committer(backend, "n0"), metrics=Metrics("n0", "test"),
+        on_drained=lambda shard: None, on_terminal=ended.append,
+    )
+    running = asyncio.create_task(scheduler.run())
+    try:
+        yield scheduler, ledger, staging, ended
+        assert not running.done(), running
+    finally:
+        running.cancel()
+        # Bounded: a scheduler wedged by the bug under test must fail the test, not hang it.
+        await asyncio.wait([running], timeout=10)
+        await journal.close()
+
+
+async def drain_all(scheduler: Scheduler, gens: list[GenerationRecord]) -> None:
+    for gen in gens:
+        for shard in gen.shards.values():
+            scheduler.enqueue(gen, shard)
+    deadline = time.monotonic() + 15
+    while not all(g.terminal for g in gens):
+        assert time.monotonic() < deadline, [g.state for g in gens]
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_error_fails_only_its_generation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = MemoryBackend("n0")
+    # A bug in the commit step (the part record write) and one in a drain.
+    backend.inject("put_bytes", RuntimeError("bug in commit"), key_contains="bad-commit/")
+    backend.inject("put_file", RuntimeError("bug in drain"), key_contains="bad-drain/")
+    async with running_scheduler(tmp_path, backend) as (scheduler, ledger, staging, ended):
+        gens = [await _staged_generation(ledger, staging, job)
+                for job in ("bad-commit", "bad-drain", "good")]
+        await drain_all(scheduler, gens)
+        bad_commit, bad_drain, good = gens
+        assert bad_commit.state is GenerationState.FAILED
+        assert "RuntimeError: bug in commit" in bad_commit.error
+        assert bad_drain.state is GenerationState.FAILED
+        assert "RuntimeError: bug in drain" in bad_drain.error
+        assert good.state is GenerationState.COMMITTED
+        assert sorted(g.job for g in ended) == ["bad-commit", "bad-drain", "good"]
+        tracebacks = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
+        assert sorted(str(r.exc_info[1]) for r in tracebacks if r.exc_info) == [
+            "bug in commit", "bug in drain"]
+
+
+@pytest.mark.asyncio
+async def test_destination_errors_reading_part_records_are_retried_or_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The Committer reads part records concurrently: what a read raises arrives wrapped in an
+    # ExceptionGroup, and must still count as a destination error, not a bug.
+    backend = MemoryBackend("n0")
+    backend.inject("get_bytes", BackendError("slow down", transient=True, kind="throttled"),
+                   times=3, key_contains="flaky/00000000000000000001/_parts/")
+    backend.inject("get_bytes", BackendError("access denied", kind="auth"),
+                   key_contains="denied/00000000000000000001/_parts/")
+    async with running_scheduler(tmp_path, backend) as (scheduler, ledger, staging, _):
+        flaky = await _staged_generation(ledger, staging, "flaky")
+        denied = await _staged_generation(ledger, staging, "denied")
+        await drain_all(scheduler, [flaky, denied])
+        assert flaky.state is GenerationState.COMMITTED
+        assert denied.state is GenerationState.FAILED
+        assert denied.error.endswith("failed: access denied"), denied.error
+        assert not [r for r in caplog.records if r.exc_info], "no traceback for a destination error"

@@ -1,0 +1,465 @@
+"""Commit orchestration: from "this node's ranks drained" to the end of every generation.
+
+:meth:`Publisher.advance` writes this node's part record once its ranks drained and, when the
+records of all nodes cover every rank, drains the deferred shards and publishes the manifest
+through the :class:`~ckptdrain.daemon.commit.Committer`. A generation waiting for other nodes
+(RECORDED) is polled until it ends: COMMITTED (the manifest appeared), FAILED (another node's
+record marks a rank aborted, or ``drain.commit_wait_s`` passed since this node's drained clock,
+which is journalled), or CANCELLED (a newer step of the job committed). A node that fails a
+generation it cannot deliver rewrites its record with those ranks aborted, so the others end
+it too. Around every step, a failure boundary: a destination error fails that generation with
+its message, anything else is logged once with its traceback and fails that generation;
+nothing reaches the TaskGroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ckptdrain.client.manifest import (
+    MAX_ABORT_REASON_CHARS,
+    ManifestError,
+    PartRecord,
+    ShardEntry,
+    describe_aborted,
+    describe_ranks,
+    latest_key,
+    missing_ranks,
+    part_key,
+)
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.commit import CommitOutcome, Committer, parse_latest
+from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecord
+from ckptdrain.daemon.logs import OncePerCause, log_event
+from ckptdrain.daemon.state import GenerationEvent, GenerationState, RankEvent, RankState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.config import Config
+    from ckptdrain.daemon.metrics import Metrics
+
+log = logging.getLogger("ckptdrain.publisher")
+
+_T = TypeVar("_T")
+_G = GenerationState
+Work = Callable[[], Awaitable[None]]
+# The ends a caller asks for by state (Scheduler.fail_generation keeps that signature).
+_END_EVENTS = {_G.FAILED: GenerationEvent.FAILED, _G.CANCELLED: GenerationEvent.CANCELLED}
+
+
+def destination_error(exc: BaseException) -> BackendError | None:
+    """The destination error behind ``exc``, if that is all it is. The Committer reads part
+    records in a TaskGroup, which wraps what a read raised in an ExceptionGroup; a failed read
+    is still a destination error to retry or report, not a bug."""
+    if isinstance(exc, BackendError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        inner = [destination_error(e) for e in exc.exceptions]
+        if inner and all(e is not None for e in inner):
+            return inner[0]
+    return None
+
+
+class _KeyedLocks:
+    """One lock per generation key, gone once nobody holds or waits for it (bounded).
+
+    Every write of ``_parts/<node>.json`` takes it: a failure record still retrying must land
+    before, never after, the record a new attempt at the same step writes."""
+
+    def __init__(self) -> None:
+        self._locks: dict[GenKey, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: GenKey) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+class Publisher:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        ledger: Ledger,
+        committer: Committer,
+        metrics: Metrics,
+        drain: Callable[[GenerationRecord, ShardRecord], Awaitable[bool]],
+        on_terminal: Callable[[GenerationRecord], None],
+        on_ended: Callable[[GenerationRecord], None],
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.committer = committer
+        self.metrics = metrics
+        self._drain = drain  # a deferred shard, copied right before the manifest
+        self._on_terminal = on_terminal  # the daemon frees the generation's slot and copies
+        self._on_ended = on_ended  # the scheduler cancels its copies and uploads
+        self.destination = config.destination.scheme
+        self._poll_now = asyncio.Event()
+        # Work that outlives its caller (a failure record, aborting uploads), queued here and
+        # started by run() inside its TaskGroup: callers are outside that scope.
+        self._work: asyncio.Queue[tuple[str, Work]] = asyncio.Queue()
+        self._part_locks = _KeyedLocks()
+        # Ranks with no part record at the last look, for the commit_wait_s message.
+        self._missing: dict[GenKey, list[int]] = {}
+        # An unreachable destination fails every poll alike: one line per cause a minute.
+        self._error_log = OncePerCause(60.0)
+
+    def poke(self) -> None:
+        """Poll the generations waiting on other nodes now, not at the next interval."""
+        self._poll_now.set()
+
+    def submit(self, name: str, work: Work) -> None:
+        """Run ``work`` in the publisher's TaskGroup, failure boundary included."""
+        self._work.put_nowait((name, work))
+
+    async def run(self) -> None:
+        self._resend_failure_records()
+        # As many at once as the destination is allowed requests; the rest wait their turn.
+        slots = asyncio.Semaphore(max(1, self.config.destination.max_concurrency))
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._poller(), name="commit-poller")
+            while True:
+                name, work = await self._work.get()
+                await slots.acquire()
+                tg.create_task(self._run_work(name, work, slots), name=name)
+
+    async def _run_work(self, name: str, work: Work, slots: asyncio.Semaphore) -> None:
+        try:
+            await work()
+        except Exception:
+            log_event(log, logging.ERROR, "task_failed", task=name, exc_info=True)
+        finally:
+            slots.release()
+
+    # -- the failure boundary -----------------------------------------------------------------
+    async def _guarded(self, gen: GenerationRecord, what: str,
+                       work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await work
+        except ManifestError as exc:  # the records at the destination cannot be trusted
+            await self.end_safely(gen, f"{what} failed: {exc}", kind="conflict")
+        except Exception as exc:
+            refused = destination_error(exc)
+            if refused is not None:  # expected: the destination refused; say what and why
+                await self.end_safely(gen, f"{what} failed: {refused}", kind="drain")
+                return
+            log_event(log, logging.ERROR, "commit_crashed", job=gen.job, step=gen.step,
+                      during=what, exc_info=True)
+            await self.end_safely(gen, f"{what} failed unexpectedly ({type(exc).__name__}: "
+                                       f"{exc}); the daemon log has the traceback", kind="internal")
+
+    async def end_safely(self, gen: GenerationRecord, reason: str, *, kind: str,
+                         state: GenerationState = _G.FAILED) -> None:
+        """:meth:`end` for failure boundaries: whatever happens, nothing propagates."""
+        try:
+            await self.end(gen, reason, kind=kind, state=state)
+        except Exception:
+            log_event(log, logging.ERROR, "generation_end_failed", job=gen.job, step=gen.step,
+                      reason=reason, exc_info=True)
+
+    async def end(self, gen: GenerationRecord, reason: str, *, kind: str,
+                  state: GenerationState = _G.FAILED) -> None:
+        """End a generation that cannot commit from this node (FAILED), or that a newer one
+        of the same job replaced (CANCELLED): its slot is freed, its copies in flight are
+        cancelled, and (FAILED) the other nodes are told through this node's part record."""
+        if gen.terminal:
+            return
+        event = _END_EVENTS[state]
+        try:
+            await self.ledger.apply(gen, event, error=reason)
+        finally:
+            # The state changed in memory before the journal write: free what it held even if
+            # that write failed.
+            if gen.terminal:
+                self._missing.pop(gen.key, None)
+                self.metrics.generation_failed(gen.job, kind)
+                self._on_terminal(gen)
+                self._on_ended(gen)
+                if state is _G.FAILED:
+                    self.submit(f"failure-record {gen.job} {gen.step}",
+                                lambda: self._record_failure(gen))
+                log_event(log, logging.ERROR if state is _G.FAILED else logging.WARNING,
+                          f"generation_{state}", job=gen.job, step=gen.step, reason=reason)
+
+    # -- advance: part record, coverage, publish ----------------------------------------------
+    async def advance(self, gen: GenerationRecord) -> None:
+        """Write this node's part record once every rank begun here has drained, then publish
+        the manifest if every node's records cover every rank. Never raises (but cancellation)."""
+        async with gen.lock:
+            await self._guarded(gen, "committing", self._advance(gen))
+
+    async def _advance(self, gen: GenerationRecord) -> None:
+        if gen.terminal or not gen.ranks:
+            return
+        if any(st is RankState.OPEN or (st is RankState.SEALED and not gen.rank_drained(r))
+               for r, st in gen.ranks.items()):
+            return
+        ready = [r for r, st in gen.ranks.items() if st is RankState.SEALED]
+        if ready and not await self._record_part(gen, ready):
+            return
+        if gen.state is _G.OPEN:
+            await self.ledger.apply(gen, GenerationEvent.RECORDED)
+        if gen.state is _G.RECORDED:
+            await self._settle(gen)
+
+    def _part(self, gen: GenerationRecord, recorded: Iterable[int],
+              aborted: Iterable[int] = (), reason: str = "") -> PartRecord:
+        ranks = set(recorded)
+        shards = [s for s in gen.shards.values() if s.rank in ranks]
+        now = time.time()
+        node = self.config.node_id
+        return PartRecord(
+            job=gen.job, step=gen.step, world_size=gen.world_size, node=node,
+            ranks=tuple(sorted(ranks)),
+            shards=tuple(ShardEntry(path=s.path, size=s.size, checksum=s.checksum, rank=s.rank,
+                                    node=node) for s in shards),
+            clocks={
+                "handoff": gen.handoff_at or min((s.handed_at for s in shards), default=now),
+                "staged": max((s.staged_at for s in shards), default=now),
+                "drained": max((s.drained_at or now for s in shards), default=now),
+            },
+            attempt=gen.attempt,
+            aborted_ranks=tuple(sorted(aborted)),
+            abort_reason=reason[:MAX_ABORT_REASON_CHARS],
+        )
+
+    async def _record_part(self, gen: GenerationRecord, ready: list[int]) -> bool:
+        part = self._part(gen, [r for r, st in gen.ranks.items()
+                                if st is RankState.RECORDED or r in ready])
+        async with self._part_locks.hold(gen.key):
+            if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
+                return False  # ended meanwhile: its failure record says so, not this one
+            try:
+                await self._with_retries(lambda: self.committer.record_part(part))
+            except BackendError as exc:
+                await self.end(gen, f"could not write this node's part record: {exc}",
+                               kind="drain")
+                return False
+        for r in ready:
+            await self.ledger.apply((gen, r), RankEvent.RECORDED)
+        # The drained clock is also where drain.commit_wait_s counts from (journalled with
+        # the RECORDED state right after this).
+        gen.staged_at, gen.drained_at = part.clocks["staged"], part.clocks["drained"]
+        return True
+
+    async def _settle(self, gen: GenerationRecord) -> None:
+        """Publish when the part records cover every rank; end the generation when they say
+        it can never commit. Called with ``gen.lock`` held, for a RECORDED generation."""
+        parts = await self._read_parts(gen)
+        if parts is None or gen.terminal:
+            return
+        aborted = describe_aborted(parts)
+        if aborted:
+            await self.end(gen, aborted, kind="aborted")
+            return
+        missing = missing_ranks(parts, gen.world_size)
+        if missing:
+            self._missing[gen.key] = missing
+            return  # other nodes are not done: the poller looks again
+        for shard in gen.pending_deferred():
+            if not await self._drain(gen, shard):
+                return
+        if not gen.terminal:
+            await self._try_publish(gen)
+
+    async def _read_parts(self, gen: GenerationRecord) -> list[PartRecord] | None:
+        """This attempt's part records; None when they cannot be read now (the poller asks
+        again) or cannot be trusted (the generation has failed)."""
+        try:
+            # The Committer's own reader (no public name yet): the records must count the same
+            # here as in try_publish, which decides the commit.
+            parts, problem = await self.committer._read_parts(
+                gen.job, gen.step, gen.world_size, gen.attempt)
+        except Exception as caught:
+            exc = destination_error(caught)
+            if exc is None or not exc.transient:
+                raise (exc or caught) from None
+            self.metrics.drain_error(self.destination, exc.kind)
+            self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
+                                      cause=f"parts:{exc.kind}", job=gen.job, step=gen.step,
+                                      error=str(exc))
+            return None
+        if problem:
+            await self.end(gen, f"the part records cannot be combined: {problem}",
+                           kind="conflict")
+            return None
+        return parts
+
+    async def _with_retries(self, op: Callable[[], Awaitable[_T]]) -> _T:
+        backoff = self.config.drain.retry_initial_backoff_s
+        deadline = time.monotonic() + self.config.drain.retry_budget_s
+        while True:
+            try:
+                return await op()
+            except Exception as caught:
+                exc = destination_error(caught)
+                if exc is None:
+                    raise
+                self.metrics.drain_error(self.destination, exc.kind)
+                if not exc.transient or time.monotonic() + backoff > deadline:
+                    raise exc from None
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
+
+    async def _try_publish(self, gen: GenerationRecord) -> None:
+        try:
+            result = await self._with_retries(lambda: self.committer.try_publish(
+                gen.job, gen.step, gen.world_size, gen.attempt))
+        except BackendError as exc:
+            await self.end(gen, f"commit failed: {exc}", kind="drain")
+            return
+        if gen.terminal:
+            return
+        if result.committed:
+            manifest = result.manifest
+            committed_at = manifest.clocks.get("committed", time.time()) if manifest else time.time()
+            await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=committed_at)
+            self._missing.pop(gen.key, None)
+            clocks = {
+                "started": gen.created_at,
+                "handoff": gen.handoff_at or gen.created_at,
+                "staged": gen.staged_at or committed_at,
+                "drained": gen.drained_at or committed_at,
+                "committed": committed_at,
+            }
+            self.metrics.generation_committed(gen.job, gen.step, clocks, committed_at)
+            self._on_terminal(gen)
+            log_event(log, logging.INFO, "generation_committed", job=gen.job, step=gen.step,
+                      outcome=result.outcome.name.lower(), shards=len(gen.shards),
+                      bytes=sum(s.size for s in gen.shards.values()))
+            await self._end_older(gen.job, gen.step)
+        elif result.outcome is CommitOutcome.CONFLICT:
+            await self.end(gen, f"another manifest for this generation differs: {result.reason}",
+                           kind="conflict")
+
+    async def _end_older(self, job: str, step: int) -> None:
+        """Step ``step`` of ``job`` committed: older steps still waiting here can never be the
+        latest, so waiting on for them only holds their slots."""
+        for other in list(self.ledger.generations.values()):
+            # A locked one is mid-commit; the poller sees the newer manifest next round.
+            if (other.job == job and other.step < step and other.state is _G.RECORDED
+                    and not other.lock.locked()):
+                await self._superseded(other, step)
+
+    async def _superseded(self, gen: GenerationRecord, newer: int) -> None:
+        await self.end(gen, f"step {newer} of this job committed first, so this older step can "
+                            "never become the latest", kind="superseded", state=_G.CANCELLED)
+
+    # -- waiting on other nodes ---------------------------------------------------------------
+    async def _poller(self) -> None:
+        """Generations whose part record is written wait for the other nodes' records."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_now.wait(),
+                                       self.config.drain.commit_poll_interval_s)
+            self._poll_now.clear()
+            waiting = [g for g in self.ledger.generations.values() if g.state is _G.RECORDED]
+            if not waiting:
+                continue
+            newest = await self._newest_commits(waiting)
+            for gen in waiting:
+                # Locked: an advance is at work on it right now, and will settle it itself.
+                if gen.state is _G.RECORDED and not gen.lock.locked():
+                    async with gen.lock:
+                        await self._guarded(gen, "waiting for the commit",
+                                            self._poll(gen, newest.get(gen.job)))
+
+    async def _poll(self, gen: GenerationRecord, newest: int | None) -> None:
+        if gen.state is not _G.RECORDED:
+            return
+        if newest is not None and newest > gen.step:
+            await self._superseded(gen, newest)
+            return
+        await self._settle(gen)
+        wait_s = self.config.drain.commit_wait_s
+        since = gen.drained_at or gen.created_at
+        if gen.state is _G.RECORDED and time.time() - since >= wait_s:
+            missing = self._missing.get(gen.key)
+            why = (f"rank(s) {describe_ranks(missing)} have no part record (is their node down?)"
+                   if missing else "the manifest never appeared")
+            await self.end(gen, f"not committed within drain.commit_wait_s = {wait_s:g} s of "
+                                f"this node recording its part: {why}", kind="timeout")
+
+    async def _newest_commits(self, waiting: list[GenerationRecord]) -> dict[str, int]:
+        """Per job, a committed step newer than one of ``waiting``, from the LATEST hint and
+        confirmed by its manifest. A lagging or unreadable hint only means waiting longer."""
+        oldest: dict[str, int] = {}
+        for gen in waiting:
+            oldest[gen.job] = min(oldest.get(gen.job, gen.step), gen.step)
+        found: dict[str, int] = {}
+        for job, step in oldest.items():
+            try:
+                hint = parse_latest(await self.committer.backend.get_bytes(
+                    latest_key(job), max_bytes=64))
+                if (hint is not None and hint > step
+                        and await self.committer.committed(job, hint) is not None):
+                    found[job] = hint
+            except (BackendError, ManifestError) as exc:
+                self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
+                                          cause=f"latest:{job}", job=job, error=str(exc))
+            except Exception:  # one job's hint must not stop the polling of every job
+                log_event(log, logging.ERROR, "commit_poll_crashed", job=job, exc_info=True)
+        return found
+
+    # -- telling the other nodes ---------------------------------------------------------------
+    async def _record_failure(self, gen: GenerationRecord, *, unless_present: bool = False) -> None:
+        """Rewrite this node's part record with the ranks it can no longer deliver marked
+        aborted, so the other nodes end the generation now rather than after commit_wait_s."""
+        async with self._part_locks.hold(gen.key):
+            if gen.state is not _G.FAILED or self.ledger.get(gen.job, gen.step) is not gen:
+                return  # retried or replaced meanwhile: the new record is the truth
+            recorded = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
+            failed = [r for r in gen.ranks if r not in recorded]
+            if not failed:
+                return  # it failed at the commit itself; the other nodes see the same
+            part = self._part(gen, recorded, failed, gen.error or "failed on this node")
+            key = part_key(gen.job, gen.step, part.node)
+            try:
+                if unless_present and await self._already(key, part):
+                    return
+                await self._with_retries(lambda: self.committer.record_part(part))
+            except (BackendError, ManifestError) as exc:
+                log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
+                          step=gen.step, error=str(exc),
+                          action="the other nodes end it after drain.commit_wait_s")
+                return
+        log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
+                  aborted_ranks=describe_ranks(failed))
+
+    async def _already(self, key: str, part: PartRecord) -> bool:
+        data = await self.committer.backend.get_bytes(key)
+        if data is None:
+            return False
+        try:
+            there = PartRecord.from_json(data)
+        except ManifestError:
+            return False  # unreadable: rewrite it
+        return (there.attempt, there.aborted_ranks) == (part.attempt, part.aborted_ranks)
+
+    def _resend_failure_records(self) -> None:
+        """At start-up: a failure record queued when the daemon stopped was never written.
+        Not for a step older than a commit this node saw: nobody waits for those."""
+        newest: dict[str, int] = {}
+        for gen in self.ledger.generations.values():
+            if gen.state is _G.COMMITTED:
+                newest[gen.job] = max(newest.get(gen.job, gen.step), gen.step)
+        for gen in list(self.ledger.generations.values()):
+            if gen.state is _G.FAILED and gen.step > newest.get(gen.job, -1):
+                self.submit(f"failure-record {gen.job} {gen.step}",
+                            functools.partial(self._record_failure, gen, unless_present=True))

@@ -1,0 +1,165 @@
+"""A generation waiting on other nodes (RECORDED) always ends, and its end frees its slot.
+
+Two daemons ("nodes") on one file:// destination, world_size 2: rank 0 on node-a, rank 1 on
+node-b. Each way out is checked on node-a: another node's rank aborted (also across a restart
+of node-a), a newer step committed, and drain.commit_wait_s passed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import Backpressure, GenerationFailed
+from ckptdrain.client.manifest import PartRecord
+from tests.conftest import DaemonProcess
+
+JOB = "ends"
+# One generation in flight, refused at once when full: a generation that never ends would
+# block the job's next step for good, which is what these tests look for.
+ONE_SLOT = {"CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT": "1", "CKPTDRAIN_LIMITS__ON_FULL": "reject"}
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def seal(d: DaemonProcess, step: int, rank: int, world_size: int = 2) -> None:
+    with d.client().generation(JOB, step, rank=rank, world_size=world_size) as g:
+        g.put(f"rank{rank}.bin", bytes([rank]) * 1000)
+
+
+def abort(d: DaemonProcess, step: int, rank: int) -> None:
+    with pytest.raises(RuntimeError), d.client().generation(JOB, step, rank=rank, world_size=2) as g:
+        g.put(f"rank{rank}.bin", b"x" * 1000)
+        raise RuntimeError("out of GPU memory")
+
+
+def state(d: DaemonProcess, step: int) -> dict[str, Any]:
+    for g in d.client().status()["generations"]:
+        if (g["job"], g["step"]) == (JOB, step):
+            return g  # type: ignore[no-any-return]
+    return {"state": "unknown"}
+
+
+def recorded(d: DaemonProcess, step: int) -> None:
+    wait_for(lambda: state(d, step)["state"] == "recorded", 30, f"step {step} recorded")
+
+
+def part_record(d: DaemonProcess, step: int, node: str) -> PartRecord | None:
+    path = d.dest / JOB / f"{step:020d}" / "_parts" / f"{node}.json"
+    return PartRecord.from_json(path.read_bytes()) if path.exists() else None
+
+
+def fails_quickly(d: DaemonProcess, step: int, match: str, within_s: float = 15.0) -> None:
+    started = time.monotonic()
+    with pytest.raises(GenerationFailed, match=match):
+        d.client().wait(JOB, step, timeout_s=within_s)
+    assert time.monotonic() - started < within_s
+
+
+def next_step_commits(a: DaemonProcess, b: DaemonProcess, step: int) -> None:
+    """The job carries on: with one slot, this begins only if the ended step freed it."""
+    seal(a, step, 0)
+    seal(b, step, 1)
+    a.client().wait(JOB, step, timeout_s=30)
+    b.client().wait(JOB, step, timeout_s=30)
+
+
+def test_a_rank_aborted_on_another_node_ends_the_generation_here(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a", **ONE_SLOT)
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    with pytest.raises(Backpressure):
+        seal(a, 2, 0)  # the slot is held while step 1 waits for node-b
+    abort(b, 1, 1)
+    fails_quickly(a, 1, r"rank 1 aborted on node 'node-b': .*out of GPU memory")
+    assert state(a, 1)["state"] == "failed"
+    assert "rank 1 aborted on node 'node-b'" in state(a, 1)["error"]
+    # node-b's record says so, and keeps the layout's promise: no manifest, ever.
+    record = part_record(b, 1, "node-b")
+    assert record is not None and record.aborted_ranks == (1,) and record.ranks == ()
+    assert not (a.dest / JOB / f"{1:020d}" / "MANIFEST.json").exists()
+    next_step_commits(a, b, 2)
+
+
+def test_an_abort_seen_after_a_restart_ends_the_generation(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a", **ONE_SLOT)
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    assert a.stop() == 0
+    abort(b, 1, 1)
+    wait_for(lambda: (r := part_record(b, 1, "node-b")) is not None and r.aborted_ranks == (1,),
+             30, "node-b's failure record")
+    a.start()
+    fails_quickly(a, 1, r"rank 1 aborted on node 'node-b'")
+    next_step_commits(a, b, 2)
+
+
+def test_an_abort_before_this_node_records_ends_it_at_once(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a", **ONE_SLOT)
+    b: DaemonProcess = make_daemon("node-b")
+    abort(b, 1, 1)
+    wait_for(lambda: part_record(b, 1, "node-b") is not None, 30, "node-b's failure record")
+    seal(a, 1, 0)
+    fails_quickly(a, 1, r"rank 1 aborted on node 'node-b'")
+
+
+def test_a_newer_step_committing_here_ends_an_older_one(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a")  # two slots: step 2 begins while step 1 waits
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)  # node-b never saves step 1 (its rank died before it began)
+    recorded(a, 1)
+    next_step_commits(a, b, 2)
+    fails_quickly(a, 1, r"cancelled: step 2 of this job committed first")
+    assert state(a, 1)["state"] == "cancelled"
+
+
+def test_a_newer_step_committed_by_other_nodes_ends_an_older_one(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a", **ONE_SLOT)
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    # A resized job commits step 2 on node-b alone; node-a learns of it from the destination.
+    seal(b, 2, 0, world_size=1)
+    b.client().wait(JOB, 2, timeout_s=30)
+    fails_quickly(a, 1, r"cancelled: step 2 of this job committed first")
+    next_step_commits(a, b, 3)
+
+
+def test_commit_wait_s_ends_a_generation_whose_other_node_never_comes(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="1", **ONE_SLOT)
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)
+    fails_quickly(a, 1, r"not committed within drain.commit_wait_s = 1 s.*rank\(s\) 1 have no part record")
+    next_step_commits(a, b, 2)
+
+
+def test_commit_wait_s_keeps_counting_across_a_restart(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="600", **ONE_SLOT)
+    seal(a, 1, 0)
+    recorded(a, 1)
+    assert a.stop() == 0
+    # As if node-a recorded its part 700 s ago and was down most of that time.
+    db = sqlite3.connect(a.staging / "journal.sqlite3")
+    db.execute("UPDATE generations SET drained_at = drained_at - 700")
+    db.commit()
+    db.close()
+    a.start()
+    fails_quickly(a, 1, r"not committed within drain.commit_wait_s = 600 s")
+
+
+def test_commit_wait_s_must_be_positive(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_DRAIN__COMMIT_WAIT_S="0")
+    with pytest.raises(RuntimeError, match="exited 78"):
+        d.start()
+    assert "drain.commit_wait_s: must be > 0" in d.log()

@@ -1,0 +1,94 @@
+"""A commit step that fails for good (the part record cannot be written) fails that generation
+only: the daemon stays up, serves other jobs, and a restart does not crash on it again."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.client import GenerationFailed
+from tests.conftest import DaemonProcess
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def block_part_records(d: DaemonProcess, job: str, step: int) -> Path:
+    """Make ``_parts`` a regular file, so writing ``_parts/<node>.json`` fails with ENOTDIR:
+    a destination error no retry can fix, like EXDEV or a full destination."""
+    gen_dir = d.dest / job / f"{step:020d}"
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    blocker = gen_dir / "_parts"
+    blocker.write_bytes(b"not a directory")
+    return blocker
+
+
+def state_of(d: DaemonProcess, job: str, step: int) -> dict[str, object]:
+    for g in d.client().status()["generations"]:
+        if (g["job"], g["step"]) == (job, step):
+            return g  # type: ignore[no-any-return]
+    raise AssertionError(f"{job} step {step} not in status")
+
+
+def assert_serves_another_job(d: DaemonProcess, job: str) -> None:
+    with d.client().generation(job, 1) as g:
+        g.put("w.bin", b"w" * 4096)
+    d.client().wait(job, 1, timeout_s=30)
+    assert (d.dest / job / f"{1:020d}" / "MANIFEST.json").exists()
+
+
+def test_a_part_record_that_cannot_be_written_fails_the_generation_not_the_daemon(
+    daemon: DaemonProcess,
+) -> None:
+    block_part_records(daemon, "blocked", 3)
+    with daemon.client().generation("blocked", 3) as g:
+        g.put("model.pt", b"m" * 10_000)
+    with pytest.raises(GenerationFailed, match=r"part record.*_parts/node-a\.json"):
+        daemon.client().wait("blocked", 3, timeout_s=30)
+    assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log()
+    assert state_of(daemon, "blocked", 3)["state"] == "failed"
+    assert "_parts" in str(state_of(daemon, "blocked", 3)["error"])
+    assert_serves_another_job(daemon, "other")
+    # The failure is journalled: a restart comes up and reports it, nothing re-runs it.
+    assert daemon.stop() == 0
+    daemon.start()
+    assert state_of(daemon, "blocked", 3)["state"] == "failed"
+    assert_serves_another_job(daemon, "after-restart")
+
+
+def test_a_restart_that_meets_an_unwritable_part_record_does_not_crash(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # 1 byte/s: the shard is acknowledged but not drained when the daemon dies.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("blocked-r", 5) as g:
+        g.put("model.pt", b"m" * 50_000)
+    d.kill()
+    block_part_records(d, "blocked-r", 5)
+    d.overrides.pop("CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S")
+    # Recovery drains the shard and tries the part record: the generation fails, the daemon
+    # stays up (before the fix it died here, on every restart).
+    d.start()
+    with pytest.raises(GenerationFailed, match="part record"):
+        d.client().wait("blocked-r", 5, timeout_s=30)
+    assert d.proc is not None and d.proc.poll() is None, d.log()
+    assert_serves_another_job(d, "other-r")
+    assert d.stop() == 0
+    d.start()
+    assert state_of(d, "blocked-r", 5)["state"] == "failed"
+
+
+def test_a_failed_part_record_is_logged_once(daemon: DaemonProcess) -> None:
+    block_part_records(daemon, "blocked-log", 1)
+    with daemon.client().generation("blocked-log", 1) as g:
+        g.put("a.bin", b"a" * 100)
+    with pytest.raises(GenerationFailed):
+        daemon.client().wait("blocked-log", 1, timeout_s=30)
+    wait_for(lambda: "event=generation_failed" in daemon.log(), 10, "the failure log line")
+    lines = [line for line in daemon.log().splitlines() if "blocked-log" in line and "level=error" in line]
+    assert sum("event=generation_failed" in line for line in lines) == 1, lines
