@@ -63,6 +63,13 @@ class Budget:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    def head_request(self) -> int:
+        """What the first waiter asks for (0 when nobody waits): eviction frees room for it."""
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                return waiter.amount
+        return 0
+
     def set_limit(self, limit: int) -> None:
         """A reload may raise or lower the limit; waiters that now fit are admitted."""
         self.limit = limit

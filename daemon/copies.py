@@ -75,6 +75,15 @@ class LocalCopies:
             slot.release()
         if not self.keep_after_drain:
             self.discard(shard)
+        elif self.admission.staged.head_request():
+            # A hand-off waits for room, and this copy just became evictable: make room now,
+            # or the waiter would wait for a release that kept copies never make.
+            self.supervisor.spawn(self.relieve, what="evict for a waiting hand-off")
+
+    async def relieve(self) -> None:
+        """Evict for the hand-offs waiting on max_staged_bytes, first in line first."""
+        while (head := self.admission.staged.head_request()) and await self.make_room(head):
+            pass
 
     def discard(self, shard: ShardRecord) -> None:
         """Drop the shard's file and everything it holds. Its room goes back at once (the
