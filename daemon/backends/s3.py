@@ -57,6 +57,7 @@ from ckptdrain.daemon.backends.s3parts import (
     multipart_etag,
     part_plan,
     read_part,
+    same_etag,
 )
 from ckptdrain.daemon.logs import log_event
 
@@ -277,6 +278,9 @@ class S3Backend(MultipartUploads, Backend):
         """``key`` is taken by a large object: accept it (same bytes), refuse (committed), or
         replace it (a leftover) with an upload that records its checksum."""
         checksum = await self._hash_staged(fd, size)
+        if upload_log is not None and await self._is_journalled(key, size, upload_log, head):
+            await upload_log.finished()
+            return checksum
         try:
             same = await settle_existing(self, key, size, checksum, self._info(key, head))
         finally:
@@ -298,6 +302,21 @@ class S3Backend(MultipartUploads, Backend):
         await check_replaced(self, key, size, checksum)
         return checksum
 
+    async def _is_journalled(
+        self, key: str, size: int, upload_log: UploadLog, head: dict[str, Any]
+    ) -> bool:
+        """Whether the object is this shard's own journalled upload, completed before the
+        daemon could record that (it stopped between Complete and the journal): its ETag is
+        the one the journalled parts make. No re-upload then, and no checksum is needed."""
+        upload_id, parts = await upload_log.load()
+        _, count = part_plan(size, self._part_size)
+        if upload_id is None or sorted(parts) != list(range(1, count + 1)):
+            return False
+        expected = multipart_etag([parts[n][0] for n in range(1, count + 1)])
+        return int(head.get("ContentLength") or -1) == size and same_etag(
+            str(head.get("ETag", "")), expected
+        )
+
     async def _hash_staged(self, fd: int, size: int) -> str:
         """The sha256 of the staged copy, read in a worker thread into a pooled buffer."""
         part_size, _ = part_plan(size, self._part_size)
@@ -315,6 +334,8 @@ class S3Backend(MultipartUploads, Backend):
             stop.set()
             # As in _read: neither the buffer nor the fd may be reused under the thread.
             await asyncio.wait([future], timeout=READ_DRAIN_TIMEOUT_S)
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: the cancellation is what the caller sees
             raise
         finally:
             self.buffers.release(buf, reuse=reuse)

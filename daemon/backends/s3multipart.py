@@ -218,6 +218,10 @@ class MultipartUploads:
             # stores) the key taken: the object is ours if its ETag is the one these parts make.
             head = await self._head(key, full) or {}
             if same_etag(str(head.get("ETag", "")), expected):
+                if taken and await self._list_parts(key, full, upload_id) is not None:
+                    # These very bytes are there, but an identical upload's, not ours (ours
+                    # would be gone): this one, left open by the refused Complete, must go.
+                    await self._abort(key, full, upload_id)
                 return True
             if taken:
                 return False

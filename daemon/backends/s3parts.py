@@ -119,6 +119,10 @@ def read_part(fd: int, buf: bytearray, offset: int, sha: Any) -> str:
     return crc32_hex(view)
 
 
+class Stopped(Exception):
+    """A worker thread gave up because the awaiting coroutine was cancelled."""
+
+
 def hash_staged(fd: int, size: int, buf: bytearray, stop: threading.Event) -> str:
     """``"sha256:<hex>"`` of the first ``size`` bytes of ``fd``, read into ``buf``; runs in a
     worker thread and gives up between reads once ``stop`` is set."""
@@ -127,7 +131,7 @@ def hash_staged(fd: int, size: int, buf: bytearray, stop: threading.Event) -> st
     offset = 0
     while offset < size:
         if stop.is_set():
-            raise asyncio.CancelledError
+            raise Stopped
         n = os.preadv(fd, [view[: min(len(view), size - offset)]], offset)
         if n == 0:
             raise OSError(

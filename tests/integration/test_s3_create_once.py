@@ -282,3 +282,54 @@ async def put_step(backend: S3Backend, tmp_path: Path, step: int, data: bytes) -
 def record_of(step: int, data: bytes) -> PartRecord:
     entry = ShardEntry("w.bin", len(data), "sha256:" + hashlib.sha256(data).hexdigest(), 0, "n1")
     return PartRecord(JOB, step, 1, "n1", (0,), (entry,), CLOCKS)
+
+
+class DyingUploadLog:
+    """An UploadLog whose process 'dies' (raises) right after the Complete, before the journal
+    records it: the restarted drain finds the object there and the journal still full."""
+
+    def __init__(self) -> None:
+        self.upload_id: str | None = None
+        self.parts: dict[int, tuple[str, str]] = {}
+        self.finished_calls = 0
+
+    async def load(self) -> tuple[str | None, dict[int, tuple[str, str]]]:
+        return self.upload_id, dict(self.parts)
+
+    async def begun(self, upload_id: str) -> None:
+        self.upload_id, self.parts = upload_id, {}
+
+    async def part_done(self, number: int, etag: str, checksum: str) -> None:
+        self.parts[number] = (etag, checksum)
+
+    async def finished(self) -> None:
+        self.finished_calls += 1
+        if self.finished_calls == 1:
+            raise RuntimeError("the daemon was killed")
+        self.upload_id, self.parts = None, {}
+
+
+async def test_a_restarted_drain_recognises_its_own_completed_upload(
+    nodes: Nodes, tmp_path: Path, seaweedfs: SeaweedFS, s3_bucket: str
+) -> None:
+    backend = nodes("n1")
+    data = payload(20 * MiB, 10)
+    staged = tmp_path / "big"
+    staged.write_bytes(data)
+    log = DyingUploadLog()
+    key = shard_key(JOB, STEP, "model.bin")
+    fd = os.open(staged, os.O_RDONLY)
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            await backend.put_file(key, fd, len(data), upload_log=log)
+        assert await backend.put_file(key, fd, len(data), upload_log=log) == (
+            "sha256:" + hashlib.sha256(data).hexdigest()
+        )
+    finally:
+        os.close(fd)
+    # Not sent again: the object is the first upload (a replacement would record a checksum).
+    head = seaweedfs.client().head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")
+    assert "ckptdrain-checksum" not in head["Metadata"]
+    assert (log.upload_id, log.finished_calls) == (None, 2)
+    assert await read(backend, key) == data
+    assert uploads_left(seaweedfs, s3_bucket) == []
