@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -83,11 +85,38 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         runner = asyncio.run
     daemon = Daemon(config, inherited=inherited[0] if inherited else None,
                     config_path=str(ns.config) if ns.config else None)
+    ran = threading.Event()
+    # Once the daemon has stopped (journal flushed), a thread stuck in a blocking call (a
+    # client fd on a hung mount) must not hold the process past the unit's stop timeout: the
+    # interpreter would wait for it forever, in the event loop's shutdown or at exit.
+    daemon.on_stopped = lambda: threading.Thread(target=_exit_if_stuck, args=(ran,),
+                                                 daemon=True).start()
     try:
         runner(daemon.run())
     except OSError as exc:
         _fail(f"cannot serve: {exc}")
+    ran.set()
+    _flush_and_exit(EXIT_OK)
     return EXIT_OK
+
+
+STOPPED_EXIT_GRACE_S = 10.0
+
+
+def _exit_if_stuck(ran: threading.Event) -> None:
+    if not ran.wait(STOPPED_EXIT_GRACE_S):
+        logging.getLogger("ckptdrain.cli").warning(
+            "event=exit_with_stuck_threads action=\"threads stuck in blocking calls are left to "
+            "the kernel\"")
+        _flush_and_exit(EXIT_OK)
+
+
+def _flush_and_exit(code: int) -> None:
+    """Exit without joining worker threads: everything durable was written before "stopped"."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # -- status -----------------------------------------------------------------------------------

@@ -29,7 +29,14 @@ from ckptdrain.daemon.channel import Channel, IdleTimeout
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.state import GenerationState, RankState, ShardState
+from ckptdrain.daemon.state import (
+    GenerationEvent,
+    GenerationState,
+    RankEvent,
+    RankState,
+    ShardEvent,
+    ShardState,
+)
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.server import Daemon
@@ -276,8 +283,8 @@ class ClientHandler:
             raise RequestError(wire.DUPLICATE, f"rank {rank} of step {step} of job {job!r} already "
                                f"began on this node ({gen.ranks[rank]})")
         if gen.state is GenerationState.RECORDED:
-            await self.d.ledger.save_generation(gen, GenerationState.OPEN)
-        await self.d.ledger.set_rank(gen, rank, RankState.OPEN)
+            await self.d.ledger.apply(gen, GenerationEvent.REOPENED)
+        await self.d.ledger.open_rank(gen, rank)
         self.gen, self.rank, self.ack = gen, rank, effective
         return {"job": job, "step": step, "rank": rank, "ack": effective, "node_id": self.d.node_id}
 
@@ -314,7 +321,7 @@ class ClientHandler:
 
     async def seal(self, owned: tuple[GenerationRecord, int]) -> dict[str, Any]:
         gen, rank = owned
-        await self.d.ledger.set_rank(gen, rank, RankState.SEALED)
+        await self.d.ledger.apply((gen, rank), RankEvent.SEALED)
         shards = [s for s in gen.shards.values() if s.rank == rank]
         # The commit outlives this request: the supervisor owns it.
         self.d.supervisor.spawn(lambda: self.d.scheduler.advance(gen),
@@ -324,12 +331,12 @@ class ClientHandler:
 
     async def abort_rank(self, gen: GenerationRecord, rank: int, reason: str) -> None:
         if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED):
-            await self.d.ledger.set_rank(gen, rank, RankState.ABORTED)
+            await self.d.ledger.apply((gen, rank), RankEvent.ABORTED)
         if not gen.terminal:
             await self.d.fail(gen, f"rank {rank}: {reason}", kind="aborted")
             for shard in gen.shards.values():
                 if shard.state is not ShardState.DISCARDED:
-                    await self.d.ledger.set_shard(shard, ShardState.DISCARDED)
+                    await self.d.ledger.apply(shard, ShardEvent.DISCARDED)
 
     async def fetch(self, job: str, step: int, path: str, out_fd: int) -> dict[str, Any]:
         """Restore's fast path: copy this node's local copy of a committed shard into the
@@ -381,11 +388,11 @@ class ClientHandler:
         except (BudgetFull, TooLarge) as exc:
             raise d.admission.backpressure_error(exc, job) from None
         d.admission.hold_generation(gen, slot)
-        await d.ledger.save_generation(gen, GenerationState.OPEN, error="")
+        await d.ledger.apply(gen, GenerationEvent.RETRIED, error="")
         requeued = 0
         for shard in gen.shards.values():
             if shard.state is ShardState.FAILED:
-                await d.ledger.set_shard(shard, ShardState.STAGED, error="")
+                await d.ledger.apply(shard, ShardEvent.RETRIED, error="")
             if shard.state is ShardState.STAGED:
                 d.scheduler.enqueue(gen, shard)
                 requeued += 1

@@ -26,7 +26,7 @@ from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, kernel_copy, write
 from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.staging import StagingFull
-from ckptdrain.daemon.state import ShardState
+from ckptdrain.daemon.state import ShardEvent, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.connection import ClientHandler
@@ -294,7 +294,7 @@ class Handoffs:
                 shard.checksum = await d.dataplane.call(d.staging.checksum, name)
             if gen.terminal or shard.state is not ShardState.HELD:
                 return
-            await d.ledger.set_shard(shard, ShardState.STAGED, staged_at=time.time())
+            await d.ledger.apply(shard, ShardEvent.STAGED, staged_at=time.time())
             d.copies.adopt(shard, room, slot)
             room = slot = None
             created = False

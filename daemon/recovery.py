@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.state import RankState, ShardState
+from ckptdrain.daemon.state import RankEvent, RankState, ShardEvent, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
@@ -50,14 +50,14 @@ async def recover(d: Daemon) -> None:
         if held:
             for shard in gen.shards.values():
                 if shard.state is ShardState.HELD:
-                    await d.ledger.set_shard(shard, ShardState.DISCARDED)
+                    await d.ledger.apply(shard, ShardEvent.DISCARDED)
             await d.fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
                               "local storage; memory hand-offs do not survive a daemon "
                               "crash; save this generation again", kind="aborted")
             continue
         if open_ranks:
             for r in open_ranks:
-                await d.ledger.set_rank(gen, r, RankState.ABORTED)
+                await d.ledger.apply((gen, r), RankEvent.ABORTED)
             await d.fail(gen, f"the daemon restarted while rank(s) {open_ranks} were still "
                               "handing off; save this generation again", kind="aborted")
             continue

@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ckptdrain.client import wire
@@ -43,7 +44,7 @@ from ckptdrain.daemon.recovery import recover, sweep_forever, sweep_once
 from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
 from ckptdrain.daemon.staging import Staging
-from ckptdrain.daemon.state import GenerationState, RankState, ShardState
+from ckptdrain.daemon.state import GenerationState, RankState, ShardEvent, ShardState
 from ckptdrain.daemon.supervisor import Supervisor
 from ckptdrain.daemon.systemd import Notifier
 
@@ -100,6 +101,7 @@ class Daemon:
         self._begin_locks: dict[tuple[str, int], tuple[asyncio.Lock, list[int]]] = {}
         self.metrics_address: tuple[str, int] | None = None
         self.stopping = False
+        self.on_stopped: Callable[[], None] | None = None  # the CLI bounds the process exit
 
     # -- lifecycle ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -199,6 +201,8 @@ class Daemon:
             await self.journal.close()
             self.dataplane.close()
             log_event(log, logging.INFO, "stopped", node=self.node_id)
+            if self.on_stopped is not None:
+                self.on_stopped()
 
     def spawn_advance(self, gen: GenerationRecord) -> None:
         """Queue a commit attempt for ``gen`` to the supervisor (it outlives any request)."""
@@ -292,7 +296,7 @@ class Daemon:
         for shard in gen.shards.values():
             if shard.state is not ShardState.DISCARDED:
                 # Still queued, perhaps: a worker must never take it for the new attempt's.
-                await self.ledger.set_shard(shard, ShardState.DISCARDED, persist=False)
+                await self.ledger.apply(shard, ShardEvent.DISCARDED, persist=False)
         self.copies.discard_generation(gen)
         log_event(log, logging.INFO, "generation_replaced", job=gen.job, step=gen.step,
                   old_attempt=gen.attempt, attempt=attempt)
@@ -317,7 +321,7 @@ class Daemon:
                             kind="superseded", state=GenerationState.CANCELLED)
             for shard in victim.shards.values():
                 if shard.state is not ShardState.DISCARDED:
-                    await self.ledger.set_shard(shard, ShardState.DISCARDED)
+                    await self.ledger.apply(shard, ShardEvent.DISCARDED)
         return True
 
     async def _retain(self, job: str) -> None:
