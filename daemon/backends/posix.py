@@ -19,23 +19,20 @@ import asyncio
 import builtins
 import errno
 import hashlib
-import logging
 import os
 import shutil
-import stat
-import subprocess
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from ckptdrain.client.manifest import TMP_SUFFIX, format_checksum
+from ckptdrain.client.manifest import format_checksum
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 from ckptdrain.daemon.backends.posixfs import (
     COPY_BUFFER_BYTES,
+    LFS_TIMEOUT_S,
     NAME_MAX,
     ChecksumXattr,
     Stopped,
@@ -43,10 +40,16 @@ from ckptdrain.daemon.backends.posixfs import (
     copy_and_hash,
     copy_buffer,
     fsync_dir,
+    list_dirs,
+    list_files,
     makedirs,
+    open_existing,
+    read_small,
+    read_some,
+    setstripe,
     stat_file,
+    sweep_temps,
     temp_name,
-    temp_owner_matches,
     write_all,
 )
 
@@ -54,17 +57,13 @@ if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
 
 # Re-exported: the names tests and older imports know this module by.
-__all__ = ["COPY_BUFFER_BYTES", "NAME_MAX", "PosixBackend", "backend_error", "temp_name"]
-
-log = logging.getLogger(__name__)
+__all__ = ["COPY_BUFFER_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "backend_error",
+           "temp_name"]
 
 _T = TypeVar("_T")
 
 # Threads beyond max_concurrency, for small metadata operations during a full drain.
 EXTRA_THREADS = 4
-# `lfs setstripe` talks to the MDS; if it hangs, the generation is written with the directory's
-# default layout rather than not at all.
-LFS_TIMEOUT_S = 30.0
 # How often a create-once write retries when the existing file it found vanished before it
 # could be compared (retention removing an abandoned generation at that very moment).
 _CREATE_ROUNDS = 3
@@ -290,7 +289,7 @@ class PosixBackend(Backend):
             self._live.discard(str(tmp))
             raise
         try:
-            self._setstripe(lfs, tmp)
+            setstripe(lfs, tmp, self.stripe_count, self.stripe_size_bytes)
             try:
                 os.rename(tmp, directory)
             except OSError as exc:
@@ -301,33 +300,6 @@ class PosixBackend(Backend):
                 tmp.rmdir()
             self._live.discard(str(tmp))
         fsync_dir(directory.parent)
-
-    def _setstripe(self, lfs: str, directory: Path) -> None:
-        cmd = [
-            lfs,
-            "setstripe",
-            "-c",
-            str(self.stripe_count),
-            "-S",
-            str(self.stripe_size_bytes),
-            str(directory),
-        ]
-        try:
-            result = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=LFS_TIMEOUT_S, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log.warning(
-                "lfs setstripe on %s failed (%s); files get the default layout", directory, exc
-            )
-            return
-        if result.returncode != 0:
-            log.warning(
-                "lfs setstripe on %s exited %d (%s); files get the default layout",
-                directory,
-                result.returncode,
-                result.stderr.strip()[:500],
-            )
 
     async def delete(self, key: str) -> None:
         await self._run(f"deleting {key}", self._delete_sync, self._path(key))
@@ -357,63 +329,13 @@ class PosixBackend(Backend):
     # --- reads ------------------------------------------------------------------------------
 
     async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
-        return await self._run(f"reading {key}", self._get_bytes_sync, self._path(key), max_bytes)
-
-    @staticmethod
-    def _get_bytes_sync(path: Path, max_bytes: int, stop: threading.Event) -> bytes | None:
-        del stop
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return None
-            if st.st_size > max_bytes:
-                raise BackendError(
-                    f"{path} is {st.st_size} bytes, over the {max_bytes}-byte limit for a "
-                    "small object",
-                    kind="integrity",
-                )
-            chunks = []
-            while data := os.read(fd, max(st.st_size, 1 << 16)):
-                chunks.append(data)
-                if sum(map(len, chunks)) > max_bytes:
-                    raise BackendError(
-                        f"{path} grew past {max_bytes} bytes while being read", kind="integrity"
-                    )
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+        return await self._run(f"reading {key}", read_small, self._path(key), max_bytes)
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
-        return await self._run(f"listing {prefix or '/'}", self._list_sync, prefix)
-
-    def _list_sync(self, prefix: str, stop: threading.Event) -> builtins.list[ObjectInfo]:
         # Keys match by string prefix like S3; walk only the deepest directory the prefix names.
         base_key = prefix.rpartition("/")[0]
         base = self._path(base_key) if base_key else self.root
-        found: builtins.list[ObjectInfo] = []
-        for dirpath, _dirs, files in os.walk(base):
-            if stop.is_set():
-                raise Stopped
-            rel = os.path.relpath(dirpath, self.root)
-            key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            for name in files:
-                if name.endswith(TMP_SUFFIX):
-                    continue
-                key = key_dir + name
-                if not key.startswith(prefix):
-                    continue
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except FileNotFoundError:
-                    continue  # deleted since the directory was read
-                if stat.S_ISREG(st.st_mode):
-                    found.append(ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime))
-        found.sort(key=lambda info: info.key)
-        return found
+        return await self._run(f"listing {prefix or '/'}", list_files, self.root, base, prefix)
 
     async def stat(self, key: str) -> ObjectInfo | None:
         found = await self._run(f"checking {key}", stat_file, self._path(key), self._xattr)
@@ -425,29 +347,16 @@ class PosixBackend(Backend):
     async def list_dirs(self, prefix: str) -> builtins.list[str]:
         base = prefix.rstrip("/")
         return await self._run(
-            f"listing {prefix or '/'}", self._list_dirs_sync, self._path(base) if base else self.root
-        )
-
-    @staticmethod
-    def _list_dirs_sync(directory: Path, stop: threading.Event) -> builtins.list[str]:
-        del stop
-        try:
-            entries = list(os.scandir(directory))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(
-            e.name
-            for e in entries
-            if not e.name.endswith(TMP_SUFFIX) and e.is_dir(follow_symlinks=False)
+            f"listing {prefix or '/'}", list_dirs, self._path(base) if base else self.root
         )
 
     async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
         path = self._path(key)
-        fd = await self._run(f"opening {key}", self._open_sync, path)
+        fd = await self._run(f"opening {key}", open_existing, path)
         # The fd is closed however the iteration ends (exhausted, broken off, cancelled).
         try:
             while True:
-                chunk = await self._run(f"reading {key}", self._read_sync, fd, chunk_bytes)
+                chunk = await self._run(f"reading {key}", read_some, fd, chunk_bytes)
                 if not chunk:
                     return
                 yield chunk
@@ -464,7 +373,7 @@ class PosixBackend(Backend):
 
     def _copy_into_sync(self, path: Path, out_fd: int, progress: Callable[[int], None] | None,
                         stop: threading.Event) -> tuple[int, str]:
-        src = self._open_sync(path, stop)
+        src = open_existing(path, stop)
         try:
             view = copy_buffer()
             digest = hashlib.sha256()
@@ -482,19 +391,6 @@ class PosixBackend(Backend):
         finally:
             os.close(src)
 
-    @staticmethod
-    def _open_sync(path: Path, stop: threading.Event) -> int:
-        del stop
-        try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise BackendError(f"{path} does not exist", kind="integrity") from exc
-
-    @staticmethod
-    def _read_sync(fd: int, chunk_bytes: int, stop: threading.Event) -> bytes:
-        del stop
-        return os.read(fd, chunk_bytes)
-
     # --- housekeeping -----------------------------------------------------------------------
 
     async def sweep_orphans(self, owned_upload_ids: set[str], grace_s: float) -> int:
@@ -502,41 +398,9 @@ class PosixBackend(Backend):
         any age (call it before this node starts draining), other nodes' once older than
         ``grace_s`` (they may still be writing younger ones)."""
         del owned_upload_ids  # POSIX has no uploads; its leftovers are temp names
-        return await self._run("sweeping temp files", self._sweep_sync, grace_s)
-
-    def _sweep_sync(self, grace_s: float, stop: threading.Event) -> int:
-        if not self.root.is_dir():
-            return 0
-        cutoff = time.time() - grace_s
-        removed = 0
-        for dirpath, dirs, files in os.walk(self.root):
-            if stop.is_set():
-                raise Stopped
-            for name in [*files, *dirs]:
-                if not name.endswith(TMP_SUFFIX):
-                    continue
-                path = os.path.join(dirpath, name)
-                if path in self._live:
-                    continue
-                try:
-                    st = os.lstat(path)
-                    mine = temp_owner_matches(name, self.node_id)
-                    if not mine and st.st_mtime > cutoff:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        os.rmdir(path)  # only ever an empty striping temp directory
-                    else:
-                        os.unlink(path)
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                        continue
-                    raise
-                removed += 1
-                log.info("removed leftover temp %s", path)
-            dirs[:] = [d for d in dirs if not d.endswith(TMP_SUFFIX)]
-        return removed
+        return await self._run(
+            "sweeping temp files", sweep_temps, self.root, self.node_id, self._live, grace_s
+        )
 
     async def aclose(self) -> None:
         """Stop the worker threads once their current calls finish."""

@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import secrets
 import stat
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, format_checksum, parse_checksum
-from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
+
+# Logged under the backend's name: operators filter on it.
+log = logging.getLogger("ckptdrain.daemon.backends.posix")
 
 COPY_BUFFER_BYTES = 8 << 20
+# `lfs setstripe` talks to the MDS; if it hangs, the generation is written with the directory's
+# default layout rather than not at all.
+LFS_TIMEOUT_S = 30.0
 RANDOM_HEX = 12
 # Longest file name on Linux filesystems, Lustre included (names are ASCII, so bytes = chars).
 NAME_MAX = 255
@@ -225,3 +234,144 @@ def stat_file(
         return st.st_size, st.st_mtime, checksum
     finally:
         os.close(fd)
+
+
+def read_small(path: Path, max_bytes: int, stop: threading.Event) -> bytes | None:
+    """The whole file at ``path`` (at most ``max_bytes``), or None when there is none."""
+    del stop
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if st.st_size > max_bytes:
+            raise BackendError(
+                f"{path} is {st.st_size} bytes, over the {max_bytes}-byte limit for a "
+                "small object",
+                kind="integrity",
+            )
+        chunks = []
+        while data := os.read(fd, max(st.st_size, 1 << 16)):
+            chunks.append(data)
+            if sum(map(len, chunks)) > max_bytes:
+                raise BackendError(
+                    f"{path} grew past {max_bytes} bytes while being read", kind="integrity"
+                )
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def list_files(root: Path, base: Path, prefix: str, stop: threading.Event) -> list[ObjectInfo]:
+    """Every regular file under ``base`` whose key (path relative to ``root``) starts with
+    ``prefix``, sorted by key; temp files excluded."""
+    found: list[ObjectInfo] = []
+    for dirpath, _dirs, files in os.walk(base):
+        if stop.is_set():
+            raise Stopped
+        rel = os.path.relpath(dirpath, root)
+        key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        for name in files:
+            if name.endswith(TMP_SUFFIX):
+                continue
+            key = key_dir + name
+            if not key.startswith(prefix):
+                continue
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue  # deleted since the directory was read
+            if stat.S_ISREG(st.st_mode):
+                found.append(ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime))
+    found.sort(key=lambda info: info.key)
+    return found
+
+
+def list_dirs(directory: Path, stop: threading.Event) -> list[str]:
+    """Names of the subdirectories of ``directory`` (temp ones excluded), sorted."""
+    del stop
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        e.name for e in entries if not e.name.endswith(TMP_SUFFIX) and e.is_dir(follow_symlinks=False)
+    )
+
+
+def open_existing(path: Path, stop: threading.Event) -> int:
+    del stop
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise BackendError(f"{path} does not exist", kind="integrity") from exc
+
+
+def read_some(fd: int, chunk_bytes: int, stop: threading.Event) -> bytes:
+    del stop
+    return os.read(fd, chunk_bytes)
+
+
+def setstripe(lfs: str, directory: Path, stripe_count: int, stripe_size_bytes: int) -> None:
+    """``lfs setstripe`` on ``directory``; a failure is logged, never raised: the files then
+    get the filesystem's default layout, and the checkpoint is still written."""
+    cmd = [lfs, "setstripe", "-c", str(stripe_count), "-S", str(stripe_size_bytes), str(directory)]
+    try:
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=LFS_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning(
+            "lfs setstripe on %s failed (%s); files get the default layout", directory, exc
+        )
+        return
+    if result.returncode != 0:
+        log.warning(
+            "lfs setstripe on %s exited %d (%s); files get the default layout",
+            directory,
+            result.returncode,
+            result.stderr.strip()[:500],
+        )
+
+
+def sweep_temps(
+    root: Path, node_id: str, live: set[str], grace_s: float, stop: threading.Event
+) -> int:
+    """Remove temp files and striping temp directories under ``root`` left by interrupted
+    writes: ``node_id``'s at any age, other nodes' once older than ``grace_s``, never one in
+    ``live`` (being written by this process). Returns how many went."""
+    if not root.is_dir():
+        return 0
+    cutoff = time.time() - grace_s
+    removed = 0
+    for dirpath, dirs, files in os.walk(root):
+        if stop.is_set():
+            raise Stopped
+        for name in [*files, *dirs]:
+            if not name.endswith(TMP_SUFFIX):
+                continue
+            path = os.path.join(dirpath, name)
+            if path in live:
+                continue
+            try:
+                st = os.lstat(path)
+                mine = temp_owner_matches(name, node_id)
+                if not mine and st.st_mtime > cutoff:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    os.rmdir(path)  # only ever an empty striping temp directory
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    continue
+                raise
+            removed += 1
+            log.info("removed leftover temp %s", path)
+        dirs[:] = [d for d in dirs if not d.endswith(TMP_SUFFIX)]
+    return removed
