@@ -174,13 +174,14 @@ class Publisher:
                       reason=reason, exc_info=True)
 
     async def end(self, gen: GenerationRecord, reason: str, *, kind: str,
-                  state: GenerationState = _G.FAILED) -> None:
+                  state: GenerationState = _G.FAILED, event: GenerationEvent | None = None) -> None:
         """End a generation that cannot commit from this node (FAILED), or that a newer one
         of the same job replaced (CANCELLED): its slot is freed, its copies in flight are
-        cancelled, and (FAILED) the other nodes are told through this node's part record."""
+        cancelled, and (FAILED) the other nodes are told through this node's part record.
+        ``event`` names why, where the table has a more precise event than ``state``'s."""
         if gen.terminal:
             return
-        event = _END_EVENTS[state]
+        event = event or _END_EVENTS[state]
         try:
             await self.ledger.apply(gen, event, error=reason)
         finally:
@@ -191,6 +192,7 @@ class Publisher:
                 self.metrics.generation_failed(gen.job, kind)
                 self._on_terminal(gen)
                 self._on_ended(gen)
+                state = gen.state
                 if state is _G.FAILED:
                     self.submit(f"failure-record {gen.job} {gen.step}",
                                 lambda: self._record_failure(gen))
@@ -266,7 +268,7 @@ class Publisher:
             return
         aborted = describe_aborted(parts)
         if aborted:
-            await self.end(gen, aborted, kind="aborted")
+            await self.end(gen, aborted, kind="aborted", event=GenerationEvent.PEER_ABORTED)
             return
         missing = missing_ranks(parts, gen.world_size)
         if missing:
@@ -359,7 +361,8 @@ class Publisher:
 
     async def _superseded(self, gen: GenerationRecord, newer: int) -> None:
         await self.end(gen, f"step {newer} of this job committed first, so this older step can "
-                            "never become the latest", kind="superseded", state=_G.CANCELLED)
+                            "never become the latest", kind="superseded",
+                       event=GenerationEvent.SUPERSEDED_BY_COMMIT)
 
     # -- waiting on other nodes ---------------------------------------------------------------
     async def _poller(self) -> None:
@@ -394,7 +397,8 @@ class Publisher:
             why = (f"rank(s) {describe_ranks(missing)} have no part record (is their node down?)"
                    if missing else "the manifest never appeared")
             await self.end(gen, f"not committed within drain.commit_wait_s = {wait_s:g} s of "
-                                f"this node recording its part: {why}", kind="timeout")
+                                f"this node recording its part: {why}", kind="timeout",
+                           event=GenerationEvent.EXPIRED)
 
     async def _newest_commits(self, waiting: list[GenerationRecord]) -> dict[str, int]:
         """Per job, a committed step newer than one of ``waiting``, from the LATEST hint and

@@ -137,6 +137,11 @@ async def test_an_unexpected_error_fails_only_its_generation(
         assert bad_drain.state is GenerationState.FAILED
         assert "RuntimeError: bug in drain" in bad_drain.error
         assert good.state is GenerationState.COMMITTED
+        # The end's bookkeeping follows the state change by a journal write.
+        deadline = time.monotonic() + 5
+        while len(ended) < 3:
+            assert time.monotonic() < deadline, ended
+            await asyncio.sleep(0.01)
         assert sorted(g.job for g in ended) == ["bad-commit", "bad-drain", "good"]
         tracebacks = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
         assert sorted(str(r.exc_info[1]) for r in tracebacks if r.exc_info) == [
