@@ -277,8 +277,13 @@ class Daemon:
         ):
             # Superseded, or an aborted rank: never retried, nothing of it is worth keeping.
             self.copies.discard_generation(gen)
-        # A failed generation keeps its copies for `ckptdrain retry`; drained ones among them
-        # are evicted when a hand-off needs the room (copies.LocalCopies.make_room).
+        else:
+            # Failed: `ckptdrain retry` re-sends only what did not drain, so only those copies
+            # are kept; drained ones (all of them, when another node's rank aborted or the
+            # commit wait ran out) go now.
+            for shard in gen.shards.values():
+                if shard.state is ShardState.DRAINED:
+                    self.copies.discard(shard)
 
     async def replace_generation(self, gen: GenerationRecord, attempt: str) -> None:
         """A new attempt at an uncommitted step: end the old attempt on this node, drop what it

@@ -84,6 +84,8 @@ def test_a_rank_aborted_on_another_node_ends_the_generation_here(make_daemon) ->
     fails_quickly(a, 1, r"rank 1 aborted on node 'node-b': .*out of GPU memory")
     assert state(a, 1)["state"] == "failed"
     assert "rank 1 aborted on node 'node-b'" in state(a, 1)["error"]
+    # Its drained copies can never be retried into a commit: they are released with it.
+    wait_for(lambda: a.client().status()["kept_copy_bytes"] == 0, 30, "node-a's copies released")
     # node-b's record says so, and keeps the layout's promise: no manifest, ever.
     record = part_record(b, 1, "node-b")
     assert record is not None and record.aborted_ranks == (1,) and record.ranks == ()
