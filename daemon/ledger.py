@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, overload
+from typing import Any, overload
 
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import Journal
@@ -21,7 +21,6 @@ from ckptdrain.daemon.state import (
     INITIAL_RANK,
     INITIAL_SHARD,
     TERMINAL_GENERATION,
-    TRANSITIONS,
     UNDRAINED_SHARD,
     GenerationEvent,
     GenerationState,
@@ -339,31 +338,6 @@ class Ledger:
         if self.generations.get(gen.key) is gen:
             await self.journal.write(statement)
 
-    # -- deprecated: target-state setters, until every call site names its event -------------
-    async def save_generation(self, gen: GenerationRecord, state: GenerationState | None = None,
-                              **fields: Any) -> None:
-        """Deprecated: :meth:`apply` (a state change) or :meth:`update_generation` (fields)."""
-        if state is None or state is gen.state:
-            await self.update_generation(gen, **fields)
-        else:
-            await self.apply(gen, _event_for(gen.state, state, GenerationEvent), **fields)
-
-    async def set_rank(self, gen: GenerationRecord, rank: int, state: RankState) -> None:
-        """Deprecated: :meth:`open_rank` (OPEN) or ``apply((gen, rank), event)``."""
-        current = gen.ranks.get(rank)
-        if current is None and state is INITIAL_RANK:
-            await self.open_rank(gen, rank)
-        elif current is None:
-            raise IllegalTransition(f"rank {rank} never began; it cannot become {state}")
-        else:
-            await self.apply((gen, rank), _event_for(current, state, RankEvent))
-
-    async def set_shard(self, shard: ShardRecord, state: ShardState, *, persist: bool = True,
-                        **fields: Any) -> None:
-        """Deprecated: ``apply(shard, event)``."""
-        await self.apply(shard, _event_for(shard.state, state, ShardEvent), persist=persist,
-                         **fields)
-
     async def forget(self, gen: GenerationRecord) -> None:
         await self.journal.write(*j.delete_generation(gen.job, gen.step))
         self.generations.pop(gen.key, None)
@@ -375,19 +349,3 @@ def _check_fields(record: object, fields: dict[str, Any]) -> None:
     for name in fields:
         if name == "state" or not hasattr(record, name):
             raise TypeError(f"{type(record).__name__} has no field {name!r} to set")
-
-
-_E = TypeVar("_E", ShardEvent, RankEvent, GenerationEvent)
-
-
-def _event_for(current: Any, target: Any, kind: type[_E]) -> _E:
-    """The event of ``kind`` that takes ``current`` to ``target``, for the deprecated setters:
-    the only one, or, where several lead there (FAILED, CANCELLED), the plain one named for the
-    target. Identity, not equality: StrEnum states of different lifecycles compare equal."""
-    events = [e for (state, e), new in TRANSITIONS.items()
-              if state is current and new is target and isinstance(e, kind)]
-    if len(events) > 1:
-        events = [e for e in events if e.name == target.name]
-    if len(events) != 1:
-        raise IllegalTransition(f"{type(current).__name__}: {current} -> {target} is not allowed")
-    return events[0]

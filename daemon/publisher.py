@@ -50,9 +50,6 @@ _T = TypeVar("_T")
 _G = GenerationState
 Work = Callable[[], Awaitable[None]]
 # The ends a caller asks for by state (Scheduler.fail_generation keeps that signature).
-_END_EVENTS = {_G.FAILED: GenerationEvent.FAILED, _G.CANCELLED: GenerationEvent.CANCELLED}
-
-
 def destination_error(exc: BaseException) -> BackendError | None:
     """The destination error behind ``exc``, if that is all it is. The Committer reads part
     records in a TaskGroup, which wraps what a read raised in an ExceptionGroup; a failed read
@@ -165,23 +162,22 @@ class Publisher:
                                        f"{exc}); the daemon log has the traceback", kind="internal")
 
     async def end_safely(self, gen: GenerationRecord, reason: str, *, kind: str,
-                         state: GenerationState = _G.FAILED) -> None:
+                         event: GenerationEvent = GenerationEvent.FAILED) -> None:
         """:meth:`end` for failure boundaries: whatever happens, nothing propagates."""
         try:
-            await self.end(gen, reason, kind=kind, state=state)
+            await self.end(gen, reason, kind=kind, event=event)
         except Exception:
             log_event(log, logging.ERROR, "generation_end_failed", job=gen.job, step=gen.step,
                       reason=reason, exc_info=True)
 
     async def end(self, gen: GenerationRecord, reason: str, *, kind: str,
-                  state: GenerationState = _G.FAILED, event: GenerationEvent | None = None) -> None:
+                  event: GenerationEvent = GenerationEvent.FAILED) -> None:
         """End a generation that cannot commit from this node (FAILED), or that a newer one
         of the same job replaced (CANCELLED): its slot is freed, its copies in flight are
         cancelled, and (FAILED) the other nodes are told through this node's part record.
-        ``event`` names why, where the table has a more precise event than ``state``'s."""
+        ``event`` names why (the lifecycle table decides the state it leads to)."""
         if gen.terminal:
             return
-        event = event or _END_EVENTS[state]
         try:
             await self.ledger.apply(gen, event, error=reason)
         finally:

@@ -29,7 +29,7 @@ from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.publisher import Publisher
 from ckptdrain.daemon.ratelimit import TokenBucket
-from ckptdrain.daemon.state import GenerationState, ShardEvent, ShardState
+from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
@@ -164,10 +164,10 @@ class Scheduler:
         await self.publisher.advance(gen)
 
     async def fail_generation(self, gen: GenerationRecord, reason: str, *, kind: str,
-                              state: GenerationState = GenerationState.FAILED) -> None:
+                              event: GenerationEvent = GenerationEvent.FAILED) -> None:
         """End a generation that cannot commit from this node (FAILED), or that a newer one
         of the same job replaced (CANCELLED)."""
-        await self.publisher.end(gen, reason, kind=kind, state=state)
+        await self.publisher.end(gen, reason, kind=kind, event=event)
 
     # -- tasks -------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -44,7 +44,13 @@ from ckptdrain.daemon.recovery import recover, sweep_forever, sweep_once
 from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
 from ckptdrain.daemon.staging import Staging
-from ckptdrain.daemon.state import GenerationState, RankState, ShardEvent, ShardState
+from ckptdrain.daemon.state import (
+    GenerationEvent,
+    GenerationState,
+    RankState,
+    ShardEvent,
+    ShardState,
+)
 from ckptdrain.daemon.supervisor import Supervisor
 from ckptdrain.daemon.systemd import Notifier
 
@@ -262,8 +268,8 @@ class Daemon:
                                "new step")
 
     async def fail(self, gen: GenerationRecord, reason: str, *, kind: str,
-                   state: GenerationState = GenerationState.FAILED) -> None:
-        await self.scheduler.fail_generation(gen, reason, kind=kind, state=state)
+                   event: GenerationEvent = GenerationEvent.FAILED) -> None:
+        await self.scheduler.fail_generation(gen, reason, kind=kind, event=event)
 
     def _after_terminal(self, gen: GenerationRecord) -> None:
         """Free what a finished generation held on this node."""
@@ -292,7 +298,7 @@ class Daemon:
         reason = (f"replaced by a new attempt at this step ({attempt or 'unnamed'}); "
                   f"the old attempt was {gen.attempt or 'unnamed'}")
         if not gen.terminal:
-            await self.fail(gen, reason, kind="aborted", state=GenerationState.CANCELLED)
+            await self.fail(gen, reason, kind="aborted", event=GenerationEvent.CANCELLED)
         else:
             for shard in gen.shards.values():
                 if shard.state is ShardState.FAILED:
@@ -323,7 +329,7 @@ class Daemon:
             self.metrics.backpressure("superseded", budget.name)
             await self.fail(victim, f"superseded by step {step}: {budget.name} was full and "
                                     "on_full = \"supersede\" keeps the newest checkpoint",
-                            kind="superseded", state=GenerationState.CANCELLED)
+                            kind="superseded", event=GenerationEvent.CANCELLED)
             for shard in victim.shards.values():
                 if shard.state is not ShardState.DISCARDED:
                     await self.ledger.apply(shard, ShardEvent.DISCARDED)

@@ -10,7 +10,7 @@ import pytest
 
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import GroupCommit, Journal
-from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord, _event_for
+from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -206,40 +206,5 @@ async def test_deferred_shards_settle_once_their_checksum_is_known(tmp_path: Pat
         held.checksum = "c"  # computed while writing the memfd to staging
         await ledger.apply(held, ShardEvent.STAGED, staged_at=5.0)
         assert gen.rank_drained(0) and gen.pending_deferred() == [held]
-    finally:
-        await journal.close()
-
-
-@pytest.mark.asyncio
-async def test_the_old_setters_are_the_same_events(tmp_path: Path) -> None:
-    journal = Journal(tmp_path / "journal.sqlite3")
-    await journal.open()
-    ledger = Ledger(journal)
-    try:
-        gen = await ledger.open_generation("j", 1, 1, "local", uid=0)
-        await ledger.set_rank(gen, 0, RankState.OPEN)
-        shard = new_shard(gen, 1)
-        await ledger.add_shard(gen, shard)
-        await ledger.set_shard(shard, ShardState.DRAINING, persist=False)
-        await ledger.set_shard(shard, ShardState.STAGED, persist=False)  # DRAIN_GAVE_UP
-        await ledger.set_shard(shard, ShardState.DRAINING, persist=False)
-        await ledger.set_shard(shard, ShardState.FAILED, error="e")
-        await ledger.save_generation(gen, GenerationState.RECORDED)
-        await ledger.save_generation(gen, GenerationState.FAILED, error="e")  # not EXPIRED
-        await ledger.save_generation(gen, GenerationState.FAILED, error="still")  # no move
-        await ledger.save_generation(gen, GenerationState.OPEN, error="")  # RETRIED
-        await ledger.set_shard(shard, ShardState.STAGED, error="")  # RETRIED
-        await ledger.set_rank(gen, 0, RankState.SEALED)
-        assert (gen.state, gen.ranks, shard.state) == (
-            GenerationState.OPEN, {0: RankState.SEALED}, ShardState.STAGED)
-        with pytest.raises(IllegalTransition):
-            await ledger.set_shard(shard, ShardState.DRAINED)
-        # Several events fail or cancel a recorded generation; the old setter means the plain one.
-        assert _event_for(GenerationState.RECORDED, GenerationState.FAILED,
-                          GenerationEvent) is GenerationEvent.FAILED
-        assert _event_for(GenerationState.RECORDED, GenerationState.CANCELLED,
-                          GenerationEvent) is GenerationEvent.CANCELLED
-        with pytest.raises(IllegalTransition):
-            await ledger.set_rank(gen, 1, RankState.SEALED)
     finally:
         await journal.close()
