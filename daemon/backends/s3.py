@@ -2,7 +2,8 @@
 
 An object below ``multipart_threshold_bytes`` goes up in one PutObject; a larger one as a
 multipart upload whose parts are read with ``os.preadv`` into pooled buffers, hashed in file
-order, and sent ``max_concurrency`` at a time (s3multipart.py). Every body carries a CRC32 the
+order, and sent ``max_concurrency`` at a time (s3multipart.py; the client plumbing is in
+s3client.py, error translation in s3errors.py). Every body carries a CRC32 the
 server checks (``x-amz-checksum-crc32``), so a corrupted byte is refused rather than stored.
 
 Shards are created once: PutObject and CompleteMultipartUpload carry ``If-None-Match: *``, and
@@ -22,32 +23,23 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import Any
 
-from aiobotocore.config import AioConfig
-from aiobotocore.session import AioSession
-from botocore.exceptions import ClientError
-
-from ckptdrain.client.manifest import ManifestError, format_checksum, parse_checksum
+from ckptdrain.client.manifest import format_checksum
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
-from ckptdrain.daemon.backends.s3errors import S3_FAILURES, S3Failure, advice, classify
+from ckptdrain.daemon.backends.s3errors import S3Failure, classify
 from ckptdrain.daemon.backends.s3multipart import MultipartUploads
 from ckptdrain.daemon.backends.s3parts import (
     CHECKSUM_METADATA_KEY,
-    CLEANUP_TIMEOUT_S,
-    LIST_PAGE,
     MAX_OBJECT_BYTES,
     MAX_PUT_BYTES,
     NODE_METADATA_KEY,
     READ_DRAIN_TIMEOUT_S,
-    BufferPool,
     GiB,
     KiB,
     MiB,
@@ -56,13 +48,9 @@ from ckptdrain.daemon.backends.s3parts import (
     hash_staged,
     multipart_etag,
     part_plan,
-    read_part,
     same_etag,
 )
 from ckptdrain.daemon.logs import log_event
-
-if TYPE_CHECKING:
-    from ckptdrain.daemon.config import DestinationConfig
 
 # Re-exported: the names tests and older imports know this module by.
 __all__ = ["GiB", "KiB", "MiB", "S3Backend", "S3Failure", "classify", "multipart_etag",
@@ -70,127 +58,14 @@ __all__ = ["GiB", "KiB", "MiB", "S3Backend", "S3Failure", "classify", "multipart
 
 log = logging.getLogger(__name__)
 
-# Connections beyond the part uploads, so a Complete, a listing or a manifest write never
-# queues behind max_concurrency parts in flight.
-_CONTROL_CONNECTIONS = 4
 # How often a create-once write retries when the object it found vanished before it could be
 # compared (retention removing an abandoned generation at that very moment).
 _CREATE_ROUNDS = 3
 
 
 class S3Backend(MultipartUploads, Backend):
-    """``s3://bucket/prefix``; keys are stored as ``prefix/key``."""
-
-    def __init__(self, config: DestinationConfig, node_id: str) -> None:
-        self.uri = config.uri
-        self.node_id = node_id
-        self.bucket: str = config.bucket
-        self.root: str = config.prefix.strip("/")
-        self._config = config
-        self._endpoint = config.endpoint_url or "the S3 endpoint"
-        self._part_size = int(config.part_size_bytes)
-        self._threshold = int(config.multipart_threshold_bytes)
-        self._concurrency = int(config.max_concurrency)
-        self._max_attempts = int(config.max_attempts)
-        # Bound on one abort-and-confirm, so a dead endpoint cannot hold a cancelled task (or
-        # a stopping daemon) for long: what is not aborted by then is left to the sweep.
-        self.cleanup_timeout_s = min(
-            CLEANUP_TIMEOUT_S,
-            self._max_attempts * (float(config.connect_timeout_s) + float(config.read_timeout_s)),
-        )
-        self.buffers = BufferPool(self._concurrency)
-        self._session = AioSession()
-        self._client_lock = asyncio.Lock()
-        self._stack: AsyncExitStack | None = None
-        self._client: Any = None
-        self._closed = False
-        # Uploads this process has open: a sweep never aborts them, journalled or not.
-        self._live_uploads: set[str] = set()
-        # Listing page size; tests lower it to exercise paging against a real server.
-        self.list_page_size = LIST_PAGE
-        self.aborted_uploads = 0
-
-    # -- client -----------------------------------------------------------------------------
-
-    def _client_config(self) -> AioConfig:
-        c = self._config
-        return AioConfig(
-            region_name=c.region,
-            signature_version="s3v4",
-            # Every body carries a CRC32 the server verifies, so SigV4 need not hash it again
-            # on the event loop (botocore signs payloads over plain http unless told not to).
-            s3={"addressing_style": c.addressing_style, "payload_signing_enabled": False},
-            request_checksum_calculation=c.checksum,
-            response_checksum_validation=c.checksum,
-            retries={"mode": c.retry_mode, "total_max_attempts": self._max_attempts},
-            connect_timeout=float(c.connect_timeout_s),
-            read_timeout=float(c.read_timeout_s),
-            max_pool_connections=self._concurrency + _CONTROL_CONNECTIONS,
-            user_agent_extra="ckptdrain",
-        )
-
-    async def _s3(self) -> Any:
-        """The aiobotocore client, created on first use inside the running loop."""
-        if self._client is not None:
-            return self._client
-        async with self._client_lock:
-            if self._closed:
-                raise BackendError(f"the S3 backend for {self.uri} is closed", kind="io")
-            if self._client is None:
-                stack = AsyncExitStack()
-                with self._translating(f"connecting to {self.uri}"):
-                    self._client = await stack.enter_async_context(
-                        self._session.create_client(
-                            "s3", endpoint_url=self._config.endpoint_url,
-                            config=self._client_config(),
-                        )
-                    )
-                self._stack = stack
-        return self._client
-
-    async def aclose(self) -> None:
-        async with self._client_lock:
-            self._closed = True
-            stack, self._stack, self._client = self._stack, None, None
-        if stack is not None:
-            await stack.aclose()
-
-    @contextlib.contextmanager
-    def _translating(self, what: str) -> Iterator[None]:
-        """Turn what aiobotocore raises into an S3Failure that says what to do."""
-        try:
-            yield
-        except S3_FAILURES as exc:
-            raise self._failure(what, exc) from exc
-
-    def _failure(self, what: str, exc: BaseException) -> S3Failure:
-        transient, kind = classify(exc)
-        code, status = "", 0
-        if isinstance(exc, ClientError):
-            code = str(exc.response.get("Error", {}).get("Code", ""))
-            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        detail = str(exc) or type(exc).__name__
-        message = (f"{what} at {self.uri}: {detail}; {advice(kind, transient, self._endpoint)}")
-        return S3Failure(message, transient=transient, kind=kind, code=code, status=status)
-
-    async def _call(self, what: str, operation: str, **params: Any) -> Any:
-        client = await self._s3()
-        with self._translating(what):
-            return await getattr(client, operation)(**params)
-
-    def _key(self, key: str) -> str:
-        if not key or key.startswith("/") or any(s in ("", ".", "..") for s in key.split("/")):
-            raise ValueError(f"{key!r} is not a relative key without empty, . or .. segments")
-        return f"{self.root}/{key}" if self.root else key
-
-    def _strip_root(self, full_key: str) -> str:
-        return full_key[len(self.root) + 1:] if self.root else full_key
-
-    def _full_prefix(self, prefix: str) -> str:
-        # String-prefix semantics, as on POSIX and in memory: "a/b" also matches "a/bc".
-        if not self.root:
-            return prefix
-        return f"{self.root}/{prefix}"
+    """``s3://bucket/prefix``; keys are stored as ``prefix/key`` (client plumbing in
+    s3client.py, multipart uploads in s3multipart.py)."""
 
     # -- put_file ---------------------------------------------------------------------------
 
@@ -213,17 +88,6 @@ class S3Backend(MultipartUploads, Backend):
         if size == 0 or (size < self._threshold and size <= MAX_PUT_BYTES):
             return await self._put_single(key, full, fd, size)
         return await self._put_multipart(key, full, fd, size, upload_log)
-
-    async def _read(self, fd: int, buf: bytearray, offset: int, sha: Any) -> str:
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, read_part, fd, buf, offset, sha)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # The thread still writes into buf and reads fd: wait for it, so neither the buffer
-            # nor the fd (closed by our caller when we return) is reused under it.
-            await asyncio.wait([future], timeout=READ_DRAIN_TIMEOUT_S)
-            raise
 
     async def _put_single(self, key: str, full: str, fd: int, size: int) -> str:
         sha = hashlib.sha256()
@@ -374,32 +238,6 @@ class S3Backend(MultipartUploads, Backend):
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     # -- metadata ---------------------------------------------------------------------------
-
-    async def _head(self, key: str, full: str) -> dict[str, Any] | None:
-        try:
-            head: dict[str, Any] = await self._call(
-                f"checking {key}", "head_object", Bucket=self.bucket, Key=full
-            )
-        except S3Failure as exc:
-            if exc.code in ("NoSuchKey", "NotFound", "404") or (
-                exc.status == 404 and exc.code != "NoSuchBucket"
-            ):
-                return None
-            raise
-        return head
-
-    @staticmethod
-    def _info(key: str, head: dict[str, Any]) -> ObjectInfo:
-        modified = head.get("LastModified")
-        recorded = head.get("Metadata", {}).get(CHECKSUM_METADATA_KEY)
-        try:
-            checksum = None if recorded is None else ":".join(parse_checksum(str(recorded)))
-        except ManifestError:
-            checksum = None  # not one we wrote: as good as none
-        return ObjectInfo(
-            key=key, size=int(head.get("ContentLength") or 0),
-            modified=modified.timestamp() if modified is not None else None, checksum=checksum,
-        )
 
     async def stat(self, key: str) -> ObjectInfo | None:
         head = await self._head(key, self._key(key))

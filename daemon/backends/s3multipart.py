@@ -8,8 +8,8 @@ any failure when there is no journal to resume it from. The abort waits for in-f
 first and then checks that nothing is left, because a part that lands after an abort keeps its
 bytes (and its bill).
 
-:class:`MultipartUploads` is a mixin of :class:`~ckptdrain.daemon.backends.s3.S3Backend`: it
-uses the backend's client plumbing (``_call``, ``_read``) and buffers.
+:class:`MultipartUploads` is a base of :class:`~ckptdrain.daemon.backends.s3.S3Backend`, on
+the client plumbing of :class:`~ckptdrain.daemon.backends.s3client.S3Client`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import logging
 from typing import Any
 
 from ckptdrain.daemon.backends.base import BackendError, UploadLog
+from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.backends.s3parts import (
     ABORT_ROUNDS,
     MAX_PARTS,
-    BufferPool,
     UploadInfo,
     crc32_header,
     multipart_etag,
@@ -39,31 +39,8 @@ from ckptdrain.daemon.logs import log_event
 log = logging.getLogger(__name__)
 
 
-class MultipartUploads:
-    """Multipart uploads, resumption, aborts and the orphan sweep (mixed into S3Backend)."""
-
-    # Provided by S3Backend.
-    uri: str
-    bucket: str
-    buffers: BufferPool
-    list_page_size: int
-    cleanup_timeout_s: float
-    aborted_uploads: int
-    root: str
-    _part_size: int
-    _live_uploads: set[str]
-
-    async def _call(self, what: str, operation: str, **params: Any) -> Any:
-        raise NotImplementedError
-
-    async def _read(self, fd: int, buf: bytearray, offset: int, sha: Any) -> str:
-        raise NotImplementedError
-
-    async def _head(self, key: str, full: str) -> dict[str, Any] | None:
-        raise NotImplementedError
-
-    def _key(self, key: str) -> str:
-        raise NotImplementedError
+class MultipartUploads(S3Client):
+    """Multipart uploads, resumption, aborts and the orphan sweep (a base of S3Backend)."""
 
     async def _upload(
         self, key: str, full: str, fd: int, size: int, upload_log: UploadLog | None,
