@@ -34,7 +34,8 @@ sides, so a ratio near 1 means ckptdrain adds little on top of what the machine 
 Select benchmarks with `python -m tests.bench NAME ...` (`--list` names them); `--quick`
 runs small sizes once (a smoke test, not a measurement); `--workdir DIR` puts staging and the
 file:// destinations on the disk you want measured (a node's NVMe), `--runs N` overrides the
-number of runs. Targets are the issue's; a row that cannot run says why instead of failing.
+number of runs, `--versus DIR` also runs another ckptdrain tree side by side (`ranks`, `busy`).
+Targets are the issue's; a row that cannot run says why instead of failing.
 """
 
 
@@ -53,6 +54,11 @@ def parse_args(argv: Sequence[str], names: list[str]) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None,
                    help="where to stage and write (default: the system temp dir); it is the "
                         "disk the benchmarks measure")
+    p.add_argument("--versus", type=Path, default=None, metavar="DIR",
+                   help="also run ckptdrain from DIR (DIR/ckptdrain/{client,daemon}, e.g. "
+                        "`git archive REV client daemon | tar -x -C DIR/ckptdrain`) side by "
+                        "side, in the benchmarks that support it (ranks, busy): a before/after "
+                        "in one run")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 if any benchmark failed to run to the end")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
@@ -62,6 +68,8 @@ def parse_args(argv: Sequence[str], names: list[str]) -> argparse.Namespace:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(names)}")
     if ns.runs is not None and ns.runs < 1:
         p.error("--runs must be at least 1")
+    if ns.versus is not None and not (ns.versus / "ckptdrain" / "daemon" / "server.py").is_file():
+        p.error(f"--versus {ns.versus}: no ckptdrain/daemon/server.py in it")
     return ns
 
 
@@ -74,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     chosen = [benches[n] for n in ns.names] if ns.names else list(benches.values())
     out = ns.out
-    if out is None and not ns.names and not ns.quick and ns.runs is None:
+    if out is None and not ns.names and not ns.quick and ns.runs is None and ns.versus is None:
         out = DEFAULT_DOC
 
     def say(msg: str) -> None:
@@ -92,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # One ExitStack per benchmark: its daemons and servers are gone before the next.
             with contextlib.ExitStack() as stack:
                 ctx = Context(quick=ns.quick, runs_override=ns.runs, work=work, shm=shm,
-                              stack=stack, say=say)
+                              stack=stack, say=say,
+                              versus=ns.versus.resolve() if ns.versus else None)
                 try:
                     bench.run(ctx, section)
                 except KeyboardInterrupt:

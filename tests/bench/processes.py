@@ -42,6 +42,61 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+# The daemon's threads by kind: the event loop is the main thread (its tid is the pid); the
+# data plane names its pool threads in the kernel (dataplane.name_os_thread, 15 bytes).
+# The other threads are named in the kernel by tests/bench/threadnames/sitecustomize.py, which
+# every daemon the benchmarks start loads (BenchDaemon.env).
+THREAD_KINDS = ("loop", "pump", "io", "journal", "drain", "other")
+_THREAD_PREFIXES = ((b"ckptdrain-pump", "pump"), (b"ckptdrain-io", "io"), (b"journal", "journal"),
+                    (b"posix-dest", "drain"), (b"asyncio", "drain"), (b"uvloop", "drain"))
+THREAD_NAMES_DIR = Path(__file__).resolve().parent / "threadnames"
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid`` so far by kind of thread (/proc/<pid>/task/*/stat utime +
+    stime): ``loop`` (the main thread: the event loop), ``pump`` (``ckptdrain-pump_*``:
+    socket -> file), ``io`` (``ckptdrain-io_*``: copies, fsyncs), ``journal`` (SQLite's
+    thread), ``drain`` (``posix-dest_*`` and the default executor's ``asyncio_*`` or
+    ``uvloop_*``: reading and hashing staged shards), ``other`` (every other thread still
+    alive), and ``all`` (the process total)."""
+    out = dict.fromkeys(THREAD_KINDS, 0.0)
+    try:
+        tasks = list(os.scandir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        raise BenchError(f"process {pid} is gone") from None
+    for task in tasks:
+        try:
+            with open(f"{task.path}/stat", "rb") as f:
+                raw = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile: counted in the process total below
+        head, _, tail = raw.rpartition(b")")
+        comm = head.partition(b"(")[2]
+        fields = tail.split()
+        cpu = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        if int(task.name) == pid:
+            out["loop"] += cpu
+            continue
+        out[next((kind for prefix, kind in _THREAD_PREFIXES if comm.startswith(prefix)),
+                 "other")] += cpu
+    # The process total also counts threads already gone, and is rounded per process, not
+    # per thread: it may differ from the sum above by a few clock ticks.
+    out["all"] = cpu_seconds(pid)
+    return out
+
+
+def code_path(code: Path | None) -> list[str]:
+    """PYTHONPATH entries that make a child import ckptdrain from ``code`` (a tree holding
+    ``ckptdrain/client`` and ``ckptdrain/daemon``, as ``git archive`` writes them) ahead of
+    this checkout's editable install; none for this checkout."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return ([str(code)] if code is not None else []) + inherited
+
+
+def thread_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
 def status_bytes(pid: int, key: str) -> int:
     """A ``kB`` line of /proc/<pid>/status (``VmHWM``, ``VmRSS``) in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -61,6 +116,8 @@ class BenchDaemon:
     staging_dir: Path | None = None
     overrides: Mapping[str, str] = field(default_factory=dict)
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # Another ckptdrain tree to run (``DIR/ckptdrain/{client,daemon}``), for --versus.
+    code: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -85,6 +142,8 @@ class BenchDaemon:
             "CKPTDRAIN_RETENTION__KEEP_LAST": "1000",
             "CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY": "false",
             "XDG_STATE_HOME": str(self.root / "xdg"),
+            # Kernel names for every thread, so thread_cpu can tell them apart.
+            "PYTHONPATH": os.pathsep.join([str(THREAD_NAMES_DIR), *code_path(self.code)]),
         })
         env.update(self.overrides)
         return env

@@ -8,14 +8,14 @@ the same data and disk. The ratio is the figure that matters: absolute times on 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 # How a figure is printed, by unit.
-Unit = Literal["s", "B/s", "1/s", "B", "cpu-s/GB"]
+Unit = Literal["s", "B/s", "1/s", "B", "cpu-s/GB", "cores"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,8 @@ def human(value: float, unit: Unit, *, bare: bool = False) -> str:
         text, suffix = f"{value:.0f}", "/s"
     elif unit == "B":
         text, suffix = f"{value / MiB:.0f}", "MiB"
+    elif unit == "cores":
+        text, suffix = f"{value:.2f}", "cores"
     else:
         text, suffix = f"{value:.2f}", "CPU s/GB"
     if bare:
@@ -146,6 +148,20 @@ def busy(cpu_s: Sequence[float], wall_s: Sequence[float]) -> str:
     if not shares:
         return "?"
     return f"{statistics.median(shares):.0%} of a core"
+
+
+def per_thread(deltas: Sequence[Mapping[str, float]], wall_s: Sequence[float],
+               gb: float) -> str:
+    """The daemon's CPU by kind of thread (``processes.thread_cpu`` deltas, one per run), as
+    the median over runs of cores busy (CPU s / wall s) and, in brackets, CPU s per GB."""
+    if not deltas:
+        return "?"
+    parts = []
+    for kind in ("loop", "pump", "io", "journal", "drain", "other", "all"):
+        cores = statistics.median(d.get(kind, 0.0) / w for d, w in zip(deltas, wall_s, strict=True))
+        per_gb = statistics.median(d.get(kind, 0.0) / gb for d in deltas)
+        parts.append(f"{kind} {cores:.2f} ({per_gb:.2f} s/GB)")
+    return "daemon threads, cores (CPU s/GB): " + ", ".join(parts)
 
 
 def size_text(n: int) -> str:

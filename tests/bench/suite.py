@@ -34,6 +34,8 @@ class Context:
     shm: Path | None              # a directory on /dev/shm, when there is one
     stack: contextlib.ExitStack
     say: Callable[[str], None]
+    # --versus: another ckptdrain tree the benchmarks that can also run side by side.
+    versus: Path | None = None
     _seaweed: SeaweedFS | None = None
     _sockets: Path | None = None
     _counter: int = 0
@@ -67,13 +69,15 @@ class Context:
 
     def daemon(self, name: str, dest_uri: str, *, staging_dir: Path | None = None,
                root: Path | None = None, socket_path: Path | None = None, start: bool = True,
-               overrides: Mapping[str, str] | None = None) -> BenchDaemon:
+               overrides: Mapping[str, str] | None = None,
+               code: Path | None = None) -> BenchDaemon:
         """A ``ckptdrain serve`` (started unless ``start=False``), killed when the benchmark
-        ends; ``overrides`` are ``CKPTDRAIN_*`` settings."""
+        ends; ``overrides`` are ``CKPTDRAIN_*`` settings; ``code`` another ckptdrain tree to
+        run instead of this checkout (--versus)."""
         d = BenchDaemon(root=root or self.fresh(f"{name}-root"),
                         socket_path=socket_path or self.socket_path(name), dest_uri=dest_uri,
                         staging_dir=staging_dir, overrides=dict(overrides or {}),
-                        extra_env=self.aws_env)
+                        extra_env=self.aws_env, code=code)
         self.stack.callback(d.kill)
         return d.start() if start else d
 
@@ -119,11 +123,11 @@ class Benchmark:
 
 def registry() -> dict[str, Benchmark]:
     """Every benchmark, in the order a full run takes them (cheapest and S3-free first)."""
-    from tests.bench import drain, footprint, handoff, restore, smallshards, throughput
+    from tests.bench import drain, footprint, handoff, restore, scaling, smallshards, throughput
 
     benches = [
-        handoff.HANDOFF, handoff.MEMORY, throughput.SOCKET, smallshards.SMALL,
-        footprint.RSS, drain.POSIX, drain.S3, restore.RESTORE,
+        handoff.HANDOFF, handoff.MEMORY, throughput.SOCKET, scaling.RANKS, smallshards.SMALL,
+        footprint.RSS, drain.POSIX, drain.S3, scaling.BUSY, restore.RESTORE,
     ]
     return {b.name: b for b in benches}
 
