@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo demo-dcp test lint typecheck unit bench clean system-deps
+.PHONY: demo demo-dcp test lint typecheck unit bench chaos clean system-deps
 
 $(VENV)/.stamp-install: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,10 +17,14 @@ $(VENV)/.stamp-torch: $(VENV)/.stamp-install
 	$(PIP) install 'torch==2.13.0' numpy
 	touch $@
 
-# promtool (Debian's prometheus) and systemd-analyze (Debian's systemd) for the ops tests.
+# promtool (Debian's prometheus) and systemd-analyze (Debian's systemd) for the ops tests;
+# strace for the chaos suites' syscall fault injection (tests/chaos).
 system-deps:
 	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v systemd-analyze >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus systemd >/dev/null; \
+	fi
+	@if ! command -v strace >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq strace >/dev/null; \
 	fi
 
 demo: $(VENV)/.stamp-install
@@ -41,6 +45,15 @@ lint: $(VENV)/.stamp-install
 
 test: $(VENV)/.stamp-install $(VENV)/.stamp-torch system-deps lint
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider
+
+# The chaos suites at full size (docs/testing.md): >= 200 kill -9 trials and 10,000 fuzzed
+# sessions; `make test` runs a fixed slice of them. Override CHAOS_KILLS, CHAOS_SESSIONS,
+# CHAOS_SEED_BASE, or replay one trial with CHAOS_SEED=<n>.
+CHAOS_KILLS ?= 200
+CHAOS_SESSIONS ?= 10000
+chaos: $(VENV)/.stamp-install system-deps
+	CHAOS_KILLS=$(CHAOS_KILLS) CHAOS_SESSIONS=$(CHAOS_SESSIONS) PATH=$(CURDIR)/$(VENV)/bin:$$PATH \
+		$(PY) -m pytest -q -p no:cacheprovider -o timeout=3600 tests/chaos
 
 bench: $(VENV)/.stamp-install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m tests.bench

@@ -1,0 +1,1 @@
+"""Adversarial suites: a randomized kill matrix and a protocol fuzzer (docs/testing.md)."""
