@@ -91,8 +91,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # interpreter would wait for it forever, in the event loop's shutdown or at exit.
     daemon.on_stopped = lambda: threading.Thread(target=_exit_if_stuck, args=(ran,),
                                                  daemon=True).start()
+    from ckptdrain.daemon.journal import JournalError
+
     try:
         runner(daemon.run())
+    except JournalError as exc:
+        _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot serve: {exc}")
     ran.set()

@@ -42,7 +42,9 @@ def _close(*fds: int | None) -> None:
 
 
 def _readable(fd: int) -> bool:
-    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    # An O_PATH descriptor reports O_RDONLY as its access mode, yet cannot be read.
+    return not flags & os.O_PATH and flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
 
 
 def _disk_full(path: str) -> RequestError:
@@ -149,6 +151,8 @@ class Handoffs:
             created = False
             if not deferred:
                 d.scheduler.enqueue(gen, shard)
+        except ConnectionError:
+            raise  # the client left or misbehaved on the socket: its connection ends, no reply
         except OSError as exc:
             if exc.errno in _DISK_FULL:
                 d.metrics.backpressure("rejected", "staging_filesystem")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ckptdrain.daemon.errors import DaemonError
+
 T = TypeVar("T")
 
 SCHEMA = """
@@ -87,6 +89,10 @@ class Snapshot:
     uploads: dict[int, str]
 
 
+class JournalError(DaemonError):
+    """The journal cannot be opened or written: the daemon cannot promise durability."""
+
+
 class Journal:
     """Async facade over one SQLite connection owned by one thread."""
 
@@ -97,7 +103,13 @@ class Journal:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def open(self) -> None:
-        await self._run(self._open)
+        try:
+            await self._run(self._open)
+        except (sqlite3.Error, OSError) as exc:
+            raise JournalError(
+                f"cannot open the journal {self.path}: {exc}; check the staging disk "
+                "(staging_dir) for I/O errors and free space, then start the daemon again"
+            ) from None
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,10 @@ from ckptdrain.daemon.state import (
 
 GenKey = tuple[str, int]
 
+# What one generation's status summary may take: `status` replies are one bounded frame.
+SUMMARY_RANKS = 32
+SUMMARY_ERROR_CHARS = 300
+
 
 @dataclass(eq=False)
 class ShardRecord:
@@ -141,12 +145,22 @@ class GenerationRecord:
             "state": str(self.state),
             "world_size": self.world_size,
             "ack": self.ack,
-            "ranks": {str(r): str(st) for r, st in sorted(self.ranks.items())},
+            "ranks": self._ranks_summary(),
             "shards": by_state,
             "bytes": bytes_by_state,
             "oldest_undrained_age_s": round(time.time() - since, 3) if since else 0.0,
-            "error": self.error,
+            "error": self.error if len(self.error) <= SUMMARY_ERROR_CHARS
+            else self.error[:SUMMARY_ERROR_CHARS] + "…",
         }
+
+    def _ranks_summary(self) -> dict[str, Any]:
+        # Bounded: a node serving many ranks shows how many are in each state instead.
+        if len(self.ranks) <= SUMMARY_RANKS:
+            return {str(r): str(st) for r, st in sorted(self.ranks.items())}
+        counts: dict[str, Any] = {}
+        for st in self.ranks.values():
+            counts[str(st)] = counts.get(str(st), 0) + 1
+        return {"count_by_state": counts}
 
 
 class Ledger:

@@ -16,8 +16,15 @@ if TYPE_CHECKING:
     from ckptdrain.daemon.server import Daemon
 
 
+# The reply is one wire frame (64 KiB of header at most): generations in flight are listed
+# first, then the newest ended ones, up to this many; the rest are counted.
+MAX_STATUS_GENERATIONS = 100
+
+
 def status(d: Daemon) -> dict[str, Any]:
     gens = sorted(d.ledger.generations.values(), key=lambda g: (g.job, g.step))
+    shown = sorted(gens, key=lambda g: (g.terminal, -g.created_at))[:MAX_STATUS_GENERATIONS]
+    listed = set(map(id, shown))
     oldest: dict[str, float] = {}
     now = time.time()
     for g in gens:
@@ -64,7 +71,8 @@ def status(d: Daemon) -> dict[str, Any]:
         # The data plane: threads moving bytes now, and calls that outlived io_timeout_s.
         "io_threads": {"size": d.dataplane.threads, "busy": d.dataplane.busy,
                        "stuck": d.dataplane.stuck},
-        "generations": [g.summary() for g in gens],
+        "generations": [g.summary() for g in gens if id(g) in listed],
+        "generations_omitted": len(gens) - len(listed),
     }
 
 
