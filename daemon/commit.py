@@ -43,7 +43,7 @@ from ckptdrain.client.manifest import (
     same_contents,
     validate_node_id,
 )
-from ckptdrain.daemon.backends.base import Backend
+from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.latest import parse_latest, parse_manifest, raise_latest
 from ckptdrain.daemon.tombstone import is_tombstone
 
@@ -136,7 +136,7 @@ class Committer:
         retry after a crash between the manifest and LATEST simply returns ACCEPTED.
         Raises BackendError when the destination fails (the caller retries).
         """
-        parts, problem = await self._read_parts(job, step, world_size, attempt)
+        parts, problem = await self.read_parts(job, step, world_size, attempt)
         if problem:
             return CommitResult(CommitOutcome.CONFLICT, None, reason=problem)
         missing = missing_ranks(parts, world_size)
@@ -148,7 +148,8 @@ class Committer:
                 f"ranks {describe_ranks(missing)} of {world_size} have no part record yet",
             )
         try:
-            manifest = build_manifest(parts, committed_at=self._clock())
+            manifest = await _off_loop_if_large(
+                sum(len(p.shards) for p in parts) * 200, build_manifest, parts, self._clock())
         except ManifestError as exc:
             return CommitResult(CommitOutcome.CONFLICT, None, reason=str(exc))
 
@@ -171,7 +172,8 @@ class Committer:
             )
 
         key = manifest_key(job, step)
-        if await self.backend.put_bytes(key, manifest.to_json(), exclusive=True):
+        body = await _off_loop_if_large(len(manifest.shards) * 200, manifest.to_json)
+        if await self.backend.put_bytes(key, body, exclusive=True):
             log.info(
                 "published %s (%d shards, %d bytes)",
                 key,
@@ -217,7 +219,7 @@ class Committer:
         self, job: str, step: int, world_size: int, attempt: str = ""
     ) -> list[int] | None:
         """Ranks with no part record yet; None when the records disagree (try_publish says why)."""
-        parts, problem = await self._read_parts(job, step, world_size, attempt)
+        parts, problem = await self.read_parts(job, step, world_size, attempt)
         return None if problem else missing_ranks(parts, world_size)
 
     async def committed(self, job: str, step: int) -> Manifest | None:
@@ -271,11 +273,13 @@ class Committer:
 
     # --- steps ------------------------------------------------------------------------------
 
-    async def _read_parts(
+    async def read_parts(
         self, job: str, step: int, world_size: int, attempt: str = ""
     ) -> tuple[list[PartRecord], str]:
         """Every readable part record of ``attempt``, or a reason why they cannot be trusted.
-        Records of another attempt at the same step are stale: not counted, not a conflict."""
+        Records of another attempt at the same step are stale: not counted, not a conflict.
+        A destination error is raised as itself (BackendError), not inside an ExceptionGroup,
+        so callers can retry it; records are parsed off the event loop."""
         prefix = parts_prefix(job, step)
         keys = [
             info.key
@@ -288,17 +292,21 @@ class Committer:
             async with semaphore:
                 return await self.backend.get_bytes(key)
 
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(read(key)) for key in keys]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(read(key)) for key in keys]
+        except* BackendError as failed:
+            raise failed.exceptions[0] from None
+        datas = [task.result() for task in tasks]
+        # 100,000 shards are megabytes of JSON: parsed in a worker thread, never on the loop.
+        decoded = await _off_loop_if_large(sum(len(d) for d in datas if d), _decode_parts, datas)
         parts: list[PartRecord] = []
-        for key, task in zip(keys, tasks, strict=True):
-            data = task.result()
-            if data is None:
+        for key, part_or_error in zip(keys, decoded, strict=True):
+            if part_or_error is None:
                 continue  # removed since the listing; the coverage check decides
-            try:
-                part = PartRecord.from_json(data)
-            except ManifestError as exc:
-                return [], f"part record {key} is unreadable: {exc}"
+            if isinstance(part_or_error, ManifestError):
+                return [], f"part record {key} is unreadable: {part_or_error}"
+            part = part_or_error
             if key != part_key(job, step, part.node):
                 return [], f"part record {key} names node {part.node!r}; it is misplaced"
             if (part.job, part.step) != (job, step):
@@ -380,3 +388,27 @@ async def _bounded(
                 group.create_task(worker())
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
+
+
+_OFF_LOOP_BYTES = 1 << 20
+
+
+async def _off_loop_if_large(nbytes: int, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` on the loop when small (a thread hop costs more), in a worker thread when
+    about ``nbytes`` of JSON is at stake: the event loop never parses megabytes."""
+    if nbytes < _OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _decode_parts(datas: list[bytes | None]) -> list[PartRecord | ManifestError | None]:
+    out: list[PartRecord | ManifestError | None] = []
+    for data in datas:
+        if data is None:
+            out.append(None)
+            continue
+        try:
+            out.append(PartRecord.from_json(data))
+        except ManifestError as exc:
+            out.append(exc)
+    return out

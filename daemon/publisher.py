@@ -280,9 +280,9 @@ class Publisher:
         """This attempt's part records; None when they cannot be read now (the poller asks
         again) or cannot be trusted (the generation has failed)."""
         try:
-            # The Committer's own reader (no public name yet): the records must count the same
-            # here as in try_publish, which decides the commit.
-            parts, problem = await self.committer._read_parts(
+            # The Committer's own reader: the records must count the same here as in
+            # try_publish, which decides the commit.
+            parts, problem = await self.committer.read_parts(
                 gen.job, gen.step, gen.world_size, gen.attempt)
         except Exception as caught:
             exc = destination_error(caught)

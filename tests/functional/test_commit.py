@@ -396,3 +396,37 @@ async def test_is_committed_refuses_a_step_whose_manifest_is_damaged_or_abandone
     assert "save a new step" in str(abandoned.value)
     # committed() is for readers: an abandoned step is simply not committed.
     assert await committer.committed(JOB, STEP) is None
+
+
+@pytest.mark.asyncio
+async def test_large_part_records_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """100,000-shard generations are megabytes of part-record JSON: reading them (on every
+    commit poll) must not stall the event loop that serves hand-offs."""
+    import threading
+
+    from ckptdrain.daemon import commit as commit_module
+
+    backend = MemoryBackend("n0", store=MemoryStore())
+    shards = []
+    for i in range(8000):
+        path = f"model/layer{i:05d}/weights-and-optimizer-state.pt"
+        await backend.put_bytes(shard_key(JOB, STEP, path), b"x")
+        shards.append(ShardEntry(path=path, size=1, checksum="sha256:" + hashlib.sha256(b"x").hexdigest(),
+                                 rank=0, node="n0"))
+    part = PartRecord(job=JOB, step=STEP, world_size=1, node="n0", ranks=(0,), shards=tuple(shards),
+                      clocks={"handoff": 1.0, "staged": 2.0, "drained": 3.0})
+    assert len(part.to_json()) > 1 << 20
+    committer = Committer(backend, "n0")
+    await committer.record_part(part)
+    seen: list[str] = []
+    real = commit_module._decode_parts
+
+    def spy(datas: list[bytes | None]) -> list[object]:
+        seen.append(threading.current_thread().name)
+        return real(datas)  # type: ignore[return-value]
+
+    monkeypatch.setattr(commit_module, "_decode_parts", spy)
+    result = await committer.try_publish(JOB, STEP, 1)
+    assert result.outcome is CommitOutcome.PUBLISHED
+    assert seen and threading.main_thread().name not in seen, seen
+    await backend.aclose()
