@@ -29,6 +29,7 @@ from ckptdrain.client.manifest import (
     shard_key,
 )
 from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import newest_committed, read_latest
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ MANIFEST_READ_CONCURRENCY = 8
 _THREAD_HASH_BYTES = 256 << 10
 
 
-class CatalogError(Exception):
+class CatalogError(DaemonError):
     """A catalog operation cannot be done; the message says why and what to do."""
 
 

@@ -44,6 +44,7 @@ from ckptdrain.client.manifest import (
     validate_node_id,
 )
 from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import parse_latest, parse_manifest, raise_latest
 from ckptdrain.daemon.tombstone import is_tombstone
 
@@ -65,7 +66,7 @@ PART_READ_CONCURRENCY = 16
 SHARD_CHECK_CONCURRENCY = 32
 
 
-class CommitError(Exception):
+class CommitError(DaemonError):
     """Root of the commit protocol's refusals: the message says what to do."""
 
 

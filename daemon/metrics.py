@@ -32,6 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ckptdrain.daemon.errors import DaemonError
+
 __all__ = [
     "BACKPRESSURE_ACTIONS",
     "BACKPRESSURE_LIMITS",
@@ -89,7 +91,7 @@ REQUEST_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 
 
-class MetricsServerError(RuntimeError):
+class MetricsServerError(DaemonError, RuntimeError):
     """The metrics endpoint could not start: pick a free port or another ``[metrics] listen``."""
 
 

@@ -22,6 +22,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ckptdrain.daemon.errors import DaemonError
+
 __all__ = [
     "GBPS_PER_400G_UNIT",
     "Plan",
@@ -39,7 +41,7 @@ __all__ = [
 GBPS_PER_400G_UNIT = 400 / 8
 
 
-class PlanError(ValueError):
+class PlanError(DaemonError, ValueError):
     """A worksheet input is out of range; the message names it and the accepted range."""
 
 

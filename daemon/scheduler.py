@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ckptdrain.client.manifest import generation_prefix, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
+from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.publisher import Publisher
@@ -76,7 +77,7 @@ class FairQueue:
         return self._size
 
 
-class _Discarded(Exception):
+class _Discarded(DaemonError):
     """The copy was cancelled because its generation failed or was cancelled."""
 
 

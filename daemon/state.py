@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from typing import Final, TypeAlias, overload
 
+from ckptdrain.daemon.errors import DaemonError
+
 
 class ShardState(enum.StrEnum):
     HELD = "held"  # ack=memory: acknowledged, in a memfd the daemon holds, not yet on NVMe
@@ -75,7 +77,7 @@ State: TypeAlias = ShardState | RankState | GenerationState
 Event: TypeAlias = ShardEvent | RankEvent | GenerationEvent
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(DaemonError, RuntimeError):
     """A lifecycle move the table does not allow: a bug, never a user error."""
 
 

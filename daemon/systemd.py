@@ -12,6 +12,8 @@ import socket
 import time
 from collections.abc import Mapping, MutableMapping
 
+from ckptdrain.daemon.errors import DaemonError
+
 __all__ = ["SD_LISTEN_FDS_START", "Notifier", "SocketActivationError", "listen_fds"]
 
 log = logging.getLogger(__name__)
@@ -20,7 +22,7 @@ SD_LISTEN_FDS_START = 3
 NOTIFY_TIMEOUT_S = 1.0
 
 
-class SocketActivationError(RuntimeError):
+class SocketActivationError(DaemonError, RuntimeError):
     """systemd passed sockets the daemon cannot serve: fix ``ListenStream=`` in ckptdrain.socket
     (one Unix stream socket path, no ``Accept=yes``)."""
 

@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptdrain.daemon.errors import DaemonError
+
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
 
 
-class BackendError(Exception):
+class BackendError(DaemonError):
     """A destination operation failed. ``transient`` errors are worth retrying."""
 
     def __init__(self, message: str, *, transient: bool = False, kind: str = "io") -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, format_checksum, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
+from ckptdrain.daemon.errors import DaemonError
 
 # Logged under the backend's name: operators filter on it.
 log = logging.getLogger("ckptdrain.daemon.backends.posix")
@@ -59,7 +60,7 @@ def copy_buffer() -> memoryview:
     return buf
 
 
-class Stopped(Exception):
+class Stopped(DaemonError):
     """The awaiting coroutine was cancelled; the worker thread abandons the copy."""
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptdrain.client.manifest import format_checksum
+from ckptdrain.daemon.errors import DaemonError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -119,7 +120,7 @@ def read_part(fd: int, buf: bytearray, offset: int, sha: Any) -> str:
     return crc32_hex(view)
 
 
-class Stopped(Exception):
+class Stopped(DaemonError):
     """A worker thread gave up because the awaiting coroutine was cancelled."""
 
 
