@@ -275,3 +275,29 @@ def test_restart_with_an_open_rank_mid_upload_leaves_no_upload(make_daemon: Any,
     while uploads(seaweedfs, s3_bucket):
         assert time.monotonic() < deadline, f"upload left behind: {uploads(seaweedfs, s3_bucket)}"
         time.sleep(0.1)
+
+
+def test_wait_and_latest_when_the_manifest_get_is_cut_mid_body(make_daemon: Any, seaweedfs: SeaweedFS,
+                                                               s3_bucket: str, proxy: ThreadedProxy) -> None:
+    """The S3 server cuts every GET of a MANIFEST.json half-way: `wait` and `latest` get a
+    typed error (or, for latest, no answer from that step), and the daemon serves on."""
+    from ckptdrain.client import DestinationError, DrainError
+
+    key = f"{PREFIX}/cut/{5:020d}/MANIFEST.json"
+    seaweedfs.client().put_object(Bucket=s3_bucket, Key=key, Body=b'{"job": "cut"' + b" " * 4096 + b"}")
+    proxy.do(lambda: proxy.proxy.inject("truncate", times=10_000,
+                                        match=lambda r: r.method == "GET" and "MANIFEST.json" in r.target))
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DESTINATION__MAX_ATTEMPTS="2")
+    c = d.client()
+    with pytest.raises(DestinationError):
+        c.wait("cut", 5, timeout_s=20)
+    try:
+        assert c.latest("cut") is None
+    except DrainError as exc:
+        assert isinstance(exc, DestinationError), exc
+    assert proxy.do(lambda: proxy.proxy.faults("truncate")), "the fault never fired"
+    assert d.proc is not None and d.proc.poll() is None, d.log()
+    with c.generation("bystander", 1) as gen:
+        gen.put("ok", b"still here")
+    c.wait("bystander", 1, timeout_s=60)
