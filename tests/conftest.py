@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +19,15 @@ import pytest
 from ckptdrain.client import Client, DaemonUnavailable
 
 CKPTDRAIN = str(Path(sys.executable).with_name("ckptdrain"))
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 30.0,
+             interval_s: float = 0.02) -> None:
+    """Poll ``predicate`` until it holds; fail once ``timeout_s`` is over (never a bare sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(interval_s)
 
 
 @dataclass

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,9 @@ import pytest
 
 from ckptdrain.client import Backpressure, GenerationFailed
 from ckptdrain.client.manifest import Manifest
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 
 MiB = 1 << 20
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def blocked(d: DaemonProcess) -> int:

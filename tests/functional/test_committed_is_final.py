@@ -5,21 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from ckptdrain.client import AlreadyCommitted, GenerationFailed
 from tests.conftest import CKPTDRAIN, DaemonProcess
-
-
-def wait_for(cond: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def verify(d: DaemonProcess, job: str, step: int) -> subprocess.CompletedProcess[str]:

@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from ckptdrain.client.manifest import Manifest
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 
 
 def manifest_of(d: DaemonProcess, job: str, step: int) -> Manifest:
@@ -23,14 +22,6 @@ def manifest_of(d: DaemonProcess, job: str, step: int) -> Manifest:
 def assert_clean(d: DaemonProcess) -> None:
     assert not list(d.dest.rglob("*.ckptdrain-tmp")), "temp file left at the destination"
     assert not list((d.staging / "shards").glob("*.tmp")), "temp file left in staging"
-
-
-def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.01) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(interval_s)
 
 
 def test_a_killed_after_ack_before_drain(make_daemon) -> None:  # type: ignore[no-untyped-def]

@@ -11,25 +11,16 @@ import signal
 import socket
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptdrain.client import DestinationError, DrainError, wire
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 from tests.functional.test_bad_input import RawClient
 
 MiB = 1 << 20
-
-
-def wait_for(cond: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def send_with_fds(raw: RawClient, kind: str, fds: list[int], **fields: Any) -> Any:

@@ -3,22 +3,12 @@ evicted oldest first when a hand-off needs the room, and nothing undrained is ev
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import pytest
 
 from ckptdrain.client import Backpressure
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 
 MiB = 1 << 20
-
-
-def wait_for(cond: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def on_disk(d: DaemonProcess) -> int:
