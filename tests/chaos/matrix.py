@@ -18,7 +18,7 @@ from typing import Any
 from ckptdrain.client import Client, DrainError, GenerationFailed, NotFound, Timeout
 from tests.chaos import invariants as inv
 from tests.chaos.killer import ChaosDaemon, Injection, Killer, on_ack_kill, random_injection
-from tests.chaos.proxy import ThreadedProxy
+from tests.chaos.proxy import ChaosProxy
 from tests.chaos.workload import Expect, Plan, Record, Workload, make_plan
 
 MiB = 1 << 20
@@ -129,7 +129,7 @@ class Trial:
             uri = f"s3://{self.s3.bucket}/c{spec.seed}"
             endpoint = self.s3.endpoint_url
             if spec.fault == "proxy":
-                proxy = ThreadedProxy(self.s3.endpoint_url, seed=spec.seed)
+                proxy = ChaosProxy(self.s3.endpoint_url, seed=spec.seed)
                 endpoint = proxy.endpoint_url
                 rates = proxy.random_faults(random.Random(spec.seed ^ 0x5EED), spec.proxy_rate)
                 self.notes.append(f"proxy rates {rates}")
@@ -155,7 +155,7 @@ class Trial:
             return self.daemon.pid if self.daemon.alive() else None
         return None
 
-    def _run(self, dest: inv.Destination, proxy: ThreadedProxy | None) -> None:
+    def _run(self, dest: inv.Destination, proxy: ChaosProxy | None) -> None:
         spec, d = self.spec, self.daemon
         workload = Workload(spec.plan, d.socket_path, self.root / "files")
         workload.prepare()

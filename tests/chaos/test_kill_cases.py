@@ -17,7 +17,7 @@ from ckptdrain.client import Client, DrainError, GenerationFailed
 from tests.chaos import invariants as inv
 from tests.chaos.killer import ChaosDaemon, Injection
 from tests.chaos.matrix import S3Target
-from tests.chaos.proxy import ThreadedProxy
+from tests.chaos.proxy import ChaosProxy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,7 +106,7 @@ def test_latest_is_never_lowered_by_racing_commits(daemons: list[ChaosDaemon], t
 @pytest.mark.s3
 def test_s3_upload_of_a_generation_failed_in_recovery_is_aborted(
         daemons: list[ChaosDaemon], tmp_path: Path, sock_dir: Path, chaos_s3: S3Target) -> None:
-    proxy = ThreadedProxy(chaos_s3.endpoint_url, seed=9, stall_s=30)
+    proxy = ChaosProxy(chaos_s3.endpoint_url, seed=9, stall_s=30)
     try:
         prefix = "mpu"
         d = ChaosDaemon(root=tmp_path, socket_path=sock_dir / "k.sock",

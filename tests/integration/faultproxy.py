@@ -35,6 +35,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate")
 # Faults applied to a request that is still forwarded to the server.
@@ -390,3 +391,47 @@ def _reset(writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
+
+
+class ThreadedProxy:
+    """A FaultProxy on its own event loop in a thread, so a daemon subprocess can talk through
+    it while the test body stays synchronous."""
+
+    def __init__(self, upstream_url: str, *, seed: int = 7, stall_s: float = 5.0) -> None:
+        import threading
+
+        host, port = upstream_url.removeprefix("http://").split(":")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="faultproxy",
+                                       daemon=True)
+        self.thread.start()
+        self.proxy = FaultProxy(host, int(port), seed=seed, stall_s=stall_s)
+        self.call(self.proxy.start())
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def do(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the proxy's loop (its state is not thread-safe)."""
+        from concurrent.futures import Future
+
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return fut.result(10)
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.proxy.endpoint_url
+
+    def close(self) -> None:
+        self.call(self.proxy.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

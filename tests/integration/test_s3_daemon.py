@@ -3,15 +3,13 @@ file://, multipart with resumable uploads, retries through faults, aborts, orpha
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ import pytest
 from ckptdrain.client import GenerationFailed
 from ckptdrain.client.manifest import Manifest
 from tests.conftest import CKPTDRAIN, DaemonProcess
-from tests.integration.faultproxy import FaultProxy
+from tests.integration.faultproxy import ThreadedProxy
 from tests.integration.seaweedfs import SeaweedFS
 
 pytestmark = pytest.mark.s3
@@ -28,47 +26,9 @@ pytestmark = pytest.mark.s3
 PREFIX = "ckpt"
 
 
-class ThreadedProxy:
-    """The asyncio fault proxy on its own loop in a thread, so a daemon process can use it
-    while the test body stays synchronous."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.removeprefix("http://").split(":")
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.proxy = FaultProxy(host, int(port), seed=7, stall_s=5)
-        self.call(self.proxy.start())
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def do(self, fn: Callable[[], Any]) -> Any:
-        fut: Future[Any] = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(run)
-        return fut.result(10)
-
-    @property
-    def endpoint_url(self) -> str:
-        return self.proxy.endpoint_url
-
-    def close(self) -> None:
-        self.call(self.proxy.aclose())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 @pytest.fixture
 def proxy(seaweedfs: SeaweedFS) -> Iterator[ThreadedProxy]:
-    p = ThreadedProxy(seaweedfs.endpoint_url)
+    p = ThreadedProxy(seaweedfs.endpoint_url, seed=7, stall_s=5)
     yield p
     p.close()
 
