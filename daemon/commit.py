@@ -43,7 +43,8 @@ from ckptdrain.client.manifest import (
     same_contents,
     validate_node_id,
 )
-from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.base import Backend
+from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import parse_latest, parse_manifest, raise_latest
 from ckptdrain.daemon.tombstone import is_tombstone
@@ -287,18 +288,13 @@ class Committer:
             for info in await self.backend.list(prefix)
             if info.key.endswith(".json") and "/" not in info.key[len(prefix) :]
         ]
-        semaphore = asyncio.Semaphore(PART_READ_CONCURRENCY)
+        found: dict[str, bytes | None] = {}
 
-        async def read(key: str) -> bytes | None:
-            async with semaphore:
-                return await self.backend.get_bytes(key)
+        async def read(key: str) -> None:
+            found[key] = await self.backend.get_bytes(key)
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(read(key)) for key in keys]
-        except* BackendError as failed:
-            raise failed.exceptions[0] from None
-        datas = [task.result() for task in tasks]
+        await for_each_bounded(keys, read, PART_READ_CONCURRENCY)
+        datas = [found[key] for key in keys]
         # 100,000 shards are megabytes of JSON: parsed in a worker thread, never on the loop.
         decoded = await _off_loop_if_large(sum(len(d) for d in datas if d), _decode_parts, datas)
         parts: list[PartRecord] = []
