@@ -141,6 +141,7 @@ class Publisher:
             await work()
         except Exception:
             log_event(log, logging.ERROR, "task_failed", task=name, exc_info=True)
+            self.metrics.internal_error("commit")
         finally:
             slots.release()
 
@@ -158,6 +159,7 @@ class Publisher:
                 return
             log_event(log, logging.ERROR, "commit_crashed", job=gen.job, step=gen.step,
                       during=what, exc_info=True)
+            self.metrics.internal_error("commit")
             await self.end_safely(gen, f"{what} failed unexpectedly ({type(exc).__name__}: "
                                        f"{exc}); the daemon log has the traceback", kind="internal")
 
@@ -415,6 +417,7 @@ class Publisher:
                                           cause=f"latest:{job}", job=job, error=str(exc))
             except Exception:  # one job's hint must not stop the polling of every job
                 log_event(log, logging.ERROR, "commit_poll_crashed", job=job, exc_info=True)
+                self.metrics.internal_error("commit")
         return found
 
     # -- telling the other nodes ---------------------------------------------------------------

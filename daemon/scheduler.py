@@ -191,6 +191,7 @@ class Scheduler:
             except Exception as exc:
                 log_event(log, logging.ERROR, "drain_crashed", job=gen.job, step=gen.step,
                           path=shard.path, exc_info=True)
+                self.metrics.internal_error("drain")
                 await self.publisher.end_safely(
                     gen, f"draining {shard.path!r} failed unexpectedly ({type(exc).__name__}: "
                          f"{exc}); the daemon log has the traceback", kind="internal")

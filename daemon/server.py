@@ -85,6 +85,7 @@ class Daemon:
         self.dataplane = DataPlane(io_threads(limits.io_threads), limits.io_timeout_s,
                                    pumps=limits.max_clients)
         self.supervisor = Supervisor()
+        self.supervisor.on_failure = lambda: self.metrics.internal_error("background")
         self.admission = Admission(config, self.metrics, self.ledger,
                                    drain_rate=lambda: self.scheduler.drain_rate_bytes_per_s())
         self.copies = LocalCopies(self.staging, self.admission, self.ledger, self.dataplane,

@@ -31,6 +31,7 @@ class Supervisor:
         self._critical: set[asyncio.Task[None]] = set()
         self._accepting = True
         self.failures = 0
+        self.on_failure: Callable[[], None] | None = None  # counts it in the metrics
 
     @property
     def active(self) -> int:
@@ -69,6 +70,8 @@ class Supervisor:
             # other job and client carries on.
             self.failures += 1
             log.exception("background work %s failed", what)
+            if self.on_failure is not None:
+                self.on_failure()
 
     async def finish(self, timeout_s: float) -> int:
         """Shutdown: take no new work, let critical work finish within ``timeout_s``; returns

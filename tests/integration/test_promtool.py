@@ -54,6 +54,7 @@ EXPECTED_ALERTS = {
     "CkptdrainArrivalExceedsDrain",
     "CkptdrainDrainErrors",
     "CkptdrainGenerationFailed",
+    "CkptdrainInternalError",
     "CkptdrainNoRecentCommit",
     "CkptdrainDown",
 }
