@@ -20,7 +20,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptdrain.client.manifest import (
@@ -37,6 +37,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import CommitOutcome, Committer, parse_latest
 from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecord
+from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.state import GenerationEvent, GenerationState, RankEvent, RankState
 
@@ -49,42 +50,11 @@ log = logging.getLogger("ckptdrain.publisher")
 _T = TypeVar("_T")
 _G = GenerationState
 Work = Callable[[], Awaitable[None]]
-# The ends a caller asks for by state (Scheduler.fail_generation keeps that signature).
+
+
 def destination_error(exc: BaseException) -> BackendError | None:
-    """The destination error behind ``exc``, if that is all it is. The Committer reads part
-    records in a TaskGroup, which wraps what a read raised in an ExceptionGroup; a failed read
-    is still a destination error to retry or report, not a bug."""
-    if isinstance(exc, BackendError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        inner = [destination_error(e) for e in exc.exceptions]
-        if inner and all(e is not None for e in inner):
-            return inner[0]
-    return None
-
-
-class _KeyedLocks:
-    """One lock per generation key, gone once nobody holds or waits for it (bounded).
-
-    Every write of ``_parts/<node>.json`` takes it: a failure record still retrying must land
-    before, never after, the record a new attempt at the same step writes."""
-
-    def __init__(self) -> None:
-        self._locks: dict[GenKey, tuple[asyncio.Lock, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: GenKey) -> AsyncIterator[None]:
-        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
-        self._locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[key]
-            if users == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
+    """The destination error ``exc`` is, if that is all it is (to retry or report, not a bug)."""
+    return exc if isinstance(exc, BackendError) else None
 
 
 class Publisher:
@@ -111,7 +81,7 @@ class Publisher:
         # Work that outlives its caller (a failure record, aborting uploads), queued here and
         # started by run() inside its TaskGroup: callers are outside that scope.
         self._work: asyncio.Queue[tuple[str, Work]] = asyncio.Queue()
-        self._part_locks = _KeyedLocks()
+        self._part_locks = KeyedLocks()
         # Ranks with no part record at the last look, for the commit_wait_s message.
         self._missing: dict[GenKey, list[int]] = {}
         # An unreachable destination fails every poll alike: one line per cause a minute.

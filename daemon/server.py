@@ -38,6 +38,7 @@ from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
+from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics
 from ckptdrain.daemon.recovery import recover, sweep_forever, sweep_once
@@ -105,7 +106,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._listener: Listener | None = None
         self._retention_locks: dict[str, asyncio.Lock] = {}
-        self._begin_locks: dict[tuple[str, int], tuple[asyncio.Lock, list[int]]] = {}
+        self._begin_locks = KeyedLocks()
         self.metrics_address: tuple[str, int] | None = None
         self.stopping = False
         self.on_stopped: Callable[[], None] | None = None  # the CLI bounds the process exit
@@ -222,35 +223,26 @@ class Daemon:
         """The generation a rank joins: this node's, a new attempt replacing an old one, or a
         new one with its in-flight slot. One at a time per step, so ranks of one node that
         begin at once all join the same generation."""
-        key = (job, step)
-        entry = self._begin_locks.setdefault(key, (asyncio.Lock(), [0]))
-        lock, users = entry
-        users[0] += 1
-        try:
-            async with lock:
+        async with self._begin_locks.hold((job, step)):
+            gen = self.ledger.get(job, step)
+            if gen is None or (gen.attempt != attempt
+                               and gen.state is not GenerationState.COMMITTED):
+                await self._refuse_if_committed(job, step)
+            if (gen is not None and gen.attempt != attempt
+                    and gen.state is not GenerationState.COMMITTED):
+                # A restarted job saving this step again: the new attempt replaces the old.
+                await self.replace_generation(gen, attempt)
                 gen = self.ledger.get(job, step)
-                if gen is None or (gen.attempt != attempt
-                                   and gen.state is not GenerationState.COMMITTED):
-                    await self._refuse_if_committed(job, step)
-                if (gen is not None and gen.attempt != attempt
-                        and gen.state is not GenerationState.COMMITTED):
-                    # A restarted job saving this step again: the new attempt replaces the old.
-                    await self.replace_generation(gen, attempt)
-                    gen = self.ledger.get(job, step)
-                if gen is None:
-                    slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
-                    try:
-                        gen = await self.ledger.open_generation(job, step, world_size, ack, uid,
-                                                                attempt)
-                    except BaseException:
-                        slot.release()
-                        raise
-                    self.admission.hold_generation(gen, slot)
-                return gen
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                self._begin_locks.pop(key, None)  # bounded: only steps being begun now
+            if gen is None:
+                slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
+                try:
+                    gen = await self.ledger.open_generation(job, step, world_size, ack, uid,
+                                                            attempt)
+                except BaseException:
+                    slot.release()
+                    raise
+                self.admission.hold_generation(gen, slot)
+            return gen
 
     async def _refuse_if_committed(self, job: str, step: int) -> None:
         """Refuse a step another node already committed: nothing may overwrite it."""

@@ -99,3 +99,36 @@ def test_a_new_attempt_is_not_disturbed_by_the_old_attempts_queued_shards(make_d
     status = c.status()  # the replaced attempt's six queued shards hold nothing any more
     assert status["staged_bytes"] == status["kept_copy_bytes"] == 100
     assert status["queued_shards"] == 0
+
+
+def test_ranks_of_a_new_attempt_that_begin_at_once_join_one_generation(daemon: DaemonProcess) -> None:
+    """Attempt A1 of step 25 failed (rank 0 aborted). A2's two ranks begin at the same moment:
+    exactly one replaces A1, both join A2, and it commits (it used to wedge: the second
+    replacement forgot the generation the first had just opened)."""
+    import threading
+
+    c = daemon.client()
+    with c.generation("race", 25, rank=1, world_size=2, attempt="A1") as g:
+        g.put("b", b"old 1")
+    with pytest.raises(RuntimeError), c.generation("race", 25, rank=0, world_size=2, attempt="A1") as g:
+        raise RuntimeError("rank 0 died")
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with daemon.client().generation("race", 25, rank=r, world_size=2, attempt="A2") as gen:
+                barrier.wait(10)
+                gen.put("a" if r == 0 else "b", f"new {r}".encode())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    c.wait("race", 25, timeout_s=30)
+    root = manifest_path(daemon, "race", 25).parent
+    assert (root / "a").read_bytes() == b"new 0" and (root / "b").read_bytes() == b"new 1"
