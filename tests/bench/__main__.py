@@ -22,9 +22,13 @@ from tests.bench.suite import Context, registry, shm_dir, workdir
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DOC = REPO / "docs" / "benchmarks.md"
+# What follows this line in the report (hand-written sections: measured comparisons between
+# versions, with their commands) is kept when the report is written again.
+KEPT_MARKER = "<!-- make bench keeps everything below this line -->"
 
 PREAMBLE = """
-Written by `make bench` (`python -m tests.bench`); do not edit by hand.
+Written by `make bench` (`python -m tests.bench`); do not edit by hand, except below the
+closing marker line (hand-written comparisons between versions, which `make bench` keeps).
 
 Every row measures ckptdrain (*ours*) and a baseline side by side in one run, on the same data
 and the same disk, several times, alternating their order; the figures are medians, with the
@@ -71,6 +75,16 @@ def parse_args(argv: Sequence[str], names: list[str]) -> argparse.Namespace:
     if ns.versus is not None and not (ns.versus / "ckptdrain" / "daemon" / "server.py").is_file():
         p.error(f"--versus {ns.versus}: no ckptdrain/daemon/server.py in it")
     return ns
+
+
+def kept_tail(out: Path) -> str:
+    """The hand-written end of an existing report, from KEPT_MARKER on ("" when none)."""
+    try:
+        text = out.read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return ""
+    at = text.find(KEPT_MARKER)
+    return "" if at < 0 else "\n" + text[at:]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         command = "python -m tests.bench" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_document(sections, description, command, PREAMBLE))
+        text = render_document(sections, description, command, PREAMBLE)
+        out.write_text(text.rstrip("\n") + "\n" + kept_tail(out))
         say(f"wrote {out}")
     failed = [s.name for s in sections if s.error]
     if failed:

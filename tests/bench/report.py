@@ -37,7 +37,13 @@ class Figure:
         text = human(self.median, self.unit)
         if len(self.samples) > 1:
             low, high = min(self.samples), max(self.samples)
-            text += f" ({human(low, self.unit, bare=True)}-{human(high, self.unit, bare=True)})"
+            lo, hi = human(low, self.unit), human(high, self.unit)
+            # Bare numbers when both ends share the median's suffix (ms, s, MB/s); otherwise
+            # each end keeps its own (``893.4 ms-3.02 s``), never a mix of unlabelled units.
+            suffix = text.rpartition(" ")[2]
+            if lo.endswith(" " + suffix) and hi.endswith(" " + suffix):
+                lo, hi = human(low, self.unit, bare=True), human(high, self.unit, bare=True)
+            text += f" ({lo}-{hi})"
         return text
 
 
