@@ -74,7 +74,6 @@ class MultipartUploads(S3Client):
             if not completed:
                 await self._abort(key, full, upload_id)
             done = True
-            await self._abort_strays(key, full)
             if upload_log is not None:
                 await upload_log.finished()
         except BackendError as exc:
@@ -209,23 +208,6 @@ class MultipartUploads(S3Client):
                 "again. Raise destination.orphan_grace_s above the longest upload",
                 transient=True, kind="not_found", code="NoSuchUpload",
             ) from exc
-
-    async def _abort_strays(self, key: str, full: str) -> None:
-        """Abort other incomplete uploads of this very key once ours is complete.
-
-        A CreateMultipartUpload whose answer was lost (a reset after the server acted) is
-        retried by the SDK and leaves an upload nobody knows the id of; the orphan sweep would
-        only reach it after orphan_grace_s. The key is written once, and it is written now, so
-        any upload still open on it can only be such a leftover (or a concurrent attempt at
-        the same step, which then finds the key taken and checks its bytes). Best effort: a
-        failure here is left to the sweep and the lifecycle rule."""
-        try:
-            strays = [u for u in await self._list_uploads(full)
-                      if u.key == full and u.upload_id not in self._live_uploads]
-        except BackendError:
-            return
-        for upload in strays:
-            await self._abort(key, full, upload.upload_id)
 
     async def abort_upload(self, key: str, upload_log: UploadLog) -> bool:
         upload_id, _ = await upload_log.load()

@@ -92,6 +92,10 @@ def trial_spec(seed: int, *, multipart: bool = True) -> TrialSpec:
             "CKPTDRAIN_DESTINATION__READ_TIMEOUT_S": "3",
             "CKPTDRAIN_DESTINATION__CONNECT_TIMEOUT_S": "2",
             "CKPTDRAIN_DESTINATION__MAX_ATTEMPTS": "3",
+            # One node writes the trial's prefix: at a restart every upload its journal does
+            # not own is an orphan (a lost CreateMultipartUpload answer leaves one the SDK's
+            # retry never learns the id of), and the start-up sweep must abort it.
+            "CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S": "0",
         }
     spec = TrialSpec(seed=seed, dest=dest, fault=fault, plan=plan, env=env,
                      max_staged_bytes=max_staged, keep_local_copy=keep_local)

@@ -261,20 +261,3 @@ def test_wait_and_latest_when_the_manifest_get_is_cut_mid_body(make_daemon: Any,
     with c.generation("bystander", 1) as gen:
         gen.put("ok", b"still here")
     c.wait("bystander", 1, timeout_s=60)
-
-
-def test_a_lost_create_multipart_answer_leaves_no_upload(make_daemon: Any, seaweedfs: SeaweedFS,
-                                                         s3_bucket: str, proxy: ThreadedProxy) -> None:
-    """The server starts the upload but its answer is lost: the SDK's retry starts a second
-    one. Once the shard is written, the first (whose id nobody knows) is aborted too."""
-    proxy.do(lambda: proxy.proxy.inject(
-        "drop_response", times=1,
-        match=lambda r: r.method == "POST" and r.target.endswith("?uploads")))
-    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url)
-    data = os.urandom(1 << 20) * 20  # multipart: 3 parts of 8 MiB
-    with d.client().generation("lost", 1) as gen:
-        gen.put("big.bin", data)
-    d.client().wait("lost", 1, timeout_s=120)
-    assert proxy.do(lambda: proxy.proxy.faults("drop_response")), "the fault never fired"
-    assert get(seaweedfs, s3_bucket, f"lost/{1:020d}/big.bin") == data
-    assert uploads(seaweedfs, s3_bucket) == []
