@@ -24,9 +24,8 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from ckptdrain.client.manifest import (
     Manifest,
@@ -46,7 +45,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon.backends.base import Backend
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.errors import DaemonError
-from ckptdrain.daemon.latest import parse_latest, parse_manifest, raise_latest
+from ckptdrain.daemon.latest import off_loop_if_large, parse_latest, parse_manifest, raise_latest
 from ckptdrain.daemon.tombstone import is_tombstone
 
 # Re-exported: the LATEST helpers lived here first (latest.py now).
@@ -57,7 +56,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 
 # Part records are read concurrently, but bounded: a 1,000-node job must not open 1,000
 # requests at once against the destination.
@@ -150,7 +148,7 @@ class Committer:
                 f"ranks {describe_ranks(missing)} of {world_size} have no part record yet",
             )
         try:
-            manifest = await _off_loop_if_large(
+            manifest = await off_loop_if_large(
                 sum(len(p.shards) for p in parts) * 200, build_manifest, parts, self._clock())
         except ManifestError as exc:
             return CommitResult(CommitOutcome.CONFLICT, None, reason=str(exc))
@@ -174,7 +172,7 @@ class Committer:
             )
 
         key = manifest_key(job, step)
-        body = await _off_loop_if_large(len(manifest.shards) * 200, manifest.to_json)
+        body = await off_loop_if_large(len(manifest.shards) * 200, manifest.to_json)
         if await self.backend.put_bytes(key, body, exclusive=True):
             log.info(
                 "published %s (%d shards, %d bytes)",
@@ -296,7 +294,7 @@ class Committer:
         await for_each_bounded(keys, read, PART_READ_CONCURRENCY)
         datas = [found[key] for key in keys]
         # 100,000 shards are megabytes of JSON: parsed in a worker thread, never on the loop.
-        decoded = await _off_loop_if_large(sum(len(d) for d in datas if d), _decode_parts, datas)
+        decoded = await off_loop_if_large(sum(len(d) for d in datas if d), _decode_parts, datas)
         parts: list[PartRecord] = []
         for key, part_or_error in zip(keys, decoded, strict=True):
             if part_or_error is None:
@@ -344,7 +342,7 @@ class Committer:
             elif found.size != shard.size or found.checksum not in (None, shard.checksum):
                 different.append(shard)
 
-        await _bounded(manifest.shards, check, SHARD_CHECK_CONCURRENCY)
+        await for_each_bounded(manifest.shards, check, SHARD_CHECK_CONCURRENCY)
         return sorted(absent, key=_by_rank), sorted(different, key=_by_rank)
 
     async def _raise_latest(self, job: str, step: int) -> None:
@@ -366,36 +364,6 @@ def _some(shards: Sequence[ShardEntry], shown: int = 5) -> str:
     """``'a', 'b' and 3 more``: bounded, so 100,000 bad shards make a readable reason."""
     names = ", ".join(repr(shard.path) for shard in shards[:shown])
     return names + (f" and {len(shards) - shown} more" if len(shards) > shown else "")
-
-
-async def _bounded(
-    items: Sequence[_T], fn: Callable[[_T], Awaitable[None]], concurrency: int
-) -> None:
-    """``fn`` over ``items``, at most ``concurrency`` at once, owned by one TaskGroup; the
-    workers share one iterator, so 100,000 items cost ``concurrency`` tasks."""
-    work = iter(items)
-
-    async def worker() -> None:
-        for item in work:
-            await fn(item)
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            for _ in range(min(concurrency, len(items))):
-                group.create_task(worker())
-    except BaseExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-
-
-_OFF_LOOP_BYTES = 1 << 20
-
-
-async def _off_loop_if_large(nbytes: int, fn: Callable[..., _T], *args: object) -> _T:
-    """``fn(*args)`` on the loop when small (a thread hop costs more), in a worker thread when
-    about ``nbytes`` of JSON is at stake: the event loop never parses megabytes."""
-    if nbytes < _OFF_LOOP_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
 
 
 def _decode_parts(datas: list[bytes | None]) -> list[PartRecord | ManifestError | None]:

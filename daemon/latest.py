@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from ckptdrain.client.manifest import (
     STEP_DIGITS,
@@ -26,12 +28,13 @@ from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.tombstone import is_tombstone
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _LATEST_MAX_BYTES = 64
 # Write-then-check rounds of raise_latest: two racing writers settle within two.
 LATEST_ROUNDS = 5
-# Manifests larger than this are parsed in a worker thread.
-_PARSE_IN_THREAD_BYTES = 1 << 20
+# JSON larger than this is parsed, built or serialised in a worker thread.
+OFF_LOOP_BYTES = 1 << 20
 
 
 def parse_latest(data: bytes | None) -> int | None:
@@ -115,9 +118,14 @@ async def newest_committed(backend: Backend, job: str, above: int) -> int | None
     return None
 
 
+async def off_loop_if_large(nbytes: int, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` on the loop when small (a thread hop costs more), in a worker thread when
+    about ``nbytes`` of JSON is at stake: a 100,000-shard manifest is 20 MB of JSON, too much
+    for the event loop."""
+    if nbytes < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 async def parse_manifest(data: bytes) -> Manifest:
-    """Manifest.from_json, in a worker thread for a large one: a 100,000-shard manifest is
-    20 MB of JSON, too much to parse on the event loop."""
-    if len(data) < _PARSE_IN_THREAD_BYTES:
-        return Manifest.from_json(data)
-    return await asyncio.to_thread(Manifest.from_json, data)
+    return await off_loop_if_large(len(data), Manifest.from_json, data)
