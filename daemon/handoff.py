@@ -90,6 +90,17 @@ class Handoffs:
         staging.pending_bytes += size
         return size
 
+    def _give_back(self, unlink: str | None, *held: Reservation | None) -> None:
+        """A hand-off that did not become a shard: its temp file goes (in the data plane)
+        and what it still holds is released."""
+        d = self.d
+        if unlink is not None:
+            d.supervisor.spawn(lambda: d.dataplane.call(d.staging.discard, unlink),
+                               what=f"unlink {unlink}")
+        for reservation in held:
+            if reservation is not None:
+                reservation.release()
+
     # -- ack=local: into staging, fsynced, journalled, then acknowledged -------------------------
     async def stage(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,
                     src_fd: int | None, deferred: bool) -> dict[str, Any]:
@@ -166,13 +177,7 @@ class Handoffs:
                 gen.receiving.discard(path)
             d.staging.pending_bytes -= promised
             _close(src_fd, tmp_fd)
-            if created:
-                d.supervisor.spawn(lambda: d.dataplane.call(d.staging.discard, name),
-                                   what=f"unlink {name}")
-            if room is not None:
-                room.release()
-            if slot is not None:
-                slot.release()
+            self._give_back(name if created else None, room, slot)
         d.metrics.handoff(gen.job, time.perf_counter() - started, size, via)
         return {"path": path, "size": size, "ack": gen.ack}
 
@@ -186,36 +191,39 @@ class Handoffs:
             raise ProtocolError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but the "
                                 f"data frame carries {msg.payload_len}")
         conn = h.conn
-        pending: list[bytes] = []
-        while True:
-            if conn.buffered or conn.payload_remaining == 0:
-                event = conn.next_event()
-                if isinstance(event, PayloadChunk):
-                    pending.append(bytes(event.data))
-                    continue
-                if pending:
-                    # What the wire machine had buffered (at most one receive buffer).
-                    await self.d.dataplane.call(write_all, fd, b"".join(pending))
-                    pending.clear()
-                if isinstance(event, PayloadEnd):
-                    return
+        # What the wire machine had already buffered (at most one receive buffer; the chunks
+        # are copies it handed over) is written in one call, then the pump takes the rest.
+        buffered: list[memoryview] = []
+        ended = False
+        while conn.buffered or conn.payload_remaining == 0:
+            event = conn.next_event()
+            if isinstance(event, PayloadChunk):
+                buffered.append(event.data)
+                continue
+            if not isinstance(event, PayloadEnd):
                 raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
-            if pending:
-                await self.d.dataplane.call(write_all, fd, b"".join(pending))
-                pending.clear()
-            want = conn.payload_remaining
-            cancel = threading.Event()
-            pump = h.channel.socket_pump()
-            try:
-                # The byte pump runs in a thread of its own: splice socket -> pipe -> file.
-                # The wire machine is told afterwards what bypassed it.
-                await self.d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
-                                            cancel, cancel=cancel)
-            except ClientIdle as exc:
-                raise IdleTimeout(str(exc)) from None
-            except Cancelled:
-                raise ConnectionError("hand-off cancelled") from None
-            conn.payload_consumed(want)
+            ended = True
+            break
+        if buffered:
+            await self.d.dataplane.call(write_all, fd, buffered[0] if len(buffered) == 1
+                                        else b"".join(buffered))
+        if ended:
+            return
+        want = conn.payload_remaining
+        cancel = threading.Event()
+        pump = h.channel.socket_pump()
+        try:
+            # The byte pump runs in a thread of its own: splice socket -> pipe -> file. The
+            # wire machine is told afterwards what bypassed it.
+            await self.d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
+                                        cancel, cancel=cancel)
+        except ClientIdle as exc:
+            raise IdleTimeout(str(exc)) from None
+        except Cancelled:
+            raise ConnectionError("hand-off cancelled") from None
+        conn.payload_consumed(want)
+        if not isinstance(end := conn.next_event(), PayloadEnd):
+            raise ProtocolError(wire.BAD_REQUEST, f"unexpected {end!r} after a payload")
 
     # -- ack=memory: the client's memfd, held and acknowledged at once ---------------------------
     async def hold(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,
@@ -311,11 +319,5 @@ class Handoffs:
                               f"storage: {exc}", kind="drain")
         finally:
             _close(src_fd, tmp_fd)
-            if created:
-                d.supervisor.spawn(lambda: d.dataplane.call(d.staging.discard, name),
-                                   what=f"unlink {name}")
-            if room is not None:
-                room.release()
-            if slot is not None:
-                slot.release()
+            self._give_back(name if created else None, room, slot)
             memory.release()
