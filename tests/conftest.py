@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ckptdrain.client import Client, DaemonUnavailable
+from tests.integration.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS, find_weed
 
 CKPTDRAIN = str(Path(sys.executable).with_name("ckptdrain"))
 
@@ -153,3 +154,25 @@ def make_daemon(tmp_path: Path, short_tmp: Path) -> Iterator[object]:
 @pytest.fixture
 def daemon(make_daemon: object) -> DaemonProcess:
     return make_daemon()  # type: ignore[operator,no-any-return]
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    weed = find_weed()  # raises WeedNotFound: a failure with the fix in its message
+    aws_home = tmp_path_factory.mktemp("aws")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        env.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        env.delenv("AWS_SESSION_TOKEN", raising=False)
+        env.delenv("AWS_PROFILE", raising=False)
+        env.setenv("AWS_DEFAULT_REGION", REGION)
+        # Hermetic: a developer's ~/.aws and the instance metadata service play no part.
+        env.setenv("AWS_CONFIG_FILE", str(aws_home / "config"))
+        env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(aws_home / "credentials"))
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        server = SeaweedFS(weed=weed)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.matrix import S3Target
-from tests.integration.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS, find_weed
+from tests.integration.seaweedfs import SeaweedFS
 
 # The slice `make test` runs: fixed seeds (8 file://, 4 S3), each checked to pass on today's
 # daemon; known bugs have targeted tests instead. `make chaos` runs a full range.
@@ -65,28 +65,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
-def chaos_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Target]:
-    """One SeaweedFS for the chaos suites, one bucket; each trial uses a prefix of its own.
-    The AWS chain is pointed at the test keys only (no profile, no instance metadata)."""
-    aws_home = tmp_path_factory.mktemp("aws")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        env.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        env.delenv("AWS_SESSION_TOKEN", raising=False)
-        env.delenv("AWS_PROFILE", raising=False)
-        env.setenv("AWS_DEFAULT_REGION", REGION)
-        env.setenv("AWS_CONFIG_FILE", str(aws_home / "config"))
-        env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(aws_home / "credentials"))
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        server = SeaweedFS(weed=find_weed())
-        server.start()
-        try:
-            bucket = f"chaos-{uuid.uuid4().hex[:12]}"
-            server.create_bucket(bucket)
-            yield S3Target(server.endpoint_url, bucket, server.client())
-            server.delete_bucket(bucket)
-        finally:
-            server.stop()
+def chaos_s3(seaweedfs: SeaweedFS) -> Iterator[S3Target]:
+    """The session's SeaweedFS (tests/conftest.py), one bucket for the chaos suites; each
+    trial uses a prefix of its own."""
+    bucket = f"chaos-{uuid.uuid4().hex[:12]}"
+    seaweedfs.create_bucket(bucket)
+    yield S3Target(seaweedfs.endpoint_url, bucket, seaweedfs.client())
+    seaweedfs.delete_bucket(bucket)
 
 
 @pytest.fixture

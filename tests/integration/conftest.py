@@ -1,7 +1,6 @@
 """Fixtures for tests against real servers.
 
-``seaweedfs`` (session): one SeaweedFS S3 server on free loopback ports, with the standard AWS
-credential chain pointed at its test keys (env vars; no profile, no instance metadata).
+``seaweedfs`` (session, in tests/conftest.py so the chaos suites share the same server).
 ``s3_bucket`` (function): a fresh, uniquely named bucket on it, deleted afterwards (each bucket
 holds its own volumes, and the server has room for only a few at once).
 
@@ -15,29 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS, find_weed
-
-
-@pytest.fixture(scope="session")
-def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
-    weed = find_weed()  # raises WeedNotFound: a failure with the fix in its message
-    aws_home = tmp_path_factory.mktemp("aws")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        env.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        env.delenv("AWS_SESSION_TOKEN", raising=False)
-        env.delenv("AWS_PROFILE", raising=False)
-        env.setenv("AWS_DEFAULT_REGION", REGION)
-        # Hermetic: a developer's ~/.aws and the instance metadata service play no part.
-        env.setenv("AWS_CONFIG_FILE", str(aws_home / "config"))
-        env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(aws_home / "credentials"))
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        server = SeaweedFS(weed=weed)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
+from tests.integration.seaweedfs import SeaweedFS
 
 
 @pytest.fixture
