@@ -323,9 +323,7 @@ class ClientHandler:
         gen, rank = owned
         await self.d.ledger.apply((gen, rank), RankEvent.SEALED)
         shards = [s for s in gen.shards.values() if s.rank == rank]
-        # The commit outlives this request: the supervisor owns it.
-        self.d.supervisor.spawn(lambda: self.d.scheduler.advance(gen),
-                                what=f"advance {gen.job}/{gen.step}")
+        self.d.spawn_advance(gen)  # the commit outlives this request: the supervisor owns it
         return {"job": gen.job, "step": gen.step, "rank": rank, "shards": len(shards),
                 "bytes": sum(s.size for s in shards)}
 
@@ -396,7 +394,7 @@ class ClientHandler:
             if shard.state is ShardState.STAGED:
                 d.scheduler.enqueue(gen, shard)
                 requeued += 1
-        d.supervisor.spawn(lambda: d.scheduler.advance(gen), what=f"advance {job}/{step}")
+        d.spawn_advance(gen)
         return {"job": job, "step": step, "requeued": requeued}
 
 

@@ -301,7 +301,6 @@ class Daemon:
             if shard.state is not ShardState.DISCARDED:
                 # Still queued, perhaps: a worker must never take it for the new attempt's.
                 await self.ledger.apply(shard, ShardEvent.DISCARDED, persist=False)
-        self.copies.discard_generation(gen)
         log_event(log, logging.INFO, "generation_replaced", job=gen.job, step=gen.step,
                   old_attempt=gen.attempt, attempt=attempt)
         await self.ledger.forget(gen)
