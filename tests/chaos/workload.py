@@ -94,7 +94,7 @@ def _size(rng: random.Random, big: bool) -> int:
 def make_plan(rng: random.Random, job: str, *, big_shards: bool = False,
               max_generations: int = 5) -> Plan:
     gens = []
-    first = rng.randint(1, 10**6)
+    step = rng.randint(1, 10**6)
     for i in range(rng.randint(2, max_generations)):
         world = rng.randint(1, 4)
         aborting = rng.randrange(world) if rng.random() < 0.25 else None
@@ -106,8 +106,11 @@ def make_plan(rng: random.Random, job: str, *, big_shards: bool = False,
                 for k in range(rng.randint(1, 3))
             )
             ranks.append(RankPlan(rank=r, shards=shards, aborts=r == aborting))
-        gens.append(GenPlan(step=first + i * rng.randint(1, 100), world_size=world,
-                            ranks=tuple(ranks)))
+        # Steps only rise, each one new: a plan must never save one step twice (it used to,
+        # when first + i * gap repeated, and the checker then compared the wrong plan's bytes).
+        gap = rng.randint(1, 100)
+        step = step + gap if i else step
+        gens.append(GenPlan(step=step, world_size=world, ranks=tuple(ranks)))
     return Plan(job=job, generations=tuple(gens))
 
 
