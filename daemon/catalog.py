@@ -9,6 +9,7 @@ Only the :class:`Backend` interface is used, so this works the same on POSIX and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -272,9 +273,23 @@ async def restore(
     """
     manifest = await resolve(backend, job, step)
     step = manifest.generation
-    root = Path(to_dir)
-    await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
-    root = await asyncio.to_thread(root.resolve)
+    made = _Made()
+    await _settled(made.makedirs, Path(to_dir))
+    try:
+        return await _restore_into(backend, manifest, await _settled(Path(to_dir).resolve),
+                                   concurrency, progress, local, made)
+    except BaseException:
+        # A failed restore leaves the target as it found it: no half checkpoint, no empty
+        # directories (files it replaced under --overwrite are not brought back). Every
+        # thread call is settled before this runs, so none creates a file after it.
+        await _settled(made.undo)
+        raise
+
+
+async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concurrency: int,
+                        progress: Callable[[int], None] | None, local: LocalSource | None,
+                        made: _Made) -> RestoreReport:
+    job, step = manifest.job, manifest.generation
     # Shard paths are validated when the manifest parses; this also refuses a symlink planted
     # in to_dir that would carry a write elsewhere.
     targets = {shard.path: _inside(root, shard.path) for shard in manifest.shards}
@@ -283,7 +298,7 @@ async def restore(
     async def fetch(shard: ShardEntry) -> None:
         nonlocal written, local_files, local_rejected
         target = targets[shard.path]
-        await asyncio.to_thread(_makedirs_inside, root, target.parent)
+        await _settled(_makedirs_inside, root, target, made)
         if local is not None:
             outcome = await _write_local(local, target, shard)
             if outcome == "ok":
@@ -303,7 +318,8 @@ async def restore(
         await for_each_bounded(manifest.shards, fetch, concurrency)
     except BackendError as exc:
         raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}") from exc
-    await asyncio.to_thread(_write_file, root / "MANIFEST.json", manifest.to_json())
+    made.file(root / "MANIFEST.json")
+    await _settled(_write_file, root / "MANIFEST.json", manifest.to_json())
     return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root,
                          local_files=local_files, local_rejected=local_rejected)
 
@@ -312,10 +328,7 @@ async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> s
     """"ok" when the local copy was written and matches the manifest's checksum; "missing"
     when there is none; "rejected" when it did not match (never trusted: the caller fetches
     the shard from the destination instead)."""
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-    fd = await asyncio.to_thread(
-        os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
-    )
+    tmp, fd = await _create_temp(target)
     outcome = "missing"
     try:
         try:
@@ -326,10 +339,10 @@ async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> s
         if checksum is not None:
             outcome = "ok" if checksum == shard.checksum and size == shard.size else "rejected"
         if outcome == "ok":
-            await asyncio.to_thread(os.replace, tmp, target)
+            await _settled(os.replace, tmp, target)
     finally:
         if outcome != "ok":
-            await asyncio.to_thread(tmp.unlink, missing_ok=True)
+            await _settled(_unlink, tmp)
     if outcome == "rejected":
         log.warning("local copy of %s failed its checksum; restoring it from the destination",
                     shard.path)
@@ -343,12 +356,51 @@ def _inside(root: Path, rel: str) -> Path:
     return target
 
 
-def _makedirs_inside(root: Path, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+class _Made:
+    """What a restore created (directories, and files that did not exist before), so that a
+    failed restore removes exactly that. Appended to from worker threads (list.append is
+    atomic)."""
+
+    def __init__(self) -> None:
+        self.dirs: list[Path] = []
+        self.files: list[Path] = []
+
+    def makedirs(self, directory: Path) -> None:
+        missing = []
+        for d in (directory, *directory.parents):
+            if d.exists():
+                break
+            missing.append(d)
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue  # another worker made it: theirs to record
+            self.dirs.append(d)
+        if not directory.is_dir():
+            raise RestoreError(f"{directory} exists and is not a directory; restore elsewhere")
+
+    def file(self, path: Path) -> None:
+        if not os.path.lexists(path):
+            self.files.append(path)
+
+    def undo(self) -> None:
+        for f in self.files:
+            with contextlib.suppress(OSError):
+                f.unlink(missing_ok=True)
+        for d in sorted(self.dirs, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only if empty: never what was there before
+
+
+def _makedirs_inside(root: Path, target: Path, made: _Made) -> None:
+    directory = target.parent
+    made.makedirs(directory)
     if not directory.resolve().is_relative_to(root):
         raise RestoreError(
             f"{directory} resolves outside {root} (a symlink?); restore into an empty directory"
         )
+    made.file(target)
 
 
 async def _write_verified(
@@ -358,10 +410,7 @@ async def _write_verified(
     shard: ShardEntry,
     progress: Callable[[int], None] | None,
 ) -> int:
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-    fd = await asyncio.to_thread(
-        os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
-    )
+    tmp, fd = await _create_temp(target)
     # The temp exists from here: renamed when verified, unlinked on every other way out.
     done = False
     try:
@@ -380,7 +429,7 @@ async def _write_verified(
                 f"{shard.path} does not match its checksum in the manifest ({checksum} != "
                 f"{shard.checksum}); the shard at the destination is damaged"
             )
-        await asyncio.to_thread(os.replace, tmp, target)
+        await _settled(os.replace, tmp, target)
         done = True
     finally:
         if not done:
@@ -393,6 +442,10 @@ def _hash_and_write(digest: hashlib._Hash, fd: int, chunk: bytes) -> None:
     view = memoryview(chunk)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -435,6 +488,22 @@ async def _hash(digest: hashlib._Hash, chunk: bytes) -> None:
         await _settled(digest.update, chunk)
     else:
         digest.update(chunk)
+
+
+async def _create_temp(target: Path) -> tuple[Path, int]:
+    """A new temp file beside ``target`` and its fd. Cancelled once the thread has created
+    it, the file is closed and removed here: nobody else knows it exists."""
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    future = asyncio.get_running_loop().run_in_executor(None, os.open, tmp, flags, 0o644)
+    try:
+        return tmp, await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        if not future.cancelled() and future.exception() is None:
+            os.close(future.result())
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 async def _settled(fn: Callable[..., _T], *args: object) -> _T:

@@ -648,6 +648,9 @@ def test_gc_command_refuses_bad_usage(tmp_path: Path) -> None:
     job = run_cli("gc", uri, "--job", "../x")
     assert job.returncode == 2
     assert "--job" in job.stderr and "Traceback" not in job.stderr
+    missing = run_cli("gc", uri)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    (tmp_path / "dest").mkdir()
     empty = run_cli("gc", uri)
     assert empty.returncode == 0, empty.stderr
     assert "nothing to do" in empty.stdout

@@ -1,0 +1,353 @@
+"""``ckptdrain ls / verify / restore / gc``: the commands that read or prune a destination.
+
+They need no daemon. Each raises :class:`CommandFailed` (or another typed error) for an
+expected failure; ``cli.main`` is the one place that turns errors into messages and exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ckptdrain.client import Client, DrainError
+from ckptdrain.daemon.errors import DaemonError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
+T = TypeVar("T")
+
+
+class CommandFailed(DaemonError):
+    """An expected failure of a command: its message is shown as is, with ``code`` (exit 1)."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=True))
+
+
+# -- argument types: a bad value is a usage error (exit 2) with one sentence, never a traceback --
+def dest_arg(text: str) -> str:
+    from ckptdrain.daemon.config import _split_uri
+
+    if text.startswith("/"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a path, not a destination URI; write file://{text}")
+    try:
+        _split_uri(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def job_arg(text: str) -> str:
+    from ckptdrain.client.errors import RejectedInput
+    from ckptdrain.client.names import validate_job
+
+    try:
+        return validate_job(text)
+    except RejectedInput as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def generation_arg(text: str) -> str:
+    if text != "latest" and not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"takes a step number or 'latest', not {text!r}")
+    return text
+
+
+# -- the destination ------------------------------------------------------------------------------
+def _backend(ns: argparse.Namespace, dest: str) -> Any:
+    from ckptdrain.daemon.backends import open_backend
+    from ckptdrain.daemon.config import DestinationConfig, load_config
+
+    base = load_config(ns.config).destination  # ConfigError: exit 78
+    try:
+        destination = DestinationConfig.model_validate({**base.model_dump(), "uri": dest})
+    except ValueError as exc:
+        raise CommandFailed(f"bad destination {dest!r}: {exc}", EXIT_USAGE) from None
+    if destination.scheme == "file" and not destination.root_path.is_dir():
+        # A typo'd path must not read as an empty destination ("no generations", exit 0).
+        raise CommandFailed(f"destination {dest} does not exist (no directory "
+                            f"{destination.root_path}); check DEST")
+    node = os.uname().nodename.replace("/", "_")
+    return open_backend(destination, node)
+
+
+async def _with_backend(ns: argparse.Namespace, dest: str,
+                        fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+    from ckptdrain.daemon.backends import BackendError
+
+    backend = _backend(ns, dest)
+    try:
+        return await fn(backend)
+    except BackendError as exc:
+        raise CommandFailed(f"{dest}: {exc}") from None
+    finally:
+        await backend.aclose()
+
+
+def run_on(ns: argparse.Namespace, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+    return asyncio.run(_with_backend(ns, ns.dest, fn))
+
+
+# -- ls ---------------------------------------------------------------------------------------
+def cmd_ls(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon import catalog
+
+    async def run(backend: Any) -> list[dict[str, Any]]:
+        jobs = [ns.job] if ns.job else await catalog.list_jobs(backend)
+        rows = []
+        for job in jobs:
+            for info in await catalog.list_generations(backend, job):
+                rows.append({
+                    "job": info.job, "generation": info.step, "shards": info.shards,
+                    "bytes": info.bytes, "committed_at": info.committed_at, "nodes": list(info.nodes),
+                })
+        return rows
+
+    rows = run_on(ns, run)
+    if ns.json:
+        print_json(rows)
+        return EXIT_OK
+    if not rows:
+        print(f"no committed generations at {ns.dest}" + (f" for job {ns.job}" if ns.job else ""))
+        return EXIT_OK
+    print(f"{'JOB':<20} {'GENERATION':>12} {'SHARDS':>7} {'BYTES':>11}  COMMITTED")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_at"])) if r["committed_at"] else "-"
+        print(f"{r['job']:<20} {r['generation']:>12} {r['shards']:>7} {human(r['bytes']):>11}  {when}")
+    return EXIT_OK
+
+
+async def _resolve_generation(backend: Any, job: str, generation: str) -> int:
+    from ckptdrain.daemon import catalog
+
+    if generation == "latest":
+        step = await catalog.latest(backend, job)
+        if step is None:
+            raise CommandFailed(f"job {job!r} has no committed generation at {backend.uri}; "
+                                "check the job name with `ckptdrain ls`")
+        return int(step)
+    return int(generation)
+
+
+# -- verify -----------------------------------------------------------------------------------
+def cmd_verify(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon import catalog
+
+    async def run(backend: Any) -> tuple[int, Any]:
+        step = await _resolve_generation(backend, ns.job, ns.generation)
+        return step, await catalog.verify(backend, ns.job, step)
+
+    step, report = run_on(ns, run)
+    if ns.json:
+        print_json({"job": ns.job, "generation": step, "ok": report.ok, "checked": report.checked,
+                    "bytes": report.bytes,
+                    "bad": [{"path": path, "reason": why} for path, why in report.bad]})
+    if not report.ok:
+        if not ns.json:
+            for path, reason in report.bad:
+                print(f"BAD {path}: {reason}", file=sys.stderr)
+        first = report.bad[0] if report.bad else ("?", "unknown")
+        raise CommandFailed(
+            f"generation {step} of job {ns.job!r} failed verification: {len(report.bad)} bad shard(s), "
+            f"first {first[0]!r} ({first[1]}); restore an older generation"
+        )
+    if not ns.json:
+        print(f"generation {step} of job {ns.job!r}: {report.checked} shards, "
+              f"{human(report.bytes)}, all checksums match")
+    return EXIT_OK
+
+
+# -- restore ----------------------------------------------------------------------------------
+def _check_restore_target(to: Path, overwrite: bool) -> None:
+    if to.exists() and not to.is_dir():
+        raise CommandFailed(f"--to {to} is a file, not a directory; give a directory to restore into")
+    if to.is_dir() and not overwrite and any(to.iterdir()):
+        raise CommandFailed(f"--to {to} is not empty; restore into a new or empty directory, "
+                            "or pass --overwrite to replace files of the same name in it")
+
+
+def cmd_restore(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon import catalog
+
+    to = Path(ns.to)
+    _check_restore_target(to, ns.overwrite)
+
+    async def run(backend: Any) -> tuple[int, Any]:
+        step = await _resolve_generation(backend, ns.job, ns.generation)
+        manifest = await catalog.read_manifest(backend, ns.job, step)
+        total = manifest.total_bytes if manifest is not None else 0
+        bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
+        try:
+            report = await catalog.restore(backend, ns.job, step, to, progress=bar.advance,
+                                           local=None if ns.no_local else _local_source(ns, step))
+        finally:
+            bar.close()
+        return step, report
+
+    step, report = run_on(ns, run)
+    if ns.json:
+        print_json({"job": ns.job, "generation": step, "to": str(report.to_dir),
+                    "files": report.files, "bytes": report.bytes,
+                    "local_files": report.local_files, "local_rejected": report.local_rejected})
+        return EXIT_OK
+    local = ""
+    if report.local_files or report.local_rejected:
+        local = f" ({report.local_files} from this node's local copy"
+        local += f", {report.local_rejected} local copies failed their checksum and came from {ns.dest})" if report.local_rejected else ")"
+    print(f"restored generation {step} of job {ns.job!r} to {ns.to}: {report.files} files, "
+          f"{human(report.bytes)}, checksums verified{local}")
+    return EXIT_OK
+
+
+def _local_source(ns: argparse.Namespace, step: int) -> Any:
+    """Restore's fast path: when this node's daemon drains to the same destination, it copies
+    the shards it still holds locally (checked against the manifest's checksums)."""
+    from ckptdrain.client import NotFound
+    from ckptdrain.daemon.cli_node import socket_path
+
+    try:
+        client = Client(socket_path(ns), timeout_s=600, connect_timeout_s=2)
+        if client.status()["destination"].rstrip("/") != ns.dest.rstrip("/"):
+            return None
+    except (DrainError, DaemonError):
+        return None  # no daemon here, or not ours: the destination has everything
+
+    async def fetch(shard: Any, fd: int) -> str | None:
+        try:
+            reply = await asyncio.to_thread(client.fetch_local, ns.job, step, shard.path, fd)
+        except NotFound:
+            return None
+        return str(reply["checksum"])
+
+    return fetch
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (only on a terminal unless asked for)."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.started = time.monotonic()
+        self._last = 0.0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.2 or self.done >= self.total):
+            self._last = now
+            frac = self.done / self.total if self.total else 1.0
+            rate = self.done / max(now - self.started, 1e-6)
+            bar = "#" * int(frac * 30)
+            print(f"\r[{bar:<30}] {frac:6.1%} {human(self.done)} {human(rate)}/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+# -- gc ---------------------------------------------------------------------------------------
+def cmd_gc(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon import retention
+    from ckptdrain.daemon.config import load_config
+
+    policy = load_config(ns.config).retention
+    keep_last = policy.keep_last if ns.keep_last is None else ns.keep_last
+    grace_s = policy.abandoned_grace_s if ns.grace_s is None else ns.grace_s
+    if keep_last < 1:
+        raise CommandFailed(f"--keep-last must be at least 1 (the newest committed generation is "
+                            f"always kept), not {keep_last}", EXIT_USAGE)
+    if not 0 <= grace_s < float("inf"):
+        raise CommandFailed(f"--grace-s must be a finite number of seconds >= 0, not {grace_s}",
+                            EXIT_USAGE)
+
+    async def run(backend: Any) -> list[Any]:
+        jobs = [ns.job] if ns.job else None
+        return await retention.gc(backend, jobs, keep_last, grace_s, ns.dry_run)
+
+    reports = run_on(ns, run)
+    if ns.json:
+        print_json([{
+            "job": r.job, "dry_run": r.dry_run, "keep_last": keep_last, "abandoned_grace_s": grace_s,
+            "kept": r.kept, "deleted": r.deleted, "abandoned_deleted": r.abandoned_deleted,
+            "skipped": [{"generation": s, "reason": why} for s, why in r.skipped],
+            "failed": [{"generation": s, "reason": why} for s, why in r.failed],
+        } for r in reports])
+    elif not reports:
+        print(f"no committed generations at {ns.dest}; nothing to do")
+    else:
+        verb = "would delete" if ns.dry_run else "deleted"
+        for r in reports:
+            print(f"job {r.job}: kept {_steps(r.kept)}; {verb} {_steps(r.deleted)}; "
+                  f"{verb} abandoned {_steps(r.abandoned_deleted)}")
+            for step, why in r.skipped:
+                print(f"    left {step}: {why}")
+            for step, why in r.failed:
+                print(f"    FAILED {step}: {why}", file=sys.stderr)
+    failed = [(r.job, step, why) for r in reports for step, why in r.failed]
+    if failed:
+        job, step, why = failed[0]
+        raise CommandFailed(f"{len(failed)} generation(s) could not be removed, first {job!r} {step}: {why}")
+    return EXIT_OK
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"
+
+
+def add_parsers(sub: Any, common: Callable[..., None]) -> None:
+    p = sub.add_parser("ls", help="committed generations at a destination")
+    common(p)
+    p.add_argument("dest", metavar="DEST", type=dest_arg, help="file:///path or s3://bucket/prefix")
+    p.add_argument("--job", type=job_arg)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_ls)
+
+    for name, fn, text in (("verify", cmd_verify, "re-read every shard and check its checksum"),
+                           ("restore", cmd_restore, "copy a committed generation to a directory")):
+        p = sub.add_parser(name, help=text)
+        common(p)
+        p.add_argument("dest", metavar="DEST", type=dest_arg)
+        p.add_argument("--job", required=True, type=job_arg)
+        p.add_argument("--generation", default="latest", type=generation_arg,
+                       help="a step number or 'latest' (default)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "restore":
+            p.add_argument("--to", required=True, help="directory to restore into (new or empty)")
+            p.add_argument("--overwrite", action="store_true",
+                           help="restore into a non-empty directory, replacing files of the same name")
+            p.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+            p.add_argument("--quiet", action="store_true")
+            p.add_argument("--socket", type=Path, help="this node's daemon, for the local fast path")
+            p.add_argument("--no-local", action="store_true",
+                           help="read everything from DEST, not from this node's local copies")
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("gc", help="apply retention: delete old and abandoned generations at a destination")
+    common(p)
+    p.add_argument("dest", metavar="DEST", type=dest_arg, help="file:///path or s3://bucket/prefix")
+    p.add_argument("--job", type=job_arg, help="only this job (default: every job with a committed generation)")
+    p.add_argument("--keep-last", type=int, metavar="N", help="committed generations kept per job (default: retention.keep_last)")
+    p.add_argument("--grace-s", type=float, metavar="S", help="age after which an uncommitted generation older than the newest committed one is removed (default: retention.abandoned_grace_s)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_gc)

@@ -1,0 +1,156 @@
+"""``ckptdrain serve / status / retry``: the commands that run or talk to this node's daemon.
+
+Expected failures raise typed errors; ``cli.main`` turns them into one sentence and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from ckptdrain.client import Client
+from ckptdrain.client.client import default_socket_path
+from ckptdrain.daemon.cli_destination import EXIT_OK, CommandFailed
+from ckptdrain.daemon.cli_destination import human as _human
+
+
+def load(ns: argparse.Namespace) -> Any:
+    from ckptdrain.daemon.config import load_config
+
+    return load_config(getattr(ns, "config", None))  # ConfigError: exit 78
+
+
+def socket_path(ns: argparse.Namespace) -> str:
+    if getattr(ns, "socket", None):
+        return str(ns.socket)
+    if getattr(ns, "config", None) or os.environ.get("CKPTDRAIN_CONFIG"):
+        return str(load(ns).socket)
+    return default_socket_path()
+
+
+# -- serve ------------------------------------------------------------------------------------
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon.logs import setup_logging
+    from ckptdrain.daemon.server import Daemon
+    from ckptdrain.daemon.systemd import SocketActivationError, listen_fds
+
+    config = load(ns)
+    setup_logging(config.log_level)
+    try:
+        inherited = listen_fds()
+    except SocketActivationError as exc:
+        raise CommandFailed(str(exc)) from None
+    try:
+        import uvloop
+
+        runner: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
+        runner = asyncio.run
+    daemon = Daemon(config, inherited=inherited[0] if inherited else None,
+                    config_path=str(ns.config) if ns.config else None)
+    ran = threading.Event()
+    # Once the daemon has stopped (journal flushed), a thread stuck in a blocking call (a
+    # client fd on a hung mount) must not hold the process past the unit's stop timeout: the
+    # interpreter would wait for it forever, in the event loop's shutdown or at exit.
+    daemon.on_stopped = lambda: threading.Thread(target=_exit_if_stuck, args=(ran,),
+                                                 daemon=True).start()
+    from ckptdrain.daemon.journal import JournalError
+
+    try:
+        runner(daemon.run())
+    except JournalError as exc:
+        raise CommandFailed(str(exc)) from None
+    except OSError as exc:
+        raise CommandFailed(f"cannot serve: {exc}") from None
+    ran.set()
+    _flush_and_exit(EXIT_OK)
+    return EXIT_OK
+
+
+STOPPED_EXIT_GRACE_S = 10.0
+
+
+def _exit_if_stuck(ran: threading.Event) -> None:
+    if not ran.wait(STOPPED_EXIT_GRACE_S):
+        logging.getLogger("ckptdrain.cli").warning(
+            "event=exit_with_stuck_threads action=\"threads stuck in blocking calls are left to "
+            "the kernel\"")
+        _flush_and_exit(EXIT_OK)
+
+
+def _flush_and_exit(code: int) -> None:
+    """Exit without joining worker threads: everything durable was written before "stopped"."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# -- status -----------------------------------------------------------------------------------
+def cmd_status(ns: argparse.Namespace) -> int:
+    with Client(socket_path(ns), timeout_s=30) as client:
+        status = client.status()
+    if ns.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return EXIT_OK
+    limits = status["limits"]
+    print(f"node {status['node_id']}  ack={status['ack']}  destination {status['destination']}")
+    print(
+        f"staged {_human(status['staged_bytes'])} of {_human(limits['max_staged_bytes'])}"
+        f"  queued shards {status['queued_shards']}/{limits['max_queued_shards']}"
+        f"  drain {_human(status['drain_rate_bytes_per_s'])}/s"
+        f"  blocked hand-offs {status['blocked_handoffs']}"
+        + "".join(f" ({n} on {limit})" for limit, n in status.get("blocked_by_limit", {}).items())
+    )
+    gens = status["generations"]
+    if not gens:
+        print("no generations on this node")
+        return EXIT_OK
+    header = f"{'JOB':<20} {'STEP':>10} {'STATE':<10} {'RANKS':>5} {'STAGED':>7} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
+    print(header)
+    for g in gens:
+        shards = g["shards"]
+        undrained = sum(shards.get(s, 0) for s in ("staged", "draining", "failed"))
+        total_bytes = sum(g["bytes"].values())
+        print(
+            f"{g['job']:<20} {g['step']:>10} {g['state']:<10} {len(g['ranks']):>5}"
+            f" {undrained:>7} {shards.get('drained', 0):>7} {_human(total_bytes):>11}"
+            f" {g['oldest_undrained_age_s']:>7.1f}s"
+        )
+        if g.get("error"):
+            print(f"    error: {g['error']}")
+    return EXIT_OK
+
+
+
+def cmd_retry(ns: argparse.Namespace) -> int:
+    with Client(socket_path(ns), timeout_s=30) as client:
+        result = client.retry(ns.job, ns.step)
+    print(f"step {ns.step} of job {ns.job!r}: {result.get('requeued', 0)} shard(s) requeued for draining")
+    return EXIT_OK
+
+
+
+
+def add_parsers(sub: Any, common: Callable[..., None]) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    common(p)
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("status", help="what the node's daemon holds and how far it has drained")
+    common(p, socket=True)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("retry", help="drain a failed generation again from its local copy")
+    common(p, socket=True)
+    p.add_argument("job")
+    p.add_argument("step", type=int)
+    p.set_defaults(fn=cmd_retry)

@@ -1,0 +1,201 @@
+"""The CLI's one error boundary: every ordinary mistake is one line naming the cause and the
+fix, with the right exit code (0 ok, 1 failed, 2 usage, 78 configuration or environment), and
+never a traceback. Each case is the real ``ckptdrain`` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CKPTDRAIN, DaemonProcess
+
+JOB = "cli-errors"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon with two committed generations of JOB: 1 intact, 2 with a damaged shard."""
+    root = tmp_path_factory.mktemp("cli")
+    sock_dir = Path(tempfile.mkdtemp(prefix="ckd-", dir="/tmp"))  # sun_path is short
+    d = DaemonProcess(root=root, socket_path=sock_dir / "node.sock",
+                      dest_uri=f"file://{root / 'dest'}")
+    d.start()
+    try:
+        for step in (1, 2):
+            with d.client().generation(JOB, step) as gen:
+                gen.put("a/b/w.bin", os.urandom(4096))
+                gen.put("z/y.bin", os.urandom(4096))
+            d.client().wait(JOB, step, timeout_s=60)
+        victim = d.dest / JOB / f"{2:020d}" / "z" / "y.bin"
+        victim.write_bytes(b"short")
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def cli(node: DaemonProcess, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**node.env(), **env}
+    return subprocess.run([CKPTDRAIN, *args], env=full, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def one_sentence(out: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    """The command exited ``code`` with exactly one line on stderr, naming every needle."""
+    assert out.returncode == code, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptdrain: "), out.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def test_generation_that_is_not_committed(node: DaemonProcess, tmp_path: Path) -> None:
+    one_sentence(cli(node, "verify", node.dest_uri, "--job", JOB, "--generation", "999"), 1,
+                 "999", "not committed", "ckptdrain ls")
+    to = tmp_path / "never"
+    one_sentence(cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "999",
+                     "--to", str(to)), 1, "not committed")
+    assert not to.exists()
+    one_sentence(cli(node, "verify", node.dest_uri, "--job", JOB, "--generation", "two"), 2,
+                 "--generation", "'latest'")
+
+
+def test_restore_from_a_damaged_destination_leaves_nothing_behind(node: DaemonProcess,
+                                                                  tmp_path: Path) -> None:
+    to = tmp_path / "new" / "deep"
+    one_sentence(cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "2",
+                     "--to", str(to), "--no-local"), 1, "z/y.bin", "damaged")
+    assert not (tmp_path / "new").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one_sentence(cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "2",
+                     "--to", str(empty), "--no-local"), 1, "damaged")
+    assert empty.is_dir() and not list(empty.iterdir())
+
+
+@pytest.mark.parametrize(("command", "job", "needle"), [
+    ("ls", "../etc", "'/'"),
+    ("verify", "bad job", "' '"),
+    ("gc", "-rf", "'-'"),
+])
+def test_bad_job_names_are_usage_errors(node: DaemonProcess, command: str, job: str,
+                                        needle: str) -> None:
+    one_sentence(cli(node, command, node.dest_uri, f"--job={job}"), 2, "--job", needle,
+                 f"ckptdrain {command} --help")
+
+
+def test_restore_target_checks(node: DaemonProcess, tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    one_sentence(cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "1",
+                     "--to", str(a_file)), 1, str(a_file), "not a directory")
+    assert a_file.read_text() == "mine"
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "theirs.txt").write_text("keep")
+    one_sentence(cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "1",
+                     "--to", str(full)), 1, "not empty", "--overwrite")
+    assert sorted(p.name for p in full.iterdir()) == ["theirs.txt"]
+    out = cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "1",
+              "--to", str(full), "--overwrite")
+    assert out.returncode == 0, out.stderr
+    assert (full / "theirs.txt").read_text() == "keep" and (full / "a" / "b" / "w.bin").exists()
+
+
+def test_a_bare_path_or_a_bad_uri_as_dest(node: DaemonProcess) -> None:
+    line = one_sentence(cli(node, "ls", str(node.dest)), 2, "is a path", f"file://{node.dest}")
+    assert "pydantic" not in line
+    one_sentence(cli(node, "verify", "ftp://host/x", "--job", JOB), 2, "not a supported destination")
+
+
+@pytest.mark.parametrize("command", ["ls", "gc"])
+def test_a_destination_that_does_not_exist_is_an_error(node: DaemonProcess, command: str,
+                                                       tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dest"
+    one_sentence(cli(node, command, f"file://{missing}"), 1, "does not exist", str(missing))
+    assert not missing.exists()
+
+
+def test_a_closed_pipe_exits_quietly(node: DaemonProcess) -> None:
+    # The reader is gone before the first write (what `status | head -2` races into): the
+    # command exits 0 with nothing on stderr, every time.
+    for _ in range(3):
+        proc = subprocess.Popen([CKPTDRAIN, "status"], env=node.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.stderr.close()
+        assert proc.wait(60) == 0, err
+        assert err == b""
+
+
+def test_no_daemon_is_one_sentence(node: DaemonProcess, tmp_path: Path) -> None:
+    one_sentence(cli(node, "status", "--socket", str(tmp_path / "nobody.sock")), 1,
+                 "cannot reach", "ckptdrain serve")
+
+
+# -- --json for automation ----------------------------------------------------------------------
+def _shape(doc: object, schema: dict[str, type | tuple[type, ...]]) -> None:
+    assert isinstance(doc, dict), doc
+    assert set(doc) == set(schema), sorted(doc)
+    for key, kind in schema.items():
+        assert isinstance(doc[key], kind), (key, doc[key])
+
+
+def test_json_output_schemas(node: DaemonProcess, tmp_path: Path) -> None:
+    out = cli(node, "ls", node.dest_uri, "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["generation"] for r in rows] == [2, 1]
+    for row in rows:
+        _shape(row, {"job": str, "generation": int, "shards": int, "bytes": int,
+                     "committed_at": (int, float), "nodes": list})
+
+    out = cli(node, "verify", node.dest_uri, "--job", JOB, "--generation", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    _shape(doc, {"job": str, "generation": int, "ok": bool, "checked": int, "bytes": int,
+                 "bad": list})
+    assert doc["ok"] is True and doc["checked"] == 2
+    out = cli(node, "verify", node.dest_uri, "--job", JOB, "--generation", "2", "--json")
+    assert out.returncode == 1
+    doc = json.loads(out.stdout)
+    assert doc["ok"] is False and [b["path"] for b in doc["bad"]] == ["z/y.bin"]
+    for bad in doc["bad"]:
+        _shape(bad, {"path": str, "reason": str})
+
+    out = cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "1",
+              "--to", str(tmp_path / "r"), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    _shape(doc, {"job": str, "generation": int, "to": str, "files": int, "bytes": int,
+                 "local_files": int, "local_rejected": int})
+    assert doc["files"] == 2 and doc["bytes"] == 8192
+
+    out = cli(node, "gc", node.dest_uri, "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    (report,) = json.loads(out.stdout)
+    _shape(report, {"job": str, "dry_run": bool, "keep_last": int, "abandoned_grace_s": float,
+                    "kept": list, "deleted": list, "abandoned_deleted": list, "skipped": list,
+                    "failed": list})
+
+    out = cli(node, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    for key, kind in {"node_id": str, "ack": str, "destination": str, "staged_bytes": int,
+                      "queued_shards": int, "generations": list, "limits": dict}.items():
+        assert isinstance(doc[key], kind), (key, doc.get(key))
+    for gen in doc["generations"]:
+        for key, kind in {"job": str, "step": int, "state": str, "ranks": (list, dict),
+                          "shards": dict, "bytes": dict}.items():
+            assert isinstance(gen[key], kind), (key, gen.get(key))
