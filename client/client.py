@@ -64,6 +64,14 @@ def default_attempt() -> str:
     return ""
 
 
+def _check_attempt(attempt: object) -> str:
+    if not isinstance(attempt, str) or len(attempt) > wire.MAX_ATTEMPT_CHARS or not attempt.isprintable():
+        raise RejectedInput(
+            f"attempt must be printable text of at most {wire.MAX_ATTEMPT_CHARS} characters"
+        )
+    return attempt
+
+
 def default_socket_path() -> str:
     """``$CKPTDRAIN_SOCKET``, else the system socket if it exists, else a per-user socket."""
     configured = os.environ.get("CKPTDRAIN_SOCKET")
@@ -638,26 +646,29 @@ class Client:
         names.validate_rank(rank, world_size)
         if ack is not None and ack not in wire.ACK_MODES:
             raise RejectedInput(f"ack is {ack!r}; use one of {list(wire.ACK_MODES)} or None")
-        if attempt is not None and (not isinstance(attempt, str) or len(attempt) > wire.MAX_ATTEMPT_CHARS
-                                    or not attempt.isprintable()):
-            raise RejectedInput(
-                f"attempt must be printable text of at most {wire.MAX_ATTEMPT_CHARS} characters"
-            )
+        if attempt is not None:
+            _check_attempt(attempt)
         return Generation(self, job, step, rank=rank, world_size=world_size, ack=ack,
                           attempt=attempt)
 
-    def wait(self, job: str, step: int, timeout_s: float = 600.0) -> dict[str, Any]:
+    def wait(
+        self, job: str, step: int, timeout_s: float = 600.0, *, attempt: str | None = None
+    ) -> dict[str, Any]:
         """Block until generation ``step`` of ``job`` is committed; returns the daemon's answer.
 
-        Raises Timeout if it is not committed within ``timeout_s`` and GenerationFailed if it
-        never will be.
+        Raises Timeout if it is not committed within ``timeout_s`` and GenerationFailed if
+        this attempt at the step never will be. ``attempt`` is the one the save passed to
+        :meth:`generation` (default: :func:`default_attempt`): a failed older attempt (the
+        crashed run this one restarted from) is not the answer, so a wait that starts before
+        the re-save begins waits for the re-save. ``""`` takes whatever attempt is there.
         """
         names.validate_job(job)
         names.validate_step(step)
         limit_s = _check_timeout(timeout_s, "timeout_s")
+        mine = default_attempt() if attempt is None else _check_attempt(attempt)
         return self._call(
             "wait",
-            {"job": job, "step": step, "timeout_s": limit_s},
+            {"job": job, "step": step, "timeout_s": limit_s, "attempt": mine or None},
             timeout_s=limit_s + _WAIT_MARGIN_S,
         )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import os
 import pickle
@@ -52,8 +53,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptdrain.client import names
-from ckptdrain.client.client import Client, Generation
+from ckptdrain.client.client import Client, Generation, default_attempt
 from ckptdrain.client.errors import DrainError, RejectedInput
+from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
 
 __all__ = ["METADATA_NAME", "DrainWriter"]
 
@@ -88,6 +90,16 @@ class _FileBuffer(io.BytesIO):
 
     def discard(self) -> None:
         super().close()
+
+
+def _save_attempt(run: str) -> str:
+    """One save's attempt: a fresh token, under the run's attempt when there is one."""
+    token = f"dcp:{uuid.uuid4().hex}"
+    if not run:
+        return token
+    if len(run) + 1 + len(token) > MAX_ATTEMPT_CHARS:
+        run = hashlib.sha256(run.encode()).hexdigest()[:32]
+    return f"{run}/{token}"
 
 
 def _abort_part(stack: contextlib.ExitStack, reason: str) -> None:
@@ -150,6 +162,7 @@ class DrainWriter(StorageWriter):
         self._open: contextlib.ExitStack | None = None
         self._part: Generation | None = None
         self._finalizer: weakref.finalize[[contextlib.ExitStack, str], DrainWriter] | None = None
+        self._attempt: str | None = None  # this save's, once its plan named it
         self._state = "new"  # new -> writing -> open (coordinator) -> sealed | failed | aborted
 
     # -- identity ----------------------------------------------------------------------------
@@ -196,7 +209,9 @@ class DrainWriter(StorageWriter):
         world_size = len(plans)
         # One token per save, chosen here and handed to every rank in its plan: a restarted
         # job saving the same step again is a new attempt, never mixed with the old one.
-        attempt = f"dcp:{uuid.uuid4().hex}"
+        # Named under the run's own attempt (torchrun's restart count, $CKPTDRAIN_ATTEMPT), so
+        # a `wait` of the restarted run waits for this save, not for the crashed run's.
+        attempt = _save_attempt(default_attempt())
         return [
             dataclasses.replace(
                 plan, storage_data=_RankPlan(f"__{rank}_", rank, world_size, attempt)
@@ -217,6 +232,7 @@ class DrainWriter(StorageWriter):
                 "create a DrainWriter(job, step) for each save"
             )
         self._state = "writing"
+        self._attempt = rank_plan.attempt
         generation = self._client.generation(
             self.job, self.step, rank=rank_plan.rank, world_size=rank_plan.world_size,
             ack=self.ack, attempt=rank_plan.attempt,
@@ -264,7 +280,8 @@ class DrainWriter(StorageWriter):
         Any rank may call it: its own node's daemon answers. Raises ``Timeout`` if it is not
         committed within ``timeout_s`` and ``GenerationFailed`` if it never will be.
         """
-        return self._client.wait(self.job, self.step, timeout_s=timeout_s)
+        attempt = self._attempt if self._attempt is not None else default_attempt()
+        return self._client.wait(self.job, self.step, timeout_s=timeout_s, attempt=attempt)
 
     def abort(self, reason: str = "the checkpoint save failed") -> None:
         """Abort this rank's part if it is still open (a coordinator whose save failed)."""

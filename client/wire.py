@@ -282,7 +282,14 @@ _CLIENT_KINDS: dict[str, _Schema] = {
         "rank": (_rank, True),
         "reason": (_check_str, True),
     },
-    "wait": {"job": (_job, True), "step": (_step, True), "timeout_s": (_check_timeout, True)},
+    "wait": {
+        "job": (_job, True),
+        "step": (_step, True),
+        "timeout_s": (_check_timeout, True),
+        # The waiter's attempt: an older attempt's failure is not its answer (it waits for
+        # the re-save). An attempt "A/x" is one of attempt "A"'s.
+        "attempt": (_check_attempt, False),
+    },
     "latest": {"job": (_job, True)},
     "status": {},
     "retry": {"job": (_job, True), "step": (_step, True)},

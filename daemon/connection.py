@@ -16,13 +16,12 @@ import logging
 import os
 import socket
 import stat
-import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog
+from ckptdrain.daemon import catalog, waits
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout
@@ -190,7 +189,8 @@ class ClientHandler:
             await self.abort_rank(gen, rank, f"the client aborted: {f['reason']}")
             return {}
         if kind == "wait":
-            return await self.wait(f["job"], f["step"], float(f["timeout_s"]))
+            return await waits.wait_for_commit(self.d, f["job"], f["step"], float(f["timeout_s"]),
+                                               f.get("attempt") or "")
         if kind == "latest":
             return await self._latest(f["job"])
         if kind == "status":
@@ -287,37 +287,6 @@ class ClientHandler:
         await self.d.ledger.open_rank(gen, rank)
         self.gen, self.rank, self.ack = gen, rank, effective
         return {"job": job, "step": step, "rank": rank, "ack": effective, "node_id": self.d.node_id}
-
-    async def wait(self, job: str, step: int, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        poll = self.d.config.drain.commit_poll_interval_s
-        while True:
-            gen = self.d.ledger.get(job, step)
-            if gen is not None:
-                if gen.state is GenerationState.COMMITTED:
-                    return {"job": job, "step": step, "committed": True, "committed_at": gen.committed_at}
-                if gen.terminal:
-                    raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} "
-                                       f"{gen.state}: {gen.error}")
-            else:
-                try:
-                    manifest = await self.d.committer.committed(job, step)
-                except (BackendError, ManifestError, OSError) as exc:
-                    raise destination_error(job, step, exc) from None
-                if manifest is not None:
-                    return {"job": job, "step": step, "committed": True,
-                            "committed_at": manifest.clocks.get("committed")}
-            left = deadline - time.monotonic()
-            if left <= 0:
-                state = gen.summary() if gen is not None else {"state": "unknown to this node"}
-                raise RequestError(wire.TIMEOUT, f"step {step} of job {job!r} is not committed after "
-                                   f"{timeout_s:g} s (state: {state['state']})", {"generation": state})
-            if gen is None:
-                await asyncio.sleep(min(poll, left))
-                continue
-            async with gen.changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(gen.changed.wait(), min(left, max(poll, 1.0)))
 
     async def seal(self, owned: tuple[GenerationRecord, int]) -> dict[str, Any]:
         gen, rank = owned

@@ -151,6 +151,8 @@ class Handoffs:
             # A deferred shard is listed in the part record before it drains, so its
             # checksum is needed now (deferred shards are small: DCP's .metadata).
             checksum = await d.dataplane.call(d.staging.checksum, name) if deferred else ""
+            if deferred:
+                h.still_open(gen, rank)  # ... and while its checksum was computed
             shard = ShardRecord(
                 id=d.ledger.shard_ids(), job=gen.job, step=gen.step, rank=rank, path=path,
                 size=size, staged_name=name, state=ShardState.STAGED, handed_at=handed_at,

@@ -221,21 +221,19 @@ def put_shard(s: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
     )
 
 
-def delete_generation(job: str, step: int) -> list[tuple[str, tuple[Any, ...]]]:
+def delete_generation(job: str, step: int, attempt: str) -> list[tuple[str, tuple[Any, ...]]]:
+    """Forget one attempt at a step. Keyed by the attempt: the rows at ``(job, step)`` go
+    only while the generation row there is still that attempt's, so forgetting an old attempt
+    late can never take a newer attempt's rows with it."""
+    ours = "step IN (SELECT step FROM generations WHERE job = ? AND step = ? AND attempt = ?)"
+    key = (job, step, job, step, attempt)
+    shard_ids = f"SELECT id FROM shards WHERE job = ? AND step = ? AND {ours}"
     return [
-        (
-            "DELETE FROM upload_parts WHERE shard_id IN"
-            " (SELECT id FROM shards WHERE job = ? AND step = ?)",
-            (job, step),
-        ),
-        (
-            "DELETE FROM uploads WHERE shard_id IN"
-            " (SELECT id FROM shards WHERE job = ? AND step = ?)",
-            (job, step),
-        ),
-        ("DELETE FROM shards WHERE job = ? AND step = ?", (job, step)),
-        ("DELETE FROM ranks WHERE job = ? AND step = ?", (job, step)),
-        ("DELETE FROM generations WHERE job = ? AND step = ?", (job, step)),
+        (f"DELETE FROM upload_parts WHERE shard_id IN ({shard_ids})", key),
+        (f"DELETE FROM uploads WHERE shard_id IN ({shard_ids})", key),
+        (f"DELETE FROM shards WHERE job = ? AND step = ? AND {ours}", key),
+        (f"DELETE FROM ranks WHERE job = ? AND step = ? AND {ours}", key),
+        ("DELETE FROM generations WHERE job = ? AND step = ? AND attempt = ?", (job, step, attempt)),
     ]
 
 

@@ -96,7 +96,6 @@ class GenerationRecord:
     # ledger so "has this rank drained?" costs O(1), not a scan of every shard per drain.
     unsettled: dict[int, int] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @property
     def key(self) -> GenKey:
@@ -172,6 +171,9 @@ class Ledger:
         self.generations: dict[GenKey, GenerationRecord] = {}
         self.jobs: dict[str, int] = {}
         self._next_shard_id = 1
+        # Set (and replaced) whenever a generation is opened, changes or is forgotten: what
+        # `wait` sleeps on, so it learns of a commit or a new attempt at once.
+        self._changed = asyncio.Event()
 
     async def load(self) -> dict[int, str]:
         """Rebuild from the journal; returns the upload ids it knows, by shard id."""
@@ -204,6 +206,14 @@ class Ledger:
             self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
         return dict(snap.uploads)
 
+    def change(self) -> asyncio.Event:
+        """An event set at the next change of any generation (take it before looking)."""
+        return self._changed
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def get(self, job: str, step: int) -> GenerationRecord | None:
         return self.generations.get((job, step))
 
@@ -231,12 +241,17 @@ class Ledger:
         except BaseException:
             self.generations.pop(gen.key, None)
             raise
+        self._notify()
         return gen
 
     async def add_shard(self, gen: GenerationRecord, shard: ShardRecord) -> None:
         """Journal a new shard: the moment it is acknowledged."""
         if shard.state not in INITIAL_SHARD:
             raise IllegalTransition(f"a shard begins held or staged, not {shard.state}")
+        if not self.current(gen):
+            # Its rows would land on (or replace) the newer attempt's at the same step.
+            raise IllegalTransition(f"step {gen.step} of job {gen.job!r}: attempt "
+                                    f"{gen.attempt or 'unnamed'} was replaced or forgotten")
         gen.shards[shard.path] = shard
         gen.count(shard, +1)
         statements = [j.put_shard(shard.row())]
@@ -343,18 +358,28 @@ class Ledger:
         for name, value in fields.items():
             setattr(gen, name, value)
         await self._journal(gen, j.put_generation(gen.row()))
-        async with gen.changed:
-            gen.changed.notify_all()
+        self._notify()
 
     async def _journal(self, gen: GenerationRecord, statement: tuple[str, tuple[Any, ...]]) -> None:
         # Rows are keyed by (job, step): a forgotten generation's late change (its old
         # connection leaving, say) must not land on a new attempt's rows at the same step.
-        if self.generations.get(gen.key) is gen:
+        if self.current(gen):
             await self.journal.write(statement)
 
+    def current(self, gen: GenerationRecord) -> bool:
+        """Whether ``gen`` is the attempt this node holds at its step (not forgotten or
+        replaced by a newer attempt)."""
+        return self.generations.get(gen.key) is gen
+
     async def forget(self, gen: GenerationRecord) -> None:
-        await self.journal.write(*j.delete_generation(gen.job, gen.step))
-        self.generations.pop(gen.key, None)
+        """Forget this attempt, and only it: a no-op once it was forgotten or replaced.
+        Gone from memory before the journal write is queued, so a new attempt opened meanwhile
+        writes its rows after this delete, never before it."""
+        if not self.current(gen):
+            return
+        del self.generations[gen.key]
+        self._notify()
+        await self.journal.write(*j.delete_generation(gen.job, gen.step, gen.attempt))
 
 
 def _check_fields(record: object, fields: dict[str, Any]) -> None:

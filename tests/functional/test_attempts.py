@@ -132,3 +132,81 @@ def test_ranks_of_a_new_attempt_that_begin_at_once_join_one_generation(daemon: D
     c.wait("race", 25, timeout_s=30)
     root = manifest_path(daemon, "race", 25).parent
     assert (root / "a").read_bytes() == b"new 0" and (root / "b").read_bytes() == b"new 1"
+
+
+def test_ranks_of_a_new_attempt_that_begin_behind_a_barrier_commit_every_time(
+        daemon: DaemonProcess) -> None:
+    """The issue's reproducer, as quoted: A1 of step 25 (rank 1 seals, rank 0 aborts); A2:
+    two threads behind a barrier each begin and put rank 0 and rank 1; wait commits."""
+    import threading
+
+    c = daemon.client()
+    for i in range(10):
+        job = f"barrier{i}"
+        with c.generation(job, 25, rank=1, world_size=2, attempt="A1") as g:
+            g.put("b", b"old 1")
+        with pytest.raises(RuntimeError), c.generation(job, 25, rank=0, world_size=2, attempt="A1"):
+            raise RuntimeError("rank 0 died")
+        barrier = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def rank(r: int, job: str = job, barrier: threading.Barrier = barrier,
+                 errors: list[BaseException] = errors) -> None:
+            try:
+                barrier.wait(10)
+                with daemon.client().generation(job, 25, rank=r, world_size=2, attempt="A2") as gen:
+                    gen.put("a" if r == 0 else "b", f"new {r}".encode())
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert c.wait(job, 25, timeout_s=30, attempt="A2")["committed"]
+
+
+def test_wait_before_the_resave_begins_waits_for_the_resave(daemon: DaemonProcess) -> None:
+    """A wait of attempt A2 that starts while this node holds only A1's failure waits for A2
+    (it used to answer A1's GenerationFailed within 2 ms)."""
+    import concurrent.futures
+
+    c = daemon.client()
+    with pytest.raises(RuntimeError), c.generation("resave", 30, attempt="A1") as g:
+        g.put("a", b"old")
+        raise RuntimeError("killed mid-save")
+    with pytest.raises(GenerationFailed):
+        c.wait("resave", 30, timeout_s=5, attempt="A1")  # A1's own waiter is told it failed
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(daemon.client().wait, "resave", 30, 60, attempt="A2")
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waiting.result(timeout=1.0)  # still waiting: A2 has not begun
+        with c.generation("resave", 30, attempt="A2") as g:
+            g.put("a", b"new")
+        answer = waiting.result(timeout=60)
+    assert answer["committed"] and answer["attempt"] == "A2"
+    # A sub-attempt (DrainWriter's "<run>/dcp:<token>") answers its run's waiter.
+    with c.generation("resave", 31, attempt="run-7/dcp:x") as g:
+        g.put("a", b"sub")
+    assert c.wait("resave", 31, timeout_s=30, attempt="run-7")["committed"]
+
+
+def test_wait_learns_of_a_commit_at_once(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    """A wait that starts before the daemon knows the step answers when the step commits,
+    not up to a full commit_poll_interval_s later."""
+    import concurrent.futures
+
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__COMMIT_POLL_INTERVAL_S="6")
+    c = d.client()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(d.client().wait, "prompt", 1, 60)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waiting.result(timeout=0.5)  # asked the destination once, and now asleep
+        with c.generation("prompt", 1) as g:
+            g.put("a", b"x")
+        sealed = time.monotonic()
+        waiting.result(timeout=60)
+        late = time.monotonic() - sealed
+    assert late < 3.0, f"wait answered {late:.2f} s after the seal (poll interval 6 s)"

@@ -106,9 +106,10 @@ async def test_apply_journals_every_lifecycle_and_a_restart_sees_it(tmp_path: Pa
         assert await ledger.apply((gen, 0), RankEvent.SEALED) is RankState.SEALED
         woke = asyncio.Event()
 
+        changed = ledger.change()
+
         async def waiter() -> None:
-            async with gen.changed:
-                await gen.changed.wait()
+            await changed.wait()
             woke.set()
 
         task = asyncio.create_task(waiter())
@@ -191,6 +192,41 @@ async def test_a_replaced_attempt_never_writes_over_the_new_one(tmp_path: Path) 
     assert gen is not None and gen.attempt == "b"
     assert gen.ranks == {0: RankState.OPEN}
     assert list(gen.shards) == ["s2"]
+
+
+@pytest.mark.asyncio
+async def test_forgetting_an_old_attempt_late_never_takes_the_new_one(tmp_path: Path) -> None:
+    """Forgetting is keyed by the attempt: a second forget of the replaced attempt (retention
+    after a replace, say) leaves the new attempt in memory and in the journal, and the old
+    attempt's hand-off that finishes late cannot journal a row over the new one's."""
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal(path)
+    await journal.open()
+    ledger = Ledger(journal)
+    try:
+        old = await ledger.open_generation("j", 1, 2, "local", uid=0, attempt="a")
+        await ledger.open_rank(old, 0)
+        await ledger.add_shard(old, new_shard(old, 1))
+        await ledger.apply(old, GenerationEvent.CANCELLED)
+        await ledger.forget(old)
+        new = await ledger.open_generation("j", 1, 2, "local", uid=0, attempt="b")
+        await ledger.open_rank(new, 0)
+        await ledger.add_shard(new, new_shard(new, 2))
+        await ledger.forget(old)
+        assert ledger.get("j", 1) is new
+        with pytest.raises(IllegalTransition, match="replaced"):
+            late = new_shard(old, 3)
+            late.path = "s2"  # the same file name the new attempt already handed off
+            await ledger.add_shard(old, late)
+        # The journal's own delete is keyed by the attempt too.
+        await journal.write(*j.delete_generation("j", 1, "a"))
+    finally:
+        await journal.close()
+    again = await reloaded(path)
+    gen = again.get("j", 1)
+    assert gen is not None and gen.attempt == "b"
+    assert gen.ranks == {0: RankState.OPEN}
+    assert list(gen.shards) == ["s2"] and gen.shards["s2"].id == 2
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,82 @@
+"""`wait`: the answer for one step, for the waiter's attempt.
+
+A waiter is told "committed" as soon as the step is committed, by any attempt (a committed
+step is final). It is told "failed" only by its own attempt: a generation of an older
+attempt that failed here is a crash the waiter's job is re-saving, so the waiter waits for
+the re-save instead. Sleeps on the ledger's change event, so a commit on this node (or the
+new attempt's first begin) wakes it at once; the destination is asked at most once per
+``drain.commit_poll_interval_s`` while this node holds nothing of the waiter's attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from ckptdrain.client import wire
+from ckptdrain.client.manifest import ManifestError
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.ledger import GenerationRecord
+from ckptdrain.daemon.state import GenerationState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.server import Daemon
+
+# Even with nothing changing, a waiter looks again this often (a belt, not the mechanism).
+RECHECK_S = 1.0
+
+
+def is_of(gen: GenerationRecord, attempt: str) -> bool:
+    """Whether ``gen`` answers a waiter of ``attempt`` ("" answers to every attempt; "A/x"
+    is one of "A"'s, as DrainWriter names its saves within a torchrun restart)."""
+    return not attempt or gen.attempt == attempt or gen.attempt.startswith(attempt + "/")
+
+
+async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
+                          attempt: str) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    poll = d.config.drain.commit_poll_interval_s
+    next_look = time.monotonic()  # when the destination may be asked next
+    while True:
+        changed = d.ledger.change()  # taken before looking, so no change falls in between
+        gen = d.ledger.get(job, step)
+        if gen is not None and gen.state is GenerationState.COMMITTED:
+            return {"job": job, "step": step, "committed": True,
+                    "committed_at": gen.committed_at, "attempt": gen.attempt}
+        ours = gen is not None and is_of(gen, attempt)
+        if ours and gen is not None and gen.terminal:
+            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} "
+                               f"{gen.state}: {gen.error}")
+        now = time.monotonic()
+        if not ours and now >= next_look:
+            # Nothing of this attempt here (yet): another node may commit it.
+            next_look = now + poll
+            try:
+                manifest = await d.committer.committed(job, step)
+            except (BackendError, ManifestError, OSError) as exc:
+                from ckptdrain.daemon.connection import destination_error
+                raise destination_error(job, step, exc) from None
+            if manifest is not None:
+                return {"job": job, "step": step, "committed": True,
+                        "committed_at": manifest.clocks.get("committed")}
+            continue  # the look took a while: look at the ledger again first
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _timed_out(job, step, timeout_s, gen if ours else None, attempt)
+        nap = min(left, RECHECK_S) if ours else min(left, max(0.0, next_look - now))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), nap)
+
+
+def _timed_out(job: str, step: int, timeout_s: float, gen: GenerationRecord | None,
+               attempt: str) -> RequestError:
+    if gen is not None:
+        state = gen.summary()
+    else:
+        what = f"attempt {attempt!r} " if attempt else ""
+        state = {"state": f"{what}unknown to this node"}
+    return RequestError(wire.TIMEOUT, f"step {step} of job {job!r} is not committed after "
+                        f"{timeout_s:g} s (state: {state['state']})", {"generation": state})
