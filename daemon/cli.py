@@ -108,6 +108,7 @@ def _os_message(exc: OSError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ckptdrain.daemon.config import ConfigError
+    from ckptdrain.daemon.startup import StartupError
 
     try:
         ns = build_parser().parse_args(argv)
@@ -119,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except ConfigError as exc:
         _fail(f"bad configuration: {exc}", EXIT_CONFIG)
+    except StartupError as exc:
+        _fail(f"cannot start: {exc}", EXIT_CONFIG)
     except CommandFailed as exc:
         _fail(str(exc), exc.code)
     except DrainError as exc:

@@ -62,16 +62,40 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     daemon.on_stopped = lambda: threading.Thread(target=_exit_if_stuck, args=(ran,),
                                                  daemon=True).start()
     from ckptdrain.daemon.journal import JournalError
+    from ckptdrain.daemon.metrics import MetricsServerError
 
     try:
         runner(daemon.run())
-    except JournalError as exc:
-        raise CommandFailed(str(exc)) from None
-    except OSError as exc:
-        raise CommandFailed(f"cannot serve: {exc}") from None
+    except BaseExceptionGroup as group:
+        # A failure inside the daemon's task group arrives wrapped: show the cause.
+        raise _expected(group) from None
+    except (JournalError, MetricsServerError, OSError) as exc:
+        raise _expected(exc) from None
     ran.set()
     _flush_and_exit(EXIT_OK)
     return EXIT_OK
+
+
+def _expected(exc: BaseException) -> BaseException:
+    """The typed error to report for a failed ``serve`` (the first of a group), or ``exc``."""
+    from ckptdrain.daemon.errors import DaemonError
+    from ckptdrain.daemon.journal import JournalError
+    from ckptdrain.daemon.metrics import MetricsServerError
+    from ckptdrain.daemon.startup import StartupError
+
+    if isinstance(exc, BaseExceptionGroup):
+        for leaf in exc.exceptions:
+            found = _expected(leaf)
+            if found is not leaf or isinstance(leaf, DaemonError | OSError):
+                return found
+        return exc
+    if isinstance(exc, MetricsServerError):
+        return StartupError("metrics.listen", str(exc))
+    if isinstance(exc, JournalError | StartupError):
+        return exc
+    if isinstance(exc, OSError):
+        return StartupError("socket", f"cannot serve: {exc}")
+    return exc
 
 
 STOPPED_EXIT_GRACE_S = 10.0

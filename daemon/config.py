@@ -693,8 +693,13 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
             found[var] = (f"{section}.{name}", _from_env(env[var], annotation))
         elif not sep and rest in top_fields:
             found[var] = (rest, _from_env(env[var], top_fields[rest].annotation))
+        elif not sep and rest not in _SECTIONS:
+            # Not config-shaped: the client's own variables (CKPTDRAIN_ATTEMPT, ...) and
+            # other tools' share the prefix. Only CKPTDRAIN_<KEY> for a top-level key and
+            # CKPTDRAIN_<SECTION>__<KEY> are config; a typo in the latter is still reported.
+            continue
         else:
-            if not sep and rest in _SECTIONS:
+            if not sep:
                 reason = f"names a section; set {var}__<KEY> for one of its keys"
             else:
                 reason = "is not a ckptdrain setting; remove it or fix the spelling"

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptdrain.client import wire
-from ckptdrain.daemon import __version__
+from ckptdrain.daemon import __version__, startup
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.admission import Admission
 from ckptdrain.daemon.backends.base import BackendError, open_backend
@@ -71,6 +71,7 @@ class Daemon:
     def __init__(self, config: Config, *, inherited: socket.socket | None = None,
                  notifier: Notifier | None = None, config_path: str | None = None) -> None:
         self.config = config
+        self.loaded_config = config  # as loaded: a reload compares against this
         self.config_path = config_path
         self.node_id = config.node_id
         self.notifier = notifier or Notifier()
@@ -127,10 +128,10 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
     def reload(self) -> None:
-        """SIGHUP: take new limits and log level from the config; keep everything else.
-
-        A config that does not load is logged and ignored: the daemon keeps running as it was.
-        """
+        """SIGHUP: apply what can change while running (``[limits]``, ``log_level``, the drain's
+        pace) and name every other changed key as needing a restart (they name sockets,
+        directories and destinations in use). A config that does not load is logged and
+        ignored: the daemon keeps running as it was."""
         from ckptdrain.daemon.config import ConfigError, load_config
         from ckptdrain.daemon.logs import setup_logging
 
@@ -145,18 +146,41 @@ class Daemon:
             log_event(log, logging.ERROR, "reload_failed", error=str(exc))
             self.notifier.ready(self.status_line())
             return
+        restart = startup.needs_restart(startup.changed_keys(self.loaded_config, loaded))
+        free_bytes, _ = self.staging_free
+        capacity = free_bytes + self.admission.staged.used - self.staging.reserve_bytes()
+        try:
+            new = startup.fit_staged_limit(new, capacity)
+        except startup.StartupError as exc:
+            log_event(log, logging.ERROR, "reload_failed", error=str(exc))
+            self.notifier.ready(self.status_line())
+            return
         self.config = new
         self.scheduler.config = new
         self.admission.set_limits(new)
         self.scheduler.set_bandwidth(new.drain.max_bandwidth_bytes_per_s)
         setup_logging(new.log_level)
-        log_event(log, logging.INFO, "reloaded", max_staged_bytes=new.limits.max_staged_bytes,
-                  on_full=new.limits.on_full, log_level=new.log_level)
+        if restart:
+            log_event(log, logging.WARNING, "reloaded", max_staged_bytes=new.limits.max_staged_bytes,
+                      on_full=new.limits.on_full, log_level=new.log_level, needs_restart=restart,
+                      action=f"restart the daemon to apply {', '.join(restart)}; until then it "
+                      "runs with the old values")
+        else:
+            log_event(log, logging.INFO, "reloaded", max_staged_bytes=new.limits.max_staged_bytes,
+                      on_full=new.limits.on_full, log_level=new.log_level)
         self.notifier.ready(self.status_line())
 
     async def _run(self) -> None:
-        self.staging.prepare()
-        await self.journal.open()
+        # Before anything changes: no journal replayed, nothing swept, nothing bound yet.
+        fitted, lock = startup.check(self.config, inherited=self._inherited)
+        self.config = self.scheduler.config = fitted
+        self.admission.set_limits(fitted)
+        try:
+            self.staging.prepare()
+            await self.journal.open()
+        except BaseException:
+            lock.release()
+            raise
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.push_async_callback(self.backend.aclose)
@@ -208,6 +232,7 @@ class Daemon:
         finally:
             await self.journal.close()
             self.dataplane.close()
+            lock.release()
             log_event(log, logging.INFO, "stopped", node=self.node_id)
             if self.on_stopped is not None:
                 self.on_stopped()

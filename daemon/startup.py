@@ -1,0 +1,224 @@
+"""Start-up checks, run before anything changes: no journal is replayed, no file is swept and
+no socket is bound until the environment is known to be usable.
+
+In order (the config itself was validated when it loaded): the paths are writable
+(``staging_dir``, the directory of ``socket``), the ports are free (``metrics.listen``, and no
+live daemon on ``socket``), this daemon holds the lock on ``staging_dir`` (a second daemon on
+the same directory would adopt the first one's shards), and ``limits.max_staged_bytes`` fits the
+staging filesystem (clamped, with a warning, when it does not). Each failure is a
+:class:`StartupError` naming the config key; the CLI exits 78 (EX_CONFIG) for it, so a unit
+with ``Restart=on-failure`` does not loop on a problem a restart cannot fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+from ckptdrain.daemon.config import Config
+from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.staging import DATA, FREE_SPACE_RESERVE_BYTES, FREE_SPACE_RESERVE_FRACTION
+
+log = logging.getLogger("ckptdrain.startup")
+
+LOCK_NAME = "daemon.lock"
+# Below this much room a staging filesystem cannot hold a useful checkpoint: refuse to start
+# rather than clamp the limit to nothing.
+MIN_STAGED_BYTES = 16 << 20
+_MiB = 1 << 20
+
+
+class StartupError(DaemonError):
+    """The environment does not let the daemon start; ``key`` is the config key to look at."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def writable_dir(key: str, directory: Path, mode: int = 0o700) -> None:
+    """Create ``directory`` if needed and prove a file can be made in it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=mode)
+    except OSError as exc:
+        raise StartupError(key, f"cannot create the directory {directory} ({_why(exc)}); create "
+                           "it with the daemon's user as owner, or set another path") from None
+    probe = directory / f".ckptdrain-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise StartupError(key, f"{directory} is not writable by uid {os.getuid()} "
+                           f"({_why(exc)}); fix its owner or mode, or set another path") from None
+
+
+def port_free(host: str, port: int) -> None:
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    except OSError as exc:
+        hint = "stop what holds it or set metrics.listen to a free port ('' disables metrics)"
+        if exc.errno == errno.EADDRNOTAVAIL:
+            hint = "use an address of this node in metrics.listen"
+        raise StartupError("metrics.listen", f"cannot listen on {host}:{port} ({_why(exc)}); "
+                           f"{hint}") from None
+    finally:
+        probe.close()
+
+
+def socket_free(path: Path) -> None:
+    """No live daemon answers on ``path`` (a stale socket is fine: bind removes it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StartupError("socket", f"cannot inspect {path} ({_why(exc)})") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError("socket", f"{path} exists and is not a socket; remove it or set "
+                           "another socket path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise StartupError("socket", f"another daemon is already serving {path}; stop it, or give "
+                       "this daemon its own socket and staging_dir")
+
+
+class StagingLock:
+    """An exclusive ``flock`` on ``staging_dir/daemon.lock``, holding the owner's pid. The
+    kernel drops it when the process dies, so a crash never leaves it stuck."""
+
+    def __init__(self, staging_dir: Path) -> None:
+        self.path = staging_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise StartupError("staging_dir", f"cannot open the lock {self.path} "
+                               f"({_why(exc)}); fix the directory's owner or mode") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StartupError(
+                "staging_dir", f"{self.path.parent} is in use by another ckptdrain daemon "
+                f"(pid {holder}); stop it, or give this daemon its own staging_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # the file stays: unlinking it would race a daemon that opened it
+
+
+def staging_capacity(staging_dir: Path) -> int:
+    """Bytes the staging filesystem can hold for us: free space plus the shards already
+    staged there (they count against the limit already), less the reserve kept for the journal
+    and the rest of the node."""
+    st = os.statvfs(staging_dir)
+    staged = 0
+    shards = staging_dir / "shards"
+    with contextlib.suppress(FileNotFoundError), os.scandir(shards) as entries:
+        for entry in entries:
+            if entry.name.endswith(DATA):
+                with contextlib.suppress(FileNotFoundError):
+                    staged += entry.stat(follow_symlinks=False).st_size
+    reserve = min(FREE_SPACE_RESERVE_BYTES,
+                  int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
+    return max(0, st.f_bavail * st.f_frsize + staged - reserve)
+
+
+def fit_staged_limit(config: Config, capacity: int) -> Config:
+    """``config`` with ``limits.max_staged_bytes`` clamped to ``capacity`` (logged, naming
+    both figures), or StartupError when the filesystem cannot hold even MIN_STAGED_BYTES."""
+    wanted = config.limits.max_staged_bytes
+    if wanted <= capacity:
+        return config
+    usable = capacity // _MiB * _MiB
+    if usable < MIN_STAGED_BYTES:
+        raise StartupError(
+            "staging_dir", f"the filesystem of {config.staging_dir} has {capacity} bytes usable, "
+            f"under the {MIN_STAGED_BYTES} bytes a checkpoint needs; free space there or move "
+            "staging_dir to a larger disk")
+    log_event(log, logging.WARNING, "max_staged_bytes_clamped", configured=wanted,
+              effective=usable, staging_dir=str(config.staging_dir),
+              action=f"the staging filesystem holds only {usable} bytes for shards: the limit is "
+              f"clamped to that; set limits.max_staged_bytes to at most {usable} to silence this")
+    return with_staged_limit(config, usable)
+
+
+def with_staged_limit(config: Config, limit: int) -> Config:
+    limits = config.limits.model_copy(update={"max_staged_bytes": limit})
+    return config.model_copy(update={"limits": limits})
+
+
+def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, StagingLock]:
+    """Every start-up check, in order; returns the config to run with (the staged limit fitted
+    to the disk) and the lock, which the caller holds until it stops."""
+    writable_dir("staging_dir", config.staging_dir)
+    if inherited is None:
+        writable_dir("socket", config.socket.parent, mode=0o755)
+    if config.metrics.address is not None:
+        port_free(config.metrics.host, config.metrics.port)
+    lock = StagingLock(config.staging_dir)
+    lock.acquire()
+    try:
+        if inherited is None:
+            socket_free(config.socket)
+        fitted = fit_staged_limit(config, staging_capacity(config.staging_dir))
+    except BaseException:
+        lock.release()
+        raise
+    return fitted, lock
+
+
+# Keys a SIGHUP applies; any other key that changed is named as needing a restart.
+RELOADABLE = ("limits.", "log_level", "drain.max_bandwidth_bytes_per_s")
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """Dotted keys whose value differs between two configs."""
+    a, b = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def needs_restart(keys: list[str]) -> list[str]:
+    return [k for k in keys if not any(k == r or (r.endswith(".") and k.startswith(r))
+                                       for r in RELOADABLE)]

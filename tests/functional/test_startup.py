@@ -1,0 +1,214 @@
+"""Start-up checks before anything changes: a problem a restart cannot fix exits 78 (so
+``Restart=on-failure`` does not loop) with one line naming the config key, and nothing was
+replayed, swept or bound. Then the staging lock, the staged limit against the disk, SIGHUP
+naming what needs a restart, and the client's variables left alone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.daemon.config import load_config
+from ckptdrain.daemon.startup import MIN_STAGED_BYTES, StartupError, fit_staged_limit
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
+
+MiB = 1 << 20
+
+
+def serve(d: DaemonProcess, *prefix: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``ckptdrain serve`` expected to refuse to start: its exit and its output."""
+    return subprocess.run([*prefix, CKPTDRAIN, "serve"], env={**d.env(), **env},
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def refused(out: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert out.returncode == 78, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("ckptdrain: ")]
+    assert len(lines) == 1, out.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def nothing_changed(d: DaemonProcess) -> None:
+    assert not (d.staging / "journal.sqlite3").exists(), "the journal was opened before the check"
+    assert not d.socket_path.exists()
+
+
+def test_metrics_port_in_use(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(start=False)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        port = holder.getsockname()[1]
+        refused(serve(d, CKPTDRAIN_METRICS__LISTEN=f"127.0.0.1:{port}"), "metrics.listen",
+                str(port), "in use")
+    finally:
+        holder.close()
+    nothing_changed(d)
+
+
+def test_socket_directory_it_cannot_create(make_daemon: Any, tmp_path: Path) -> None:
+    d: DaemonProcess = make_daemon(start=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    refused(serve(d, CKPTDRAIN_SOCKET=str(blocker / "run" / "d.sock")), "socket:",
+            "cannot create the directory")
+    nothing_changed(d)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop CAP_DAC_OVERRIDE with setpriv")
+def test_unwritable_staging_dir(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(start=False)
+    d.staging.mkdir(parents=True)
+    d.staging.chmod(0o555)
+    # Root writes anywhere; without CAP_DAC_OVERRIDE it meets the mode like anyone else.
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    try:
+        refused(serve(d, *drop), "staging_dir:", str(d.staging), "not writable")
+    finally:
+        d.staging.chmod(0o755)
+    nothing_changed(d)
+
+
+def test_a_second_daemon_on_the_same_staging_dir(make_daemon: Any, short_tmp: Path) -> None:
+    first: DaemonProcess = make_daemon()
+    c = first.client()
+    gen = c.generation("held", 1, rank=0, world_size=2)
+    gen.__enter__()
+    gen.put("w", b"in flight")
+    line = refused(serve(first, CKPTDRAIN_SOCKET=str(short_tmp / "second.sock")),
+                   "staging_dir:", "in use by another ckptdrain daemon", f"pid {first.pid}")
+    assert "own staging_dir" in line
+    gen.__exit__(None, None, None)
+    # The first daemon still owns its shard: nothing was adopted or committed elsewhere.
+    [state] = first.client().status()["generations"]
+    assert state["job"] == "held" and state["state"] == "open"
+    assert not (short_tmp / "second.sock").exists()
+    # Once the first has stopped, the lock is free again.
+    assert first.stop() == 0
+    first.start()
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size_mib: int) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for the staging disk: {out.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def scrape(d: DaemonProcess) -> dict[str, float]:
+    url = d.client().status()["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, number = line.rpartition(" ")
+            values[name] = float(number)
+    return values
+
+
+def test_staged_limit_is_clamped_to_the_disk(make_daemon: Any, tmp_path: Path) -> None:
+    d: DaemonProcess = make_daemon(start=False)
+    with small_filesystem(d.staging, 200):
+        d.start()  # the default 800GiB on a 200 MiB filesystem
+        limit = d.client().status()["limits"]["max_staged_bytes"]
+        assert 150 * MiB <= limit <= 200 * MiB, limit
+        assert "event=max_staged_bytes_clamped" in d.log() and "configured=858993459200" in d.log()
+        # The alert CkptdrainStagingNearlyFull on an idle daemon: free space under 10% of the
+        # local limit. With the limit fitted to the disk it does not fire.
+        m = scrape(d)
+        free = m["ckptdrain_staging_free_bytes"]
+        local = next(v for k, v in m.items()
+                     if k.startswith("ckptdrain_staged_limit_bytes") and 'tier="local"' in k)
+        assert local == limit and free >= 0.1 * local
+        # A shard up to the clamped limit is accepted and drained.
+        with d.client().generation("fits", 1) as gen:
+            gen.put("w", os.urandom(8 * MiB))
+        d.client().wait("fits", 1, timeout_s=60)
+        assert d.stop() == 0
+
+
+def test_a_filesystem_too_small_to_clamp_to_is_refused(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(start=False)
+    with small_filesystem(d.staging, 12):
+        refused(serve(d), "staging_dir:", "free space there")
+
+
+def test_fit_staged_limit() -> None:
+    config = load_config(env={"CKPTDRAIN_STAGING_DIR": "/nvme/s", "HOME": "/home/a",
+                              "CKPTDRAIN_LIMITS__MAX_STAGED_BYTES": "1GiB"})
+    assert fit_staged_limit(config, 2 << 30) is config
+    assert fit_staged_limit(config, (300 * MiB) + 123).limits.max_staged_bytes == 300 * MiB
+    with pytest.raises(StartupError) as err:
+        fit_staged_limit(config, MIN_STAGED_BYTES - 1)
+    assert err.value.key == "staging_dir"
+
+
+def test_sighup_names_the_keys_that_need_a_restart(make_daemon: Any, tmp_path: Path) -> None:
+    old_dest, new_dest = tmp_path / "dest", tmp_path / "elsewhere"
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text(f'[limits]\nmax_staged_bytes = "1GiB"\n[destination]\nuri = "file://{old_dest}"\n')
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    # The destination comes from the file (not the environment), so a reload can see it change.
+    env = {k: v for k, v in d.env().items() if k != "CKPTDRAIN_DESTINATION__URI"}
+    log = tmp_path / "reload.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([CKPTDRAIN, "serve"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: _status(d) is not None, 30)
+        config.write_text(f'[limits]\nmax_staged_bytes = "2GiB"\n[destination]\nuri = "file://{new_dest}"\n')
+        proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "event=reloaded" in log.read_text(), 30)
+        status = _status(d)
+        assert status is not None
+        assert status["limits"]["max_staged_bytes"] == 2 << 30  # applied
+        assert status["destination"] == f"file://{old_dest}"  # kept, and said so:
+        [line] = [x for x in log.read_text().splitlines() if "event=reloaded" in x]
+        assert "needs_restart" in line and "destination.uri" in line, line
+        assert "restart the daemon to apply destination.uri" in line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def _status(d: DaemonProcess) -> dict[str, Any] | None:
+    from ckptdrain.client import DrainError
+
+    try:
+        return d.client().status()
+    except DrainError:
+        return None
+
+
+def test_the_clients_variables_are_not_config(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_ATTEMPT="run-7")
+    d.start()  # before: exit 78 "did you mean CKPTDRAIN_ACK?"
+    for args in (["ls", d.dest_uri], ["gc", d.dest_uri, "--dry-run"]):
+        d.dest.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run([CKPTDRAIN, *args], env=d.env(), capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert out.returncode == 0, out.stderr
+    # A typo in a config-shaped name is still an error.
+    out = subprocess.run([CKPTDRAIN, "ls", d.dest_uri], capture_output=True, text=True,
+                         env={**d.env(), "CKPTDRAIN_LIMITS__MAX_STAGD_BYTES": "1"}, timeout=60,
+                         check=False)
+    assert out.returncode == 78 and "MAX_STAGED_BYTES" in out.stderr
