@@ -38,6 +38,8 @@ class Admission:
         self.shards = Budget("max_queued_shards", limits.max_queued_shards)
         self.memory = Budget("max_memory_bytes", limits.max_memory_bytes)
         self._slots: dict[str, Budget] = {}
+        # Bytes each uid's hand-offs and shards hold on max_staged_bytes and max_memory_bytes.
+        self.uid_bytes: dict[int, int] = {}
         # One slot per generation in flight, owned by the generation until it ends.
         self._held: dict[GenerationRecord, Reservation] = {}
         # Frees room on max_staged_bytes by evicting kept local copies (set by the daemon).
@@ -89,8 +91,57 @@ class Admission:
         return self.staged.waiting + self.shards.waiting + self.memory.waiting + self.slots_waiting
 
     # -- admission ----------------------------------------------------------------------------
-    async def admit(self, budget: Budget, amount: int, job: str, step: int) -> Reservation:
-        """Reserve ``amount`` of ``budget`` per limits.on_full, or raise the backpressure error."""
+    def charge(self, reservation: Reservation, uid: int) -> Reservation:
+        """Count ``reservation`` against ``uid``'s share until it is released."""
+        amount = reservation.amount
+        self.uid_bytes[uid] = self.uid_bytes.get(uid, 0) + amount
+
+        def give_back() -> None:
+            left = self.uid_bytes.get(uid, 0) - amount
+            if left > 0:
+                self.uid_bytes[uid] = left
+            else:
+                self.uid_bytes.pop(uid, None)
+
+        reservation.then = give_back
+        return reservation
+
+    def check_uid_share(self, uid: int, amount: int) -> None:
+        cap = self.config.limits.max_reserved_bytes_per_uid
+        held = self.uid_bytes.get(uid, 0)
+        if cap and held + amount > cap:
+            self.metrics.backpressure("rejected", "max_reserved_bytes_per_uid")
+            raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already holds {held} "
+                               f"bytes on this node and asks for {amount} more, over "
+                               f"limits.max_reserved_bytes_per_uid ({cap}); wait for its "
+                               "shards to drain or checkpoint less often",
+                               {"limit": "max_reserved_bytes_per_uid", "limit_value": cap,
+                                "current": held, "requested": amount, "retry_after_s": 1.0})
+
+    def check_uid_generations(self, uid: int) -> None:
+        cap = self.config.limits.max_generations_per_uid
+        jobs = self.ledger.jobs
+        open_now = sum(1 for g in self.ledger.generations.values()
+                       if not g.terminal and jobs.get(g.job) == uid)
+        if open_now >= cap:
+            self.metrics.backpressure("rejected", "max_generations_per_uid")
+            raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already has {open_now} "
+                               "uncommitted generations on this node, the most "
+                               f"limits.max_generations_per_uid allows ({cap}); wait for them to "
+                               "commit or fail", {"limit": "max_generations_per_uid",
+                                                  "limit_value": cap, "current": open_now,
+                                                  "retry_after_s": 1.0})
+
+    async def admit(self, budget: Budget, amount: int, job: str, step: int,
+                    uid: int | None = None) -> Reservation:
+        """Reserve ``amount`` of ``budget`` per limits.on_full, or raise the backpressure error.
+        Bytes are charged to ``uid``'s share (limits.max_reserved_bytes_per_uid)."""
+        if uid is None:
+            return await self._admit(budget, amount, job, step)
+        self.check_uid_share(uid, amount)
+        return self.charge(await self._admit(budget, amount, job, step), uid)
+
+    async def _admit(self, budget: Budget, amount: int, job: str, step: int) -> Reservation:
         limits = self.config.limits
         try:
             if budget is self.staged and self.make_room is not None:

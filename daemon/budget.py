@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptdrain.daemon.errors import DaemonError
@@ -152,18 +153,22 @@ class Reservation:
     bug to find, not a count to clamp.
     """
 
-    __slots__ = ("amount", "budget", "released")
+    __slots__ = ("amount", "budget", "released", "then")
 
     def __init__(self, budget: Budget, amount: int) -> None:
         self.budget = budget
         self.amount = amount
         self.released = False
+        # Other accounting the same room is charged to (a uid's share), given back with it.
+        self.then: Callable[[], None] | None = None
 
     def release(self) -> None:
         if self.released:
             raise AccountingError(f"{self.budget.name}: reservation of {self.amount} released twice")
         self.released = True
         self.budget.release(self.amount)
+        if self.then is not None:
+            self.then()
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"

@@ -14,9 +14,10 @@ import collections
 import contextlib
 import os
 import socket
-import struct
+import time
+from collections.abc import Iterator
 
-from ckptdrain.daemon.dataplane import SocketPump
+from ckptdrain.daemon.dataplane import RateFloor, SocketPump
 from ckptdrain.daemon.errors import DaemonError
 
 MAX_FDS_PER_MESSAGE = 4
@@ -29,25 +30,44 @@ _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 class IdleTimeout(DaemonError):
     """The client sent nothing for longer than the idle timeout."""
 
+    hint = "raise limits.client_idle_timeout_s or limits.open_rank_idle_timeout_s"
+
+
+class TooSlow(IdleTimeout):
+    """A frame or a shard's bytes came slower than limits.client_min_bytes_per_s."""
+
+    hint = "send each request and its bytes without pausing, or lower limits.client_min_bytes_per_s"
+
 
 class Channel:
-    def __init__(self, sock: socket.socket, *, idle_timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, *, idle_timeout_s: float, min_bytes_per_s: int,
+                 rate_grace_s: float) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.idle_timeout_s = idle_timeout_s
+        self.min_bytes_per_s = min_bytes_per_s
+        self.rate_grace_s = rate_grace_s
+        # The transfer under way (a frame begun, a shard's bytes due), paced by a rate floor;
+        # None between requests, where only the idle timeout applies.
+        self.transfer: RateFloor | None = None
         self.fds: collections.deque[int] = collections.deque()
         self._pump: SocketPump | None = None
         self._loop = asyncio.get_running_loop()
 
-    def peer_credentials(self) -> tuple[int, int, int]:
-        """(pid, uid, gid) of the connected process, from the kernel (SO_PEERCRED)."""
-        raw = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, gid = struct.unpack("3i", raw)
-        return pid, uid, gid
+    def begin_transfer(self) -> RateFloor:
+        if self.transfer is None:
+            self.transfer = RateFloor(self.min_bytes_per_s, self.rate_grace_s)
+        return self.transfer
+
+    def end_transfer(self) -> None:
+        self.transfer = None
 
     async def recv_into(self, view: memoryview) -> int:
         """Read at least one byte into ``view`` (0 at EOF), collecting any passed fds."""
         while True:
+            floor = self.transfer
+            if floor is not None and (now := time.monotonic()) > floor.deadline():
+                raise TooSlow(str(floor.too_slow(now)))
             try:
                 n, anc, flags, _ = self.sock.recvmsg_into([view], _ANC_BYTES)
             except BlockingIOError:
@@ -55,6 +75,8 @@ class Channel:
                 continue
             except ConnectionResetError:
                 return 0
+            if floor is not None:
+                floor.got += n
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds = array.array("i")
@@ -77,13 +99,44 @@ class Channel:
             if not fut.done():
                 fut.set_result(None)
 
+        floor = self.transfer
+        due = floor.deadline() - time.monotonic() if floor is not None else self.idle_timeout_s
         self._loop.add_reader(fd, wake)
         try:
-            await asyncio.wait_for(fut, self.idle_timeout_s)
+            await asyncio.wait_for(fut, max(0.0, min(due, self.idle_timeout_s)))
         except TimeoutError:
+            if floor is not None and due < self.idle_timeout_s:
+                raise TooSlow(str(floor.too_slow(time.monotonic()))) from None
             raise IdleTimeout(f"client idle for {self.idle_timeout_s:g} s") from None
         finally:
             self._loop.remove_reader(fd)
+
+    @contextlib.contextmanager
+    def hangup_watch(self) -> Iterator[asyncio.Future[None]]:
+        """A future done once the client has closed its end (EOF or reset), for requests that
+        wait long without reading (``wait``): a client gone need not keep its slot till the
+        timeout. Bytes of a pipelined next request end the watch; they are read after."""
+        gone: asyncio.Future[None] = self._loop.create_future()
+        fd = self.sock.fileno()
+
+        def check() -> None:
+            try:
+                data = self.sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            self._loop.remove_reader(fd)
+            if not data and not gone.done():
+                gone.set_result(None)
+
+        self._loop.add_reader(fd, check)
+        try:
+            yield gone
+        finally:
+            # At once, not from a done-callback: the next recv adds its own reader on this fd.
+            self._loop.remove_reader(fd)
+            gone.cancel()
 
     async def sendall(self, data: bytes) -> None:
         await asyncio.wait_for(self._loop.sock_sendall(self.sock, data), self.idle_timeout_s)

@@ -200,6 +200,14 @@ class LimitsConfig(BaseModel):
     client_idle_timeout_s: float = Field(default=120.0, gt=0)
     open_rank_idle_timeout_s: float = Field(default=3600.0, gt=0)
     max_clients: int = Field(default=1024, ge=1)
+    # Shares of the node one uid may take, so one user cannot starve the others.
+    max_clients_per_uid: int = Field(default=512, ge=1)
+    max_generations_per_uid: int = Field(default=16, ge=1)
+    max_reserved_bytes_per_uid: ByteSize = Field(default=0, ge=0)  # 0 = no per-uid cap
+    # A frame, or a shard's bytes, that arrives slower than this on average (after the
+    # grace period) is cut off and what it reserved is freed: a trickle cannot hold room.
+    client_min_bytes_per_s: ByteSize = Field(default=256 * KiB, ge=1)
+    client_rate_grace_s: float = Field(default=10.0, gt=0)
     max_shard_bytes: ByteSize = Field(default=1 * TiB, ge=1)
     # The data plane: threads that move hand-off bytes (socket or fd to staging, fsync,
     # unlink), so hand-offs use the node's cores and never the event loop's thread.

@@ -22,6 +22,7 @@ from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError
 from ckptdrain.client.wire import Message, ProtocolError
 from ckptdrain.daemon import catalog, waits
+from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout
@@ -49,14 +50,21 @@ _NOT_BUSY = frozenset({"wait", "status", "latest"})
 
 
 class ClientHandler:
-    def __init__(self, daemon: Daemon, sock: socket.socket) -> None:
+    def __init__(self, daemon: Daemon, sock: socket.socket, peer: Peer) -> None:
         self.d = daemon
-        self.channel = Channel(sock, idle_timeout_s=daemon.config.limits.client_idle_timeout_s)
+        limits = daemon.config.limits
+        self.channel = Channel(sock, idle_timeout_s=limits.client_idle_timeout_s,
+                               min_bytes_per_s=limits.client_min_bytes_per_s,
+                               rate_grace_s=limits.client_rate_grace_s)
         self.conn = wire.Connection(wire.Role.SERVER)
         self.buf = bytearray(RECV_BUFFER_BYTES)
         self.view = memoryview(self.buf)
-        self.uid = -1
-        self.gid = -1
+        self.peer = peer  # checked against [access] at accept (listener.py)
+        self.uid = peer.uid
+        self.gid = peer.gid
+        # A shard's bytes are due (its put was admitted): paced by the rate floor, never
+        # the long between-requests timeout of an open rank.
+        self.receiving_payload = False
         self.gen: GenerationRecord | None = None
         self.rank: int | None = None
         self.busy = False  # serving a hand-off request right now (see Listener._drain)
@@ -68,8 +76,8 @@ class ClientHandler:
         except IdleTimeout as exc:
             log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc))
             # Said before hanging up, so the client's next request reads why.
-            await self._last_word(wire.TIMEOUT, f"the daemon closed this connection: {exc}; raise "
-                                  "limits.client_idle_timeout_s or limits.open_rank_idle_timeout_s")
+            await self._last_word(wire.TIMEOUT, f"the daemon closed this connection: {exc}; "
+                                  f"{exc.hint}")
         except (ConnectionError, TimeoutError) as exc:
             log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc) or type(exc).__name__)
         except ProtocolError as exc:
@@ -110,7 +118,13 @@ class ClientHandler:
             if event is wire.NEED_DATA:
                 # Between requests, a rank in progress may wait long (its process is busy
                 # computing the next shard); anything else, or a stall mid-frame, may not.
-                between = self.conn.buffered == 0 and self.gen is not None and not self.gen.terminal
+                # A frame begun, or a shard's bytes due, must also keep the minimum rate.
+                mid_frame = self.conn.buffered > 0 or self.receiving_payload
+                if mid_frame:
+                    self.channel.begin_transfer()
+                else:
+                    self.channel.end_transfer()
+                between = not mid_frame and self.gen is not None and not self.gen.terminal
                 self.channel.idle_timeout_s = (limits.open_rank_idle_timeout_s if between
                                                else limits.client_idle_timeout_s)
                 n = await self.channel.recv_into(self.view)
@@ -119,11 +133,12 @@ class ClientHandler:
             if isinstance(event, wire.ConnectionClosed):
                 return None
             if isinstance(event, Message):
+                if not self.receiving_payload:
+                    self.channel.end_transfer()
                 return event
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
 
     async def _serve(self) -> None:
-        _, self.uid, self.gid = self.channel.peer_credentials()
         hello = await self.next_message()
         if hello is None:
             return
@@ -131,12 +146,6 @@ class ClientHandler:
             raise ProtocolError(wire.UNSUPPORTED_VERSION,
                                 f"this daemon speaks protocol version {wire.PROTOCOL_VERSION}, "
                                 f"the client {hello.fields.get('version')}; upgrade the older side")
-        if not self._allowed():
-            await self.channel.sendall(self.conn.send_error(
-                wire.PERMISSION_DENIED,
-                f"uid {self.uid} gid {self.gid} may not use this ckptdrain daemon; ask the "
-                "operator to add it to [access] allowed_uids or allowed_gids"))
-            return
         self._drop_unclaimed_fds()
         await self.send("welcome", {"version": wire.PROTOCOL_VERSION, "node_id": self.d.node_id})
         while True:
@@ -167,12 +176,6 @@ class ClientHandler:
             dropped = self.channel.close_fds()
             log_event(log, logging.DEBUG, "unclaimed_fds_closed", uid=self.uid, fds=dropped)
 
-    def _allowed(self) -> bool:
-        access = self.d.config.access
-        if self.uid in (0, os.getuid()) or self.uid in access.allowed_uids:
-            return True
-        return self.gid in access.allowed_gids
-
     async def _dispatch(self, msg: Message) -> dict[str, Any]:
         f = msg.fields
         kind = msg.kind
@@ -189,8 +192,11 @@ class ClientHandler:
             await self.abort_rank(gen, rank, f"the client aborted: {f['reason']}")
             return {}
         if kind == "wait":
-            return await waits.wait_for_commit(self.d, f["job"], f["step"], float(f["timeout_s"]),
-                                               f.get("attempt") or "")
+            # A waiter that hangs up ends its wait: it must not keep its slot till the timeout.
+            with self.channel.hangup_watch() as gone:
+                return await waits.wait_for_commit(self.d, f["job"], f["step"],
+                                                   float(f["timeout_s"]), f.get("attempt") or "",
+                                                   gone=gone)
         if kind == "latest":
             return await self._latest(f["job"])
         if kind == "status":
@@ -338,18 +344,9 @@ class ClientHandler:
             raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}")
         if gen.state is not GenerationState.FAILED:
             raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is {gen.state}, not failed")
-        if any(st is RankState.ABORTED for st in gen.ranks.values()):
-            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} had an aborted "
-                               "rank; it cannot be retried, save a new step")
-        lost = [s.path for s in gen.shards.values()
-                if s.state in (ShardState.HELD, ShardState.DISCARDED)]
-        if lost:
-            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} lost shards "
-                               f"{lost[:5]} before they reached local storage; save a new step")
-        missing = [s.path for s in gen.shards.values()
-                   if s.state is ShardState.FAILED and not s.local_copy]
-        if missing:
-            raise RequestError(wire.GENERATION_FAILED, f"local copies are gone for {missing[:5]}")
+        unretryable = gen.why_not_retryable()
+        if unretryable:
+            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} {unretryable}")
         try:
             slot = await d.admission.slots(job).reserve(1, block=False, timeout_s=0)
         except (BudgetFull, TooLarge) as exc:

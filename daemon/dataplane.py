@@ -24,6 +24,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckptdrain.daemon.errors import DaemonError, StuckIO
@@ -44,6 +45,30 @@ class Cancelled(DaemonError):
 
 class ClientIdle(DaemonError):
     """The client sent nothing for longer than its idle timeout mid-shard."""
+
+
+class ClientTooSlow(ClientIdle):
+    """The client's bytes came slower than ``limits.client_min_bytes_per_s`` on average."""
+
+
+@dataclass(slots=True)
+class RateFloor:
+    """One transfer (a frame, a shard's bytes) that must average at least ``rate`` bytes/s
+    once ``grace_s`` is over: whatever pace a client keeps, a request it starts ends within
+    ``grace_s + size / rate``, so a trickle cannot hold a slot or a reservation for long."""
+
+    rate: int
+    grace_s: float
+    started: float = field(default_factory=time.monotonic)
+    got: int = 0
+
+    def deadline(self) -> float:
+        """When the next byte is due at the latest."""
+        return self.started + self.grace_s + self.got / self.rate
+
+    def too_slow(self, now: float) -> ClientTooSlow:
+        return ClientTooSlow(f"client sent {self.got} bytes in {now - self.started:.1f} s, "
+                             f"slower than limits.client_min_bytes_per_s ({self.rate} B/s)")
 
 
 def io_threads(configured: int) -> int:
@@ -190,13 +215,13 @@ class SocketPump:
         self._closed = False
 
     def pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
-             cancel: threading.Event) -> int:
+             cancel: threading.Event, floor: RateFloor | None = None) -> int:
         with self._lock:
             if self._closed:
                 raise Cancelled
             self._busy = True
         try:
-            return self._pump(out_fd, nbytes, idle_timeout_s, cancel)
+            return self._pump(out_fd, nbytes, idle_timeout_s, cancel, floor)
         finally:
             with self._lock:
                 self._busy = False
@@ -204,7 +229,7 @@ class SocketPump:
                     self._close_pipe()
 
     def _pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
-              cancel: threading.Event) -> int:
+              cancel: threading.Event, floor: RateFloor | None) -> int:
         poller = select.poll()
         poller.register(self.sock_fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         done = kicked = 0
@@ -212,16 +237,24 @@ class SocketPump:
         while done < nbytes:
             if cancel.is_set():
                 raise Cancelled
+            now = time.monotonic()
+            if floor is not None and now > floor.deadline():
+                raise floor.too_slow(now)
             try:
                 n = self._move(out_fd, nbytes - done)
             except BlockingIOError:
-                if time.monotonic() - idle_since > idle_timeout_s:
+                if now - idle_since > idle_timeout_s:
                     raise ClientIdle(f"client idle for {idle_timeout_s:g} s mid-shard") from None
-                poller.poll(int(min(POLL_SLICE_S, idle_timeout_s) * 1000))
+                wait = min(POLL_SLICE_S, idle_timeout_s)
+                if floor is not None:
+                    wait = min(wait, max(0.0, floor.deadline() - now))
+                poller.poll(int(wait * 1000) + 1)
                 continue
             if n == 0:
                 raise ConnectionError("client left mid-shard")
             done += n
+            if floor is not None:
+                floor.got += n
             idle_since = time.monotonic()
             if done - kicked >= WRITEBACK_KICK_BYTES:
                 # Start writing back what has arrived, so the fsync before the acknowledgement

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.client.wire import PayloadChunk, PayloadEnd, ProtocolError
 from ckptdrain.daemon.budget import BudgetFull, Reservation, TooLarge
-from ckptdrain.daemon.channel import IdleTimeout
-from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, kernel_copy, write_all
+from ckptdrain.daemon.channel import IdleTimeout, TooSlow
+from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, kernel_copy, write_all
 from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.staging import StagingFull
@@ -123,7 +123,7 @@ class Handoffs:
             gen.receiving.add(path)
             receiving = True
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
-            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step)
+            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, h.uid)
             promised = await self._reserve_disk(size)
             tmp_fd = await d.dataplane.call(d.staging.open_tmp, name)
             created = True
@@ -184,6 +184,18 @@ class Handoffs:
         return {"path": path, "size": size, "ack": gen.ack}
 
     async def _receive_payload(self, h: ClientHandler, fd: int, size: int, path: str) -> None:
+        """The shard's data frame, paced by the rate floor from the moment the client is told
+        to send it: an admitted shard whose bytes never come, or trickle, frees its room in
+        ``client_rate_grace_s + size / client_min_bytes_per_s`` at most."""
+        h.receiving_payload = True
+        h.channel.begin_transfer()
+        try:
+            await self._receive_data_frame(h, fd, size, path)
+        finally:
+            h.receiving_payload = False
+            h.channel.end_transfer()
+
+    async def _receive_data_frame(self, h: ClientHandler, fd: int, size: int, path: str) -> None:
         msg = await h.next_message()
         if msg is None:
             raise ConnectionError(f"client left before sending the bytes of {path!r}")
@@ -218,7 +230,9 @@ class Handoffs:
             # The byte pump runs in a thread of its own: splice socket -> pipe -> file. The
             # wire machine is told afterwards what bypassed it.
             await self.d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
-                                        cancel, cancel=cancel)
+                                        cancel, h.channel.transfer, cancel=cancel)
+        except ClientTooSlow as exc:
+            raise TooSlow(str(exc)) from None
         except ClientIdle as exc:
             raise IdleTimeout(str(exc)) from None
         except Cancelled:
@@ -241,7 +255,7 @@ class Handoffs:
             # Reserved across every await below: a concurrent duplicate is refused.
             gen.receiving.add(path)
             receiving = True
-            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step)
+            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step, h.uid)
             h.still_open(gen, rank)
             try:
                 # Marks the memfd busy for the client's pool until we close it (memfd.py).
@@ -292,6 +306,9 @@ class Handoffs:
             await d.copies.make_room(shard.size)
             room = await d.admission.staged.reserve(shard.size, block=True,
                                                     timeout_s=limits.block_timeout_s)
+            owner = d.ledger.jobs.get(gen.job)
+            if owner is not None:
+                d.admission.charge(room, owner)
             if gen.terminal or shard.state is not ShardState.HELD:
                 return
             d.staging.check_room(shard.size, await d.dataplane.call(d.staging.room))

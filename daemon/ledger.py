@@ -131,6 +131,20 @@ class GenerationRecord:
     def pending_deferred(self) -> list[ShardRecord]:
         return [s for s in self.shards.values() if s.deferred and s.state is ShardState.STAGED]
 
+    def why_not_retryable(self) -> str:
+        """Why ``retry`` could never save this generation ("" when it could)."""
+        if any(st is RankState.ABORTED for st in self.ranks.values()):
+            return "had an aborted rank; it cannot be retried, save a new step"
+        lost = [s.path for s in self.shards.values()
+                if s.state in (ShardState.HELD, ShardState.DISCARDED)]
+        if lost:
+            return f"lost shards {lost[:5]} before they reached local storage; save a new step"
+        missing = [s.path for s in self.shards.values()
+                   if s.state is ShardState.FAILED and not s.local_copy]
+        if missing:
+            return f"lost the local copies of {missing[:5]}; save a new step"
+        return ""
+
     def summary(self) -> dict[str, Any]:
         by_state: dict[str, int] = {}
         bytes_by_state: dict[str, int] = {}

@@ -19,10 +19,13 @@ import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ckptdrain.client import wire
+from ckptdrain.daemon import access
+from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.logs import OncePerCause
 
 if TYPE_CHECKING:
-    from ckptdrain.daemon.config import Config
+    from ckptdrain.daemon.config import AccessConfig, Config, LimitsConfig
     from ckptdrain.daemon.connection import ClientHandler
     from ckptdrain.daemon.metrics import Metrics
 
@@ -64,21 +67,50 @@ def bind(config: Config, inherited: socket.socket | None) -> socket.socket:
     access = config.access
     os.chmod(path, access.mode_int)
     if access.socket_group:
-        os.chown(path, -1, grp.getgrnam(access.socket_group).gr_gid)
+        os.chown(path, -1, group_id(access.socket_group))
     sock.listen(1024)
     sock.setblocking(False)
     return sock
 
 
+def group_id(group: str) -> int:
+    """``socket_group`` as a gid: a name from the group database, or a number as it is."""
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise OSError(f"[access] socket_group {group!r} is not a group on this host; create "
+                      "it or give a numeric gid") from None
+
+
+def refuse(conn: socket.socket, code: str, message: str, details: dict[str, object] | None = None
+           ) -> None:
+    """Say why, in one frame, and hang up: never waits (a fresh socket's buffer is empty)."""
+    try:
+        conn.setblocking(False)
+        conn.send(wire.Connection(wire.Role.SERVER).send_error(code, message, details))
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
 class Listener:
-    def __init__(self, sock: socket.socket, *, max_clients: Callable[[], int], metrics: Metrics,
-                 handler: Callable[[socket.socket], ClientHandler], owns_path: str | None) -> None:
+    def __init__(self, sock: socket.socket, *, limits: Callable[[], LimitsConfig],
+                 access: Callable[[], AccessConfig], metrics: Metrics,
+                 handler: Callable[[socket.socket, Peer], ClientHandler],
+                 owns_path: str | None) -> None:
         self.sock: socket.socket | None = sock
-        self._max_clients = max_clients
+        self._limits = limits
+        self._access = access
         self._metrics = metrics
         self._handler = handler
         self._owns_path = owns_path
         self.connections: dict[asyncio.Task[None], ClientHandler] = {}
+        self.per_uid: dict[int, int] = {}
+        self._refusals = OncePerCause(60.0)
         self._errors = OncePerCause(60.0)
         self.accept_errors = 0
 
@@ -110,17 +142,55 @@ class Listener:
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
             backoff = BACKOFF_FIRST_S
-            if len(self.connections) >= self._max_clients():
-                conn.close()
-                self._metrics.backpressure("rejected", "max_clients")
+            peer = self._admit(conn)
+            if peer is None:
                 continue
-            handler = self._handler(conn)
+            handler = self._handler(conn, peer)
             task = tg.create_task(handler.run(), name="client")
             self.connections[task] = handler
+            self.per_uid[peer.uid] = self.per_uid.get(peer.uid, 0) + 1
             task.add_done_callback(self._forget)
 
+    def _admit(self, conn: socket.socket) -> Peer | None:
+        """The peer of a new connection, or None when it was refused (with a typed error,
+        before any of its bytes are read, so a refused client holds nothing)."""
+        try:
+            peer = access.peer_of(conn)
+        except OSError as exc:
+            conn.close()
+            self._refusals.log_event(log, logging.WARNING, "peer_credentials_unreadable",
+                                     cause="peercred", error=str(exc))
+            return None
+        if not access.allowed(peer, self._access()):
+            self._refusals.log_event(log, logging.WARNING, "client_refused", cause="not_allowed",
+                                     uid=peer.uid, reason="not in [access] allowed_uids / allowed_gids")
+            refuse(conn, wire.PERMISSION_DENIED, access.refusal(peer))
+            return None
+        limits = self._limits()
+        if len(self.connections) >= limits.max_clients:
+            limit, value, what = "max_clients", limits.max_clients, "connections"
+        elif self.per_uid.get(peer.uid, 0) >= limits.max_clients_per_uid:
+            limit, value, what = ("max_clients_per_uid", limits.max_clients_per_uid,
+                                  f"connections of uid {peer.uid}")
+        else:
+            return peer
+        self._metrics.backpressure("rejected", limit)
+        self._refusals.log_event(log, logging.INFO, "client_refused", cause=limit, uid=peer.uid,
+                                 reason=limit)
+        refuse(conn, wire.BACKPRESSURE, f"backpressure: the daemon already serves {value} "
+               f"{what} (limits.{limit}); close idle connections or retry in a moment",
+               {"limit": limit, "limit_value": value, "retry_after_s": 1.0})
+        return None
+
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self.connections.pop(task, None)
+        handler = self.connections.pop(task, None)
+        if handler is not None:
+            uid = handler.peer.uid
+            left = self.per_uid.get(uid, 1) - 1
+            if left > 0:
+                self.per_uid[uid] = left
+            else:
+                self.per_uid.pop(uid, None)
 
     def close(self) -> None:
         if self.sock is None:

@@ -48,7 +48,6 @@ from ckptdrain.daemon.staging import Staging
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
-    RankState,
     ShardEvent,
     ShardState,
 )
@@ -197,8 +196,9 @@ class Daemon:
                     owns = None if self._inherited is not None else str(self.config.socket)
                     self._listener = Listener(
                         bind(self.config, self._inherited),
-                        max_clients=lambda: self.config.limits.max_clients, metrics=self.metrics,
-                        handler=lambda conn: ClientHandler(self, conn), owns_path=owns)
+                        limits=lambda: self.config.limits, access=lambda: self.config.access,
+                        metrics=self.metrics, handler=lambda conn, peer: ClientHandler(self, conn, peer),
+                        owns_path=owns)
                     stack.callback(self._listener.close)
                     background = [
                         tg.create_task(self.scheduler.run(), name="scheduler"),
@@ -259,6 +259,7 @@ class Daemon:
                 await self.replace_generation(gen, attempt)
                 gen = self.ledger.get(job, step)
             if gen is None:
+                self.admission.check_uid_generations(self.ledger.jobs.get(job, uid))
                 slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
                 try:
                     gen = await self.ledger.open_generation(job, step, world_size, ack, uid,
@@ -296,10 +297,9 @@ class Daemon:
             self.copies.drop_older_committed(gen)
             job = gen.job
             self.supervisor.spawn(lambda: self._retain(job), what=f"retention {job}")
-        elif gen.state is GenerationState.CANCELLED or any(
-            st is RankState.ABORTED for st in gen.ranks.values()
-        ):
-            # Superseded, or an aborted rank: never retried, nothing of it is worth keeping.
+        elif gen.state is GenerationState.CANCELLED or gen.why_not_retryable():
+            # Superseded, an aborted rank or a shard lost before local storage: never
+            # retried, so nothing of it is worth keeping (every byte it reserved goes back).
             self.copies.discard_generation(gen)
         else:
             # Failed: `ckptdrain retry` re-sends only what did not drain, so only those copies

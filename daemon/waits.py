@@ -36,7 +36,10 @@ def is_of(gen: GenerationRecord, attempt: str) -> bool:
 
 
 async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
-                          attempt: str) -> dict[str, Any]:
+                          attempt: str, *, gone: asyncio.Future[None] | None = None
+                          ) -> dict[str, Any]:
+    """``gone``, when given, is done once the waiter has hung up: the wait ends then
+    (ConnectionError), so an abandoned wait frees its connection at once."""
     deadline = time.monotonic() + timeout_s
     poll = d.config.drain.commit_poll_interval_s
     next_look = time.monotonic()  # when the destination may be asked next
@@ -67,8 +70,17 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
         if left <= 0:
             raise _timed_out(job, step, timeout_s, gen if ours else None, attempt)
         nap = min(left, RECHECK_S) if ours else min(left, max(0.0, next_look - now))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), nap)
+        if gone is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), nap)
+            continue
+        async with asyncio.TaskGroup() as tg:
+            woken = tg.create_task(changed.wait())
+            either: list[asyncio.Future[Any]] = [woken, gone]
+            await asyncio.wait(either, timeout=nap, return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+        if gone.done():
+            raise ConnectionError("the client hung up while waiting for a commit")
 
 
 def _timed_out(job: str, step: int, timeout_s: float, gen: GenerationRecord | None,
