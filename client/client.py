@@ -47,7 +47,7 @@ _RECV_BUFFER_BYTES = 64 * 1024
 _REFUSAL_GRACE_S = 5.0
 # wait() gives the daemon this long beyond the requested timeout to deliver its answer.
 _WAIT_MARGIN_S = 30.0
-_MAX_REASON_CHARS = 1000
+_MAX_REASON_CHARS = wire.MAX_REASON_CHARS
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
 
 
@@ -83,11 +83,17 @@ def default_socket_path() -> str:
     return f"{runtime_dir}/ckptdrain-{os.getuid()}.sock"
 
 
-def _check_timeout(value: object, what: str) -> float:
+# Socket timeouts past this only overflow the timers they end up in.
+_MAX_SOCKET_TIMEOUT_S = 10**9
+
+
+def _check_timeout(value: object, what: str, limit: float = _MAX_SOCKET_TIMEOUT_S) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RejectedInput(f"{what} must be a number of seconds, not {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise RejectedInput(f"{what} is {value}; use a finite number of seconds >= 0")
+    # An int too big for a float has no isfinite(): compare it as the int it is.
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= limit:
+        shown = value if len(str(value)) <= 40 else f"{str(value)[:20]}..."
+        raise RejectedInput(f"{what} is {shown}; use a finite number of seconds from 0 to {limit}")
     return float(value)
 
 
@@ -664,7 +670,7 @@ class Client:
         """
         names.validate_job(job)
         names.validate_step(step)
-        limit_s = _check_timeout(timeout_s, "timeout_s")
+        limit_s = _check_timeout(timeout_s, "timeout_s", wire.MAX_TIMEOUT_S)
         mine = default_attempt() if attempt is None else _check_attempt(attempt)
         return self._call(
             "wait",

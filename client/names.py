@@ -17,8 +17,9 @@ MAX_PATH_BYTES = 1024
 # The usual NAME_MAX of Linux filesystems, Lustre included.
 MAX_COMPONENT_BYTES = 255
 MAX_WORLD_SIZE = 1_000_000
-# The destination zero-pads steps to 20 digits; 10**19 - 1 is the largest that always fits.
-MAX_STEP = 10**19 - 1
+# Every layer stores a step as a signed 64-bit integer (the daemon's SQLite journal, C and
+# Go readers of the manifest); the destination zero-pads it to 20 digits, which always fit.
+MAX_STEP = 2**63 - 1
 
 # Names the destination layout uses itself inside a generation directory; a shard may not
 # shadow them or the commit protocol could read a client's bytes as its own records.

@@ -27,8 +27,10 @@ which types need one (:func:`needs_fd`).
 
 Events: a :class:`Message` per frame; after a ``data`` Message, its payload as
 :class:`PayloadChunk` events and always one :class:`PayloadEnd` (even for an empty payload);
-:class:`ConnectionClosed` when the peer closed at a frame boundary; ``NEED_DATA`` when more bytes
-are needed. Hostile input raises :class:`ProtocolError` and leaves the receiving side dead.
+:class:`Rejected` (server role) for a whole frame whose fields break a rule, after which the
+conversation goes on; :class:`ConnectionClosed` when the peer closed at a frame boundary;
+``NEED_DATA`` when more bytes are needed. Input that breaks the framing or the order of
+messages raises :class:`ProtocolError` and leaves the receiving side dead.
 """
 
 from __future__ import annotations
@@ -121,6 +123,17 @@ class PayloadEnd:
 
 
 @dataclass(frozen=True)
+class Rejected:
+    """A well-framed request whose fields break a rule (server role only): the frame is
+    consumed and the conversation goes on; the IO layer answers ``error`` with this ``code``
+    and ``message`` and reads the next request. Framing and ordering faults raise instead."""
+
+    kind: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
 class ConnectionClosed:
     """The peer closed its side at a frame boundary (a clean EOF)."""
 
@@ -135,7 +148,7 @@ class _Sentinel(enum.Enum):
 NEED_DATA: Final = _Sentinel.NEED_DATA
 """next_event() returns this when it needs more bytes from receive_data()."""
 
-Event = Message | PayloadChunk | PayloadEnd | ConnectionClosed
+Event = Message | Rejected | PayloadChunk | PayloadEnd | ConnectionClosed
 
 
 class ProtocolError(Exception):
@@ -174,9 +187,14 @@ def _check_dict(kind: str, name: str, value: Any) -> None:
         raise _type_error(kind, name, "a JSON object", value)
 
 
+MAX_VERSION: Final = 0xFFFF
+
+
 def _check_version(kind: str, name: str, value: Any) -> None:
-    if not _is_int(value) or value < 0:
-        raise _type_error(kind, name, "a non-negative integer", value)
+    if not _is_int(value) or not 0 <= value <= MAX_VERSION:
+        raise ProtocolError(
+            BAD_REQUEST, f"{kind!r} field {name!r} must be an integer from 0 to {MAX_VERSION}"
+        )
 
 
 def _check_size(kind: str, name: str, value: Any) -> None:
@@ -188,12 +206,20 @@ def _check_size(kind: str, name: str, value: Any) -> None:
         )
 
 
+# The longest a request may ask the daemon to wait (a day): larger values only overflow the
+# timers they end up in (a 400-digit integer is not a float at all).
+MAX_TIMEOUT_S: Final = 86_400
+
+
 def _check_timeout(kind: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _type_error(kind, name, "a number of seconds", value)
-    if not math.isfinite(value) or value < 0:
+    # Compared as what it is: an int that big has no float, and math.isfinite() overflows.
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= MAX_TIMEOUT_S:
+        shown = f"{value}" if len(str(value)) <= 40 else f"{str(value)[:20]}... (too long)"
         raise ProtocolError(
-            BAD_REQUEST, f"{kind!r} field {name!r} is {value}; use a finite number >= 0"
+            BAD_REQUEST,
+            f"{kind!r} field {name!r} is {shown}; use a finite number from 0 to {MAX_TIMEOUT_S}",
         )
 
 
@@ -214,6 +240,29 @@ def _check_attempt(kind: str, name: str, value: Any) -> None:
             f"{kind!r} field {name!r} must be printable text of at most {MAX_ATTEMPT_CHARS} "
             "characters",
         )
+
+
+def _text_checker(limit: int) -> _Checker:
+    """A string of at most ``limit`` characters: free text (a reason, a client's name) is
+    stored, logged and shown in status, so its length is bounded where it enters."""
+
+    def check(kind: str, name: str, value: Any) -> None:
+        if not isinstance(value, str):
+            raise _type_error(kind, name, "a string", value)
+        if len(value) > limit:
+            raise ProtocolError(
+                BAD_REQUEST,
+                f"{kind!r} field {name!r} is {len(value)} characters, over the limit of {limit}; "
+                "send a shorter text",
+            )
+
+    return check
+
+
+MAX_REASON_CHARS: Final = 1000
+MAX_CLIENT_NAME_CHARS: Final = 256
+_reason = _text_checker(MAX_REASON_CHARS)
+_client_name = _text_checker(MAX_CLIENT_NAME_CHARS)
 
 
 def _check_bool(kind: str, name: str, value: Any) -> None:
@@ -260,7 +309,7 @@ _SHARD: _Schema = {
     "deferred": (_check_bool, False),
 }
 _CLIENT_KINDS: dict[str, _Schema] = {
-    "hello": {"version": (_check_version, True), "client": (_check_str, False)},
+    "hello": {"version": (_check_version, True), "client": (_client_name, False)},
     "begin": {
         "job": (_job, True),
         "step": (_step, True),
@@ -280,7 +329,7 @@ _CLIENT_KINDS: dict[str, _Schema] = {
         "job": (_job, True),
         "step": (_step, True),
         "rank": (_rank, True),
-        "reason": (_check_str, True),
+        "reason": (_reason, True),
     },
     "wait": {
         "job": (_job, True),
@@ -496,7 +545,8 @@ class Connection:
         self._payload_left -= n
 
     def next_event(self) -> Event | Literal[_Sentinel.NEED_DATA]:
-        """The next event, or NEED_DATA. Raises ProtocolError on hostile input, for good."""
+        """The next event, or NEED_DATA. Raises ProtocolError on input that breaks the framing
+        or the order of messages, for good; a bad field of one request is a Rejected event."""
         self._raise_if_failed()
         try:
             return self._next_event()
@@ -559,7 +609,7 @@ class Connection:
         self._pos = start + header_len
         message = self._parse(header, payload_len)
         self._compact()
-        if message.kind in _PAYLOAD_KINDS:
+        if isinstance(message, Message) and message.kind in _PAYLOAD_KINDS:
             self._in_payload = True
             self._payload_left = payload_len
         return message
@@ -597,7 +647,7 @@ class Connection:
             f"bad magic {got!r} (expected {MAGIC!r}): the peer does not speak the ckptdrain protocol",
         )
 
-    def _parse(self, header: bytes, payload_len: int) -> Message:
+    def _parse(self, header: bytes, payload_len: int) -> Message | Rejected:
         kind, fields = _decode_header(header)
         if kind not in self._peer_kinds:
             _schema_for(kind)  # raises "unknown message type" for a type nobody sends
@@ -617,11 +667,20 @@ class Connection:
                 )
             if self._received_any and kind == "welcome":
                 raise ProtocolError(BAD_REQUEST, "second 'welcome' on one connection")
-        checked = _validate(kind, fields, payload_len, outgoing=False)
         if self.role is Role.SERVER:
             self._check_client_frame(kind, payload_len)
+            try:
+                checked = _validate(kind, fields, payload_len, outgoing=False)
+            except ProtocolError as exc:
+                # The frame is whole and consumed: a bad field is one refused request, not a
+                # broken stream. Unless bytes follow it (a payload) or nothing was agreed yet.
+                if kind == "hello" or payload_len or kind in _PAYLOAD_KINDS:
+                    raise
+                self._received_any = True
+                return Rejected(kind, exc.code, exc.message)
             self._client_frame_done(kind, checked)
         else:
+            checked = _validate(kind, fields, payload_len, outgoing=False)
             self._server_frame_done(kind)
         self._received_any = True
         return Message(kind, checked, payload_len)

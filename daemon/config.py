@@ -38,6 +38,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ckptdrain.client.names import MAX_WORLD_SIZE
 from ckptdrain.daemon.errors import DaemonError
 
 __all__ = [
@@ -209,6 +210,8 @@ class LimitsConfig(BaseModel):
     client_min_bytes_per_s: ByteSize = Field(default=256 * KiB, ge=1)
     client_rate_grace_s: float = Field(default=10.0, gt=0)
     max_shard_bytes: ByteSize = Field(default=1 * TiB, ge=1)
+    # Ranks in one generation; every generation's state and status grow with it.
+    max_world_size: int = Field(default=65_536, ge=1, le=MAX_WORLD_SIZE)
     # The data plane: threads that move hand-off bytes (socket or fd to staging, fsync,
     # unlink), so hand-offs use the node's cores and never the event loop's thread.
     # 0 = one per core, at least 4 and at most 64.

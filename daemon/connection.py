@@ -136,6 +136,13 @@ class ClientHandler:
                 if not self.receiving_payload:
                     self.channel.end_transfer()
                 return event
+            if isinstance(event, wire.Rejected):
+                # A whole frame with a bad field: refused, and the conversation goes on.
+                log_event(log, logging.INFO, "request_refused", uid=self.uid, kind=event.kind,
+                          code=event.code, error=event.message)
+                await self.channel.sendall(self.conn.send_error(event.code, event.message))
+                self._drop_unclaimed_fds()
+                continue
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
 
     async def _serve(self) -> None:
@@ -271,6 +278,11 @@ class ClientHandler:
                                "use one connection per generation and rank")
         if rank >= world_size:
             raise RequestError(wire.BAD_REQUEST, f"rank {rank} is outside world_size {world_size}")
+        max_world_size = self.d.config.limits.max_world_size
+        if world_size > max_world_size:
+            raise RequestError(wire.BAD_REQUEST, f"world_size {world_size} is over this daemon's "
+                               f"limits.max_world_size ({max_world_size}); ask the operator to "
+                               "raise it")
         self.check_job_owner(job)
         effective: str = self.d.config.ack
         if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:

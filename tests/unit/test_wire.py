@@ -17,6 +17,7 @@ from ckptdrain.client.wire import (
     PayloadChunk,
     PayloadEnd,
     ProtocolError,
+    Rejected,
     Role,
 )
 
@@ -449,7 +450,7 @@ def test_bad_json_headers(header: bytes, match: str) -> None:
         (
             {"type": "wait", "job": "j", "step": 1, "timeout_s": -1},
             "bad_request",
-            "finite number >= 0",
+            "use a finite number from 0 to",
         ),
         ({"type": "status", "verbose": True}, "bad_request", "unknown field 'verbose'"),
         # hostile names become invalid_name through names.py
@@ -469,12 +470,81 @@ def test_bad_json_headers(header: bytes, match: str) -> None:
     ],
 )
 def test_bad_fields(fields: dict[str, Any], code: str, match: str) -> None:
-    expect_error(Role.SERVER, HELLO + frame(fields), code, match)
+    expect_rejected(frame(fields), code, match)
+
+
+def expect_rejected(request: bytes, code: str, match: str) -> Rejected:
+    """A whole frame with a bad field is one refused request: the next one is served."""
+    conn = Connection(Role.SERVER)
+    conn.receive_data(HELLO + request + frame({"type": "status"}))
+    events = drain(conn)
+    assert [type(e) for e in events] == [Message, Rejected, Message], events
+    rejected = events[1]
+    assert isinstance(rejected, Rejected)
+    assert rejected.code == code, rejected
+    assert match in rejected.message, rejected
+    assert events[2] == Message("status", {})
+    return rejected
 
 
 def test_json_numbers_that_overflow_to_infinity_are_not_timeouts() -> None:
     header = b'{"type": "wait", "job": "j", "step": 1, "timeout_s": 1e999}'
-    expect_error(Role.SERVER, HELLO + frame(header), "bad_request", "finite number >= 0")
+    expect_rejected(frame(header), "bad_request", "use a finite number from 0 to")
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        # The journal stores steps as SQLite integers (int64): 2**63 crashed the daemon.
+        ({"type": "seal", **JOB, "step": 2**63}, "out of range"),
+        ({"type": "begin", **JOB, "step": 2**63, "world_size": 8}, "out of range"),
+        ({"type": "wait", "job": "j", "step": 2**64, "timeout_s": 1}, "out of range"),
+        # A 400-digit timeout_s has no float: math.isfinite() raised OverflowError.
+        ({"type": "wait", "job": "j", "step": 1, "timeout_s": 10**400}, "(too long)"),
+        ({"type": "wait", "job": "j", "step": 1, "timeout_s": 86_401}, "from 0 to 86400"),
+        ({"type": "wait", "job": "j", "step": 1, "timeout_s": 1e300}, "from 0 to 86400"),
+        ({"type": "begin", **JOB, "world_size": 10**400}, "out of range"),
+        ({"type": "put", **JOB, "path": "a", "size": 2**64}, "out of range"),
+        ({"type": "put", **JOB, "rank": 10**30, "path": "a", "size": 1}, "out of range"),
+        ({"type": "abort", **JOB, "reason": "r" * 65_400}, "over the limit of 1000"),
+        ({"type": "begin", **JOB, "world_size": 8, "attempt": "a" * 129}, "at most 128"),
+    ],
+)
+def test_every_field_is_bounded_at_the_wire(fields: dict[str, Any], match: str) -> None:
+    expect_rejected(frame(fields), "bad_request", match)
+
+
+def test_bounds_that_are_in_range_pass() -> None:
+    conn = Connection(Role.SERVER)
+    conn.receive_data(HELLO + frame({"type": "seal", **JOB, "step": 2**63 - 1})
+                      + frame({"type": "wait", "job": "j", "step": 1, "timeout_s": 86_400})
+                      + frame({"type": "abort", **JOB, "reason": "r" * 1000}))
+    assert [e.kind for e in drain(conn)] == ["hello", "seal", "wait", "abort"]
+
+
+def test_a_rejected_put_expects_no_data_and_the_next_put_goes_through() -> None:
+    # An invalid_name on a put once closed the connection though this page's promise is that
+    # an error reply leaves it usable.
+    conn = Connection(Role.SERVER)
+    conn.receive_data(HELLO + put("../escape", 3) + put("ok.bin", 3) + data(b"abc"))
+    events = drain(conn)
+    assert isinstance(events[1], Rejected) and events[1].code == "invalid_name"
+    assert events[2] == Message("put", {**JOB, "path": "ok.bin", "size": 3})
+    assert normalize(events[3:]) == [Message("data", {}, 3), b"abc", PayloadEnd()]
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        # Bytes follow these frames, or nothing was agreed yet: the stream cannot go on.
+        (frame({"type": "hello", "version": 1, "client": "c" * 257}), "over the limit of 256"),
+        (frame({"type": "hello", "version": 10**400}), "from 0 to 65535"),
+        (HELLO + frame({"type": "data", "x": 1}, b"abc"), "without a put"),
+        (HELLO + frame({"type": "put", **JOB, "path": "../x", "size": 3}, b"abc"), "carries no payload"),
+    ],
+)
+def test_field_faults_that_cannot_be_skipped_stay_fatal(raw: bytes, match: str) -> None:
+    expect_error(Role.SERVER, raw, "bad_request", match)
 
 
 def test_server_side_message_checks() -> None:
