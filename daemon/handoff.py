@@ -115,7 +115,6 @@ class Handoffs:
         tmp_fd: int | None = None
         created = False
         receiving = False
-        via = "socket" if src_fd is None else "fd"
         try:
             self.check_new_shard(gen, path, size)
             if src_fd is not None:
@@ -180,7 +179,7 @@ class Handoffs:
             d.staging.pending_bytes -= promised
             _close(src_fd, tmp_fd)
             self._give_back(name if created else None, room, slot)
-        d.metrics.handoff(gen.job, time.perf_counter() - started, size, via)
+        d.metrics.handoff(gen.job, time.perf_counter() - started, size, gen.ack)
         return {"path": path, "size": size, "ack": gen.ack}
 
     async def _receive_payload(self, h: ClientHandler, fd: int, size: int, path: str) -> None:
@@ -285,7 +284,7 @@ class Handoffs:
         held = memory
         d.supervisor.spawn(lambda: self.persist_held(gen, shard, fd, held),
                            what=f"persist {gen.job}/{gen.step}/{path}", critical=True)
-        d.metrics.handoff(gen.job, time.perf_counter() - started, size, "memfd")
+        d.metrics.handoff(gen.job, time.perf_counter() - started, size, "memory")
         return {"path": path, "size": size, "ack": "memory"}
 
     async def persist_held(self, gen: GenerationRecord, shard: ShardRecord, fd: int,

@@ -10,8 +10,11 @@ Two kinds of series live here:
   a wedged daemon must not look healthy.
 
 Every label has a bounded set of values except ``job`` (one per training job the node serves).
-Values outside a bounded set are folded into ``"other"`` rather than raised: a metric call sits
-on the data path and must never fail a hand-off or a drain.
+The sets below are the whole contract with ``deploy/`` (alerts and dashboard): the values are
+the ones the daemon passes (the ack mode, the limit's config key, the backend's error kind, the
+failure's cause), and a live-daemon test checks no series ever reads anything else. A value
+outside a set is still folded into ``"other"`` rather than raised (a metric call sits on the
+data path and must never fail a hand-off or a drain), and that test fails when it happens.
 
 Note for the Prometheus side: the ``job`` label collides with the target label Prometheus adds,
 so with the default ``honor_labels: false`` it is stored as ``exported_job``. The alert rules and
@@ -33,6 +36,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.state import ShardState
 
 __all__ = [
     "BACKPRESSURE_ACTIONS",
@@ -54,20 +58,34 @@ log = logging.getLogger(__name__)
 # carries a `_created` sibling series that doubles the cardinality and that nothing here uses.
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
-SHARD_STATES = ("receiving", "staged", "draining", "drained", "failed")
+# Every lifecycle state of a shard record (daemon/state.py), and hand-offs still arriving.
+SHARD_STATES = ("receiving", *(state.value for state in ShardState))
 TIERS = ("local", "memory")
+# The ack mode of the generation (config ``ack``), not how the bytes travelled.
 HANDOFF_MODES = ("local", "memory")
 PHASES = ("handoff", "staged", "drained", "committed")
-FAILURE_REASONS = ("drain", "aborted", "conflict", "superseded", "timeout")
+# Why a generation will never commit. The first five are the node's or the destination's
+# doing and page (CkptdrainGenerationFailed); the training job's own doing does not:
+# ``aborted`` (a rank aborted its part: an exception in the save, a bad shard path, a rank that
+# went away) and ``replaced`` (a restarted job saved the step again under a new attempt).
+FAILURE_REASONS_PAGING = ("drain", "conflict", "timeout", "interrupted", "internal",
+                          "superseded")
+FAILURE_REASONS_USER = ("aborted", "replaced")
+FAILURE_REASONS = FAILURE_REASONS_PAGING + FAILURE_REASONS_USER
 BACKPRESSURE_ACTIONS = ("blocked", "rejected", "timed_out", "superseded")
+# The limit that was full, named by its config key (``staging_filesystem``: the disk itself).
 BACKPRESSURE_LIMITS = (
-    "staged_bytes",
-    "memory_bytes",
-    "queued_shards",
-    "generations_in_flight",
+    "max_staged_bytes",
+    "max_memory_bytes",
+    "max_queued_shards",
+    "max_generations_in_flight",
+    "max_clients",
+    "staging_filesystem",
 )
-# The kinds a backend reports (daemon/backends/base.py BackendError.kind).
-DRAIN_ERROR_KINDS = ("io", "timeout", "throttled", "auth", "integrity", "conflict")
+# The kinds a backend reports (daemon/backends/base.py BackendError.kind), and ``staging``: a
+# staged copy that could not be read back to drain it.
+DRAIN_ERROR_KINDS = ("io", "timeout", "throttled", "auth", "integrity", "conflict", "full",
+                     "not_found", "staging")
 INTERNAL_ERROR_WHERE = ("connection", "drain", "commit", "background")
 OTHER = "other"
 
@@ -77,15 +95,17 @@ HANDOFF_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-# Generation clocks run from seconds (a small job on a fast tier) to hours (a 1 TB checkpoint
-# behind a slow shared tier); the objective operators care about is usually 5-15 minutes.
+# Generation clocks run from milliseconds (the handoff and staged clocks of a small shard on
+# NVMe) to hours (a 1 TB checkpoint behind a slow shared tier); the objective operators care
+# about is usually 5-15 minutes.
 PHASE_BUCKETS_S = (
-    1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0,
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0,
     1800.0, 3600.0, 7200.0, 14400.0, 43200.0,
 )  # fmt: skip
 
 # The metrics endpoint answers one request per connection; these bound what a client can make
-# it hold (DESIGN.md section 5: slow or idle clients time out, headers are bounded).
+# it hold (slow or idle clients time out, headers are bounded).
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
 REQUEST_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0

@@ -53,13 +53,13 @@ async def recover(d: Daemon) -> None:
                     await d.ledger.apply(shard, ShardEvent.DISCARDED)
             await d.fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
                               "local storage; memory hand-offs do not survive a daemon "
-                              "crash; save this generation again", kind="aborted")
+                              "crash; save this generation again", kind="interrupted")
             continue
         if open_ranks:
             for r in open_ranks:
                 await d.ledger.apply((gen, r), RankEvent.ABORTED)
             await d.fail(gen, f"the daemon restarted while rank(s) {open_ranks} were still "
-                              "handing off; save this generation again", kind="aborted")
+                              "handing off; save this generation again", kind="interrupted")
             continue
         for shard in gen.shards.values():
             if shard.state is ShardState.STAGED:

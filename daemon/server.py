@@ -316,7 +316,7 @@ class Daemon:
         reason = (f"replaced by a new attempt at this step ({attempt or 'unnamed'}); "
                   f"the old attempt was {gen.attempt or 'unnamed'}")
         if not gen.terminal:
-            await self.fail(gen, reason, kind="aborted", event=GenerationEvent.CANCELLED)
+            await self.fail(gen, reason, kind="replaced", event=GenerationEvent.CANCELLED)
         else:
             for shard in gen.shards.values():
                 if shard.state is ShardState.FAILED:

@@ -90,6 +90,8 @@ def refresh_snapshot(d: Daemon) -> None:
             in_flight[g.job] = in_flight.get(g.job, 0) + 1
         for s in g.shards.values():
             shards_by_state[s.state] = shards_by_state.get(s.state, 0) + 1
+        if g.receiving:
+            shards_by_state["receiving"] = shards_by_state.get("receiving", 0) + len(g.receiving)
     free_bytes, free_inodes = d.staging_free
     a = d.admission
     d.metrics.set_snapshot(Snapshot(

@@ -161,7 +161,7 @@ def populated_metrics(now: float | None = None) -> Metrics:
         m.handoff(job, 0.0008, 2**20, "memory")
         m.drained(job, 2**30, "s3")
     m.drain_error("s3", "throttled")
-    m.backpressure("blocked", "staged_bytes")
+    m.backpressure("blocked", "max_staged_bytes")
     m.upload_aborted()
     clocks = {"started": now - 400, "handoff": now - 390, "staged": now - 380, "drained": now - 100}
     m.generation_committed("llama", 1200, clocks, committed_at=now - 60)
@@ -499,3 +499,24 @@ async def test_rules_evaluate_cleanly_and_alerts_fire_on_live_data(
         assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
     # bert drained everything (age 0) and failed before the scrape began: no alert for it.
     assert not await prom.query('ALERTS{exported_job="bert"}')
+
+
+def test_stat_thresholds_follow_the_objective_and_the_alerts() -> None:
+    """A stat panel colours against what the operators set, not a number copied beside it:
+    the oldest undrained age against the dashboard's objective variable, the time since the
+    last commit against CkptdrainNoRecentCommit's threshold."""
+    stats = {p["title"]: p for p in dashboard()["panels"] if p["type"] == "stat"}
+    oldest = stats["Oldest undrained age / objective"]
+    assert oldest["targets"][0]["expr"].rstrip().endswith("/ $objective")
+    steps = [s["value"] for s in oldest["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    assert steps == [None, 0.5, 1]
+    assert oldest["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    overdue = re.search(r"time\(\) - ckptdrain_last_commit_timestamp_seconds > (\d+)",
+                        ALERTS.read_text().split("alert: CkptdrainNoRecentCommit", 1)[1])
+    assert overdue
+    since = stats["Time since last commit"]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert since[-1] == {"color": "red", "value": int(overdue[1])}
+    for title, panel in stats.items():
+        for target in panel["targets"]:
+            if "oldest_undrained" in target["expr"]:
+                assert "$objective" in target["expr"], title

@@ -168,13 +168,13 @@ def test_drained_and_drain_errors() -> None:
 
 def test_backpressure_and_aborted_uploads() -> None:
     m = Metrics("gpu017", "0.1.0")
-    m.backpressure("blocked", "staged_bytes")
-    m.backpressure("blocked", "staged_bytes")
+    m.backpressure("blocked", "max_staged_bytes")
+    m.backpressure("blocked", "max_staged_bytes")
     m.backpressure("rejected", "nonsense")
     m.upload_aborted()
     m.upload_aborted(3)
     assert (
-        value(m, "ckptdrain_backpressure_events_total", action="blocked", limit="staged_bytes") == 2
+        value(m, "ckptdrain_backpressure_events_total", action="blocked", limit="max_staged_bytes") == 2
     )
     assert value(m, "ckptdrain_backpressure_events_total", action="rejected", limit="other") == 1
     assert value(m, "ckptdrain_multipart_uploads_aborted_total") == 4
