@@ -692,9 +692,13 @@ class Client:
             )
         return generation
 
-    def status(self) -> dict[str, Any]:
-        """The daemon's status report (jobs, generations, staged bytes, limits)."""
-        return self._call("status", {})
+    def status(self, job: str | None = None) -> dict[str, Any]:
+        """The daemon's status report (jobs, generations, staged bytes, limits); ``job``
+        keeps only that job's generations. A user sees only the jobs it owns."""
+        if job is None:
+            return self._call("status", {})
+        names.validate_job(job)
+        return self._call("status", {"job": job})
 
     def fetch_local(self, job: str, step: int, path: str, fd: int) -> dict[str, Any]:
         """Have the daemon copy its local copy of a committed shard into ``fd`` (open for

@@ -559,13 +559,27 @@ class Manifest:
         return manifest
 
 
-def missing_ranks(parts: Sequence[PartRecord], world_size: int) -> list[int]:
-    """The ranks in ``0..world_size-1`` that no part record covers yet, ascending. An aborted
-    rank is never covered: only ``ranks`` count, never ``aborted_ranks``."""
+MISSING_RANKS_LISTED = 1000
+
+
+def missing_ranks(parts: Sequence[PartRecord], world_size: int,
+                  limit: int = MISSING_RANKS_LISTED) -> list[int]:
+    """The ranks in ``0..world_size-1`` that no part record covers yet, ascending, at most
+    ``limit`` of them (``[]`` exactly when every rank is covered). An aborted rank is never
+    covered: only ``ranks`` count, never ``aborted_ranks``. Costs what the part records hold
+    plus ``limit``, never ``world_size``: a commit poll runs this for every sealed generation."""
     covered: set[int] = set()
     for part in parts:
-        covered.update(part.ranks)
-    return [rank for rank in range(world_size) if rank not in covered]
+        covered.update(r for r in part.ranks if 0 <= r < world_size)
+    if len(covered) >= world_size:
+        return []
+    missing: list[int] = []
+    rank = 0
+    while len(missing) < limit and rank < world_size:
+        if rank not in covered:
+            missing.append(rank)
+        rank += 1
+    return missing
 
 
 def describe_aborted(parts: Sequence[PartRecord]) -> str:

@@ -340,7 +340,7 @@ _CLIENT_KINDS: dict[str, _Schema] = {
         "attempt": (_check_attempt, False),
     },
     "latest": {"job": (_job, True)},
-    "status": {},
+    "status": {"job": (_job, False)},  # job: only that job's generations
     "retry": {"job": (_job, True), "step": (_step, True)},
     # Restore's fast path: the daemon copies its local copy of a shard into the file whose
     # (writable) fd travels with the frame, and answers with the sha256 of what it wrote.

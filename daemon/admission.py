@@ -64,6 +64,14 @@ class Admission:
             self._slots[job] = budget
         return budget
 
+    def forget_job(self, job: str) -> bool:
+        """Drop ``job``'s slot budget; False while a generation holds or waits for a slot."""
+        budget = self._slots.get(job)
+        if budget is not None and (budget.used or budget.waiting):
+            return False
+        self._slots.pop(job, None)
+        return True
+
     def hold_generation(self, gen: GenerationRecord, slot: Reservation) -> None:
         if gen in self._held:
             slot.release()
@@ -160,7 +168,13 @@ class Admission:
     def backpressure_error(self, exc: BudgetFull | TooLarge, job: str) -> RequestError:
         oldest_path, oldest_age = "", 0.0
         now = time.time()
+        # Told to the owner of ``job``: only its owner's shards are named, never another
+        # user's jobs.
+        owners = self.ledger.jobs
+        owner = owners.get(job)
         for g in self.ledger.generations.values():
+            if owners.get(g.job) != owner:
+                continue
             for s in g.undrained():
                 if now - s.staged_at > oldest_age:
                     oldest_age, oldest_path = now - s.staged_at, f"{g.job}/{g.step}/{s.path}"

@@ -120,7 +120,7 @@ def _flush_and_exit(code: int) -> None:
 # -- status -----------------------------------------------------------------------------------
 def cmd_status(ns: argparse.Namespace) -> int:
     with Client(socket_path(ns), timeout_s=30) as client:
-        status = client.status()
+        status = client.status(ns.job)
     if ns.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return EXIT_OK
@@ -150,6 +150,9 @@ def cmd_status(ns: argparse.Namespace) -> int:
         )
         if g.get("error"):
             print(f"    error: {g['error']}")
+    if status.get("generations_omitted"):
+        print(f"... and {status['generations_omitted']} more generations (ended ones first left "
+              "out); show one job's with --job JOB")
     return EXIT_OK
 
 
@@ -171,6 +174,7 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
     p = sub.add_parser("status", help="what the node's daemon holds and how far it has drained")
     common(p, socket=True)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--job", help="show only this job's generations")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("retry", help="drain a failed generation again from its local copy")

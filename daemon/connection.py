@@ -198,6 +198,8 @@ class ClientHandler:
             gen, rank = self._own_rank(f)
             await self.abort_rank(gen, rank, f"the client aborted: {f['reason']}")
             return {}
+        if kind in ("wait", "latest"):
+            self.check_job_visible(f["job"])
         if kind == "wait":
             # A waiter that hangs up ends its wait: it must not keep its slot till the timeout.
             with self.channel.hangup_watch() as gone:
@@ -207,7 +209,7 @@ class ClientHandler:
         if kind == "latest":
             return await self._latest(f["job"])
         if kind == "status":
-            return self.d.status()
+            return self.d.status(job=f.get("job"), peer=self.peer)
         if kind == "retry":
             return await self.retry(f["job"], f["step"])
         if kind == "fetch":
@@ -228,6 +230,12 @@ class ClientHandler:
         return {"job": job, "generation": step}
 
     # -- hand-off requests -------------------------------------------------------------------
+    def check_job_visible(self, job: str) -> None:
+        """A user learns nothing of another user's job (root and the daemon's uid see all)."""
+        if not self.peer.may_see(self.d.ledger.jobs.get(job)):
+            raise RequestError(wire.PERMISSION_DENIED, f"job {job!r} belongs to another user; "
+                               f"uid {self.uid} may not see it")
+
     def check_job_owner(self, job: str) -> None:
         owner = self.d.ledger.jobs.get(job)
         if owner is not None and owner != self.uid and self.uid != 0:

@@ -9,6 +9,8 @@ the connection is never shared between threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sqlite3
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -112,9 +114,23 @@ class Journal:
             ) from None
 
     def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Private whatever the umask: it names every user's jobs and their errors. SQLite
+        # gives its -wal and -shm files the database file's mode.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+        for side in ("-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(f"{self.path}{side}", 0o600)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         db.row_factory = sqlite3.Row
+        if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+            # Incremental: compact() can then give freed pages back without a full VACUUM.
+            db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            db.execute("VACUUM")
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA foreign_keys=OFF")
@@ -146,6 +162,16 @@ class Journal:
     async def write(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
         """Apply ``statements`` in one durable transaction."""
         await self._run(self._tx, statements)
+
+    async def compact(self) -> None:
+        """Give back the pages of forgotten rows and empty the write-ahead log, so the
+        journal's size follows what the node holds now, not everything it ever held."""
+        def run() -> None:
+            assert self._db is not None
+            self._db.execute("PRAGMA incremental_vacuum")
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+        await self._run(run)
 
     # -- reads -------------------------------------------------------------------------------
     async def load(self) -> Snapshot:
@@ -186,6 +212,10 @@ class Journal:
 
 def claim_job(job: str, uid: int) -> tuple[str, tuple[Any, ...]]:
     return ("INSERT OR IGNORE INTO jobs (job, uid) VALUES (?, ?)", (job, uid))
+
+
+def forget_job(job: str) -> tuple[str, tuple[Any, ...]]:
+    return ("DELETE FROM jobs WHERE job = ?", (job,))
 
 
 def put_generation(g: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:

@@ -39,6 +39,13 @@ GenKey = tuple[str, int]
 # What one generation's status summary may take: `status` replies are one bounded frame.
 SUMMARY_RANKS = 32
 SUMMARY_ERROR_CHARS = 300
+# What an error text may keep, in memory and in the journal: a reason is the client's text
+# or an exception's, and neither may grow what this node holds without bound.
+MAX_ERROR_CHARS = 2000
+
+
+def cap_error(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"
 
 
 @dataclass(eq=False)
@@ -198,8 +205,8 @@ class Ledger:
                 job=g["job"], step=g["step"], world_size=g["world_size"], ack=g["ack"],
                 created_at=g["created_at"], state=GenerationState(g["state"]),
                 handoff_at=g["handoff_at"], staged_at=g["staged_at"],
-                drained_at=g["drained_at"], committed_at=g["committed_at"], error=g["error"],
-                attempt=g["attempt"],
+                drained_at=g["drained_at"], committed_at=g["committed_at"],
+                error=cap_error(g["error"]), attempt=g["attempt"],
             )
             self.generations[rec.key] = rec
         for r in snap.ranks:
@@ -214,7 +221,8 @@ class Ledger:
                 id=s["id"], job=s["job"], step=s["step"], rank=s["rank"], path=s["path"],
                 size=s["size"], staged_name=s["staged_name"], state=ShardState(s["state"]),
                 handed_at=s["handed_at"], staged_at=s["staged_at"], checksum=s["checksum"],
-                drained_at=s["drained_at"], error=s["error"], deferred=bool(s["deferred"]),
+                drained_at=s["drained_at"], error=cap_error(s["error"]),
+                deferred=bool(s["deferred"]),
             )
             gen.count(gen.shards[s["path"]], +1)
             self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
@@ -337,7 +345,7 @@ class Ledger:
             gen.count(shard, -1)
         shard.state = new
         for name, value in fields.items():
-            setattr(shard, name, value)
+            setattr(shard, name, cap_error(value) if name == "error" else value)
         if gen is not None:
             gen.count(shard, +1)
         if persist:
@@ -370,7 +378,7 @@ class Ledger:
 
     async def _save(self, gen: GenerationRecord, fields: dict[str, Any]) -> None:
         for name, value in fields.items():
-            setattr(gen, name, value)
+            setattr(gen, name, cap_error(value) if name == "error" else value)
         await self._journal(gen, j.put_generation(gen.row()))
         self._notify()
 
@@ -384,6 +392,12 @@ class Ledger:
         """Whether ``gen`` is the attempt this node holds at its step (not forgotten or
         replaced by a newer attempt)."""
         return self.generations.get(gen.key) is gen
+
+    async def forget_jobs(self, jobs: list[str]) -> None:
+        """Forget who owns ``jobs`` (they hold nothing here any more)."""
+        for job in jobs:
+            self.jobs.pop(job, None)
+        await self.journal.write(*(j.forget_job(job) for job in jobs))
 
     async def forget(self, gen: GenerationRecord) -> None:
         """Forget this attempt, and only it: a no-op once it was forgotten or replaced.

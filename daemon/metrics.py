@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -443,6 +444,25 @@ class Metrics:
         self._committed.labels(job)
         for reason in FAILURE_REASONS:
             self._failed.labels(job, reason)
+
+    def forget_job(self, job: str) -> None:
+        """Drop every series of ``job``: the node forgot it, and /metrics must not grow with
+        every job it ever served."""
+        if job not in self._known_jobs:
+            return
+        self._known_jobs.discard(job)
+        self._last_step.pop(job, None)
+        self._last_commit_at.pop(job, None)
+        series: list[tuple[Any, tuple[str, ...]]] = [
+            (self._handoff_bytes, (job,)), (self._committed, (job,)),
+            (self._last_generation, (job,)), (self._last_commit_time, (job,)),
+            *((self._failed, (job, reason)) for reason in FAILURE_REASONS),
+            *((self._drained_bytes, (job, dest))
+              for dest in {"file", "s3", "memory", *self._known_destinations}),
+        ]
+        for metric, labels in series:
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
 
     def _see_destination(self, destination: str) -> None:
         if destination in self._known_destinations:

@@ -25,6 +25,7 @@ from typing import Any
 from ckptdrain.client import wire
 from ckptdrain.daemon import __version__, startup
 from ckptdrain.daemon import status as status_view
+from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.admission import Admission
 from ckptdrain.daemon.backends.base import BackendError, open_backend
 from ckptdrain.daemon.budget import Budget
@@ -34,6 +35,7 @@ from ckptdrain.daemon.connection import ClientHandler
 from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane, io_threads
 from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.expiry import Expiry
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
@@ -101,6 +103,7 @@ class Daemon:
             upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
         self.handoffs = Handoffs(self)
+        self.expiry = Expiry(self)
         self.started_at = time.time()
         self.staging_free: tuple[int, int] = (0, 0)
         self._stop = asyncio.Event()
@@ -204,6 +207,7 @@ class Daemon:
                         tg.create_task(self.scheduler.run(), name="scheduler"),
                         tg.create_task(self._refresh_loop(), name="refresh"),
                         tg.create_task(sweep_forever(self), name="orphan-sweep"),
+                        tg.create_task(self.expiry.run(), name="expiry"),
                     ]
                     for gen in list(self.ledger.generations.values()):
                         if not gen.terminal:
@@ -258,16 +262,18 @@ class Daemon:
                 # A restarted job saving this step again: the new attempt replaces the old.
                 await self.replace_generation(gen, attempt)
                 gen = self.ledger.get(job, step)
-            if gen is None:
-                self.admission.check_uid_generations(self.ledger.jobs.get(job, uid))
-                slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
-                try:
-                    gen = await self.ledger.open_generation(job, step, world_size, ack, uid,
-                                                            attempt)
-                except BaseException:
-                    slot.release()
-                    raise
-                self.admission.hold_generation(gen, slot)
+            if gen is not None:
+                self.expiry.touch(job)
+                return gen
+            self.admission.check_uid_generations(self.ledger.jobs.get(job, uid))
+            await self.expiry.make_room_for(job)
+            slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
+            try:
+                gen = await self.ledger.open_generation(job, step, world_size, ack, uid, attempt)
+            except BaseException:
+                slot.release()
+                raise
+            self.admission.hold_generation(gen, slot)
             return gen
 
     async def _refuse_if_committed(self, job: str, step: int) -> None:
@@ -384,8 +390,8 @@ class Daemon:
                     await self.ledger.forget(old)
 
     # -- status ------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        return status_view.status(self)
+    def status(self, *, job: str | None = None, peer: Peer | None = None) -> dict[str, Any]:
+        return status_view.status(self, job=job, peer=peer)
 
     def status_line(self) -> str:
         return status_view.status_line(self)

@@ -56,7 +56,13 @@ class Staging:
         self.pending_bytes = 0
 
     def prepare(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Private whatever the umask (mkdir's mode is filtered by it): shard files are
+        # every user's checkpoint bytes.
+        if not self.root.exists():
+            self.root.mkdir(parents=True, mode=0o700)
+            os.chmod(self.root, 0o700)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
+        os.chmod(self.dir, 0o700)
 
     @staticmethod
     def new_name() -> str:

@@ -6,6 +6,7 @@ can block on a sick disk), so answering ``status`` never touches the disk.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,24 +14,42 @@ from ckptdrain.daemon import __version__
 from ckptdrain.daemon.metrics import Snapshot
 
 if TYPE_CHECKING:
+    from ckptdrain.daemon.access import Peer
     from ckptdrain.daemon.server import Daemon
 
 
-# The reply is one wire frame (64 KiB of header at most): generations in flight are listed
-# first, then the newest ended ones, up to this many; the rest are counted.
+# The reply is one wire frame (64 KiB of header at most), whatever the node holds:
+# generations in flight are listed first, then the newest ended ones, for as long as they fit
+# this many bytes of JSON (at most MAX_STATUS_GENERATIONS of them); the rest are counted.
 MAX_STATUS_GENERATIONS = 100
+GENERATIONS_BYTES = 40 * 1024
+MAX_STATUS_JOBS = 100  # jobs with an oldest-undrained age shown
 
 
-def status(d: Daemon) -> dict[str, Any]:
-    gens = sorted(d.ledger.generations.values(), key=lambda g: (g.job, g.step))
-    shown = sorted(gens, key=lambda g: (g.terminal, -g.created_at))[:MAX_STATUS_GENERATIONS]
-    listed = set(map(id, shown))
+def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> dict[str, Any]:
+    """The node's status. ``job`` keeps one job's generations; a ``peer`` that is not an
+    operator sees only the jobs it owns (the node-wide numbers are shown to all)."""
+    owners = d.ledger.jobs
+    gens = [g for g in d.ledger.generations.values()
+            if (job is None or g.job == job) and (peer is None or peer.may_see(owners.get(g.job)))]
+    by_recency = sorted(gens, key=lambda g: (g.terminal, -g.created_at))
+    shown: list[dict[str, Any]] = []
+    room = GENERATIONS_BYTES
+    for g in by_recency[:MAX_STATUS_GENERATIONS]:
+        summary = g.summary()
+        room -= len(json.dumps(summary, ensure_ascii=False).encode()) + 2
+        if room < 0:
+            break
+        shown.append(summary)
+    shown.sort(key=lambda s: (s["job"], s["step"]))
     oldest: dict[str, float] = {}
     now = time.time()
     for g in gens:
         since = g.oldest_undrained_since()
         if since is not None:
             oldest[g.job] = max(oldest.get(g.job, 0.0), round(now - since, 3))
+    if len(oldest) > MAX_STATUS_JOBS:
+        oldest = dict(sorted(oldest.items(), key=lambda kv: -kv[1])[:MAX_STATUS_JOBS])
     free_bytes, free_inodes = d.staging_free
     a = d.admission
     return {
@@ -71,8 +90,8 @@ def status(d: Daemon) -> dict[str, Any]:
         # The data plane: threads moving bytes now, and calls that outlived io_timeout_s.
         "io_threads": {"size": d.dataplane.threads, "busy": d.dataplane.busy,
                        "stuck": d.dataplane.stuck},
-        "generations": [g.summary() for g in gens if id(g) in listed],
-        "generations_omitted": len(gens) - len(listed),
+        "generations": shown,
+        "generations_omitted": len(gens) - len(shown),
     }
 
 

@@ -1,0 +1,124 @@
+"""What the node forgets, and when: ended generations and idle jobs, with their metric series.
+
+Nothing a client does may grow what the daemon holds without bound. A failed or cancelled
+generation nobody retried, and every generation of a job that has not begun one for
+``retention.forget_after_s``, are forgotten (their local copies go, their journal rows are
+deleted and the journal compacted); a job with nothing left on the node is forgotten with its
+per-job series in /metrics. ``limits.max_jobs`` bounds the jobs tracked at once: a new job
+past it forgets the longest-idle job with nothing in flight first, and is refused only when
+every job has a generation in flight.
+Committed data at the destination is never touched here: that is retention's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ckptdrain.client import wire
+from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.state import GenerationState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.ledger import GenerationRecord
+    from ckptdrain.daemon.server import Daemon
+
+log = logging.getLogger("ckptdrain.expiry")
+
+# How often the node looks for what to forget.
+PERIOD_S = 60.0
+
+
+class Expiry:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        # job -> when it last began a generation here (monotonic; jobs found at start-up
+        # count from then).
+        self.seen: dict[str, float] = {}
+
+    def touch(self, job: str) -> None:
+        self.seen[job] = time.monotonic()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, min(PERIOD_S, self.d.config.retention.forget_after_s / 2)))
+            try:
+                await self.expire()
+            except Exception:
+                log.exception("could not forget expired generations; trying again later")
+                self.d.metrics.internal_error("background")
+
+    async def expire(self, now: float | None = None) -> int:
+        """Forget what is past ``forget_after_s``; returns how many generations went."""
+        d = self.d
+        after = d.config.retention.forget_after_s
+        wall = time.time() if now is None else now
+        mono = time.monotonic() if now is None else now
+        by_job: dict[str, list[GenerationRecord]] = {}
+        for g in d.ledger.generations.values():
+            by_job.setdefault(g.job, []).append(g)
+        gone: list[GenerationRecord] = []
+        for job, gens in by_job.items():
+            idle = mono - self.seen.setdefault(job, mono) > after
+            for g in gens:
+                if not g.terminal:
+                    continue
+                ended_long_ago = g.state is not GenerationState.COMMITTED and g.created_at < wall - after
+                if ended_long_ago or (idle and all(o.terminal for o in gens)):
+                    gone.append(g)
+        for g in gone:
+            d.copies.discard_generation(g)
+            await d.ledger.forget(g)
+        holding = {g.job for g in d.ledger.generations.values()}
+        jobs = [job for job in d.ledger.jobs
+                if job not in holding and mono - self.seen.setdefault(job, mono) > after]
+        forgotten = await self.forget_jobs(jobs)
+        if gone or forgotten:
+            await d.journal.compact()
+            log_event(log, logging.INFO, "forgotten", generations=len(gone), jobs=forgotten,
+                      after_s=after)
+        return len(gone)
+
+    def busy_jobs(self) -> set[str]:
+        return {g.job for g in self.d.ledger.generations.values() if not g.terminal}
+
+    async def forget_jobs(self, jobs: list[str]) -> int:
+        """Forget those of ``jobs`` with no generation in flight here: their ended
+        generations (committed ones stay at the destination), their owner, their series."""
+        d = self.d
+        busy = self.busy_jobs()
+        empty = [job for job in jobs if job not in busy and d.admission.forget_job(job)]
+        if not empty:
+            return 0
+        chosen = set(empty)
+        for g in [g for g in d.ledger.generations.values() if g.job in chosen]:
+            d.copies.discard_generation(g)
+            await d.ledger.forget(g)
+        await d.ledger.forget_jobs(empty)
+        for job in empty:
+            self.seen.pop(job, None)
+            d.metrics.forget_job(job)
+        return len(empty)
+
+    async def make_room_for(self, job: str) -> None:
+        """Before ``job`` is tracked: keep the jobs tracked within limits.max_jobs."""
+        d = self.d
+        cap = d.config.limits.max_jobs
+        if job in d.ledger.jobs or len(d.ledger.jobs) < cap:
+            self.touch(job)
+            return
+        busy = self.busy_jobs()
+        idle_first = sorted((name for name in d.ledger.jobs if name not in busy),
+                            key=lambda name: self.seen.get(name, 0.0))
+        await self.forget_jobs(idle_first[: len(d.ledger.jobs) - cap + 1])
+        if len(d.ledger.jobs) >= cap:
+            d.metrics.backpressure("rejected", "max_jobs")
+            raise RequestError(wire.BACKPRESSURE, f"backpressure: this node already tracks "
+                               f"{len(d.ledger.jobs)} jobs with generations on it, the most "
+                               f"limits.max_jobs allows ({cap}); let them commit or raise the "
+                               "limit", {"limit": "max_jobs", "limit_value": cap,
+                                         "retry_after_s": 60.0})
+        self.touch(job)

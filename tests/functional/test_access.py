@@ -1,0 +1,98 @@
+"""Users kept to their own jobs on a shared node: who may connect (supplementary groups
+count), what each user sees, and a socket group given by number."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.client import Client, PermissionDenied
+from tests.conftest import DaemonProcess
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="dropping to another uid needs root (CI runs as root)")
+OTHER_UID = 65534
+SITE_GID = 4242
+
+
+def run_as(fn: Callable[[], str], uid: int = OTHER_UID, gid: int = OTHER_UID,
+           groups: tuple[int, ...] = ()) -> str:
+    """``fn()`` in a forked child running as ``uid``/``gid`` with supplementary ``groups``
+    (a real other user: the kernel reports it to the daemon). Returns what it returned."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        try:
+            os.close(r)
+            os.setgroups(list(groups))
+            os.setgid(gid)
+            os.setuid(uid)
+            try:
+                out = fn()
+            except PermissionDenied as exc:
+                out = f"DENIED {exc}"
+            except BaseException:
+                out = "ERROR " + traceback.format_exc()
+            os.write(w, out.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def open_to_all(d: DaemonProcess) -> None:
+    os.chmod(d.socket_path.parent, 0o755)
+
+
+def save(socket_path: Path, job: str) -> str:
+    with Client(socket_path, timeout_s=20).generation(job, 1) as gen:
+        gen.put("w", b"bytes")
+    return "SAVED"
+
+
+def test_a_supplementary_group_is_allowed(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # What the deployment guide says to do: `usermod -aG site alice`. The group is alice's
+    # supplementary group, not her primary one.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_GIDS=f"[{SITE_GID}]")
+    open_to_all(d)
+    assert run_as(lambda: save(d.socket_path, "alice"), groups=(SITE_GID,)) == "SAVED"
+    denied = run_as(lambda: save(d.socket_path, "mallory"))
+    assert denied.startswith("DENIED") and str(OTHER_UID) in denied
+
+
+def test_numeric_socket_group(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_GROUP=str(SITE_GID))
+    assert d.socket_path.stat().st_gid == SITE_GID
+
+
+def test_a_user_sees_only_their_own_jobs(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
+    open_to_all(d)
+    save(d.socket_path, "root-secret")
+    Client(d.socket_path).wait("root-secret", 1, timeout_s=30)
+
+    def look() -> str:
+        c = Client(d.socket_path, timeout_s=20)
+        save(d.socket_path, "mine")
+        seen = sorted({g["job"] for g in c.status()["generations"]})
+        out = [f"status={seen}"]
+        for what, call in (("wait", lambda: c.wait("root-secret", 1, timeout_s=5)),
+                           ("latest", lambda: c.latest("root-secret"))):
+            try:
+                out.append(f"{what}={call()}")
+            except PermissionDenied as exc:
+                out.append(f"{what}=denied:{'root-secret' in str(exc)}")
+        return " ".join(out)
+
+    assert run_as(look) == "status=['mine'] wait=denied:True latest=denied:True"
+    # Root (an operator) sees every job.
+    assert {g["job"] for g in Client(d.socket_path).status()["generations"]} == {"root-secret", "mine"}

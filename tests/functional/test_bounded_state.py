@@ -1,0 +1,104 @@
+"""What the daemon holds stays bounded whatever clients do: status is always one frame, ended
+generations and idle jobs are forgotten with their metric series, the journal stays private."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+import subprocess
+import urllib.request
+
+import pytest
+
+from ckptdrain.client import Backpressure, wire
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
+
+# Every character of it is 4 bytes of UTF-8: 300 of them (what a summary keeps of an error)
+# are 1.2 KB per generation, and 100 generations were over the 64 KiB of one frame.
+WIDE_REASON = "\U0001F600" * 900
+
+
+def abort_many(d: DaemonProcess, count: int, job: str = "dropped", *, jobs: bool = False) -> None:
+    with d.client() as c:
+        for step in range(1, count + 1):
+            with c.generation(f"{job}-{step}" if jobs else job, step) as gen:
+                gen.abort(WIDE_REASON)
+
+
+def test_status_is_one_frame_however_much_the_node_holds(daemon: DaemonProcess) -> None:
+    abort_many(daemon, 130)
+    for _ in range(2):  # ... and again after a restart, from the journal
+        status = daemon.client().status()
+        assert len(json.dumps(status, ensure_ascii=False).encode()) < wire.MAX_HEADER_BYTES
+        assert status["generations"] and status["generations_omitted"] > 0
+        assert len(status["generations"]) + status["generations_omitted"] == 130
+        daemon.stop()
+        daemon.start()
+    with daemon.client() as c, c.generation("other", 7) as gen:
+        gen.put("w", b"x")
+    only = daemon.client().status(job="other")
+    assert [(g["job"], g["step"]) for g in only["generations"]] == [("other", 7)]
+    assert only["generations_omitted"] == 0
+    listing = subprocess.run([CKPTDRAIN, "status"], env=daemon.env(), capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    assert "more generations" in listing and "--job" in listing
+    one = subprocess.run([CKPTDRAIN, "status", "--job", "other", "--json"], env=daemon.env(),
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert [g["job"] for g in json.loads(one)["generations"]] == ["other"]
+
+
+def _metrics(d: DaemonProcess) -> str:
+    url = d.client().status()["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def _journal_rows(d: DaemonProcess, table: str) -> int:
+    db = sqlite3.connect(f"file:{d.staging / 'journal.sqlite3'}?mode=ro", uri=True)
+    try:
+        return int(db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+    finally:
+        db.close()
+
+
+def test_dropped_generations_and_their_jobs_are_forgotten(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__FORGET_AFTER_S="1.0")
+    abort_many(d, 40, jobs=True)
+    assert 'job="dropped-7"' in _metrics(d)
+    wait_for(lambda: d.client().status()["generations_omitted"] == 0
+             and not d.client().status()["generations"], timeout_s=30)
+    wait_for(lambda: 'job="dropped-' not in _metrics(d), timeout_s=30)
+    wait_for(lambda: _journal_rows(d, "jobs") == 0, timeout_s=30)
+    assert _journal_rows(d, "generations") == 0 and _journal_rows(d, "ranks") == 0
+
+
+def test_jobs_tracked_are_bounded(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_JOBS="3")
+    with d.client() as c:
+        with c.generation("a", 1) as a, c.generation("b", 1), c.generation("c", 1):
+            with pytest.raises(Backpressure) as info, c.generation("d", 1):
+                pass
+            assert info.value.details["limit"] == "max_jobs"
+            a.abort("done with it")
+        # "a" has nothing in flight now: the longest idle such job is forgotten for "d".
+        wait_for(lambda: all(g["state"] != "open" for g in c.status()["generations"]))
+        with c.generation("d", 1) as gen:
+            gen.put("w", b"x")
+        assert {g["job"] for g in c.status()["generations"]} <= {"b", "c", "d"}
+
+
+def test_journal_and_staging_are_private_whatever_the_umask(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    old = os.umask(0)
+    try:
+        d: DaemonProcess = make_daemon()
+    finally:
+        os.umask(old)
+    with d.client().generation("private", 1) as gen:
+        gen.put("w", b"secret")
+    journal = d.staging / "journal.sqlite3"
+    for path in (journal, journal.with_name("journal.sqlite3-wal")):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE((d.staging / "shards").stat().st_mode) == 0o700
+    assert stat.S_IMODE(d.staging.stat().st_mode) == 0o700
