@@ -86,7 +86,7 @@ BACKPRESSURE_LIMITS = (
 # The kinds a backend reports (daemon/backends/base.py BackendError.kind), and ``staging``: a
 # staged copy that could not be read back to drain it.
 DRAIN_ERROR_KINDS = ("io", "timeout", "throttled", "auth", "integrity", "conflict", "full",
-                     "not_found", "staging")
+                     "not_found", "unsafe", "staging")
 INTERNAL_ERROR_WHERE = ("connection", "drain", "commit", "background")
 OTHER = "other"
 

@@ -29,7 +29,8 @@ class BackendError(DaemonError):
     def __init__(self, message: str, *, transient: bool = False, kind: str = "io") -> None:
         super().__init__(message)
         self.transient = transient
-        # Bounded label for metrics: "io", "timeout", "throttled", "auth", "integrity", "conflict".
+        # Bounded label for metrics: "io", "timeout", "throttled", "auth", "integrity", "conflict",
+        # "unsafe" (a link planted in a POSIX destination).
         self.kind = kind
 
 

@@ -8,6 +8,9 @@ included (``O_EXCL`` alone would expose a half-written file, ``rename`` would re
 a shard's checksum travels with its inode in an xattr (see posixfs.py). Part records and
 LATEST, which are rewritten, use ``rename``.
 
+Every path is reached from the destination root one component at a time, never through a
+symbolic link (beneath.py): a link planted in the destination is refused, not followed.
+
 All blocking calls run in worker threads, never on the event loop. A cancelled call waits for
 its thread to reach the next chunk boundary and clean up before the cancellation propagates,
 so the caller may close the source fd as soon as the await returns.
@@ -17,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import errno
+import contextlib
 import hashlib
 import os
 import shutil
+import stat
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ckptdrain.client.manifest import format_checksum
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
+from ckptdrain.daemon.backends.beneath import Beneath, Entry, UnsafePath, link_in
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 from ckptdrain.daemon.backends.posixfs import (
     COPY_BUFFER_BYTES,
@@ -39,15 +44,13 @@ from ckptdrain.daemon.backends.posixfs import (
     backend_error,
     copy_and_hash,
     copy_buffer,
-    fsync_dir,
     list_dirs,
     list_files,
-    makedirs,
     open_existing,
     read_small,
     read_some,
-    setstripe,
     stat_file,
+    striped_mkdir,
     sweep_temps,
     temp_name,
     write_all,
@@ -57,8 +60,8 @@ if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
 
 # Re-exported: the names tests and older imports know this module by.
-__all__ = ["COPY_BUFFER_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "backend_error",
-           "temp_name"]
+__all__ = ["COPY_BUFFER_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "UnsafePath",
+           "backend_error", "temp_name"]
 
 _T = TypeVar("_T")
 
@@ -67,6 +70,7 @@ EXTRA_THREADS = 4
 # How often a create-once write retries when the existing file it found vanished before it
 # could be compared (retention removing an abandoned generation at that very moment).
 _CREATE_ROUNDS = 3
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class PosixBackend(Backend):
@@ -87,12 +91,13 @@ class PosixBackend(Backend):
         # must never take a file from under a copy in flight.
         self._live: set[str] = set()
         self._xattr = ChecksumXattr()
+        self.fs = Beneath(self.root)
 
     # --- plumbing ---------------------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
-        """The file for ``key``; keys are built from validated names, so a key that could
-        leave the root is a bug and fails loudly."""
+    def _parts(self, key: str) -> list[str]:
+        """The components of ``key``; keys are built from validated names, so a key that
+        could leave the root is a bug and fails loudly."""
         parts = key.split("/")
         if (
             not key
@@ -101,7 +106,15 @@ class PosixBackend(Backend):
             or "\0" in key
         ):
             raise ValueError(f"invalid destination key {key!r}")
-        return self.root.joinpath(*parts)
+        return parts
+
+    def _entry(self, key: str) -> Entry:
+        *dirs, name = self._parts(key)
+        return Entry(tuple(dirs), name)
+
+    def _live_key(self, entry: Entry) -> str:
+        # The form sweep_temps compares against: the temp file's full path.
+        return str(self.root.joinpath(*entry.parts))
 
     async def _run(self, what: str, fn: Callable[..., _T], *args: object) -> _T:
         """Run ``fn(*args, stop)`` in a worker thread; OSError becomes BackendError.
@@ -135,7 +148,7 @@ class PosixBackend(Backend):
         del upload_log
         if size < 0:
             raise ValueError(f"size must be >= 0, not {size}")
-        final = self._path(key)
+        final = self._entry(key)
         checksum, tmp = await self._run(
             f"writing {key}", self._create_sync, final, fd, size
         )
@@ -166,179 +179,184 @@ class PosixBackend(Backend):
             if tmp is not None:
                 await self._run(f"removing the temp file of {key}", self._discard_sync, tmp)
 
-    def _open_temp(self, final: Path) -> tuple[Path, int]:
-        """A new temp file beside ``final``, marked live so no sweep takes it; the caller
-        links, renames or unlinks it and then drops it from ``_live``."""
+    def _open_temp(self, dir_fd: int, final: Entry) -> tuple[Entry, int]:
+        """A new temp file beside ``final`` (in ``dir_fd``), marked live so no sweep takes it;
+        the caller links, renames or unlinks it and then drops it from ``_live``."""
         tmp = final.with_name(temp_name(final.name, self.node_id))
-        self._live.add(str(tmp))
+        self._live.add(self._live_key(tmp))
         try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            return tmp, os.open(tmp.name, _NEW_FILE, 0o644, dir_fd=dir_fd)
         except BaseException:
-            self._live.discard(str(tmp))
+            self._live.discard(self._live_key(tmp))
             raise
 
+    def _unlink_temp(self, dir_fd: int, tmp: Entry) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp.name, dir_fd=dir_fd)
+        self._live.discard(self._live_key(tmp))
+
     def _create_sync(
-        self, final: Path, src_fd: int, size: int, stop: threading.Event
-    ) -> tuple[str, Path | None]:
+        self, final: Entry, src_fd: int, size: int, stop: threading.Event
+    ) -> tuple[str, Entry | None]:
         """Write the shard and link it into place: (checksum, None) when created, or
         (checksum, the complete temp file) when the name exists."""
-        makedirs(final.parent)
-        tmp, out = self._open_temp(final)
-        # The temp exists from here: every way out links and unlinks it, or hands it back.
-        kept = False
-        try:
+        with self.fs.dir(final.dir, create=True) as dir_fd:
+            tmp, out = self._open_temp(dir_fd, final)
+            # The temp exists from here: every way out links and unlinks it, or hands it back.
+            kept = False
             try:
-                checksum = format_checksum(
-                    "sha256", copy_and_hash(src_fd, out, size, stop, final.name)
-                )
-                # On the inode before it has a final name: the name appears with it.
-                self._xattr.record(out, checksum)
-                os.fsync(out)
+                try:
+                    checksum = format_checksum(
+                        "sha256", copy_and_hash(src_fd, out, size, stop, final.name)
+                    )
+                    # On the inode before it has a final name: the name appears with it.
+                    self._xattr.record(out, checksum)
+                    os.fsync(out)
+                finally:
+                    os.close(out)
+                try:
+                    link_in(dir_fd, tmp.name, final.name)
+                except FileExistsError:
+                    kept = True
+                    return checksum, tmp
             finally:
-                os.close(out)
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                kept = True
-                return checksum, tmp
-        finally:
-            if not kept:
-                tmp.unlink(missing_ok=True)
-                self._live.discard(str(tmp))
-        fsync_dir(final.parent)
+                if not kept:
+                    self._unlink_temp(dir_fd, tmp)
+            os.fsync(dir_fd)
         return checksum, None
 
-    def _link_sync(self, tmp: Path, final: Path, stop: threading.Event) -> bool:
+    def _link_sync(self, tmp: Entry, final: Entry, stop: threading.Event) -> bool:
         del stop
-        try:
-            os.link(tmp, final)
-        except FileExistsError:
-            return False
-        tmp.unlink()
-        self._live.discard(str(tmp))
-        fsync_dir(final.parent)
+        with self.fs.dir(final.dir) as dir_fd:
+            try:
+                link_in(dir_fd, tmp.name, final.name)
+            except FileExistsError:
+                return False
+            self._unlink_temp(dir_fd, tmp)
+            os.fsync(dir_fd)
         return True
 
-    def _replace_sync(self, tmp: Path, final: Path, stop: threading.Event) -> None:
+    def _replace_sync(self, tmp: Entry, final: Entry, stop: threading.Event) -> None:
         """Put the temp file over a leftover no manifest names (collision.py decided)."""
         del stop
-        os.rename(tmp, final)
-        self._live.discard(str(tmp))
-        fsync_dir(final.parent)
+        with self.fs.dir(final.dir) as dir_fd:
+            # rename() replaces the name itself, never what a link there points to.
+            os.rename(tmp.name, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            self._live.discard(self._live_key(tmp))
+            os.fsync(dir_fd)
 
-    def _discard_sync(self, tmp: Path, stop: threading.Event) -> None:
+    def _discard_sync(self, tmp: Entry, stop: threading.Event) -> None:
         del stop
-        tmp.unlink(missing_ok=True)
-        self._live.discard(str(tmp))
+        try:
+            with self.fs.dir(tmp.dir) as dir_fd:
+                self._unlink_temp(dir_fd, tmp)
+        except FileNotFoundError:
+            pass  # its directory went with it
+        finally:
+            self._live.discard(self._live_key(tmp))
 
     async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
         return await self._run(
-            f"writing {key}", self._put_bytes_sync, self._path(key), bytes(data), exclusive
+            f"writing {key}", self._put_bytes_sync, self._entry(key), bytes(data), exclusive
         )
 
     def _put_bytes_sync(
-        self, final: Path, data: bytes, exclusive: bool, stop: threading.Event
+        self, final: Entry, data: bytes, exclusive: bool, stop: threading.Event
     ) -> bool:
         del stop  # one small write: nothing to interrupt
-        makedirs(final.parent)
-        tmp, out = self._open_temp(final)
-        created = True
-        try:
+        with self.fs.dir(final.dir, create=True) as dir_fd:
+            tmp, out = self._open_temp(dir_fd, final)
+            created = True
             try:
-                write_all(out, data)
-                os.fsync(out)
-            finally:
-                os.close(out)
-            if exclusive:
-                # link() fails with EEXIST if the name exists, and the name appears with the
-                # complete, fsynced bytes: an atomic create-if-absent.
                 try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    created = False
-            else:
-                os.rename(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
-            self._live.discard(str(tmp))
-        if created:
-            fsync_dir(final.parent)
+                    write_all(out, data)
+                    os.fsync(out)
+                finally:
+                    os.close(out)
+                if exclusive:
+                    # link() fails with EEXIST if the name exists, and the name appears with
+                    # the complete, fsynced bytes: an atomic create-if-absent.
+                    try:
+                        link_in(dir_fd, tmp.name, final.name)
+                    except FileExistsError:
+                        created = False
+                else:
+                    os.rename(tmp.name, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            finally:
+                self._unlink_temp(dir_fd, tmp)
+            if created:
+                os.fsync(dir_fd)
         return created
 
     async def prepare_prefix(self, prefix: str) -> None:
-        await self._run(f"creating {prefix}", self._prepare_sync, self._path(prefix.rstrip("/")))
+        await self._run(f"creating {prefix}", self._prepare_sync, self._entry(prefix.rstrip("/")))
 
-    def _prepare_sync(self, directory: Path, stop: threading.Event) -> None:
+    def _prepare_sync(self, directory: Entry, stop: threading.Event) -> None:
         del stop
-        if directory.is_dir():
-            return
-        lfs = shutil.which("lfs")
-        if lfs is None:
-            makedirs(directory)
-            return
+        with self.fs.dir(directory.dir, create=True) as parent_fd:
+            found = self.fs.check_entry(parent_fd, directory.name, directory.parts)
+            if found is not None and stat.S_ISDIR(found.st_mode):
+                return
+            lfs = shutil.which("lfs")
+            if lfs is None:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(directory.name, 0o755, dir_fd=parent_fd)
+                    os.fsync(parent_fd)
+                return
+            self._striped_mkdir(lfs, parent_fd, directory)
+            os.fsync(parent_fd)
+
+    def _striped_mkdir(self, lfs: str, parent_fd: int, directory: Entry) -> None:
         # Striping applies only to files created after it is set, and other nodes write into
         # the same generation directory. So stripe a private temp directory and rename it into
         # place: the generation directory appears already striped, and no node can create a
         # file in it first. Whoever loses the race removes its (empty) temp directory.
-        makedirs(directory.parent)
         tmp = directory.with_name(temp_name(directory.name, self.node_id))
-        self._live.add(str(tmp))
+        self._live.add(self._live_key(tmp))
         try:
-            tmp.mkdir()
-        except BaseException:
-            self._live.discard(str(tmp))
-            raise
-        try:
-            setstripe(lfs, tmp, self.stripe_count, self.stripe_size_bytes)
-            try:
-                os.rename(tmp, directory)
-            except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
+            striped_mkdir(lfs, parent_fd, tmp.name, directory.name, self.stripe_count,
+                          self.stripe_size_bytes)
         finally:
-            if tmp.exists():
-                tmp.rmdir()
-            self._live.discard(str(tmp))
-        fsync_dir(directory.parent)
+            self._live.discard(self._live_key(tmp))
 
     async def delete(self, key: str) -> None:
-        await self._run(f"deleting {key}", self._delete_sync, self._path(key))
+        await self._run(f"deleting {key}", self._delete_sync, self._entry(key))
 
-    def _delete_sync(self, path: Path, stop: threading.Event) -> None:
+    def _delete_sync(self, entry: Entry, stop: threading.Event) -> None:
         del stop
         try:
-            path.unlink()
+            with self.fs.dir(entry.dir) as dir_fd:
+                # unlink() removes a planted link itself, never what it points to.
+                os.unlink(entry.name, dir_fd=dir_fd)
+                # Retention deletes a manifest before its shards; the unlink must be durable
+                # before the shards go, or a crash could resurrect a manifest whose shards
+                # are gone.
+                os.fsync(dir_fd)
         except (FileNotFoundError, NotADirectoryError):
-            return
-        # Retention deletes a manifest before its shards; the unlink must be durable before
-        # the shards go, or a crash could resurrect a manifest whose shards are gone.
-        try:
-            fsync_dir(path.parent)
-        except FileNotFoundError:
-            return  # a concurrent delete emptied and removed the directory: durable already
+            return  # gone already (a concurrent delete removed the directory: durable too)
         # Directories left empty (a removed generation's) would use up Lustre inodes. Only
         # retention deletes, and only generations nobody writes; <root>/<job> itself stays.
-        parent = path.parent
-        while parent != self.root and parent.parent != self.root:
+        for depth in range(len(entry.dir), 1, -1):
             try:
-                parent.rmdir()
+                with self.fs.dir(entry.dir[: depth - 1]) as parent_fd:
+                    os.rmdir(entry.dir[depth - 1], dir_fd=parent_fd)
             except OSError:
-                break  # not empty (or gone): stop here
-            parent = parent.parent
+                break  # not empty (or gone, or not ours to follow): stop here
 
     # --- reads ------------------------------------------------------------------------------
 
     async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
-        return await self._run(f"reading {key}", read_small, self._path(key), max_bytes)
+        return await self._run(f"reading {key}", read_small, self.fs, self._parts(key), max_bytes)
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         # Keys match by string prefix like S3; walk only the deepest directory the prefix names.
         base_key = prefix.rpartition("/")[0]
-        base = self._path(base_key) if base_key else self.root
-        return await self._run(f"listing {prefix or '/'}", list_files, self.root, base, prefix)
+        base = self._parts(base_key) if base_key else []
+        return await self._run(f"listing {prefix or '/'}", list_files, self.fs, base, prefix)
 
     async def stat(self, key: str) -> ObjectInfo | None:
-        found = await self._run(f"checking {key}", stat_file, self._path(key), self._xattr)
+        found = await self._run(f"checking {key}", stat_file, self.fs, self._parts(key),
+                                self._xattr)
         if found is None:
             return None
         size, modified, checksum = found
@@ -347,12 +365,11 @@ class PosixBackend(Backend):
     async def list_dirs(self, prefix: str) -> builtins.list[str]:
         base = prefix.rstrip("/")
         return await self._run(
-            f"listing {prefix or '/'}", list_dirs, self._path(base) if base else self.root
+            f"listing {prefix or '/'}", list_dirs, self.fs, self._parts(base) if base else []
         )
 
     async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
-        path = self._path(key)
-        fd = await self._run(f"opening {key}", open_existing, path)
+        fd = await self._run(f"opening {key}", open_existing, self.fs, self._parts(key))
         # The fd is closed however the iteration ends (exhausted, broken off, cancelled).
         try:
             while True:
@@ -368,12 +385,13 @@ class PosixBackend(Backend):
     ) -> tuple[int, str]:
         # One thread job per file: read into a reused buffer, hash, write; no event-loop hop
         # and no fresh allocation per chunk.
-        return await self._run(f"reading {key}", self._copy_into_sync, self._path(key), out_fd,
+        return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key), out_fd,
                                progress)
 
-    def _copy_into_sync(self, path: Path, out_fd: int, progress: Callable[[int], None] | None,
+    def _copy_into_sync(self, parts: builtins.list[str], out_fd: int,
+                        progress: Callable[[int], None] | None,
                         stop: threading.Event) -> tuple[int, str]:
-        src = open_existing(path, stop)
+        src = open_existing(self.fs, parts, stop)
         try:
             view = copy_buffer()
             digest = hashlib.sha256()
@@ -399,7 +417,7 @@ class PosixBackend(Backend):
         ``grace_s`` (they may still be writing younger ones)."""
         del owned_upload_ids  # POSIX has no uploads; its leftovers are temp names
         return await self._run(
-            "sweeping temp files", sweep_temps, self.root, self.node_id, self._live, grace_s
+            "sweeping temp files", sweep_temps, self.fs, self.node_id, self._live, grace_s
         )
 
     async def aclose(self) -> None:

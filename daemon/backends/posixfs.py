@@ -11,6 +11,7 @@ would). The name therefore appears with its bytes and its checksum at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, format_checksum, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
+from ckptdrain.daemon.backends.beneath import Beneath
 from ckptdrain.daemon.errors import DaemonError
 
 # Logged under the backend's name: operators filter on it.
@@ -45,7 +47,7 @@ _NO_XATTR_ERRNOS = frozenset(
 _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE})
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _AUTH_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 # One copy buffer per worker thread, reused for every file: allocating 8 MiB per file costs
 # more than the copy (fresh memory is ~10x slower than a reused buffer).
@@ -100,32 +102,6 @@ def temp_owner_matches(name: str, node_id: str) -> bool:
     if not dot or len(rand) != RANDOM_HEX:
         return False
     return head.endswith(f".{node_id}")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, _DIR_FLAGS)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def makedirs(directory: Path) -> None:
-    """``mkdir -p`` that makes each new directory entry durable: a file fsynced into a
-    directory whose own entry was never fsynced can vanish with it after a power cut."""
-    missing: list[Path] = []
-    probe = directory
-    while not probe.is_dir():
-        missing.append(probe)
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue  # another writer made it; its creator makes it durable
-        fsync_dir(path.parent)
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
@@ -212,7 +188,7 @@ class ChecksumXattr:
 
 
 def stat_file(
-    path: Path, xattr: ChecksumXattr, stop: threading.Event
+    fs: Beneath, parts: list[str], xattr: ChecksumXattr, stop: threading.Event
 ) -> tuple[int, float, str] | None:
     """(size, mtime, checksum) of the regular file at ``path``, or None when there is none.
 
@@ -221,8 +197,8 @@ def stat_file(
     the next ask is cheap again.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        fd = fs.open(parts)
+    except _MISSING:
         return None
     try:
         st = os.fstat(fd)
@@ -237,12 +213,14 @@ def stat_file(
         os.close(fd)
 
 
-def read_small(path: Path, max_bytes: int, stop: threading.Event) -> bytes | None:
-    """The whole file at ``path`` (at most ``max_bytes``), or None when there is none."""
+def read_small(fs: Beneath, parts: list[str], max_bytes: int,
+               stop: threading.Event) -> bytes | None:
+    """The whole file at ``parts`` (at most ``max_bytes``), or None when there is none."""
     del stop
+    path = fs.root.joinpath(*parts)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        fd = fs.open(parts)
+    except _MISSING:
         return None
     try:
         st = os.fstat(fd)
@@ -266,49 +244,62 @@ def read_small(path: Path, max_bytes: int, stop: threading.Event) -> bytes | Non
         os.close(fd)
 
 
-def list_files(root: Path, base: Path, prefix: str, stop: threading.Event) -> list[ObjectInfo]:
-    """Every regular file under ``base`` whose key (path relative to ``root``) starts with
-    ``prefix``, sorted by key; temp files excluded."""
+def list_files(fs: Beneath, base: list[str], prefix: str, stop: threading.Event) -> list[ObjectInfo]:
+    """Every regular file under ``base`` whose key (path relative to the root) starts with
+    ``prefix``, sorted by key; temp files excluded. Links are neither listed nor followed
+    (fwalk holds each directory open, so none can be swapped for a link under it)."""
     found: list[ObjectInfo] = []
-    for dirpath, _dirs, files in os.walk(base):
-        if stop.is_set():
-            raise Stopped
-        rel = os.path.relpath(dirpath, root)
-        key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-        for name in files:
-            if name.endswith(TMP_SUFFIX):
-                continue
-            key = key_dir + name
-            if not key.startswith(prefix):
-                continue
-            try:
-                st = os.stat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue  # deleted since the directory was read
-            if stat.S_ISREG(st.st_mode):
-                found.append(ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime))
+    try:
+        with fs.dir(base) as base_fd:
+            for dirpath, _dirs, files, dir_fd in os.fwalk(".", dir_fd=base_fd):
+                if stop.is_set():
+                    raise Stopped
+                rel = os.path.normpath(dirpath)
+                key_dir = "/".join([*base, *([] if rel == "." else rel.split(os.sep))])
+                key_dir += "/" if key_dir else ""
+                for name in files:
+                    if name.endswith(TMP_SUFFIX):
+                        continue
+                    key = key_dir + name
+                    if not key.startswith(prefix):
+                        continue
+                    try:
+                        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # deleted since the directory was read
+                    if stat.S_ISREG(st.st_mode):
+                        found.append(ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime))
+    except _MISSING:
+        return []
     found.sort(key=lambda info: info.key)
     return found
 
 
-def list_dirs(directory: Path, stop: threading.Event) -> list[str]:
-    """Names of the subdirectories of ``directory`` (temp ones excluded), sorted."""
+def list_dirs(fs: Beneath, parts: list[str], stop: threading.Event) -> list[str]:
+    """Names of the subdirectories of ``parts`` (temp ones and links excluded), sorted."""
     del stop
     try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
+        with fs.dir(parts) as dir_fd:
+            entries = list(os.scandir(dir_fd))
+    except _MISSING:
         return []
     return sorted(
         e.name for e in entries if not e.name.endswith(TMP_SUFFIX) and e.is_dir(follow_symlinks=False)
     )
 
 
-def open_existing(path: Path, stop: threading.Event) -> int:
+def open_existing(fs: Beneath, parts: list[str], stop: threading.Event) -> int:
+    """A read descriptor of the regular file at ``parts``."""
     del stop
+    path = fs.root.joinpath(*parts)
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError) as exc:
+        fd = fs.open(parts)
+    except _MISSING as exc:
         raise BackendError(f"{path} does not exist", kind="integrity") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BackendError(f"{path} is not a regular file", kind="integrity")
+    return fd
 
 
 def read_some(fd: int, chunk_bytes: int, stop: threading.Event) -> bytes:
@@ -338,41 +329,77 @@ def setstripe(lfs: str, directory: Path, stripe_count: int, stripe_size_bytes: i
         )
 
 
+def striped_mkdir(lfs: str, parent_fd: int, tmp_name: str, name: str, stripe_count: int,
+                  stripe_size_bytes: int) -> None:
+    """Make directory ``name`` in ``parent_fd`` already striped: stripe the private, empty
+    ``tmp_name`` and rename it into place (a lost race to another node leaves theirs)."""
+    os.mkdir(tmp_name, 0o755, dir_fd=parent_fd)
+    try:
+        tmp_fd = os.open(tmp_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=parent_fd)
+        try:
+            # lfs is handed the directory we hold, not a path someone could swap under it.
+            setstripe(lfs, Path(f"/proc/{os.getpid()}/fd/{tmp_fd}"), stripe_count,
+                      stripe_size_bytes)
+        finally:
+            os.close(tmp_fd)
+        try:
+            os.rename(tmp_name, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(tmp_name, dir_fd=parent_fd)
+
+
 def sweep_temps(
-    root: Path, node_id: str, live: set[str], grace_s: float, stop: threading.Event
+    fs: Beneath, node_id: str, live: set[str], grace_s: float, stop: threading.Event
 ) -> int:
     """Remove temp files and striping temp directories under ``root`` left by interrupted
     writes: ``node_id``'s at any age, other nodes' once older than ``grace_s``, never one in
     ``live`` (being written by this process). Returns how many went."""
+    root = fs.root
     if not root.is_dir():
         return 0
     cutoff = time.time() - grace_s
     removed = 0
-    for dirpath, dirs, files in os.walk(root):
-        if stop.is_set():
-            raise Stopped
-        for name in [*files, *dirs]:
-            if not name.endswith(TMP_SUFFIX):
+    # fwalk removes by name in a directory it holds open: a directory swapped for a link
+    # mid-sweep cannot send an unlink elsewhere.
+    with fs.dir([]) as root_fd:
+        walk = os.fwalk(".", dir_fd=root_fd)
+        for dirpath, dirs, files, dir_fd in walk:
+            if stop.is_set():
+                raise Stopped
+            removed += _sweep_dir(root, dirpath, dirs, files, dir_fd, node_id, live, cutoff)
+    return removed
+
+
+def _sweep_dir(root: Path, dirpath: str, dirs: list[str], files: list[str], dir_fd: int,
+               node_id: str, live: set[str], cutoff: float) -> int:
+    removed = 0
+    for name in [*files, *dirs]:
+        if not name.endswith(TMP_SUFFIX):
+            continue
+        path = os.path.normpath(os.path.join(root, dirpath, name))
+        if path in live:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            mine = temp_owner_matches(name, node_id)
+            if not mine and st.st_mtime > cutoff:
                 continue
-            path = os.path.join(dirpath, name)
-            if path in live:
+            if stat.S_ISDIR(st.st_mode):
+                os.rmdir(name, dir_fd=dir_fd)  # only ever an empty striping temp directory
+            else:
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 continue
-            try:
-                st = os.lstat(path)
-                mine = temp_owner_matches(name, node_id)
-                if not mine and st.st_mtime > cutoff:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    os.rmdir(path)  # only ever an empty striping temp directory
-                else:
-                    os.unlink(path)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                    continue
-                raise
-            removed += 1
-            log.info("removed leftover temp %s", path)
-        dirs[:] = [d for d in dirs if not d.endswith(TMP_SUFFIX)]
+            raise
+        removed += 1
+        log.info("removed leftover temp %s", path)
+    dirs[:] = [d for d in dirs if not d.endswith(TMP_SUFFIX)]
     return removed

@@ -276,7 +276,7 @@ def fake_lfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     script.write_text(
         "#!/bin/sh\n"
         "for last; do :; done\n"
-        f'echo "$* inode=$(stat -c %i "$last") entries=$(ls -A "$last" | wc -l)" >> {record}\n'
+        f'echo "$* inode=$(stat -L -c %i "$last") entries=$(ls -A "$last" | wc -l)" >> {record}\n'
     )
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")

@@ -1,0 +1,254 @@
+"""Paths under the POSIX destination root, resolved without following a symbolic link.
+
+The daemon often runs as a more privileged user than the jobs that share the destination, and
+those users may write to it: a symlink planted at ``<root>/<job>`` or
+``<root>/<job>/<step>`` would otherwise redirect the daemon's own writes (shards, part
+records, MANIFEST.json, LATEST, tombstones) wherever its owner likes. So every directory and
+file under the root is reached from a descriptor of the root, one component at a time:
+``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has it (Linux 5.6+), else
+``openat(O_NOFOLLOW | O_DIRECTORY)`` per component. The last step of every operation (create,
+link, rename, unlink, stat) is a ``*at`` call on a directory descriptor obtained that way, with
+names that never hold a ``/``. A symlink met on the way is :class:`UnsafePath`: logged, and the
+operation fails (the daemon serves on). The root itself is the operator's and is trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.logs import log_event
+
+log = logging.getLogger("ckptdrain.daemon.backends.posix")
+
+_CLOEXEC = os.O_CLOEXEC | os.O_NOFOLLOW
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
+# O_NONBLOCK: opening a FIFO someone planted under a shard's name must not hang a thread.
+READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC
+
+# openat2(2), from <linux/openat2.h>; the syscall number is the same on every architecture
+# that has it (the generic table).
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+
+
+class UnsafePath(BackendError):
+    """A symbolic link (or a path leading out of the root) where the destination layout has
+    a directory or a file: someone who can write to the destination planted it. Not
+    transient; the operation is refused and nothing is written through it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False, kind="unsafe")
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64))
+
+
+def _load_openat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+    return syscall
+
+
+_syscall = _load_openat2()
+
+
+def openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    """``openat2(dir_fd, path, {flags, mode, RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS})``; raises
+    OSError like ``os.open`` (ENOSYS where the kernel or a seccomp filter lacks it)."""
+    if _syscall is None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), path)
+    how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE)
+    fd = _syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd),
+                  ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
+                  ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    return int(fd)
+
+
+def kernel_has_openat2() -> bool:
+    top = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(openat2(top, ".", DIR_FLAGS))
+    except OSError:
+        return False
+    finally:
+        os.close(top)
+    return True
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A name in a directory under the root: ``dir`` components, then ``name`` (no '/')."""
+
+    dir: tuple[str, ...]
+    name: str
+
+    def with_name(self, name: str) -> Entry:
+        return Entry(self.dir, name)
+
+    @property
+    def parts(self) -> list[str]:
+        return [*self.dir, self.name]
+
+
+def link_in(dir_fd: int, src: str, dst: str) -> None:
+    """link() within one directory; EEXIST when ``dst`` exists, a link there included."""
+    os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _make_root(directory: Path) -> None:
+    """``mkdir -p`` of the (trusted) root that makes each new directory entry durable: a file
+    fsynced into a directory whose own entry was never fsynced can vanish after a power cut."""
+    missing: list[Path] = []
+    probe = directory
+    while not probe.is_dir():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue  # another writer made it; its creator makes it durable
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class Beneath:
+    """Opens directories and files under ``root`` by their components, refusing symlinks."""
+
+    def __init__(self, root: Path, *, use_openat2: bool | None = None) -> None:
+        self.root = root
+        self.openat2 = kernel_has_openat2() if use_openat2 is None else use_openat2
+
+    def _shown(self, parts: Sequence[str]) -> str:
+        return str(self.root.joinpath(*parts))
+
+    def _unsafe(self, parts: Sequence[str]) -> UnsafePath:
+        where = self._shown(parts)
+        log_event(log, logging.ERROR, "destination_symlink_refused", path=where)
+        return UnsafePath(f"{where} is a symbolic link or leads out of the destination root; "
+                          "the daemon does not write through links under the destination: "
+                          "remove it, and keep the destination writable only by the daemon")
+
+    def _is_link(self, dir_fd: int, name: str) -> bool:
+        try:
+            return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    def _step(self, dir_fd: int, name: str, flags: int, parts: Sequence[str],
+              mode: int = 0o644) -> int:
+        """Open one component (no '/') under ``dir_fd``, never through a link."""
+        try:
+            return os.open(name, flags | _CLOEXEC, mode, dir_fd=dir_fd)
+        except OSError as exc:
+            # O_NOFOLLOW reports a link as ELOOP, or as ENOTDIR with O_DIRECTORY.
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and self._is_link(dir_fd, name):
+                raise self._unsafe(parts) from None
+            raise
+
+    def _root_fd(self, create: bool) -> int:
+        if create and not self.root.is_dir():
+            _make_root(self.root)
+        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _walk(self, root_fd: int, parts: Sequence[str], create: bool) -> int:
+        fd = os.dup(root_fd)
+        try:
+            for i, name in enumerate(parts):
+                try:
+                    nxt = self._step(fd, name, DIR_FLAGS, parts[: i + 1])
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):  # another writer made it
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                        os.fsync(fd)  # the new entry is durable before files go in it
+                    nxt = self._step(fd, name, DIR_FLAGS, parts[: i + 1])
+                os.close(fd)
+                fd = nxt
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _resolve(self, root_fd: int, parts: Sequence[str], flags: int, mode: int = 0o644) -> int:
+        if self.openat2:
+            try:
+                # Without O_NOFOLLOW: a trailing link is then ELOOP (RESOLVE_NO_SYMLINKS), not
+                # a link opened as itself (ENOTDIR, indistinguishable from a file).
+                return openat2(root_fd, "/".join(parts),
+                               (flags | os.O_CLOEXEC) & ~os.O_NOFOLLOW, mode)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EXDEV):
+                    raise self._unsafe(parts) from None
+                if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL):
+                    raise
+                self.openat2 = False  # a seccomp filter or an old kernel: walk from now on
+        *dirs, name = parts
+        dir_fd = self._walk(root_fd, dirs, create=False)
+        try:
+            return self._step(dir_fd, name, flags, parts, mode)
+        finally:
+            os.close(dir_fd)
+
+    @contextlib.contextmanager
+    def dir(self, parts: Sequence[str], *, create: bool = False) -> Iterator[int]:
+        """A descriptor of the directory ``root/parts`` (made, durably, when ``create``);
+        FileNotFoundError when it is missing, :class:`UnsafePath` when a link is on the way."""
+        root_fd = self._root_fd(create)
+        try:
+            if not parts:
+                fd = os.dup(root_fd)
+            elif create:
+                fd = self._walk(root_fd, parts, create=True)
+            else:
+                fd = self._resolve(root_fd, parts, DIR_FLAGS)
+        finally:
+            os.close(root_fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def open(self, parts: Sequence[str], flags: int = READ_FLAGS) -> int:
+        """A descriptor of the existing file ``root/parts`` (never through a link)."""
+        root_fd = self._root_fd(False)
+        try:
+            return self._resolve(root_fd, parts, flags)
+        finally:
+            os.close(root_fd)
+
+    def check_entry(self, dir_fd: int, name: str, parts: Sequence[str]) -> os.stat_result | None:
+        """lstat of ``name`` in ``dir_fd``: None when absent, UnsafePath when a link."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            raise self._unsafe(parts)
+        return st
