@@ -60,7 +60,8 @@ _PART_FIELDS = frozenset(
 )
 # Present only in the record of a node that ended the generation: a record without them is
 # byte-identical to one written before they existed.
-_PART_OPTIONAL_FIELDS = frozenset({"aborted_ranks", "abort_reason"})
+_PART_OPTIONAL_FIELDS = frozenset({"aborted_ranks", "abort_reason", "owner_uid"})
+_MAX_UID = 2**32 - 2
 # Why the ranks aborted, bounded: a 4 KiB part record per node stays a 4 KiB read for every
 # node that polls it.
 MAX_ABORT_REASON_CHARS = 1024
@@ -385,9 +386,18 @@ class PartRecord:
     # than wait for a manifest that cannot come. They never count as covered.
     aborted_ranks: tuple[int, ...] = ()
     abort_reason: str = ""
+    # The uid that owns the job on the node that wrote it (None: a record from before owners
+    # were recorded). One generation's records must all name the same owner: a node never
+    # merges another user's ranks into a job.
+    owner_uid: int | None = None
 
     def __post_init__(self) -> None:
         what = f"part record of node {self.node!r}"
+        if self.owner_uid is not None and (
+            isinstance(self.owner_uid, bool) or not isinstance(self.owner_uid, int)
+            or not 0 <= self.owner_uid <= _MAX_UID
+        ):
+            raise ManifestError(f"{what}: owner_uid must be a uid (0 to {_MAX_UID})")
         if not isinstance(self.attempt, str):
             raise ManifestError(f"{what}: attempt must be a string")
         if not isinstance(self.aborted_ranks, tuple) or not isinstance(self.abort_reason, str):
@@ -448,6 +458,8 @@ class PartRecord:
         if self.aborted_ranks:
             header["aborted_ranks"] = list(self.aborted_ranks)
             header["abort_reason"] = self.abort_reason
+        if self.owner_uid is not None:
+            header["owner_uid"] = self.owner_uid
         return _render(header, self.shards)
 
     @classmethod
@@ -476,6 +488,8 @@ class PartRecord:
                 for r in _list(obj.get("aborted_ranks", []), f"{what} aborted_ranks")
             ),
             abort_reason=_str(obj.get("abort_reason", ""), f"{what} abort_reason"),
+            owner_uid=None if obj.get("owner_uid") is None
+            else _int(obj["owner_uid"], f"{what} owner_uid"),
         )
 
 
@@ -582,6 +596,20 @@ def missing_ranks(parts: Sequence[PartRecord], world_size: int,
     return missing
 
 
+def owners_disagree(parts: Sequence[PartRecord]) -> str:
+    """Why these part records cannot be one generation's because different users wrote them
+    (``""`` when every record that names an owner names the same one)."""
+    owners: dict[int, str] = {}
+    for part in sorted(parts, key=lambda p: p.node):
+        if part.owner_uid is not None:
+            owners.setdefault(part.owner_uid, part.node)
+    if len(owners) < 2:
+        return ""
+    named = ", ".join(f"uid {uid} on node {node!r}" for uid, node in sorted(owners.items()))
+    return (f"part records of this generation were written for different owners ({named}); "
+            "two users saved the same job name, and no node merges them: use another job name")
+
+
 def describe_aborted(parts: Sequence[PartRecord]) -> str:
     """Why these part records can never commit, e.g. ``"rank 3 aborted on node 'n1': ..."``;
     ``""`` when no record says a rank aborted. One clause per node, nodes sorted."""
@@ -606,6 +634,9 @@ def build_manifest(parts: Sequence[PartRecord], committed_at: float) -> Manifest
     aborted = describe_aborted(parts)
     if aborted:
         raise ManifestError(f"the generation cannot commit: {aborted}")
+    mixed = owners_disagree(parts)
+    if mixed:
+        raise ManifestError(mixed)
     first = parts[0]
     nodes: list[str] = []
     owner_of_rank: dict[int, str] = {}

@@ -37,6 +37,7 @@ from ckptdrain.client.manifest import (
     generation_prefix,
     manifest_key,
     missing_ranks,
+    owners_disagree,
     part_key,
     parts_prefix,
     same_contents,
@@ -315,6 +316,9 @@ class Committer:
                     "job and step"
                 )
             parts.append(part)
+        mixed = owners_disagree(parts)
+        if mixed:
+            return [], mixed
         return parts, ""
 
     async def _unproven_shards(

@@ -207,6 +207,7 @@ class Publisher:
             attempt=gen.attempt,
             aborted_ranks=tuple(sorted(aborted)),
             abort_reason=reason[:MAX_ABORT_REASON_CHARS],
+            owner_uid=self.ledger.jobs.get(gen.job),
         )
 
     async def _record_part(self, gen: GenerationRecord, ready: list[int]) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import Client, PermissionDenied
+from ckptdrain.client import Client, GenerationFailed, PermissionDenied
 from tests.conftest import DaemonProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -96,3 +96,26 @@ def test_a_user_sees_only_their_own_jobs(make_daemon) -> None:  # type: ignore[n
     assert run_as(look) == "status=['mine'] wait=denied:True latest=denied:True"
     # Root (an operator) sees every job.
     assert {g["job"] for g in Client(d.socket_path).status()["generations"]} == {"root-secret", "mine"}
+
+
+def test_another_users_ranks_are_never_merged_into_a_job(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Two nodes, one destination: root saves rank 0 of "shared" on node a, and another user
+    # claims rank 1 of the same job and step on node b.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
+    open_to_all(b)
+    with Client(a.socket_path).generation("shared", 1, rank=0, world_size=2) as gen:
+        gen.put("rank0", b"root's bytes")
+
+    def claim() -> str:
+        with Client(b.socket_path, timeout_s=20).generation("shared", 1, rank=1,
+                                                            world_size=2) as gen:
+            gen.put("rank1", b"someone else's bytes")
+        return "SEALED"
+
+    assert run_as(claim) == "SEALED"
+    for node in (a, b):
+        with pytest.raises(GenerationFailed, match="different owners"):
+            Client(node.socket_path).wait("shared", 1, timeout_s=60)
+    assert not (a.dest / "shared" / f"{1:020d}" / "MANIFEST.json").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -376,3 +377,16 @@ def test_describe_ranks_is_bounded() -> None:
     assert describe_ranks([]) == "none"
     many = describe_ranks(list(range(0, 1000, 2)))
     assert many.endswith("and 492 more runs")
+
+
+def test_part_records_of_different_owners_never_merge() -> None:
+    a = dataclasses.replace(part("a", (0, 1)), owner_uid=1000)
+    assert PartRecord.from_json(a.to_json()) == a
+    assert PartRecord.from_json(part("a", (0, 1)).to_json()).owner_uid is None
+    same = dataclasses.replace(part("b", (2, 3)), owner_uid=1000)
+    assert build_manifest([a, same], 1.0).world_size == 4
+    other = dataclasses.replace(part("b", (2, 3)), owner_uid=2000)
+    with pytest.raises(ManifestError, match="different owners"):
+        build_manifest([a, other], 1.0)
+    with pytest.raises(ManifestError, match="owner_uid"):
+        dataclasses.replace(part("a", (0, 1)), owner_uid=-1)
