@@ -716,3 +716,23 @@ class Client:
         names.validate_job(job)
         names.validate_step(step)
         return self._call("retry", {"job": job, "step": step})
+
+    def drain(self) -> dict[str, Any]:
+        """Operators: stop taking new generations on this node (a new ``begin`` gets
+        :class:`NodeDraining`) and finish what it holds. Returns what is left to drain
+        (``{"draining": True, "done": bool, "left": {...}}``); call again to poll."""
+        return self._call("drain", {})
+
+    def resume(self) -> dict[str, Any]:
+        """Operators: take new generations again after :meth:`drain`."""
+        return self._call("resume", {})
+
+    def abort_generation(self, job: str, step: int, reason: str = "") -> dict[str, Any]:
+        """Operators: end generation ``step`` of ``job`` on this node (it fails, with
+        ``reason``, and frees what it holds). Only the job's owner or root may."""
+        names.validate_job(job)
+        names.validate_step(step)
+        fields: dict[str, Any] = {"job": job, "step": step}
+        if reason:
+            fields["reason"] = reason
+        return self._call("abort_generation", fields)

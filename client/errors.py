@@ -37,6 +37,13 @@ class Backpressure(DrainError):
         return float(value) if isinstance(value, int | float) else 1.0
 
 
+class NodeDraining(Backpressure):
+    """The node is being drained for maintenance (``ckptdrain drain``) and takes no new
+    generation; save through another node, or retry once it is resumed."""
+
+    code = "draining"
+
+
 class RejectedInput(DrainError):
     """The request itself is wrong (bad name, size mismatch, duplicate): fix the caller."""
 
@@ -110,6 +117,7 @@ _BY_CODE: dict[str, type[DrainError]] = {
         DrainError,
         DaemonUnavailable,
         Backpressure,
+        NodeDraining,
         RejectedInput,
         InvalidName,
         DuplicateShard,

@@ -70,8 +70,11 @@ INTERNAL: Final = "internal"
 COMMITTED: Final = "committed"
 # The destination could not be read or holds something damaged (wait, latest).
 DESTINATION: Final = "destination"
+# The node is being drained for maintenance (`ckptdrain drain`): no new generation here.
+DRAINING: Final = "draining"
 ERROR_CODES: Final = frozenset(
     {
+        DRAINING,
         COMMITTED,
         DESTINATION,
         BAD_REQUEST,
@@ -345,6 +348,12 @@ _CLIENT_KINDS: dict[str, _Schema] = {
     # Restore's fast path: the daemon copies its local copy of a shard into the file whose
     # (writable) fd travels with the frame, and answers with the sha256 of what it wrote.
     "fetch": {"job": (_job, True), "step": (_step, True), "path": (_path, True)},
+    # Operators (`ckptdrain drain / resume / abort`): take the node out of service and back,
+    # and end one generation on this node.
+    "drain": {},
+    "resume": {},
+    "abort_generation": {"job": (_job, True), "step": (_step, True),
+                         "reason": (_reason, False)},
 }
 _SERVER_KINDS: dict[str, _Schema | None] = {
     "welcome": {"version": (_check_version, True), "node_id": (_check_str, True)},

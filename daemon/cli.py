@@ -62,7 +62,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ckptdrain.daemon import cli_destination, cli_node
+    from ckptdrain.daemon import cli_config, cli_destination, cli_node
     from ckptdrain.daemon.plan import add_plan_arguments
 
     parser = _Parser(prog="ckptdrain", description="Checkpoint drain daemon and tools.")
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_node.add_parsers(sub, common)
     cli_destination.add_parsers(sub, common)
+    cli_config.add_parsers(sub, common)
 
     p = sub.add_parser("plan", help="the checkpoint sizing worksheet")
     add_plan_arguments(p)

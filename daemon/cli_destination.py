@@ -67,6 +67,12 @@ def job_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(exc.message) from None
 
 
+def step_arg(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) >= 2**63:
+        raise argparse.ArgumentTypeError(f"takes a step number (0 or more), not {text!r}")
+    return int(text)
+
+
 def generation_arg(text: str) -> str:
     if text != "latest" and not (text.isascii() and text.isdigit()):
         raise argparse.ArgumentTypeError(f"takes a step number or 'latest', not {text!r}")

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptdrain.client import Client
 from ckptdrain.client.client import default_socket_path
-from ckptdrain.daemon.cli_destination import EXIT_OK, CommandFailed
+from ckptdrain.daemon.cli_destination import EXIT_OK, EXIT_USAGE, CommandFailed, job_arg, step_arg
 from ckptdrain.daemon.cli_destination import human as _human
 
 
@@ -126,6 +126,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
         return EXIT_OK
     limits = status["limits"]
     print(f"node {status['node_id']}  ack={status['ack']}  destination {status['destination']}")
+    if status.get("draining"):
+        print("DRAINING for maintenance: new generations are refused (`ckptdrain resume` undoes it)")
     print(
         f"staged {_human(status['staged_bytes'])} of {_human(limits['max_staged_bytes'])}"
         f"  queued shards {status['queued_shards']}/{limits['max_queued_shards']}"
@@ -137,14 +139,14 @@ def cmd_status(ns: argparse.Namespace) -> int:
     if not gens:
         print("no generations on this node")
         return EXIT_OK
-    header = f"{'JOB':<20} {'STEP':>10} {'STATE':<10} {'RANKS':>5} {'STAGED':>7} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
+    header = f"{'JOB':<20} {'STEP':>10} {'STATE':<10} {'UID':>6} {'RANKS':>5} {'STAGED':>7} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
     print(header)
     for g in gens:
         shards = g["shards"]
         undrained = sum(shards.get(s, 0) for s in ("staged", "draining", "failed"))
         total_bytes = sum(g["bytes"].values())
         print(
-            f"{g['job']:<20} {g['step']:>10} {g['state']:<10} {len(g['ranks']):>5}"
+            f"{g['job']:<20} {g['step']:>10} {g['state']:<10} {g.get('uid', '-')!s:>6} {len(g['ranks']):>5}"
             f" {undrained:>7} {shards.get('drained', 0):>7} {_human(total_bytes):>11}"
             f" {g['oldest_undrained_age_s']:>7.1f}s"
         )
@@ -153,8 +155,13 @@ def cmd_status(ns: argparse.Namespace) -> int:
     if status.get("generations_omitted"):
         print(f"... and {status['generations_omitted']} more generations (ended ones first left "
               "out); show one job's with --job JOB")
+    uploads = status.get("uploads_open", [])
+    if uploads:
+        print(f"multipart uploads open: {status.get('uploads_open_count', len(uploads))}, oldest first")
+        for u in uploads:
+            print(f"    {u['job']} {u['step']} {u['path']} ({_human(u['size'])}, {u['state']}) "
+                  f"upload {u['upload_id']} open {u['age_s']:.0f}s")
     return EXIT_OK
-
 
 
 def cmd_retry(ns: argparse.Namespace) -> int:
@@ -164,6 +171,60 @@ def cmd_retry(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- maintenance --------------------------------------------------------------------------------
+DRAIN_POLL_S = 1.0
+
+
+def _left(report: dict[str, Any]) -> str:
+    left = report["left"]
+    return (f"{left['shards_undrained']} shard(s) ({_human(left['bytes_undrained'])}) not yet "
+            f"drained, {left['shards_receiving']} arriving, {left['generations_unrecorded']} "
+            f"generation(s) not yet recorded at the destination"
+            + (f"; {left['shards_failed']} failed shard(s) kept for `ckptdrain retry`"
+               if left["shards_failed"] else ""))
+
+
+def cmd_drain(ns: argparse.Namespace) -> int:
+    import time
+
+    if ns.timeout is not None and not 0 < ns.timeout < float("inf"):
+        raise CommandFailed(f"--timeout must be a positive number of seconds, not {ns.timeout}",
+                            EXIT_USAGE)
+    deadline = None if ns.timeout is None else time.monotonic() + ns.timeout
+    with Client(socket_path(ns), timeout_s=30) as client:
+        report = client.drain()
+        while ns.wait and not report["done"]:
+            if deadline is not None and time.monotonic() >= deadline:
+                if ns.json:
+                    print(json.dumps(report, indent=2, sort_keys=True))
+                raise CommandFailed(f"still draining after {ns.timeout:g} s: {_left(report)}; "
+                                    "wait longer, or see `ckptdrain status`")
+            time.sleep(DRAIN_POLL_S)
+            report = client.drain()
+    if ns.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    elif report["done"]:
+        print("node drained: new generations are refused and nothing is left to drain; it is "
+              "safe to stop the daemon (`ckptdrain resume` takes new generations again)")
+    else:
+        print(f"draining: new generations are refused; left: {_left(report)} "
+              "(`ckptdrain drain --wait` waits for it)")
+    return EXIT_OK
+
+
+def cmd_resume(ns: argparse.Namespace) -> int:
+    with Client(socket_path(ns), timeout_s=30) as client:
+        client.resume()
+    print("resumed: the node takes new generations again")
+    return EXIT_OK
+
+
+def cmd_abort(ns: argparse.Namespace) -> int:
+    with Client(socket_path(ns), timeout_s=30) as client:
+        result = client.abort_generation(ns.job, ns.step, ns.reason or "")
+    print(f"step {ns.step} of job {ns.job!r} aborted on this node ({result['state']}); it will "
+          "never commit from this attempt: save a new step")
+    return EXIT_OK
 
 
 def add_parsers(sub: Any, common: Callable[..., None]) -> None:
@@ -179,6 +240,26 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
 
     p = sub.add_parser("retry", help="drain a failed generation again from its local copy")
     common(p, socket=True)
-    p.add_argument("job")
-    p.add_argument("step", type=int)
+    p.add_argument("job", type=job_arg)
+    p.add_argument("step", type=step_arg)
     p.set_defaults(fn=cmd_retry)
+
+    p = sub.add_parser("drain", help="take the node out of service: refuse new generations, "
+                       "finish what is staged")
+    common(p, socket=True)
+    p.add_argument("--wait", action="store_true", help="return once nothing is left to drain")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="with --wait: give up after S seconds (exit 1, saying what is left)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_drain)
+
+    p = sub.add_parser("resume", help="take new generations again after `drain`")
+    common(p, socket=True)
+    p.set_defaults(fn=cmd_resume)
+
+    p = sub.add_parser("abort", help="end one generation on this node (it will never commit)")
+    common(p, socket=True)
+    p.add_argument("job", type=job_arg)
+    p.add_argument("step", type=step_arg)
+    p.add_argument("--reason", help="recorded with the failure")
+    p.set_defaults(fn=cmd_abort)

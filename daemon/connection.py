@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog, waits
+from ckptdrain.daemon import catalog, maintenance, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
@@ -46,7 +46,7 @@ log = logging.getLogger("ckptdrain.connection")
 RECV_BUFFER_BYTES = 1 << 20
 ACK_STRENGTH = {"memory": 0, "local": 1}
 # Requests that are not hand-offs: a stop does not wait for them.
-_NOT_BUSY = frozenset({"wait", "status", "latest"})
+_NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume"})
 
 
 class ClientHandler:
@@ -220,6 +220,13 @@ class ClientHandler:
                 return await self.fetch(f["job"], f["step"], f["path"], fd)
             finally:
                 os.close(fd)
+        if kind in ("drain", "resume"):
+            return maintenance.drain(self.d, self.peer) if kind == "drain" else \
+                maintenance.resume(self.d, self.peer)
+        if kind == "abort_generation":
+            self.check_job_owner(f["job"])
+            return await maintenance.abort_generation(self.d, self.uid, f["job"], f["step"],
+                                                      f.get("reason") or "")
         raise RequestError(wire.BAD_REQUEST, f"{kind!r} is not a request a client may send")
 
     async def _latest(self, job: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ class Journal:
         self.path = path
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
         self._db: sqlite3.Connection | None = None
+        # shard id -> (upload id, when begun): multipart uploads not yet completed or aborted,
+        # kept beside the uploads table so `status` answers from memory.
+        self.open_uploads: dict[int, tuple[str, float]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def open(self) -> None:
@@ -175,7 +179,7 @@ class Journal:
 
     # -- reads -------------------------------------------------------------------------------
     async def load(self) -> Snapshot:
-        return await self._run(self._load)
+        return self._note_uploads(await self._run(self._load))
 
     def _load(self) -> Snapshot:
         assert self._db is not None
@@ -187,6 +191,14 @@ class Journal:
             shards=[dict(r) for r in db.execute("SELECT * FROM shards ORDER BY id")],
             uploads={r["shard_id"]: r["upload_id"] for r in db.execute("SELECT * FROM uploads")},
         )
+
+    def _note_uploads(self, snap: Snapshot) -> Snapshot:
+        # Uploads begun before a restart are open until they complete or are aborted; their
+        # age is counted from this start.
+        now = time.time()
+        for shard_id, upload_id in snap.uploads.items():
+            self.open_uploads.setdefault(shard_id, (upload_id, now))
+        return snap
 
     async def upload_parts(self, shard_id: int) -> dict[int, tuple[str, str]]:
         def read() -> dict[int, tuple[str, str]]:
@@ -312,12 +324,14 @@ class JournalUploadLog:
 
     async def begun(self, upload_id: str) -> None:
         await self.journal.write(*begin_upload(self.shard_id, upload_id))
+        self.journal.open_uploads[self.shard_id] = (upload_id, time.time())
 
     async def part_done(self, number: int, etag: str, checksum: str) -> None:
         await self.journal.write(part_done(self.shard_id, number, etag, checksum))
 
     async def finished(self) -> None:
         await self.journal.write(*end_upload(self.shard_id))
+        self.journal.open_uploads.pop(self.shard_id, None)
 
 
 class GroupCommit:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptdrain.client import wire
-from ckptdrain.daemon import __version__, startup
+from ckptdrain.daemon import __version__, maintenance, startup
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.admission import Admission
@@ -112,6 +112,7 @@ class Daemon:
         self._begin_locks = KeyedLocks()
         self.metrics_address: tuple[str, int] | None = None
         self.stopping = False
+        self.draining = False  # `ckptdrain drain`: no new generation (daemon/maintenance.py)
         self.on_stopped: Callable[[], None] | None = None  # the CLI bounds the process exit
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -256,6 +257,7 @@ class Daemon:
             gen = self.ledger.get(job, step)
             if gen is None or (gen.attempt != attempt
                                and gen.state is not GenerationState.COMMITTED):
+                maintenance.refuse_new_generation(self, job, step)
                 await self._refuse_if_committed(job, step)
             if (gen is not None and gen.attempt != attempt
                     and gen.state is not GenerationState.COMMITTED):

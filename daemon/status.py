@@ -36,7 +36,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
     shown: list[dict[str, Any]] = []
     room = GENERATIONS_BYTES
     for g in by_recency[:MAX_STATUS_GENERATIONS]:
-        summary = g.summary()
+        summary = {**g.summary(), "uid": owners.get(g.job)}
         room -= len(json.dumps(summary, ensure_ascii=False).encode()) + 2
         if room < 0:
             break
@@ -90,9 +90,37 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         # The data plane: threads moving bytes now, and calls that outlived io_timeout_s.
         "io_threads": {"size": d.dataplane.threads, "busy": d.dataplane.busy,
                        "stuck": d.dataplane.stuck},
+        "draining": d.draining,
         "generations": shown,
         "generations_omitted": len(gens) - len(shown),
+        **_uploads(d, gens),
     }
+
+
+MAX_STATUS_UPLOADS = 50
+
+
+def _uploads(d: Daemon, gens: list[Any]) -> dict[str, Any]:
+    """S3 multipart uploads this node has begun and not completed or aborted, oldest first
+    (what an operator looks for when a drain seems stuck): up to MAX_STATUS_UPLOADS."""
+    open_ids = d.journal.open_uploads
+    found = []
+    if open_ids:
+        now = time.time()
+        for g in gens:
+            for s in g.shards.values():
+                begun = open_ids.get(s.id)
+                if begun is not None:
+                    upload_id, since = begun
+                    found.append({"job": g.job, "step": g.step, "path": s.path,
+                                  "size": s.size, "state": str(s.state), "upload_id": upload_id,
+                                  "age_s": round(now - since, 3)})
+        if len(found) < len(open_ids):  # the rest may belong to forgotten generations
+            seen = {s.id for g in d.ledger.generations.values() for s in g.shards.values()}
+            for stale in [i for i in open_ids if i not in seen]:
+                del open_ids[stale]
+    found.sort(key=lambda u: -u["age_s"])
+    return {"uploads_open": found[:MAX_STATUS_UPLOADS], "uploads_open_count": len(found)}
 
 
 def refresh_snapshot(d: Daemon) -> None:

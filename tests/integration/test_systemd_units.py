@@ -123,5 +123,12 @@ def test_socket_contract() -> None:
     assert s["SocketMode"] == ["0660"]
     assert s["SocketGroup"] == ["ckptdrain"]
     assert s["RemoveOnStop"] == ["yes"]
+    # The socket survives a daemon restart: nothing stops or restarts it with the service
+    # (with PartOf=, `systemctl restart ckptdrain.service` restarted the socket too and
+    # RemoveOnStop= unlinked it under connecting clients).
+    for tie in ("PartOf", "BindsTo", "StopWhenUnneeded"):
+        assert tie not in s, tie
+    service = unit_settings(SERVICE)
+    assert "PartOf" not in service and "BindsTo" not in service
     # Not inside the service's RuntimeDirectory (removed when the service stops).
     assert "RuntimeDirectory" not in unit_settings(SERVICE)

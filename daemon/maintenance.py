@@ -1,0 +1,98 @@
+"""Taking a node out of service and back (``ckptdrain drain / resume / abort``).
+
+While draining, a new generation (or a new attempt at one) is refused with the typed
+``draining`` error; ranks joining a generation that already began here are still served, so
+it can commit, and everything staged keeps draining. The report says what is left, so the
+operator knows when stopping the daemon loses nothing. Draining lives in memory: a restarted
+daemon takes new generations again (``drain`` again after an upgrade if that is not wanted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from ckptdrain.client import wire
+from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.state import GenerationEvent, RankState, ShardState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.access import Peer
+    from ckptdrain.daemon.server import Daemon
+
+log = logging.getLogger("ckptdrain.maintenance")
+
+_UNDRAINED = (ShardState.HELD, ShardState.STAGED, ShardState.DRAINING)
+_UNRECORDED = (RankState.OPEN, RankState.SEALED)
+
+
+def check_operator(peer: Peer) -> None:
+    """Draining the node is for operators (root, the daemon's own user), not a training job."""
+    if not peer.operator:
+        raise RequestError(wire.PERMISSION_DENIED, f"uid {peer.uid} may not drain or resume "
+                           f"this node; run the command as root or as uid {os.getuid()}")
+
+
+def refuse_new_generation(d: Daemon, job: str, step: int) -> None:
+    if d.draining:
+        raise RequestError(wire.DRAINING, f"node {d.node_id} is being drained for maintenance "
+                           f"and takes no new generation (job {job!r} step {step}); save "
+                           "through another node, or retry after `ckptdrain resume`",
+                           {"retry_after_s": 30.0})
+
+
+def report(d: Daemon) -> dict[str, Any]:
+    """What this node still has to do before it can stop without losing anything."""
+    shards = undrained = receiving = failed = open_generations = 0
+    for gen in d.ledger.generations.values():
+        receiving += len(gen.receiving)
+        if gen.terminal:
+            failed += sum(1 for s in gen.shards.values() if s.state is ShardState.FAILED)
+            continue
+        if any(st in _UNRECORDED for st in gen.ranks.values()):
+            open_generations += 1
+        for s in gen.shards.values():
+            if s.state in _UNDRAINED:
+                shards += 1
+                undrained += s.size
+    left = {"generations_unrecorded": open_generations, "shards_undrained": shards,
+            "bytes_undrained": undrained, "shards_receiving": receiving,
+            "shards_failed": failed}
+    done = shards == 0 and receiving == 0 and open_generations == 0
+    return {"draining": d.draining, "done": done, "left": left}
+
+
+def drain(d: Daemon, peer: Peer) -> dict[str, Any]:
+    check_operator(peer)
+    uid = peer.uid
+    if not d.draining:
+        d.draining = True
+        log_event(log, logging.WARNING, "draining", uid=uid,
+                  action="new generations are refused until `ckptdrain resume`")
+    return report(d)
+
+
+def resume(d: Daemon, peer: Peer) -> dict[str, Any]:
+    check_operator(peer)
+    uid = peer.uid
+    if d.draining:
+        d.draining = False
+        log_event(log, logging.INFO, "resumed", uid=uid)
+    return report(d)
+
+
+async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str) -> dict[str, Any]:
+    gen = d.ledger.get(job, step)
+    if gen is None:
+        raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}; "
+                           "`ckptdrain status` lists what it holds")
+    if gen.terminal:
+        raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is already "
+                           f"{gen.state}; nothing to abort")
+    why = f"aborted by an operator (uid {uid})" + (f": {reason}" if reason else "")
+    await d.fail(gen, why, kind="aborted", event=GenerationEvent.FAILED)
+    log_event(log, logging.WARNING, "generation_aborted", job=job, step=step, uid=uid,
+              reason=reason)
+    return {"job": job, "step": step, "state": str(gen.state)}

@@ -1,0 +1,139 @@
+"""Commands an operator runs on a node: ``config check / show``, ``drain`` (and ``resume``)
+to take the node out for maintenance, ``abort JOB STEP``, and what ``status`` says about
+owners. Each is the real ``ckptdrain`` against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import Backpressure, GenerationFailed, NodeDraining
+from ckptdrain.daemon.config import load_config
+from tests.conftest import CKPTDRAIN, DaemonProcess
+
+
+def cli(d: DaemonProcess, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CKPTDRAIN, *args], env={**d.env(), **env}, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+# -- config ---------------------------------------------------------------------------------------
+def test_config_check(make_daemon: Any, tmp_path: Path) -> None:
+    d: DaemonProcess = make_daemon(start=False)
+    out = cli(d, "config", "check")
+    assert out.returncode == 0, out.stderr
+    assert "configuration OK" in out.stdout and "CKPTDRAIN_STAGING_DIR" in out.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[limits]\nmax_staged_bytes = "lots"\n')
+    out = cli(d, "config", "check", "--config", str(bad))
+    assert out.returncode == 78 and "limits.max_staged_bytes" in out.stderr and str(bad) in out.stderr
+    out = cli(d, "config", "check", "--config", str(tmp_path / "missing.toml"))
+    assert out.returncode == 78 and "no such config file" in out.stderr
+
+
+def test_config_show_is_the_effective_config_as_loadable_toml(make_daemon: Any,
+                                                             tmp_path: Path) -> None:
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="3GiB")
+    out = cli(d, "config", "show")
+    assert out.returncode == 0, out.stderr
+    assert "max_staged_bytes = 3221225472  # 3.0 GiB; set by CKPTDRAIN_LIMITS__MAX_STAGED_BYTES" \
+        in out.stdout
+    shown = tmp_path / "shown.toml"
+    shown.write_text(out.stdout)
+    tomllib.loads(out.stdout)  # valid TOML
+    env = {k: v for k, v in d.env().items() if not k.startswith("CKPTDRAIN_")}
+    assert load_config(shown, env=env) == load_config(env=d.env())
+    doc = json.loads(cli(d, "config", "show", "--json").stdout)
+    assert doc["config"]["limits"]["max_staged_bytes"] == 3 << 30
+    assert doc["set_by_environment"]["limits.max_staged_bytes"] == "CKPTDRAIN_LIMITS__MAX_STAGED_BYTES"
+
+
+# -- drain / resume -------------------------------------------------------------------------------
+def test_drain_for_maintenance_then_resume(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon()
+    c = d.client()
+    rank0 = c.generation("train", 1, rank=0, world_size=2)
+    rank0.__enter__()
+    rank0.put("r0", os.urandom(1 << 16))
+
+    out = cli(d, "drain", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["draining"] is True and report["done"] is False
+    assert report["left"]["generations_unrecorded"] == 1
+
+    # A new generation is refused with a typed error a training loop can act on...
+    with pytest.raises(NodeDraining) as refused:
+        c.generation("train", 2).__enter__()
+    assert isinstance(refused.value, Backpressure) and refused.value.code == "draining"
+    assert "ckptdrain resume" in refused.value.message
+    # ... but the generation in progress is finished: its other rank still joins.
+    with c.generation("train", 1, rank=1, world_size=2) as gen:
+        gen.put("r1", os.urandom(1 << 16))
+    rank0.__exit__(None, None, None)
+    c.wait("train", 1, timeout_s=60)
+
+    out = cli(d, "drain", "--wait", "--timeout", "60")
+    assert out.returncode == 0, out.stderr
+    assert "safe to stop the daemon" in out.stdout
+    status = json.loads(cli(d, "status", "--json").stdout)
+    assert status["draining"] is True
+    assert "DRAINING" in cli(d, "status").stdout
+
+    out = cli(d, "resume")
+    assert out.returncode == 0 and "takes new generations" in out.stdout
+    with c.generation("train", 2) as gen:
+        gen.put("w", b"after maintenance")
+    c.wait("train", 2, timeout_s=60)
+
+
+def test_drain_wait_gives_up_at_its_timeout_saying_what_is_left(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("slow", 1) as gen:
+        gen.put("w", os.urandom(1 << 20))  # takes days at 1 B/s
+    started = time.monotonic()
+    out = cli(d, "drain", "--wait", "--timeout", "2")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert time.monotonic() - started < 60
+    [line] = out.stderr.splitlines()
+    assert "still draining after 2 s" in line and "1 shard(s) (1.0 MiB) not yet drained" in line
+    assert cli(d, "drain", "--timeout", "0").returncode == 2
+
+
+# -- abort ----------------------------------------------------------------------------------------
+def test_abort_a_generation(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon()
+    c = d.client()
+    stuck = c.generation("job", 5, rank=0, world_size=2)
+    stuck.__enter__()
+    stuck.put("w", b"half a checkpoint")
+    out = cli(d, "abort", "job", "5", "--reason", "node 7 is gone")
+    assert out.returncode == 0, out.stderr
+    assert "never commit" in out.stdout
+    [gen] = c.status()["generations"]
+    assert gen["state"] == "failed" and "aborted by an operator" in gen["error"]
+    assert "node 7 is gone" in gen["error"]
+    with pytest.raises(GenerationFailed):
+        stuck.__exit__(None, None, None)
+    again = cli(d, "abort", "job", "5")
+    assert again.returncode == 1 and "already failed" in again.stderr
+    missing = cli(d, "abort", "job", "6")
+    assert missing.returncode == 1 and "holds no step 6" in missing.stderr
+    assert cli(d, "abort", "bad job", "6").returncode == 2
+
+
+def test_status_shows_the_owning_uid(daemon: DaemonProcess) -> None:
+    with daemon.client().generation("owned", 1) as gen:
+        gen.put("w", b"x")
+    daemon.client().wait("owned", 1, timeout_s=60)
+    [gen] = json.loads(cli(daemon, "status", "--json").stdout)["generations"]
+    assert gen["uid"] == os.getuid()
+    text = cli(daemon, "status").stdout
+    assert "UID" in text and f" {os.getuid()} " in text
