@@ -48,6 +48,8 @@ _REFUSAL_GRACE_S = 5.0
 # wait() gives the daemon this long beyond the requested timeout to deliver its answer.
 _WAIT_MARGIN_S = 30.0
 _MAX_REASON_CHARS = wire.MAX_REASON_CHARS
+# Room for the fds a reply may carry (one, for `open`; more are closed unread).
+_ANC_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
 
 
@@ -137,6 +139,7 @@ class _Channel:
         self._view = memoryview(self._buffer)
         self.broken: DrainError | None = None
         self.node_id = ""
+        self._fds: list[int] = []  # fds that came with replies (`open`)
 
     @classmethod
     def open(cls, path: str, *, timeout_s: float, connect_timeout_s: float) -> _Channel:
@@ -178,6 +181,27 @@ class _Channel:
             self.broken = DaemonUnavailable(f"connection to {self.path} was closed")
         self._sock.close()
         self._view.release()
+        self._drop_fds()
+
+    def _drop_fds(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def request_fd(self, kind: str, fields: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """A request whose ``ok`` reply hands over one file descriptor (now the caller's)."""
+        self._drop_fds()
+        try:
+            reply = self.request(kind, fields)
+            if len(self._fds) != 1:
+                raise DrainError(
+                    f"the ckptdrain daemon answered {kind!r} with {len(self._fds)} file "
+                    "descriptors, not one; check that client and daemon versions match"
+                )
+            return reply, self._fds.pop()
+        finally:
+            self._drop_fds()
 
     def is_reusable(self) -> bool:
         """Whether an idle connection still looks open (the daemon drops idle clients)."""
@@ -309,9 +333,14 @@ class _Channel:
             if event is wire.NEED_DATA:
                 self._settimeout(deadline)
                 try:
-                    n = self._sock.recv_into(self._view)
+                    n, anc, _flags, _ = self._sock.recvmsg_into([self._view], _ANC_BYTES)
                 except ConnectionResetError:
-                    n = 0  # Linux reports a peer that closed with our bytes unread this way.
+                    n, anc = 0, []  # Linux reports a peer that closed with our bytes unread so.
+                for level, kind, data in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds = array.array("i")
+                        fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+                        self._fds.extend(fds)
                 self._wire.receive_data(self._view[:n])
             elif isinstance(event, wire.Message):
                 return event
@@ -692,6 +721,36 @@ class Client:
             )
         return generation
 
+    def latest_path(self, job: str, step: int | None = None) -> str | None:
+        """Where generation ``step`` (default: the newest committed one) of ``job`` lies at
+        the destination: a local directory for a ``file://`` destination, else its URI
+        (``s3://bucket/prefix/job/<step>``); None when nothing is committed."""
+        names.validate_job(job)
+        if step is not None:
+            names.validate_step(step)
+        reply = self._call("latest", {"job": job})
+        root, newest = reply.get("root"), reply.get("generation")
+        if step is None:
+            step = newest if isinstance(newest, int) and not isinstance(newest, bool) else None
+        if not isinstance(root, str) or step is None:
+            return None
+        uri = f"{root}/{step:020d}"
+        return uri.removeprefix("file://") if uri.startswith("file://") else uri
+
+    def open_local(self, job: str, step: int, path: str) -> int:
+        """A read-only fd of this node's local copy of shard ``path`` of committed step
+        ``step``, which the daemon has just checked against the manifest; the caller closes
+        it. Raises NotFound when the destination must serve the shard instead."""
+        names.validate_job(job)
+        names.validate_step(step)
+        names.validate_shard_path(path)
+        channel = self._open_channel()
+        try:
+            _reply, fd = channel.request_fd("open", {"job": job, "step": step, "path": path})
+        finally:
+            channel.close()
+        return fd
+
     def status(self, job: str | None = None) -> dict[str, Any]:
         """The daemon's status report (jobs, generations, staged bytes, limits); ``job``
         keeps only that job's generations. A user sees only the jobs it owns."""
@@ -708,6 +767,19 @@ class Client:
         channel = self._open_channel()
         try:
             return channel.request("fetch", {"job": job, "step": step, "path": path}, fd=fd)
+        finally:
+            channel.close()
+
+    def fetch_from_destination(self, job: str, step: int, path: str, fd: int) -> dict[str, Any]:
+        """Have the daemon copy shard ``path`` of committed step ``step`` from the destination
+        into ``fd`` (open for writing), checked against the manifest (for a destination this
+        process cannot read itself, such as S3); returns ``{"size", "checksum"}``."""
+        names.validate_shard_path(path)
+        channel = self._open_channel()
+        try:
+            return channel.request(
+                "fetch", {"job": job, "step": step, "path": path, "source": "destination"}, fd=fd
+            )
         finally:
             channel.close()
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import io
 import os
 import pickle
-import queue
 import threading
 import uuid
 import weakref
@@ -39,28 +37,24 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import (  # FileSystemWriter's own internals
-    CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
-    SerializationFormat,
-    _split_by_size_and_type,
-    _StorageWriterTransforms,
-    _write_files_from_queue,
-)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptdrain.client import names
+from ckptdrain.client import dcpfiles, names
 from ckptdrain.client.client import Client, Generation, default_attempt
+from ckptdrain.client.dcpreader import DrainReader
 from ckptdrain.client.errors import DrainError, RejectedInput
 from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
 
-__all__ = ["METADATA_NAME", "DrainWriter"]
+__all__ = ["METADATA_NAME", "DrainReader", "DrainWriter"]
 
 # DCP's name for the checkpoint's metadata file (torch.distributed.checkpoint.filesystem).
 METADATA_NAME = ".metadata"
+# The format version FileSystemWriter stamps into .metadata (filesystem.CURRENT_DCP_VERSION).
+_DCP_VERSION = "1.0.0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,20 +70,6 @@ class _RankPlan:
     rank: int
     world_size: int
     attempt: str = ""
-
-
-class _FileBuffer(io.BytesIO):
-    """One data file, serialized in memory until it is handed off.
-
-    FileSystemWriter's serializer closes its stream when the file is complete; here that must
-    not free the bytes before they are handed off, so ``close`` waits for ``discard``.
-    """
-
-    def close(self) -> None:
-        pass
-
-    def discard(self) -> None:
-        super().close()
 
 
 def _save_attempt(run: str) -> str:
@@ -109,7 +89,7 @@ def _abort_part(stack: contextlib.ExitStack, reason: str) -> None:
         stack.__exit__(DrainError, error, None)
 
 
-class DrainWriter(StorageWriter):
+class DrainWriter(StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` that hands each rank's files to its node's ckptdrain daemon.
 
     ``job`` and ``step`` name the generation: it commits at ``<dest>/<job>/<step:020d>/``.
@@ -118,8 +98,11 @@ class DrainWriter(StorageWriter):
     ``Client``). ``ack`` ("local" or "memory") overrides the daemon's failure boundary.
     ``single_file_per_rank`` and ``thread_count`` mean what they mean for torch's
     ``FileSystemWriter`` and give the same files: by default one ``__<rank>_0.distcp`` per
-    rank. Each file is held in memory while it is handed off, so a rank needs that much RAM
-    beside its state dict; ``thread_count`` files are serialized at once.
+    rank. Each file is serialized straight into a memfd that is passed to the daemon (with
+    ``ack="memory"`` the daemon keeps that memfd as it is); ``thread_count`` files are
+    serialized at once. Passed to ``dcp.async_save``, the writer is also its ``AsyncStager``:
+    the staging copy is serialized into the memfd the daemon takes over, and the state dict
+    DCP saves from is views of it, so there is no second copy (see :mod:`.dcpfiles`).
 
     One writer saves one generation. Use it with ``with`` (or call :meth:`close`) so that a
     save that failed on another rank, which DCP does not report to this writer, also aborts
@@ -156,7 +139,7 @@ class DrainWriter(StorageWriter):
         self._client = client if client is not None else Client(socket_path)
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
-        self._transforms = _StorageWriterTransforms(None)
+        self._staged: dcpfiles.Staged | None = None  # async_save's staging copy
         # The coordinator's part stays open from write_data to finish; the ExitStack is its
         # ``with`` block. The finalizer aborts it if the writer is dropped in between.
         self._open: contextlib.ExitStack | None = None
@@ -218,6 +201,25 @@ class DrainWriter(StorageWriter):
             )
             for rank, plan in enumerate(plans)
         ]
+
+    # -- the AsyncStager protocol (async_save) ---------------------------------------------------
+    # Staging is done when stage() returns: nothing for DCP to wait on afterwards.
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """async_save's staging copy, serialized straight into a memfd the daemon takes
+        over: the state dict DCP plans with is views of those bytes, so staging is the only
+        copy (no DCP stager copy, then a file copy of it)."""
+        if self._state != "new" or self._staged is not None:
+            raise RejectedInput(
+                f"this DrainWriter already saved {self.checkpoint_id} ({self._state}); "
+                "create a DrainWriter(job, step) for each save"
+            )
+        staged_dict, self._staged = dcpfiles.stage(state_dict, "staged")
+        return staged_dict  # type: ignore[no-any-return]
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is made."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan = plan.storage_data
@@ -294,8 +296,12 @@ class DrainWriter(StorageWriter):
         _abort_part(stack, reason)
 
     def close(self) -> None:
-        """Abort a part left open, and close the client if this writer made it."""
+        """Abort a part left open, drop a staging copy never handed off, and close the
+        client if this writer made it."""
         self.abort("the DrainWriter was closed before the save finished")
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.file.close()
         if self._owns_client:
             self._client.close()
 
@@ -320,7 +326,7 @@ class DrainWriter(StorageWriter):
                 f"a DrainWriter that has begun saving ({self._state}) cannot be copied to "
                 "another process; pickle it before the save"
             )
-        skip = ("_client", "_finalizer", "_open", "_part")
+        skip = ("_client", "_finalizer", "_open", "_part", "_staged")
         state = {k: v for k, v in self.__dict__.items() if k not in skip}
         state["_socket_path"] = self._client.socket_path
         state["_client_timeouts"] = (self._client.timeout_s, self._client.connect_timeout_s)
@@ -333,6 +339,7 @@ class DrainWriter(StorageWriter):
         self._client = Client(socket_path, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
         self._owns_client = True
         self._open = self._part = self._finalizer = None
+        self._staged = None
 
     # -- internals ---------------------------------------------------------------------------
     def _keep_open(self, stack: contextlib.ExitStack, generation: Generation) -> None:
@@ -346,20 +353,27 @@ class DrainWriter(StorageWriter):
     def _file_groups(self, plan: SavePlan, prefix: str) -> Iterator[tuple[str, list[WriteItem]]]:
         """The files and their items, named and grouped exactly as FileSystemWriter does."""
         if self.single_file_per_rank:
-            groups = _split_by_size_and_type(self.thread_count, plan.items)
+            groups = dcpfiles.split_by_size_and_type(self.thread_count, plan.items)
         else:
             groups = [[item] for item in plan.items]
         for index, items in enumerate(groups):
-            yield f"{prefix}{index}{DEFAULT_SUFFIX}", items
+            yield f"{prefix}{index}{dcpfiles.DATA_SUFFIX}", items
 
     def _hand_off(
         self, generation: Generation, plan: SavePlan, planner: SavePlanner, prefix: str
     ) -> list[WriteResult]:
         # One connection per part: puts from several serializing threads take turns on it.
         lock = threading.Lock()
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            # async_save staged into one memfd: that is this rank's one data file, with what
+            # staging did not hold (non-tensor values) appended.
+            staged.file.name = f"{prefix}0{dcpfiles.DATA_SUFFIX}"
+            return self._put_file(staged.file, plan.items, planner, generation, lock, staged)
 
         def serialize_and_put(file_name: str, items: list[WriteItem]) -> list[WriteResult]:
-            return self._serialize(file_name, items, planner, generation, lock)
+            file = dcpfiles.MemfdFile(file_name)
+            return self._put_file(file, items, planner, generation, lock)
 
         groups = list(self._file_groups(plan, prefix))
         results: list[WriteResult] = []
@@ -378,45 +392,28 @@ class DrainWriter(StorageWriter):
                     raise
         return results
 
-    def _serialize(
-        self,
-        file_name: str,
+    @staticmethod
+    def _put_file(
+        file: dcpfiles.MemfdFile,
         items: list[WriteItem],
         planner: SavePlanner,
         generation: Generation,
         lock: threading.Lock,
+        staged: dcpfiles.Staged | None = None,
     ) -> list[WriteResult]:
-        buffer = _FileBuffer()
-
-        @contextlib.contextmanager
-        def create_stream(path: str, mode: str) -> Iterator[io.IOBase]:
-            yield buffer
-
-        file_queue: queue.Queue[tuple[str, str, list[WriteItem]]] = queue.Queue()
-        file_queue.put((file_name, file_name, items))
-        result_queue: queue.Queue[list[WriteResult]] = queue.Queue()
+        """Serialize into the file's memfd and pass the memfd itself: with ack="memory" the
+        daemon keeps it as it is, else it copies it to its staging disk."""
         try:
-            # FileSystemWriter's serializer, so offsets, lengths and bytes are exactly its own.
-            _write_files_from_queue(
-                create_stream,
-                file_queue,
-                result_queue,
-                planner,
-                self._transforms,
-                self.per_thread_copy_ahead,
-                False,  # use_fsync: there is no file; the daemon makes the bytes durable
-                self.thread_count,
-                SerializationFormat.TORCH_SAVE,
-            )
-            with buffer.getbuffer() as view, lock:
-                generation.put(file_name, view)
+            results = dcpfiles.write_file(file, items, planner, staged)
+            with lock:
+                generation.put_file(file.name, file.fd)
         finally:
-            buffer.discard()
-        return result_queue.get_nowait()
+            file.close()
+        return results
 
     def _metadata_bytes(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
         """``.metadata`` exactly as FileSystemWriter.finish writes it."""
-        metadata.version = CURRENT_DCP_VERSION
+        metadata.version = _DCP_VERSION
         storage_md = {}
         for rank_results in results:
             storage_md.update({result.index: result.storage_data for result in rank_results})

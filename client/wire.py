@@ -268,6 +268,13 @@ _reason = _text_checker(MAX_REASON_CHARS)
 _client_name = _text_checker(MAX_CLIENT_NAME_CHARS)
 
 
+def _check_source(kind: str, name: str, value: Any) -> None:
+    if value not in ("local", "destination"):
+        raise ProtocolError(
+            BAD_REQUEST, f"{kind!r} field {name!r} is {value!r}; use 'local' or 'destination'"
+        )
+
+
 def _check_bool(kind: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise _type_error(kind, name, "true or false", value)
@@ -347,7 +354,17 @@ _CLIENT_KINDS: dict[str, _Schema] = {
     "retry": {"job": (_job, True), "step": (_step, True)},
     # Restore's fast path: the daemon copies its local copy of a shard into the file whose
     # (writable) fd travels with the frame, and answers with the sha256 of what it wrote.
-    "fetch": {"job": (_job, True), "step": (_step, True), "path": (_path, True)},
+    "fetch": {
+        "job": (_job, True),
+        "step": (_step, True),
+        "path": (_path, True),
+        # "local" (default): this node's local copy; "destination": the daemon reads the
+        # committed shard from the destination and checks it against the manifest.
+        "source": (_check_source, False),
+    },
+    # A reader's fast path: the daemon checks its local copy of a committed shard against
+    # the manifest and answers `ok` with a read-only fd of it on the reply frame.
+    "open": {"job": (_job, True), "step": (_step, True), "path": (_path, True)},
     # Operators (`ckptdrain drain / resume / abort`): take the node out of service and back,
     # and end one generation on this node.
     "drain": {},

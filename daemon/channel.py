@@ -15,7 +15,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ckptdrain.daemon.dataplane import RateFloor, SocketPump
 from ckptdrain.daemon.errors import DaemonError
@@ -92,6 +92,9 @@ class Channel:
             return n
 
     async def _readable(self) -> None:
+        await self._ready(self._loop.add_reader, self._loop.remove_reader)
+
+    async def _ready(self, add: Callable[..., None], remove: Callable[[int], object]) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         fd = self.sock.fileno()
 
@@ -101,7 +104,7 @@ class Channel:
 
         floor = self.transfer
         due = floor.deadline() - time.monotonic() if floor is not None else self.idle_timeout_s
-        self._loop.add_reader(fd, wake)
+        add(fd, wake)
         try:
             await asyncio.wait_for(fut, max(0.0, min(due, self.idle_timeout_s)))
         except TimeoutError:
@@ -109,7 +112,20 @@ class Channel:
                 raise TooSlow(str(floor.too_slow(time.monotonic()))) from None
             raise IdleTimeout(f"client idle for {self.idle_timeout_s:g} s") from None
         finally:
-            self._loop.remove_reader(fd)
+            remove(fd)
+
+    async def send_with_fd(self, data: bytes, fd: int) -> None:
+        """Send ``data`` with ``fd`` riding on its first byte (SCM_RIGHTS): a reply that
+        hands the client a file."""
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        while True:
+            try:
+                sent = self.sock.sendmsg([data], rights)
+                break
+            except BlockingIOError:
+                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+        if sent < len(data):
+            await self.sendall(data[sent:])
 
     @contextlib.contextmanager
     def hangup_watch(self) -> Iterator[asyncio.Future[None]]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog, maintenance, waits
+from ckptdrain.daemon import catalog, maintenance, reads, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
@@ -46,7 +46,7 @@ log = logging.getLogger("ckptdrain.connection")
 RECV_BUFFER_BYTES = 1 << 20
 ACK_STRENGTH = {"memory": 0, "local": 1}
 # Requests that are not hand-offs: a stop does not wait for them.
-_NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume"})
+_NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
 
 
 class ClientHandler:
@@ -69,6 +69,7 @@ class ClientHandler:
         self.rank: int | None = None
         self.busy = False  # serving a hand-off request right now (see Listener._drain)
         self.ack: str = daemon.config.ack  # the boundary in force for this connection's rank
+        self.reply_fd: int | None = None  # an fd the next `ok` hands the client (`open`)
 
     async def run(self) -> None:
         try:
@@ -174,7 +175,14 @@ class ClientHandler:
             finally:
                 self.busy = False
             self._drop_unclaimed_fds()
-            await self.send("ok", reply)
+            fd, self.reply_fd = self.reply_fd, None
+            if fd is None:
+                await self.send("ok", reply)
+                continue
+            try:
+                await self.channel.send_with_fd(self.conn.send("ok", reply), fd)
+            finally:
+                os.close(fd)
 
     def _drop_unclaimed_fds(self) -> None:
         """Fds passed on frames that take none are closed once the request is done. Only when
@@ -212,11 +220,17 @@ class ClientHandler:
             return self.d.status(job=f.get("job"), peer=self.peer)
         if kind == "retry":
             return await self.retry(f["job"], f["step"])
+        if kind == "open":
+            self.reply_fd = await reads.open_local(self, f["job"], f["step"], f["path"])
+            return {"job": f["job"], "step": f["step"], "path": f["path"]}
         if kind == "fetch":
             fd = self.channel.take_fd()
             if fd is None:
                 raise RequestError(wire.BAD_REQUEST, "fetch arrived without a file descriptor")
             try:
+                if f.get("source") == "destination":
+                    return await reads.fetch_from_destination(self, f["job"], f["step"],
+                                                              f["path"], fd)
                 return await self.fetch(f["job"], f["step"], f["path"], fd)
             finally:
                 os.close(fd)
@@ -234,7 +248,9 @@ class ClientHandler:
             step = await catalog.latest(self.d.backend, job)
         except (BackendError, ManifestError, OSError) as exc:
             raise destination_error(job, None, exc) from None
-        return {"job": job, "generation": step}
+        # Where the job's generations lie (`Client.latest_path`): `<root>/<step:020d>`.
+        return {"job": job, "generation": step,
+                "root": f"{self.d.config.destination.uri.rstrip('/')}/{job}"}
 
     # -- hand-off requests -------------------------------------------------------------------
     def check_job_visible(self, job: str) -> None:

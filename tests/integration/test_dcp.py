@@ -43,7 +43,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ckptdrain.client import Client, GenerationFailed, RejectedInput
-from ckptdrain.client.dcp import DrainWriter
+from ckptdrain.client.dcp import DrainReader, DrainWriter
 from tests.conftest import DaemonProcess
 
 pytestmark = pytest.mark.torch
@@ -200,6 +200,9 @@ def save_ranks(rank: int, world: int, init_file: str, sockets: list[str], dest: 
             train(model, optim, rank, steps=1)
             future.result(timeout=COMMIT_TIMEOUT_S)
             result["async_commit"] = writer.wait(COMMIT_TIMEOUT_S)["committed"]
+        full = full_tensors(expected)
+        if rank == 0:
+            torch.save(full, Path(work) / f"expected-{ASYNC_STEP}.pt")
         result["async"] = load_and_compare(
             Path(dest) / JOB / f"{ASYNC_STEP:020d}", expected, world, rank, ASYNC_STEP)
         (Path(work) / f"save-rank{rank}.json").write_text(json.dumps(result))
@@ -207,26 +210,37 @@ def save_ranks(rank: int, world: int, init_file: str, sockets: list[str], dest: 
         dist.destroy_process_group()
 
 
-def load_resharded(rank: int, world: int, init_file: str, dest: str, work: str) -> None:
+def load_resharded(rank: int, world: int, init_file: str, dest: str, work: str,
+                   socket_path: str = "") -> None:
     init_group(rank, world, init_file)
     try:
         model, optim = build(world, seed=7)
         model_sd, optim_sd = get_state_dict(model, optim)
         target = {"model": model_sd, "optim": optim_sd, "progress": {"step": -1}}
-        dcp.load(target, storage_reader=FileSystemReader(Path(dest) / JOB / f"{SYNC_STEP:020d}"))
+        sources: dict[str, str] = {}
+        step = ASYNC_STEP if socket_path else SYNC_STEP
+        if socket_path:  # through one node's daemon: its local copies, the rest from dest
+            # The newest committed step: the one whose local copies the daemons keep.
+            with DrainReader(JOB, socket_path=socket_path) as reader:
+                dcp.load(target, storage_reader=reader)
+                sources = reader.sources
+        else:
+            dcp.load(target, storage_reader=FileSystemReader(Path(dest) / JOB / f"{SYNC_STEP:020d}"))
         set_state_dict(model, optim, model_state_dict=target["model"],
                        optim_state_dict=target["optim"])
         model_sd, optim_sd = get_state_dict(model, optim)
         loaded = full_tensors({"model": model_sd, "optim": optim_sd,
                                "progress": target["progress"]})
-        expected = torch.load(Path(work) / f"expected-{SYNC_STEP}.pt", weights_only=False)
+        expected = torch.load(Path(work) / f"expected-{step}.pt", weights_only=False)
         expected = {k: v for k, v in expected.items() if not k.startswith("/per_rank/")}
         assert expected.keys() == loaded.keys(), sorted(expected.keys() ^ loaded.keys())
         for key, value in expected.items():
             assert same_bits(value, loaded[key]), f"{key}: saved {value!r}, loaded {loaded[key]!r}"
         shards = [v.to_local().shape for v in model_sd.values() if isinstance(v, DTensor)]
-        (Path(work) / f"reshard-rank{rank}.json").write_text(
-            json.dumps({"compared": len(expected), "local_shapes": [list(s) for s in shards]}))
+        tag = "drain" if socket_path else "fs"
+        (Path(work) / f"reshard-{tag}-rank{rank}.json").write_text(
+            json.dumps({"compared": len(expected), "local_shapes": [list(s) for s in shards],
+                        "sources": sources}))
     finally:
         dist.destroy_process_group()
 
@@ -305,10 +319,29 @@ def test_async_save_by_four_ranks_loads_bitwise_equal(cluster: Cluster) -> None:
 def test_saved_by_four_ranks_loads_resharded_on_two(cluster: Cluster, tmp_path: Path) -> None:
     run_ranks(load_resharded, 2, str(tmp_path / "init"), str(cluster.dest), str(cluster.work))
     for rank in range(2):
-        result = cluster.result(f"reshard-rank{rank}.json")
+        result = cluster.result(f"reshard-fs-rank{rank}.json")
         assert result["compared"] >= 6 + 3 * 6 + 1
         # Two ranks, so each holds half of every weight's rows: really a different layout.
         assert [16, 16] in result["local_shapes"]
+
+
+def test_drain_reader_loads_resharded_from_local_copies_and_the_destination(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """Two ranks on node-a load the 4-rank save through DrainReader: node-a's own ranks'
+    files from its checked local copies, node-b's from the destination, resharded."""
+    run_ranks(load_resharded, 2, str(tmp_path / "init"), str(cluster.dest), str(cluster.work),
+              str(cluster.daemons[0].socket_path))
+    sources: dict[str, set[str]] = {}
+    for rank in range(2):
+        result = cluster.result(f"reshard-drain-rank{rank}.json")
+        assert result["compared"] >= 6 + 3 * 6 + 1
+        assert [16, 16] in result["local_shapes"]
+        assert result["sources"][".metadata"] == "local"
+        for name, source in result["sources"].items():  # each rank reads what it needs
+            sources.setdefault(name, set()).add(source)
+    assert {name: sources[name] for name in sorted(sources) if name != ".metadata"} == {
+        "__0_0.distcp": {"local"}, "__1_0.distcp": {"local"},
+        "__2_0.distcp": {"destination"}, "__3_0.distcp": {"destination"}}
 
 
 @pytest.mark.parametrize("step", [SYNC_STEP, ASYNC_STEP])

@@ -1,0 +1,305 @@
+"""DCP data files serialized straight into memfds, and the staging copy that lands there too.
+
+A data file is what torch's ``FileSystemWriter`` writes: for each write item of the file, the
+``BYTE_IO`` items first, then the tensors, each a ``torch.save`` archive one after the other,
+so torch's stock ``FileSystemReader`` loads it. Here the file is a memfd the daemon takes
+over: it is written as it is serialized, never held as a whole in a Python buffer.
+
+:func:`stage` is ``async_save``'s staging copy: each tensor of the state dict is serialized
+into one memfd per rank, and the staged state dict handed back to DCP is made of views of
+those very bytes (the storage record of each archive), so the copy that makes the state safe
+from the training loop *is* the file the daemon gets. The files then only need the items
+staged nothing for (non-tensor values, anything a planner resolves differently) appended.
+
+Public torch APIs only, but for ``_StorageInfo``: the per-item record FileSystemReader reads
+back from ``.metadata``, which must be torch's own class for the stock reader to unpickle.
+Its fields are checked against the ones this module was tested with (torch 2.13).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import io
+import mmap
+import os
+import struct
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+
+from ckptdrain.client.errors import DrainError
+
+DATA_SUFFIX = ".distcp"  # FileSystemWriter's data file suffix
+_WRITE_BUFFER_BYTES = 1 << 20
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+_STORAGE_INFO_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """torch's per-item storage record (what FileSystemReader reads back from .metadata)."""
+    from torch.distributed.checkpoint import filesystem
+
+    cls = getattr(filesystem, "_StorageInfo", None)
+    fields = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+    if cls is None or fields != _STORAGE_INFO_FIELDS:
+        raise DrainError(
+            f"torch {torch.__version__} changed DCP's storage record (filesystem._StorageInfo: "
+            f"{fields or 'missing'}); this ckptdrain writes {_STORAGE_INFO_FIELDS}: use the "
+            "pinned torch or upgrade ckptdrain"
+        )
+    return cls(relative_path=relative_path, offset=offset, length=length)
+
+
+def split_by_size_and_type(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
+    """FileSystemWriter's grouping of one rank's items into ``bins`` files (same files)."""
+    if bins == 1:
+        return [items]
+    byte_items = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted((wi for wi in items if wi.type != WriteItemType.BYTE_IO),
+                          key=_item_size, reverse=True)
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for i, wi in enumerate(byte_items):
+        buckets[i % bins].append(wi)
+    for wi in tensor_items:
+        smallest = min(range(bins), key=sizes.__getitem__)
+        buckets[smallest].append(wi)
+        sizes[smallest] += _item_size(wi)
+    return buckets
+
+
+def _item_size(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    numel = 1
+    for s in item.tensor_data.size:
+        numel *= s
+    return numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+
+class MemfdFile:
+    """One data file in a memfd of its own; :meth:`append` serializes into it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.fd = os.memfd_create(f"ckptdrain-dcp-{name}", os.MFD_CLOEXEC)
+        self._raw = io.FileIO(self.fd, "wb", closefd=False)
+        self.stream = io.BufferedWriter(self._raw, _WRITE_BUFFER_BYTES)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+    def append(self, item: WriteItem, data: torch.Tensor | io.BytesIO) -> WriteResult:
+        """Write one item as FileSystemWriter does (bytes as they are, a tensor torch.saved)."""
+        offset = self.stream.tell()
+        if isinstance(data, io.BytesIO):
+            self.stream.write(data.getbuffer())
+        else:
+            torch.save(_minimal(data), self.stream)
+        return self.result(item, offset, self.stream.tell() - offset)
+
+    def result(self, item: WriteItem, offset: int, length: int) -> WriteResult:
+        return WriteResult(index=item.index, size_in_bytes=length,
+                           storage_data=storage_info(self.name, offset, length))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Drop this process's fd (the daemon keeps its own, and views keep their mapping)."""
+        if self.fd >= 0:
+            self.stream.close()
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _minimal(tensor: torch.Tensor) -> torch.Tensor:
+    """What FileSystemWriter serializes: a CPU tensor whose storage is only its own bytes."""
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().size() != tensor.nbytes:
+        tensor = tensor.clone()
+    return tensor
+
+
+def write_file(file: MemfdFile, items: list[WriteItem], planner: SavePlanner,
+               staged: Staged | None = None) -> list[WriteResult]:
+    """Serialize ``items`` into ``file`` in FileSystemWriter's order; what ``staged`` already
+    holds in this file is referred to, not written again."""
+    results = []
+    byte_items = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
+    tensor_items = [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
+    for item in byte_items:
+        data = planner.resolve_data(item)
+        assert isinstance(data, io.BytesIO)
+        results.append(file.append(item, data))
+    for item in tensor_items:
+        tensor = planner.resolve_data(item)
+        assert isinstance(tensor, torch.Tensor)
+        where = staged.find(tensor) if staged is not None else None
+        if where is not None and staged is not None:
+            staged.referred += 1
+        results.append(file.result(item, *where) if where is not None
+                       else file.append(item, tensor))
+    file.flush()
+    return results
+
+
+# -- the staging copy ----------------------------------------------------------------------
+class _Window(io.RawIOBase):
+    """A read-only file over part of a buffer (zipfile reads an archive's directory)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = (0, self._pos, len(self._view))[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._pos:self._pos + len(buffer)]
+        n = len(chunk)
+        memoryview(buffer).cast("B")[:n] = chunk
+        self._pos += n
+        return n
+
+
+def _storage_offset_in(archive: memoryview) -> int:
+    """Where the one storage record's bytes start within a torch.save archive."""
+    with zipfile.ZipFile(_Window(archive)) as zf:
+        infos = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
+        if len(infos) != 1 or infos[0].compress_type != zipfile.ZIP_STORED:
+            raise DrainError("torch.save wrote an archive this writer cannot stage in place")
+        info = infos[0]
+    sig, name_len, extra_len = _LOCAL_HEADER.unpack_from(archive, info.header_offset)
+    if sig != b"PK\x03\x04":
+        raise DrainError("torch.save wrote an archive this writer cannot stage in place")
+    return int(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
+
+
+@dataclasses.dataclass
+class _Record:
+    tensor: torch.Tensor  # the staged view
+    offset: int
+    length: int
+
+
+class Staged:
+    """One rank's staging copy: the archives in ``file``, and the views DCP plans with."""
+
+    def __init__(self, file: MemfdFile) -> None:
+        self.file = file
+        self.records: dict[tuple[int, int, torch.dtype, tuple[int, ...]], _Record] = {}
+        self.mapping: mmap.mmap | None = None
+        self.referred = 0  # items whose staged bytes the file refers to (none written twice)
+
+    def find(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(offset, length) of the archive already holding ``tensor``'s staged bytes."""
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            return None
+        record = self.records.get(_key(tensor))
+        return (record.offset, record.length) if record is not None else None
+
+
+def _key(tensor: torch.Tensor) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
+    return (tensor.data_ptr(), tensor.nbytes, tensor.dtype, tuple(tensor.stride()))
+
+
+def stage(state_dict: Any, file_name: str) -> tuple[Any, Staged]:
+    """Serialize every tensor of ``state_dict`` into one memfd; returns the state dict made of
+    views of those bytes (DTensors keep their mesh and placements) and what it staged."""
+    staged = Staged(MemfdFile(file_name))
+    pending: list[tuple[torch.Tensor, int, int]] = []
+
+    def archive(tensor: torch.Tensor) -> int:
+        src = _minimal(tensor)
+        offset = staged.file.tell()
+        torch.save(src, staged.file.stream)
+        pending.append((src, offset, staged.file.tell() - offset))
+        return len(pending) - 1
+
+    # First pass: write every archive (the file's size is known only at the end).
+    layout = _walk(state_dict, archive)
+    staged.file.flush()
+    size = staged.file.tell()
+    if size:
+        staged.mapping = mmap.mmap(staged.file.fd, size, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+    views: list[torch.Tensor] = []
+    for src, offset, length in pending:
+        views.append(_view(staged, src, offset, length))
+    return _rebuild(layout, views), staged
+
+
+def _view(staged: Staged, src: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+    if src.numel() == 0 or staged.mapping is None:
+        return src  # nothing to share; write_data serializes it again (it is empty)
+    window = memoryview(staged.mapping)[offset:offset + length]
+    try:
+        data_at = offset + _storage_offset_in(window)
+    finally:
+        window.release()
+    nbytes = src.untyped_storage().nbytes()
+    flat = torch.frombuffer(staged.mapping, dtype=torch.uint8, count=nbytes, offset=data_at)
+    view = flat.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+    staged.records[_key(view)] = _Record(view, offset, length)
+    return view
+
+
+@dataclasses.dataclass
+class _Leaf:
+    index: int
+    like: torch.Tensor  # the original (a DTensor keeps mesh and placements for the view)
+
+
+def _walk(obj: Any, archive: Callable[[torch.Tensor], int]) -> Any:
+    if isinstance(obj, DTensor):
+        return _Leaf(archive(obj.to_local()), obj)
+    if isinstance(obj, torch.Tensor):
+        return _Leaf(archive(obj), obj)
+    if isinstance(obj, dict):
+        return _same_mapping(obj, ((k, _walk(v, archive)) for k, v in obj.items()))
+    if isinstance(obj, list):
+        return [_walk(v, archive) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_walk(v, archive) for v in obj)
+    # Anything else is the training loop's to change: a copy, as DCP's own stager makes.
+    return copy.deepcopy(obj)
+
+
+def _same_mapping(like: dict[Any, Any], items: Any) -> dict[Any, Any]:
+    # An OrderedDict stays one; any other mapping type is rebuilt as a plain dict.
+    return collections.OrderedDict(items) if type(like) is collections.OrderedDict else dict(items)
+
+
+def _rebuild(layout: Any, views: list[torch.Tensor]) -> Any:
+    if isinstance(layout, _Leaf):
+        view = views[layout.index]
+        like = layout.like
+        if isinstance(like, DTensor):
+            return DTensor.from_local(view, like.device_mesh, like.placements, run_check=False,
+                                      shape=like.shape, stride=like.stride())
+        return view
+    if isinstance(layout, dict):
+        return _same_mapping(layout, ((k, _rebuild(v, views)) for k, v in layout.items()))
+    if isinstance(layout, list):
+        return [_rebuild(v, views) for v in layout]
+    if isinstance(layout, tuple):
+        return tuple(_rebuild(v, views) for v in layout)
+    return layout
+

@@ -1,0 +1,163 @@
+"""PyTorch Distributed Checkpoint loads through ckptdrain: :class:`DrainReader`.
+
+``dcp.load(state_dict, storage_reader=DrainReader(job))`` loads the newest committed
+generation of ``job`` (or ``step=``). Every file (``.metadata`` and the ``.distcp`` data
+files) comes from this node's local copy when the daemon holds one and has just checked it
+against the manifest: the daemon passes a read-only fd of it, and nothing is copied through
+the socket. Otherwise the file is read from the destination: directly for a ``file://``
+destination, or fetched by the daemon into memory for one this process cannot read (S3), so
+the client needs nothing beyond the standard library and torch.
+
+It is torch's ``FileSystemReader`` with where files come from replaced, so loads resharded to
+another world size work as they do with ``FileSystemReader``. The client never hashes: the
+daemon checks what it hands out (its local copy before passing the fd, a destination object
+as it copies it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+
+from ckptdrain.client import names
+from ckptdrain.client.client import Client
+from ckptdrain.client.errors import DaemonUnavailable, NotFound, RejectedInput
+
+__all__ = ["DrainReader"]
+
+LOCAL = "local"
+DESTINATION = "destination"
+
+
+class _GenerationFiles(FileSystemBase):
+    """The files of one committed generation: this node's checked copy, else the destination."""
+
+    def __init__(self, client: Client, job: str, step: int, root: str) -> None:
+        self.client, self.job, self.step, self.root = client, job, step, root
+        self.local_root = None if "://" in root else root
+        self.sources: dict[str, str] = {}  # file name -> where it was read from
+
+    def _name(self, path: str | os.PathLike[str]) -> str:
+        text = os.fspath(path)
+        prefix = self.root.rstrip("/") + "/"
+        name = text[len(prefix):] if text.startswith(prefix) else os.path.basename(text)
+        names.validate_shard_path(name)
+        return name
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if "r" not in mode or "+" in mode or "w" in mode or "a" in mode:
+            raise RejectedInput("DrainReader only reads; save with DrainWriter")
+        name = self._name(path)
+        try:
+            fd = self.client.open_local(self.job, self.step, name)
+            source = LOCAL
+        except (NotFound, DaemonUnavailable):
+            fd, source = self._from_destination(name), DESTINATION
+        self.sources[name] = source
+        with os.fdopen(fd, "rb") as stream:
+            yield stream
+
+    def _from_destination(self, name: str) -> int:
+        if self.local_root is not None:
+            return os.open(os.path.join(self.local_root, name), os.O_RDONLY | os.O_CLOEXEC)
+        # A destination only the daemon reaches: it copies the object into memory of ours.
+        fd = os.memfd_create(f"ckptdrain-read-{name}", os.MFD_CLOEXEC)
+        try:
+            self.client.fetch_from_destination(self.job, self.step, name, fd)
+            os.lseek(fd, 0, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        raise RejectedInput("DrainReader only reads")
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        raise RejectedInput("DrainReader only reads")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return True  # what the manifest lists; a file that is gone fails its read, typed
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        raise RejectedInput("DrainReader only reads")
+
+
+class DrainReader(FileSystemReader):
+    """A DCP ``StorageReader`` for generation ``step`` (default: the newest committed one)
+    of ``job``. ``client`` or ``socket_path`` as for ``DrainWriter``.
+
+    ``sources`` tells, after a load, where each file was read from (``"local"`` or
+    ``"destination"``). Raises ``NotFound`` when ``job`` has no committed generation.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        step: int | None = None,
+        *,
+        client: Client | None = None,
+        socket_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if client is not None and socket_path is not None:
+            raise RejectedInput("pass either client or socket_path to DrainReader, not both")
+        self.job = names.validate_job(job)
+        self._owns_client = client is None
+        self._client = client if client is not None else Client(socket_path)
+        if step is None:
+            step = self._client.latest(job)
+            if step is None:
+                raise NotFound(f"job {job!r} has no committed generation to load")
+        self.step = names.validate_step(step)
+        root = self._client.latest_path(job, self.step)
+        if root is None:
+            raise NotFound(f"the daemon knows no destination directory for job {job!r}")
+        super().__init__(root)
+        self.files = _GenerationFiles(self._client, job, self.step, root)
+        self.fs = self.files  # type: ignore[assignment]  # FileSystemReader reads through fs
+        self.path = root
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return dict(self.files.sources)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.job}/{self.step:020d}"
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            raise RejectedInput(
+                f"DrainReader names its generation by job and step ({self.checkpoint_id}); "
+                "call dcp.load without checkpoint_id"
+            )
+        super().reset()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> DrainReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

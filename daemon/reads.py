@@ -1,0 +1,99 @@
+"""A reader's fast path (`open`): this node's local copy of a committed shard, as a
+read-only fd the client reads itself, once the daemon has checked it against the manifest.
+
+The checksum the ledger holds for a drained shard is the one its part record (and so the
+committed manifest) lists. The copy is hashed through the staging's own checksum, then the fd
+is checked to be that very file (same inode as the path hashed), so what the client reads is
+what was checked: staged files are renamed into place once and never rewritten. Anything else
+(no copy, a copy gone or damaged) is ``not_found``: the client reads the destination instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ckptdrain.client import wire
+from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.state import GenerationState
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.connection import ClientHandler
+
+log = logging.getLogger("ckptdrain.reads")
+
+
+async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
+    """A read-only fd of this node's verified local copy of ``path``; the caller sends and
+    closes it. Raises ``not_found`` when the destination must serve it."""
+    d = h.d
+    h.check_job_owner(job)
+    gen = d.ledger.get(job, step)
+    shard = gen.shards.get(path) if gen is not None else None
+    if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
+            or not shard.local_copy or not shard.checksum):
+        raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} of "
+                           f"step {step} of job {job!r}; read it from the destination")
+    name, expected = shard.staged_name, shard.checksum
+    opened: list[int] = []
+
+    def verified() -> bool:
+        opened.append(d.staging.open_data(name))
+        checksum = d.staging.checksum(name)
+        st, now = os.fstat(opened[0]), os.stat(d.staging.data_path(name))
+        return checksum == expected and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+    def close() -> None:
+        for fd in opened:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    try:
+        good = await d.dataplane.call(verified, cleanup=close)
+    except FileNotFoundError:
+        raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read "
+                           "it from the destination") from None
+    except OSError as exc:
+        raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} cannot be read "
+                           f"({exc.strerror or exc}); read it from the destination") from None
+    if not good:
+        close()
+        log_event(log, logging.WARNING, "local_copy_damaged", job=job, step=step, path=path,
+                  action="dropped; readers use the destination")
+        d.copies.discard(shard)
+        raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} does not match "
+                           "the manifest; read it from the destination")
+    return opened[0]
+
+
+async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: str,
+                                 out_fd: int) -> dict[str, object]:
+    """Copy ``path`` of committed step ``step`` from the destination into the client's file
+    (a reader of an S3 destination stays stdlib-only), checked against the manifest."""
+    from ckptdrain.client.manifest import ManifestError, shard_key
+    from ckptdrain.daemon.backends.base import BackendError
+    from ckptdrain.daemon.connection import destination_error
+
+    d = h.d
+    h.check_job_owner(job)
+    try:
+        manifest = await d.committer.committed(job, step)
+        if manifest is None:
+            raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} is not committed")
+        entry = next((s for s in manifest.shards if s.path == path), None)
+        if entry is None:
+            raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
+        size, checksum = await d.backend.copy_into(shard_key(job, step, path), out_fd)
+    except (BackendError, ManifestError) as exc:
+        raise destination_error(job, step, exc) from None
+    except OSError as exc:
+        raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file passed: "
+                           f"{exc.strerror or exc}") from None
+    if (size, checksum) != (entry.size, entry.checksum):
+        raise RequestError(wire.DESTINATION, f"{path!r} of step {step} of job {job!r} at the "
+                           f"destination does not match its manifest ({size} bytes, {checksum}); "
+                           "run `ckptdrain verify` on it")
+    return {"path": path, "size": size, "checksum": checksum}

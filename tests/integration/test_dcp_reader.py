@@ -1,0 +1,143 @@
+"""DrainReader (loads from this node's checked local copy, else the destination) and
+DrainWriter's one-copy staging for async_save, against real daemons and torch's own DCP."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from ckptdrain.client import NotFound
+from ckptdrain.client.dcp import DrainReader, DrainWriter
+from tests.conftest import DaemonProcess
+from tests.integration.test_dcp import SINGLE_PROCESS_WARNING, compare, generation_dir
+
+pytestmark = pytest.mark.torch
+
+JOB = "reader"
+
+
+def saved_state(seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(256, 128, generator=gen),
+        "t": torch.randn(64, 32, generator=gen).t(),  # not contiguous: strides survive
+        "b": torch.randn(32, generator=gen).to(torch.bfloat16),
+        "nested": {"steps": torch.tensor(seed), "note": f"seed {seed}",
+                   "list": [torch.ones(3) * seed, seed]},
+    }
+
+
+def blank() -> dict[str, Any]:
+    return {"w": torch.zeros(256, 128), "t": torch.zeros(64, 32).t(),
+            "b": torch.zeros(32, dtype=torch.bfloat16),
+            "nested": {"steps": torch.tensor(0), "note": "", "list": [torch.zeros(3), 0]}}
+
+
+def save(daemon: DaemonProcess, step: int, seed: int, **kw: Any) -> None:
+    with DrainWriter(JOB, step, socket_path=daemon.socket_path, **kw) as writer:
+        with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+            dcp.save(saved_state(seed), storage_writer=writer)
+        writer.wait(60)
+
+
+def load(daemon: DaemonProcess, step: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    target = blank()
+    with DrainReader(JOB, step, socket_path=daemon.socket_path) as reader:
+        with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+            dcp.load(target, storage_reader=reader)
+        return target, reader.sources
+
+
+def staged_files(daemon: DaemonProcess) -> list[Path]:
+    return sorted((daemon.staging / "shards").glob("*.data"))
+
+
+def test_loads_the_newest_from_the_local_copy_then_from_the_destination(
+        make_daemon: Any) -> None:
+    daemon: DaemonProcess = make_daemon()
+    with pytest.raises(NotFound, match="no committed generation"):
+        DrainReader(JOB, socket_path=daemon.socket_path)
+    save(daemon, 4, seed=4)
+    save(daemon, 8, seed=8)
+    loaded, sources = load(daemon)  # step=None: the newest committed, 8
+    assert compare(saved_state(8), loaded) == 7
+    assert sources == {".metadata": "local", "__0_0.distcp": "local"}
+    loaded, sources = load(daemon, step=4)  # its copy went when 8 committed
+    assert compare(saved_state(4), loaded) == 7
+    assert set(sources.values()) == {"destination"}
+    # A damaged local copy is never handed out: the daemon's check sends the reader away.
+    biggest = max(staged_files(daemon), key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    loaded, sources = load(daemon)
+    assert compare(saved_state(8), loaded) == 7
+    assert sources == {".metadata": "local", "__0_0.distcp": "destination"}
+    # The local copy deleted: everything comes from the destination, still bitwise.
+    for path in staged_files(daemon):
+        path.unlink()
+    loaded, sources = load(daemon)
+    assert compare(saved_state(8), loaded) == 7
+    assert set(sources.values()) == {"destination"}
+    path = daemon.client().latest_path(JOB)
+    assert path == str(generation_dir(daemon.dest, JOB, 8))
+
+
+@pytest.mark.s3
+def test_loads_from_an_s3_destination_through_the_daemon(make_daemon: Any, seaweedfs: Any,
+                                                         s3_bucket: str) -> None:
+    daemon: DaemonProcess = make_daemon(
+        dest=f"s3://{s3_bucket}/ckpt", CKPTDRAIN_DESTINATION__ENDPOINT_URL=seaweedfs.endpoint_url)
+    save(daemon, 3, seed=3)
+    for path in staged_files(daemon):
+        path.unlink()
+    loaded, sources = load(daemon)
+    assert compare(saved_state(3), loaded) == 7
+    assert set(sources.values()) == {"destination"}
+    assert daemon.client().latest_path(JOB) == f"s3://{s3_bucket}/ckpt/{JOB}/{3:020d}"
+
+
+@pytest.mark.parametrize("ack", ["local", "memory"])
+def test_async_save_stages_once_into_the_file_the_daemon_gets(make_daemon: Any, tmp_path: Path,
+                                                              ack: str) -> None:
+    """DrainWriter is async_save's stager: the staged state dict is views of the memfd that
+    becomes the data file, every tensor is in it once, and training may change the live
+    state as soon as async_save returns."""
+    daemon: DaemonProcess = make_daemon()
+    live = saved_state(5)
+    with DrainWriter(JOB, 5, socket_path=daemon.socket_path, ack=ack) as writer:
+        staged = writer.stage(live)
+        assert writer._staged is not None
+        memfd = os.readlink(f"/proc/self/fd/{writer._staged.file.fd}")
+        assert memfd.startswith("/memfd:")
+        assert staged["w"].data_ptr() != live["w"].data_ptr() and torch.equal(staged["w"], live["w"])
+        assert staged["t"].stride() == live["t"].stride()
+        writer.close()
+    with DrainWriter(JOB, 5, socket_path=daemon.socket_path, ack=ack) as writer:
+        # The single-process warning is raised in async_save's thread: not pytest.warns'.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*" + SINGLE_PROCESS_WARNING)
+            future = dcp.async_save(live, storage_writer=writer)
+            live["w"].add_(1.0)  # the training loop goes on
+            live["nested"]["list"][0].zero_()
+            future.result(timeout=60)
+        writer.wait(60)
+    gen_dir = generation_dir(daemon.dest, JOB, 5)
+    target = blank()
+    with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+        dcp.load(target, storage_reader=FileSystemReader(gen_dir))
+    assert compare(saved_state(5), target) == 7
+    reference = tmp_path / "reference"
+    with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+        dcp.save(saved_state(5), storage_writer=FileSystemWriter(reference))
+    # The same archives as FileSystemWriter's (in the staging order): nothing written twice.
+    assert (gen_dir / "__0_0.distcp").stat().st_size == (reference / "__0_0.distcp").stat().st_size
