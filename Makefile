@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo demo-dcp test lint typecheck unit bench chaos clean system-deps
+.PHONY: demo demo-dcp test lint typecheck unit bench chaos clean system-deps deb test-deb
 
 $(VENV)/.stamp-install: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,18 @@ chaos: $(VENV)/.stamp-install system-deps
 
 bench: $(VENV)/.stamp-install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m tests.bench
+
+# The Debian package (dpkg-deb): a self-contained environment in /opt/ckptdrain, /usr/bin/ckptdrain,
+# the units, /etc/ckptdrain/ckptdrain.toml and the docs. Needs the package registry (the daemon's
+# dependencies go into the package). `make test-deb` installs it here (root), checks and removes it.
+DEB_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
+DEB := build/ckptdrain_$(DEB_VERSION)_$(shell dpkg --print-architecture 2>/dev/null || echo amd64).deb
+deb: $(DEB)
+$(DEB): pyproject.toml $(wildcard client/*.py daemon/*.py daemon/backends/*.py systemd/* docs/*.md packaging/deb/*) deploy/ckptdrain.example.toml
+	packaging/deb/build.sh build
+
+test-deb: $(VENV)/.stamp-install system-deps $(DEB)
+	CKPTDRAIN_TEST_DEB=$(CURDIR)/$(DEB) PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_deb.py
 
 clean:
 	rm -rf $(VENV) .demo build *.egg-info

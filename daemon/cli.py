@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -107,18 +108,42 @@ def _os_message(exc: OSError) -> str:
     return f"{where}{what}; {fix.get(name, 'fix the cause and try again')}"
 
 
+# What `pip install 'ckptdrain[daemon]'` adds to the stdlib-only client (pyproject.toml).
+DAEMON_DEPENDENCIES = ("pydantic", "aiobotocore", "prometheus_client", "aiofiles")
+# Commands that need nothing beyond the standard library.
+STDLIB_COMMANDS = frozenset({"plan"})
+
+
+def missing_daemon_dependencies() -> list[str]:
+    return [name for name in DAEMON_DEPENDENCIES if importlib.util.find_spec(name) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        ns = build_parser().parse_args(argv)
+        missing = [] if ns.command in STDLIB_COMMANDS else missing_daemon_dependencies()
+        if missing:
+            _fail(f"`ckptdrain {ns.command}` needs the daemon's dependencies, and "
+                  f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
+                  "here (`pip install ckptdrain` is the client only); install them with "
+                  "`pip install 'ckptdrain[daemon]'`, or install the ckptdrain Debian package",
+                  EXIT_CONFIG)
+        return _run(ns)
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+
+
+def _run(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon.config import ConfigError
     from ckptdrain.daemon.startup import StartupError
 
     try:
-        ns = build_parser().parse_args(argv)
         code = int(ns.fn(ns))
         sys.stdout.flush()
         return code
-    except BrokenPipeError:
-        _quiet_broken_pipe()
-        return EXIT_OK
     except ConfigError as exc:
         _fail(f"bad configuration: {exc}", EXIT_CONFIG)
     except StartupError as exc:
@@ -130,9 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DaemonError as exc:
         _fail(str(exc))
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise
         _fail(_os_message(exc))
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
 
 
 if __name__ == "__main__":  # pragma: no cover
