@@ -172,7 +172,8 @@ class Journal:
         journal's size follows what the node holds now, not everything it ever held."""
         def run() -> None:
             assert self._db is not None
-            self._db.execute("PRAGMA incremental_vacuum")
+            # Run to completion: through execute() the pragma frees a single page.
+            self._db.executescript("PRAGMA incremental_vacuum;")
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
         await self._run(run)

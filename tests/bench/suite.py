@@ -123,11 +123,20 @@ class Benchmark:
 
 def registry() -> dict[str, Benchmark]:
     """Every benchmark, in the order a full run takes them (cheapest and S3-free first)."""
-    from tests.bench import drain, footprint, handoff, restore, scaling, smallshards, throughput
+    from tests.bench import (
+        drain,
+        footprint,
+        handoff,
+        hostile,
+        restore,
+        scaling,
+        smallshards,
+        throughput,
+    )
 
     benches = [
         handoff.HANDOFF, handoff.MEMORY, throughput.SOCKET, scaling.RANKS, smallshards.SMALL,
-        footprint.RSS, drain.POSIX, drain.S3, scaling.BUSY, restore.RESTORE,
+        footprint.RSS, drain.POSIX, drain.S3, scaling.BUSY, restore.RESTORE, hostile.HOSTILE,
     ]
     return {b.name: b for b in benches}
 

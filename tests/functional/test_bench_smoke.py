@@ -43,3 +43,14 @@ def test_unknown_benchmark_is_a_usage_error(tmp_path: Path) -> None:
     result = _bench("no-such-bench", tmp_path=tmp_path)
     assert result.returncode == 2
     assert "unknown benchmark" in result.stderr and "handoff" in result.stderr
+
+
+def test_quick_hostile_benchmark_reports_a_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.md"
+    result = _bench("hostile", "--quick", "--strict", "--out", str(out), tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| p99 `put(bytes)`")]
+    assert rows, out.read_text()
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert re.fullmatch(r"\d+\.\d\d", cells[3]), rows[0]
+    assert "the same client alone:" in cells[2]

@@ -63,6 +63,14 @@ def _journal_rows(d: DaemonProcess, table: str) -> int:
         db.close()
 
 
+def _pragma(d: DaemonProcess, name: str) -> int:
+    db = sqlite3.connect(f"file:{d.staging / 'journal.sqlite3'}?mode=ro", uri=True)
+    try:
+        return int(db.execute(f"PRAGMA {name}").fetchone()[0])
+    finally:
+        db.close()
+
+
 def test_dropped_generations_and_their_jobs_are_forgotten(make_daemon) -> None:  # type: ignore[no-untyped-def]
     d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__FORGET_AFTER_S="1.0")
     abort_many(d, 40, jobs=True)
@@ -72,6 +80,8 @@ def test_dropped_generations_and_their_jobs_are_forgotten(make_daemon) -> None: 
     wait_for(lambda: 'job="dropped-' not in _metrics(d), timeout_s=30)
     wait_for(lambda: _journal_rows(d, "jobs") == 0, timeout_s=30)
     assert _journal_rows(d, "generations") == 0 and _journal_rows(d, "ranks") == 0
+    # Compacted: the pages of the forgotten rows went back to the filesystem.
+    wait_for(lambda: _pragma(d, "freelist_count") == 0, timeout_s=30)
 
 
 def test_jobs_tracked_are_bounded(make_daemon) -> None:  # type: ignore[no-untyped-def]
