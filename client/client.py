@@ -53,6 +53,27 @@ _ANC_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
 
 
+def default_rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``rank`` and ``world_size`` as given, else torchrun's ``RANK`` / ``WORLD_SIZE``; neither
+    has a default. (A default world_size of 1 would let ranks that forget it each commit a
+    one-rank "checkpoint".)"""
+    def from_env(name: str, arg: str) -> int:
+        text = os.environ.get(name)
+        if text is None:
+            raise RejectedInput(
+                f"{arg} is required: pass {arg}= to Client.generation() (every rank saving this "
+                f"step passes the same world_size and its own rank), or run under torchrun, "
+                f"which sets ${name}")
+        try:
+            return int(text)
+        except ValueError:
+            raise RejectedInput(f"${name} is {text!r}, not an integer; fix the launcher's "
+                                f"environment or pass {arg}=") from None
+
+    size = from_env("WORLD_SIZE", "world_size") if world_size is None else world_size
+    return (from_env("RANK", "rank") if rank is None else rank), size
+
+
 def default_attempt() -> str:
     """The attempt at a step every rank of a run agrees on without talking: $CKPTDRAIN_ATTEMPT,
     else torchrun's run id and restart count (a restarted run is a new attempt), else ""."""
@@ -663,13 +684,15 @@ class Client:
         job: str,
         step: int,
         *,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         ack: str | None = None,
         attempt: str | None = None,
     ) -> Generation:
         """This rank's part of generation ``step`` of ``job``; use it with ``with``.
 
+        ``rank`` and ``world_size`` default to torchrun's ``$RANK`` and ``$WORLD_SIZE``;
+        without them they are required (RejectedInput says so).
         ``ack`` ("local" or "memory") overrides the daemon's default failure boundary.
         ``attempt`` names this attempt at saving the step; every rank of the attempt must pass
         the same. A new attempt at a step that failed or never finished replaces the old one
@@ -678,6 +701,7 @@ class Client:
         """
         names.validate_job(job)
         names.validate_step(step)
+        rank, world_size = default_rank_and_world_size(rank, world_size)
         names.validate_rank(rank, world_size)
         if ack is not None and ack not in wire.ACK_MODES:
             raise RejectedInput(f"ack is {ack!r}; use one of {list(wire.ACK_MODES)} or None")

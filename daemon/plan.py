@@ -1,6 +1,6 @@
 """The checkpoint sizing worksheet (``ckptdrain plan``): bytes, bandwidth and capacity.
 
-The arithmetic of seed 001 section 4, in decimal GB/TB and single-direction byte rates:
+The sizing arithmetic, in decimal GB/TB and single-direction byte rates:
 
     checkpoint_GB   = parameters * bytes_per_parameter / 1e9 * (1 + allowance)
     burst_GBps      = jobs * checkpoint_GB / deadline_s       (every job saving at once)

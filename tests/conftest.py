@@ -21,6 +21,12 @@ from tests.integration.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedF
 
 CKPTDRAIN = str(Path(sys.executable).with_name("ckptdrain"))
 
+# Client.generation() takes rank and world_size from torchrun's RANK / WORLD_SIZE and has no
+# default of its own; a test that saves as one rank without naming it runs as a one-rank
+# launcher would. Tests of the rule itself clear these with monkeypatch.
+os.environ.setdefault("RANK", "0")
+os.environ.setdefault("WORLD_SIZE", "1")
+
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 30.0,
              interval_s: float = 0.02) -> None:

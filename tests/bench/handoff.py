@@ -59,7 +59,7 @@ def run_handoff(ctx: Context, section: Section) -> None:
     def handoff(kind: str) -> float:
         nonlocal step
         step += 1
-        with client.generation(JOB, step) as gen:
+        with client.generation(JOB, step, rank=0, world_size=1) as gen:
             settle()
             cpu_before = cpu_seconds(daemon.pid)
             started = time.perf_counter()
@@ -117,7 +117,7 @@ def memory_tier_available(ctx: Context) -> str:
             status = client.status()
             if "memory_bytes" not in status and "max_memory_bytes" not in status.get("limits", {}):
                 return "the daemon reports no memory tier in its status (ack=memory shards are staged on disk)"
-            with client.generation("bench-probe", 1, ack="memory") as gen:
+            with client.generation("bench-probe", 1, rank=0, world_size=1, ack="memory") as gen:
                 reply = gen.put("probe.bin", bytes(4 * MiB))
             client.wait("bench-probe", 1, timeout_s=120)
         if reply.get("ack") != "memory":
@@ -157,7 +157,7 @@ def run_memory(ctx: Context, section: Section) -> None:
     def handoff(kind: str) -> float:
         nonlocal step
         step += 1
-        with client.generation(JOB, step, ack="memory") as gen:
+        with client.generation(JOB, step, rank=0, world_size=1, ack="memory") as gen:
             settle()
             own_before = time.process_time()
             started = time.perf_counter()

@@ -13,7 +13,7 @@ event loop must stay free for the hand-off however busy the drain keeps the daem
 Beside every row: the daemon's CPU by thread (``processes.thread_cpu``): the event loop (the
 main thread), the socket pumps, the I/O pool, and the rest (drain threads), in cores busy over
 the timed span and CPU seconds per GB moved; and the loop thread's CPU seconds per GB as a row
-of its own, since the design wants the loop to parse, decide, journal and reply only.
+of its own, since the loop is meant to parse, decide, journal and reply only.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def _busy_case(ctx: Context, section: Section, kind: str, data: bytearray, src: 
         step = i + 1
 
         def put(daemon: BenchDaemon, client: Client, job: str, case: str) -> float:
-            with client.generation(job, step) as gen:
+            with client.generation(job, step, rank=0, world_size=1) as gen:
                 before = thread_cpu(daemon.pid)
                 started = time.perf_counter()
                 gen.put("shard.bin", data)
@@ -304,7 +304,7 @@ def _busy_case(ctx: Context, section: Section, kind: str, data: bytearray, src: 
         paused = ctx.daemon(f"busy-{kind}-paused", uri, root=root, staging_dir=staging,
                             socket_path=sock, overrides={**overrides, **DRAIN_PAUSED}, code=code)
         handoff_before = thread_cpu(paused.pid)
-        with paused.client(timeout_s=900) as client, client.generation(BACKLOG_JOB, step) as gen:
+        with paused.client(timeout_s=900) as client, client.generation(BACKLOG_JOB, step, rank=0, world_size=1) as gen:
             for k in range(count):
                 gen.put_file(f"backlog-{k}.bin", src)
         handoff = thread_delta(handoff_before, thread_cpu(paused.pid))

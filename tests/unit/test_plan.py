@@ -1,4 +1,4 @@
-"""The sizing worksheet: seed 001's worked example, input checks, and the flags."""
+"""The sizing worksheet: a worked example, input checks, and the flags."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ckptdrain.daemon.plan import (
     render_plan_json,
 )
 
-# Seed 001, section 3/4: four 70B jobs at 14 B/parameter, 8 servers each, 60 s deadline,
+# The worked example: four 70B jobs at 14 B/parameter, 8 servers each, 60 s deadline,
 # one checkpoint per 900 s, 70 % ceiling, three generations kept.
 SEED = PlanInput(
     parameters=70e9,
