@@ -517,6 +517,11 @@ class Connection:
         self._payload_left = 0
         self._received_any = False
         self._sent_any = False
+        # Stream offsets (bytes since the connection began), so the IO layer can tell which
+        # frame a passed fd arrived with: every byte fed or reported consumed, and where the
+        # last Message or Rejected began.
+        self._received = 0
+        self._frame_start = 0
         # The two-phase put, tracked alike on both sides. _put_size: a put went out (client) or
         # came in (server) and its answer is not known yet. _data_size: the daemon answered it
         # ok, so the client's next frame must be its `data`, carrying exactly this many bytes.
@@ -529,6 +534,16 @@ class Connection:
     def awaiting_data(self) -> int | None:
         """The size the next ``data`` frame must have (after an accepted put), else None."""
         return self._data_size
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes received so far (fed with receive_data or reported with payload_consumed)."""
+        return self._received
+
+    @property
+    def frame_start(self) -> int:
+        """The stream offset of the first byte of the last Message or Rejected returned."""
+        return self._frame_start
 
     @property
     def buffered(self) -> int:
@@ -550,6 +565,7 @@ class Connection:
             return
         # Copy: the caller reuses its receive buffer as soon as this returns.
         self._buf += data
+        self._received += len(data)
 
     def payload_consumed(self, n: int) -> None:
         """Record that the IO layer read ``n`` payload bytes itself, bypassing this machine.
@@ -569,6 +585,7 @@ class Connection:
         if not 0 <= n <= self._payload_left:
             raise RuntimeError(f"payload_consumed({n}) but only {self._payload_left} bytes remain")
         self._payload_left -= n
+        self._received += n
 
     def next_event(self) -> Event | Literal[_Sentinel.NEED_DATA]:
         """The next event, or NEED_DATA. Raises ProtocolError on input that breaks the framing
@@ -629,10 +646,12 @@ class Connection:
             if self._eof:
                 raise self._truncated("a frame header")
             return NEED_DATA
+        frame_start = self._received - self.buffered
         start = self._pos + PREFIX_BYTES
         with memoryview(self._buf) as view:
             header = bytes(view[start : start + header_len])
         self._pos = start + header_len
+        self._frame_start = frame_start
         message = self._parse(header, payload_len)
         self._compact()
         if isinstance(message, Message) and message.kind in _PAYLOAD_KINDS:

@@ -2,8 +2,13 @@
 
 ``recvmsg`` (not ``StreamReader``) because ``put_fd`` hands the daemon an open file
 descriptor with SCM_RIGHTS, and because reading straight into a reused buffer is several times
-faster than ``readexactly`` for shard bytes. Received fds queue here until a frame claims them;
-any left over are closed with the connection.
+faster than ``readexactly`` for shard bytes.
+
+Received fds queue here with the stream range of the read they came with. Linux ends a read
+after the segment that carries fds, and a client attaches an fd to its frame's first byte, so
+an fd belongs to the first frame that starts within its read: :meth:`Channel.claim` hands it to
+that frame (or closes it, when that frame takes none) and an fd is never carried over to a
+later frame. Any left over are closed with the connection.
 """
 
 from __future__ import annotations
@@ -12,13 +17,20 @@ import array
 import asyncio
 import collections
 import contextlib
+import fcntl
+import logging
 import os
 import socket
 import time
 from collections.abc import Callable, Iterator
 
+from ckptdrain.client import wire
+from ckptdrain.client.wire import ProtocolError
 from ckptdrain.daemon.dataplane import RateFloor, SocketPump
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.errors import DaemonError, RequestError
+from ckptdrain.daemon.logs import log_event
+
+log = logging.getLogger("ckptdrain.connection")
 
 MAX_FDS_PER_MESSAGE = 4
 # Fds waiting for a frame to claim them. A client that passes fds on frames that take none,
@@ -50,7 +62,11 @@ class Channel:
         # The transfer under way (a frame begun, a shard's bytes due), paced by a rate floor;
         # None between requests, where only the idle timeout applies.
         self.transfer: RateFloor | None = None
-        self.fds: collections.deque[int] = collections.deque()
+        # (fd, start, end): the stream offsets of the read the fd came with.
+        self.fds: collections.deque[tuple[int, int, int]] = collections.deque()
+        # The fds that came with the message being served (claim); its handler takes the one
+        # it needs, and the rest are closed when the next message is claimed.
+        self.frame_fds: list[int] = []
         self._pump: SocketPump | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -62,8 +78,9 @@ class Channel:
     def end_transfer(self) -> None:
         self.transfer = None
 
-    async def recv_into(self, view: memoryview) -> int:
-        """Read at least one byte into ``view`` (0 at EOF), collecting any passed fds."""
+    async def recv_into(self, view: memoryview, at: int = 0) -> int:
+        """Read at least one byte into ``view`` (0 at EOF), collecting any passed fds; ``at``
+        is the stream offset of the first byte read (wire.Connection.received_bytes)."""
         while True:
             floor = self.transfer
             if floor is not None and (now := time.monotonic()) > floor.deadline():
@@ -81,14 +98,18 @@ class Channel:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds = array.array("i")
                     fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-                    self.fds.extend(fds)
+                    self.fds.extend((fd, at, at + n) for fd in fds)
+            if flags & socket.MSG_CTRUNC:
+                # More fds than we accept in one message: the kernel closed the rest. Refuse.
+                self.close_fds()
+                raise ProtocolError(wire.BAD_REQUEST, "the client passed more than "
+                                    f"{MAX_FDS_PER_MESSAGE} file descriptors in one message; "
+                                    "pass exactly one, with the put_fd/put_memfd/fetch frame")
             if len(self.fds) > MAX_QUEUED_FDS:
                 self.close_fds()
-                raise ConnectionError(f"client passed more than {MAX_QUEUED_FDS} file "
-                                      "descriptors no request took")
-            if flags & socket.MSG_CTRUNC:
-                # More fds than we accept in one message: the kernel dropped some. Refuse.
-                raise ConnectionError("client passed too many file descriptors at once")
+                raise ProtocolError(wire.BAD_REQUEST, f"the client passed more than "
+                                    f"{MAX_QUEUED_FDS} file descriptors no request took; pass "
+                                    "one fd with each put_fd/put_memfd/fetch frame only")
             return n
 
     async def _readable(self) -> None:
@@ -163,20 +184,67 @@ class Channel:
             self._pump = SocketPump(self.sock.fileno())
         return self._pump
 
-    def take_fd(self) -> int | None:
-        return self.fds.popleft() if self.fds else None
+    def claim(self, frame_start: int) -> None:
+        """Make the fds that came with the frame starting at stream offset ``frame_start``
+        the current frame's. Fds of earlier reads that no frame started in are closed: never
+        handed to a later frame."""
+        self.drop_frame_fds()
+        while self.fds and self.fds[0][2] <= frame_start:
+            _close(self.fds.popleft()[0])
+        while self.fds and self.fds[0][1] <= frame_start < self.fds[0][2]:
+            self.frame_fds.append(self.fds.popleft()[0])
+
+    def drop_frame_fds(self) -> None:
+        fds, self.frame_fds = self.frame_fds, []
+        for fd in fds:
+            _close(fd)
+        if fds:
+            log_event(log, logging.DEBUG, "unclaimed_fds_closed", fds=len(fds))
+
+    def take_frame_fd(self, kind: str) -> int:
+        """The one fd the current ``kind`` frame came with (the caller owns it now); a typed
+        refusal when it came with none or several."""
+        fds, self.frame_fds = self.frame_fds, []
+        if len(fds) == 1:
+            return fds[0]
+        for fd in fds:
+            _close(fd)
+        if not fds:
+            raise RequestError(wire.BAD_REQUEST, f"{kind} arrived without a file descriptor; "
+                               "attach exactly one (SCM_RIGHTS) to the frame's first byte")
+        raise RequestError(wire.BAD_REQUEST, f"{kind} arrived with {len(fds)} file descriptors; "
+                           "attach exactly one")
 
     def close_fds(self) -> int:
         """Close every fd no frame claimed; returns how many."""
         closed = 0
         while self.fds:
-            with contextlib.suppress(OSError):
-                os.close(self.fds.popleft())
+            _close(self.fds.popleft()[0])
             closed += 1
         return closed
 
     def close(self) -> None:
         if self._pump is not None:
             self._pump.close()
+        self.drop_frame_fds()
         self.close_fds()
         self.sock.close()
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def is_memfd(fd: int) -> bool:
+    """A memfd (or another shmem file) answers F_GET_SEALS; other files say EINVAL. A fcntl
+    that touches no storage: safe on the loop whatever the fd is."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return True
+
+
+def writable(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import socket
@@ -25,8 +24,8 @@ from ckptdrain.daemon import catalog, maintenance, reads, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
-from ckptdrain.daemon.channel import Channel, IdleTimeout
-from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd, writable
+from ckptdrain.daemon.errors import DaemonError, RequestError
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import (
@@ -40,6 +39,7 @@ from ckptdrain.daemon.state import (
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.server import Daemon
+    from ckptdrain.daemon.staging import Staging
 
 log = logging.getLogger("ckptdrain.connection")
 
@@ -128,17 +128,22 @@ class ClientHandler:
                 between = not mid_frame and self.gen is not None and not self.gen.terminal
                 self.channel.idle_timeout_s = (limits.open_rank_idle_timeout_s if between
                                                else limits.client_idle_timeout_s)
-                n = await self.channel.recv_into(self.view)
+                n = await self.channel.recv_into(self.view, self.conn.received_bytes)
                 self.conn.receive_data(self.view[:n])
                 continue
             if isinstance(event, wire.ConnectionClosed):
                 return None
+            if isinstance(event, Message | wire.Rejected):
+                self.channel.claim(self.conn.frame_start)
             if isinstance(event, Message):
+                if not wire.needs_fd(event.kind):
+                    self.channel.drop_frame_fds()
                 if not self.receiving_payload:
                     self.channel.end_transfer()
                 return event
             if isinstance(event, wire.Rejected):
                 # A whole frame with a bad field: refused, and the conversation goes on.
+                self.channel.drop_frame_fds()
                 log_event(log, logging.INFO, "request_refused", uid=self.uid, kind=event.kind,
                           code=event.code, error=event.message)
                 await self.channel.sendall(self.conn.send_error(event.code, event.message))
@@ -224,14 +229,15 @@ class ClientHandler:
             self.reply_fd = await reads.open_local(self, f["job"], f["step"], f["path"])
             return {"job": f["job"], "step": f["step"], "path": f["path"]}
         if kind == "fetch":
-            fd = self.channel.take_fd()
-            if fd is None:
-                raise RequestError(wire.BAD_REQUEST, "fetch arrived without a file descriptor")
+            fd = self.channel.take_frame_fd(kind)
+            if f.get("source") != "destination":
+                return await self.fetch(f["job"], f["step"], f["path"], fd)  # owns the fd
             try:
-                if f.get("source") == "destination":
-                    return await reads.fetch_from_destination(self, f["job"], f["step"],
-                                                              f["path"], fd)
-                return await self.fetch(f["job"], f["step"], f["path"], fd)
+                if not writable(fd):
+                    raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
+                                       "writing")
+                return await reads.fetch_from_destination(self, f["job"], f["step"], f["path"],
+                                                          fd)
             finally:
                 os.close(fd)
         if kind in ("drain", "resume"):
@@ -288,11 +294,14 @@ class ClientHandler:
 
     async def _put(self, kind: str, job: str, step: int, rank: int, path: str, size: int,
                    deferred: bool) -> dict[str, Any]:
-        fd = self.channel.take_fd() if wire.needs_fd(kind) else None
+        fd = self.channel.take_frame_fd(kind) if wire.needs_fd(kind) else None
         try:
             gen, rank = self._own_rank({"job": job, "step": step, "rank": rank})
-            if fd is None and wire.needs_fd(kind):
-                raise RequestError(wire.BAD_REQUEST, f"{kind} arrived without a file descriptor")
+            if kind == "put_memfd" and fd is not None and not is_memfd(fd):
+                # Checked before any lock is taken on it: a lock on a file of a network
+                # filesystem can wait on a server, and nothing here may wait on the loop.
+                raise RequestError(wire.BAD_REQUEST, f"the fd passed with put_memfd for {path!r} "
+                                   "is not a memfd; pass a memfd_create() fd, or use put_fd")
         except BaseException:
             if fd is not None:
                 os.close(fd)
@@ -357,27 +366,40 @@ class ClientHandler:
     async def fetch(self, job: str, step: int, path: str, out_fd: int) -> dict[str, Any]:
         """Restore's fast path: copy this node's local copy of a committed shard into the
         client's file. The client checks the checksum against the manifest: a local copy is
-        never trusted on its own."""
-        self.check_job_owner(job)
-        gen = self.d.ledger.get(job, step)
-        shard = gen.shards.get(path) if gen is not None else None
-        if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
-                or not shard.local_copy):
-            raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} of "
-                               f"step {step} of job {job!r}; read it from the destination")
-        st = os.fstat(out_fd)
-        if not stat.S_ISREG(st.st_mode) or not _writable(out_fd):
-            raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for writing")
+        never trusted on its own. Owns ``out_fd`` (closes it, or leaves it to a stuck thread)."""
+        owned = True
         try:
-            size, checksum = await self.d.dataplane.call(self.d.staging.copy_out,
-                                                         shard.staged_name, out_fd)
-        except FileNotFoundError:
-            raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read "
-                               "it from the destination") from None
-        except OSError as exc:
-            raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file passed: "
-                               f"{exc.strerror or exc}") from None
-        return {"path": path, "size": size, "checksum": checksum}
+            self.check_job_owner(job)
+            gen = self.d.ledger.get(job, step)
+            shard = gen.shards.get(path) if gen is not None else None
+            if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
+                    or not shard.local_copy):
+                raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} "
+                                   f"of step {step} of job {job!r}; read it from the destination")
+            if not writable(out_fd):
+                raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
+                                   "writing")
+            # fstat too in the data plane: the client's file may sit on a mount that hangs.
+            # The call owns the fd from here; if it fails, its clean-up closes it.
+            owned = False
+            try:
+                size, checksum = await self.d.dataplane.call(
+                    _copy_to_client, self.d.staging, shard.staged_name, out_fd,
+                    cleanup=lambda: os.close(out_fd))
+            except _NotRegular:
+                raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
+                                   "writing") from None
+            except FileNotFoundError:
+                raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; "
+                                   "read it from the destination") from None
+            except OSError as exc:
+                raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file "
+                                   f"passed: {exc.strerror or exc}") from None
+            owned = True
+            return {"path": path, "size": size, "checksum": checksum}
+        finally:
+            if owned:
+                os.close(out_fd)
 
     async def retry(self, job: str, step: int) -> dict[str, Any]:
         self.check_job_owner(job)
@@ -407,8 +429,14 @@ class ClientHandler:
         return {"job": job, "step": step, "requeued": requeued}
 
 
-def _writable(fd: int) -> bool:
-    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+class _NotRegular(DaemonError):
+    """The fd passed to fetch is not a regular file (raised in the data plane)."""
+
+
+def _copy_to_client(staging: Staging, name: str, out_fd: int) -> tuple[int, str]:
+    if not stat.S_ISREG(os.fstat(out_fd).st_mode):
+        raise _NotRegular
+    return staging.copy_out(name, out_fd)
 
 
 def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:

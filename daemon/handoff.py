@@ -61,6 +61,13 @@ class Handoffs:
         if path in gen.shards or path in gen.receiving:
             raise RequestError(wire.DUPLICATE, f"shard {path!r} was already handed off in step "
                                f"{gen.step} of job {gen.job!r}; shard paths are unique per generation")
+        clash = gen.path_clash(path)
+        if clash is not None:
+            # Refused now, not found at drain time (the destination cannot hold a file and a
+            # directory of one name), where it failed the whole generation.
+            raise RequestError(wire.INVALID_NAME, f"shard {path!r} and shard {clash!r} of step "
+                               f"{gen.step} of job {gen.job!r} cannot both exist: one is a "
+                               "directory of the other; rename one of them")
         if size > self.d.config.limits.max_shard_bytes:
             raise RequestError(wire.BAD_REQUEST, f"shard {path!r} is {size} bytes, over "
                                f"limits.max_shard_bytes ({self.d.config.limits.max_shard_bytes})")
@@ -119,7 +126,7 @@ class Handoffs:
             self.check_new_shard(gen, path, size)
             if src_fd is not None:
                 await self._check_source(src_fd, path, size, "descriptor")
-            gen.receiving.add(path)
+            gen.reserve_path(path)
             receiving = True
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
             room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, h.uid)
@@ -175,7 +182,7 @@ class Handoffs:
                                "mount behind it is not answering") from None
         finally:
             if receiving:
-                gen.receiving.discard(path)
+                gen.release_path(path)
             d.staging.pending_bytes -= promised
             _close(src_fd, tmp_fd)
             self._give_back(name if created else None, room, slot)
@@ -252,7 +259,7 @@ class Handoffs:
             self.check_new_shard(gen, path, size)
             await self._check_source(fd, path, size, "memfd")
             # Reserved across every await below: a concurrent duplicate is refused.
-            gen.receiving.add(path)
+            gen.reserve_path(path)
             receiving = True
             memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step, h.uid)
             h.still_open(gen, rank)
@@ -280,7 +287,7 @@ class Handoffs:
             raise
         finally:
             if receiving:
-                gen.receiving.discard(path)
+                gen.release_path(path)
         held = memory
         d.supervisor.spawn(lambda: self.persist_held(gen, shard, fd, held),
                            what=f"persist {gen.job}/{gen.step}/{path}", critical=True)

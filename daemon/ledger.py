@@ -9,6 +9,7 @@ acknowledged.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,9 @@ class GenerationRecord:
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     # Paths being received right now: reserved so a concurrent duplicate is refused early.
     receiving: set[str] = field(default_factory=set)
+    # Every directory the shard paths (held or being received) imply, counted: 'x' may not be
+    # a shard once 'x/y' is one, nor the reverse (the destination cannot hold both).
+    dirs: collections.Counter[str] = field(default_factory=collections.Counter)
     # Shards per rank not yet settled (drained, or deferred with a checksum): kept by the
     # ledger so "has this rank drained?" costs O(1), not a scan of every shard per drain.
     unsettled: dict[int, int] = field(default_factory=dict)
@@ -107,6 +111,32 @@ class GenerationRecord:
     @property
     def key(self) -> GenKey:
         return (self.job, self.step)
+
+    def path_clash(self, path: str) -> str | None:
+        """The shard path that ``path`` cannot live beside (one is a directory of the other),
+        or None. O(depth), not a scan of the generation's shards."""
+        if path in self.dirs:
+            return next((p for p in (*self.shards, *self.receiving) if p.startswith(path + "/")),
+                        path + "/...")
+        for parent in _parents(path):
+            if parent in self.shards or parent in self.receiving:
+                return parent
+        return None
+
+    def reserve_path(self, path: str) -> None:
+        """``path`` is being received: refused to a concurrent duplicate or clash."""
+        self.receiving.add(path)
+        self.dirs.update(_parents(path))
+
+    def release_path(self, path: str) -> None:
+        """The hand-off of ``path`` is over; its directories stay counted if it became a
+        shard record."""
+        self.receiving.discard(path)
+        if path not in self.shards:
+            self.dirs.subtract(_parents(path))
+            for parent in _parents(path):
+                if self.dirs[parent] <= 0:
+                    del self.dirs[parent]
 
     @property
     def terminal(self) -> bool:
@@ -225,6 +255,7 @@ class Ledger:
                 deferred=bool(s["deferred"]),
             )
             gen.count(gen.shards[s["path"]], +1)
+            gen.dirs.update(_parents(s["path"]))
             self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
         return dict(snap.uploads)
 
@@ -416,3 +447,9 @@ def _check_fields(record: object, fields: dict[str, Any]) -> None:
     for name in fields:
         if name == "state" or not hasattr(record, name):
             raise TypeError(f"{type(record).__name__} has no field {name!r} to set")
+
+
+def _parents(path: str) -> list[str]:
+    """``a/b/c`` -> ``["a", "a/b"]``."""
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]

@@ -750,3 +750,36 @@ def test_error_codes_match_the_client_error_classes() -> None:
         assert errors.error_for_code(code, "m").code == code
     assert errors.error_for_code(wire.BAD_REQUEST, "m").code == "bad_request"
     assert errors.error_for_code(wire.UNAVAILABLE, "m").code == "unavailable"
+
+
+def test_frame_start_and_received_bytes_are_stream_offsets() -> None:
+    # The IO layer pairs a passed fd with the frame that starts in the read it came with.
+    stream, ends = client_stream()
+    starts = [0, *ends[:-1]]
+    for step in (1, 7, len(stream)):
+        conn = Connection(Role.SERVER)
+        seen: list[int] = []
+        for at in range(0, len(stream), step):
+            conn.receive_data(stream[at : at + step])
+            assert conn.received_bytes == min(at + step, len(stream))
+            while (event := conn.next_event()) is not NEED_DATA:
+                if isinstance(event, Message):
+                    seen.append(conn.frame_start)
+                    answer(conn, event)
+        assert seen == starts  # every frame of the stream is one Message
+
+
+def test_frame_start_counts_payload_bytes_read_past_the_machine() -> None:
+    conn = Connection(Role.SERVER)
+    conn.receive_data(HELLO + put("a", 100))
+    assert [e.kind for e in drain(conn)] == ["hello", "put"]
+    head = data(b"x" * 100)[:-100]
+    conn.receive_data(head)
+    assert isinstance(conn.next_event(), Message)
+    conn.payload_consumed(100)  # read straight into the IO layer's buffer
+    assert isinstance(conn.next_event(), PayloadEnd)
+    offset = len(HELLO) + len(put("a", 100)) + len(head) + 100
+    assert conn.received_bytes == offset
+    conn.receive_data(frame({"type": "status"}))
+    assert conn.next_event() == Message("status", {})
+    assert conn.frame_start == offset

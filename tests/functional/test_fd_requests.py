@@ -1,0 +1,189 @@
+"""File descriptors a client passes are checked before use, never block the event loop, and
+each refusal is typed; an fd belongs to the frame it came with, never to a later one; shard
+paths that cannot both exist are refused at put time. Findings of the hostile-client
+campaign (typed errors, and a loop frozen by a write-locked memfd)."""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import InvalidName, wire
+from tests.conftest import DaemonProcess
+from tests.functional.test_bad_input import RawClient
+from tests.functional.test_failure_boundary import memfd_with, still_serves
+
+SHARD = {"job": "bad", "step": 1, "rank": 0}
+
+
+def send_fds(raw: RawClient, data: bytes, fds: list[int]) -> None:
+    raw.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+
+
+def put_with(raw: RawClient, kind: str, fds: list[int], path: str, size: int) -> Any:
+    send_fds(raw, wire.encode_message(kind, {**SHARD, "path": path, "size": size}), fds)
+    return raw.reply()
+
+
+def is_error(reply: Any, code: str, fragment: str) -> bool:
+    return (isinstance(reply, wire.Message) and reply.kind == "error"
+            and reply.fields["code"] == code and fragment in reply.fields["message"])
+
+
+@contextlib.contextmanager
+def not_a_memfd(kind: str, tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """(fd, size) of something that is not a memfd."""
+    opened: list[int] = []
+    if kind == "directory":
+        opened.append(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY))
+    elif kind == "socket":
+        a, b = socket.socketpair()
+        opened += [os.dup(a.fileno()), os.dup(b.fileno())]
+        a.close()
+        b.close()
+    elif kind == "pipe":
+        opened += list(os.pipe())
+    else:
+        path = tmp_path / "file.bin"
+        path.write_bytes(b"z" * 100)
+        opened.append(os.open(path, os.O_RDONLY))
+    try:
+        yield opened[0], 100
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["regular file", "directory", "socket", "pipe"])
+def test_put_memfd_with_something_else_is_a_typed_refusal(make_daemon, tmp_path: Path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    # A lock taken on a "memfd" that is a file of a network filesystem could wait on its
+    # server: only memfds are locked, and anything else is refused first.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory")
+    with not_a_memfd(kind, tmp_path) as (fd, size), RawClient(d.socket_path) as raw:
+        raw.hello_begin()
+        reply = put_with(raw, "put_memfd", [fd], "m", size)
+        assert is_error(reply, wire.BAD_REQUEST, "not a memfd"), reply
+        assert raw.call("status").kind == "ok"  # the connection goes on
+    still_serves(d)
+
+
+@pytest.mark.parametrize(("kind", "fragment"), [
+    ("directory", "not a regular file"), ("socket", "not a regular file"),
+    ("pipe", "not a regular file"), ("write-only", "not open for reading"),
+    ("O_PATH", "not open for reading"),
+])
+def test_put_fd_checks_access_mode_and_type(daemon: DaemonProcess, tmp_path: Path, kind: str, fragment: str) -> None:
+    path = tmp_path / "file.bin"
+    path.write_bytes(b"z" * 100)
+    with contextlib.ExitStack() as stack:
+        if kind == "write-only":
+            fd = os.open(path, os.O_WRONLY)
+            stack.callback(os.close, fd)
+        elif kind == "O_PATH":
+            fd = os.open(path, os.O_PATH)
+            stack.callback(os.close, fd)
+        else:
+            fd, _ = stack.enter_context(not_a_memfd(kind, tmp_path))
+        raw = stack.enter_context(RawClient(daemon.socket_path))
+        raw.hello_begin()
+        assert is_error(put_with(raw, "put_fd", [fd], "f", 100), wire.BAD_REQUEST, fragment)
+        assert raw.call("status").kind == "ok"
+    still_serves(daemon)
+
+
+def test_a_write_locked_memfd_does_not_keep_other_clients_waiting(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory")
+    fd = memfd_with(b"y" * 100)
+    fcntl.lockf(fd, fcntl.LOCK_EX)  # the daemon's shared lock cannot be granted while held
+    served = threading.Event()
+    failures: list[BaseException] = []
+
+    def bystander() -> None:
+        try:
+            still_serves(d)
+            served.set()
+        except BaseException as exc:
+            failures.append(exc)
+
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin()
+        send_fds(raw, wire.encode_message("put_memfd", {**SHARD, "path": "l", "size": 100}), [fd])
+        other = threading.Thread(target=bystander)
+        other.start()
+        # Served while the lock is still held: the loop never waits on it.
+        assert served.wait(60), failures or "another client was not served"
+        assert is_error(raw.reply(), wire.BAD_REQUEST, "locked")
+        other.join(10)
+    os.close(fd)
+
+
+def test_a_stale_fd_sent_with_status_is_not_taken_by_a_later_put_fd(daemon: DaemonProcess, tmp_path: Path) -> None:
+    path = tmp_path / "secret.bin"
+    path.write_bytes(b"s" * 10)
+    fd = os.open(path, os.O_RDONLY)
+    with RawClient(daemon.socket_path) as raw:
+        raw.hello_begin()
+        # One sendmsg: the fd rides with status; the put_fd right behind it carries none.
+        put = wire.encode_message("put_fd", {**SHARD, "path": "stolen", "size": 10})
+        send_fds(raw, wire.encode_message("status", {}) + put, [fd])
+        assert raw.reply().kind == "ok"
+        assert is_error(raw.reply(), wire.BAD_REQUEST, "without a file descriptor")
+        assert raw.call("seal", **SHARD).kind == "ok"
+    os.close(fd)
+    daemon.client().wait("bad", 1, timeout_s=30)
+    assert not (daemon.dest / "bad" / f"{1:020d}" / "stolen").exists()
+
+
+def test_two_fds_on_one_put_fd_are_refused(daemon: DaemonProcess, tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"f" * 10)
+    fds = [os.open(path, os.O_RDONLY) for _ in range(2)]
+    with RawClient(daemon.socket_path) as raw:
+        raw.hello_begin()
+        assert is_error(put_with(raw, "put_fd", fds, "two", 10), wire.BAD_REQUEST,
+                        "with 2 file descriptors")
+        assert put_with(raw, "put_fd", fds[:1], "one", 10).kind == "ok"
+    for fd in fds:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("count", [5, 200])
+def test_more_fds_than_one_message_may_carry_get_a_typed_error(daemon: DaemonProcess, count: int) -> None:
+    # 5 fds were `internal`, 200 a silent close.
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(count)]
+    with RawClient(daemon.socket_path) as raw:
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        send_fds(raw, wire.encode_message("status", {}), fds)
+        reply = raw.reply()
+        assert is_error(reply, wire.BAD_REQUEST, "more than 4 file descriptors"), reply
+    for fd in fds:
+        os.close(fd)
+    still_serves(daemon)
+
+
+def test_a_shard_and_a_directory_of_the_same_name_are_refused_at_put(daemon: DaemonProcess) -> None:
+    # Both were accepted and the generation then failed at drain.
+    c = daemon.client()
+    with c.generation("names", 1) as gen:
+        gen.put("x", b"file")
+        with pytest.raises(InvalidName, match="directory of the other"):
+            gen.put("x/y", b"under it")
+        gen.put("a/b/c", b"deep")
+        with pytest.raises(InvalidName, match="directory of the other"):
+            gen.put("a/b", b"over it")
+        with pytest.raises(InvalidName, match="directory of the other"):
+            gen.put("a", b"over it")
+        gen.put("a/b2", b"beside it")
+    c.wait("names", 1, timeout_s=30)
+    root = daemon.dest / "names" / f"{1:020d}"
+    assert (root / "x").read_bytes() == b"file"
+    assert (root / "a" / "b" / "c").read_bytes() == b"deep"
