@@ -5,7 +5,9 @@ A session is drawn from a seed: a plausible conversation built with ``client/wir
 mutated: bit flips, truncation, wrong header or payload lengths, oversize headers, frames
 dropped, duplicated or shuffled, garbage between frames, fds of every kind attached to frames
 that take none or one (pipes, sockets, /dev/null, write-only files, directories, O_PATH, plain
-and sealed and write-only memfds), an abrupt reset, a slow trickle, or an idle stall.
+and sealed and write-only and write-locked memfds, up to 200 at once), fields out of what
+any layer stores (steps past 2^63, 400-digit timeouts, 65,400-character reasons), a shard
+path that is a directory of another, an abrupt reset, a slow trickle, or an idle stall.
 
 What the daemon may answer: well-formed server frames only (``welcome``, ``ok``, ``error`` with
 a known code), then a close; never silence past its idle timeout.
@@ -29,12 +31,13 @@ from typing import Any, ClassVar
 from ckptdrain.client import wire
 
 FD_KINDS = ("regular", "regular_wronly", "directory", "devnull", "pipe_r", "pipe_w", "socket",
-            "memfd", "memfd_sealed", "memfd_wronly", "opath")
+            "memfd", "memfd_sealed", "memfd_wronly", "memfd_locked", "opath")
 # fds that hit a known, not yet fixed bug (each with its own xfail-marked test in test_fuzz.py).
 # The general runs leave them out, also from frames that take no fd, until the fix.
 KNOWN_BUG_FD_KINDS: frozenset[str] = frozenset()
 MUTATIONS = ("none", "bitflip", "truncate", "header_len", "payload_len", "oversize", "reorder",
-             "drop", "duplicate", "garbage", "json", "fds", "reset", "trickle", "idle")
+             "drop", "duplicate", "garbage", "json", "fds", "reset", "trickle", "idle", "bounds",
+             "many_fds")
 TALLY = {"sessions": 0}  # for the run's summary line (conftest.py)
 _SEALS = (getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2)
           | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_WRITE", 8))
@@ -83,6 +86,8 @@ def conversation(rng: random.Random, sizes: dict[str, int], kinds: tuple[str, ..
         chunks.append(Chunk(_frame("begin", begin), kind="begin"))
     for i in range(rng.randint(0, 4)):
         path = f"p{i}/{rng.choice(('a', 'b', 'c'))}.bin"
+        if rng.random() < 0.1:
+            path = f"p{rng.randrange(i + 1)}"  # maybe a directory of an earlier shard
         choice = rng.random()
         if choice < 0.3:
             data = rng.randbytes(rng.choice((0, 1, rng.randint(2, 64 << 10))))
@@ -131,6 +136,28 @@ def _weird_json(rng: random.Random) -> bytes:
     return rng.choice(choices)
 
 
+def _out_of_bounds(rng: random.Random) -> bytes:
+    """A well-framed request with one field past what any layer stores (by hand: the wire
+    module would refuse to encode it)."""
+    who = {"job": f"fz{rng.randrange(8)}", "step": rng.randint(1, 40), "rank": 0}
+    huge = rng.choice((2**63, 2**64, 10**19, 10**400))
+    choices: list[dict[str, Any]] = [
+        {"type": "begin", **who, "step": huge, "world_size": 1},
+        {"type": "begin", **who, "world_size": rng.choice((10**6 + 1, 10**400))},
+        {"type": "begin", **who, "world_size": 1, "attempt": "a" * 200},
+        {"type": "seal", **who, "step": huge},
+        {"type": "put", **who, "rank": huge, "path": "a", "size": 1},
+        {"type": "put", **who, "path": "a", "size": rng.choice((2**44 + 1, 2**64, huge))},
+        {"type": "abort", **who, "reason": "r" * 65_400},
+        {"type": "hello", "version": 10**400},
+        {"type": "hello", "version": 1, "client": "c" * 300},
+    ]
+    body = json.dumps(rng.choice(choices)).encode()
+    wait = (b'{"type":"wait","job":"fz0","step":1,"timeout_s":'
+            + rng.choice((b"1" + b"0" * 400, b"1e308", b"86401", b"-0.5")) + b"}")
+    return rng.choice((body, wait))
+
+
 def mutate(rng: random.Random, chunks: list[Chunk], kinds: tuple[str, ...]) -> list[str]:
     """Mutate ``chunks`` in place; returns the mutations applied."""
     applied = []
@@ -176,6 +203,12 @@ def mutate(rng: random.Random, chunks: list[Chunk], kinds: tuple[str, ...]) -> l
             for _ in range(rng.randint(1, 3)):
                 target = chunks[rng.randrange(len(chunks))]
                 target.fds += [rng.choice(kinds) for _ in range(rng.choice((1, 1, 2, 5)))]
+        elif m == "many_fds":
+            c.fds += ["devnull"] * rng.choice((9, 200))  # more than one message may carry
+        elif m == "bounds":
+            body = _out_of_bounds(rng)
+            chunks.insert(i, Chunk(struct.pack(">4sIQ", wire.MAGIC, len(body), 0) + body,
+                                   kind="bounds"))
     return applied
 
 
@@ -196,7 +229,7 @@ class FdFactory:
 
     SIZES: ClassVar[dict[str, int]] = {
         "regular": 4096 + 7, "regular_wronly": 4096 + 7, "opath": 4096 + 7,
-        "memfd": 1000, "memfd_sealed": 1000, "memfd_wronly": 1000}
+        "memfd": 1000, "memfd_sealed": 1000, "memfd_wronly": 1000, "memfd_locked": 1000}
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -232,6 +265,12 @@ class FdFactory:
         if kind == "memfd_wronly":
             wronly = os.open(f"/proc/self/fd/{memfd}", os.O_WRONLY | os.O_CLOEXEC)
             return wronly, [wronly, memfd]
+        if kind == "memfd_locked":
+            # A write lock owned by the open file description: it outlives our copy of the fd
+            # and is held as long as the daemon keeps the one it was passed. The daemon's
+            # shared lock can never be granted; it must refuse, not wait.
+            fcntl.fcntl(memfd, fcntl.F_OFD_SETLK, struct.pack("hh4xqqi4x", fcntl.F_WRLCK,
+                                                             os.SEEK_SET, 0, 0, 0))
         return memfd, [memfd]
 
 

@@ -108,6 +108,12 @@ class WellBehaved:
 
 def fuzz_run(daemon: ChaosDaemon, root: Path, seed: int, sessions: int) -> list[str]:
     """``sessions`` fuzzed sessions, 8 at a time, beside a well-behaved client."""
+    # Links a hostile user planted in the destination: nothing may be written through them.
+    outside = root / "outside"
+    outside.mkdir()
+    (root / "dest" / "fz6").mkdir(parents=True)
+    (root / "dest" / "fz6" / f"{5:020d}").symlink_to(outside)
+    (root / "dest" / "fz7").symlink_to(outside)
     daemon.start()
     pid = daemon.pid
     baseline = inv.proc_fds(pid)
@@ -128,6 +134,8 @@ def fuzz_run(daemon: ChaosDaemon, root: Path, seed: int, sessions: int) -> list[
     if not daemon.alive():
         return [*bad, f"the daemon died ({daemon.died_by()}); log tail:\n{daemon.log_excerpt(6000)}"]
     bad += good.check(inv.PosixDestination(root / "dest"))
+    if written := sorted(str(p.relative_to(outside)) for p in outside.rglob("*")):
+        bad.append(f"written through a link planted in the destination: {written[:10]}")
     try:
         with Client(daemon.socket_path, timeout_s=30) as c:
             c.status()  # still serving, and still able to say how it stands
