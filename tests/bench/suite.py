@@ -124,6 +124,7 @@ class Benchmark:
 def registry() -> dict[str, Benchmark]:
     """Every benchmark, in the order a full run takes them (cheapest and S3-free first)."""
     from tests.bench import (
+        dcpbench,
         drain,
         footprint,
         handoff,
@@ -137,6 +138,7 @@ def registry() -> dict[str, Benchmark]:
     benches = [
         handoff.HANDOFF, handoff.MEMORY, throughput.SOCKET, scaling.RANKS, smallshards.SMALL,
         footprint.RSS, drain.POSIX, drain.S3, scaling.BUSY, restore.RESTORE, hostile.HOSTILE,
+        dcpbench.DCP,
     ]
     return {b.name: b for b in benches}
 
