@@ -204,7 +204,7 @@ class LimitsConfig(BaseModel):
     # Shares of the node one uid may take, so one user cannot starve the others.
     max_clients_per_uid: int = Field(default=512, ge=1)
     max_generations_per_uid: int = Field(default=16, ge=1)
-    max_jobs: int = Field(default=10_000, ge=1)  # jobs tracked on this node at once
+    max_jobs: int = Field(default=1000, ge=1)  # jobs tracked on this node at once
     max_reserved_bytes_per_uid: ByteSize = Field(default=0, ge=0)  # 0 = no per-uid cap
     # A frame, or a shard's bytes, that arrives slower than this on average (after the
     # grace period) is cut off and what it reserved is freed: a trickle cannot hold room.
@@ -379,6 +379,9 @@ class RetentionConfig(BaseModel):
     # job (its generations here, its owner, its metric series) once it has begun none for
     # this long. The destination is not touched.
     forget_after_s: float = Field(default=86400.0, gt=0)
+    # Failed and cancelled generations kept per job (for retry and status); older ones are
+    # forgotten at once.
+    keep_failed: int = Field(default=16, ge=1)
 
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")

@@ -1,7 +1,8 @@
 """What the node forgets, and when: ended generations and idle jobs, with their metric series.
 
-Nothing a client does may grow what the daemon holds without bound. A failed or cancelled
-generation nobody retried, and every generation of a job that has not begun one for
+Nothing a client does may grow what the daemon holds without bound. Each job keeps at most
+``retention.keep_failed`` failed or cancelled generations (the newest); one nobody retried,
+and every generation of a job that has not begun one for
 ``retention.forget_after_s``, are forgotten (their local copies go, their journal rows are
 deleted and the journal compacted); a job with nothing left on the node is forgotten with its
 per-job series in /metrics. ``limits.max_jobs`` bounds the jobs tracked at once: a new job
@@ -41,6 +42,18 @@ class Expiry:
 
     def touch(self, job: str) -> None:
         self.seen[job] = time.monotonic()
+
+    async def trim(self, job: str) -> None:
+        """Keep at most ``retention.keep_failed`` ended, uncommitted generations of ``job``:
+        a job that fails every save must not grow the node by one generation a step."""
+        d = self.d
+        keep = d.config.retention.keep_failed
+        ended = sorted((g for g in d.ledger.generations.values()
+                        if g.job == job and g.terminal and g.state is not GenerationState.COMMITTED),
+                       key=lambda g: (g.created_at, g.step))
+        for g in ended[: max(0, len(ended) - keep)]:
+            d.copies.discard_generation(g)
+            await d.ledger.forget(g)
 
     async def run(self) -> None:
         while True:

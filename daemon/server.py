@@ -305,7 +305,10 @@ class Daemon:
             self.copies.drop_older_committed(gen)
             job = gen.job
             self.supervisor.spawn(lambda: self._retain(job), what=f"retention {job}")
-        elif gen.state is GenerationState.CANCELLED or gen.why_not_retryable():
+            return
+        job = gen.job
+        self.supervisor.spawn(lambda: self.expiry.trim(job), what=f"trim ended {job}")
+        if gen.state is GenerationState.CANCELLED or gen.why_not_retryable():
             # Superseded, an aborted rank or a shard lost before local storage: never
             # retried, so nothing of it is worth keeping (every byte it reserved goes back).
             self.copies.discard_generation(gen)
