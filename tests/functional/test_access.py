@@ -119,3 +119,21 @@ def test_another_users_ranks_are_never_merged_into_a_job(make_daemon) -> None:  
         with pytest.raises(GenerationFailed, match="different owners"):
             Client(node.socket_path).wait("shared", 1, timeout_s=60)
     assert not (a.dest / "shared" / f"{1:020d}" / "MANIFEST.json").exists()
+
+
+def test_a_backpressure_error_names_no_other_users_shards(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="32MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject")
+    open_to_all(d)
+    with Client(d.socket_path).generation("root-secret", 1, world_size=2) as gen:
+        gen.put("held.bin", os.urandom(30 << 20), deferred=True)  # undrained until rank 1 comes
+
+        def fill() -> str:
+            with Client(d.socket_path, timeout_s=20).generation("mine", 1) as mine:
+                mine.put("big.bin", os.urandom(8 << 20))
+            return "SAVED"
+
+        out = run_as(fill)
+    assert "backpressure" in out and "root-secret" not in out, out

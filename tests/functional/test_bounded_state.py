@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from ckptdrain.client import Backpressure, wire
+from ckptdrain.client import Backpressure, GenerationFailed, wire
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 
 # Every character of it is 4 bytes of UTF-8: 300 of them (what a summary keeps of an error)
@@ -121,3 +121,30 @@ def test_journal_and_staging_are_private_whatever_the_umask(make_daemon) -> None
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert stat.S_IMODE((d.staging / "shards").stat().st_mode) == 0o700
     assert stat.S_IMODE(d.staging.stat().st_mode) == 0o700
+
+
+def test_a_huge_stored_reason_is_cut_when_the_journal_is_loaded(daemon: DaemonProcess) -> None:
+    # A journal written before reasons were bounded: one abort stored 65,400 characters,
+    # and every `wait` on that step then failed to send its own error frame.
+    with daemon.client() as c, c.generation("long", 1) as gen:
+        gen.abort("short for now")
+    daemon.stop()
+    db = sqlite3.connect(daemon.staging / "journal.sqlite3")
+    with db:
+        db.execute("UPDATE generations SET error = ? WHERE job = 'long'", ("r" * 65_400,))
+    db.close()
+    daemon.start()
+    with pytest.raises(GenerationFailed) as info:
+        daemon.client().wait("long", 1, timeout_s=10)
+    assert 1000 < len(info.value.message) < 4000
+    assert daemon.client().status(job="long")["generations"][0]["state"] == "failed"
+
+
+def test_many_dropped_jobs_leave_the_daemon_small(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # 10,000 dropped generations once grew RSS from 45 to 138 MB and /metrics to 5.2 MB.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_JOBS="50")
+    abort_many(d, 600, jobs=True)
+    status = d.client().status()
+    assert len(status["generations"]) + status["generations_omitted"] <= 50
+    assert _metrics(d).count('job="dropped-') < 50 * 15
+    assert _journal_rows(d, "jobs") <= 50
