@@ -77,9 +77,12 @@ def _save_attempt(run: str) -> str:
     token = f"dcp:{uuid.uuid4().hex}"
     if not run:
         return token
-    if len(run) + 1 + len(token) > MAX_ATTEMPT_CHARS:
+    # The run's name is kept whole (a waiter of the run matches on it); the token gives way.
+    room = MAX_ATTEMPT_CHARS - len(run) - 1 - len("dcp:")
+    if room < 16:
         run = hashlib.sha256(run.encode()).hexdigest()[:32]
-    return f"{run}/{token}"
+        room = MAX_ATTEMPT_CHARS - len(run) - 1 - len("dcp:")
+    return f"{run}/{token[:len('dcp:') + room]}"
 
 
 def _abort_part(stack: contextlib.ExitStack, reason: str) -> None:
