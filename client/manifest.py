@@ -32,8 +32,13 @@ from ckptdrain.client.names import (
     validate_world_size,
 )
 
-CHECKSUM_ALGO = "sha256"
-FORMAT_VERSION = 1
+# Format 2 (this version writes it): each checksum names its algorithm, crc64nvme for new
+# shards (the value S3 validates as the object's full-object checksum). Format 1 manifests
+# carry sha256 only; they are still read, verified and restored.
+CHECKSUM_ALGO = "crc64nvme"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = frozenset({1, 2})
+FORMAT_1_ALGO = "sha256"
 TMP_SUFFIX = TEMP_SUFFIX
 LATEST_NAME = "LATEST"
 STEP_DIGITS = 20
@@ -48,7 +53,7 @@ MANIFEST_CLOCKS = (*PART_CLOCKS, "committed")
 MAX_NODE_BYTES = 128
 _NODE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _GENERATION_RE = re.compile(r"[0-9]{20}")
-_HEX_DIGITS = {"sha256": 64}
+_HEX_DIGITS = {"sha256": 64, "crc64nvme": 16}
 _HEX_RE = re.compile(r"[0-9a-f]+")
 
 _SHARD_FIELDS = frozenset({"path", "size", "checksum", "rank", "node"})
@@ -173,7 +178,8 @@ def format_checksum(algo: str, digest_hex: str) -> str:
 
 
 def parse_checksum(checksum: str) -> tuple[str, str]:
-    """Split ``"sha256:<64 hex>"`` into ``(algo, hex)``; anything else is a ManifestError."""
+    """Split ``"crc64nvme:<16 hex>"`` (or format 1's ``"sha256:<64 hex>"``) into
+    ``(algo, hex)``; anything else is a ManifestError."""
     if not isinstance(checksum, str) or ":" not in checksum:
         raise ManifestError(f"checksum {checksum!r} is not of the form '{CHECKSUM_ALGO}:<hex>'")
     algo, _, digest = checksum.partition(":")
@@ -265,7 +271,7 @@ def _check_version(obj: dict[str, Any], kind: str, what: str) -> None:
             f"{what} has format_version {version}, newer than this ckptdrain understands "
             f"({FORMAT_VERSION}); upgrade ckptdrain to read it"
         )
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ManifestError(f"{what} has unsupported format_version {version}")
     if obj["kind"] != kind:
         raise ManifestError(f"{what} kind is {obj['kind']!r}, expected {kind!r}")
@@ -315,6 +321,11 @@ class ShardEntry:
     def digest(self) -> str:
         """The hex digest without the algorithm prefix."""
         return parse_checksum(self.checksum)[1]
+
+    @property
+    def algo(self) -> str:
+        """The checksum's algorithm: ``crc64nvme`` (format 2), ``sha256`` (format 1)."""
+        return parse_checksum(self.checksum)[0]
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -517,8 +528,12 @@ class Manifest:
         _checked(validate_job, self.job)
         _checked(validate_step, self.generation)
         _checked(validate_world_size, self.world_size)
-        if self.format_version != FORMAT_VERSION:
+        if self.format_version not in READABLE_VERSIONS:
             raise ManifestError(f"{what}: unsupported format_version {self.format_version}")
+        if self.format_version == 1 and any(
+            shard.checksum.partition(":")[0] != FORMAT_1_ALGO for shard in self.shards
+        ):
+            raise ManifestError(f"{what}: format_version 1 records {FORMAT_1_ALGO} checksums only")
         if not isinstance(self.shards, tuple) or not isinstance(self.nodes, tuple):
             raise ManifestError(f"{what}: shards and nodes must be tuples")
         for node in self.nodes:

@@ -353,7 +353,7 @@ _CLIENT_KINDS: dict[str, _Schema] = {
     "status": {"job": (_job, False)},  # job: only that job's generations
     "retry": {"job": (_job, True), "step": (_step, True)},
     # Restore's fast path: the daemon copies its local copy of a shard into the file whose
-    # (writable) fd travels with the frame, and answers with the sha256 of what it wrote.
+    # (writable) fd travels with the frame, and answers with the checksum of what it wrote.
     "fetch": {
         "job": (_job, True),
         "step": (_step, True),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import secrets
@@ -29,6 +28,7 @@ from ckptdrain.client.manifest import (
     parse_manifest_key,
     shard_key,
 )
+from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import newest_committed, read_latest
@@ -71,6 +71,8 @@ class VerifyReport:
     checked: int
     bytes: int
     bad: list[tuple[str, str]] = field(default_factory=list)
+    # Shards checked by the checksum the destination stored, without reading their bytes.
+    stored: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ class RestoreReport:
     local_rejected: int = 0  # local copies whose checksum did not match: fetched remotely
 
 
-# Restore's fast path: fill the open fd from a local copy of the shard; returns the sha256
-# ("sha256:<hex>") of what was written, or None when there is no local copy.
+# Restore's fast path: fill the open fd from a local copy of the shard; returns the checksum
+# (with the manifest's algorithm) of what was written, or None when there is no local copy.
 LocalSource = Callable[[ShardEntry, int], Awaitable[str | None]]
 
 
@@ -201,12 +203,17 @@ async def resolve(backend: Backend, job: str, generation: int | Literal["latest"
 
 
 async def verify(
-    backend: Backend, job: str, step: int | Literal["latest"], *, concurrency: int = 4
+    backend: Backend, job: str, step: int | Literal["latest"], *, concurrency: int = 4,
+    read: bool = False,
 ) -> VerifyReport:
-    """Re-read every shard of a committed generation and check its size and sha256.
+    """Check every shard of a committed generation against its size and checksum.
 
-    Damage is reported, not raised: the report names every bad shard. Raises NotCommitted when
-    there is no valid manifest, and BackendError when the destination itself fails.
+    On a destination that validated each object's checksum when it was written and stores it
+    (S3's full-object CRC64NVME), the stored checksum is compared without reading the bytes,
+    unless ``read``; elsewhere (and for a shard without a stored checksum of the manifest's
+    algorithm) every byte is re-read. Damage is reported, not raised: the report names every
+    bad shard. Raises NotCommitted when there is no valid manifest, and BackendError when the
+    destination itself fails.
     """
     manifest = await resolve(backend, job, step)
     step = manifest.generation
@@ -221,10 +228,25 @@ async def verify(
         if shard.path not in present:
             report.bad.append((shard.path, "missing at the destination"))
             return
-        digest = hashlib.sha256()
+        key = shard_key(job, step, shard.path)
+        if not read and backend.validates_checksums:
+            info = await backend.stat(key)
+            if info is None:
+                report.bad.append((shard.path, "missing at the destination"))
+                return
+            if info.checksum is not None and info.checksum.partition(":")[0] == shard.algo:
+                report.stored += 1
+                if info.size != shard.size:
+                    report.bad.append(
+                        (shard.path, f"{info.size} bytes, the manifest lists {shard.size}"))
+                elif info.checksum != shard.checksum:
+                    report.bad.append((shard.path, f"stored checksum {info.checksum} != "
+                                                   f"{shard.checksum} in the manifest"))
+                return
+        digest = checksums.for_checksum(shard.checksum)
         size = 0
         try:
-            async for chunk in backend.read_chunks(shard_key(job, step, shard.path)):
+            async for chunk in backend.read_chunks(key):
                 size += len(chunk)
                 report.bytes += len(chunk)
                 if size > shard.size:
@@ -239,9 +261,9 @@ async def verify(
             report.bad.append((shard.path, f"longer than the {shard.size} bytes in the manifest"))
         elif size < shard.size:
             report.bad.append((shard.path, f"{size} bytes, the manifest lists {shard.size}"))
-        elif digest.hexdigest() != shard.digest:
+        elif digest.value() != shard.checksum:
             report.bad.append(
-                (shard.path, f"sha256 {digest.hexdigest()} != {shard.digest} in the manifest")
+                (shard.path, f"{digest.value()} != {shard.checksum} in the manifest")
             )
 
     await for_each_bounded(manifest.shards, check, concurrency)
@@ -265,7 +287,7 @@ async def restore(
 ) -> RestoreReport:
     """Copy a committed generation into ``to_dir`` (a loadable checkpoint directory).
 
-    Each file is written under a temp name beside its final name, its sha256 and size checked
+    Each file is written under a temp name beside its final name, its checksum and size checked
     while writing, and renamed into place only if they match; a mismatch stops the restore with
     RestoreError naming the file. ``progress`` is called with each number of bytes written.
     The manifest is copied last, so a restored directory says what it holds and ``verify``
@@ -415,7 +437,8 @@ async def _write_verified(
     done = False
     try:
         try:
-            size, checksum = await backend.copy_into(key, fd, progress=progress)
+            size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
+                                                     progress=progress)
         finally:
             os.close(fd)
         if size != shard.size:
@@ -435,13 +458,6 @@ async def _write_verified(
         if not done:
             tmp.unlink(missing_ok=True)
     return size
-
-
-def _hash_and_write(digest: hashlib._Hash, fd: int, chunk: bytes) -> None:
-    digest.update(chunk)
-    view = memoryview(chunk)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _unlink(path: Path) -> None:
@@ -483,7 +499,7 @@ async def for_each_bounded(
         raise group_exc.exceptions[0] from None
 
 
-async def _hash(digest: hashlib._Hash, chunk: bytes) -> None:
+async def _hash(digest: checksums.Digest, chunk: bytes) -> None:
     if len(chunk) >= _THREAD_HASH_BYTES:
         await _settled(digest.update, chunk)
     else:

@@ -355,6 +355,17 @@ class DrainConfig(BaseModel):
     # it fails and frees its max_generations_in_flight slot (a node that never comes back
     # must not block the job for good).
     commit_wait_s: float = Field(default=3600.0, gt=0)
+    # Processes that send S3 part bodies (each its own event loop and S3 client), so the S3
+    # drain scales with the node's cores instead of one event-loop thread. -1: from the core
+    # count; 0: on the daemon's own event loop. POSIX destinations do not use them.
+    workers: int = Field(default=-1, ge=-1, le=64)
+
+    @property
+    def worker_count(self) -> int:
+        """``workers``, with -1 resolved: a quarter of the cores, 1 to 8."""
+        if self.workers >= 0:
+            return self.workers
+        return max(1, min(8, (os.cpu_count() or 1) // 4))
 
     @model_validator(mode="after")
     def _check_backoff(self) -> DrainConfig:

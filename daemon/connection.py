@@ -18,9 +18,9 @@ import stat
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError
+from ckptdrain.client.manifest import ManifestError, parse_checksum
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog, maintenance, reads, waits
+from ckptdrain.daemon import catalog, checksums, maintenance, reads, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
@@ -382,9 +382,12 @@ class ClientHandler:
             # fstat too in the data plane: the client's file may sit on a mount that hangs.
             # The call owns the fd from here; if it fails, its clean-up closes it.
             owned = False
+            # Checksummed with the algorithm of the recorded one (a sha256 of an older version's
+            # drain), so the client's comparison with the manifest is like for like.
+            algo = parse_checksum(shard.checksum)[0] if shard.checksum else checksums.ALGO
             try:
                 size, checksum = await self.d.dataplane.call(
-                    _copy_to_client, self.d.staging, shard.staged_name, out_fd,
+                    _copy_to_client, self.d.staging, shard.staged_name, out_fd, algo,
                     cleanup=lambda: os.close(out_fd))
             except _NotRegular:
                 raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
@@ -433,10 +436,10 @@ class _NotRegular(DaemonError):
     """The fd passed to fetch is not a regular file (raised in the data plane)."""
 
 
-def _copy_to_client(staging: Staging, name: str, out_fd: int) -> tuple[int, str]:
+def _copy_to_client(staging: Staging, name: str, out_fd: int, algo: str) -> tuple[int, str]:
     if not stat.S_ISREG(os.fstat(out_fd).st_mode):
         raise _NotRegular
-    return staging.copy_out(name, out_fd)
+    return staging.copy_out(name, out_fd, algo)
 
 
 def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:

@@ -67,6 +67,8 @@ class ShardRecord:
     # Drained only after every rank's shards are at the destination, right before the manifest.
     deferred: bool = False
     local_copy: bool = True  # the staged file still exists
+    # Bytes of the drain in progress already at the destination (not journalled: progress).
+    moved_bytes: int = 0
 
     def row(self) -> dict[str, Any]:
         return {

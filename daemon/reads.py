@@ -16,6 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
+from ckptdrain.client.manifest import parse_checksum
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import GenerationState
@@ -42,7 +43,7 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
 
     def verified() -> bool:
         opened.append(d.staging.open_data(name))
-        checksum = d.staging.checksum(name)
+        checksum = d.staging.checksum(name, parse_checksum(expected)[0])
         st, now = os.fstat(opened[0]), os.stat(d.staging.data_path(name))
         return checksum == expected and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
@@ -86,7 +87,8 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
         entry = next((s for s in manifest.shards if s.path == path), None)
         if entry is None:
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
-        size, checksum = await d.backend.copy_into(shard_key(job, step, path), out_fd)
+        size, checksum = await d.backend.copy_into(shard_key(job, step, path), out_fd,
+                                                   algo=entry.algo)
     except (BackendError, ManifestError) as exc:
         raise destination_error(job, step, exc) from None
     except OSError as exc:

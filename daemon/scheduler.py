@@ -210,16 +210,25 @@ class Scheduler:
                 # Given up half-way (its generation ended): staged again, so a retry sends it.
                 await self.ledger.apply(shard, ShardEvent.DRAIN_GAVE_UP, persist=False)
 
-    async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
-                            then_advance: bool) -> bool:
-        # Pace before the copy so draining never takes more than its share of the network.
-        delay = self.pacer.reserve(shard.size, time.monotonic())
+    async def pace(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more may be sent (``drain.max_bandwidth_bytes_per_s``); the
+        backends call it as bytes move (per part, per copied range), so a large shard is paced
+        as evenly as many small ones."""
+        delay = self.pacer.reserve(nbytes, time.monotonic())
         if delay:
             # A reload that changes the rate wakes the wait early (set_bandwidth).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._pacer_changed.wait(), delay)
-            if gen.terminal or shard.state is not ShardState.STAGED:
-                return False
+
+    def moved(self, shard: ShardRecord, nbytes: int) -> None:
+        """``nbytes`` of ``shard`` reached the destination: drained bytes, the drain rate and
+        the shard's progress move now, not when the whole shard is done."""
+        shard.moved_bytes += nbytes
+        self._drained_bytes_window.append((time.monotonic(), nbytes))
+        self.metrics.drained(shard.job, nbytes, self.destination)
+
+    async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
+                            then_advance: bool) -> bool:
         await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
         prefix = generation_prefix(gen.job, gen.step)
         budget_s = self.config.drain.retry_budget_s
@@ -261,8 +270,6 @@ class Scheduler:
             return False
         now = time.time()
         await self.ledger.apply(shard, ShardEvent.DRAINED, checksum=checksum, drained_at=now)
-        self._drained_bytes_window.append((time.monotonic(), shard.size))
-        self.metrics.drained(gen.job, shard.size, self.destination)
         self._on_drained(shard)
         if then_advance:
             await self.publisher.advance(gen)
@@ -278,9 +285,10 @@ class Scheduler:
             async with asyncio.timeout(None) as scope:
                 self._inflight[shard.id] = scope
                 try:
+                    shard.moved_bytes = 0  # this attempt's progress
                     return await self.backend.put_file(
                         shard_key(shard.job, shard.step, shard.path), fd, shard.size,
-                        upload_log=upload_log,
+                        upload_log=upload_log, flow=_ShardFlow(self, shard),
                     )
                 finally:
                     self._inflight.pop(shard.id, None)
@@ -333,3 +341,17 @@ class Scheduler:
             log_event(log, logging.WARNING, "abort_failed", job=shard.job, step=shard.step,
                       path=shard.path, error=str(exc),
                       action="left to the orphan sweep and the lifecycle rule")
+
+
+class _ShardFlow:
+    """The :class:`~ckptdrain.daemon.backends.base.Flow` of one shard's copy."""
+
+    def __init__(self, scheduler: Scheduler, shard: ShardRecord) -> None:
+        self._scheduler = scheduler
+        self._shard = shard
+
+    async def pace(self, nbytes: int) -> None:
+        await self._scheduler.pace(nbytes)
+
+    def moved(self, nbytes: int) -> None:
+        self._scheduler.moved(self._shard, nbytes)

@@ -83,7 +83,8 @@ class Daemon:
         self.acknowledge = GroupCommit(self.journal, before=self.staging.fsync_dir)
         self.ledger = Ledger(self.journal, acknowledge=self.acknowledge)
         self.metrics = Metrics(config.node_id, __version__)
-        self.backend = open_backend(config.destination, config.node_id)
+        self.backend = open_backend(config.destination, config.node_id,
+                                    workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)
         self.dataplane = DataPlane(io_threads(limits.io_threads), limits.io_timeout_s,
                                    pumps=limits.max_clients)

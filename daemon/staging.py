@@ -11,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import hashlib
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.filecopy import copy_and_checksum, hash_file
 
 TMP = ".tmp"
 DATA = ".data"
@@ -122,30 +124,24 @@ class Staging:
         finally:
             os.close(dfd)
 
-    def checksum(self, name: str) -> str:
-        """sha256 of a staged shard, in the manifest's format (blocking: run in a thread)."""
-        digest = hashlib.sha256()
-        with open(self.data_path(name), "rb", buffering=0) as f:
-            buf = bytearray(1 << 20)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                digest.update(view[:n])
-        return "sha256:" + digest.hexdigest()
+    def checksum(self, name: str, algo: str = checksums.ALGO) -> str:
+        """The checksum (``algo``) of a staged shard, in the manifest's format (blocking: a
+        thread's)."""
+        fd = self.open_data(name)
+        try:
+            return hash_file(fd, threading.Event(), algo)
+        finally:
+            os.close(fd)
 
-    def copy_out(self, name: str, out_fd: int) -> tuple[int, str]:
-        """Write a staged shard into ``out_fd``, hashing what is written (blocking)."""
-        digest = hashlib.sha256()
-        size = 0
-        with open(self.data_path(name), "rb", buffering=0) as f:
-            buf = bytearray(8 << 20)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                digest.update(view[:n])
-                done = 0
-                while done < n:
-                    done += os.write(out_fd, view[done:n])
-                size += n
-        return size, "sha256:" + digest.hexdigest()
+    def copy_out(self, name: str, out_fd: int, algo: str = checksums.ALGO) -> tuple[int, str]:
+        """Copy a staged shard into ``out_fd`` through the kernel; (size, its checksum with
+        ``algo``, read back from the page cache) (blocking: a thread's)."""
+        fd = self.open_data(name)
+        try:
+            size = os.fstat(fd).st_size
+            return size, copy_and_checksum(fd, out_fd, size, threading.Event(), name, algo)
+        finally:
+            os.close(fd)
 
     def open_data(self, name: str) -> int:
         return os.open(self.data_path(name), os.O_RDONLY | os.O_CLOEXEC)

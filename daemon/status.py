@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon import __version__
 from ckptdrain.daemon.metrics import Snapshot
+from ckptdrain.daemon.state import ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.access import Peer
@@ -24,6 +25,17 @@ if TYPE_CHECKING:
 MAX_STATUS_GENERATIONS = 100
 GENERATIONS_BYTES = 40 * 1024
 MAX_STATUS_JOBS = 100  # jobs with an oldest-undrained age shown
+# Shards being copied to the destination, with their progress, listed up to this many.
+MAX_STATUS_DRAINING = 32
+
+
+def shards_draining(gens: list[Any]) -> list[dict[str, Any]]:
+    """The shards of ``gens`` being drained now and how far each is (bytes at the destination
+    of its size), the longest-waiting first: "stuck or slow?" answered per shard."""
+    found = [(g, s) for g in gens for s in g.shards.values() if s.state is ShardState.DRAINING]
+    found.sort(key=lambda gs: gs[1].staged_at)
+    return [{"job": g.job, "step": g.step, "path": s.path, "size": s.size,
+             "drained_bytes": s.moved_bytes} for g, s in found[:MAX_STATUS_DRAINING]]
 
 
 def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> dict[str, Any]:
@@ -91,6 +103,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         "io_threads": {"size": d.dataplane.threads, "busy": d.dataplane.busy,
                        "stuck": d.dataplane.stuck},
         "draining": d.draining,
+        "shards_draining": shards_draining(gens),
         "generations": shown,
         "generations_omitted": len(gens) - len(shown),
         **_uploads(d, gens),

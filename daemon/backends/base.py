@@ -11,12 +11,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import builtins
-import hashlib
+import concurrent.futures
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
 
 if TYPE_CHECKING:
@@ -50,9 +52,44 @@ class ObjectInfo:
     # Unix time of the last write, when the destination reports it (None: unknown). Not part
     # of equality: two listings of the same objects compare equal.
     modified: float | None = field(default=None, compare=False)
-    # "sha256:<hex>" of the bytes, as the destination recorded it when the object was created
+    # "crc64nvme:<hex>" (or an older "sha256:<hex>") of the bytes, as the destination recorded it when the object was created
     # (only ``stat`` fills it; None: not recorded, e.g. an object an older version wrote).
     checksum: str | None = field(default=None, compare=False)
+
+
+class Flow(Protocol):
+    """How one copy tells the drain about its bytes as they move: ``pace`` before sending
+    ``nbytes`` (the drain's token bucket may make it wait), ``moved`` once they are at the
+    destination (progress, drained bytes, the drain rate). A 10 GB shard is then paced and
+    reported like ten 1 GB ones, not as one lump at its end."""
+
+    async def pace(self, nbytes: int) -> None: ...
+
+    def moved(self, nbytes: int) -> None: ...
+
+
+class ThreadFlow:
+    """A :class:`Flow` for a copy that runs in a worker thread (POSIX): ``pace`` blocks the
+    thread (never the loop) until the loop's pacing lets it go, or ``stop`` is set."""
+
+    def __init__(self, flow: Flow, loop: asyncio.AbstractEventLoop) -> None:
+        self._flow = flow
+        self._loop = loop
+
+    def pace(self, nbytes: int, stop: threading.Event) -> bool:
+        """False when ``stop`` was set while waiting."""
+        future = asyncio.run_coroutine_threadsafe(self._flow.pace(nbytes), self._loop)
+        while True:
+            try:
+                future.result(timeout=0.2)
+                return True
+            except concurrent.futures.TimeoutError:
+                if stop.is_set():
+                    future.cancel()
+                    return False
+
+    def moved(self, nbytes: int) -> None:
+        self._loop.call_soon_threadsafe(self._flow.moved, nbytes)
 
 
 class UploadLog(Protocol):
@@ -77,15 +114,21 @@ class Backend(abc.ABC):
     node_id: str = ""
     # Incomplete uploads this backend aborted so far (put_file cleanup and sweeps together).
     aborted_uploads: int = 0
+    # Whether the destination itself validated each shard's checksum when it was written and
+    # stores it (S3's full-object CRC64NVME): then ``verify`` trusts ``stat`` without reading.
+    # A POSIX xattr records a checksum but proves nothing about the bytes beside it.
+    validates_checksums: bool = False
 
     @abc.abstractmethod
     async def put_file(
-        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None
+        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None,
+        flow: Flow | None = None,
     ) -> str:
-        """Copy ``size`` bytes of the open file ``fd`` (from offset 0, with ``pread``) to ``key``.
+        """Copy ``size`` bytes of the open file ``fd`` (from offset 0, with ``pread``) to ``key``,
+        telling ``flow`` about the bytes as they move.
 
-        Returns the checksum of the bytes written, ``"sha256:<hex>"``, computed from the bytes
-        read from ``fd`` in the same pass. The key becomes visible only complete, and the
+        Returns the checksum of the bytes written, ``"crc64nvme:<hex>"``, computed from the
+        bytes read from ``fd`` (in the same pass, or from the page cache right after). The key becomes visible only complete, and the
         checksum is recorded with it (``stat`` returns it).
 
         Create-once: when ``key`` already exists, identical bytes (size and checksum) count as
@@ -122,12 +165,13 @@ class Backend(abc.ABC):
         """The object's bytes in order, for verify and restore."""
 
     async def copy_into(
-        self, key: str, out_fd: int, *, progress: Callable[[int], None] | None = None
+        self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
+        progress: Callable[[int], None] | None = None,
     ) -> tuple[int, str]:
-        """Write the object into the open file ``out_fd``; returns (bytes written,
-        "sha256:<hex>" of them). Restore's bulk path; a backend may do it without a hop to
-        the event loop per chunk (POSIX does)."""
-        digest = hashlib.sha256()
+        """Write the object into the open file ``out_fd``; returns (bytes written, their
+        checksum with ``algo``, the one the manifest used). Restore's bulk path; a backend may
+        do it without a hop to the event loop per chunk (POSIX does)."""
+        digest = checksums.new(algo)
         size = 0
         loop = asyncio.get_running_loop()
         async for chunk in self.read_chunks(key):
@@ -141,7 +185,7 @@ class Backend(abc.ABC):
             size += len(chunk)
             if progress is not None:
                 progress(len(chunk))
-        return size, "sha256:" + digest.hexdigest()
+        return size, digest.value()
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
@@ -173,9 +217,10 @@ def _hash_and_write(digest: Any, fd: int, chunk: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def open_backend(config: DestinationConfig, node_id: str) -> Backend:
+def open_backend(config: DestinationConfig, node_id: str, *, workers: int = 0) -> Backend:
     """The backend for ``config.uri`` (``file://`` or ``s3://``), acting for ``node_id``
-    (temp names and upload metadata carry it, so sweeps know whose leftovers they see)."""
+    (temp names and upload metadata carry it, so sweeps know whose leftovers they see).
+    ``workers``: processes that send S3 parts (0: the caller's own event loop)."""
     uri = config.uri
     if uri.startswith("file://"):
         from ckptdrain.daemon.backends.posix import PosixBackend
@@ -184,7 +229,7 @@ def open_backend(config: DestinationConfig, node_id: str) -> Backend:
     if uri.startswith("s3://"):
         from ckptdrain.daemon.backends.s3 import S3Backend
 
-        return S3Backend(config, node_id)
+        return S3Backend(config, node_id, workers=workers)
     if uri.startswith("memory://"):
         from ckptdrain.daemon.backends.memory import MemoryBackend
 

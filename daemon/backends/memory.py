@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import hashlib
 import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ckptdrain.client.manifest import format_checksum
-from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
+from ckptdrain.daemon import checksums
+from ckptdrain.daemon.backends.base import Backend, BackendError, Flow, ObjectInfo, UploadLog
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 
 OPS = frozenset(
@@ -214,7 +213,8 @@ class MemoryBackend(Backend):
     # --- Backend ----------------------------------------------------------------------------
 
     async def put_file(
-        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None
+        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None,
+        flow: Flow | None = None,
     ) -> str:
         del upload_log
         self._enter("put_file", key)
@@ -227,11 +227,14 @@ class MemoryBackend(Backend):
                 transient=True,
                 kind="timeout",
             ) from exc
-        digest = hashlib.sha256()
+        digest = checksums.new()
         chunks: list[bytes] = []
         offset = 0
         while offset < size:
-            chunk = await asyncio.to_thread(os.pread, fd, min(_READ_BYTES, size - offset), offset)
+            want = min(_READ_BYTES, size - offset)
+            if flow is not None:
+                await flow.pace(want)
+            chunk = await asyncio.to_thread(os.pread, fd, want, offset)
             if not chunk:
                 raise BackendError(
                     f"source of {key} ended at byte {offset} of {size}", kind="integrity"
@@ -240,8 +243,10 @@ class MemoryBackend(Backend):
             chunks.append(chunk)
             offset += len(chunk)
             await self._throttle(len(chunk))
+            if flow is not None:
+                flow.moved(len(chunk))
         data = b"".join(chunks)
-        checksum = format_checksum("sha256", digest.hexdigest())
+        checksum = digest.value()
         # Created in one step at the end: a failed or cancelled put leaves nothing. The check
         # and the store run without an await between them: an atomic create-if-absent.
         if key not in self.store.objects:
@@ -260,7 +265,7 @@ class MemoryBackend(Backend):
         await self._gate("put_bytes", key)
         if exclusive and key in self.store.objects:
             return False
-        self._store(key, bytes(data), format_checksum("sha256", hashlib.sha256(data).hexdigest()))
+        self._store(key, bytes(data), checksums.of_bytes(data))
         await self._yield()
         return True
 

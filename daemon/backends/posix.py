@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import hashlib
 import os
 import shutil
 import stat
@@ -31,19 +30,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from ckptdrain.client.manifest import format_checksum
-from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
+from ckptdrain.daemon.backends.base import (
+    Backend,
+    BackendError,
+    Flow,
+    ObjectInfo,
+    ThreadFlow,
+    UploadLog,
+)
 from ckptdrain.daemon.backends.beneath import Beneath, Entry, UnsafePath, link_in
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 from ckptdrain.daemon.backends.posixfs import (
-    COPY_BUFFER_BYTES,
     LFS_TIMEOUT_S,
     NAME_MAX,
     ChecksumXattr,
-    Stopped,
     backend_error,
-    copy_and_hash,
-    copy_buffer,
     list_dirs,
     list_files,
     open_existing,
@@ -55,12 +56,20 @@ from ckptdrain.daemon.backends.posixfs import (
     temp_name,
     write_all,
 )
+from ckptdrain.daemon.checksums import ALGO
+from ckptdrain.daemon.filecopy import (
+    COPY_RANGE_BYTES,
+    PARALLEL_SEGMENTS,
+    Truncated,
+    copy_and_checksum,
+    parallel_copy_and_checksum,
+)
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
 
 # Re-exported: the names tests and older imports know this module by.
-__all__ = ["COPY_BUFFER_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "UnsafePath",
+__all__ = ["COPY_RANGE_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "UnsafePath",
            "backend_error", "temp_name"]
 
 _T = TypeVar("_T")
@@ -87,6 +96,8 @@ class PosixBackend(Backend):
         # default executor has min(32, cores + 4) threads and serves everyone else too).
         self.max_threads = int(config.max_concurrency) + EXTRA_THREADS
         self._executor: ThreadPoolExecutor | None = None
+        self._segments: ThreadPoolExecutor | None = None
+        self._segments_lock = threading.Lock()
         # Temp names this process is writing right now: a sweep (at start-up or periodic)
         # must never take a file from under a copy in flight.
         self._live: set[str] = set()
@@ -138,19 +149,23 @@ class PosixBackend(Backend):
             raise
         except OSError as exc:
             raise backend_error(exc, f"{what} at {self.uri}") from exc
+        except Truncated as exc:
+            raise BackendError(str(exc), kind="integrity") from exc
 
     # --- writes -----------------------------------------------------------------------------
 
     async def put_file(
-        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None
+        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None,
+        flow: Flow | None = None,
     ) -> str:
         # upload_log is for resumable multipart uploads; a POSIX write restarts from zero.
         del upload_log
         if size < 0:
             raise ValueError(f"size must be >= 0, not {size}")
         final = self._entry(key)
+        thread_flow = None if flow is None else ThreadFlow(flow, asyncio.get_running_loop())
         checksum, tmp = await self._run(
-            f"writing {key}", self._create_sync, final, fd, size
+            f"writing {key}", self._create_sync, final, fd, size, thread_flow
         )
         if tmp is None:
             return checksum
@@ -196,7 +211,8 @@ class PosixBackend(Backend):
         self._live.discard(self._live_key(tmp))
 
     def _create_sync(
-        self, final: Entry, src_fd: int, size: int, stop: threading.Event
+        self, final: Entry, src_fd: int, size: int, flow: ThreadFlow | None,
+        stop: threading.Event,
     ) -> tuple[str, Entry | None]:
         """Write the shard and link it into place: (checksum, None) when created, or
         (checksum, the complete temp file) when the name exists."""
@@ -206,9 +222,8 @@ class PosixBackend(Backend):
             kept = False
             try:
                 try:
-                    checksum = format_checksum(
-                        "sha256", copy_and_hash(src_fd, out, size, stop, final.name)
-                    )
+                    checksum = parallel_copy_and_checksum(
+                        self._segment_pool(), src_fd, out, size, stop, final.name, flow=flow)
                     # On the inode before it has a final name: the name appears with it.
                     self._xattr.record(out, checksum)
                     os.fsync(out)
@@ -381,31 +396,26 @@ class PosixBackend(Backend):
             os.close(fd)
 
     async def copy_into(
-        self, key: str, out_fd: int, *, progress: Callable[[int], None] | None = None
+        self, key: str, out_fd: int, *, algo: str = ALGO,
+        progress: Callable[[int], None] | None = None,
     ) -> tuple[int, str]:
-        # One thread job per file: read into a reused buffer, hash, write; no event-loop hop
-        # and no fresh allocation per chunk.
+        # One thread job per file, copied by the kernel and checksummed from the page cache:
+        # no event-loop hop and no user-space write loop.
         return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key), out_fd,
-                               progress)
+                               algo, progress)
 
-    def _copy_into_sync(self, parts: builtins.list[str], out_fd: int,
+    def _copy_into_sync(self, parts: builtins.list[str], out_fd: int, algo: str,
                         progress: Callable[[int], None] | None,
                         stop: threading.Event) -> tuple[int, str]:
         src = open_existing(self.fs, parts, stop)
         try:
-            view = copy_buffer()
-            digest = hashlib.sha256()
-            size = 0
-            while n := os.readv(src, [view]):
-                if stop.is_set():
-                    raise Stopped
-                chunk = view[:n]
-                digest.update(chunk)
-                write_all(out_fd, chunk)
-                size += n
-                if progress is not None:
-                    progress(n)
-            return size, format_checksum("sha256", digest.hexdigest())
+            size = os.fstat(src).st_size
+            checksum = copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
+                                         progress=progress)
+            if os.preadv(src, [bytearray(1)], size):
+                raise BackendError(f"{'/'.join(parts)} grew while it was read",
+                                   kind="integrity", transient=True)
+            return size, checksum
         finally:
             os.close(src)
 
@@ -420,9 +430,22 @@ class PosixBackend(Backend):
             "sweeping temp files", sweep_temps, self.fs, self.node_id, self._live, grace_s
         )
 
+    def _segment_pool(self) -> ThreadPoolExecutor:
+        """Threads for the segments of large shards, apart from the threads that wait for them
+        (one pool for both could fill with waiters and deadlock)."""
+        with self._segments_lock:
+            if self._segments is None:
+                self._segments = ThreadPoolExecutor(
+                    self.max_threads * PARALLEL_SEGMENTS, thread_name_prefix="posix-segment")
+            return self._segments
+
     async def aclose(self) -> None:
         """Stop the worker threads once their current calls finish."""
         executor, self._executor = self._executor, None
         if executor is not None:
             # Waits for running calls (each is bounded by one chunk after a cancel).
             await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
+        with self._segments_lock:
+            segments, self._segments = self._segments, None
+        if segments is not None:
+            await asyncio.to_thread(segments.shutdown, wait=True, cancel_futures=True)

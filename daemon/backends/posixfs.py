@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import secrets
@@ -23,15 +22,15 @@ import threading
 import time
 from pathlib import Path
 
-from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, format_checksum, parse_checksum
+from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
 from ckptdrain.daemon.backends.beneath import Beneath
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.checksums import Stopped
+from ckptdrain.daemon.filecopy import hash_file
 
 # Logged under the backend's name: operators filter on it.
 log = logging.getLogger("ckptdrain.daemon.backends.posix")
 
-COPY_BUFFER_BYTES = 8 << 20
 # `lfs setstripe` talks to the MDS; if it hangs, the generation is written with the directory's
 # default layout rather than not at all.
 LFS_TIMEOUT_S = 30.0
@@ -48,23 +47,6 @@ _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIME
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _AUTH_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
-
-# One copy buffer per worker thread, reused for every file: allocating 8 MiB per file costs
-# more than the copy (fresh memory is ~10x slower than a reused buffer).
-_buffers = threading.local()
-
-
-def copy_buffer() -> memoryview:
-    buf = getattr(_buffers, "buf", None)
-    if buf is None:
-        buf = memoryview(bytearray(COPY_BUFFER_BYTES))
-        _buffers.buf = buf
-    return buf
-
-
-class Stopped(DaemonError):
-    """The awaiting coroutine was cancelled; the worker thread abandons the copy."""
-
 
 def backend_error(exc: OSError, what: str) -> BackendError:
     """Map an OSError to the BackendError kind operators see in metrics and alerts."""
@@ -109,43 +91,6 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def copy_and_hash(src_fd: int, out: int, size: int, stop: threading.Event, name: str) -> str:
-    """Copy ``size`` bytes of ``src_fd`` into ``out``; the sha256 hex of them."""
-    buf = copy_buffer()
-    digest = hashlib.sha256()
-    offset = 0
-    while offset < size:
-        if stop.is_set():
-            raise Stopped
-        want = min(len(buf), size - offset)
-        got = os.preadv(src_fd, [buf[:want]], offset)
-        if got == 0:
-            raise BackendError(
-                f"source of {name} ended at byte {offset} of {size}: the staged file "
-                "was truncated",
-                kind="integrity",
-            )
-        chunk = buf[:got]
-        # hashlib releases the GIL for large updates, so other drains proceed meanwhile.
-        digest.update(chunk)
-        write_all(out, chunk)
-        offset += got
-    return digest.hexdigest()
-
-
-def hash_file(fd: int, stop: threading.Event) -> str:
-    """``"sha256:<hex>"`` of everything ``fd`` holds, read with pread from offset 0."""
-    buf = copy_buffer()
-    digest = hashlib.sha256()
-    offset = 0
-    while got := os.preadv(fd, [buf], offset):
-        if stop.is_set():
-            raise Stopped
-        digest.update(buf[:got])
-        offset += got
-    return format_checksum("sha256", digest.hexdigest())
 
 
 class ChecksumXattr:

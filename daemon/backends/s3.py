@@ -1,18 +1,18 @@
 """The S3 destination (AWS S3 or anything that speaks its API: SeaweedFS, MinIO, Ceph RGW).
 
 An object below ``multipart_threshold_bytes`` goes up in one PutObject; a larger one as a
-multipart upload whose parts are read with ``os.preadv`` into pooled buffers, hashed in file
-order, and sent ``max_concurrency`` at a time (s3multipart.py; the client plumbing is in
-s3client.py, error translation in s3errors.py). Every body carries a CRC32 the
-server checks (``x-amz-checksum-crc32``), so a corrupted byte is refused rather than stored.
+multipart upload whose parts are read with ``os.preadv`` into pooled buffers and sent
+``max_concurrency`` at a time (s3multipart.py; the client plumbing is in s3client.py, error
+translation in s3errors.py). Every shard body carries its CRC64NVME (``x-amz-checksum-crc64nvme``,
+per part and, at Complete, for the whole object as a FULL_OBJECT checksum), which the server
+validates and stores: a corrupted byte is refused rather than stored, and HeadObject answers
+the checksum the manifest records without a read of the bytes.
 
 Shards are created once: PutObject and CompleteMultipartUpload carry ``If-None-Match: *``, and
 a key that is taken goes to collision.py (same bytes: drained; committed: ShardConflict; a
 leftover: replaced by an object that records its checksum in ``x-amz-meta-ckptdrain-checksum``).
-A single PutObject records the checksum of a new object too; a new multipart object cannot
-(its metadata is fixed before its bytes are read) and is proved by its size, which is sound
-because only its writer's part record can name it: every other writer that finds it either
-proves it is the same bytes or replaces it with an object that carries its checksum.
+A single PutObject records the checksum in metadata too; a multipart object's record is its
+stored full-object CRC64NVME.
 
 Retries of single requests (500/503/SlowDown/timeouts/resets) are botocore's, in the retry mode
 the config names; what is still failing after them becomes a :class:`BackendError` whose
@@ -22,15 +22,13 @@ the config names; what is still failing after them becomes a :class:`BackendErro
 from __future__ import annotations
 
 import asyncio
-import builtins
-import hashlib
 import logging
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-from ckptdrain.client.manifest import format_checksum
-from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo, UploadLog
+from ckptdrain.daemon import checksums
+from ckptdrain.daemon.backends.base import Backend, BackendError, Flow, ObjectInfo, UploadLog
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 from ckptdrain.daemon.backends.s3errors import S3Failure, classify
 from ckptdrain.daemon.backends.s3multipart import MultipartUploads
@@ -45,16 +43,19 @@ from ckptdrain.daemon.backends.s3parts import (
     MiB,
     crc32_header,
     crc32_hex,
-    hash_staged,
     multipart_etag,
     part_plan,
     same_etag,
 )
-from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.backends.s3reads import S3Reads
+from ckptdrain.daemon.backends.s3senders import Whole
 
 # Re-exported: the names tests and older imports know this module by.
 __all__ = ["GiB", "KiB", "MiB", "S3Backend", "S3Failure", "classify", "multipart_etag",
            "part_plan"]
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.config import DestinationConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +64,22 @@ log = logging.getLogger(__name__)
 _CREATE_ROUNDS = 3
 
 
-class S3Backend(MultipartUploads, Backend):
+class S3Backend(MultipartUploads, S3Reads, Backend):
     """``s3://bucket/prefix``; keys are stored as ``prefix/key`` (client plumbing in
     s3client.py, multipart uploads in s3multipart.py)."""
 
     # -- put_file ---------------------------------------------------------------------------
 
+    validates_checksums = True
+
+    def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0) -> None:
+        super().__init__(config, node_id, workers=workers)
+
     async def put_file(
-        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None
+        self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None,
+        flow: Flow | None = None,
     ) -> str:
-        """Upload ``size`` bytes of ``fd``; returns ``"sha256:<hex>"`` of the bytes read.
+        """Upload ``size`` bytes of ``fd``; returns the CRC64NVME of the bytes read.
 
         An OSError reading ``fd`` (or a file shorter than ``size``) propagates as OSError: the
         staged copy is at fault, not the destination.
@@ -86,39 +93,45 @@ class S3Backend(MultipartUploads, Backend):
                 "split the shard into smaller files", kind="io",
             )
         if size == 0 or (size < self._threshold and size <= MAX_PUT_BYTES):
-            return await self._put_single(key, full, fd, size)
-        return await self._put_multipart(key, full, fd, size, upload_log)
+            checksum = await self._put_single(key, full, fd, size, flow)
+            if flow is not None:
+                flow.moved(size)
+            return checksum
+        return await self._put_multipart(key, full, fd, size, upload_log, flow)
 
-    async def _put_single(self, key: str, full: str, fd: int, size: int) -> str:
-        sha = hashlib.sha256()
-        buf = await self.buffers.acquire(size)
-        reuse = False
-        try:
-            crc = await self._read(fd, buf, 0, sha)
-            reuse = True  # no thread writes into buf any more
-            checksum = format_checksum("sha256", sha.hexdigest())
-            params: dict[str, Any] = {
-                "Bucket": self.bucket, "Key": full, "Body": buf,
-                "ChecksumCRC32": crc32_header(crc), "Metadata": self._metadata(checksum),
-            }
-            for _ in range(_CREATE_ROUNDS):
-                if await self._create(f"uploading {key}", params):
-                    return checksum
-                head = await self._head(key, full)
-                if head is None:
-                    continue  # gone since the refused create: create it again
-                if await settle_existing(self, key, size, checksum, self._info(key, head)):
-                    return checksum
-                # A leftover no manifest names: replaced by an object with our checksum.
-                await self._call(f"replacing {key}", "put_object", **params)
-                await check_replaced(self, key, size, checksum)
+    async def _put_single(self, key: str, full: str, fd: int, size: int,
+                          flow: Flow | None) -> str:
+        if flow is not None:
+            await flow.pace(size)
+        metadata = self._metadata(None)  # the sender adds the checksum it computes
+        checksum: str | None = None
+        crc: list[int] = []
+
+        async def create() -> None:
+            crc.append(await self.parts.put(Whole(key, full, size, metadata, True), fd))
+
+        for _ in range(_CREATE_ROUNDS):
+            if await self._create(f"uploading {key}", create):
+                return checksums.combine([(crc[-1], size)])
+            # Refused: the sender's checksum went with its error; the page cache has the bytes.
+            checksum = checksum or await self._hash_staged(fd, size)
+            head = await self._head(key, full)
+            if head is None:
+                continue  # gone since the refused create: create it again
+            if await settle_existing(self, key, size, checksum, self._info(key, head)):
                 return checksum
-            raise self._flapping(key)
-        finally:
-            self.buffers.release(buf, reuse=reuse)
+            # A leftover no manifest names: replaced by an object with our checksum.
+            replaced = await self.parts.put(Whole(key, full, size, metadata, False), fd)
+            if checksums.combine([(replaced, size)]) != checksum:
+                raise S3Failure(f"the staged copy of {key} changed while it was drained; it "
+                                "will be sent again", transient=True, kind="integrity")
+            await check_replaced(self, key, size, checksum)
+            return checksum
+        raise self._flapping(key)
 
     async def _put_multipart(
-        self, key: str, full: str, fd: int, size: int, upload_log: UploadLog | None
+        self, key: str, full: str, fd: int, size: int, upload_log: UploadLog | None,
+        flow: Flow | None,
     ) -> str:
         # One HEAD first (against the 3+ requests of any multipart upload): a taken key is
         # settled before anything is sent, and a retried drain of a shard already there costs
@@ -126,18 +139,18 @@ class S3Backend(MultipartUploads, Backend):
         for _ in range(_CREATE_ROUNDS):
             head = await self._head(key, full)
             if head is not None:
-                return await self._put_over(key, full, fd, size, upload_log, head)
-            digest, created = await self._upload(
-                key, full, fd, size, upload_log, self._metadata(None), exclusive=True
+                return await self._put_over(key, full, fd, size, upload_log, head, flow)
+            checksum, created = await self._upload(
+                key, full, fd, size, upload_log, self._metadata(None), exclusive=True, flow=flow
             )
             if created:
-                return format_checksum("sha256", digest)
+                return checksum
             upload_log = None  # given up and cleared: it was aborted
         raise self._flapping(key)
 
     async def _put_over(
         self, key: str, full: str, fd: int, size: int, upload_log: UploadLog | None,
-        head: dict[str, Any],
+        head: dict[str, Any], flow: Flow | None,
     ) -> str:
         """``key`` is taken by a large object: accept it (same bytes), refuse (committed), or
         replace it (a leftover) with an upload that records its checksum."""
@@ -154,13 +167,13 @@ class S3Backend(MultipartUploads, Backend):
                 await self.abort_upload(key, upload_log)
         if same:
             return checksum
-        digest, _ = await self._upload(
-            key, full, fd, size, None, self._metadata(checksum), exclusive=False
+        sent, _ = await self._upload(
+            key, full, fd, size, None, self._metadata(checksum), exclusive=False, flow=flow
         )
-        if format_checksum("sha256", digest) != checksum:
+        if sent != checksum:
             raise S3Failure(
                 f"the staged copy of {key} changed while it was drained ({checksum} when "
-                f"hashed, sha256:{digest} when sent); it will be sent again",
+                f"hashed, {sent} when sent); it will be sent again",
                 transient=True, kind="integrity",
             )
         await check_replaced(self, key, size, checksum)
@@ -182,27 +195,20 @@ class S3Backend(MultipartUploads, Backend):
         )
 
     async def _hash_staged(self, fd: int, size: int) -> str:
-        """The sha256 of the staged copy, read in a worker thread into a pooled buffer."""
-        part_size, _ = part_plan(size, self._part_size)
-        buf = await self.buffers.acquire(min(part_size, size) or 1)
+        """The checksum of the staged copy, read in a worker thread (page cache, small buffer)."""
         stop = threading.Event()
         future = asyncio.get_running_loop().run_in_executor(
-            None, hash_staged, fd, size, buf, stop
+            None, checksums.of_file, fd, size, stop
         )
-        reuse = False
         try:
-            checksum = await asyncio.shield(future)
-            reuse = True
-            return checksum
+            return await asyncio.shield(future)
         except asyncio.CancelledError:
             stop.set()
-            # As in _read: neither the buffer nor the fd may be reused under the thread.
+            # As in _read: the fd may not be closed under the thread.
             await asyncio.wait([future], timeout=READ_DRAIN_TIMEOUT_S)
             if future.done() and not future.cancelled():
                 future.exception()  # retrieved: the cancellation is what the caller sees
             raise
-        finally:
-            self.buffers.release(buf, reuse=reuse)
 
     def _flapping(self, key: str) -> S3Failure:
         return S3Failure(
@@ -216,15 +222,14 @@ class S3Backend(MultipartUploads, Backend):
             metadata[CHECKSUM_METADATA_KEY] = checksum
         return metadata
 
-    async def _create(self, what: str, params: dict[str, Any]) -> bool:
-        """PutObject with ``If-None-Match: *``: False when the key exists. (When a first try
-        succeeded but its answer was lost, botocore's retry sees our own object and this
-        returns False too: callers compare the bytes, as they must.)"""
-        params = {**params, "IfNoneMatch": "*"}
+    async def _create(self, what: str, put: Callable[[], Awaitable[object]]) -> bool:
+        """Run ``put``, a PutObject with ``If-None-Match: *``: False when the key exists.
+        (When a first try succeeded but its answer was lost, botocore's retry sees our own
+        object and this returns False too: callers compare the bytes, as they must.)"""
         delay = 0.05
         for attempt in range(1, self._max_attempts + 1):
             try:
-                await self._call(what, "put_object", **params)
+                await put()
                 return True
             except S3Failure as exc:
                 if exc.code == "PreconditionFailed" or exc.status == 412:
@@ -243,26 +248,6 @@ class S3Backend(MultipartUploads, Backend):
         head = await self._head(key, self._key(key))
         return None if head is None else self._info(key, head)
 
-    async def list_dirs(self, prefix: str) -> builtins.list[str]:
-        full_prefix = self._full_prefix(prefix)
-        names: set[str] = set()
-        token: str | None = None
-        while True:
-            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
-                                      "Delimiter": "/", "MaxKeys": self.list_page_size}
-            if token:
-                params["ContinuationToken"] = token
-            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
-            for common in page.get("CommonPrefixes", []):
-                name = str(common["Prefix"])[len(full_prefix):].rstrip("/")
-                if name:
-                    names.add(name)
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                break
-        return sorted(names)
-
-
     async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
         """Write a small object. With ``exclusive``, ``If-None-Match: *``: False when the key
         exists. (When a first try succeeded but its answer was lost, botocore's retry sees our
@@ -277,106 +262,11 @@ class S3Backend(MultipartUploads, Backend):
             "Metadata": {NODE_METADATA_KEY: self.node_id},
         }
         if exclusive:
-            return await self._create(f"writing {key}", params)
+            return await self._create(
+                f"writing {key}",
+                lambda: self._call(f"writing {key}", "put_object", IfNoneMatch="*", **params))
         await self._call(f"writing {key}", "put_object", **params)
         return True
-
-    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
-        full = self._key(key)
-        what = f"reading {key}"
-        try:
-            answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full)
-        except S3Failure as exc:
-            if exc.code == "NoSuchKey" or (exc.status == 404 and exc.code != "NoSuchBucket"):
-                return None
-            raise
-        async with answer["Body"] as body:
-            length = int(answer.get("ContentLength") or 0)
-            if length > max_bytes:
-                raise BackendError(
-                    f"{key} at {self.uri} is {length} bytes, more than the {max_bytes} expected "
-                    "of a small object; it is not one this daemon wrote", kind="integrity",
-                )
-            with self._translating(what):
-                data: bytes = await body.read()
-        return data
-
-    async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
-        full_prefix = self._full_prefix(prefix)
-        found: builtins.list[ObjectInfo] = []
-        token: str | None = None
-        while True:
-            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
-                                      "MaxKeys": self.list_page_size}
-            if token:
-                params["ContinuationToken"] = token
-            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
-            for item in page.get("Contents", []):
-                full_key = str(item["Key"])
-                if full_key.endswith("/"):
-                    continue  # a "directory" marker some stores list
-                modified = item.get("LastModified")
-                found.append(ObjectInfo(
-                    key=self._strip_root(full_key), size=int(item["Size"]),
-                    modified=modified.timestamp() if modified is not None else None,
-                ))
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                break
-        found.sort(key=lambda info: info.key)
-        return found
-
-    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
-        """The object's bytes in chunks of ``chunk_bytes`` (the last shorter). A stream cut
-        mid-way is resumed with a ranged GET pinned to the same ETag, up to max_attempts."""
-        full = self._key(key)
-        what = f"reading {key}"
-        offset = 0
-        etag: str | None = None
-        resumes = 0
-        while True:
-            params: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
-            if etag is not None:
-                params.update(Range=f"bytes={offset}-", IfMatch=etag)
-            try:
-                answer = await self._call(what, "get_object", **params)
-            except S3Failure as exc:
-                if exc.code == "InvalidRange" and etag is not None:
-                    return  # cut right after the last byte: nothing was left to read
-                if exc.code == "NoSuchKey":
-                    raise S3Failure(f"{key} does not exist at {self.uri}; it was never "
-                                    "written or has been deleted", transient=False,
-                                    kind="not_found", code=exc.code) from exc
-                raise
-            etag = str(answer.get("ETag") or "") or None
-            try:
-                async with answer["Body"] as body:
-                    pieces: builtins.list[bytes] = []
-                    held = 0
-                    while True:
-                        with self._translating(what):
-                            piece = await body.read(chunk_bytes - held)
-                        if not piece:
-                            break
-                        pieces.append(piece)
-                        held += len(piece)
-                        if held >= chunk_bytes:
-                            chunk = b"".join(pieces)
-                            pieces.clear()
-                            held = 0
-                            offset += len(chunk)
-                            yield chunk
-                    if pieces:
-                        chunk = b"".join(pieces)
-                        offset += len(chunk)
-                        yield chunk
-                return
-            except S3Failure as exc:
-                if not exc.transient or resumes + 1 >= self._max_attempts or etag is None:
-                    raise
-                resumes += 1
-                log_event(log, logging.INFO, "s3_read_resumed", key=key, offset=offset,
-                          error=str(exc))
 
     async def delete(self, key: str) -> None:
         full = self._key(key)
@@ -385,3 +275,4 @@ class S3Backend(MultipartUploads, Backend):
         except S3Failure as exc:
             if exc.code != "NoSuchKey":
                 raise
+

@@ -26,6 +26,8 @@ from ckptdrain.daemon.backends.s3parts import (
     BufferPool,
     read_part,
 )
+from ckptdrain.daemon.backends.s3senders import open_sender
+from ckptdrain.daemon.checksums import from_s3_header
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
@@ -38,7 +40,7 @@ _CONTROL_CONNECTIONS = 4
 class S3Client:
     """``s3://bucket/prefix``; keys are stored as ``prefix/key``. The base of S3Backend."""
 
-    def __init__(self, config: DestinationConfig, node_id: str) -> None:
+    def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0) -> None:
         self.uri = config.uri
         self.node_id = node_id
         self.bucket: str = config.bucket
@@ -66,6 +68,8 @@ class S3Client:
         # Listing page size; tests lower it to exercise paging against a real server.
         self.list_page_size = LIST_PAGE
         self.aborted_uploads = 0
+        # Who sends multipart parts: this loop, or ``workers`` processes (s3senders.py).
+        self.parts = open_sender(self, config, node_id, workers)
 
     # -- client -----------------------------------------------------------------------------
 
@@ -106,6 +110,7 @@ class S3Client:
         return self._client
 
     async def aclose(self) -> None:
+        await self.parts.aclose()
         async with self._client_lock:
             self._closed = True
             stack, self._stack, self._client = self._stack, None, None
@@ -149,9 +154,10 @@ class S3Client:
             return prefix
         return f"{self.root}/{prefix}"
 
-    async def _read(self, fd: int, buf: bytearray, offset: int, sha: Any) -> str:
+    async def _read(self, fd: int, buf: bytearray, offset: int) -> int:
+        """Fill ``buf`` from ``fd`` at ``offset`` in a worker thread; the CRC64NVME of it."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, read_part, fd, buf, offset, sha)
+        future = loop.run_in_executor(None, read_part, fd, buf, offset)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -163,7 +169,8 @@ class S3Client:
     async def _head(self, key: str, full: str) -> dict[str, Any] | None:
         try:
             head: dict[str, Any] = await self._call(
-                f"checking {key}", "head_object", Bucket=self.bucket, Key=full
+                f"checking {key}", "head_object", Bucket=self.bucket, Key=full,
+                ChecksumMode="ENABLED",
             )
         except S3Failure as exc:
             if exc.code in ("NoSuchKey", "NotFound", "404") or (
@@ -181,7 +188,19 @@ class S3Client:
             checksum = None if recorded is None else ":".join(parse_checksum(str(recorded)))
         except ManifestError:
             checksum = None  # not one we wrote: as good as none
+        if checksum is None:
+            checksum = stored_checksum(head)
         return ObjectInfo(
             key=key, size=int(head.get("ContentLength") or 0),
             modified=modified.timestamp() if modified is not None else None, checksum=checksum,
         )
+
+
+def stored_checksum(head: dict[str, Any]) -> str | None:
+    """The object's full-object CRC64NVME as the server stored and validated it (HeadObject
+    with ChecksumMode=ENABLED), as ``"crc64nvme:<hex>"``; None when it has none (an object an
+    older version wrote, or a composite multipart checksum, which is not of the whole)."""
+    value = head.get("ChecksumCRC64NVME")
+    if not value or head.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return None
+    return from_s3_header(str(value))

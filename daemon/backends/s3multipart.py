@@ -17,23 +17,25 @@ from __future__ import annotations
 import asyncio
 import builtins
 import datetime as dt
-import hashlib
 import logging
 from typing import Any
 
-from ckptdrain.daemon.backends.base import BackendError, UploadLog
+from ckptdrain.daemon import checksums
+from ckptdrain.daemon.backends.base import BackendError, Flow, UploadLog
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.backends.s3parts import (
     ABORT_ROUNDS,
     MAX_PARTS,
     UploadInfo,
-    crc32_header,
+    crc64_header,
     multipart_etag,
     part_checksum,
+    part_crc,
     part_plan,
     same_etag,
 )
+from ckptdrain.daemon.backends.s3senders import Part
 from ckptdrain.daemon.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -44,10 +46,10 @@ class MultipartUploads(S3Client):
 
     async def _upload(
         self, key: str, full: str, fd: int, size: int, upload_log: UploadLog | None,
-        metadata: dict[str, str], *, exclusive: bool,
+        metadata: dict[str, str], *, exclusive: bool, flow: Flow | None = None,
     ) -> tuple[str, bool]:
-        """Send ``size`` bytes of ``fd`` to ``full`` as a multipart upload: (sha256 hex of the
-        bytes, created). With ``exclusive`` the Complete carries ``If-None-Match: *``; created
+        """Send ``size`` bytes of ``fd`` to ``full`` as a multipart upload: (the CRC64NVME
+        checksum of the bytes, created). With ``exclusive`` the Complete carries ``If-None-Match: *``; created
         is False when another object took the key meanwhile: this upload is then aborted and
         nothing was written. ``metadata`` applies to a new upload (a resumed one keeps its own).
         """
@@ -57,7 +59,8 @@ class MultipartUploads(S3Client):
         if upload_id is None:
             created = await self._call(
                 f"starting the upload of {key}", "create_multipart_upload",
-                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32", Metadata=metadata,
+                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC64NVME",
+                ChecksumType="FULL_OBJECT", Metadata=metadata,
             )
             upload_id = str(created["UploadId"])
         # Cleanup is registered here, where the upload exists.
@@ -67,10 +70,11 @@ class MultipartUploads(S3Client):
         try:
             if new and upload_log is not None:
                 await upload_log.begun(upload_id)
-            parts, digest = await self._send_parts(
-                key, full, fd, size, part_size, count, upload_id, kept, upload_log
+            parts, checksum = await self._send_parts(
+                key, full, fd, size, part_size, count, upload_id, kept, upload_log, flow
             )
-            completed = await self._complete(key, full, upload_id, parts, exclusive=exclusive)
+            completed = await self._complete(key, full, upload_id, parts, checksum,
+                                             exclusive=exclusive)
             if not completed:
                 await self._abort(key, full, upload_id)
             done = True
@@ -85,7 +89,7 @@ class MultipartUploads(S3Client):
             self._live_uploads.discard(upload_id)
             if not done and not resumable:
                 await self._abort(key, full, upload_id)
-        return digest, completed
+        return checksum, completed
 
     async def _resume(
         self, key: str, full: str, upload_log: UploadLog | None, part_size: int, size: int
@@ -101,6 +105,11 @@ class MultipartUploads(S3Client):
         if on_server is None:
             log_event(log, logging.INFO, "s3_upload_gone", key=key, upload_id=upload_id)
             return None, {}
+        if any(part_crc(checksum) is None for _, checksum in journal.values()):
+            # Begun by an older version with another part checksum (CRC32): that upload cannot
+            # take CRC64NVME parts, so it is given up and a new one begun.
+            await self._abort(key, full, upload_id)
+            return None, {}
         kept: dict[int, tuple[str, str]] = {}
         for number, (etag, checksum) in journal.items():
             expected = min(part_size, size - (number - 1) * part_size)
@@ -114,72 +123,63 @@ class MultipartUploads(S3Client):
     async def _send_parts(
         self, key: str, full: str, fd: int, size: int, part_size: int, count: int,
         upload_id: str, kept: dict[int, tuple[str, str]], upload_log: UploadLog | None,
-    ) -> tuple[list[tuple[int, str, str]], str]:
-        """Read every part in file order (hashing as it goes), send those not ``kept``
-        concurrently; returns [(number, etag, crc32 hex)] in order and the sha256 hex."""
-        sha = hashlib.sha256()
-        results: dict[int, tuple[str, str]] = {}
-        # Buffers handed to part tasks and not yet given back. A task cancelled before its
-        # first step never runs its finally, so what is left here is released below.
-        lent: dict[int, bytearray] = {}
+        flow: Flow | None,
+    ) -> tuple[list[tuple[int, str, int]], str]:
+        """Send every part not ``kept`` (unchanged on the server), ``max_concurrency`` at a
+        time, through the part sender (this loop, or worker processes); returns
+        [(number, etag, crc64nvme)] in order and the object's CRC64NVME, combined from its
+        parts'. Bytes are paced and counted per part (``self.flow``)."""
+        results: dict[int, tuple[str, int]] = {}
+        slots = asyncio.Semaphore(self._concurrency)
 
-        async def send(number: int, crc: str) -> None:
-            buf = lent[number]
-            reuse = False
+        async def send(part: Part) -> None:
             try:
-                answer = await self._call(
-                    f"uploading part {number} of {key}", "upload_part", Bucket=self.bucket,
-                    Key=full, UploadId=upload_id, PartNumber=number, Body=buf,
-                    ChecksumCRC32=crc32_header(crc),
-                )
-                reuse = True
+                sent = await self.parts.send(part, fd)
             finally:
-                del lent[number]
-                self.buffers.release(buf, reuse=reuse)
-            etag = str(answer["ETag"])
-            results[number] = (etag, crc)
-            if upload_log is not None:
-                await upload_log.part_done(number, etag, part_checksum(crc))
+                slots.release()
+            results[part.number] = (sent.etag, sent.crc)
+            if sent.uploaded and upload_log is not None:
+                await upload_log.part_done(part.number, sent.etag, part_checksum(sent.crc))
+            if flow is not None:
+                flow.moved(part.length)
 
         try:
             async with asyncio.TaskGroup() as tg:
                 for number in range(1, count + 1):
                     offset = (number - 1) * part_size
-                    buf = await self.buffers.acquire(min(part_size, size - offset))
-                    try:
-                        crc = await self._read(fd, buf, offset, sha)
-                    except BaseException:
-                        self.buffers.release(buf, reuse=False)
-                        raise
+                    length = min(part_size, size - offset)
                     old = kept.get(number)
-                    if old is not None and old[1] == part_checksum(crc):
-                        # Already on the server with these very bytes: hashed, not re-sent.
-                        results[number] = (old[0], crc)
-                        self.buffers.release(buf)
-                        continue
-                    lent[number] = buf
-                    tg.create_task(send(number, crc), name=f"s3-part-{number}")
+                    part = Part(key=key, full=full, upload_id=upload_id, number=number,
+                                offset=offset, length=length,
+                                kept_crc=part_crc(old[1]) if old is not None else None,
+                                kept_etag=old[0] if old is not None else "")
+                    await slots.acquire()
+                    if flow is not None and part.kept_crc is None:
+                        await flow.pace(length)
+                    tg.create_task(send(part), name=f"s3-part-{number}")
         except BaseExceptionGroup as group:
             raise first_cause(group) from None
-        finally:
-            for buf in lent.values():
-                self.buffers.release(buf, reuse=False)
-            lent.clear()
-        return [(n, *results[n]) for n in range(1, count + 1)], sha.hexdigest()
-
+        lengths = [min(part_size, size - (n - 1) * part_size) for n in range(1, count + 1)]
+        checksum = checksums.combine(
+            [(results[n][1], lengths[n - 1]) for n in range(1, count + 1)])
+        return [(n, *results[n]) for n in range(1, count + 1)], checksum
 
     async def _complete(
-        self, key: str, full: str, upload_id: str, parts: list[tuple[int, str, str]], *,
-        exclusive: bool,
+        self, key: str, full: str, upload_id: str, parts: list[tuple[int, str, int]],
+        checksum: str, *, exclusive: bool,
     ) -> bool:
         """Complete the upload; False when ``exclusive`` and another object holds the key."""
         listing = [
-            {"PartNumber": n, "ETag": etag, "ChecksumCRC32": crc32_header(crc)}
+            {"PartNumber": n, "ETag": etag, "ChecksumCRC64NVME": crc64_header(crc)}
             for n, etag, crc in parts
         ]
         expected = multipart_etag([etag for _, etag, _ in parts])
+        # The whole object's CRC64NVME, which the server checks against the parts it holds
+        # and stores as the object's full-object checksum (what HeadObject answers).
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "UploadId": upload_id,
-                                  "MultipartUpload": {"Parts": listing}}
+                                  "MultipartUpload": {"Parts": listing},
+                                  "ChecksumCRC64NVME": checksums.s3_header(checksum),
+                                  "ChecksumType": "FULL_OBJECT"}
         if exclusive:
             params["IfNoneMatch"] = "*"
         try:

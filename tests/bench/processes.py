@@ -42,6 +42,57 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (the daemon's S3 workers)."""
+    found: list[int] = []
+    try:
+        tasks = list(os.scandir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"{task.path}/children", "rb") as f:
+                found.extend(int(c) for c in f.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live children (the daemon and its S3 workers)."""
+    total = cpu_seconds(pid)
+    for child in children(pid):
+        try:
+            total += cpu_seconds(child)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def thread_times(pid: int) -> dict[tuple[int, int], float]:
+    """CPU seconds so far of every thread of ``pid`` and of its children, by (pid, tid): the
+    busiest thread over a span is the largest difference of two of these."""
+    out: dict[tuple[int, int], float] = {}
+    for proc in (pid, *children(pid)):
+        try:
+            tasks = list(os.scandir(f"/proc/{proc}/task"))
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"{task.path}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out[(proc, int(task.name))] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return out
+
+
+def busiest_thread_s(before: dict[tuple[int, int], float],
+                     after: dict[tuple[int, int], float]) -> float:
+    return max((cpu - before.get(key, 0.0) for key, cpu in after.items()), default=0.0)
+
+
 # The daemon's threads by kind: the event loop is the main thread (its tid is the pid); the
 # data plane names its pool threads in the kernel (dataplane.name_os_thread, 15 bytes).
 # The other threads are named in the kernel by tests/bench/threadnames/sitecustomize.py, which
@@ -104,6 +155,18 @@ def status_bytes(pid: int, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise BenchError(f"/proc/{pid}/status has no {key} line")
+
+
+def tree_peak_rss(pid: int) -> int:
+    """Peak RSS (VmHWM) of ``pid`` plus that of each live child: an upper bound on the peak of
+    the daemon and its S3 workers together (their peaks need not coincide)."""
+    total = status_bytes(pid, "VmHWM")
+    for child in children(pid):
+        try:
+            total += status_bytes(child, "VmHWM")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 @dataclass

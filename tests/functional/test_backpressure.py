@@ -148,7 +148,9 @@ def test_supersede_cancels_the_older_uncommitted_generation(make_daemon: Any) ->
     states = {(g["job"], g["step"]): g for g in c.status()["generations"]}
     assert states[("job-a", 1)]["state"] == "cancelled"
     assert "superseded by step 2" in states[("job-a", 1)]["error"]
-    assert states[("job-b", 1)]["state"] == "open" and states[("job-b", 1)]["shards"] == {"staged": 1}
+    # Paced at 2 B/s, its copy has begun (draining) or is about to (staged), never done.
+    assert states[("job-b", 1)]["state"] == "open"
+    assert states[("job-b", 1)]["shards"] in ({"staged": 1}, {"draining": 1})
     assert states[("job-a", 0)]["state"] == "committed"
     assert states[("job-a", 2)]["state"] == "open"
     assert (d.dest / "job-a" / f"{0:020d}" / "MANIFEST.json").exists()

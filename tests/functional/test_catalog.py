@@ -185,7 +185,7 @@ async def test_verify_names_every_damaged_shard(
     assert [path for path, _ in report.bad] == [".metadata", "model/rank0.pt", "optim/rank0.pt"]
     reasons = dict(report.bad)
     assert reasons[".metadata"] == "missing at the destination"
-    assert reasons["model/rank0.pt"].startswith("sha256 ")
+    assert "in the manifest" in reasons["model/rank0.pt"]
     assert reasons["optim/rank0.pt"].startswith("5 bytes, the manifest lists")
 
 

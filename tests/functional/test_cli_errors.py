@@ -165,7 +165,7 @@ def test_json_output_schemas(node: DaemonProcess, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     _shape(doc, {"job": str, "generation": int, "ok": bool, "checked": int, "bytes": int,
-                 "bad": list})
+                 "stored": int, "bad": list})
     assert doc["ok"] is True and doc["checked"] == 2
     out = cli(node, "verify", node.dest_uri, "--job", JOB, "--generation", "2", "--json")
     assert out.returncode == 1

@@ -7,7 +7,6 @@ daemons of separate GPU nodes are over one Lustre tree or bucket.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon.backends.base import Backend, BackendError, ShardConflict
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.commit import (
     CommitOutcome,
     Committer,
@@ -91,7 +91,7 @@ async def drain(
             checksum = await backend.put_file(shard_key(JOB, step, path), fd, len(data))
         finally:
             os.close(fd)
-        assert checksum == "sha256:" + hashlib.sha256(data).hexdigest()
+        assert checksum == of_bytes(data)
         entries.append(
             ShardEntry(path=path, size=len(data), checksum=checksum, rank=rank, node=node)
         )
@@ -411,7 +411,7 @@ async def test_large_part_records_are_parsed_off_the_event_loop(monkeypatch: pyt
     for i in range(8000):
         path = f"model/layer{i:05d}/weights-and-optimizer-state.pt"
         await backend.put_bytes(shard_key(JOB, STEP, path), b"x")
-        shards.append(ShardEntry(path=path, size=1, checksum="sha256:" + hashlib.sha256(b"x").hexdigest(),
+        shards.append(ShardEntry(path=path, size=1, checksum=of_bytes(b"x"),
                                  rank=0, node="n0"))
     part = PartRecord(job=JOB, step=STEP, world_size=1, node="n0", ranks=(0,), shards=tuple(shards),
                       clocks={"handoff": 1.0, "staged": 2.0, "drained": 3.0})

@@ -24,6 +24,7 @@ from ckptdrain.daemon.backends.base import Backend, BackendError, ShardConflict
 from ckptdrain.daemon.backends.collision import check_replaced
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.config import DestinationConfig
 from ckptdrain.daemon.tombstone import tombstone_json
@@ -83,7 +84,7 @@ def record(node: str, ranks: tuple[int, ...], shards: list[tuple[str, bytes, int
     return PartRecord(
         job=JOB, step=STEP, world_size=world_size, node=node, ranks=ranks,
         shards=tuple(
-            ShardEntry(path, len(data), "sha256:" + hashlib.sha256(data).hexdigest(), rank, node)
+            ShardEntry(path, len(data), of_bytes(data), rank, node)
             for path, data, rank in shards
         ),
         clocks=CLOCKS, attempt=attempt,
@@ -130,7 +131,7 @@ async def test_the_same_bytes_again_are_accepted_as_drained(
 ) -> None:
     n1, n0 = node_backend("n1"), node_backend("n0")
     data = b"weights" * 1000
-    expected = "sha256:" + hashlib.sha256(data).hexdigest()
+    expected = of_bytes(data)
     # Before the commit (a retried drain) and after it (a re-drain after a daemon restart).
     assert await put(n1, tmp_path, "model.bin", data) == expected
     assert await put(n1, tmp_path, "model.bin", data) == expected
@@ -222,8 +223,8 @@ async def test_two_writers_of_one_key_at_once_leave_one_consistent_object(
 
     key = shard_key(JOB, STEP, "rank0.bin")
     assert store.objects[key] in payloads
-    assert store.checksums[key] == "sha256:" + hashlib.sha256(store.objects[key]).hexdigest()
-    assert sums == ["sha256:" + hashlib.sha256(p).hexdigest() for p in payloads]
+    assert store.checksums[key] == of_bytes(store.objects[key])
+    assert sums == [of_bytes(p) for p in payloads]
 
 
 @pytest.mark.asyncio
@@ -257,7 +258,7 @@ async def test_a_commit_landing_during_a_replacement_is_reported(tmp_path: Path)
     await put(backend, tmp_path, "model.bin", b"new attempt")
     manifest = Manifest(
         job=JOB, generation=STEP, world_size=1,
-        shards=(ShardEntry("model.bin", 3, "sha256:" + hashlib.sha256(b"old").hexdigest(), 0,
+        shards=(ShardEntry("model.bin", 3, of_bytes(b"old"), 0,
                            "n1"),),
         nodes=("n1",), clocks={**CLOCKS, "committed": 4.0},
     )
@@ -265,7 +266,7 @@ async def test_a_commit_landing_during_a_replacement_is_reported(tmp_path: Path)
     with pytest.raises(ShardConflict, match="was committed by another attempt while this one"):
         await check_replaced(
             backend, shard_key(JOB, STEP, "model.bin"), len(b"new attempt"),
-            "sha256:" + hashlib.sha256(b"new attempt").hexdigest(),
+            of_bytes(b"new attempt"),
         )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 
 from ckptdrain.client import GenerationFailed, Timeout
 from ckptdrain.client.manifest import Manifest
+from ckptdrain.daemon.checksums import of_bytes
 from tests.conftest import CKPTDRAIN, DaemonProcess
 
 
@@ -22,7 +22,7 @@ def gen_dir(d: DaemonProcess, job: str, step: int) -> Path:
 
 
 def sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+    return of_bytes(data)
 
 
 def test_two_ranks_commit_with_every_byte_and_checksum(daemon: DaemonProcess, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo, open_backend
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
+from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.config import DestinationConfig
 
 DATA = os.urandom(3 * (1 << 20) + 7)
@@ -34,10 +34,10 @@ def _isolated_named_stores() -> Iterator[None]:
 
 
 @pytest.mark.asyncio
-async def test_put_file_stores_the_bytes_and_returns_sha256(fd: int) -> None:
+async def test_put_file_stores_the_bytes_and_returns_its_checksum(fd: int) -> None:
     backend = MemoryBackend("gpu1")
     checksum = await backend.put_file("j/a", fd, len(DATA))
-    assert checksum == "sha256:" + hashlib.sha256(DATA).hexdigest()
+    assert checksum == of_bytes(DATA)
     assert backend.objects["j/a"] == DATA
     assert backend.calls == [("put_file", "j/a")]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import logging
 import os
 import stat
@@ -20,6 +19,7 @@ from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.daemon.backends import posix
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo, open_backend
 from ckptdrain.daemon.backends.posix import PosixBackend, backend_error, temp_name
+from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.config import DestinationConfig
 
 MiB = 1 << 20
@@ -55,7 +55,7 @@ def root(tmp_path: Path) -> Path:
 @pytest.fixture
 def source(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
     """An open fd on a file larger than one copy buffer (so the copy loops), and its bytes."""
-    data = os.urandom(posix.COPY_BUFFER_BYTES + 12345)
+    data = os.urandom(posix.COPY_RANGE_BYTES + 12345)
     path = tmp_path / "staged.bin"
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
@@ -73,7 +73,7 @@ def temps(root: Path) -> list[str]:
 
 
 @pytest.mark.asyncio
-async def test_put_file_writes_complete_file_and_returns_its_sha256(
+async def test_put_file_writes_complete_file_and_returns_its_checksum(
     root: Path, source: tuple[int, bytes]
 ) -> None:
     fd, data = source
@@ -81,7 +81,7 @@ async def test_put_file_writes_complete_file_and_returns_its_sha256(
     checksum = await backend.put_file("job/00000000000000000001/model/rank0.pt", fd, len(data))
     target = root / "job/00000000000000000001/model/rank0.pt"
     assert target.read_bytes() == data
-    assert checksum == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert checksum == of_bytes(data)
     assert stat.S_IMODE(target.stat().st_mode) & 0o777 == 0o644 & ~_umask()
     assert temps(root) == []
 
@@ -98,7 +98,7 @@ async def test_put_file_of_a_prefix_of_the_source(root: Path, source: tuple[int,
     backend = make(root)
     checksum = await backend.put_file("k/a", fd, 100)
     assert (root / "k/a").read_bytes() == data[:100]
-    assert checksum == "sha256:" + hashlib.sha256(data[:100]).hexdigest()
+    assert checksum == of_bytes(data[:100])
     await backend.put_file("k/empty", fd, 0)
     assert (root / "k/empty").read_bytes() == b""
 

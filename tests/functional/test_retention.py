@@ -24,7 +24,6 @@ from ckptdrain.client.manifest import (
     ManifestError,
     PartRecord,
     ShardEntry,
-    format_checksum,
     generation_prefix,
     latest_key,
     manifest_key,
@@ -35,6 +34,7 @@ from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.config import DestinationConfig
 from ckptdrain.daemon.retention import (
@@ -134,7 +134,7 @@ async def write_shards(
     for path in paths:
         data = shard_bytes(step, path)
         await backend.put_bytes(shard_key(job, step, path), data)
-        digest = format_checksum("sha256", hashlib.sha256(data).hexdigest())
+        digest = of_bytes(data)
         entries.append(ShardEntry(path, len(data), digest, 0, NODE))
     return entries
 

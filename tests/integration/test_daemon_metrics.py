@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import DrainError
-from tests.conftest import CKPTDRAIN, DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 from tests.integration.test_promtool import Prometheus, free_port, prometheus_process
 
 PROMTOOL = shutil.which("promtool")
@@ -147,7 +147,8 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
            "limits": dict, "queued_shards": int, "io_threads": dict, "generations_omitted": int,
            "staging_free_bytes": int, "staging_free_inodes": int, "drain_rate_bytes_per_s": float,
            "blocked_handoffs": int, "oldest_undrained_age_s": dict, "blocked_by_limit": dict,
-           "generations": list}
+           "draining": bool, "shards_draining": list, "uploads_open": list,
+           "uploads_open_count": int, "generations": list}
     assert set(doc) == set(top)
     for key, kind in top.items():
         assert isinstance(doc[key], kind), (key, doc[key])
@@ -157,3 +158,30 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
     assert set(gen) == {"job", "step", "state", "world_size", "ack", "ranks", "shards", "bytes",
                         "oldest_undrained_age_s", "error"}
     assert gen["state"] == "committed" and gen["shards"] == {"drained": 1} and gen["ranks"] == {"0": "recorded"}
+
+
+def test_a_large_shard_is_paced_and_reported_while_it_drains(make_daemon: Any) -> None:
+    # One 40 MiB shard at 8 MiB/s: drained bytes, the shard's progress in status and the
+    # drain rate move during the shard, not in one jump at its end.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="8MiB")
+    size = 40 << 20
+    with d.client().generation("paced-one", 1) as gen:
+        gen.put("big.bin", os.urandom(size))
+    seen: dict[str, Any] = {}
+
+    def midway() -> bool:
+        status = d.client().status()
+        for shard in status["shards_draining"]:
+            if shard["path"] == "big.bin" and 0 < shard["drained_bytes"] < size:
+                drained = value(scrape(d), "ckptdrain_drained_bytes_total", job="paced-one")
+                if drained is not None and 0 < drained < size:
+                    seen.update(shard=shard, drained=drained,
+                                rate=status["drain_rate_bytes_per_s"])
+                    return True
+        return False
+
+    wait_for(midway, timeout_s=60)
+    assert seen["shard"]["size"] == size and seen["rate"] > 0
+    d.client().wait("paced-one", 1, timeout_s=60)
+    assert value(scrape(d), "ckptdrain_drained_bytes_total", job="paced-one") == size
+    assert d.client().status()["shards_draining"] == []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import json
 import os
 import pickle
@@ -44,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptdrain.client import Client, GenerationFailed, RejectedInput
 from ckptdrain.client.dcp import DrainReader, DrainWriter
+from ckptdrain.daemon.checksums import of_bytes
 from tests.conftest import DaemonProcess
 
 pytestmark = pytest.mark.torch
@@ -361,7 +361,7 @@ def test_manifest_lists_metadata_and_every_distcp_file(cluster: Cluster, step: i
     for path, entry in shards.items():
         data = (gen_dir / path).read_bytes()
         assert entry["size"] == len(data)
-        assert entry["checksum"] == "sha256:" + hashlib.sha256(data).hexdigest()
+        assert entry["checksum"] == of_bytes(data)
     assert {c.latest(JOB) for c in (d.client() for d in cluster.daemons)} == {ASYNC_STEP}
 
 

@@ -21,6 +21,7 @@ from ckptdrain.daemon.backends.s3 import (
     multipart_etag,
     part_plan,
 )
+from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.config import DestinationConfig
 from tests.integration.faultproxy import FaultProxy
 from tests.integration.seaweedfs import REGION, SeaweedFS
@@ -64,7 +65,7 @@ class Staged:
         self.path.write_bytes(self.data)
         self.size = size
         self.fd = os.open(self.path, os.O_RDONLY)
-        self.checksum = "sha256:" + hashlib.sha256(self.data).hexdigest()
+        self.checksum = of_bytes(self.data)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -581,3 +582,41 @@ async def test_read_resumes_after_a_cut_stream(seaweedfs: SeaweedFS, s3_bucket: 
     assert await read_all(via_proxy, "job/x", chunk_bytes=4 * MiB) == shard.data
     gets = [r for r in proxy.requests if r.method == "GET"]
     assert [r.fault for r in gets] == ["truncate", None]
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, n: int) -> None:
+        self.calls.append(n)
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_copy_into_fetches_ranges_in_parallel_and_combines_their_checksums(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any, tmp_path: Path,
+        workers: int) -> None:
+    config = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    backend = backends(config) if workers == 0 else S3Backend(config, "gpu0", workers=workers)
+    try:
+        size = 37 * MiB + 5
+        shard = staged(size, seed=workers + 3)
+        key = "job/00000000000000000001/big.bin"
+        assert await backend.put_file(key, shard.fd, size) == shard.checksum
+        for algo, expected in (("crc64nvme", shard.checksum),
+                               ("sha256", "sha256:" + hashlib.sha256(shard.data).hexdigest())):
+            out = tmp_path / f"restored-{workers}-{algo}"
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            progress = _Progress()
+            try:
+                got = await backend.copy_into(key, fd, algo=algo, progress=progress)
+            finally:
+                os.close(fd)
+            assert got == (size, expected)
+            assert out.read_bytes() == shard.data
+            assert sum(progress.calls) == size
+    finally:
+        if workers:
+            await backend.aclose()

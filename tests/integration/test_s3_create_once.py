@@ -22,6 +22,7 @@ from ckptdrain.client.manifest import PartRecord, ShardEntry, manifest_key, shar
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import MiB, S3Backend
+from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.config import DestinationConfig
 from ckptdrain.daemon.retention import apply_retention
@@ -83,7 +84,7 @@ def record(node: str, ranks: tuple[int, ...], shards: list[tuple[str, bytes, int
     return PartRecord(
         job=JOB, step=STEP, world_size=world_size, node=node, ranks=ranks,
         shards=tuple(
-            ShardEntry(path, len(data), "sha256:" + hashlib.sha256(data).hexdigest(), rank, node)
+            ShardEntry(path, len(data), of_bytes(data), rank, node)
             for path, data, rank in shards
         ),
         clocks=CLOCKS,
@@ -128,7 +129,7 @@ async def test_the_same_bytes_again_are_accepted(
 ) -> None:
     n1, n0 = nodes("n1"), nodes("n0")
     data = payload(size, 3)
-    expected = "sha256:" + hashlib.sha256(data).hexdigest()
+    expected = of_bytes(data)
     assert await put(n1, tmp_path, "model.bin", data) == expected
     assert await put(n0, tmp_path, "model.bin", data) == expected
     committer = Committer(n1, "n1")
@@ -148,7 +149,7 @@ async def test_a_leftover_of_an_attempt_that_never_committed_is_replaced(
     newer = payload(size, 5)
 
     assert await put(n0, tmp_path, "model.bin", newer) == (
-        "sha256:" + hashlib.sha256(newer).hexdigest()
+        of_bytes(newer)
     )
 
     assert await read(n1, shard_key(JOB, STEP, "model.bin")) == newer
@@ -156,7 +157,7 @@ async def test_a_leftover_of_an_attempt_that_never_committed_is_replaced(
         Bucket=s3_bucket, Key=f"{PREFIX}/{shard_key(JOB, STEP, 'model.bin')}"
     )
     # The replacement carries its checksum, so a publish can tell it from what it replaced.
-    assert head["Metadata"]["ckptdrain-checksum"] == "sha256:" + hashlib.sha256(newer).hexdigest()
+    assert head["Metadata"]["ckptdrain-checksum"] == of_bytes(newer)
     assert head["Metadata"]["ckptdrain-node"] == "n0"
     assert uploads_left(seaweedfs, s3_bucket) == []
 
@@ -212,7 +213,7 @@ async def test_two_writers_of_one_key_at_once_leave_one_consistent_object(
     assert stored in payloads
     info = await writers[0].stat(shard_key(JOB, STEP, "model.bin"))
     assert info is not None and info.size == size
-    assert info.checksum in (None, "sha256:" + hashlib.sha256(stored).hexdigest())
+    assert info.checksum in (None, of_bytes(stored))
     assert uploads_left(seaweedfs, s3_bucket) == []
 
 
@@ -280,7 +281,7 @@ async def put_step(backend: S3Backend, tmp_path: Path, step: int, data: bytes) -
 
 
 def record_of(step: int, data: bytes) -> PartRecord:
-    entry = ShardEntry("w.bin", len(data), "sha256:" + hashlib.sha256(data).hexdigest(), 0, "n1")
+    entry = ShardEntry("w.bin", len(data), of_bytes(data), 0, "n1")
     return PartRecord(JOB, step, 1, "n1", (0,), (entry,), CLOCKS)
 
 
@@ -323,7 +324,7 @@ async def test_a_restarted_drain_recognises_its_own_completed_upload(
         with pytest.raises(RuntimeError, match="killed"):
             await backend.put_file(key, fd, len(data), upload_log=log)
         assert await backend.put_file(key, fd, len(data), upload_log=log) == (
-            "sha256:" + hashlib.sha256(data).hexdigest()
+            of_bytes(data)
         )
     finally:
         os.close(fd)

@@ -3,7 +3,6 @@ file://, multipart with resumable uploads, retries through faults, aborts, orpha
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 
 from ckptdrain.client import GenerationFailed
 from ckptdrain.client.manifest import Manifest
+from ckptdrain.daemon.checksums import of_bytes
 from tests.conftest import CKPTDRAIN, DaemonProcess
 from tests.integration.faultproxy import ThreadedProxy
 from tests.integration.seaweedfs import SeaweedFS
@@ -65,7 +65,7 @@ def test_round_trip_three_ranks_multipart(make_daemon: Any, seaweedfs: SeaweedFS
     manifest = Manifest.from_json(get(seaweedfs, s3_bucket, f"s3job/{10:020d}/MANIFEST.json"))
     assert {s.path for s in manifest.shards} == set(blobs)
     for shard in manifest.shards:
-        assert shard.checksum == "sha256:" + hashlib.sha256(blobs[shard.path]).hexdigest()
+        assert shard.checksum == of_bytes(blobs[shard.path])
     assert get(seaweedfs, s3_bucket, f"s3job/{10:020d}/r1/large.bin") == blobs["r1/large.bin"]
     assert uploads(seaweedfs, s3_bucket) == []
     env = d.env()

@@ -1,0 +1,203 @@
+"""The read side of the S3 destination: listings, small objects, streaming reads (resumed
+when cut), and restore's bulk path of parallel ranged GETs. A base of
+:class:`~ckptdrain.daemon.backends.s3.S3Backend`, on the plumbing of
+:class:`~ckptdrain.daemon.backends.s3client.S3Client`."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ckptdrain.daemon import checksums
+from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
+from ckptdrain.daemon.backends.s3client import S3Client
+from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
+from ckptdrain.daemon.logs import log_event
+
+log = logging.getLogger("ckptdrain.daemon.backends.s3")
+
+
+class S3Reads(S3Client, Backend):
+    """Reading objects (a base of S3Backend)."""
+
+    async def list_dirs(self, prefix: str) -> builtins.list[str]:
+        full_prefix = self._full_prefix(prefix)
+        names: set[str] = set()
+        token: str | None = None
+        while True:
+            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
+                                      "Delimiter": "/", "MaxKeys": self.list_page_size}
+            if token:
+                params["ContinuationToken"] = token
+            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            for common in page.get("CommonPrefixes", []):
+                name = str(common["Prefix"])[len(full_prefix):].rstrip("/")
+                if name:
+                    names.add(name)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                break
+        return sorted(names)
+
+    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
+        full = self._key(key)
+        what = f"reading {key}"
+        try:
+            answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full)
+        except S3Failure as exc:
+            if exc.code == "NoSuchKey" or (exc.status == 404 and exc.code != "NoSuchBucket"):
+                return None
+            raise
+        async with answer["Body"] as body:
+            length = int(answer.get("ContentLength") or 0)
+            if length > max_bytes:
+                raise BackendError(
+                    f"{key} at {self.uri} is {length} bytes, more than the {max_bytes} expected "
+                    "of a small object; it is not one this daemon wrote", kind="integrity",
+                )
+            with self._translating(what):
+                data: bytes = await body.read()
+        return data
+
+    async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
+        full_prefix = self._full_prefix(prefix)
+        found: builtins.list[ObjectInfo] = []
+        token: str | None = None
+        while True:
+            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
+                                      "MaxKeys": self.list_page_size}
+            if token:
+                params["ContinuationToken"] = token
+            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            for item in page.get("Contents", []):
+                full_key = str(item["Key"])
+                if full_key.endswith("/"):
+                    continue  # a "directory" marker some stores list
+                modified = item.get("LastModified")
+                found.append(ObjectInfo(
+                    key=self._strip_root(full_key), size=int(item["Size"]),
+                    modified=modified.timestamp() if modified is not None else None,
+                ))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                break
+        found.sort(key=lambda info: info.key)
+        return found
+
+    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
+        """The object's bytes in chunks of ``chunk_bytes`` (the last shorter). A stream cut
+        mid-way is resumed with a ranged GET pinned to the same ETag, up to max_attempts."""
+        full = self._key(key)
+        what = f"reading {key}"
+        offset = 0
+        etag: str | None = None
+        resumes = 0
+        while True:
+            params: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+            if etag is not None:
+                params.update(Range=f"bytes={offset}-", IfMatch=etag)
+            try:
+                answer = await self._call(what, "get_object", **params)
+            except S3Failure as exc:
+                if exc.code == "InvalidRange" and etag is not None:
+                    return  # cut right after the last byte: nothing was left to read
+                if exc.code == "NoSuchKey":
+                    raise S3Failure(f"{key} does not exist at {self.uri}; it was never "
+                                    "written or has been deleted", transient=False,
+                                    kind="not_found", code=exc.code) from exc
+                raise
+            etag = str(answer.get("ETag") or "") or None
+            try:
+                async with answer["Body"] as body:
+                    pieces: builtins.list[bytes] = []
+                    held = 0
+                    while True:
+                        with self._translating(what):
+                            piece = await body.read(chunk_bytes - held)
+                        if not piece:
+                            break
+                        pieces.append(piece)
+                        held += len(piece)
+                        if held >= chunk_bytes:
+                            chunk = b"".join(pieces)
+                            pieces.clear()
+                            held = 0
+                            offset += len(chunk)
+                            yield chunk
+                    if pieces:
+                        chunk = b"".join(pieces)
+                        offset += len(chunk)
+                        yield chunk
+                return
+            except S3Failure as exc:
+                if not exc.transient or resumes + 1 >= self._max_attempts or etag is None:
+                    raise
+                resumes += 1
+                log_event(log, logging.INFO, "s3_read_resumed", key=key, offset=offset,
+                          error=str(exc))
+
+    async def copy_into(
+        self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[int, str]:
+        """Restore's bulk path: a large object is fetched as ``part_size_bytes`` ranges,
+        ``max_concurrency`` at a time (one connection each, as the upload was), each written at
+        its offset and checksummed in a worker thread; the ranges' CRC64NVMEs are combined. A
+        format 1 (sha256) shard, which must be hashed in order, is read as one stream."""
+        full = self._key(key)
+        head = await self._head(key, full)
+        if head is None:
+            raise S3Failure(f"{key} does not exist at {self.uri}; it was never written or has "
+                            "been deleted", transient=False, kind="not_found", code="NoSuchKey")
+        size = int(head.get("ContentLength") or 0)
+        if algo != checksums.ALGO or size <= self._part_size:
+            return await super().copy_into(key, out_fd, algo=algo, progress=progress)
+        etag = str(head.get("ETag") or "")
+        ranges = [(offset, min(self._part_size, size - offset))
+                  for offset in range(0, size, self._part_size)]
+        crcs: dict[int, int] = {}
+        slots = asyncio.Semaphore(self._concurrency)
+        loop = asyncio.get_running_loop()
+
+        async def fetch(offset: int, length: int) -> None:
+            async with slots:
+                what = f"reading {key} at byte {offset}"
+                answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full,
+                                          Range=f"bytes={offset}-{offset + length - 1}",
+                                          IfMatch=etag)
+                async with answer["Body"] as body:
+                    with self._translating(what):
+                        data = await body.read()
+                if len(data) != length:
+                    raise S3Failure(f"{what}: {len(data)} bytes came back for a range of "
+                                    f"{length}", transient=True, kind="io")
+                # Waited for even when cancelled: no thread may write to out_fd once we return.
+                future = loop.run_in_executor(None, _write_at, out_fd, data, offset)
+                try:
+                    crcs[offset] = await asyncio.shield(future)
+                except asyncio.CancelledError:
+                    await asyncio.wait([future])
+                    raise
+                if progress is not None:
+                    progress(length)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for offset, length in ranges:
+                    tg.create_task(fetch(offset, length))
+        except BaseExceptionGroup as group:
+            raise first_cause(group) from None
+        return size, checksums.combine([(crcs[offset], length) for offset, length in ranges])
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> int:
+    """Write ``data`` at ``offset`` of ``fd``; its CRC64NVME (a worker thread's)."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], offset + done)
+    return checksums.crc64nvme_int(view)

@@ -1,0 +1,214 @@
+"""Copying a file's bytes to another file through the kernel, with their checksum.
+
+``copy_file_range`` (else ``sendfile``, else a pread/pwrite loop through a small buffer) moves
+the bytes without a user-space write loop; the checksum is read back from the source through a
+reused 1 MiB buffer right after each range is copied, while it is in the page cache. Used by
+the POSIX destination (drain and restore) and by the local fast path of restore. Blocking:
+worker threads only; every loop checks ``stop`` between ranges.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING
+
+from ckptdrain.daemon import checksums
+from ckptdrain.daemon.checksums import ALGO, Stopped
+from ckptdrain.daemon.errors import DaemonError
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.backends.base import ThreadFlow
+
+log = logging.getLogger(__name__)
+
+# One kernel copy call moves this much; the stop event is checked between calls. Small enough
+# that pacing (one token reservation per range) stays smooth at modest rates.
+COPY_RANGE_BYTES = 16 << 20
+# Checksums read the page cache through a buffer this size (small: it stays in CPU cache).
+CHECKSUM_BUFFER_BYTES = 1 << 20
+
+# One checksum buffer per worker thread, reused for every file: fresh memory costs ~10x more
+# to fill than a buffer already mapped.
+_buffers = threading.local()
+
+
+class Truncated(DaemonError):
+    """The source file ended before the size it was declared to have."""
+
+
+def checksum_buffer() -> memoryview:
+    buf = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = memoryview(bytearray(CHECKSUM_BUFFER_BYTES))
+        _buffers.buf = buf
+    return buf
+
+
+def copy_and_checksum(
+    src_fd: int, out: int, size: int, stop: threading.Event, name: str, algo: str = ALGO, *,
+    flow: ThreadFlow | None = None, progress: Callable[[int], None] | None = None,
+) -> str:
+    """Copy ``size`` bytes of ``src_fd`` (from offset 0) into ``out`` through the kernel
+    (:func:`kernel_copy`), and return their checksum, read back from the source through a small
+    reused buffer: the staged copy was just written, so that read comes from the page cache.
+
+    The checksum is taken from the source after each range is copied, so a byte that changed
+    between the copy and the read makes the checksum disagree with what a later verify finds,
+    never the other way round; the staged copy is immutable once handed off anyway.
+    """
+    digest = checksums.new(algo)
+    copy_segment(src_fd, out, 0, size, digest, stop, name, flow=flow, progress=progress)
+    return digest.value()
+
+
+def copy_segment(
+    src_fd: int, out: int, start: int, length: int, digest: checksums.Digest,
+    stop: threading.Event, name: str, *, flow: ThreadFlow | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Copy bytes ``start`` to ``start + length`` of ``src_fd`` to the same offsets of ``out``,
+    adding them to ``digest`` in order (see :func:`copy_and_checksum`)."""
+    view = checksum_buffer()
+    offset = start
+    size = start + length
+    while offset < size:
+        if stop.is_set():
+            raise Stopped
+        want = min(COPY_RANGE_BYTES, size - offset)
+        if flow is not None and not flow.pace(want, stop):
+            raise Stopped
+        copied = kernel_copy(src_fd, out, offset, want)
+        if copied == 0:
+            raise Truncated(f"source of {name} ended at byte {offset} of {size}: the staged "
+                            "file was truncated")
+        end = offset + copied
+        while offset < end:
+            got = os.preadv(src_fd, [view[: min(len(view), end - offset)]], offset)
+            if got == 0:
+                raise Truncated(f"source of {name} shrank while it was copied")
+            digest.update(view[:got])
+            offset += got
+        if flow is not None:
+            flow.moved(copied)
+        if progress is not None:
+            progress(copied)
+
+
+# Below this a shard is one sequential copy; above it, PARALLEL_SEGMENTS segments at once.
+PARALLEL_MIN_BYTES = 4 * COPY_RANGE_BYTES
+PARALLEL_SEGMENTS = 4
+
+
+def parallel_copy_and_checksum(
+    pool: Executor, src_fd: int, out: int, size: int, stop: threading.Event, name: str, *,
+    flow: ThreadFlow | None = None,
+) -> str:
+    """:func:`copy_and_checksum` of a large file as contiguous segments copied at once by
+    ``pool``'s threads (a striped Lustre file takes writes to several OSTs at a time); their
+    CRC64NVMEs are combined. Every segment has ended (done, failed or stopped) on return."""
+    # sendfile writes at the file position, which segments sharing ``out`` would race on.
+    if size < PARALLEL_MIN_BYTES or _kernel_copy_modes[0] != "copy_file_range":
+        return copy_and_checksum(src_fd, out, size, stop, name, flow=flow)
+    step = -(-size // PARALLEL_SEGMENTS)
+    step = -(-step // COPY_RANGE_BYTES) * COPY_RANGE_BYTES  # whole ranges per segment
+    segments = [(start, min(step, size - start)) for start in range(0, size, step)]
+    digests = [checksums.Crc64nvme() for _ in segments]
+    # One failing segment stops the others at their next range.
+    failed = threading.Event()
+
+    def run(i: int) -> None:
+        start, length = segments[i]
+        try:
+            copy_segment(src_fd, out, start, length, digests[i], _Either(stop, failed), name,
+                         flow=flow)
+        except BaseException:
+            failed.set()
+            raise
+
+    futures = [pool.submit(run, i) for i in range(len(segments))]
+    concurrent.futures.wait(futures)
+    for future in futures:
+        error = future.exception()
+        if error is not None and not isinstance(error, Stopped):
+            raise error
+    if stop.is_set() or failed.is_set():
+        raise Stopped
+    return checksums.combine([(d.crc, length) for d, (_, length) in zip(digests, segments,
+                                                                          strict=True)])
+
+
+class _Either(threading.Event):
+    """Set when either of two events is (a segment's stop: the caller's or a sibling's)."""
+
+    def __init__(self, a: threading.Event, b: threading.Event) -> None:
+        super().__init__()
+        self._a = a
+        self._b = b
+
+    def is_set(self) -> bool:
+        return self._a.is_set() or self._b.is_set()
+
+
+# Which kernel copy works between two files is learnt once per process: copy_file_range
+# refuses some pairs (EXDEV across filesystems on older kernels, EINVAL from a memfd, ...),
+# and sendfile then serves; the plain read/write loop is the last resort.
+_kernel_copy_modes = ["copy_file_range", "sendfile", "readwrite"]
+_modes_lock = threading.Lock()
+_COPY_FALLBACK_ERRNOS = frozenset(
+    {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+)
+
+
+def kernel_copy(src_fd: int, out: int, offset: int, count: int) -> int:
+    """Copy up to ``count`` bytes of ``src_fd`` at ``offset`` to the same offset of ``out``
+    without bringing them into user space where the kernel allows it; returns how many were
+    copied (0 only at the source's end)."""
+    while True:
+        mode = _kernel_copy_modes[0]
+        try:
+            if mode == "copy_file_range":
+                return os.copy_file_range(src_fd, out, count, offset, offset)
+            if mode == "sendfile":
+                os.lseek(out, offset, os.SEEK_SET)
+                return os.sendfile(out, src_fd, offset, count)
+            return _read_write(src_fd, out, offset, count)
+        except OSError as exc:
+            if exc.errno not in _COPY_FALLBACK_ERRNOS or mode == "readwrite":
+                raise
+            with _modes_lock:
+                downgraded = offset == 0 and _kernel_copy_modes[0] == mode
+                if downgraded:
+                    _kernel_copy_modes.pop(0)
+                    log.info("%s refused (%s); copying with %s", mode, exc,
+                             _kernel_copy_modes[0])
+            if not downgraded and mode == _kernel_copy_modes[0]:
+                # Refused mid-file (an odd pair): this file goes on with the next mode only.
+                return _read_write(src_fd, out, offset, count)
+
+
+def _read_write(src_fd: int, out: int, offset: int, count: int) -> int:
+    view = checksum_buffer()
+    got = os.preadv(src_fd, [view[: min(len(view), count)]], offset)
+    done = 0
+    while done < got:
+        done += os.pwritev(out, [view[done:got]], offset + done)
+    return got
+
+
+def hash_file(fd: int, stop: threading.Event, algo: str = ALGO) -> str:
+    """The checksum (``algo``) of everything ``fd`` holds, read with pread from offset 0."""
+    view = checksum_buffer()
+    digest = checksums.new(algo)
+    offset = 0
+    while got := os.preadv(fd, [view], offset):
+        if stop.is_set():
+            raise Stopped
+        digest.update(view[:got])
+        offset += got
+    return digest.value()

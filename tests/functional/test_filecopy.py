@@ -1,0 +1,105 @@
+"""Kernel copies with their checksum (daemon/filecopy.py), on real files: sequential and in
+parallel segments, a source shorter than declared, a stop, and the fallbacks."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.daemon import filecopy
+from ckptdrain.daemon.checksums import Stopped, of_bytes
+
+MiB = 1 << 20
+
+
+def _files(tmp_path: Path, data: bytes) -> tuple[int, int, Path]:
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    out_path = tmp_path / "out"
+    return (os.open(src, os.O_RDONLY),
+            os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), out_path)
+
+
+@pytest.mark.parametrize("size", [0, 1, filecopy.COPY_RANGE_BYTES + 3,
+                                  filecopy.PARALLEL_MIN_BYTES + 5 * MiB + 7])
+def test_parallel_copy_matches_the_bytes_and_their_checksum(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    src, out, out_path = _files(tmp_path, data)
+    moved: list[int] = []
+
+    class Flow:
+        def pace(self, nbytes: int, stop: threading.Event) -> bool:
+            return True
+
+        def moved(self, nbytes: int) -> None:
+            moved.append(nbytes)
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            checksum = filecopy.parallel_copy_and_checksum(
+                pool, src, out, size, threading.Event(), "x", flow=Flow())  # type: ignore[arg-type]
+    finally:
+        os.close(src)
+        os.close(out)
+    assert checksum == of_bytes(data)
+    assert out_path.read_bytes() == data
+    assert sum(moved) == size
+
+
+def test_a_source_shorter_than_declared_is_refused_in_every_segment_mode(tmp_path: Path) -> None:
+    size = filecopy.PARALLEL_MIN_BYTES + MiB
+    data = os.urandom(size - MiB)
+    src, out, _ = _files(tmp_path, data)
+    try:
+        with ThreadPoolExecutor(4) as pool, pytest.raises(filecopy.Truncated):
+            filecopy.parallel_copy_and_checksum(pool, src, out, size, threading.Event(), "x")
+        with pytest.raises(filecopy.Truncated):
+            filecopy.copy_and_checksum(src, out, size, threading.Event(), "x")
+    finally:
+        os.close(src)
+        os.close(out)
+
+
+def test_a_stopped_copy_ends_at_its_next_range(tmp_path: Path) -> None:
+    size = filecopy.PARALLEL_MIN_BYTES
+    src, out, _ = _files(tmp_path, os.urandom(size))
+    stop = threading.Event()
+    stop.set()
+    try:
+        with ThreadPoolExecutor(4) as pool, pytest.raises(Stopped):
+            filecopy.parallel_copy_and_checksum(pool, src, out, size, stop, "x")
+    finally:
+        os.close(src)
+        os.close(out)
+
+
+def test_sendfile_and_read_write_serve_when_copy_file_range_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel may refuse copy_file_range between two files (EXDEV across filesystems on
+    # older kernels): the copy goes on with sendfile, and with pread/pwrite after that.
+    data = os.urandom(3 * MiB + 11)
+
+    def refused(*_: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(filecopy, "_kernel_copy_modes", ["copy_file_range", "sendfile",
+                                                         "readwrite"])
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    for expected_mode in ("sendfile", "readwrite"):
+        where = tmp_path / expected_mode
+        where.mkdir()
+        src, out, out_path = _files(where, data)
+        try:
+            assert filecopy.copy_and_checksum(src, out, len(data), threading.Event(), "x") \
+                == of_bytes(data)
+        finally:
+            os.close(src)
+            os.close(out)
+        assert out_path.read_bytes() == data
+        assert filecopy._kernel_copy_modes[0] == expected_mode
+        monkeypatch.setattr(os, "sendfile", refused)
