@@ -163,11 +163,13 @@ def test_foreign_orphans_swept_after_grace(make_daemon: Any, seaweedfs: SeaweedF
     s3 = seaweedfs.client()
     old = s3.create_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/j/{1:020d}/old.bin",
                                      Metadata={"ckptdrain-node": "dead-node"})["UploadId"]
-    time.sleep(3)
+    # Ages are the server's clock against the grace: old is 8 s old when fresh is new, and the
+    # daemon's start-up (seconds on a loaded machine) must stay within the 6 s grace of fresh.
+    time.sleep(8)
     fresh = s3.create_multipart_upload(Bucket=s3_bucket, Key=f"{PREFIX}/j/{2:020d}/fresh.bin",
                                        Metadata={"ckptdrain-node": "busy-node"})["UploadId"]
     d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
-                  CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S="2.5")
+                  CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S="6")
     left = {u["UploadId"] for u in uploads(seaweedfs, s3_bucket)}
     assert old not in left and fresh in left
     assert d.client().status()["node_id"] == "node-a"
