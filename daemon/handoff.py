@@ -9,6 +9,7 @@ keeps the descriptors it was given and closes them when it returns; nobody else 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import functools
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
 from ckptdrain.client.wire import PayloadChunk, PayloadEnd, ProtocolError
-from ckptdrain.daemon.budget import BudgetFull, Reservation, TooLarge
+from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
 from ckptdrain.daemon.channel import IdleTimeout, TooSlow
 from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, kernel_copy, write_all
 from ckptdrain.daemon.errors import RequestError, StuckIO
@@ -294,6 +295,35 @@ class Handoffs:
         d.metrics.handoff(gen.job, time.perf_counter() - started, size, "memory")
         return {"path": path, "size": size, "ack": "memory"}
 
+    async def _reserve_while_open(self, gen: GenerationRecord, budget: Budget, amount: int,
+                                  timeout_s: float) -> Reservation | None:
+        """Wait for room on ``budget``, but only while ``gen`` lives: None as soon as it ends
+        (what the waiter holds meanwhile, a memfd's RAM, goes back then, not at the timeout)."""
+        outcome: list[Reservation | BaseException] = []
+
+        async def reserve() -> None:
+            try:
+                outcome.append(await budget.reserve(amount, block=True, timeout_s=timeout_s))
+            except (BudgetFull, TooLarge) as exc:
+                outcome.append(exc)
+
+        async with asyncio.TaskGroup() as tg:
+            waiting = tg.create_task(reserve())
+            while not waiting.done():
+                changed = self.d.ledger.change()  # taken before looking: no change is missed
+                if gen.terminal:
+                    waiting.cancel()
+                    break
+                woken = tg.create_task(changed.wait())
+                either: list[asyncio.Future[Any]] = [waiting, woken]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+        if not outcome:
+            return None  # the generation ended first
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
     async def persist_held(self, gen: GenerationRecord, shard: ShardRecord, fd: int,
                            memory: Reservation) -> None:
         """Write an ack=memory shard from its memfd to local storage, then queue it. Owns
@@ -308,10 +338,15 @@ class Handoffs:
         src_fd: int | None = fd
         created = False
         try:
-            slot = await d.admission.shards.reserve(1, block=True, timeout_s=limits.block_timeout_s)
+            slot = await self._reserve_while_open(gen, d.admission.shards, 1,
+                                                  limits.block_timeout_s)
+            if slot is None:
+                return
             await d.copies.make_room(shard.size)
-            room = await d.admission.staged.reserve(shard.size, block=True,
-                                                    timeout_s=limits.block_timeout_s)
+            room = await self._reserve_while_open(gen, d.admission.staged, shard.size,
+                                                  limits.block_timeout_s)
+            if room is None:
+                return
             owner = d.ledger.jobs.get(gen.job)
             if owner is not None:
                 d.admission.charge(room, owner)

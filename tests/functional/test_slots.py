@@ -302,3 +302,23 @@ def test_one_uid_cannot_reserve_every_byte(make_daemon) -> None:  # type: ignore
             gen.put("y", os.urandom(600 << 10))
         assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
         gen.put("z", os.urandom(300 << 10))  # what fits the share is taken
+
+
+def test_a_memfd_waiting_for_staging_lets_go_when_its_generation_ends(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    size = 64 << 20
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory",
+                                   CKPTDRAIN_LIMITS__MAX_MEMORY_BYTES="1GiB",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES=str(size + size // 2),
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="120")
+    payload = os.urandom(size)
+    with d.client() as c, c.generation("other", 1, world_size=2) as other:
+        # Another job's shard fills staging (deferred: it stays until rank 1 comes).
+        other.put("a", payload, deferred=True)
+        wait_for(lambda: (c.status()["staged_bytes"], c.status()["memory_bytes"]) == (size, 0),
+                 timeout_s=20)
+        with c.generation("mem", 1) as gen:
+            gen.put("b", payload)  # acknowledged in RAM; its persist waits for staging room
+            assert c.status()["memory_bytes"] == size
+            gen.abort("giving up on this step")
+        # The generation ended: the RAM it held goes back now, not at block_timeout_s.
+        wait_for(lambda: c.status()["memory_bytes"] == 0, timeout_s=10)
