@@ -64,7 +64,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         oldest = dict(sorted(oldest.items(), key=lambda kv: -kv[1])[:MAX_STATUS_JOBS])
     free_bytes, free_inodes = d.staging_free
     a = d.admission
-    return {
+    return _fit({
         "node_id": d.node_id,
         "version": __version__,
         "uptime_s": round(now - d.started_at, 3),
@@ -107,7 +107,29 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         "generations": shown,
         "generations_omitted": len(gens) - len(shown),
         **_uploads(d, gens),
-    }
+    })
+
+
+# The whole reply, as JSON: under the 64 KiB of one frame, with room for the envelope.
+REPLY_BYTES = 60 * 1024
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
+def _fit(reply: dict[str, Any]) -> dict[str, Any]:
+    """Cut the reply's lists from their ends (open uploads, then shards draining, then
+    generations) until the whole of it fits one frame: however long the job names and shard
+    paths, `status` answers."""
+    over = _size(reply) - REPLY_BYTES
+    for key in ("uploads_open", "shards_draining", "generations"):
+        items = reply[key]
+        while over > 0 and items:
+            over -= _size(items.pop()) + 1
+            if key == "generations":
+                reply["generations_omitted"] += 1
+    return reply
 
 
 MAX_STATUS_UPLOADS = 50
