@@ -108,7 +108,8 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         crc: list[int] = []
 
         async def create() -> None:
-            crc.append(await self.parts.put(Whole(key, full, size, metadata, True), fd))
+            async with self.bodies:
+                crc.append(await self.parts.put(Whole(key, full, size, metadata, True), fd))
 
         for _ in range(_CREATE_ROUNDS):
             if await self._create(f"uploading {key}", create):
@@ -121,7 +122,8 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
             if await settle_existing(self, key, size, checksum, self._info(key, head)):
                 return checksum
             # A leftover no manifest names: replaced by an object with our checksum.
-            replaced = await self.parts.put(Whole(key, full, size, metadata, False), fd)
+            async with self.bodies:
+                replaced = await self.parts.put(Whole(key, full, size, metadata, False), fd)
             if checksums.combine([(replaced, size)]) != checksum:
                 raise S3Failure(f"the staged copy of {key} changed while it was drained; it "
                                 "will be sent again", transient=True, kind="integrity")

@@ -58,6 +58,10 @@ class S3Client:
             self._max_attempts * (float(config.connect_timeout_s) + float(config.read_timeout_s)),
         )
         self.buffers = BufferPool(self._concurrency)
+        # Bodies (parts and single PUTs) in flight across every shard of this backend, wherever
+        # they are sent from: with upload workers, their buffers live in the workers, so this
+        # is what keeps upload memory at max_concurrency x part size in all.
+        self.bodies = asyncio.Semaphore(self._concurrency)
         self._session = AioSession()
         self._client_lock = asyncio.Lock()
         self._stack: AsyncExitStack | None = None

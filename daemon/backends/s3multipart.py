@@ -128,15 +128,22 @@ class MultipartUploads(S3Client):
         """Send every part not ``kept`` (unchanged on the server), ``max_concurrency`` at a
         time, through the part sender (this loop, or worker processes); returns
         [(number, etag, crc64nvme)] in order and the object's CRC64NVME, combined from its
-        parts'. Bytes are paced and counted per part (``self.flow``)."""
+        parts'. Bytes are paced and counted per part (``flow``)."""
         results: dict[int, tuple[str, int]] = {}
-        slots = asyncio.Semaphore(self._concurrency)
+        # Two bounds: ``window`` keeps this shard's tasks few (it is this call's own, so a slot
+        # a cancelled task never gave back goes with it); ``self.bodies`` bounds the bodies in
+        # flight across all shards, and is only ever held inside ``async with`` in the task
+        # that sends, so no way out of this call can keep one.
+        window = asyncio.Semaphore(self._concurrency)
 
         async def send(part: Part) -> None:
             try:
-                sent = await self.parts.send(part, fd)
+                async with self.bodies:
+                    if flow is not None and part.kept_crc is None:
+                        await flow.pace(part.length)
+                    sent = await self.parts.send(part, fd)
             finally:
-                slots.release()
+                window.release()
             results[part.number] = (sent.etag, sent.crc)
             if sent.uploaded and upload_log is not None:
                 await upload_log.part_done(part.number, sent.etag, part_checksum(sent.crc))
@@ -153,9 +160,7 @@ class MultipartUploads(S3Client):
                                 offset=offset, length=length,
                                 kept_crc=part_crc(old[1]) if old is not None else None,
                                 kept_etag=old[0] if old is not None else "")
-                    await slots.acquire()
-                    if flow is not None and part.kept_crc is None:
-                        await flow.pace(length)
+                    await window.acquire()
                     tg.create_task(send(part), name=f"s3-part-{number}")
         except BaseExceptionGroup as group:
             raise first_cause(group) from None
