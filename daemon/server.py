@@ -107,6 +107,7 @@ class Daemon:
         self.expiry = Expiry(self)
         self.started_at = time.time()
         self.staging_free: tuple[int, int] = (0, 0)
+        self.staging_reserve = 0
         self._stop = asyncio.Event()
         self._listener: Listener | None = None
         self._retention_locks: dict[str, asyncio.Lock] = {}
@@ -152,9 +153,11 @@ class Daemon:
             return
         restart = startup.needs_restart(startup.changed_keys(self.loaded_config, loaded))
         free_bytes, _ = self.staging_free
-        capacity = free_bytes + self.admission.staged.used - self.staging.reserve_bytes()
+        # From the refresh loop's last sample: a reload never waits on the staging disk.
+        capacity = free_bytes + self.admission.staged.used - self.staging_reserve
         try:
-            new = startup.fit_staged_limit(new, capacity)
+            if free_bytes or self.staging_reserve:  # none yet: a reload during start-up
+                new = startup.fit_staged_limit(new, capacity)
         except startup.StartupError as exc:
             log_event(log, logging.ERROR, "reload_failed", error=str(exc))
             self.notifier.ready(self.status_line())
@@ -404,8 +407,9 @@ class Daemon:
 
     async def _refresh_free(self) -> None:
         with contextlib.suppress(Exception):  # a sick disk shows as stale numbers, not a crash
-            free_bytes, free_inodes, _ = await self.dataplane.call(self.staging.room)
+            free_bytes, free_inodes, reserve = await self.dataplane.call(self.staging.room)
             self.staging_free = (free_bytes, free_inodes)
+            self.staging_reserve = reserve
 
     async def _refresh_loop(self) -> None:
         interval = self.notifier.watchdog_interval_s()
