@@ -269,7 +269,12 @@ class ClientHandler:
         owner = self.d.ledger.jobs.get(job)
         if owner is not None and owner != self.uid and self.uid != 0:
             raise RequestError(wire.PERMISSION_DENIED,
-                               f"job {job!r} belongs to uid {owner}; uid {self.uid} may not write it")
+                               f"job {job!r} belongs to {self._owner_name(owner)}; uid "
+                               f"{self.uid} may not write it")
+
+    def _owner_name(self, owner: int) -> str:
+        # Operators are told which uid; other users only that it is not theirs.
+        return f"uid {owner}" if self.peer.operator else "another user"
 
     def _own_rank(self, f: dict[str, Any]) -> tuple[GenerationRecord, int]:
         gen, rank = self.gen, self.rank

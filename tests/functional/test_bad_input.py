@@ -310,4 +310,6 @@ def test_job_belongs_to_the_uid_that_began_it(make_daemon) -> None:  # type: ign
     with d.client().generation("root-job", 1) as gen:
         gen.put("w", b"root")
     denied = as_other_user(d.socket_path, "root-job")
-    assert denied.startswith("DENIED") and "belongs to uid 0" in denied, denied
+    # ... and a user is told only that the job is not theirs, not whose it is.
+    assert denied.startswith("DENIED") and "belongs to another user" in denied, denied
+    assert "uid 0" not in denied, denied
