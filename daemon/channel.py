@@ -39,6 +39,11 @@ MAX_QUEUED_FDS = 8
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 
 
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 class IdleTimeout(DaemonError):
     """The client sent nothing for longer than the idle timeout."""
 
@@ -53,8 +58,11 @@ class TooSlow(IdleTimeout):
 
 class Channel:
     def __init__(self, sock: socket.socket, *, idle_timeout_s: float, min_bytes_per_s: int,
-                 rate_grace_s: float) -> None:
+                 rate_grace_s: float, close_fd: Callable[[int], None] = _close) -> None:
         sock.setblocking(False)
+        # How a passed fd is closed: off the loop (DataPlane.close_client_fd), since a close
+        # can block (a lingering socket, a FUSE file).
+        self.close_fd = close_fd
         self.sock = sock
         self.idle_timeout_s = idle_timeout_s
         self.min_bytes_per_s = min_bytes_per_s
@@ -190,14 +198,14 @@ class Channel:
         handed to a later frame."""
         self.drop_frame_fds()
         while self.fds and self.fds[0][2] <= frame_start:
-            _close(self.fds.popleft()[0])
+            self.close_fd(self.fds.popleft()[0])
         while self.fds and self.fds[0][1] <= frame_start < self.fds[0][2]:
             self.frame_fds.append(self.fds.popleft()[0])
 
     def drop_frame_fds(self) -> None:
         fds, self.frame_fds = self.frame_fds, []
         for fd in fds:
-            _close(fd)
+            self.close_fd(fd)
         if fds:
             log_event(log, logging.DEBUG, "unclaimed_fds_closed", fds=len(fds))
 
@@ -208,7 +216,7 @@ class Channel:
         if len(fds) == 1:
             return fds[0]
         for fd in fds:
-            _close(fd)
+            self.close_fd(fd)
         if not fds:
             raise RequestError(wire.BAD_REQUEST, f"{kind} arrived without a file descriptor; "
                                "attach exactly one (SCM_RIGHTS) to the frame's first byte")
@@ -219,7 +227,7 @@ class Channel:
         """Close every fd no frame claimed; returns how many."""
         closed = 0
         while self.fds:
-            _close(self.fds.popleft()[0])
+            self.close_fd(self.fds.popleft()[0])
             closed += 1
         return closed
 
@@ -230,10 +238,6 @@ class Channel:
         self.close_fds()
         self.sock.close()
 
-
-def _close(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
 
 
 def is_memfd(fd: int) -> bool:

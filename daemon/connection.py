@@ -55,7 +55,8 @@ class ClientHandler:
         limits = daemon.config.limits
         self.channel = Channel(sock, idle_timeout_s=limits.client_idle_timeout_s,
                                min_bytes_per_s=limits.client_min_bytes_per_s,
-                               rate_grace_s=limits.client_rate_grace_s)
+                               rate_grace_s=limits.client_rate_grace_s,
+                               close_fd=daemon.dataplane.close_client_fd)
         self.conn = wire.Connection(wire.Role.SERVER)
         self.buf = bytearray(RECV_BUFFER_BYTES)
         self.view = memoryview(self.buf)
@@ -239,7 +240,7 @@ class ClientHandler:
                 return await reads.fetch_from_destination(self, f["job"], f["step"], f["path"],
                                                           fd)
             finally:
-                os.close(fd)
+                self.d.dataplane.close_client_fd(fd)
         if kind in ("drain", "resume"):
             return maintenance.drain(self.d, self.peer) if kind == "drain" else \
                 maintenance.resume(self.d, self.peer)
@@ -309,7 +310,7 @@ class ClientHandler:
                                    "is not a memfd; pass a memfd_create() fd, or use put_fd")
         except BaseException:
             if fd is not None:
-                os.close(fd)
+                self.d.dataplane.close_client_fd(fd)
             raise
         # From here the hand-off owns the fd (closes it, or leaves it to a stuck thread).
         if kind == "put_memfd" and self.ack == "memory" and fd is not None:
@@ -393,7 +394,7 @@ class ClientHandler:
             try:
                 size, checksum = await self.d.dataplane.call(
                     _copy_to_client, self.d.staging, shard.staged_name, out_fd, algo,
-                    cleanup=lambda: os.close(out_fd))
+                    cleanup=lambda: self.d.dataplane.close_client_fd(out_fd))
             except _NotRegular:
                 raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
                                    "writing") from None
@@ -406,8 +407,8 @@ class ClientHandler:
             owned = True
             return {"path": path, "size": size, "checksum": checksum}
         finally:
-            if owned:
-                os.close(out_fd)
+            if owned:  # closing a client's file can block (NFS flushes on close): off the loop
+                self.d.dataplane.close_client_fd(out_fd)
 
     async def retry(self, job: str, step: int) -> dict[str, Any]:
         self.check_job_owner(job)

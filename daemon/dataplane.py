@@ -102,6 +102,10 @@ class DataPlane:
         # per connection, created as needed): a slow client never takes an fsync's thread.
         self._pumps = concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump",
                                                             initializer=name_os_thread)
+        # Closing a client's fd can block: a TCP socket lingering on unsent data, a FUSE file
+        # whose server holds the flush. Never on the loop, nor in a hand-off's thread.
+        self._closer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ckptdrain-io-close",
+                                                             initializer=name_os_thread)
         self.stuck = 0
         self.busy = 0
 
@@ -159,13 +163,24 @@ class DataPlane:
         self.busy -= 1
         return result
 
+    def close_client_fd(self, fd: int) -> None:
+        """Close an fd a client passed, in a thread: returns at once, whatever the fd is."""
+        with contextlib.suppress(RuntimeError):  # shutting down: the process's exit closes it
+            self._closer.submit(_close_quietly, fd)
+
     def close(self) -> None:
         # Stuck threads cannot be joined: leave them to the process's exit.
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pumps.shutdown(wait=False, cancel_futures=True)
+        self._closer.shutdown(wait=False)
 
 
 # -- blocking steps, run in the pool ---------------------------------------------------------
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def write_all(fd: int, data: memoryview | bytes) -> None:
     view = memoryview(data)
     while view:

@@ -141,11 +141,15 @@ class Handoffs:
                 src, dst = src_fd, tmp_fd
                 src_fd = tmp_fd = None  # the copy's thread owns them until it returns
                 stop = threading.Event()
-                await d.dataplane.call(kernel_copy, src, dst, size, stop,
-                                       cleanup=lambda: _close(src, dst), cancel=stop)
-                src_fd, tmp_fd = src, dst
-                _close(src_fd)
-                src_fd = None
+
+                def give_up() -> None:
+                    d.dataplane.close_client_fd(src)
+                    _close(dst)
+
+                await d.dataplane.call(kernel_copy, src, dst, size, stop, cleanup=give_up,
+                                       cancel=stop)
+                src_fd, tmp_fd = None, dst
+                d.dataplane.close_client_fd(src)
             # The directory fsync that makes the rename durable is shared with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below).
             fd, tmp_fd = tmp_fd, None
@@ -185,7 +189,9 @@ class Handoffs:
             if receiving:
                 gen.release_path(path)
             d.staging.pending_bytes -= promised
-            _close(src_fd, tmp_fd)
+            if src_fd is not None:
+                d.dataplane.close_client_fd(src_fd)
+            _close(tmp_fd)
             self._give_back(name if created else None, room, slot)
         d.metrics.handoff(gen.job, time.perf_counter() - started, size, gen.ack)
         return {"path": path, "size": size, "ack": gen.ack}
@@ -284,7 +290,7 @@ class Handoffs:
         except BaseException:
             if memory is not None:
                 memory.release()
-            os.close(fd)
+            d.dataplane.close_client_fd(fd)
             raise
         finally:
             if receiving:

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,3 +188,48 @@ def test_a_shard_and_a_directory_of_the_same_name_are_refused_at_put(daemon: Dae
     root = daemon.dest / "names" / f"{1:020d}"
     assert (root / "x").read_bytes() == b"file"
     assert (root / "a" / "b" / "c").read_bytes() == b"deep"
+
+
+@contextlib.contextmanager
+def lingering_socket(linger_s: int) -> Iterator[socket.socket]:
+    """A TCP socket whose close() blocks for ``linger_s``: SO_LINGER set, its send buffer full
+    and its peer never reading. A hostile client passes one and closes its own copy, so the
+    daemon's close is the last."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.connect(listener.getsockname())
+        peer, _ = listener.accept()
+        with peer:
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    sock.send(b"x" * 65536)
+            sock.setblocking(True)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+            yield sock
+
+
+def test_closing_a_passed_fd_does_not_freeze_the_loop(daemon: DaemonProcess) -> None:
+    served = threading.Event()
+    failures: list[BaseException] = []
+
+    def bystander() -> None:
+        try:
+            still_serves(daemon)
+            served.set()
+        except BaseException as exc:
+            failures.append(exc)
+
+    with lingering_socket(60) as hostile, RawClient(daemon.socket_path) as raw:
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        send_fds(raw, wire.encode_message("status", {}), [hostile.fileno()])
+        hostile.close()  # the daemon now holds the last reference: its close lingers
+        other = threading.Thread(target=bystander)
+        other.start()
+        assert served.wait(30), failures or "another client was not served while a close lingered"
+        assert raw.reply().kind == "ok"
+        other.join(10)
