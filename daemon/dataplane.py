@@ -268,9 +268,12 @@ class SocketPump:
             if n == 0:
                 raise ConnectionError("client left mid-shard")
             done += n
+            idle_since = time.monotonic()
             if floor is not None:
                 floor.got += n
-            idle_since = time.monotonic()
+                # The socket is non-blocking, so the move's time is our own disk's: the
+                # client is not charged for it (a slow staging disk is not a slow client).
+                floor.started += idle_since - now
             if done - kicked >= WRITEBACK_KICK_BYTES:
                 # Start writing back what has arrived, so the fsync before the acknowledgement
                 # waits for the tail only, not the whole shard.
