@@ -71,7 +71,7 @@ def paused_then_drained(ctx: Context, uri: str, files: list[Path], job: str,
     first = ctx.daemon("drain-paused", uri, root=root, staging_dir=staging, socket_path=sock,
                        overrides={**DRAIN_PAUSED, **(overrides or {})})
     with first.client() as client:
-        with client.generation(job, 1) as gen:
+        with client.generation(job, 1, rank=0, world_size=1) as gen:
             for path in files:
                 gen.put_file(path.name, path)
         for g in client.status()["generations"]:

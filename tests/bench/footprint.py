@@ -24,7 +24,7 @@ def _one(ctx: Context, shard: int, total: int) -> tuple[int, float]:
     data = random_buffer(shard)
     try:
         with daemon.client(timeout_s=900) as client:
-            with client.generation(JOB, 1) as gen:
+            with client.generation(JOB, 1, rank=0, world_size=1) as gen:
                 for k in range(total // shard):
                     gen.put(f"shard-{k}.bin", data)
             commit_and_clear(client, JOB, 1, dest)

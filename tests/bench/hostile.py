@@ -52,7 +52,7 @@ def run_hostile(ctx: Context, section: Section) -> None:
         cpu_before, wall_before = cpu_seconds(daemon.pid), time.perf_counter()
         for _ in range(handoffs):
             step += 1
-            with client.generation(JOB, step) as gen:
+            with client.generation(JOB, step, rank=0, world_size=1) as gen:
                 started = time.perf_counter()
                 gen.put("shard.bin", data)
                 took.append(time.perf_counter() - started)

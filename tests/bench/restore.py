@@ -25,7 +25,7 @@ def _commit(ctx: Context, uri: str, files: list[Path],
             overrides: dict[str, str] | None = None) -> None:
     daemon = ctx.daemon("restore", uri, overrides=overrides)
     with daemon.client() as client:
-        with client.generation(JOB, 1) as gen:
+        with client.generation(JOB, 1, rank=0, world_size=1) as gen:
             for path in files:
                 gen.put_file(path.name, path)
         client.wait(JOB, 1, timeout_s=900)

@@ -89,7 +89,7 @@ def run_socket(ctx: Context, section: Section) -> None:
         dest = ctx.fresh("socket-dest", shm=on_shm)
         daemon = ctx.daemon("socket", f"file://{dest}", staging_dir=staging,
                             overrides=DRAIN_PAUSED if case == "ours" else {})
-        with daemon.client() as client, client.generation(JOB, 1) as gen:
+        with daemon.client() as client, client.generation(JOB, 1, rank=0, world_size=1) as gen:
             def send_all() -> None:
                 for k in range(shards):
                     gen.put(f"shard-{k}.bin", data)
