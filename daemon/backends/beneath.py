@@ -236,12 +236,13 @@ class Beneath:
             os.close(fd)
 
     def open(self, parts: Sequence[str], flags: int = READ_FLAGS) -> int:
-        """A descriptor of the existing file ``root/parts`` (never through a link)."""
-        root_fd = self._root_fd(False)
-        try:
-            return self._resolve(root_fd, parts, flags)
-        finally:
-            os.close(root_fd)
+        """A descriptor of the existing file ``root/parts`` (never through a link). Its
+        directory is resolved first and the file opened by its own name in it, the same
+        ``openat(dir, name)`` every other file operation ends with (and that tracers such as
+        ``strace -P name`` can aim at)."""
+        *dirs, name = parts
+        with self.dir(dirs) as dir_fd:
+            return self._step(dir_fd, name, flags, parts)
 
     def check_entry(self, dir_fd: int, name: str, parts: Sequence[str]) -> os.stat_result | None:
         """lstat of ``name`` in ``dir_fd``: None when absent, UnsafePath when a link."""

@@ -12,8 +12,11 @@ Two facts about ``strace -e inject`` that shape the specs below (measured with s
   "the 5th fsync of any worker thread". Seeds still reproduce the spec exactly; which file
   the fault lands on can vary with scheduling, and the strace log says which one it was.
 - ``-P PATH`` matches a syscall whose *first* path argument (or an fd argument) is PATH, not
-  the target of a rename. Targeted faults therefore go on a directory ckptdrain opens by name
-  (``fsync`` of ``_parts/``, ``mkdir`` of ``_parts``) or on a file it opens by name (LATEST).
+  the target of a rename, comparing the path argument as the string passed. The POSIX
+  destination reaches every path one component at a time from a directory fd
+  (``openat(dir_fd, "LATEST")``, ``mkdirat(dir_fd, "_parts")``), so a targeted fault names
+  that component (``-P LATEST``) or a directory whose fd a call takes (``fsync`` of
+  ``_parts/``).
 """
 
 from __future__ import annotations
@@ -44,18 +47,24 @@ SETPRIV = [_setpriv, "--pdeathsig", "KILL"] if _setpriv else []
 # straddles mounts; ENOSPC from fsync: a thin-provisioned or network disk failing writeback;
 # accept4 EMFILE: the fd table is full. Not write: most of the daemon's writes go to its
 # event loop's eventfd and to sockets, where an EIO is impossible and libuv rightly aborts.)
-KILL_SYSCALLS = ("fsync", "fdatasync", "rename", "openat", "write", "pwrite64", "unlink", "link",
-                 "copy_file_range", "splice", "mkdir", "preadv2", "recvmsg", "sendto",
-                 "accept4", "getdents64", "statfs")
+# The *at calls are the POSIX destination's (it reaches every path from a directory fd);
+# the plain ones, staging's.
+KILL_SYSCALLS = ("fsync", "fdatasync", "rename", "renameat", "openat", "write", "pwrite64",
+                 "unlink", "unlinkat", "link", "linkat", "copy_file_range", "splice", "mkdir",
+                 "mkdirat", "preadv2", "recvmsg", "sendto", "accept4", "getdents64", "statfs")
 ERRNO_SYSCALLS = {
     "fsync": ("EIO", "ENOSPC"),
     "fdatasync": ("EIO", "ENOSPC"),
     "rename": ("EIO", "EXDEV", "ENOSPC"),
+    "renameat": ("EIO", "EXDEV", "ENOSPC"),
     "openat": ("EIO", "ENOSPC", "EMFILE"),
     "pwrite64": ("EIO", "ENOSPC"),
     "link": ("EIO", "EXDEV", "ENOSPC"),
+    "linkat": ("EIO", "EXDEV", "ENOSPC"),
     "mkdir": ("EIO", "ENOSPC"),
+    "mkdirat": ("EIO", "ENOSPC"),
     "unlink": ("EIO",),
+    "unlinkat": ("EIO",),
     "preadv2": ("EIO",),
     "copy_file_range": ("EIO", "EXDEV", "ENOSPC"),
     "splice": ("EIO", "ENOSPC"),
@@ -220,7 +229,7 @@ class ChaosDaemon(DaemonProcess):
         for path in self.strace_logs:
             with contextlib.suppress(OSError):
                 lines += [ln for ln in path.read_text(errors="replace").splitlines()
-                          if "INJECTED" in ln or "killed by" in ln]
+                          if "INJECTED" in ln or "DELAYED" in ln or "killed by" in ln]
         return lines
 
     def tampered_with(self) -> set[str]:

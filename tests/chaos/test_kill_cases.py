@@ -50,7 +50,7 @@ def save(d: ChaosDaemon, job: str, step: int, *, world_size: int = 1, rank: int 
         gen.put(f"r{rank}.bin", data)
 
 
-@pytest.mark.parametrize("syscall, errno", [("mkdir", "ENOSPC"), ("fsync", "EXDEV"),
+@pytest.mark.parametrize("syscall, errno", [("mkdirat", "ENOSPC"), ("fsync", "EXDEV"),
                                             ("fsync", "ENOSPC")])
 def test_part_record_write_error_fails_the_generation_not_the_daemon(
         daemons: list[ChaosDaemon], tmp_path: Path, sock_dir: Path, syscall: str, errno: str) -> None:
@@ -58,7 +58,10 @@ def test_part_record_write_error_fails_the_generation_not_the_daemon(
     # calls of the part-record write that strace can aim at by path (its temp name is random).
     d = posix_daemon(daemons, tmp_path, sock_dir)
     parts = d.dest / "pr" / f"{7:020d}" / "_parts"
-    d.injection = Injection(syscall, errno=errno, paths=(str(parts),))
+    # fsync(fd of _parts/) matches by the fd's path; mkdirat(generation dir fd, "_parts") by
+    # the name it passes (destination paths are reached one component at a time).
+    d.injection = Injection(syscall, errno=errno,
+                            paths=(str(parts) if syscall == "fsync" else parts.name,))
     d.start()
     save(d, "pr", 7)
     with Client(d.socket_path, timeout_s=30) as c, pytest.raises(GenerationFailed):
@@ -82,9 +85,9 @@ def test_latest_is_never_lowered_by_racing_commits(daemons: list[ChaosDaemon], t
     # step 20 and of step 10 (sealed the moment 20's manifest appears) both read "no LATEST"
     # before either writes it; 10 writes last.
     d = posix_daemon(daemons, tmp_path, sock_dir)
-    latest = d.dest / "race" / "LATEST"
+    # The daemon opens LATEST as openat(<job dir fd>, "LATEST"): strace matches that name.
     d.injection = Injection("openat", when=1, persistent=True, delay_exit_us=1_500_000,
-                            paths=(str(latest),))
+                            paths=("LATEST",))
     d.start()
     dest = inv.PosixDestination(d.dest)
     obs = inv.Observer(dest, "race", d.staging / "shards", lambda: None, interval_s=0.005).start()
@@ -99,6 +102,8 @@ def test_latest_is_never_lowered_by_racing_commits(daemons: list[ChaosDaemon], t
         c.wait("race", 10, timeout_s=30)
         c.wait("race", 20, timeout_s=30)
     obs.stop()
+    assert any("LATEST" in line and "DELAYED" in line for line in d.injected()), \
+        "no read of LATEST was slowed down: the race was not set up"
     assert not inv.check_latest(dest, "race", obs.latest), obs.latest
     assert inv.read_latest(dest, "race") == 20
 
