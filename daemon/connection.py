@@ -233,14 +233,23 @@ class ClientHandler:
             fd = self.channel.take_frame_fd(kind)
             if f.get("source") != "destination":
                 return await self.fetch(f["job"], f["step"], f["path"], fd)  # owns the fd
+            owned = True
             try:
-                if not writable(fd):
+                # The destination's threads write into it: a regular file open for writing
+                # only, checked off the loop (a pipe or socket is the client's mistake, not
+                # a destination error).
+                owned = False
+                regular = await self.d.dataplane.call(
+                    _writable_regular, fd, cleanup=lambda: self.d.dataplane.close_client_fd(fd))
+                owned = True
+                if not regular:
                     raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
                                        "writing")
                 return await reads.fetch_from_destination(self, f["job"], f["step"], f["path"],
                                                           fd)
             finally:
-                self.d.dataplane.close_client_fd(fd)
+                if owned:
+                    self.d.dataplane.close_client_fd(fd)
         if kind in ("drain", "resume"):
             return maintenance.drain(self.d, self.peer) if kind == "drain" else \
                 maintenance.resume(self.d, self.peer)
@@ -440,6 +449,10 @@ class ClientHandler:
 
 class _NotRegular(DaemonError):
     """The fd passed to fetch is not a regular file (raised in the data plane)."""
+
+
+def _writable_regular(fd: int) -> bool:
+    return writable(fd) and stat.S_ISREG(os.fstat(fd).st_mode)
 
 
 def _copy_to_client(staging: Staging, name: str, out_fd: int, algo: str) -> tuple[int, str]:

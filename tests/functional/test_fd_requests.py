@@ -233,3 +233,30 @@ def test_closing_a_passed_fd_does_not_freeze_the_loop(daemon: DaemonProcess) -> 
         assert served.wait(30), failures or "another client was not served while a close lingered"
         assert raw.reply().kind == "ok"
         other.join(10)
+
+
+@pytest.mark.parametrize("kind", ["pipe", "socket"])
+def test_fetch_from_the_destination_into_something_else_than_a_file_is_refused(
+    daemon: DaemonProcess, kind: str
+) -> None:
+    # The destination's threads wrote into whatever fd came: the reply was a `destination`
+    # error ("Illegal seek"), blaming the destination for the client's fd.
+    c = daemon.client()
+    with c.generation("readers", 1) as gen:
+        gen.put("big.bin", os.urandom(1 << 20))
+    c.wait("readers", 1, timeout_s=30)
+    if kind == "pipe":
+        keep, target = os.pipe()
+    else:
+        a, b = socket.socketpair()
+        keep, target = a.detach(), b.detach()
+    try:
+        with RawClient(daemon.socket_path) as raw:
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+            fields = {"job": "readers", "step": 1, "path": "big.bin", "source": "destination"}
+            send_fds(raw, wire.encode_message("fetch", fields), [target])
+            assert is_error(raw.reply(), wire.BAD_REQUEST, "regular file"), "no typed refusal"
+    finally:
+        os.close(keep)
+        os.close(target)
+    still_serves(daemon)
