@@ -260,3 +260,18 @@ def test_fetch_from_the_destination_into_something_else_than_a_file_is_refused(
         os.close(keep)
         os.close(target)
     still_serves(daemon)
+
+
+def test_the_directory_rule_holds_across_a_restart(daemon: DaemonProcess) -> None:
+    # The directories a generation's shards imply are rebuilt from the journal.
+    c = daemon.client()
+    with c.generation("names", 2, rank=0, world_size=2) as gen:
+        gen.put("x/y", b"file")
+    daemon.stop()
+    daemon.start()
+    c = daemon.client()
+    with c.generation("names", 2, rank=1, world_size=2) as gen:
+        with pytest.raises(InvalidName, match="directory of the other"):
+            gen.put("x", b"over it")
+        gen.put("y", b"beside it")
+    c.wait("names", 2, timeout_s=30)
