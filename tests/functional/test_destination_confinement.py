@@ -191,3 +191,20 @@ def test_the_daemon_fails_the_generation_and_writes_nothing_outside(
     assert tree(elsewhere) == []
     assert "destination_symlink_refused" in d.log()
     still_serves(d)
+
+
+def test_without_openat2_the_walk_takes_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A kernel before 5.6, or a seccomp filter, answers ENOSYS: the per-component walk serves.
+    from ckptdrain.daemon.backends import beneath
+
+    monkeypatch.setattr(beneath, "_syscall", None)
+    root = tmp_path / "r"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "f").write_bytes(b"f")
+    (root / "l").symlink_to(root / "a")
+    fs = Beneath(root, use_openat2=True)
+    fd = fs.open(["a", "f"])
+    os.close(fd)
+    assert fs.openat2 is False
+    with pytest.raises(UnsafePath):
+        fs.open(["l", "f"])
