@@ -40,8 +40,12 @@ _CONTROL_CONNECTIONS = 4
 class S3Client:
     """``s3://bucket/prefix``; keys are stored as ``prefix/key``. The base of S3Backend."""
 
-    def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0) -> None:
+    def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
+                 streamed_bodies: bool = False) -> None:
         self.uri = config.uri
+        # An upload worker's client sends bodies as s3senders.StreamedBody (no copies); it
+        # turns botocore's parameter validation off, which does not know that type.
+        self.streamed_bodies = streamed_bodies
         self.node_id = node_id
         self.bucket: str = config.bucket
         self.root: str = config.prefix.strip("/")
@@ -92,6 +96,7 @@ class S3Client:
             read_timeout=float(c.read_timeout_s),
             max_pool_connections=self._concurrency + _CONTROL_CONNECTIONS,
             user_agent_extra="ckptdrain",
+            parameter_validation=not self.streamed_bodies,
         )
 
     async def _s3(self) -> Any:

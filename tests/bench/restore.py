@@ -3,7 +3,7 @@
 One generation (8 x 128 MiB) is committed to a ``file://`` destination and to SeaweedFS by a
 daemon; then, alternating, ``ckptdrain restore`` brings it into an empty directory and the
 baseline copies the same generation directory: ``s5cmd cp`` from S3, ``cp -r`` from POSIX.
-Neither side fsyncs (a restore is repeatable). ``ckptdrain restore`` checks every sha256 and
+Neither side fsyncs (a restore is repeatable). ``ckptdrain restore`` checks every checksum (CRC64NVME) and
 its time includes the command's start-up.
 """
 
@@ -82,7 +82,7 @@ def run_restore(ctx: Context, section: Section) -> None:
         case=f"{case} from file://", baseline_name="cp -r",
         ours=figure(ours, "B/s"), baseline=figure(base, "B/s"), target=Target(">=", 0.9),
         bound=("page-cache copies (source cached, nothing fsynced); ours also computes the "
-               f"sha256 of every byte; {cpu}")))
+               f"CRC64NVME of every byte; {cpu}")))
     shutil.rmtree(dest)
 
     server = ctx.seaweed()
@@ -104,7 +104,7 @@ def run_restore(ctx: Context, section: Section) -> None:
     section.rows.append(Row(
         case=f"{case} from S3", baseline_name="s5cmd cp",
         ours=figure(ours, "B/s"), baseline=figure(base, "B/s"), target=Target(">=", 0.8),
-        bound=("SeaweedFS on the same 2 cores; ours also computes the sha256 of every byte; "
+        bound=("SeaweedFS on the same 2 cores; ours also computes the CRC64NVME of every byte (ranged GETs in parallel); "
                f"{cpu}")))
     startup = run_timed([CKPTDRAIN, "ls", f"file://{ctx.fresh('empty-dest')}"], timeout_s=120,
                         env=env)
@@ -116,7 +116,7 @@ RESTORE = Benchmark(
     name="restore",
     title="Restore throughput",
     what=("Bytes per second restoring a committed generation into an empty directory with "
-          "`ckptdrain restore` (every sha256 checked), against `s5cmd cp` of the same "
+          "`ckptdrain restore` (every checksum checked), against `s5cmd cp` of the same "
           "generation from the same S3 server and `cp -r` of it from the POSIX destination. "
           "Higher is better; ratio = ours / baseline."),
     run=run_restore,
