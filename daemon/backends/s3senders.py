@@ -209,19 +209,31 @@ async def send_message(sock: socket.socket, obj: dict[str, Any], fds: list[int] 
                        *, timeout_s: float) -> None:
     """Send one message (with ``fds`` attached) on a non-blocking SOCK_SEQPACKET socket."""
     data = json.dumps(obj, separators=(",", ":")).encode()
-    loop = asyncio.get_running_loop()
     async with asyncio.timeout(timeout_s):
         while True:
             try:
                 socket.send_fds(sock, [data], fds or [])
                 return
             except BlockingIOError:
-                writable = loop.create_future()
-                loop.add_writer(sock.fileno(), writable.set_result, None)
-                try:
-                    await writable
-                finally:
-                    loop.remove_writer(sock.fileno())
+                await ready(sock, write=True)
+
+
+async def ready(sock: socket.socket, *, write: bool) -> None:
+    """Wait until ``sock`` is writable (or readable), without a task of its own."""
+    loop = asyncio.get_running_loop()
+    event = loop.create_future()
+    fd = sock.fileno()
+    if write:
+        loop.add_writer(fd, event.set_result, None)
+    else:
+        loop.add_reader(fd, event.set_result, None)
+    try:
+        await event
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
 
 
 def receive_ready(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:

@@ -27,6 +27,7 @@ from ckptdrain.daemon.backends.s3senders import (
     Whole,
     failure_message,
     put_in_process,
+    ready,
     receive_ready,
     send_in_process,
     send_message,
@@ -46,17 +47,11 @@ def _die_with_parent() -> None:
 
 
 async def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    loop = asyncio.get_running_loop()
     while True:
         try:
             return receive_ready(sock)
         except BlockingIOError:
-            readable = loop.create_future()
-            loop.add_reader(sock.fileno(), readable.set_result, None)
-            try:
-                await readable
-            finally:
-                loop.remove_reader(sock.fileno())
+            await ready(sock, write=False)
 
 
 async def _serve_part(client: S3Client, sock: socket.socket, request: dict[str, Any],

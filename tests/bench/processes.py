@@ -99,6 +99,7 @@ def busiest_thread_s(before: dict[tuple[int, int], float],
 # every daemon the benchmarks start loads (BenchDaemon.env).
 THREAD_KINDS = ("loop", "pump", "io", "journal", "drain", "other")
 _THREAD_PREFIXES = ((b"ckptdrain-pump", "pump"), (b"ckptdrain-io", "io"), (b"journal", "journal"),
+                    (b"posix-segment", "drain"),
                     (b"posix-dest", "drain"), (b"asyncio", "drain"), (b"uvloop", "drain"))
 THREAD_NAMES_DIR = Path(__file__).resolve().parent / "threadnames"
 
