@@ -10,6 +10,8 @@ worker threads only; every loop checks ``stop`` between ranges.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -40,6 +42,26 @@ _buffers = threading.local()
 
 class Truncated(DaemonError):
     """The source file ended before the size it was declared to have."""
+
+
+# The drain yields to the hand-off: training waits on a hand-off, nobody waits on a drain
+# second by second. Drain threads run at this nice value and the lowest best-effort I/O
+# priority, so a put beside a full drain keeps its share of the cores and the disk.
+DRAIN_NICE = 10
+_SYS_IOPRIO_SET = 251  # x86_64 and arm64's ioprio_set
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_BEST_EFFORT_LOWEST = (2 << 13) | 7
+
+
+def yield_to_handoffs() -> None:
+    """Lower the calling thread's CPU and I/O priority (a pool's ``initializer``); best
+    effort: a kernel or scheduler that ignores it changes nothing else."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, DRAIN_NICE)
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(_SYS_IOPRIO_SET, _IOPRIO_WHO_PROCESS, tid, _IOPRIO_BEST_EFFORT_LOWEST)
 
 
 def checksum_buffer() -> memoryview:

@@ -63,6 +63,7 @@ from ckptdrain.daemon.filecopy import (
     Truncated,
     copy_and_checksum,
     parallel_copy_and_checksum,
+    yield_to_handoffs,
 )
 
 if TYPE_CHECKING:
@@ -136,7 +137,8 @@ class PosixBackend(Backend):
         stop = threading.Event()
         loop = asyncio.get_running_loop()
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.max_threads, thread_name_prefix="posix-dest")
+            self._executor = ThreadPoolExecutor(self.max_threads, thread_name_prefix="posix-dest",
+                                                initializer=yield_to_handoffs)
         future = loop.run_in_executor(self._executor, lambda: fn(*args, stop))
         try:
             return await asyncio.shield(future)
@@ -436,7 +438,8 @@ class PosixBackend(Backend):
         with self._segments_lock:
             if self._segments is None:
                 self._segments = ThreadPoolExecutor(
-                    self.max_threads * PARALLEL_SEGMENTS, thread_name_prefix="posix-segment")
+                    self.max_threads * PARALLEL_SEGMENTS, thread_name_prefix="posix-segment",
+                    initializer=yield_to_handoffs)
             return self._segments
 
     async def aclose(self) -> None:

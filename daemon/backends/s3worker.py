@@ -33,6 +33,7 @@ from ckptdrain.daemon.backends.s3senders import (
     send_message,
 )
 from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.filecopy import DRAIN_NICE
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -133,6 +134,9 @@ def main(argv: list[str]) -> int:
     # closes their sockets); a worker that outlives it dies of PR_SET_PDEATHSIG.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The drain yields to the daemon's hand-offs (filecopy.yield_to_handoffs says why).
+    with contextlib.suppress(OSError):
+        os.nice(DRAIN_NICE)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"s3worker[{argv[2] if len(argv) > 2 else '?'}] %(message)s")
     sock = socket.socket(fileno=int(argv[1]))

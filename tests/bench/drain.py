@@ -244,9 +244,34 @@ def run_s3(ctx: Context, section: Section) -> None:
                 bound="busiest thread CPU per GB, in the loop vs in workers; throughput "
                       f"{figure([total / t for t in times['workers=0']], 'B/s').show()} vs "
                       f"{figure([total / t for t in times['ours']], 'B/s').show()}"))
+    if not ctx.quick:
+        _s3_memory(ctx, section, bucket, server.endpoint_url)
     section.notes.append(TIMING_NOTE + " s5cmd's figure is its whole run, start-up included.")
     section.notes.append("the server shares the machine's 2 cores with the client being "
                          "measured, so a client that uses less CPU leaves more to the server.")
+
+
+def _s3_memory(ctx: Context, section: Section, bucket: str, endpoint: str) -> None:
+    """Peak RSS of the daemon and its workers draining 8 x 2 GiB with 16 MiB parts, 8 in
+    flight: bounded by the parts in flight, not by the shard size (one run: 16 GiB)."""
+    count, size = 8, 2048 * MiB
+    files = source_files(ctx, count, size)
+    rss: list[float] = []
+    threads: list[float] = []
+    ctx.say("s3: peak RSS, 8 x 2 GiB with 16 MiB parts")
+    took, cpu = paused_then_drained(
+        ctx, f"s3://{bucket}/rss", files, JOB,
+        {"CKPTDRAIN_DESTINATION__ENDPOINT_URL": endpoint,
+         "CKPTDRAIN_DESTINATION__PART_SIZE_BYTES": "16MiB",
+         "CKPTDRAIN_DESTINATION__MAX_CONCURRENCY": "8"}, threads=threads, rss=rss)
+    for path in files:
+        path.unlink()
+    gb = count * size / 1e9
+    section.rows.append(Row(
+        case="peak RSS, 8 x 2 GiB to S3, 16 MiB parts, 8 in flight", baseline_name="-",
+        ours=figure(rss, "B"), limit=("<=", 300 * MiB),
+        bound=(f"daemon + workers, each process's VmHWM summed; {count * size / took / 1e6:.0f} "
+               f"MB/s, {cpu / gb:.2f} CPU s/GB, busiest thread {threads[0] / gb:.2f} CPU s/GB")))
 
 
 def _default_workers() -> int:

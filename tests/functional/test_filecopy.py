@@ -103,3 +103,19 @@ def test_sendfile_and_read_write_serve_when_copy_file_range_is_refused(
         assert out_path.read_bytes() == data
         assert filecopy._kernel_copy_modes[0] == expected_mode
         monkeypatch.setattr(os, "sendfile", refused)
+
+
+def test_drain_threads_yield_to_hand_offs() -> None:
+    # A drain thread runs niced (and at the lowest best-effort I/O priority where the kernel
+    # has it), so a put beside a full drain keeps its share of the cores.
+    seen: list[int] = []
+
+    def probe() -> None:
+        filecopy.yield_to_handoffs()
+        stat = Path(f"/proc/self/task/{threading.get_native_id()}/stat").read_text()
+        seen.append(int(stat.rpartition(")")[2].split()[16]))  # field 19: nice
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(probe).result()
+    assert seen == [filecopy.DRAIN_NICE]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # the caller's own
