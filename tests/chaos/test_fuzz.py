@@ -20,6 +20,8 @@ import pytest
 from ckptdrain.client import Client, DrainError, wire
 from tests.chaos import invariants as inv
 from tests.chaos.conftest import fuzz_seeds, fuzz_sessions
+from tests.chaos.filetrace import FileTrace, written_paths
+from tests.chaos.filetrace import outside as filetrace_outside
 from tests.chaos.fuzzer import (
     TALLY,
     FdFactory,
@@ -136,6 +138,16 @@ def fuzz_run(daemon: ChaosDaemon, root: Path, seed: int, sessions: int) -> list[
     bad += good.check(inv.PosixDestination(root / "dest"))
     if written := sorted(str(p.relative_to(outside)) for p in outside.rglob("*")):
         bad.append(f"written through a link planted in the destination: {written[:10]}")
+    if isinstance(daemon.injection, FileTrace):
+        # Everything the daemon wrote, from the kernel's side: only staging, the destination
+        # and its socket's directory (a planted link's target included, which a link-following
+        # open would show under its real path).
+        allowed = [daemon.staging, root / "dest", daemon.socket_path.parent]
+        traced = [p for log in daemon.strace_logs for p in written_paths(log)]
+        if not traced:
+            bad.append("the file trace recorded no writes at all: the trace is not working")
+        if stray := filetrace_outside(traced, allowed):
+            bad.append(f"the daemon wrote outside staging and the destination: {stray[:10]}")
     try:
         with Client(daemon.socket_path, timeout_s=30) as c:
             c.status()  # still serving, and still able to say how it stands
@@ -152,8 +164,11 @@ def fuzz_run(daemon: ChaosDaemon, root: Path, seed: int, sessions: int) -> list[
 @pytest.mark.parametrize("ack", ACKS)
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed={s}")
 def test_fuzz(seed: int, ack: str, tmp_path: Path, sock_dir: Path) -> None:
-    """Fuzzed sessions against a daemon whose default boundary is ``ack``."""
-    daemon = fuzz_daemon(tmp_path, sock_dir, CKPTDRAIN_ACK=ack)
+    """Fuzzed sessions against a daemon whose default boundary is ``ack``; the first seed's
+    daemon runs under a file-syscall trace (filetrace.py)."""
+    daemon = fuzz_daemon(tmp_path, sock_dir, CKPTDRAIN_ACK=ack, PYTHONDONTWRITEBYTECODE="1")
+    if seed == SEEDS[0]:
+        daemon.injection = FileTrace()  # type: ignore[assignment]
     try:
         bad = fuzz_run(daemon, tmp_path, seed, SESSIONS)
     finally:
