@@ -130,6 +130,14 @@ class StreamedBody(aiohttp.payload.Payload):
     def __len__(self) -> int:
         return len(self._view)
 
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """botocore rewinds a request's body before each retry (and gives the request up if
+        it cannot): this body is always written from its first byte, so rewinding is a no-op."""
+        return 0
+
+    def tell(self) -> int:
+        return 0
+
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("a shard body is binary")
 

@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.checksums import crc64nvme_int, of_bytes
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
+from tests.integration.faultproxy import ThreadedProxy
 from tests.integration.seaweedfs import SeaweedFS
 from tests.integration.test_s3_daemon import PREFIX, get, s3_daemon, uploads
 
@@ -179,3 +180,22 @@ def test_verify_compares_stored_checksums_and_read_rereads_the_bytes(
         bad = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1, bad.stdout
         assert "b.bin" in bad.stderr
+
+
+def test_a_worker_retries_a_refused_part_with_the_same_body(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    # botocore rewinds a body before each retry and gave the request up when it could not:
+    # a 503 on one part must be retried inside the worker, not fail the shard.
+    proxy = ThreadedProxy(seaweedfs.endpoint_url, seed=3, stall_s=5)
+    try:
+        proxy.do(lambda: proxy.proxy.inject("slowdown", times=2,
+                                            match=lambda r: r.is_upload_part))
+        d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                      CKPTDRAIN_DRAIN__WORKERS="1")
+        data = os.urandom(20 * MiB)
+        save(d, "retryjob", 1, {"model.bin": data})
+        assert proxy.do(lambda: len(proxy.proxy.faults("slowdown"))) == 2
+        assert get(seaweedfs, s3_bucket, f"retryjob/{1:020d}/model.bin") == data
+        assert "rewind" not in d.log() and "drain_error" not in d.log()
+    finally:
+        proxy.close()
