@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +93,23 @@ class Snapshot:
     uploads: dict[int, str]
 
 
+@dataclass(slots=True)
+class _Write:
+    statements: tuple[tuple[str, tuple[Any, ...]], ...]
+    before: Callable[[], None] | None
+    done: asyncio.Future[None]
+
+
+def _settle(batch: list[_Write], outcomes: list[BaseException | None]) -> None:
+    for w, outcome in zip(batch, outcomes, strict=True):
+        if w.done.done():
+            continue  # its waiter was cancelled
+        if outcome is None:
+            w.done.set_result(None)
+        else:
+            w.done.set_exception(outcome)
+
+
 class JournalError(DaemonError):
     """The journal cannot be opened or written: the daemon cannot promise durability."""
 
@@ -103,6 +121,14 @@ class Journal:
         self.path = path
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
         self._db: sqlite3.Connection | None = None
+        # Writes waiting for the journal's thread (group commit, see write()).
+        self._queue: list[_Write] = []
+        self._queue_lock = threading.Lock()
+        self._flush_scheduled = False
+        # Counted for tests and benchmarks: write() batches, and SQLite transactions committed
+        # (each one fsync of the write-ahead log).
+        self.batches = 0
+        self.transactions = 0
         # shard id -> (upload id, when begun): multipart uploads not yet completed or aborted,
         # kept beside the uploads table so `status` answers from memory.
         self.open_uploads: dict[int, tuple[str, float]] = {}
@@ -162,10 +188,68 @@ class Journal:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+        self.transactions += 1
 
-    async def write(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
-        """Apply ``statements`` in one durable transaction."""
-        await self._run(self._tx, statements)
+    async def write(self, *statements: tuple[str, tuple[Any, ...]],
+                    before: Callable[[], None] | None = None) -> None:
+        """Apply ``statements`` in one durable transaction; ``before`` runs (in the journal's
+        thread) ahead of it, and must succeed for the statements to be written.
+
+        Group commit: every write queued while the journal's thread is busy is committed with
+        the others in one transaction (one fsync of the write-ahead log), in the order they
+        were queued, and each ``before`` once per batch. A write that cannot be committed with
+        the batch (its own statement failed) is retried alone, so it fails only itself.
+        Whoever awaits may be cancelled; the write still happens, in its turn."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._queue_lock:
+            self._queue.append(_Write(statements, before, done))
+            if self._flush_scheduled:
+                submit = False
+            else:
+                self._flush_scheduled = submit = True
+        if submit:
+            self._executor.submit(self._flush, asyncio.get_running_loop())
+        await done
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In the journal's thread: commit everything queued so far as one batch."""
+        with self._queue_lock:
+            batch, self._queue = self._queue, []
+            self._flush_scheduled = False
+        outcomes = self._commit_batch(batch)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody awaits any more
+            loop.call_soon_threadsafe(_settle, batch, outcomes)
+
+    def _commit_batch(self, batch: list[_Write]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = [None] * len(batch)
+        hooks: dict[Callable[[], None], BaseException | None] = {}
+        for i, w in enumerate(batch):
+            if w.before is None:
+                continue
+            if w.before not in hooks:
+                try:
+                    w.before()
+                    hooks[w.before] = None
+                except Exception as exc:
+                    hooks[w.before] = exc
+            outcomes[i] = hooks[w.before]
+        todo = [i for i, o in enumerate(outcomes) if o is None]
+        if not todo:
+            return outcomes
+        try:
+            self._tx([s for i in todo for s in batch[i].statements])
+            self.batches += 1
+            return outcomes
+        except Exception as exc:
+            if len(todo) == 1:
+                outcomes[todo[0]] = exc
+                return outcomes
+        for i in todo:  # isolate the write that failed the batch: each on its own
+            try:
+                self._tx(batch[i].statements)
+            except Exception as exc:
+                outcomes[i] = exc
+        return outcomes
 
     async def compact(self) -> None:
         """Give back the pages of forgotten rows and empty the write-ahead log, so the
@@ -338,50 +422,18 @@ class JournalUploadLog:
 class GroupCommit:
     """Acknowledging a staged shard takes two fsyncs beyond the shard's own: the staging
     directory's (its rename) and the journal's (its record). Hand-offs that finish together
-    share them: the first waiter commits everything queued behind it in one directory fsync
-    and one transaction, and goes on while more arrive; the rest just wait for their batch.
+    share them: every journal write queued while the journal is busy goes in one transaction
+    (:meth:`Journal.write`), and the directory is fsynced once for the acknowledgements in it.
     """
 
     def __init__(self, journal: Journal, before: Callable[[], None]) -> None:
         self.journal = journal
         self.before = before
-        self._queue: list[tuple[tuple[tuple[str, tuple[Any, ...]], ...], asyncio.Future[None]]] = []
-        self._leading = False
         self.batches = 0  # for tests and status: how many commits served the hand-offs
 
-    def _commit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
+    def _before(self) -> None:
+        self.batches += 1
         self.before()
-        self.journal._tx(statements)
 
     async def __call__(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((statements, done))
-        if self._leading:
-            await done
-            return
-        self._leading = True
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                try:
-                    await self.journal._run(
-                        self._commit, [s for stmts, _ in batch for s in stmts])
-                except BaseException as exc:
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(exc if isinstance(exc, Exception) else
-                                              RuntimeError("journal commit interrupted"))
-                    if not isinstance(exc, Exception):
-                        raise
-                else:
-                    self.batches += 1
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_result(None)
-        finally:
-            self._leading = False
-            for _, fut in self._queue:  # interrupted with waiters queued: let them retry
-                if not fut.done():
-                    fut.set_exception(RuntimeError("journal commit interrupted"))
-            self._queue = []
-        await done
+        await self.journal.write(*statements, before=self._before)

@@ -137,6 +137,7 @@ def registry() -> dict[str, Benchmark]:
 
     benches = [
         handoff.HANDOFF, handoff.MEMORY, throughput.SOCKET, scaling.RANKS, smallshards.SMALL,
+        smallshards.COMMIT,
         footprint.RSS, drain.POSIX, drain.S3, scaling.BUSY, restore.RESTORE, hostile.HOSTILE,
         dcpbench.DCP,
     ]

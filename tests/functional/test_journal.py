@@ -67,6 +67,64 @@ async def test_a_failed_commit_fails_its_whole_batch_and_the_next_one_works(tmp_
     assert [s["id"] for s in snap.shards] == [2]
 
 
+@pytest.mark.asyncio
+async def test_concurrent_writes_share_transactions_in_order(tmp_path: Path) -> None:
+    # Every write, not only acknowledgements: a drain of many small shards journals one row
+    # per shard, and each used to be a transaction (an fsync of the WAL) of its own.
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    try:
+        rows = [shard_row(i) for i in range(1, 201)]
+        await asyncio.gather(*(journal.write(j.put_shard(r)) for r in rows))
+        # Queued in order: the last write of a row wins, as it did one transaction at a time.
+        await asyncio.gather(*(journal.write(j.put_shard({**r, "state": s}))
+                               for r in rows[:50] for s in ("draining", "drained")))
+        snap = await journal.load()
+    finally:
+        await journal.close()
+    assert sorted(s["id"] for s in snap.shards) == list(range(1, 201))
+    assert {s["state"] for s in snap.shards if s["id"] <= 50} == {"drained"}
+    assert journal.transactions < 300 // 4, (
+        f"{journal.transactions} transactions for 300 writes: they were not batched")
+
+
+@pytest.mark.asyncio
+async def test_a_write_that_fails_in_a_batch_fails_only_itself(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    try:
+        bad = ("INSERT INTO no_such_table VALUES (?)", (1,))
+        results = await asyncio.gather(
+            *(journal.write(j.put_shard(shard_row(i))) for i in range(1, 11)),
+            journal.write(j.put_shard(shard_row(11)), bad),
+            *(journal.write(j.put_shard(shard_row(i))) for i in range(12, 21)),
+            return_exceptions=True)
+        snap = await journal.load()
+    finally:
+        await journal.close()
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert len(failed) == 1 and "no_such_table" in str(failed[0])
+    # The failed write's statements went together: none of its rows was kept.
+    assert sorted(s["id"] for s in snap.shards) == [*range(1, 11), *range(12, 21)]
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_waiter_does_not_undo_its_write_or_fail_the_others(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    try:
+        first = asyncio.ensure_future(journal.write(j.put_shard(shard_row(1))))
+        others = [asyncio.ensure_future(journal.write(j.put_shard(shard_row(i))))
+                  for i in range(2, 6)]
+        await asyncio.sleep(0)  # every task has queued its write
+        first.cancel()
+        await asyncio.gather(*others)
+        snap = await journal.load()
+    finally:
+        await journal.close()
+    assert sorted(s["id"] for s in snap.shards) == [1, 2, 3, 4, 5]
+
+
 # -- the ledger's state changes, as the journal records them --------------------------------
 
 
