@@ -3,7 +3,8 @@
 A data file is what torch's ``FileSystemWriter`` writes: for each write item of the file, the
 ``BYTE_IO`` items first, then the tensors, each a ``torch.save`` archive one after the other,
 so torch's stock ``FileSystemReader`` loads it. Here the file is a memfd the daemon takes
-over: it is written as it is serialized, never held as a whole in a Python buffer.
+over: it is written as it is serialized, never held as a whole in a Python buffer, and each
+tensor's bytes are copied once, from the tensor into the memfd (:class:`MemfdFile`).
 
 :func:`stage` is ``async_save``'s staging copy: each tensor of the state dict is serialized
 into one memfd per rank, and the staged state dict handed back to DCP is made of views of
@@ -13,13 +14,15 @@ staged nothing for (non-tensor values, anything a planner resolves differently) 
 
 Public torch APIs only, but for ``_StorageInfo``: the per-item record FileSystemReader reads
 back from ``.metadata``, which must be torch's own class for the stock reader to unpickle.
-Its fields are checked against the ones this module was tested with (torch 2.13).
+Its fields are checked against the ones this module was tested with (torch 2.13), and so is
+the archive layout ``torch.serialization.skip_data`` leaves (one gap, the storage's size).
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import ctypes
 import dataclasses
 import io
 import mmap
@@ -27,7 +30,7 @@ import os
 import struct
 import zipfile
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -37,7 +40,8 @@ from torch.distributed.tensor import DTensor
 from ckptdrain.client.errors import DrainError
 
 DATA_SUFFIX = ".distcp"  # FileSystemWriter's data file suffix
-_WRITE_BUFFER_BYTES = 1 << 20
+# One pwrite at most this big: a signal or a full disk leaves a bounded partial write.
+_PWRITE_BYTES = 64 << 20
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 _STORAGE_INFO_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
 
@@ -83,14 +87,83 @@ def _item_size(item: WriteItem) -> int:
     return numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
 
 
+class _Sink(io.RawIOBase):
+    """A memfd written at a position of its own, with ``pwrite``: what torch.save writes
+    under ``skip_data`` lands in place, and the seek over each storage's bytes is recorded as
+    a hole for :meth:`MemfdFile.write_tensor` to fill."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd, self.pos = fd, 0
+        self.holes: list[tuple[int, int]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        new = pos if whence == io.SEEK_SET else self.pos + pos if whence == io.SEEK_CUR else -1
+        if new < self.pos:
+            # torch.save only ever skips forward over a storage's bytes.
+            raise DrainError("torch.save moved backwards in a DCP data file; use the pinned torch")
+        if new > self.pos:
+            self.holes.append((self.pos, new - self.pos))
+        self.pos = new
+        return new
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        pwrite_all(self.fd, view, self.pos)
+        self.pos += n
+        return n
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + _PWRITE_BYTES], offset + done)
+
+
+def storage_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor's whole storage, without a copy (read while ``tensor``
+    lives)."""
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr())).cast("B")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor's elements, writable, without a copy."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise DrainError("only a contiguous CPU tensor's bytes can be read into directly")
+    if tensor.nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
 class MemfdFile:
-    """One data file in a memfd of its own; :meth:`append` serializes into it."""
+    """One data file in a memfd of its own; :meth:`append` serializes into it.
+
+    A tensor's archive is torch.save's, written under ``torch.serialization.skip_data`` (the
+    archive's records in place, its storage's bytes skipped), and the storage's bytes then
+    written into the gap with ``pwrite`` straight from the tensor: one copy, no Python-level
+    buffering, and no CRC-32 over the data (the storage record's CRC field is 0, as torch writes
+    every record's with ``torch.serialization.set_crc32_options(False)``; torch.load does not
+    check it, and the daemon checksums every file it receives with CRC64NVME).
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.fd = os.memfd_create(f"ckptdrain-dcp-{name}", os.MFD_CLOEXEC)
-        self._raw = io.FileIO(self.fd, "wb", closefd=False)
-        self.stream = io.BufferedWriter(self._raw, _WRITE_BUFFER_BYTES)
+        self.stream = _Sink(self.fd)
 
     def tell(self) -> int:
         return self.stream.tell()
@@ -101,20 +174,37 @@ class MemfdFile:
         if isinstance(data, io.BytesIO):
             self.stream.write(data.getbuffer())
         else:
-            torch.save(_minimal(data), self.stream)
+            self.write_tensor(_minimal(data))
         return self.result(item, offset, self.stream.tell() - offset)
+
+    def write_tensor(self, tensor: torch.Tensor) -> int:
+        """torch.save ``tensor`` (a CPU tensor whose storage is its own bytes) here; returns
+        where its storage's bytes start."""
+        self.stream.holes.clear()
+        with torch.serialization.skip_data():
+            torch.save(tensor, cast(IO[bytes], self.stream))
+        holes, self.stream.holes = self.stream.holes, []
+        data = storage_view(tensor)
+        if len(data) == 0 and not holes:
+            return self.stream.tell()
+        if len(holes) != 1 or holes[0][1] != len(data):
+            raise DrainError(
+                f"torch {torch.__version__} wrote an archive this writer cannot fill in place "
+                f"(gaps {holes} for a {len(data)} byte storage); use the pinned torch"
+            )
+        pwrite_all(self.fd, data, holes[0][0])
+        return holes[0][0]
 
     def result(self, item: WriteItem, offset: int, length: int) -> WriteResult:
         return WriteResult(index=item.index, size_in_bytes=length,
                            storage_data=storage_info(self.name, offset, length))
 
     def flush(self) -> None:
-        self.stream.flush()
+        """Nothing buffered: every write is a ``pwrite`` into the memfd."""
 
     def close(self) -> None:
         """Drop this process's fd (the daemon keeps its own, and views keep their mapping)."""
         if self.fd >= 0:
-            self.stream.close()
             os.close(self.fd)
             self.fd = -1
 
@@ -151,7 +241,7 @@ def write_file(file: MemfdFile, items: list[WriteItem], planner: SavePlanner,
 
 
 # -- the staging copy ----------------------------------------------------------------------
-class _Window(io.RawIOBase):
+class Window(io.RawIOBase):
     """A read-only file over part of a buffer (zipfile reads an archive's directory)."""
 
     def __init__(self, view: memoryview) -> None:
@@ -179,9 +269,9 @@ class _Window(io.RawIOBase):
         return n
 
 
-def _storage_offset_in(archive: memoryview) -> int:
+def storage_offset_in(archive: memoryview) -> int:
     """Where the one storage record's bytes start within a torch.save archive."""
-    with zipfile.ZipFile(_Window(archive)) as zf:
+    with zipfile.ZipFile(Window(archive)) as zf:
         infos = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
         if len(infos) != 1 or infos[0].compress_type != zipfile.ZIP_STORED:
             raise DrainError("torch.save wrote an archive this writer cannot stage in place")
@@ -224,36 +314,38 @@ def stage(state_dict: Any, file_name: str) -> tuple[Any, Staged]:
     """Serialize every tensor of ``state_dict`` into one memfd; returns the state dict made of
     views of those bytes (DTensors keep their mesh and placements) and what it staged."""
     staged = Staged(MemfdFile(file_name))
-    pending: list[tuple[torch.Tensor, int, int]] = []
+    pending: list[tuple[torch.Tensor, int, int, int]] = []
 
     def archive(tensor: torch.Tensor) -> int:
         src = _minimal(tensor)
         offset = staged.file.tell()
-        torch.save(src, staged.file.stream)
-        pending.append((src, offset, staged.file.tell() - offset))
+        data_at = staged.file.write_tensor(src)
+        pending.append((src, offset, staged.file.tell() - offset, data_at))
         return len(pending) - 1
 
     # First pass: write every archive (the file's size is known only at the end).
     layout = _walk(state_dict, archive)
-    staged.file.flush()
     size = staged.file.tell()
     if size:
         staged.mapping = mmap.mmap(staged.file.fd, size, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)
     views: list[torch.Tensor] = []
-    for src, offset, length in pending:
-        views.append(_view(staged, src, offset, length))
+    for src, offset, length, data_at in pending:
+        views.append(_view(staged, src, offset, length, data_at))
     return _rebuild(layout, views), staged
 
 
-def _view(staged: Staged, src: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+def _view(staged: Staged, src: torch.Tensor, offset: int, length: int,
+          written_at: int) -> torch.Tensor:
     if src.numel() == 0 or staged.mapping is None:
         return src  # nothing to share; write_data serializes it again (it is empty)
     window = memoryview(staged.mapping)[offset:offset + length]
     try:
-        data_at = offset + _storage_offset_in(window)
+        data_at = offset + storage_offset_in(window)
     finally:
         window.release()
+    if data_at != written_at:
+        raise DrainError("torch.save wrote an archive this writer cannot stage in place")
     nbytes = src.untyped_storage().nbytes()
     flat = torch.frombuffer(staged.mapping, dtype=torch.uint8, count=nbytes, offset=data_at)
     view = flat.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
