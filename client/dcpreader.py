@@ -17,13 +17,16 @@ as it copies it).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from ckptdrain.client import names
+from ckptdrain.client import dcpload, names
 from ckptdrain.client.client import Client
 from ckptdrain.client.errors import DaemonUnavailable, NotFound, RejectedInput
 
@@ -52,6 +55,11 @@ class _GenerationFiles(FileSystemBase):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         if "r" not in mode or "+" in mode or "w" in mode or "a" in mode:
             raise RejectedInput("DrainReader only reads; save with DrainWriter")
+        with os.fdopen(self.open_fd(path), "rb") as stream:
+            yield stream
+
+    def open_fd(self, path: str | os.PathLike[str]) -> int:
+        """A read-only fd of the file: this node's checked copy, else the destination's."""
         name = self._name(path)
         try:
             fd = self.client.open_local(self.job, self.step, name)
@@ -59,8 +67,7 @@ class _GenerationFiles(FileSystemBase):
         except (NotFound, DaemonUnavailable):
             fd, source = self._from_destination(name), DESTINATION
         self.sources[name] = source
-        with os.fdopen(fd, "rb") as stream:
-            yield stream
+        return fd
 
     def _from_destination(self, name: str) -> int:
         if self.local_root is not None:
@@ -151,6 +158,33 @@ class DrainReader(FileSystemReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """FileSystemReader's reads, but each tensor's bytes go from the file straight into
+        the tensor being loaded (``preadv`` into it, or one copy from a mapping of the file),
+        not through a tensor torch.load allocates and fills first."""
+        per_file: dict[str, list[ReadItem]] = {}
+        transformed: list[ReadItem] = []  # written by extensions, never by DrainWriter
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.transform_descriptors:
+                transformed.append(item)
+            else:
+                per_file.setdefault(info.relative_path, []).append(item)
+        for relative_path, reqs in per_file.items():
+            fd = self.files.open_fd(self.fs.concat_path(self.path, relative_path))
+            with dcpload.FileView(fd) as view:
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(view.read(info.offset, info.length)))
+                    else:
+                        dcpload.read_tensor(view, info.offset, info.length, req, planner)
+        if transformed:
+            return super().read_data(LoadPlan(transformed), planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
 
     def close(self) -> None:
         if self._owns_client:

@@ -69,6 +69,9 @@ class ShardRecord:
     local_copy: bool = True  # the staged file still exists
     # Bytes of the drain in progress already at the destination (not journalled: progress).
     moved_bytes: int = 0
+    # (identity of the staged file, checksum) when a read of the file unchanged throughout
+    # gave that checksum (reads.identity; not journalled: a restarted daemon hashes again).
+    vouched: tuple[tuple[int, int, int, int, int], str] | None = None
 
     def row(self) -> dict[str, Any]:
         return {

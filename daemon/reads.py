@@ -2,10 +2,15 @@
 read-only fd the client reads itself, once the daemon has checked it against the manifest.
 
 The checksum the ledger holds for a drained shard is the one its part record (and so the
-committed manifest) lists. The copy is hashed through the staging's own checksum, then the fd
-is checked to be that very file (same inode as the path hashed), so what the client reads is
-what was checked: staged files are renamed into place once and never rewritten. Anything else
-(no copy, a copy gone or damaged) is ``not_found``: the client reads the destination instead.
+committed manifest) lists. The drain that computed it read the staged file, and recorded the
+file's identity (:func:`identity`: device, inode, size, mtime and ctime in nanoseconds) as it
+was before and after that read. When the fd opened now is that file with that identity, the
+checksum still vouches for it: staged files are renamed into place once and never written
+again, and any write, truncation, ``utime`` or rename since would have moved its ctime (which
+no process can set back). Otherwise (an identity that differs, or none recorded: a daemon
+restarted since the drain) the copy is hashed again through the staging's own checksum, and
+the fd is checked to be that very file. Anything else (no copy, a copy gone or damaged) is
+``not_found``: the client reads the destination instead.
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptdrain.reads")
 
+Identity = tuple[int, int, int, int, int]
+
+
+def identity(st: os.stat_result) -> Identity:
+    """What changes whenever a file's bytes can have: which file, its size, mtime and ctime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
 
 async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
     """A read-only fd of this node's verified local copy of ``path``; the caller sends and
@@ -38,14 +50,21 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
             or not shard.local_copy or not shard.checksum):
         raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} of "
                            f"step {step} of job {job!r}; read it from the destination")
-    name, expected = shard.staged_name, shard.checksum
+    name, expected, vouched = shard.staged_name, shard.checksum, shard.vouched
     opened: list[int] = []
 
-    def verified() -> bool:
+    def verified() -> tuple[bool, Identity, str]:
         opened.append(d.staging.open_data(name))
+        before = identity(os.fstat(opened[0]))
+        now = os.stat(d.staging.data_path(name))
+        if (before[0], before[1]) != (now.st_dev, now.st_ino):
+            return False, before, "replaced"
+        if vouched == (before, expected):
+            return True, before, "recorded"
         checksum = d.staging.checksum(name, parse_checksum(expected)[0])
-        st, now = os.fstat(opened[0]), os.stat(d.staging.data_path(name))
-        return checksum == expected and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+        # Unchanged while it was hashed, or the hash is of something else.
+        return (checksum == expected and identity(os.fstat(opened[0])) == before,
+                before, "hashed")
 
     def close() -> None:
         for fd in opened:
@@ -53,7 +72,7 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
                 os.close(fd)
 
     try:
-        good = await d.dataplane.call(verified, cleanup=close)
+        good, seen, checked = await d.dataplane.call(verified, cleanup=close)
     except FileNotFoundError:
         raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read "
                            "it from the destination") from None
@@ -63,10 +82,14 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
     if not good:
         close()
         log_event(log, logging.WARNING, "local_copy_damaged", job=job, step=step, path=path,
-                  action="dropped; readers use the destination")
+                  checked=checked, action="dropped; readers use the destination")
         d.copies.discard(shard)
         raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} does not match "
                            "the manifest; read it from the destination")
+    if checked == "hashed" and shard.checksum == expected:
+        shard.vouched = (seen, expected)  # the next reader need not hash it again
+    log_event(log, logging.INFO, "local_copy_opened", job=job, step=step, path=path,
+              checked=checked)
     return opened[0]
 
 

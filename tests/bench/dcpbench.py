@@ -91,7 +91,8 @@ def run_dcp(ctx: Context, section: Section) -> None:
              "DrainWriter", baseline_name="FileSystemWriter",
         ours=figure(stall["drain"], "s"), baseline=figure(stall["fs"], "s"),
         target=Target("<=", 0.8),
-        bound="one copy of the state either way: serializing into a memfd vs DCP's plain copy"))
+        bound="one copy of the state either way: pwrite into a memfd (pages never zeroed) vs "
+              "DCP's copy into fresh memory"))
     section.rows.append(Row(
         case=f"time to durable, {size_text(per_rank)}/rank x 2 ranks (DrainWriter: committed "
              "at the destination)", baseline_name="FileSystemWriter (written and fsynced)",
@@ -102,8 +103,9 @@ def run_dcp(ctx: Context, section: Section) -> None:
         baseline_name="FileSystemReader from the destination",
         ours=figure(load["drain"], "s"), baseline=figure(load["fs"], "s"),
         target=Target("<=", 1 / 1.5),
-        bound="here the destination is the same local disk (page cache warm for both); the "
-              "gain is against a remote destination"))
+        bound="the same local disk, page cache warm for both: DrainReader moves each tensor's "
+              "bytes into the target once, FileSystemReader into torch.load's tensor, then a "
+              "copy; a remote destination adds its reads"))
     section.notes.append(
         f"{runs} run(s), medians; every figure a fresh process. Shmem growth during the 1 GiB "
         f"save (memfd pages, not in RSS unless mapped): DrainWriter "

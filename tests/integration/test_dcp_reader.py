@@ -141,3 +141,81 @@ def test_async_save_stages_once_into_the_file_the_daemon_gets(make_daemon: Any, 
         dcp.save(saved_state(5), storage_writer=FileSystemWriter(reference))
     # The same archives as FileSystemWriter's (in the staging order): nothing written twice.
     assert (gen_dir / "__0_0.distcp").stat().st_size == (reference / "__0_0.distcp").stat().st_size
+
+
+def opened(daemon: DaemonProcess, checked: str) -> list[str]:
+    """The files the daemon handed out after checking them that way (its log's events)."""
+    return [line for line in daemon.log().splitlines()
+            if "event=local_copy_opened" in line and f"checked={checked}" in line]
+
+
+def test_a_copy_unchanged_since_its_drain_is_handed_out_without_hashing_it_again(
+        make_daemon: Any) -> None:
+    """The drain's checksum vouches for the staged file while its identity (inode, size,
+    mtime, ctime) is the one recorded around that read; a restarted daemon has no record and
+    hashes once, then trusts its own hash."""
+    daemon: DaemonProcess = make_daemon()
+    save(daemon, 2, seed=2)
+    loaded, sources = load(daemon)
+    assert compare(saved_state(2), loaded) == 7
+    assert sources == {".metadata": "local", "__0_0.distcp": "local"}
+    assert len(opened(daemon, "recorded")) == 2 and not opened(daemon, "hashed")
+    daemon.stop()
+    daemon.start()
+    for _ in range(2):
+        loaded, sources = load(daemon)
+        assert compare(saved_state(2), loaded) == 7
+        assert sources == {".metadata": "local", "__0_0.distcp": "local"}
+    assert len(opened(daemon, "hashed")) == 2 and len(opened(daemon, "recorded")) == 2
+
+
+def test_a_copy_changed_after_its_drain_is_caught_even_with_its_mtime_put_back(
+        make_daemon: Any) -> None:
+    daemon: DaemonProcess = make_daemon()
+    save(daemon, 3, seed=3)
+    biggest = max(staged_files(daemon), key=lambda p: p.stat().st_size)
+    before = biggest.stat()
+    with open(biggest, "r+b") as f:
+        f.seek(before.st_size // 2)
+        byte = f.read(1)
+        f.seek(before.st_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(biggest, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = biggest.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)
+    loaded, sources = load(daemon)
+    assert compare(saved_state(3), loaded) == 7
+    assert sources == {".metadata": "local", "__0_0.distcp": "destination"}
+    assert any("event=local_copy_damaged" in line and "checked=hashed" in line
+               for line in daemon.log().splitlines())
+    assert not biggest.exists()  # dropped: the next reader goes to the destination at once
+
+
+def test_targets_of_other_dtypes_and_layouts_load_as_with_file_system_reader(
+        make_daemon: Any) -> None:
+    """Bytes go straight into a contiguous CPU target of the saved dtype; anything else (a
+    float64 target for float32 bytes, a transposed target) is one copy_ from a mapping,
+    converting as FileSystemReader's copy_ does."""
+    daemon: DaemonProcess = make_daemon()
+    save(daemon, 6, seed=6)
+
+    def odd_target() -> dict[str, Any]:
+        return {"w": torch.zeros(256, 128, dtype=torch.float64),
+                "t": torch.zeros(64, 32).t().contiguous(),  # contiguous: the saved one is not
+                "b": torch.zeros(32, dtype=torch.float32),
+                "nested": {"steps": torch.tensor(0), "note": "",
+                           "list": [torch.zeros(6)[::2], 0]}}  # a strided view of a bigger one
+
+    ours = odd_target()
+    with DrainReader(JOB, socket_path=daemon.socket_path) as reader:
+        with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+            dcp.load(ours, storage_reader=reader)
+        assert set(reader.sources.values()) == {"local"}
+    stock = odd_target()
+    with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+        dcp.load(stock, storage_reader=FileSystemReader(generation_dir(daemon.dest, JOB, 6)))
+    assert compare(stock, ours) == 7
+    assert ours["w"].dtype == torch.float64
+    assert torch.equal(ours["w"], saved_state(6)["w"].double())
+    assert torch.equal(ours["t"], saved_state(6)["t"])
