@@ -66,6 +66,8 @@ STOP_GRACE_S = 10.0
 # How long `begin` asks the destination whether the step is already committed. Past it the
 # hand-off goes on: shard writes are create-once, so a committed step is safe either way.
 COMMITTED_CHECK_TIMEOUT_S = 5.0
+# Starting the S3 upload workers (a process spawn each) must not hold up start-up for long.
+BACKEND_START_TIMEOUT_S = 10.0
 
 
 class Daemon:
@@ -191,6 +193,7 @@ class Daemon:
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.push_async_callback(self.backend.aclose)
+                await self._start_backend()
                 async with asyncio.TaskGroup() as tg:
                     # First, so that what recovery queues (aborts of failed uploads) runs.
                     supervisor = tg.create_task(self.supervisor.run(), name="supervisor")
@@ -245,6 +248,14 @@ class Daemon:
             log_event(log, logging.INFO, "stopped", node=self.node_id)
             if self.on_stopped is not None:
                 self.on_stopped()
+
+    async def _start_backend(self) -> None:
+        try:
+            async with asyncio.timeout(BACKEND_START_TIMEOUT_S):
+                await self.backend.start()
+        except Exception as exc:  # started again on first use; the drain reports what fails
+            log_event(log, logging.WARNING, "destination_start_failed", error=str(exc),
+                      action="started again when the first shard drains")
 
     def spawn_advance(self, gen: GenerationRecord) -> None:
         """Queue a commit attempt for ``gen`` to the supervisor (it outlives any request)."""

@@ -206,6 +206,11 @@ class Backend(abc.ABC):
         ``grace_s``; returns how many were aborted. Destinations without uploads return 0."""
         return 0
 
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Start what the destination runs (S3 upload workers) before the first drain needs
+        it, so the first checkpoint does not wait for it. A failure here is not fatal: what
+        failed to start is started again on first use."""
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

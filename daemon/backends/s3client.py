@@ -26,7 +26,7 @@ from ckptdrain.daemon.backends.s3parts import (
     BufferPool,
     read_part,
 )
-from ckptdrain.daemon.backends.s3senders import open_sender
+from ckptdrain.daemon.backends.s3pool import open_sender
 from ckptdrain.daemon.checksums import from_s3_header
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class S3Client:
         # Listing page size; tests lower it to exercise paging against a real server.
         self.list_page_size = LIST_PAGE
         self.aborted_uploads = 0
-        # Who sends multipart parts: this loop, or ``workers`` processes (s3senders.py).
+        # Who sends multipart parts: this loop, or ``workers`` processes (s3senders.py, s3pool.py).
         self.parts = open_sender(self, config, node_id, workers)
 
     # -- client -----------------------------------------------------------------------------
@@ -118,6 +118,9 @@ class S3Client:
                 self._stack = stack
         return self._client
 
+    async def start(self) -> None:
+        await self.parts.start()
+
     async def aclose(self) -> None:
         await self.parts.aclose()
         async with self._client_lock:
@@ -149,6 +152,11 @@ class S3Client:
         with self._translating(what):
             return await getattr(client, operation)(**params)
 
+    async def _control(self, what: str, operation: str, **params: Any) -> Any:
+        """A request every shard makes (s3senders.CONTROL_OPERATIONS), sent by whoever sends
+        bodies: with upload workers, a worker builds and signs it, not the daemon's loop."""
+        return await self.parts.call(what, operation, params)
+
     def _key(self, key: str) -> str:
         if not key or key.startswith("/") or any(s in ("", ".", "..") for s in key.split("/")):
             raise ValueError(f"{key!r} is not a relative key without empty, . or .. segments")
@@ -177,7 +185,7 @@ class S3Client:
 
     async def _head(self, key: str, full: str) -> dict[str, Any] | None:
         try:
-            head: dict[str, Any] = await self._call(
+            head: dict[str, Any] = await self._control(
                 f"checking {key}", "head_object", Bucket=self.bucket, Key=full,
                 ChecksumMode="ENABLED",
             )

@@ -57,7 +57,7 @@ class MultipartUploads(S3Client):
         upload_id, kept = await self._resume(key, full, upload_log, part_size, size)
         new = upload_id is None
         if upload_id is None:
-            created = await self._call(
+            created = await self._control(
                 f"starting the upload of {key}", "create_multipart_upload",
                 Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC64NVME",
                 ChecksumType="FULL_OBJECT", Metadata=metadata,
@@ -189,7 +189,7 @@ class MultipartUploads(S3Client):
             params["IfNoneMatch"] = "*"
         try:
             # botocore turns an error inside a 200 answer to Complete into a retried 500.
-            await self._call(f"completing the upload of {key}", "complete_multipart_upload",
+            await self._control(f"completing the upload of {key}", "complete_multipart_upload",
                              **params)
             return True
         except S3Failure as exc:
@@ -231,7 +231,7 @@ class MultipartUploads(S3Client):
             async with asyncio.timeout(self.cleanup_timeout_s):
                 for _ in range(ABORT_ROUNDS):
                     try:
-                        await self._call(f"aborting the upload of {key}",
+                        await self._control(f"aborting the upload of {key}",
                                          "abort_multipart_upload", Bucket=self.bucket,
                                          Key=full, UploadId=upload_id)
                         aborted = True

@@ -1,9 +1,11 @@
 """An S3 upload worker process (``python -m ckptdrain.daemon.backends.s3worker FD N``),
-started and owned by the daemon's :class:`~ckptdrain.daemon.backends.s3senders.WorkerSenders`.
+started and owned by the daemon's :class:`~ckptdrain.daemon.backends.s3pool.WorkerSenders`.
 
 It reads one message with the destination's configuration, then serves part requests on the
 SOCK_SEQPACKET socket ``FD``: each carries the staged file's fd and names a multipart part or a
-whole object (PutObject), and is answered with the ETag and CRC64NVME, or with the error. It exits when the daemon closes the socket or dies
+whole object (PutObject), and is answered with the ETag and CRC64NVME, or with the error; or
+it is a small request without a body (HEAD, create, complete, abort), answered with botocore's
+answer as JSON. It exits when the daemon closes the socket or dies
 (PR_SET_PDEATHSIG), so a ``kill -9`` of the daemon leaves no worker behind. A failure of one
 part is that part's answer; nothing a part does ends the worker.
 """
@@ -22,15 +24,14 @@ import sys
 from typing import Any
 
 from ckptdrain.daemon.backends.s3client import S3Client
+from ckptdrain.daemon.backends.s3pool import failure_message, ready, receive_ready, send_message
 from ckptdrain.daemon.backends.s3senders import (
+    CONTROL_OPERATIONS,
     Part,
     Whole,
-    failure_message,
     put_in_process,
-    ready,
-    receive_ready,
     send_in_process,
-    send_message,
+    to_message,
 )
 from ckptdrain.daemon.config import DestinationConfig
 from ckptdrain.daemon.filecopy import DRAIN_NICE
@@ -85,6 +86,26 @@ async def _serve_part(client: S3Client, sock: socket.socket, request: dict[str, 
         await send_message(sock, answer, timeout_s=30.0)
 
 
+async def _serve_call(client: S3Client, sock: socket.socket, request: dict[str, Any]) -> None:
+    """One small request (HEAD, create, complete, abort) sent for the daemon."""
+    request_id = request["id"]
+    answer: dict[str, Any]
+    try:
+        operation = str(request["operation"])
+        if operation not in CONTROL_OPERATIONS:
+            raise ValueError(f"{operation} is not sent by workers")
+        params = dict(request["params"])
+        answer = {"id": request_id, "answer": to_message(
+            await client._call(str(request["what"]), operation, **params))}
+    except asyncio.CancelledError:
+        answer = {"id": request_id, "error": {"message": "cancelled", "transient": True,
+                                              "kind": "io"}}
+    except Exception as exc:  # the boundary of one request: its answer, never the worker's end
+        answer = {"id": request_id, "error": failure_message(exc)}
+    with contextlib.suppress(OSError, TimeoutError):
+        await send_message(sock, answer, timeout_s=30.0)
+
+
 def _forget(tasks: dict[int, asyncio.Task[None]], request_id: int, _: object) -> None:
     tasks.pop(request_id, None)
 
@@ -114,12 +135,15 @@ async def serve(sock: socket.socket) -> None:
                     if task is not None:
                         task.cancel()
                     continue
-                if len(fds) != 1:
+                request_id = int(request["id"])
+                if request.get("op") == "call" and not fds:
+                    task = tg.create_task(_serve_call(client, sock, request))
+                elif len(fds) == 1:
+                    task = tg.create_task(_serve_part(client, sock, request, fds[0]))
+                else:
                     for fd in fds:
                         os.close(fd)
                     continue
-                request_id = int(request["id"])
-                task = tg.create_task(_serve_part(client, sock, request, fds[0]))
                 tasks[request_id] = task
                 task.add_done_callback(functools.partial(_forget, tasks, request_id))
             for task in tasks.values():

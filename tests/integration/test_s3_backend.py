@@ -620,3 +620,53 @@ async def test_copy_into_fetches_ranges_in_parallel_and_combines_their_checksums
     finally:
         if workers:
             await backend.aclose()
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_with_workers_every_request_of_a_shard_is_sent_by_a_worker(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        workers: int) -> None:
+    """HEAD, create, complete and abort cost a few CPU ms each to build and sign; on the
+    daemon's loop they were most of its time during an S3 drain. With workers, the daemon's
+    own client sends none of a shard's requests (it records what it sends here)."""
+    config = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    backend = backends(config) if workers == 0 else S3Backend(config, "gpu0", workers=workers)
+    sent_here: list[str] = []
+    own_call = backend._call
+
+    async def recording(what: str, operation: str, **params: Any) -> Any:
+        sent_here.append(operation)
+        return await own_call(what, operation, **params)
+
+    backend._call = recording
+    try:
+        await backend.start()
+        big, small = staged(20 * MiB + 3, seed=11), staged(3000, seed=12)
+        log = RecordingUploadLog()
+        key = "job/00000000000000000001/big.bin"
+        assert await backend.put_file(key, big.fd, big.size, upload_log=log) == big.checksum
+        assert await backend.put_file("job/00000000000000000001/small.bin", small.fd,
+                                      small.size) == small.checksum
+        # Sent again: the HEAD finds it and settles it as the same bytes.
+        assert await backend.put_file(key, big.fd, big.size) == big.checksum
+        # An upload begun and given up: its abort.
+        begun = RecordingUploadLog()
+        created = await backend._control("starting", "create_multipart_upload",
+                                         Bucket=s3_bucket, Key=f"{PREFIX}/x.bin")
+        await begun.begun(str(created["UploadId"]))
+        assert await backend.abort_upload("x.bin", begun)
+        head = await backend.stat(key)
+        assert head is not None and head.checksum == big.checksum and head.size == big.size
+    finally:
+        if workers:
+            await backend.aclose()
+    control = {"head_object", "create_multipart_upload", "complete_multipart_upload",
+               "abort_multipart_upload", "upload_part", "put_object"}
+    if workers:
+        assert not control & set(sent_here), sent_here
+    else:
+        assert {"head_object", "create_multipart_upload", "complete_multipart_upload",
+                "abort_multipart_upload", "upload_part"} <= set(sent_here)
+    assert uploads(seaweedfs, s3_bucket) == []
