@@ -359,6 +359,10 @@ class DrainConfig(BaseModel):
     # drain scales with the node's cores instead of one event-loop thread. -1: from the core
     # count; 0: on the daemon's own event loop. POSIX destinations do not use them.
     workers: int = Field(default=-1, ge=-1, le=64)
+    # While a hand-off to local storage is in flight (a rank waits on it), the drain starts no
+    # new copied range or part for up to this long: training waits on hand-offs, nobody waits
+    # on the drain second by second. 0: the drain never waits.
+    yield_to_handoffs_s: float = Field(default=2.0, ge=0, le=60)
 
     @property
     def worker_count(self) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckptdrain.daemon.errors import DaemonError, StuckIO
-from ckptdrain.daemon.staging import start_writeback
+from ckptdrain.daemon.filecopy import start_writeback
 
 T = TypeVar("T")
 

@@ -64,6 +64,32 @@ def yield_to_handoffs() -> None:
         libc.syscall(_SYS_IOPRIO_SET, _IOPRIO_WHO_PROCESS, tid, _IOPRIO_BEST_EFFORT_LOWEST)
 
 
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
+_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_AFTER = 4
+_sync_file_range: Callable[[int, int, int, int], int] | None
+try:
+    _fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    _fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    _sync_file_range = _fn
+except (OSError, AttributeError):  # not Linux/glibc: the final fsync does all the work
+    _sync_file_range = None
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a range back now, without waiting for it."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def finish_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Wait until a range whose writeback was started is on disk (a file system that does not
+    support it returns at once; the final fsync still makes everything durable)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WAIT_BEFORE
+                         | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
+
+
 def checksum_buffer() -> memoryview:
     buf = getattr(_buffers, "buf", None)
     if buf is None:
@@ -92,13 +118,18 @@ def copy_and_checksum(
 def copy_segment(
     src_fd: int, out: int, start: int, length: int, digest: checksums.Digest,
     stop: threading.Event, name: str, *, flow: ThreadFlow | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, write_behind: bool = True,
 ) -> None:
     """Copy bytes ``start`` to ``start + length`` of ``src_fd`` to the same offsets of ``out``,
     adding them to ``digest`` in order (see :func:`copy_and_checksum`)."""
     view = checksum_buffer()
     offset = start
     size = start + length
+    # Write-behind: each range's writeback starts as soon as it is copied, and the range
+    # before it must be on disk before the next is copied. A drain thus never has more than
+    # two ranges dirty in the page cache, so a hand-off's fsync does not queue behind
+    # gigabytes of the drain's dirty pages, and the drain's own final fsync has little left.
+    behind: tuple[int, int] | None = None
     while offset < size:
         if stop.is_set():
             raise Stopped
@@ -109,6 +140,11 @@ def copy_segment(
         if copied == 0:
             raise Truncated(f"source of {name} ended at byte {offset} of {size}: the staged "
                             "file was truncated")
+        if write_behind:
+            start_writeback(out, offset, copied)
+            if behind is not None:
+                finish_writeback(out, *behind)
+            behind = (offset, copied)
         end = offset + copied
         while offset < end:
             got = os.preadv(src_fd, [view[: min(len(view), end - offset)]], offset)

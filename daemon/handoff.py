@@ -10,6 +10,7 @@ keeps the descriptors it was given and closes them when it returns; nobody else 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import functools
@@ -123,6 +124,8 @@ class Handoffs:
         tmp_fd: int | None = None
         created = False
         receiving = False
+        # From the first byte to the acknowledgement, the drain holds new ranges back.
+        yielding = contextlib.ExitStack()
         try:
             self.check_new_shard(gen, path, size)
             if src_fd is not None:
@@ -132,6 +135,7 @@ class Handoffs:
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
             room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, h.uid)
             promised = await self._reserve_disk(size)
+            yielding.enter_context(d.scheduler.handoff())
             tmp_fd = await d.dataplane.call(d.staging.open_tmp, name)
             created = True
             if src_fd is None:
@@ -186,6 +190,7 @@ class Handoffs:
             raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}; the disk or "
                                "mount behind it is not answering") from None
         finally:
+            yielding.close()
             if receiving:
                 gen.release_path(path)
             d.staging.pending_bytes -= promised

@@ -9,12 +9,10 @@ file and every ``.data`` file the journal does not know is removed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import threading
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from ckptdrain.daemon import checksums
@@ -27,22 +25,6 @@ DATA = ".data"
 # and the rest of the node never hit ENOSPC because of us: 64 MiB, or 5% of a small disk.
 FREE_SPACE_RESERVE_BYTES = 64 << 20
 FREE_SPACE_RESERVE_FRACTION = 0.05
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range: Callable[[int, int, int, int], int] | None
-try:
-    _fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    _fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    _sync_file_range = _fn
-except (OSError, AttributeError):  # not Linux/glibc: the final fsync does all the work
-    _sync_file_range = None
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a range back now, without waiting for it."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 class StagingFull(DaemonError, OSError):

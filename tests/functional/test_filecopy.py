@@ -119,3 +119,35 @@ def test_drain_threads_yield_to_hand_offs() -> None:
         pool.submit(probe).result()
     assert seen == [filecopy.DRAIN_NICE]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # the caller's own
+
+
+def test_a_copy_writes_behind_keeping_at_most_two_ranges_dirty(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A drain that left gigabytes dirty in the page cache made a hand-off's fsync beside it
+    # wait for them. Each range's writeback starts once it is copied, and the range before it
+    # is waited for before the next is copied (the real sync_file_range runs; calls recorded).
+    real = filecopy._sync_file_range
+    assert real is not None, "sync_file_range is Linux's; this machine has it"
+    calls: list[tuple[int, int, int]] = []
+
+    def recording(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append((offset, nbytes, flags))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(filecopy, "_sync_file_range", recording)
+    data = os.urandom(3 * filecopy.COPY_RANGE_BYTES + 4096)
+    src, out, out_path = _files(tmp_path, data)
+    try:
+        checksum = filecopy.copy_and_checksum(src, out, len(data), threading.Event(), "x")
+    finally:
+        os.close(src)
+        os.close(out)
+    assert checksum == of_bytes(data) and out_path.read_bytes() == data
+    r = filecopy.COPY_RANGE_BYTES
+    start, wait = 2, 1 | 2 | 4  # SYNC_FILE_RANGE_WRITE; WAIT_BEFORE | WRITE | WAIT_AFTER
+    assert calls == [
+        (0, r, start),
+        (r, r, start), (0, r, wait),
+        (2 * r, r, start), (r, r, wait),
+        (3 * r, 4096, start), (2 * r, r, wait),
+    ]

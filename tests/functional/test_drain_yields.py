@@ -1,0 +1,57 @@
+"""The drain yields to hand-offs: while a rank waits on one, no new drain range starts (up to
+``drain.yield_to_handoffs_s``), and the drain goes on once it ends."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptdrain.client import wire
+from tests.conftest import DaemonProcess, wait_for
+from tests.functional.test_bad_input import RawClient
+
+MiB = 1 << 20
+
+
+def _backlog(d: DaemonProcess, job: str) -> None:
+    with d.client().generation(job, 1) as gen:
+        gen.put("big.bin", os.urandom(96 * MiB))
+
+
+def _draining(d: DaemonProcess) -> list[dict[str, Any]]:
+    return list(d.client().status()["shards_draining"])
+
+
+def test_a_hand_off_in_flight_holds_new_drain_ranges_back(make_daemon: Any) -> None:
+    # 16 MiB ranges at 24 MiB/s: the 96 MiB backlog drains over ~4 s, range by range.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S=str(24 * MiB),
+                                   CKPTDRAIN_DRAIN__YIELD_TO_HANDOFFS_S="60")
+    _backlog(d, "backlog")
+    wait_for(lambda: _draining(d), timeout_s=30)
+    assert d.client().status()["drain_yields"] == 0
+    # A hand-off that has its admission and waits for its bytes: in flight until it ends.
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin(job="ranks", step=1)
+        reply = raw.call("put", job="ranks", step=1, rank=0, path="w.bin", size=4 * MiB)
+        assert reply.kind == "ok" and reply.fields.get("ready") is True
+        raw.sock.sendall(wire.encode_message("data", {}, payload_len=4 * MiB) + b"x" * MiB)
+        wait_for(lambda: d.client().status()["drain_yields"] >= 1, timeout_s=30)
+        moved = [s["drained_bytes"] for s in _draining(d)]
+        assert moved and all(m < 96 * MiB for m in moved)
+    # The hand-off ended (its client left): the drain goes on and the backlog commits.
+    d.client().wait("backlog", 1, timeout_s=120)
+    assert (d.dest / "backlog").exists()
+    assert d.client().status()["drain_yields"] >= 1
+
+
+def test_with_yield_off_the_drain_never_waits(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S=str(24 * MiB),
+                                   CKPTDRAIN_DRAIN__YIELD_TO_HANDOFFS_S="0")
+    _backlog(d, "backlog")
+    wait_for(lambda: _draining(d), timeout_s=30)
+    with d.client().generation("ranks", 1) as gen:
+        for i in range(4):
+            gen.put(f"w{i}.bin", os.urandom(8 * MiB))
+    d.client().wait("backlog", 1, timeout_s=120)
+    d.client().wait("ranks", 1, timeout_s=120)
+    assert d.client().status()["drain_yields"] == 0
