@@ -162,28 +162,60 @@ class S3Reads(S3Client, Backend):
         crcs: dict[int, int] = {}
         slots = asyncio.Semaphore(self._concurrency)
         loop = asyncio.get_running_loop()
+        # One buffer per range in flight, reused range after range: reading a whole range
+        # into fresh bytes (aiohttp joins what arrived) cost more in page faults than the
+        # copy itself. The network's chunks are gathered here and written RANGE_WRITE_BYTES
+        # at a time.
+        buffers: list[bytearray] = []
+
+        async def write(view: memoryview, at: int, crc: int) -> int:
+            # Waited for even when cancelled: no thread may write to out_fd (or read the
+            # buffer) once we return.
+            future = loop.run_in_executor(None, _write_at, out_fd, view, at, crc)
+            try:
+                return await asyncio.shield(future)
+            except asyncio.CancelledError:
+                await asyncio.wait([future])
+                raise
 
         async def fetch(offset: int, length: int) -> None:
             async with slots:
                 what = f"reading {key} at byte {offset}"
-                answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full,
-                                          Range=f"bytes={offset}-{offset + length - 1}",
-                                          IfMatch=etag)
-                async with answer["Body"] as body:
-                    with self._translating(what):
-                        data = await body.read()
-                if len(data) != length:
-                    raise S3Failure(f"{what}: {len(data)} bytes came back for a range of "
-                                    f"{length}", transient=True, kind="io")
-                # Waited for even when cancelled: no thread may write to out_fd once we return.
-                future = loop.run_in_executor(None, _write_at, out_fd, data, offset)
+                buf = buffers.pop() if buffers else bytearray(RANGE_WRITE_BYTES)
+                view = memoryview(buf)
                 try:
-                    crcs[offset] = await asyncio.shield(future)
-                except asyncio.CancelledError:
-                    await asyncio.wait([future])
-                    raise
-                if progress is not None:
-                    progress(length)
+                    answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full,
+                                              Range=f"bytes={offset}-{offset + length - 1}",
+                                              IfMatch=etag)
+                    crc, written, filled = 0, 0, 0
+                    async with answer["Body"] as body:
+                        while True:
+                            with self._translating(what):
+                                piece = await body.read(RANGE_WRITE_BYTES - filled)
+                            if not piece:
+                                break
+                            if written + filled + len(piece) > length:
+                                raise S3Failure(f"{what}: more than the {length} bytes of the "
+                                                "range came back", transient=True, kind="io")
+                            view[filled:filled + len(piece)] = piece
+                            filled += len(piece)
+                            if filled == RANGE_WRITE_BYTES:
+                                crc = await write(view, offset + written, crc)
+                                written, filled = written + filled, 0
+                                if progress is not None:
+                                    progress(RANGE_WRITE_BYTES)
+                    if filled:
+                        crc = await write(view[:filled], offset + written, crc)
+                        written += filled
+                        if progress is not None:
+                            progress(filled)
+                    if written != length:
+                        raise S3Failure(f"{what}: {written} bytes came back for a range of "
+                                        f"{length}", transient=True, kind="io")
+                    crcs[offset] = crc
+                finally:
+                    view.release()
+                    buffers.append(buf)
 
         try:
             async with asyncio.TaskGroup() as tg:
@@ -194,10 +226,16 @@ class S3Reads(S3Client, Backend):
         return size, checksums.combine([(crcs[offset], length) for offset, length in ranges])
 
 
-def _write_at(fd: int, data: bytes, offset: int) -> int:
-    """Write ``data`` at ``offset`` of ``fd``; its CRC64NVME (a worker thread's)."""
-    view = memoryview(data)
+# A range read back is written to the file this much at a time.
+RANGE_WRITE_BYTES = 8 << 20
+
+
+def _write_at(fd: int, view: memoryview, offset: int, crc: int) -> int:
+    """Write ``view`` at ``offset`` of ``fd``; the CRC64NVME continued from ``crc`` over it
+    (a worker thread's)."""
     done = 0
     while done < len(view):
         done += os.pwritev(fd, [view[done:]], offset + done)
-    return checksums.crc64nvme_int(view)
+    digest = checksums.Crc64nvme(crc)
+    digest.update(view)
+    return digest.crc

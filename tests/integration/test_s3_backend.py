@@ -670,3 +670,35 @@ async def test_with_workers_every_request_of_a_shard_is_sent_by_a_worker(
         assert {"head_object", "create_multipart_upload", "complete_multipart_upload",
                 "abort_multipart_upload", "upload_part"} <= set(sent_here)
     assert uploads(seaweedfs, s3_bucket) == []
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_a_range_cut_mid_body_fails_the_copy_as_transient(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any, tmp_path: Path,
+        proxy: FaultProxy) -> None:
+    # Ranges are gathered into reused buffers and written as they fill: a range whose body is
+    # cut short must fail the copy (to be retried), never leave a short or zero-filled file
+    # passing for restored.
+    direct = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    shard = staged(37 * MiB + 5, seed=93)
+    key = "job/00000000000000000001/big.bin"
+    assert await direct.put_file(key, shard.fd, shard.size) == shard.checksum
+    via_proxy = backends(dest_config(s3_bucket, proxy.endpoint_url, max_attempts=1))
+    proxy.inject("truncate", match=lambda r: r.method == "GET")
+    out = tmp_path / "restored"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with pytest.raises(BackendError) as caught:
+            await via_proxy.copy_into(key, fd)
+    finally:
+        os.close(fd)
+    assert caught.value.transient
+    assert [r.fault for r in proxy.requests if r.fault] == ["truncate"]
+    # Once the fault is gone the same copy completes with the right checksum.
+    fd = os.open(out, os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert await via_proxy.copy_into(key, fd) == (shard.size, shard.checksum)
+    finally:
+        os.close(fd)
+    assert out.read_bytes() == shard.data
