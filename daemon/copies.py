@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptdrain.copies")
 
+# Staged files unlinked by one data-plane call (each call is bounded by io_timeout_s).
+UNLINK_BATCH = 256
+
 
 class LocalCopies:
     def __init__(self, staging: Staging, admission: Admission, ledger: Ledger,
@@ -43,6 +46,8 @@ class LocalCopies:
         self._room: dict[ShardRecord, Reservation] = {}
         self._slot: dict[ShardRecord, Reservation] = {}
         self.evicted = 0
+        self._unlinks: list[str] = []
+        self._unlinking = False
 
     # -- ownership ----------------------------------------------------------------------------
     def adopt(self, shard: ShardRecord, room: Reservation, slot: Reservation | None) -> None:
@@ -98,9 +103,24 @@ class LocalCopies:
         if not shard.local_copy and room is None:
             return
         shard.local_copy = False
-        name = shard.staged_name
-        self.supervisor.spawn(lambda: self.dataplane.call(self.staging.discard, name),
-                              what=f"unlink {name}")
+        # Unlinked in batches: one data-plane job for every file dropped meanwhile, not a
+        # task and a thread hop per shard (a generation of small shards drops thousands).
+        self._unlinks.append(shard.staged_name)
+        if not self._unlinking:
+            self._unlinking = True
+            self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies")
+
+    async def _unlink_dropped(self) -> None:
+        try:
+            while self._unlinks:
+                names = self._unlinks[:UNLINK_BATCH]
+                del self._unlinks[:UNLINK_BATCH]
+                await self.dataplane.call(self.staging.discard_many, names)
+        finally:
+            self._unlinking = False
+            if self._unlinks:  # the call failed (logged by the supervisor): go on with the rest
+                self._unlinking = True
+                self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies")
 
     def discard_generation(self, gen: GenerationRecord) -> None:
         for shard in gen.shards.values():

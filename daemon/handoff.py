@@ -86,9 +86,8 @@ class Handoffs:
             raise RequestError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but "
                                f"the {what} passed holds {st.st_size}")
 
-    async def _reserve_disk(self, size: int) -> int:
+    def _reserve_disk(self, size: int, room: tuple[int, int, int]) -> int:
         staging = self.d.staging
-        room = await self.d.dataplane.call(staging.room)
         try:
             staging.check_room(size, room)
         except StagingFull as exc:
@@ -134,10 +133,12 @@ class Handoffs:
             receiving = True
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
             room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, h.uid)
-            promised = await self._reserve_disk(size)
             yielding.enter_context(d.scheduler.handoff())
-            tmp_fd = await d.dataplane.call(d.staging.open_tmp, name)
-            created = True
+            # One data-plane call samples the room and creates the temp file: the sample is
+            # checked on the loop (pending_bytes), and a refusal unlinks the empty file.
+            opened, disk = await d.dataplane.call(d.staging.open_tmp_sampling, name)
+            tmp_fd, created = opened, True
+            promised = self._reserve_disk(size, disk)
             if src_fd is None:
                 await h.send("ok", {"ready": True})
                 await self._receive_payload(h, tmp_fd, size, path)
@@ -154,10 +155,11 @@ class Handoffs:
                                        cancel=stop)
                 src_fd, tmp_fd = None, dst
                 d.dataplane.close_client_fd(src)
-            # The directory fsync that makes the rename durable is shared with the journal
-            # commit of concurrent hand-offs (GroupCommit, in add_shard below).
+            # The fsyncs that make the bytes and the rename durable come with the journal
+            # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
+            # files of a batch one after the other, their directory once.
             fd, tmp_fd = tmp_fd, None
-            await d.dataplane.call(functools.partial(d.staging.finish, fd, name, fsync_dir=False),
+            await d.dataplane.call(functools.partial(d.staging.finish_later, fd, name),
                                    cleanup=lambda: _close(fd))
             _close(fd)
             # The generation may have ended while this hand-off waited for room or bytes
@@ -173,7 +175,8 @@ class Handoffs:
                 size=size, staged_name=name, state=ShardState.STAGED, handed_at=handed_at,
                 staged_at=time.time(), deferred=deferred, checksum=checksum,
             )
-            await d.ledger.add_shard(gen, shard)
+            await d.ledger.add_shard(gen, shard,
+                                     before=(functools.partial(d.staging.fsync_data, name),))
             d.copies.adopt(shard, room, slot)
             room = slot = None  # owned by the shard now
             created = False

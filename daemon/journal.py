@@ -14,7 +14,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +96,7 @@ class Snapshot:
 @dataclass(slots=True)
 class _Write:
     statements: tuple[tuple[str, tuple[Any, ...]], ...]
-    before: Callable[[], None] | None
+    before: tuple[Callable[[], None], ...]
     done: asyncio.Future[None]
 
 
@@ -191,18 +191,22 @@ class Journal:
         self.transactions += 1
 
     async def write(self, *statements: tuple[str, tuple[Any, ...]],
-                    before: Callable[[], None] | None = None) -> None:
-        """Apply ``statements`` in one durable transaction; ``before`` runs (in the journal's
-        thread) ahead of it, and must succeed for the statements to be written.
+                    before: Sequence[Callable[[], None]] = ()) -> None:
+        """Apply ``statements`` in one durable transaction; the ``before`` calls run (in the
+        journal's thread) ahead of it, and must all succeed for the statements to be written
+        (the fsyncs that make what the rows describe durable).
 
         Group commit: every write queued while the journal's thread is busy is committed with
         the others in one transaction (one fsync of the write-ahead log), in the order they
-        were queued, and each ``before`` once per batch. A write that cannot be committed with
-        the batch (its own statement failed) is retried alone, so it fails only itself.
-        Whoever awaits may be cancelled; the write still happens, in its turn."""
+        were queued. A ``before`` call shared by several writes (the same callable) runs once
+        per batch, and every write's first call runs before any write's second: a batch of
+        acknowledgements fsyncs all its staged files, then their directory once. A write that
+        cannot be committed with the batch (its own statement failed) is retried alone, so it
+        fails only itself. Whoever awaits may be cancelled; the write still happens, in its
+        turn."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._queue_lock:
-            self._queue.append(_Write(statements, before, done))
+            self._queue.append(_Write(statements, tuple(before), done))
             if self._flush_scheduled:
                 submit = False
             else:
@@ -222,17 +226,19 @@ class Journal:
 
     def _commit_batch(self, batch: list[_Write]) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(batch)
-        hooks: dict[Callable[[], None], BaseException | None] = {}
-        for i, w in enumerate(batch):
-            if w.before is None:
-                continue
-            if w.before not in hooks:
-                try:
-                    w.before()
-                    hooks[w.before] = None
-                except Exception as exc:
-                    hooks[w.before] = exc
-            outcomes[i] = hooks[w.before]
+        ran: dict[Callable[[], None], BaseException | None] = {}
+        for k in range(max(len(w.before) for w in batch)):
+            for i, w in enumerate(batch):
+                if k >= len(w.before) or outcomes[i] is not None:
+                    continue
+                hook = w.before[k]
+                if hook not in ran:
+                    try:
+                        hook()
+                        ran[hook] = None
+                    except Exception as exc:
+                        ran[hook] = exc
+                outcomes[i] = ran[hook]
         todo = [i for i, o in enumerate(outcomes) if o is None]
         if not todo:
             return outcomes
@@ -420,10 +426,12 @@ class JournalUploadLog:
 
 
 class GroupCommit:
-    """Acknowledging a staged shard takes two fsyncs beyond the shard's own: the staging
-    directory's (its rename) and the journal's (its record). Hand-offs that finish together
-    share them: every journal write queued while the journal is busy goes in one transaction
-    (:meth:`Journal.write`), and the directory is fsynced once for the acknowledgements in it.
+    """Acknowledging a staged shard takes three fsyncs: the staged file's (its bytes), the
+    staging directory's (its rename) and the journal's (its record). Hand-offs that finish
+    together share them: every journal write queued while the journal is busy goes in one
+    transaction (:meth:`Journal.write`), the staged files of the batch are fsynced one after
+    the other in the journal's thread (their writeback was started when each was renamed, so
+    the first fsync's filesystem commit serves the rest), and the directory once.
     """
 
     def __init__(self, journal: Journal, before: Callable[[], None]) -> None:
@@ -435,5 +443,8 @@ class GroupCommit:
         self.batches += 1
         self.before()
 
-    async def __call__(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
-        await self.journal.write(*statements, before=self._before)
+    async def __call__(self, *statements: tuple[str, tuple[Any, ...]],
+                       before: Sequence[Callable[[], None]] = ()) -> None:
+        """Journal ``statements`` once ``before`` (this hand-off's own fsyncs) and the
+        shared directory fsync are done."""
+        await self.journal.write(*statements, before=(*before, self._before))

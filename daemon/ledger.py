@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -302,8 +302,11 @@ class Ledger:
         self._notify()
         return gen
 
-    async def add_shard(self, gen: GenerationRecord, shard: ShardRecord) -> None:
-        """Journal a new shard: the moment it is acknowledged."""
+    async def add_shard(self, gen: GenerationRecord, shard: ShardRecord,
+                        before: Sequence[Callable[[], None]] = ()) -> None:
+        """Journal a new shard: the moment it is acknowledged. ``before``: what must be
+        durable first (the staged file's fsync), run in the journal's thread right before
+        the shard's row is written, with those of the other hand-offs in its batch."""
         if shard.state not in INITIAL_SHARD:
             raise IllegalTransition(f"a shard begins held or staged, not {shard.state}")
         if not self.current(gen):
@@ -317,7 +320,7 @@ class Ledger:
             gen.handoff_at = shard.handed_at
             statements.append(j.put_generation(gen.row()))
         try:
-            await self._acknowledge(*statements)
+            await self._acknowledge(*statements, before=before)
         except BaseException:
             gen.shards.pop(shard.path, None)
             gen.count(shard, -1)

@@ -11,9 +11,7 @@ the scheduler's TaskGroup; the methods the server calls stay here and hand over 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import heapq
 import itertools
 import logging
 import os
@@ -25,6 +23,7 @@ from typing import TYPE_CHECKING
 from ckptdrain.client.manifest import generation_prefix, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
+from ckptdrain.daemon.drainqueue import FairQueue
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
@@ -39,43 +38,6 @@ if TYPE_CHECKING:
     from ckptdrain.daemon.staging import Staging
 
 log = logging.getLogger("ckptdrain.scheduler")
-
-
-class FairQueue:
-    """Shards waiting to drain. Jobs take turns, so one job's backlog never starves another's
-    newer checkpoint; within a job the oldest generation goes first, in hand-off order."""
-
-    def __init__(self) -> None:
-        self._heaps: dict[str, list[tuple[tuple[float, int, int], ShardRecord]]] = {}
-        self._turns: collections.deque[str] = collections.deque()
-        self._ready = asyncio.Event()
-        self._size = 0
-
-    def put(self, job: str, key: tuple[float, int, int], shard: ShardRecord) -> None:
-        heap = self._heaps.get(job)
-        if heap is None:
-            heap = self._heaps[job] = []
-            self._turns.append(job)
-        heapq.heappush(heap, (key, shard))
-        self._size += 1
-        self._ready.set()
-
-    async def get(self) -> ShardRecord:
-        while not self._size:
-            self._ready.clear()
-            await self._ready.wait()
-        job = self._turns.popleft()
-        heap = self._heaps[job]
-        _, shard = heapq.heappop(heap)
-        self._size -= 1
-        if heap:
-            self._turns.append(job)
-        else:
-            del self._heaps[job]
-        return shard
-
-    def qsize(self) -> int:
-        return self._size
 
 
 class _Discarded(DaemonError):
@@ -183,17 +145,37 @@ class Scheduler:
                 tg.create_task(self._worker(), name=f"drain-{i}")
             tg.create_task(self.publisher.run(), name="publisher")
 
+    def _drainable(self, shard: ShardRecord) -> GenerationRecord | None:
+        """The shard's generation, if the shard is still that generation's to drain now."""
+        gen = self.ledger.get(shard.job, shard.step)
+        if (gen is None or gen.terminal or shard.state is not ShardState.STAGED
+                or shard.deferred or gen.shards.get(shard.path) is not shard):
+            return None  # gone, ended, or an old attempt's shard: not this generation's
+        return gen
+
+    def _batch_behind(self, gen: GenerationRecord, shard: ShardRecord) -> list[ShardRecord]:
+        """Small shards of ``gen`` queued behind ``shard``, to drain with it in one go."""
+        b = self.backend
+        if b.batch_shards <= 1 or shard.size > b.batch_shard_bytes:
+            return []
+        return self._queue.take_more(shard, b.batch_shards - 1, b.batch_bytes - shard.size,
+                                     b.batch_shard_bytes,
+                                     lambda s: self._drainable(s) is gen)
+
     async def _worker(self) -> None:
         while True:
             shard = await self._queue.get()
-            gen = self.ledger.get(shard.job, shard.step)
-            if (gen is None or gen.terminal or shard.state is not ShardState.STAGED
-                    or shard.deferred or gen.shards.get(shard.path) is not shard):
-                continue  # gone, ended, or an old attempt's shard: not this generation's
+            gen = self._drainable(shard)
+            if gen is None:
+                continue
+            batch = [shard, *self._batch_behind(gen, shard)]
             # The failure boundary of a drain: whatever goes wrong fails this generation and
             # the worker takes the next shard; nothing reaches the TaskGroup.
             try:
-                await self._drain(gen, shard)
+                if len(batch) == 1:
+                    await self._drain(gen, shard)
+                else:
+                    await self._drain_batch(gen, batch)
             except Exception as exc:
                 log_event(log, logging.ERROR, "drain_crashed", job=gen.job, step=gen.step,
                           path=shard.path, exc_info=True)
@@ -228,6 +210,82 @@ class Scheduler:
             self._handoffs -= 1
             if self._handoffs == 0:
                 self._handoffs_clear.set()
+
+    async def _drain_batch(self, gen: GenerationRecord, shards: list[ShardRecord]) -> None:
+        """Copy many small shards of ``gen`` in one backend call (one thread job, shared
+        fsyncs on POSIX), journal them drained together (the journal batches the rows), and
+        advance once. A shard the batch could not write (an error, a name already taken)
+        goes on its own through :meth:`_drain`, retries and collision handling included."""
+        for shard in shards:
+            await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
+        alone: list[ShardRecord] = []
+        try:
+            outcomes = await self._put_batch(gen, shards)
+            if outcomes is None or gen.terminal:
+                return  # discarded: its generation ended mid-copy
+            now = time.time()
+            written: list[tuple[ShardRecord, str]] = []
+            for shard, outcome in zip(shards, outcomes, strict=True):
+                if shard.state is not ShardState.DRAINING:
+                    continue
+                if isinstance(outcome, str):
+                    written.append((shard, outcome))
+                else:
+                    alone.append(shard)
+            for shard, _ in written:
+                shard.moved_bytes = 0
+                self.moved(shard, shard.size)
+            await asyncio.gather(*(
+                self.ledger.apply(shard, ShardEvent.DRAINED, checksum=checksum, drained_at=now)
+                for shard, checksum in written))
+            for shard, _ in written:
+                self._on_drained(shard)
+        finally:
+            for shard in shards:
+                if shard.state is ShardState.DRAINING:
+                    await self.ledger.apply(shard, ShardEvent.DRAIN_GAVE_UP, persist=False)
+        for shard in alone:
+            if gen.terminal:
+                return
+            await self._drain(gen, shard, then_advance=False)
+        await self.publisher.advance(gen)
+
+    async def _put_batch(self, gen: GenerationRecord,
+                         shards: list[ShardRecord]) -> list[str | BackendError | None] | None:
+        """put_files of ``shards``, paced as one; None when their generation ended meanwhile.
+        An error that stopped the whole call stands for every shard."""
+        fds: list[int] = []
+        scope: asyncio.Timeout | None = None
+        try:
+            prefix = generation_prefix(gen.job, gen.step)
+            if prefix not in self._prepared:
+                await self.backend.prepare_prefix(prefix)
+                self._prepared.add(prefix)
+            for shard in shards:
+                fds.append(self.staging.open_data(shard.staged_name))
+            # One cancel scope for the batch: ending the generation cancels all of it.
+            async with asyncio.timeout(None) as scope:
+                for shard in shards:
+                    self._inflight[shard.id] = scope
+                try:
+                    await self.pace(sum(s.size for s in shards))
+                    return await self.backend.put_files(
+                        [(shard_key(s.job, s.step, s.path), fd, s.size)
+                         for s, fd in zip(shards, fds, strict=False)])
+                finally:
+                    for shard in shards:
+                        self._inflight.pop(shard.id, None)
+        except TimeoutError:
+            if scope is not None and scope.expired():
+                return None
+            raise
+        except BackendError as exc:
+            return [exc] * len(shards)
+        except OSError as exc:  # a staged copy unreadable: its own drain says which
+            return [BackendError(str(exc))] * len(shards)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     async def pace(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more may be sent (``drain.max_bandwidth_bytes_per_s``); the

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
-from ckptdrain.daemon.filecopy import copy_and_checksum, hash_file
+from ckptdrain.daemon.filecopy import copy_and_checksum, hash_file, start_writeback
 
 TMP = ".tmp"
 DATA = ".data"
@@ -90,14 +90,36 @@ class Staging:
     def open_tmp(self, name: str) -> int:
         return os.open(self.tmp_path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
-    def finish(self, fd: int, name: str, *, fsync_dir: bool = True) -> None:
+    def open_tmp_sampling(self, name: str) -> tuple[int, tuple[int, int, int]]:
+        """:meth:`room`, then :meth:`open_tmp`: a hand-off's two first blocking calls in one
+        (a thread's)."""
+        room = self.room()
+        return self.open_tmp(name), room
+
+    def finish(self, fd: int, name: str) -> None:
         """fsync the temp file, rename it into place, fsync the directory (blocking: run in a
-        thread). ``fsync_dir=False`` when the caller's group commit fsyncs the directory.
-        The caller keeps owning ``fd``."""
+        thread). The caller keeps owning ``fd``."""
         os.fsync(fd)
         os.rename(self.tmp_path(name), self.data_path(name))
-        if fsync_dir:
-            self.fsync_dir()
+        self.fsync_dir()
+
+    def finish_later(self, fd: int, name: str) -> None:
+        """Start the temp file's writeback and rename it into place; its fsync
+        (:meth:`fsync_data`) and the directory's come with the journal commit that
+        acknowledges it (blocking: run in a thread). Until that commit a crash leaves a
+        ``.data`` file the journal does not know, which recovery deletes. The caller keeps
+        owning ``fd``."""
+        start_writeback(fd, 0, 0)
+        os.rename(self.tmp_path(name), self.data_path(name))
+
+    def fsync_data(self, name: str) -> None:
+        """fsync a staged shard's bytes, by name (blocking: the journal's thread, in the
+        group commit that acknowledges it)."""
+        fd = self.open_data(name)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def fsync_dir(self) -> None:
         dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -135,6 +157,11 @@ class Staging:
         for path in (self.tmp_path(name), self.data_path(name)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+    def discard_many(self, names: list[str]) -> None:
+        """:meth:`discard` of every name, in one blocking call (a thread's)."""
+        for name in names:
+            self.discard(name)
 
     def sweep(self, keep: set[str]) -> int:
         """Remove temp files and shard files the journal does not know; returns how many."""

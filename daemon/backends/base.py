@@ -118,6 +118,29 @@ class Backend(abc.ABC):
     # stores it (S3's full-object CRC64NVME): then ``verify`` trusts ``stat`` without reading.
     # A POSIX xattr records a checksum but proves nothing about the bytes beside it.
     validates_checksums: bool = False
+    # Small shards the drain may hand over together in one put_files call (see there): at
+    # most this many (1: one at a time), of at most ``batch_shard_bytes`` each and
+    # ``batch_bytes`` in all.
+    batch_shards: int = 1
+    batch_shard_bytes: int = 0
+    batch_bytes: int = 0
+
+    async def put_files(
+        self, items: builtins.list[tuple[str, int, int]],
+    ) -> builtins.list[str | BackendError | None]:
+        """:meth:`put_file` of several small shards, ``(key, fd, size)`` each, in one go (a
+        destination that can share work among them overrides it). Per item, in order: its
+        checksum once it is written and durable, the error that failed it, or None when its
+        key already exists and nothing was written (the caller sends it through
+        :meth:`put_file`, which settles what is in the way). The caller paces and reports
+        the bytes."""
+        out: builtins.list[str | BackendError | None] = []
+        for key, fd, size in items:
+            try:
+                out.append(await self.put_file(key, fd, size))
+            except BackendError as exc:
+                out.append(exc)
+        return out
 
     @abc.abstractmethod
     async def put_file(

@@ -40,6 +40,12 @@ from ckptdrain.daemon.backends.base import (
 )
 from ckptdrain.daemon.backends.beneath import Beneath, Entry, UnsafePath, link_in
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
+from ckptdrain.daemon.backends.posixbatch import (
+    BATCH_BYTES,
+    BATCH_SHARDS,
+    SMALL_SHARD_BYTES,
+    create_many,
+)
 from ckptdrain.daemon.backends.posixfs import (
     LFS_TIMEOUT_S,
     NAME_MAX,
@@ -85,6 +91,10 @@ _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class PosixBackend(Backend):
     """A directory tree; keys are relative paths under ``config.root_path``."""
+
+    batch_shards = BATCH_SHARDS
+    batch_shard_bytes = SMALL_SHARD_BYTES
+    batch_bytes = BATCH_BYTES
 
     def __init__(self, config: DestinationConfig, node_id: str) -> None:
         self.uri = config.uri
@@ -195,6 +205,18 @@ class PosixBackend(Backend):
         finally:
             if tmp is not None:
                 await self._run(f"removing the temp file of {key}", self._discard_sync, tmp)
+
+    async def put_files(
+        self, items: builtins.list[tuple[str, int, int]],
+    ) -> builtins.list[str | BackendError | None]:
+        # One thread job for the whole batch (posixbatch.py): the fsyncs overlap and the
+        # directory is fsynced once for every shard linked into it.
+        entries = [(self._entry(key), fd, size) for key, fd, size in items]
+        return await self._run(f"writing {len(items)} shards", self._create_many_sync, entries)
+
+    def _create_many_sync(self, entries: builtins.list[tuple[Entry, int, int]],
+                          stop: threading.Event) -> builtins.list[str | BackendError | None]:
+        return create_many(self, entries, stop)
 
     def _open_temp(self, dir_fd: int, final: Entry) -> tuple[Entry, int]:
         """A new temp file beside ``final`` (in ``dir_fd``), marked live so no sweep takes it;
