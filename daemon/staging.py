@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import threading
-import uuid
 from pathlib import Path
 
 from ckptdrain.daemon import checksums
@@ -38,6 +38,8 @@ class Staging:
         # Bytes promised to hand-offs being received right now: not on disk yet, so statvfs
         # does not show them, but two concurrent shards must not both count the same room.
         self.pending_bytes = 0
+        self._names_prefix = os.urandom(8).hex()
+        self._names = itertools.count()
 
     def prepare(self) -> None:
         # Private whatever the umask (mkdir's mode is filtered by it): shard files are
@@ -48,9 +50,11 @@ class Staging:
         self.dir.mkdir(exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
 
-    @staticmethod
-    def new_name() -> str:
-        return uuid.uuid4().hex
+    def new_name(self) -> str:
+        """A name no staged file of this node had or will have: 16 random hex digits drawn
+        once per process, then a counter (uuid4 per hand-off was a getrandom call on the event
+        loop: 6% of its samples with 10,000 small shards)."""
+        return f"{self._names_prefix}{next(self._names):016x}"
 
     def tmp_path(self, name: str) -> Path:
         return self.dir / (name + TMP)
