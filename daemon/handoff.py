@@ -139,9 +139,10 @@ class Handoffs:
             opened, disk = await d.dataplane.call(d.staging.open_tmp_sampling, name)
             tmp_fd, created = opened, True
             promised = self._reserve_disk(size, disk)
+            tail: bytes | memoryview | None = None  # bytes received but not written yet
             if src_fd is None:
                 await h.send("ok", {"ready": True})
-                await self._receive_payload(h, tmp_fd, size, path)
+                tail = await self._receive_payload(h, tmp_fd, size, path)
             else:
                 src, dst = src_fd, tmp_fd
                 src_fd = tmp_fd = None  # the copy's thread owns them until it returns
@@ -157,9 +158,10 @@ class Handoffs:
                 d.dataplane.close_client_fd(src)
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
-            # files of a batch one after the other, their directory once.
+            # files of a batch one after the other, their directory once. A small shard's
+            # bytes, all received with its frame, are written in the same call.
             fd, tmp_fd = tmp_fd, None
-            await d.dataplane.call(functools.partial(d.staging.finish_later, fd, name),
+            await d.dataplane.call(functools.partial(d.staging.finish_later, fd, name, tail),
                                    cleanup=lambda: _close(fd))
             _close(fd)
             # The generation may have ended while this hand-off waited for room or bytes
@@ -204,19 +206,23 @@ class Handoffs:
         d.metrics.handoff(gen.job, time.perf_counter() - started, size, gen.ack)
         return {"path": path, "size": size, "ack": gen.ack}
 
-    async def _receive_payload(self, h: ClientHandler, fd: int, size: int, path: str) -> None:
+    async def _receive_payload(self, h: ClientHandler, fd: int, size: int,
+                               path: str) -> bytes | memoryview | None:
         """The shard's data frame, paced by the rate floor from the moment the client is told
         to send it: an admitted shard whose bytes never come, or trickle, frees its room in
-        ``client_rate_grace_s + size / client_min_bytes_per_s`` at most."""
+        ``client_rate_grace_s + size / client_min_bytes_per_s`` at most. Returns the payload
+        unwritten when all of it came with what was buffered (the caller writes it with the
+        rename, one data-plane call for both), else None (all written to ``fd``)."""
         h.receiving_payload = True
         h.channel.begin_transfer()
         try:
-            await self._receive_data_frame(h, fd, size, path)
+            return await self._receive_data_frame(h, fd, size, path)
         finally:
             h.receiving_payload = False
             h.channel.end_transfer()
 
-    async def _receive_data_frame(self, h: ClientHandler, fd: int, size: int, path: str) -> None:
+    async def _receive_data_frame(self, h: ClientHandler, fd: int, size: int,
+                                  path: str) -> bytes | memoryview | None:
         msg = await h.next_message()
         if msg is None:
             raise ConnectionError(f"client left before sending the bytes of {path!r}")
@@ -239,11 +245,12 @@ class Handoffs:
                 raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
             ended = True
             break
-        if buffered:
-            await self.d.dataplane.call(write_all, fd, buffered[0] if len(buffered) == 1
-                                        else b"".join(buffered))
+        data = (None if not buffered else buffered[0] if len(buffered) == 1
+                else b"".join(buffered))
         if ended:
-            return
+            return data
+        if data is not None:
+            await self.d.dataplane.call(write_all, fd, data)
         want = conn.payload_remaining
         cancel = threading.Event()
         pump = h.channel.socket_pump()
@@ -261,6 +268,7 @@ class Handoffs:
         conn.payload_consumed(want)
         if not isinstance(end := conn.next_event(), PayloadEnd):
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {end!r} after a payload")
+        return None
 
     # -- ack=memory: the client's memfd, held and acknowledged at once ---------------------------
     async def hold(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,

@@ -3,26 +3,31 @@
 The ledger is the only writer of lifecycle state. Every change is an event passed to
 :meth:`Ledger.apply`, which looks the move up in :mod:`ckptdrain.daemon.state`'s table and
 journals it before anyone is told about it, so a restarted daemon rebuilds exactly what it had
-acknowledged.
+acknowledged. The records themselves are :mod:`ckptdrain.daemon.records`' (re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, overload
 
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import Journal
+from ckptdrain.daemon.records import (
+    MAX_ERROR_CHARS,
+    SUMMARY_ERROR_CHARS,
+    SUMMARY_RANKS,
+    GenerationRecord,
+    GenKey,
+    ShardRecord,
+    cap_error,
+    parents,
+)
 from ckptdrain.daemon.state import (
-    INITIAL_GENERATION,
     INITIAL_RANK,
     INITIAL_SHARD,
-    TERMINAL_GENERATION,
-    UNDRAINED_SHARD,
     GenerationEvent,
     GenerationState,
     IllegalTransition,
@@ -31,191 +36,11 @@ from ckptdrain.daemon.state import (
     ShardEvent,
     ShardState,
     journalled,
-    settled,
     transition,
 )
 
-GenKey = tuple[str, int]
-
-# What one generation's status summary may take: `status` replies are one bounded frame.
-SUMMARY_RANKS = 32
-SUMMARY_ERROR_CHARS = 300
-# What an error text may keep, in memory and in the journal: a reason is the client's text
-# or an exception's, and neither may grow what this node holds without bound.
-MAX_ERROR_CHARS = 2000
-
-
-def cap_error(text: str) -> str:
-    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"
-
-
-@dataclass(eq=False)
-class ShardRecord:
-    id: int
-    job: str
-    step: int
-    rank: int
-    path: str
-    size: int
-    staged_name: str
-    state: ShardState
-    handed_at: float
-    staged_at: float
-    checksum: str = ""
-    drained_at: float | None = None
-    error: str = ""
-    # Drained only after every rank's shards are at the destination, right before the manifest.
-    deferred: bool = False
-    local_copy: bool = True  # the staged file still exists
-    # Bytes of the drain in progress already at the destination (not journalled: progress).
-    moved_bytes: int = 0
-    # (identity of the staged file, checksum) when a read of the file unchanged throughout
-    # gave that checksum (reads.identity; not journalled: a restarted daemon hashes again).
-    vouched: tuple[tuple[int, int, int, int, int], str] | None = None
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "job": self.job, "step": self.step, "rank": self.rank,
-            "path": self.path, "size": self.size, "staged_name": self.staged_name,
-            "state": str(self.state), "checksum": self.checksum, "handed_at": self.handed_at,
-            "staged_at": self.staged_at, "drained_at": self.drained_at, "error": self.error,
-            "deferred": self.deferred,
-        }
-
-    @property
-    def settled(self) -> bool:
-        return settled(self.state, self.deferred, bool(self.checksum))
-
-
-@dataclass(eq=False)
-class GenerationRecord:
-    job: str
-    step: int
-    world_size: int
-    ack: str
-    created_at: float
-    attempt: str = ""
-    state: GenerationState = INITIAL_GENERATION
-    handoff_at: float | None = None
-    staged_at: float | None = None
-    drained_at: float | None = None
-    committed_at: float | None = None
-    error: str = ""
-    ranks: dict[int, RankState] = field(default_factory=dict)
-    shards: dict[str, ShardRecord] = field(default_factory=dict)
-    # Paths being received right now: reserved so a concurrent duplicate is refused early.
-    receiving: set[str] = field(default_factory=set)
-    # Every directory the shard paths (held or being received) imply, counted: 'x' may not be
-    # a shard once 'x/y' is one, nor the reverse (the destination cannot hold both).
-    dirs: collections.Counter[str] = field(default_factory=collections.Counter)
-    # Shards per rank not yet settled (drained, or deferred with a checksum): kept by the
-    # ledger so "has this rank drained?" costs O(1), not a scan of every shard per drain.
-    unsettled: dict[int, int] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def key(self) -> GenKey:
-        return (self.job, self.step)
-
-    def path_clash(self, path: str) -> str | None:
-        """The shard path that ``path`` cannot live beside (one is a directory of the other),
-        or None. O(depth), not a scan of the generation's shards."""
-        if path in self.dirs:
-            return next((p for p in (*self.shards, *self.receiving) if p.startswith(path + "/")),
-                        path + "/...")
-        for parent in _parents(path):
-            if parent in self.shards or parent in self.receiving:
-                return parent
-        return None
-
-    def reserve_path(self, path: str) -> None:
-        """``path`` is being received: refused to a concurrent duplicate or clash."""
-        self.receiving.add(path)
-        self.dirs.update(_parents(path))
-
-    def release_path(self, path: str) -> None:
-        """The hand-off of ``path`` is over; its directories stay counted if it became a
-        shard record."""
-        self.receiving.discard(path)
-        if path not in self.shards:
-            self.dirs.subtract(_parents(path))
-            for parent in _parents(path):
-                if self.dirs[parent] <= 0:
-                    del self.dirs[parent]
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_GENERATION
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "job": self.job, "step": self.step, "world_size": self.world_size,
-            "state": str(self.state), "ack": self.ack, "created_at": self.created_at,
-            "handoff_at": self.handoff_at, "staged_at": self.staged_at,
-            "drained_at": self.drained_at, "committed_at": self.committed_at, "error": self.error,
-            "attempt": self.attempt,
-        }
-
-    def undrained(self) -> list[ShardRecord]:
-        return [s for s in self.shards.values() if s.state in UNDRAINED_SHARD]
-
-    def oldest_undrained_since(self) -> float | None:
-        times = [s.staged_at for s in self.undrained()]
-        return min(times) if times else None
-
-    def rank_drained(self, rank: int) -> bool:
-        return self.unsettled.get(rank, 0) == 0
-
-    def count(self, shard: ShardRecord, delta: int) -> None:
-        if not shard.settled:
-            self.unsettled[shard.rank] = self.unsettled.get(shard.rank, 0) + delta
-
-    def pending_deferred(self) -> list[ShardRecord]:
-        return [s for s in self.shards.values() if s.deferred and s.state is ShardState.STAGED]
-
-    def why_not_retryable(self) -> str:
-        """Why ``retry`` could never save this generation ("" when it could)."""
-        if any(st is RankState.ABORTED for st in self.ranks.values()):
-            return "had an aborted rank; it cannot be retried, save a new step"
-        lost = [s.path for s in self.shards.values()
-                if s.state in (ShardState.HELD, ShardState.DISCARDED)]
-        if lost:
-            return f"lost shards {lost[:5]} before they reached local storage; save a new step"
-        missing = [s.path for s in self.shards.values()
-                   if s.state is ShardState.FAILED and not s.local_copy]
-        if missing:
-            return f"lost the local copies of {missing[:5]}; save a new step"
-        return ""
-
-    def summary(self) -> dict[str, Any]:
-        by_state: dict[str, int] = {}
-        bytes_by_state: dict[str, int] = {}
-        for s in self.shards.values():
-            by_state[s.state] = by_state.get(s.state, 0) + 1
-            bytes_by_state[s.state] = bytes_by_state.get(s.state, 0) + s.size
-        since = self.oldest_undrained_since()
-        return {
-            "job": self.job,
-            "step": self.step,
-            "state": str(self.state),
-            "world_size": self.world_size,
-            "ack": self.ack,
-            "ranks": self._ranks_summary(),
-            "shards": by_state,
-            "bytes": bytes_by_state,
-            "oldest_undrained_age_s": round(time.time() - since, 3) if since else 0.0,
-            "error": self.error if len(self.error) <= SUMMARY_ERROR_CHARS
-            else self.error[:SUMMARY_ERROR_CHARS] + "…",
-        }
-
-    def _ranks_summary(self) -> dict[str, Any]:
-        # Bounded: a node serving many ranks shows how many are in each state instead.
-        if len(self.ranks) <= SUMMARY_RANKS:
-            return {str(r): str(st) for r, st in sorted(self.ranks.items())}
-        counts: dict[str, Any] = {}
-        for st in self.ranks.values():
-            counts[str(st)] = counts.get(str(st), 0) + 1
-        return {"count_by_state": counts}
+__all__ = ["MAX_ERROR_CHARS", "SUMMARY_ERROR_CHARS", "SUMMARY_RANKS", "GenKey",
+           "GenerationRecord", "Ledger", "ShardRecord", "cap_error"]
 
 
 class Ledger:
@@ -260,7 +85,7 @@ class Ledger:
                 deferred=bool(s["deferred"]),
             )
             gen.count(gen.shards[s["path"]], +1)
-            gen.dirs.update(_parents(s["path"]))
+            gen.dirs.update(parents(s["path"]))
             self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
         return dict(snap.uploads)
 
@@ -372,6 +197,27 @@ class Ledger:
 
     async def _apply_shard(self, shard: ShardRecord, event: ShardEvent, persist: bool,
                            fields: dict[str, Any]) -> ShardState:
+        new, statement = self._move_shard(shard, event, persist, fields)
+        if statement is not None:
+            await self.journal.write(statement)
+        return new
+
+    async def apply_shards(self, changes: list[tuple[ShardRecord, dict[str, Any]]],
+                           event: ShardEvent) -> None:
+        """:meth:`apply` of ``event`` to many shards, with their own fields each, journalled
+        in one write (a drained batch of small shards). Every move is looked up before any is
+        made: an illegal one raises and changes nothing."""
+        for shard, fields in changes:
+            transition(shard.state, event)
+            _check_fields(shard, fields)
+        statements = [st for shard, fields in changes
+                      if (st := self._move_shard(shard, event, True, fields)[1]) is not None]
+        if statements:
+            await self.journal.write(*statements)
+
+    def _move_shard(self, shard: ShardRecord, event: ShardEvent, persist: bool,
+                    fields: dict[str, Any]) -> tuple[ShardState, tuple[str, tuple[Any, ...]] | None]:
+        """Move ``shard`` in memory; the statement that journals it, or None."""
         new = transition(shard.state, event)
         _check_fields(shard, fields)
         gen = self.generations.get((shard.job, shard.step))
@@ -387,11 +233,11 @@ class Ledger:
             setattr(shard, name, cap_error(value) if name == "error" else value)
         if gen is not None:
             gen.count(shard, +1)
-        if persist:
-            row = shard.row()
-            row["state"] = str(journalled(new))
-            await self.journal.write(j.put_shard(row))
-        return new
+        if not persist:
+            return new, None
+        row = shard.row()
+        row["state"] = str(journalled(new))
+        return new, j.put_shard(row)
 
     async def _apply_rank(self, gen: GenerationRecord, rank: int, event: RankEvent) -> RankState:
         current = gen.ranks.get(rank)
@@ -455,9 +301,3 @@ def _check_fields(record: object, fields: dict[str, Any]) -> None:
     for name in fields:
         if name == "state" or not hasattr(record, name):
             raise TypeError(f"{type(record).__name__} has no field {name!r} to set")
-
-
-def _parents(path: str) -> list[str]:
-    """``a/b/c`` -> ``["a", "a/b"]``."""
-    parts = path.split("/")
-    return ["/".join(parts[:i]) for i in range(1, len(parts))]

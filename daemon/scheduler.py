@@ -235,9 +235,9 @@ class Scheduler:
             for shard, _ in written:
                 shard.moved_bytes = 0
                 self.moved(shard, shard.size)
-            await asyncio.gather(*(
-                self.ledger.apply(shard, ShardEvent.DRAINED, checksum=checksum, drained_at=now)
-                for shard, checksum in written))
+            await self.ledger.apply_shards(
+                [(shard, {"checksum": checksum, "drained_at": now}) for shard, checksum in written],
+                ShardEvent.DRAINED)
             for shard, _ in written:
                 self._on_drained(shard)
         finally:

@@ -107,12 +107,18 @@ class Staging:
         os.rename(self.tmp_path(name), self.data_path(name))
         self.fsync_dir()
 
-    def finish_later(self, fd: int, name: str) -> None:
-        """Start the temp file's writeback and rename it into place; its fsync
+    def finish_later(self, fd: int, name: str, tail: bytes | memoryview | None = None) -> None:
+        """Write ``tail`` (the last bytes received, not written yet), start the temp file's
+        writeback and rename it into place; its fsync
         (:meth:`fsync_data`) and the directory's come with the journal commit that
         acknowledges it (blocking: run in a thread). Until that commit a crash leaves a
         ``.data`` file the journal does not know, which recovery deletes. The caller keeps
         owning ``fd``."""
+        if tail:
+            with memoryview(tail) as view:
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
         start_writeback(fd, 0, 0)
         os.rename(self.tmp_path(name), self.data_path(name))
 

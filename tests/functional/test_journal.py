@@ -302,3 +302,36 @@ async def test_deferred_shards_settle_once_their_checksum_is_known(tmp_path: Pat
         assert gen.rank_drained(0) and gen.pending_deferred() == [held]
     finally:
         await journal.close()
+
+
+@pytest.mark.asyncio
+async def test_a_drained_batch_is_journalled_in_one_write_or_not_at_all(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal(path)
+    await journal.open()
+    ledger = Ledger(journal)
+    try:
+        gen = await ledger.open_generation("j", 1, 1, "local", uid=0)
+        shards = [new_shard(gen, i) for i in range(1, 6)]
+        for shard in shards:
+            await ledger.add_shard(gen, shard)
+        for shard in shards[:4]:
+            await ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
+        # One of them is not draining: the whole batch is refused before anything moves.
+        with pytest.raises(IllegalTransition):
+            await ledger.apply_shards([(s, {"checksum": f"c{s.id}"}) for s in shards],
+                                      ShardEvent.DRAINED)
+        assert [s.state for s in shards] == [ShardState.DRAINING] * 4 + [ShardState.STAGED]
+        before = journal.transactions
+        await ledger.apply_shards([(s, {"checksum": f"c{s.id}", "drained_at": 3.0})
+                                   for s in shards[:4]], ShardEvent.DRAINED)
+        assert journal.transactions == before + 1
+        assert gen.unsettled == {0: 1}
+    finally:
+        await journal.close()
+    again = await reloaded(path)
+    gen2 = again.get("j", 1)
+    assert gen2 is not None
+    assert {p: (s.state, s.checksum) for p, s in gen2.shards.items()} == {
+        **{f"s{i}": (ShardState.DRAINED, f"c{i}") for i in range(1, 5)},
+        "s5": (ShardState.STAGED, "")}
