@@ -232,9 +232,13 @@ class Scheduler:
                     written.append((shard, outcome))
                 else:
                     alone.append(shard)
+            # The batch's bytes counted once (drained bytes, drain rate), not per shard.
             for shard, _ in written:
-                shard.moved_bytes = 0
-                self.moved(shard, shard.size)
+                shard.moved_bytes = shard.size
+            if written:
+                total = sum(shard.size for shard, _ in written)
+                self._drained_bytes_window.append((time.monotonic(), total))
+                self.metrics.drained(gen.job, total, self.destination)
             await self.ledger.apply_shards(
                 [(shard, {"checksum": checksum, "drained_at": now}) for shard, checksum in written],
                 ShardEvent.DRAINED)

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,15 @@ def test_many_small_shards_share_fsyncs_journal_commits_and_thread_jobs(make_dae
     tracer = traced_start(d, trace)
     with d.client(timeout_s=120) as c:
         c.wait("small", 1, timeout_s=120)
+        url = c.status()["metrics"]
+        status = c.status()
+    # Counted per batch, not per shard: every byte still is.
+    with urllib.request.urlopen(url, timeout=10) as r:
+        exposition = r.read().decode()
+    drained = [float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
+               if line.startswith("ckptdrain_drained_bytes_total{") and 'job="small"' in line]
+    assert drained == [float(sum(map(len, data.values())))], drained
+    assert status["drain_rate_bytes_per_s"] > 0, status
     stop_traced(d, tracer)
     drain = fsyncs_by_kind(trace, d, "small")
     # Each shard's bytes are fsynced at the destination before its name appears ...
