@@ -41,11 +41,11 @@ class S3Client:
     """``s3://bucket/prefix``; keys are stored as ``prefix/key``. The base of S3Backend."""
 
     def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
-                 streamed_bodies: bool = False) -> None:
+                 file_bodies: bool = False) -> None:
         self.uri = config.uri
-        # An upload worker's client sends bodies as s3senders.StreamedBody (no copies); it
+        # An upload worker's client sends bodies from the staged file (s3bodies.FileBody); it
         # turns botocore's parameter validation off, which does not know that type.
-        self.streamed_bodies = streamed_bodies
+        self.file_bodies = file_bodies
         self.node_id = node_id
         self.bucket: str = config.bucket
         self.root: str = config.prefix.strip("/")
@@ -96,7 +96,7 @@ class S3Client:
             read_timeout=float(c.read_timeout_s),
             max_pool_connections=self._concurrency + _CONTROL_CONNECTIONS,
             user_agent_extra="ckptdrain",
-            parameter_validation=not self.streamed_bodies,
+            parameter_validation=not self.file_bodies,
         )
 
     async def _s3(self) -> Any:

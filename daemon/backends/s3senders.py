@@ -17,9 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp.payload
-
 from ckptdrain.daemon import checksums
+from ckptdrain.daemon.backends.s3bodies import FileBody, checksum_range, in_thread
 from ckptdrain.daemon.backends.s3parts import (
     CHECKSUM_METADATA_KEY,
     crc64_header,
@@ -125,61 +124,21 @@ def from_message(message: dict[str, Any]) -> dict[str, Any]:
 
 _DATETIME_TAG = "__datetime__"
 
-# A body is handed to the socket this much at a time (memoryview slices of the pooled buffer).
-BODY_CHUNK_BYTES = 1 << 20
-
-
-class StreamedBody(aiohttp.payload.Payload):
-    """A request body written to the connection as slices of one pooled buffer, never copied.
-
-    aiohttp sends a bytes-like body with one ``write``: it slices it (a copy for a bytearray),
-    joins it with the headers (a copy before Python 3.12.9) and the transport keeps what the
-    socket did not take (a copy): three fresh allocations of the whole part, whose page faults
-    were most of the S3 drain's CPU. Written as 1 MiB memoryview slices with a drain after
-    each, nothing is copied in user space but what the socket cannot take at once, and memory
-    stays at the pool's buffers. Only for clients built with ``streamed_bodies`` (parameter
-    validation off: botocore does not know this type, and must not treat it as a file, which
-    would add ``Expect: 100-continue``); the bytes are the same whichever way they go.
-    """
-
-    _autoclose = True
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__(view, content_type="application/octet-stream")
-        self._view = view
-        self._size = len(view)
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        """botocore rewinds a request's body before each retry (and gives the request up if
-        it cannot): this body is always written from its first byte, so rewinding is a no-op."""
-        return 0
-
-    def tell(self) -> int:
-        return 0
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        raise TypeError("a shard body is binary")
-
-    async def write(self, writer: Any) -> None:
-        await self.write_with_length(writer, None)
-
-    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
-        view = self._view if content_length is None else self._view[:content_length]
-        for start in range(0, len(view), BODY_CHUNK_BYTES):
-            await writer.write(view[start:start + BODY_CHUNK_BYTES])
-
-
-def body_of(client: S3Client, buf: bytearray) -> Any:
-    """What to pass as ``Body``: the streamed body where the client allows it."""
-    return StreamedBody(memoryview(buf)) if client.streamed_bodies else buf
-
-
 async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
-    """Read, checksum and upload one part from this process (a worker's, or the daemon's own
-    when ``drain.workers = 0``). The buffer comes from the client's pool."""
+    """Checksum and upload one part from this process (a worker's, or the daemon's own when
+    ``drain.workers = 0``). A worker sends it from the file (s3bodies.FileBody); the daemon
+    reads it into a buffer from the client's pool."""
+    if client.file_bodies:
+        crc = await in_thread(checksum_range, fd, part.offset, part.length)
+        if part.kept_crc is not None and part.kept_crc == crc:
+            return Sent(part.kept_etag, crc, uploaded=False)
+        answer = await client._call(
+            f"uploading part {part.number} of {part.key}", "upload_part",
+            Bucket=client.bucket, Key=part.full, UploadId=part.upload_id,
+            PartNumber=part.number, Body=FileBody(fd, part.offset, part.length),
+            ContentLength=part.length, ChecksumCRC64NVME=crc64_header(crc),
+        )
+        return Sent(str(answer["ETag"]), crc, uploaded=True)
     buf = await client.buffers.acquire(part.length)
     reuse = False
     try:
@@ -190,7 +149,7 @@ async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
         answer = await client._call(
             f"uploading part {part.number} of {part.key}", "upload_part",
             Bucket=client.bucket, Key=part.full, UploadId=part.upload_id,
-            PartNumber=part.number, Body=body_of(client, buf), ContentLength=part.length,
+            PartNumber=part.number, Body=buf, ContentLength=part.length,
             ChecksumCRC64NVME=crc64_header(crc),
         )
         return Sent(str(answer["ETag"]), crc, uploaded=True)
@@ -199,24 +158,34 @@ async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
 
 
 async def put_in_process(client: S3Client, whole: Whole, fd: int) -> int:
-    """Read, checksum and PutObject a whole object from this process."""
+    """Checksum and PutObject a whole object from this process (from the file in a worker)."""
+    if client.file_bodies:
+        crc: int = await in_thread(checksum_range, fd, 0, whole.size)
+        await client._call(f"uploading {whole.key}", "put_object",
+                           **_put_params(client, whole, FileBody(fd, 0, whole.size), crc))
+        return crc
     buf = await client.buffers.acquire(whole.size)
     reuse = False
     try:
         crc = await client._read(fd, buf, 0)
         reuse = True
-        params: dict[str, Any] = {
-            "Bucket": client.bucket, "Key": whole.full, "Body": body_of(client, buf),
-            "ContentLength": whole.size, "ChecksumCRC64NVME": crc64_header(crc),
-            "Metadata": {**whole.metadata, CHECKSUM_METADATA_KEY: checksums.combine(
-                [(crc, whole.size)])},
-        }
-        if whole.exclusive:
-            params["IfNoneMatch"] = "*"
-        await client._call(f"uploading {whole.key}", "put_object", **params)
+        await client._call(f"uploading {whole.key}", "put_object",
+                           **_put_params(client, whole, buf, crc))
         return crc
     finally:
         client.buffers.release(buf, reuse=reuse)
+
+
+def _put_params(client: S3Client, whole: Whole, body: Any, crc: int) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "Bucket": client.bucket, "Key": whole.full, "Body": body,
+        "ContentLength": whole.size, "ChecksumCRC64NVME": crc64_header(crc),
+        "Metadata": {**whole.metadata, CHECKSUM_METADATA_KEY: checksums.combine(
+            [(crc, whole.size)])},
+    }
+    if whole.exclusive:
+        params["IfNoneMatch"] = "*"
+    return params
 
 
 class InProcessSender(PartSender):

@@ -119,7 +119,7 @@ async def serve(sock: socket.socket) -> None:
     for fd in fds:
         os.close(fd)
     client = S3Client(DestinationConfig.model_validate(setup["config"]), str(setup["node_id"]),
-                      streamed_bodies=True)
+                      file_bodies=True)
     tasks: dict[int, asyncio.Task[None]] = {}
     try:
         async with asyncio.TaskGroup() as tg:
