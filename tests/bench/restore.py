@@ -106,10 +106,35 @@ def run_restore(ctx: Context, section: Section) -> None:
         ours=figure(ours, "B/s"), baseline=figure(base, "B/s"), target=Target(">=", 0.8),
         bound=("SeaweedFS on the same 2 cores; ours also computes the CRC64NVME of every byte (ranged GETs in parallel); "
                f"{cpu}")))
+    _verify(ctx, runs, [CKPTDRAIN, "verify", "--job", JOB, "--generation", "1",
+                        f"s3://{bucket}/ckpt"], env, case, section)
     startup = run_timed([CKPTDRAIN, "ls", f"file://{ctx.fresh('empty-dest')}"], timeout_s=120,
                         env=env)
     section.notes.append(f"`ckptdrain restore` times include the command's start-up; "
                          f"`ckptdrain ls` of an empty destination takes {startup.wall_s:.2f} s.")
+
+
+def _verify(ctx: Context, runs: int, verify: list[str], env: dict[str, str], case: str,
+            section: Section) -> None:
+    """``verify`` (the checksums S3 stored, one HEAD per shard) against ``verify --read``
+    (every byte read back and checksummed), alternating."""
+    ctx.say(f"verify: {runs} runs of {case} on S3, without and with --read")
+    walls: dict[str, list[float]] = {"stored": [], "read": []}
+    cpus: dict[str, list[float]] = {"stored": [], "read": []}
+    for i in range(runs):
+        for side in (("stored", "read") if i % 2 == 0 else ("read", "stored")):
+            settle()
+            timed = run_timed([*verify, "--read"] if side == "read" else verify,
+                              timeout_s=900, env=env)
+            walls[side].append(timed.wall_s)
+            cpus[side].append(timed.cpu_s)
+    section.rows.append(Row(
+        case=f"`verify` of {case} on S3 (stored checksums, no bytes read)",
+        baseline_name="verify --read", ours=figure(walls["stored"], "s"),
+        baseline=figure(walls["read"], "s"), target=Target("<=", 0.05),
+        bound=(f"ours is the command's start-up and one HEAD per shard; --read downloads and "
+               f"checksums every byte; CPU: ours {busy(cpus['stored'], walls['stored'])}, "
+               f"--read {busy(cpus['read'], walls['read'])}")))
 
 
 RESTORE = Benchmark(
@@ -118,6 +143,7 @@ RESTORE = Benchmark(
     what=("Bytes per second restoring a committed generation into an empty directory with "
           "`ckptdrain restore` (every checksum checked), against `s5cmd cp` of the same "
           "generation from the same S3 server and `cp -r` of it from the POSIX destination. "
-          "Higher is better; ratio = ours / baseline."),
+          "Higher is better; ratio = ours / baseline. The `verify` row times `ckptdrain "
+          "verify` of that S3 generation against `verify --read` (seconds: lower is better)."),
     run=run_restore,
 )

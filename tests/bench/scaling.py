@@ -412,6 +412,7 @@ def run_busy(ctx: Context, section: Section) -> None:
         try:
             _busy_case(ctx, section, kind, data, src, counts[kind], runs)
         except BenchError as exc:
+            ctx.say(f"busy/{kind} failed: {exc}")  # the whole message, with the daemon's log
             where = "file:// (same disk)" if kind == "file" else "S3"
             section.rows.append(Row(
                 case=f"`put(bytes)`, {size_text(size)} shard, while a drain to {where} runs",
