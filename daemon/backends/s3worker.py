@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from ckptdrain.daemon.backends.s3client import S3Client
@@ -56,58 +57,67 @@ async def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | No
             await ready(sock, write=False)
 
 
-async def _serve_part(client: S3Client, sock: socket.socket, request: dict[str, Any],
-                      fd: int) -> None:
-    request_id = request["id"]
-    answer: dict[str, Any]
-    try:
-        if request.get("op") == "put":
-            whole = Whole(key=str(request["key"]), full=str(request["full"]),
-                          size=int(request["size"]), metadata=dict(request["metadata"]),
-                          exclusive=bool(request["exclusive"]))
-            answer = {"id": request_id, "crc": await put_in_process(client, whole, fd)}
-        else:
-            part = Part(key=str(request["key"]), full=str(request["full"]),
-                        upload_id=str(request["upload_id"]), number=int(request["number"]),
-                        offset=int(request["offset"]), length=int(request["length"]),
-                        kept_crc=request.get("kept_crc"),
-                        kept_etag=str(request.get("kept_etag", "")))
-            sent = await send_in_process(client, part, fd)
-            answer = {"id": request_id, "etag": sent.etag, "crc": sent.crc,
-                      "uploaded": sent.uploaded}
-    except asyncio.CancelledError:
-        answer = {"id": request_id, "error": {"message": "cancelled", "transient": True,
-                                              "kind": "io"}}
-    except Exception as exc:  # the boundary of one part: its answer, never the worker's end
-        answer = {"id": request_id, "error": failure_message(exc)}
-    finally:
-        os.close(fd)
-    with contextlib.suppress(OSError, TimeoutError):
-        await send_message(sock, answer, timeout_s=30.0)
+@dataclass
+class _Request:
+    """One request from the daemon: the staged file's fd, if it came with one, is owned here
+    until the request is done (its answer names ``id``)."""
+
+    id: int
+    body: dict[str, Any]
+    fd: int | None
 
 
-async def _serve_call(client: S3Client, sock: socket.socket, request: dict[str, Any]) -> None:
-    """One small request (HEAD, create, complete, abort) sent for the daemon."""
-    request_id = request["id"]
-    answer: dict[str, Any]
-    try:
-        operation = str(request["operation"])
+async def _work(client: S3Client, request: _Request) -> dict[str, Any]:
+    """What the request asks for; its answer's fields."""
+    body = request.body
+    if body.get("op") == "call":
+        operation = str(body["operation"])
         if operation not in CONTROL_OPERATIONS:
             raise ValueError(f"{operation} is not sent by workers")
-        params = dict(request["params"])
-        answer = {"id": request_id, "answer": to_message(
-            await client._call(str(request["what"]), operation, **params))}
-    except asyncio.CancelledError:
-        answer = {"id": request_id, "error": {"message": "cancelled", "transient": True,
-                                              "kind": "io"}}
+        answer = await client._call(str(body["what"]), operation, **dict(body["params"]))
+        return {"answer": to_message(answer)}
+    if request.fd is None:
+        raise ValueError("a body request came without the staged file's descriptor")
+    if body.get("op") == "put":
+        whole = Whole(key=str(body["key"]), full=str(body["full"]), size=int(body["size"]),
+                      metadata=dict(body["metadata"]), exclusive=bool(body["exclusive"]))
+        return {"crc": await put_in_process(client, whole, request.fd)}
+    part = Part(key=str(body["key"]), full=str(body["full"]),
+                upload_id=str(body["upload_id"]), number=int(body["number"]),
+                offset=int(body["offset"]), length=int(body["length"]),
+                kept_crc=body.get("kept_crc"), kept_etag=str(body.get("kept_etag", "")))
+    sent = await send_in_process(client, part, request.fd)
+    return {"etag": sent.etag, "crc": sent.crc, "uploaded": sent.uploaded}
+
+
+async def _answer(client: S3Client, request: _Request) -> dict[str, Any]:
+    try:
+        return {"id": request.id, **await _work(client, request)}
     except Exception as exc:  # the boundary of one request: its answer, never the worker's end
-        answer = {"id": request_id, "error": failure_message(exc)}
-    with contextlib.suppress(OSError, TimeoutError):
-        await send_message(sock, answer, timeout_s=30.0)
+        return {"id": request.id, "error": failure_message(exc)}
 
 
-def _forget(tasks: dict[int, asyncio.Task[None]], request_id: int, _: object) -> None:
-    tasks.pop(request_id, None)
+def _done(answers: asyncio.Queue[dict[str, Any]], tasks: dict[int, asyncio.Task[Any]],
+          request: _Request, task: asyncio.Task[dict[str, Any]]) -> None:
+    """Every request ends here, however its task ended: finished, failed, cancelled while it
+    ran, or cancelled before it ever started (when no code of its own runs). Its fd is closed
+    and its answer queued, exactly once; the daemon waits for that answer."""
+    tasks.pop(request.id, None)
+    if request.fd is not None:
+        os.close(request.fd)  # the task's threads are done with it: in_thread waits for them
+        request.fd = None
+    if task.cancelled():
+        answers.put_nowait({"id": request.id, "error": {"message": "cancelled",
+                                                        "transient": True, "kind": "io"}})
+    else:
+        answers.put_nowait(task.result())
+
+
+async def _send_answers(sock: socket.socket, answers: asyncio.Queue[dict[str, Any]]) -> None:
+    while True:
+        answer = await answers.get()
+        with contextlib.suppress(OSError, TimeoutError):
+            await send_message(sock, answer, timeout_s=30.0)
 
 
 async def serve(sock: socket.socket) -> None:
@@ -120,34 +130,34 @@ async def serve(sock: socket.socket) -> None:
         os.close(fd)
     client = S3Client(DestinationConfig.model_validate(setup["config"]), str(setup["node_id"]),
                       file_bodies=True)
-    tasks: dict[int, asyncio.Task[None]] = {}
+    tasks: dict[int, asyncio.Task[Any]] = {}
+    answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     try:
         async with asyncio.TaskGroup() as tg:
+            sender = tg.create_task(_send_answers(sock, answers))
             while True:
                 got = await _receive(sock)
                 if got is None:
                     break  # the daemon closed the socket: stop
-                request, fds = got
-                if "cancel" in request:
+                message, fds = got
+                if "cancel" in message:
                     for fd in fds:
                         os.close(fd)
-                    task = tasks.get(int(request["cancel"]))
+                    task = tasks.get(int(message["cancel"]))
                     if task is not None:
                         task.cancel()
                     continue
-                request_id = int(request["id"])
-                if request.get("op") == "call" and not fds:
-                    task = tg.create_task(_serve_call(client, sock, request))
-                elif len(fds) == 1:
-                    task = tg.create_task(_serve_part(client, sock, request, fds[0]))
-                else:
+                if len(fds) > 1:
                     for fd in fds:
                         os.close(fd)
                     continue
-                tasks[request_id] = task
-                task.add_done_callback(functools.partial(_forget, tasks, request_id))
+                request = _Request(int(message["id"]), message, fds[0] if fds else None)
+                task = tg.create_task(_answer(client, request))
+                tasks[request.id] = task
+                task.add_done_callback(functools.partial(_done, answers, tasks, request))
             for task in tasks.values():
                 task.cancel()
+            sender.cancel()
     finally:
         await client.aclose()
 

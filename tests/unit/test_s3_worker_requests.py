@@ -1,0 +1,95 @@
+"""An upload worker answers every request exactly once and closes every fd it is given, also
+a request cancelled before its task ever ran (the daemon waits for that answer: without it a
+stopping daemon waited a minute per such request, past its stop budget)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from ckptdrain.daemon.config import DestinationConfig
+
+
+@pytest.fixture
+def worker() -> Iterator[socket.socket]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptdrain.daemon.backends.s3worker", str(theirs.fileno()), "0"],
+        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+        env={**os.environ, "BOTO_DISABLE_CRT": "true", "AWS_ACCESS_KEY_ID": "k",
+             "AWS_SECRET_ACCESS_KEY": "s", "AWS_EC2_METADATA_DISABLED": "true"})
+    theirs.close()
+    # An endpoint nothing listens on: no request here may reach a server.
+    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url="http://127.0.0.1:9",
+                               region="us-east-1", addressing_style="path")
+    ours.sendall(json.dumps({"config": config.model_dump(mode="json"),
+                             "node_id": "n"}).encode())
+    ours.settimeout(60)
+    try:
+        yield ours
+    finally:
+        ours.close()
+        proc.wait(30)
+
+
+def _answer(sock: socket.socket) -> dict[str, object]:
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+    assert not fds
+    answer = json.loads(data)
+    assert isinstance(answer, dict)
+    return answer
+
+
+def test_a_request_cancelled_before_it_ran_is_answered_and_its_fd_closed(
+        worker: socket.socket) -> None:
+    read_end, write_end = os.pipe()
+    part = {"id": 1, "op": "part", "key": "k", "full": "prefix/k", "upload_id": "u",
+            "number": 1, "offset": 0, "length": 10, "kept_crc": None, "kept_etag": ""}
+    call = {"id": 2, "op": "call", "what": "checking k", "operation": "head_object",
+            "params": {"Bucket": "bucket", "Key": "prefix/k"}}
+    # Both requests and both cancels queued before the worker reads any: it reads them in
+    # one go, so neither request's task has started when its cancel arrives.
+    socket.send_fds(worker, [json.dumps(part).encode()], [read_end])
+    worker.sendall(json.dumps(call).encode())
+    worker.sendall(json.dumps({"cancel": 1}).encode())
+    worker.sendall(json.dumps({"cancel": 2}).encode())
+    os.close(read_end)
+    answers = {int(str(a["id"])): a for a in (_answer(worker), _answer(worker))}
+    assert set(answers) == {1, 2}
+    for answer in answers.values():
+        assert answer["error"] == {"message": "cancelled", "transient": True, "kind": "io"}
+    # The worker closed its copy of the pipe's read end: nobody holds it open any more.
+    with pytest.raises(OSError) as broken:
+        os.write(write_end, b"x")
+    assert broken.value.errno == errno.EPIPE
+    os.close(write_end)
+
+
+def test_a_failed_request_is_answered_with_its_error_and_the_worker_serves_on(
+        worker: socket.socket) -> None:
+    # Each of these fails inside its own request; none may end the worker.
+    unknown = {"id": 1, "op": "call", "what": "deleting k", "operation": "delete_bucket",
+               "params": {"Bucket": "bucket"}}
+    no_fd = {"id": 2, "op": "put", "key": "k", "full": "prefix/k", "size": 1,
+             "metadata": {}, "exclusive": False}
+    for request in (unknown, no_fd):
+        worker.sendall(json.dumps(request).encode())
+        answer = _answer(worker)
+        assert answer["id"] == request["id"]
+        error = answer["error"]
+        assert isinstance(error, dict)
+        assert str(error["message"]).startswith("ValueError"), error
+    # Still serving: a third request is answered too (cancelled here, nothing reaches S3).
+    read_end, write_end = os.pipe()
+    socket.send_fds(worker, [json.dumps({**no_fd, "id": 3}).encode()], [read_end])
+    worker.sendall(json.dumps({"cancel": 3}).encode())
+    os.close(read_end)
+    os.close(write_end)
+    assert _answer(worker)["id"] == 3
