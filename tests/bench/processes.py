@@ -12,6 +12,7 @@ import contextlib
 import datetime as _dt
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,8 +304,10 @@ class BenchDaemon:
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            stacks = _stacks(proc.pid)
             self.kill()
-            raise BenchError(f"the daemon ignored SIGTERM for {timeout_s} s:\n{self.log_tail()}") from None
+            raise BenchError(f"the daemon ignored SIGTERM for {timeout_s} s:\n{self.log_tail()}"
+                             f"\n{stacks}") from None
 
     def kill(self) -> None:
         proc = self.proc
@@ -312,6 +315,19 @@ class BenchDaemon:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+def _stacks(pid: int) -> str:
+    """Where a stuck daemon's threads are (py-spy, where installed), for the error message."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "(install py-spy to see where it was stuck)"
+    try:
+        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(py-spy dump failed: {exc})"
+    return done.stdout + done.stderr
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
            "metrics": str, "staged_bytes": int, "kept_copy_bytes": int, "memory_bytes": int,
            "limits": dict, "queued_shards": int, "io_threads": dict, "generations_omitted": int,
            "staging_free_bytes": int, "staging_free_inodes": int, "drain_rate_bytes_per_s": float,
-           "blocked_handoffs": int, "oldest_undrained_age_s": dict, "blocked_by_limit": dict,
+           "drain_yields": int, "blocked_handoffs": int, "oldest_undrained_age_s": dict, "blocked_by_limit": dict,
            "draining": bool, "shards_draining": list, "uploads_open": list,
            "uploads_open_count": int, "generations": list}
     assert set(doc) == set(top)
