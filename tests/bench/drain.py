@@ -97,7 +97,8 @@ def paused_then_drained(ctx: Context, uri: str, files: list[Path], job: str,
     committed = second.event_time("generation_committed", last=True)
     second.stop()
     if ready is None or committed is None:
-        raise BenchError("the daemon's log lacks its ready or generation_committed line")
+        raise BenchError("the daemon's log lacks its ready or generation_committed line:\n"
+                         f"{second.log_tail()}")
     shutil.rmtree(staging, ignore_errors=True)
     return committed - ready, cpu
 
