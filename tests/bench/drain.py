@@ -93,9 +93,11 @@ def paused_then_drained(ctx: Context, uri: str, files: list[Path], job: str,
         threads.append(busiest_thread_s(threads_start, thread_times(second.pid)))
     if rss is not None:
         rss.append(float(tree_peak_rss(second.pid)))
+    # Read after the stop: `wait` can answer as soon as the commit is journalled, a moment
+    # before the daemon logs it.
+    second.stop()
     ready = second.event_time("ready")
     committed = second.event_time("generation_committed", last=True)
-    second.stop()
     if ready is None or committed is None:
         raise BenchError("the daemon's log lacks its ready or generation_committed line:\n"
                          f"{second.log_tail()}")
