@@ -95,7 +95,9 @@ class Context:
                 "AWS_CONFIG_FILE": str(aws_home / "config"),
                 "AWS_SHARED_CREDENTIALS_FILE": str(aws_home / "credentials"),
             })
-            server = SeaweedFS()
+            # Room for the whole suite: a deleted object frees no volume space until a vacuum,
+            # and the peak-RSS row alone writes 16 GiB (64 volumes of 256 MiB filled up).
+            server = SeaweedFS(volume_max=192)
             self.stack.callback(server.stop)
             server.start()
             self._seaweed = server
