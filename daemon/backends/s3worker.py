@@ -130,6 +130,7 @@ async def serve(sock: socket.socket) -> None:
         os.close(fd)
     client = S3Client(DestinationConfig.model_validate(setup["config"]), str(setup["node_id"]),
                       file_bodies=True)
+    await client.warm_up()
     tasks: dict[int, asyncio.Task[Any]] = {}
     answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     try:
