@@ -323,7 +323,7 @@ def _stacks(pid: int) -> str:
     if spy is None:
         return "(install py-spy to see where it was stuck)"
     try:
-        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+        done = subprocess.run([spy, "dump", "--subprocesses", "--pid", str(pid)], capture_output=True, text=True,
                               timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"(py-spy dump failed: {exc})"
