@@ -53,7 +53,7 @@ from ckptdrain.daemon.state import (
     ShardEvent,
     ShardState,
 )
-from ckptdrain.daemon.supervisor import Supervisor
+from ckptdrain.daemon.supervisor import Supervisor, report_slow_stop
 from ckptdrain.daemon.systemd import Notifier
 
 __all__ = ["Daemon", "RequestError"]
@@ -190,6 +190,7 @@ class Daemon:
         except BaseException:
             lock.release()
             raise
+        slow_stop: asyncio.TimerHandle | None = None
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.push_async_callback(self.backend.aclose)
@@ -233,6 +234,7 @@ class Daemon:
                     self.notifier.stopping("finishing in-flight hand-offs")
                     log_event(log, logging.INFO, "stopping",
                               connections=len(self._listener.connections))
+                    slow_stop = report_slow_stop()
                     await serving
                     left = await self.supervisor.finish(STOP_GRACE_S)
                     if left:
@@ -244,6 +246,8 @@ class Daemon:
         finally:
             await self.journal.close()
             self.dataplane.close()
+            if slow_stop is not None:
+                slow_stop.cancel()
             lock.release()
             log_event(log, logging.INFO, "stopped", node=self.node_id)
             if self.on_stopped is not None:

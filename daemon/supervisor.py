@@ -87,3 +87,28 @@ class Supervisor:
             return 0
         _, pending = await asyncio.wait(running, timeout=timeout_s)
         return len(pending)
+
+
+# How long a stop may take, after every task was told to end, before what it still waits for is
+# logged: a stop that hangs then says where (a task, and the line it waits on).
+SLOW_STOP_S = 15.0
+
+
+def report_slow_stop(after_s: float = SLOW_STOP_S) -> asyncio.TimerHandle:
+    """Log the tasks still alive ``after_s`` from now, unless cancelled first (the stop ended)."""
+    return asyncio.get_running_loop().call_later(after_s, _log_alive_tasks, after_s)
+
+
+def _log_alive_tasks(after_s: float) -> None:
+    current = asyncio.current_task()
+    alive = []
+    for task in asyncio.all_tasks():
+        if task is current or task.done():
+            continue
+        frames = task.get_stack(limit=1)
+        where = (f"{frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames
+                 else "not started")
+        alive.append(f"{task.get_name()} at {where}")
+    log_event(log, logging.WARNING, "stop_slow", after_s=after_s, tasks=len(alive),
+              waiting="; ".join(sorted(alive))[:4000],
+              action="the daemon is still stopping; if it does not end, report these tasks")
