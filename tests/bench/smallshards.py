@@ -90,19 +90,10 @@ def run_small(ctx: Context, section: Section) -> None:
 
         threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}")
                    for r in range(clients)]
-        for t in threads:
-            t.start()
-        settle()
-        with contextlib.suppress(threading.BrokenBarrierError):
-            barrier.wait()  # a client that failed broke it: its error is raised below
+        _release(threads, barrier)
         cpu_before, own_before = cpu_seconds(daemon.pid), time.process_time()
         started = time.perf_counter()
-        for t in threads:
-            t.join(600)
-            if t.is_alive():
-                raise BenchError(f"client thread {t.name} did not finish within 600 s")
-        if errors:
-            raise BenchError(f"{len(errors)} client(s) failed; first: {errors[0]!r}")
+        _join(threads, errors)
         took = max(ends) - started
         cpu["daemon"].append(cpu_seconds(daemon.pid) - cpu_before)
         cpu["clients"].append(time.process_time() - own_before)
@@ -192,19 +183,10 @@ def _handoff_and_commit(ctx: Context, code: Path | None, clients: int, shares: S
     threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}")
                for r in range(clients)]
     with daemon.client(timeout_s=600) as waiter:
-        for t in threads:
-            t.start()
-        settle()
-        with contextlib.suppress(threading.BrokenBarrierError):
-            barrier.wait()  # a client that failed broke it: its error is raised below
+        _release(threads, barrier)
         before, own_before = thread_cpu(daemon.pid), time.process_time()
         started = time.perf_counter()
-        for t in threads:
-            t.join(600)
-            if t.is_alive():
-                raise BenchError(f"client thread {t.name} did not finish within 600 s")
-        if errors:
-            raise BenchError(f"{len(errors)} client(s) failed; first: {errors[0]!r}")
+        _join(threads, errors)
         waiter.wait(COMMIT_JOB, 1, timeout_s=600)
         took = time.perf_counter() - started
         delta = thread_delta(before, thread_cpu(daemon.pid))
@@ -318,3 +300,21 @@ COMMIT = Benchmark(
           "better; ratio = ours / baseline."),
     run=run_commit,
 )
+
+
+def _release(threads: list[threading.Thread], barrier: threading.Barrier) -> None:
+    """Start the client threads and let them go at once, on a settled machine."""
+    for t in threads:
+        t.start()
+    settle()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait()  # a client that failed broke it: its error is raised by _join
+
+
+def _join(threads: list[threading.Thread], errors: list[BaseException]) -> None:
+    for t in threads:
+        t.join(600)
+        if t.is_alive():
+            raise BenchError(f"client thread {t.name} did not finish within 600 s")
+    if errors:
+        raise BenchError(f"{len(errors)} client(s) failed; first: {errors[0]!r}")
