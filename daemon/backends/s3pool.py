@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.backends.s3errors import S3Failure
@@ -136,6 +137,7 @@ class _Worker:
         self.sock = sock
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.alive = True
+        self.spawned = time.monotonic()
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
 
     def _readable(self) -> None:
@@ -154,9 +156,19 @@ class _Worker:
             answer, fds = got
             for fd in fds:
                 os.close(fd)  # workers send none; never leak what arrives anyway
+            if "started" in answer:
+                self._started(answer["started"])
+                continue
             future = self.pending.pop(int(answer.get("id", -1)), None)
             if future is not None and not future.done():
                 future.set_result(answer)
+
+    def _started(self, figures: Any) -> None:
+        if not isinstance(figures, dict):
+            return
+        log_event(log, logging.INFO, "s3_worker_ready", worker=self.index, pid=self.proc.pid,
+                  seconds=round(time.monotonic() - self.spawned, 3),
+                  cpu_s=figures.get("cpu_s"), main_thread_cpu_s=figures.get("main_thread_cpu_s"))
 
     def lost(self, why: str) -> None:
         """The worker is gone: what it had in flight fails as transient (the drain retries)."""

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,13 @@ async def serve(sock: socket.socket) -> None:
     client = S3Client(DestinationConfig.model_validate(setup["config"]), str(setup["node_id"]),
                       file_bodies=True)
     await client.warm_up()
+    # What starting cost (imports, botocore's service model): the daemon logs it, so an
+    # operator sees a slow start and a benchmark can tell this fixed cost from the drain's.
+    main_thread_cpu_s = time.thread_time()  # first: the process's figure includes it
+    with contextlib.suppress(OSError, TimeoutError):
+        await send_message(sock, {"started": {"cpu_s": time.process_time(),
+                                              "main_thread_cpu_s": main_thread_cpu_s}},
+                           timeout_s=10.0)
     tasks: dict[int, asyncio.Task[Any]] = {}
     answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     try:

@@ -258,17 +258,22 @@ class BenchDaemon:
     def log_tail(self, n_chars: int = 4000) -> str:
         return self.log_text()[-n_chars:]
 
-    def event_time(self, event: str, *, last: bool = False) -> float | None:
-        """Epoch seconds of the first (or last) log line of ``event``; None if not logged."""
-        found: float | None = None
+    def events(self, event: str) -> list[tuple[float, str]]:
+        """(epoch seconds, the whole line) of every log line of ``event``, in order."""
+        found = []
         for line in self.log_text().splitlines():
             m = _TS_RE.match(line)
             if m and m.group(2) == event:
                 stamp = _dt.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f")
-                found = stamp.replace(tzinfo=_dt.UTC).timestamp()
-                if not last:
-                    return found
+                found.append((stamp.replace(tzinfo=_dt.UTC).timestamp(), line))
         return found
+
+    def event_time(self, event: str, *, last: bool = False) -> float | None:
+        """Epoch seconds of the first (or last) log line of ``event``; None if not logged."""
+        found = self.events(event)
+        if not found:
+            return None
+        return found[-1 if last else 0][0]
 
     def wait_event(self, event: str, timeout_s: float, poll_s: float = 0.005) -> None:
         """Until ``event`` appears in the log (polled: the daemon flushes each line)."""

@@ -15,7 +15,7 @@ from typing import Literal
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 # How a figure is printed, by unit.
-Unit = Literal["s", "B/s", "1/s", "B", "cpu-s/GB", "cores"]
+Unit = Literal["s", "B/s", "1/s", "B", "cpu-s/GB", "cpu-s", "cores"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,8 @@ def human(value: float, unit: Unit, *, bare: bool = False) -> str:
         text, suffix = f"{value / MiB:.0f}", "MiB"
     elif unit == "cores":
         text, suffix = f"{value:.2f}", "cores"
+    elif unit == "cpu-s":
+        text, suffix = f"{value:.2f}", "CPU s"
     else:
         text, suffix = f"{value:.2f}", "CPU s/GB"
     if bare:

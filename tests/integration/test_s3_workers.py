@@ -85,7 +85,7 @@ def test_multipart_objects_carry_the_manifests_crc64nvme_as_their_full_object_ch
                                   ChecksumMode="ENABLED")
         # The server computed and stored the same value from the bytes it received.
         assert head["ChecksumCRC64NVME"] == b64(crc64nvme_int(blobs[shard.path]))
-    assert "s3_worker_started" in d.log()
+    assert "s3_worker_started" in d.log() and "s3_worker_ready" in d.log()
     assert uploads(seaweedfs, s3_bucket) == []
 
 

@@ -18,7 +18,8 @@ from ckptdrain.daemon.config import DestinationConfig
 
 
 @pytest.fixture
-def worker() -> Iterator[socket.socket]:
+def spawned() -> Iterator[tuple[socket.socket, dict[str, object]]]:
+    """A worker given its configuration, and the start-up figures it sends before serving."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckptdrain.daemon.backends.s3worker", str(theirs.fileno()), "0"],
@@ -33,10 +34,15 @@ def worker() -> Iterator[socket.socket]:
                              "node_id": "n"}).encode())
     ours.settimeout(60)
     try:
-        yield ours
+        yield ours, _answer(ours)
     finally:
         ours.close()
         proc.wait(30)
+
+
+@pytest.fixture
+def worker(spawned: tuple[socket.socket, dict[str, object]]) -> socket.socket:
+    return spawned[0]
 
 
 def _answer(sock: socket.socket) -> dict[str, object]:
@@ -45,6 +51,19 @@ def _answer(sock: socket.socket) -> dict[str, object]:
     answer = json.loads(data)
     assert isinstance(answer, dict)
     return answer
+
+
+def test_a_worker_reports_what_its_start_cost_before_it_serves(
+        spawned: tuple[socket.socket, dict[str, object]]) -> None:
+    """The daemon logs these (s3_worker_ready): a worker's imports and botocore's service model
+    cost about a CPU second, once per worker start, and must not be read as drain cost."""
+    _, first = spawned
+    assert set(first) == {"started"}
+    figures = first["started"]
+    assert isinstance(figures, dict)
+    cpu, main_thread = float(figures["cpu_s"]), float(figures["main_thread_cpu_s"])
+    # Importing botocore alone is well above a hundredth of a CPU second.
+    assert 0.01 < main_thread <= cpu
 
 
 def test_a_request_cancelled_before_it_ran_is_answered_and_its_fd_closed(
