@@ -438,7 +438,7 @@ async def _write_verified(
     try:
         try:
             size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
-                                                     progress=progress)
+                                                     progress=progress, owned=True)
         finally:
             os.close(fd)
         if size != shard.size:
@@ -510,7 +510,8 @@ async def _create_temp(target: Path) -> tuple[Path, int]:
     """A new temp file beside ``target`` and its fd. Cancelled once the thread has created
     it, the file is closed and removed here: nobody else knows it exists."""
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    # Readable too: the POSIX backend checksums what it wrote by mapping this file.
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     future = asyncio.get_running_loop().run_in_executor(None, os.open, tmp, flags, 0o644)
     try:
         return tmp, await asyncio.shield(future)

@@ -1,10 +1,11 @@
 """Copying a file's bytes to another file through the kernel, with their checksum.
 
 ``copy_file_range`` (else ``sendfile``, else a pread/pwrite loop through a small buffer) moves
-the bytes without a user-space write loop; the checksum is read back from the source through a
-reused 1 MiB buffer right after each range is copied, while it is in the page cache. Used by
-the POSIX destination (drain and restore) and by the local fast path of restore. Blocking:
-worker threads only; every loop checks ``stop`` between ranges.
+the bytes without a user-space write loop; the checksum is taken right after each range is
+copied, while it is in the page cache: from a mapping of the file's pages where the file is one
+nobody else can shrink (:func:`checksum_into`), else read back through a reused 1 MiB buffer.
+Used by the POSIX destination (drain and restore) and by the local fast path of restore.
+Blocking: worker threads only; every loop checks ``stop`` between ranges.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -98,20 +100,79 @@ def checksum_buffer() -> memoryview:
     return buf
 
 
+def checksum_into(fd: int, offset: int, length: int, digest: checksums.Digest, *,
+                  owned: bool) -> int:
+    """Add ``length`` bytes of ``fd`` at ``offset`` to ``digest``; returns how many it added
+    (fewer only where the file ends first).
+
+    ``owned`` is for a file only this side writes and nobody shrinks: a staged shard (the
+    daemon's, immutable once handed off) or a restore's own temp file. Its pages are mapped and
+    checksummed where they lie in the page cache (:func:`checksum_mapped`). Any other file (a
+    client's, the destination's) is read through the thread's buffer.
+    """
+    if owned and checksum_mapped(fd, offset, length, digest):
+        return length
+    return checksum_read(fd, offset, length, digest)
+
+
+def checksum_mapped(fd: int, offset: int, length: int, digest: checksums.Digest) -> bool:
+    """Add ``length`` bytes of ``fd`` at ``offset`` to ``digest`` from a mapping of its pages,
+    with no copy: about a third of the CPU of reading them through a buffer. Only for an
+    ``owned`` file (:func:`checksum_into`): touching a mapped page past a file's end kills the
+    process (SIGBUS), so a file someone else could truncate meanwhile is never mapped. False,
+    with nothing added, where the file is shorter or cannot be mapped (opened write-only, a
+    file system without mmap): the caller reads instead."""
+    if length <= 0 or os.fstat(fd).st_size < offset + length:
+        return False
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapping = mmap.mmap(fd, offset + length - base, mmap.MAP_SHARED, mmap.PROT_READ,
+                            offset=base)
+    except (OSError, ValueError):
+        return False
+    try:
+        with memoryview(mapping) as whole, whole[offset - base:] as part:
+            digest.update(part)
+    finally:
+        mapping.close()
+    return True
+
+
+def checksum_read(fd: int, offset: int, length: int, digest: checksums.Digest) -> int:
+    """Add up to ``length`` bytes of ``fd`` at ``offset`` to ``digest``, read with pread
+    through the thread's reused buffer; returns how many (fewer where the file ends)."""
+    view = checksum_buffer()
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
+        if got == 0:
+            break
+        digest.update(view[:got])
+        done += got
+    return done
+
+
 def copy_and_checksum(
     src_fd: int, out: int, size: int, stop: threading.Event, name: str, algo: str = ALGO, *,
     flow: ThreadFlow | None = None, progress: Callable[[int], None] | None = None,
+    write_behind: bool = True, mapped: int | None = None,
 ) -> str:
     """Copy ``size`` bytes of ``src_fd`` (from offset 0) into ``out`` through the kernel
     (:func:`kernel_copy`), and return their checksum, read back from the source through a small
     reused buffer: the staged copy was just written, so that read comes from the page cache.
+    ``write_behind`` (see :func:`copy_segment`) is for a copy that is fsynced when done; a
+    restore, which is not, leaves writeback to the kernel and runs at page-cache speed.
+    ``mapped`` names the one of the two fds whose pages the checksum maps (an ``owned`` file
+    of :func:`checksum_into`); None, or a file that cannot be mapped, reads the source
+    through the buffer.
 
     The checksum is taken from the source after each range is copied, so a byte that changed
     between the copy and the read makes the checksum disagree with what a later verify finds,
     never the other way round; the staged copy is immutable once handed off anyway.
     """
     digest = checksums.new(algo)
-    copy_segment(src_fd, out, 0, size, digest, stop, name, flow=flow, progress=progress)
+    copy_segment(src_fd, out, 0, size, digest, stop, name, flow=flow, progress=progress,
+                 write_behind=write_behind, mapped=mapped)
     return digest.value()
 
 
@@ -119,10 +180,10 @@ def copy_segment(
     src_fd: int, out: int, start: int, length: int, digest: checksums.Digest,
     stop: threading.Event, name: str, *, flow: ThreadFlow | None = None,
     progress: Callable[[int], None] | None = None, write_behind: bool = True,
+    mapped: int | None = None,
 ) -> None:
     """Copy bytes ``start`` to ``start + length`` of ``src_fd`` to the same offsets of ``out``,
     adding them to ``digest`` in order (see :func:`copy_and_checksum`)."""
-    view = checksum_buffer()
     offset = start
     size = start + length
     # Write-behind: each range's writeback starts as soon as it is copied, and the range
@@ -145,13 +206,10 @@ def copy_segment(
             if behind is not None:
                 finish_writeback(out, *behind)
             behind = (offset, copied)
-        end = offset + copied
-        while offset < end:
-            got = os.preadv(src_fd, [view[: min(len(view), end - offset)]], offset)
-            if got == 0:
-                raise Truncated(f"source of {name} shrank while it was copied")
-            digest.update(view[:got])
-            offset += got
+        if not (mapped is not None and checksum_mapped(mapped, offset, copied, digest)) \
+                and checksum_read(src_fd, offset, copied, digest) < copied:
+            raise Truncated(f"source of {name} shrank while it was copied")
+        offset += copied
         if flow is not None:
             flow.moved(copied)
         if progress is not None:
@@ -172,7 +230,7 @@ def parallel_copy_and_checksum(
     CRC64NVMEs are combined. Every segment has ended (done, failed or stopped) on return."""
     # sendfile writes at the file position, which segments sharing ``out`` would race on.
     if size < PARALLEL_MIN_BYTES or _kernel_copy_modes[0] != "copy_file_range":
-        return copy_and_checksum(src_fd, out, size, stop, name, flow=flow)
+        return copy_and_checksum(src_fd, out, size, stop, name, flow=flow, mapped=src_fd)
     step = -(-size // PARALLEL_SEGMENTS)
     step = -(-step // COPY_RANGE_BYTES) * COPY_RANGE_BYTES  # whole ranges per segment
     segments = [(start, min(step, size - start)) for start in range(0, size, step)]
@@ -184,7 +242,7 @@ def parallel_copy_and_checksum(
         start, length = segments[i]
         try:
             copy_segment(src_fd, out, start, length, digests[i], _Either(stop, failed), name,
-                         flow=flow)
+                         flow=flow, mapped=src_fd)
         except BaseException:
             failed.set()
             raise
@@ -259,14 +317,19 @@ def _read_write(src_fd: int, out: int, offset: int, count: int) -> int:
     return got
 
 
-def hash_file(fd: int, stop: threading.Event, algo: str = ALGO) -> str:
-    """The checksum (``algo``) of everything ``fd`` holds, read with pread from offset 0."""
-    view = checksum_buffer()
+def hash_file(fd: int, stop: threading.Event, algo: str = ALGO, *, owned: bool = False) -> str:
+    """The checksum (``algo``) of everything ``fd`` holds from offset 0; ``owned`` as for
+    :func:`checksum_into` (a staged shard's pages are mapped, not copied)."""
     digest = checksums.new(algo)
+    size = os.fstat(fd).st_size
     offset = 0
-    while got := os.preadv(fd, [view], offset):
+    while True:
         if stop.is_set():
             raise Stopped
-        digest.update(view[:got])
+        # Past the size fstat gave, read to the end (a file that grew is hashed whole).
+        inside = offset < size
+        want = min(COPY_RANGE_BYTES, size - offset) if inside else COPY_RANGE_BYTES
+        got = checksum_into(fd, offset, want, digest, owned=owned and inside)
+        if got == 0:
+            return digest.value()
         offset += got
-    return digest.value()

@@ -143,7 +143,7 @@ class Staging:
         thread's)."""
         fd = self.open_data(name)
         try:
-            return hash_file(fd, threading.Event(), algo)
+            return hash_file(fd, threading.Event(), algo, owned=True)
         finally:
             os.close(fd)
 
@@ -153,7 +153,9 @@ class Staging:
         fd = self.open_data(name)
         try:
             size = os.fstat(fd).st_size
-            return size, copy_and_checksum(fd, out_fd, size, threading.Event(), name, algo)
+            # Restore's local fast path: its copy is not fsynced, so no write-behind.
+            return size, copy_and_checksum(fd, out_fd, size, threading.Event(), name, algo,
+                                           write_behind=False, mapped=fd)
         finally:
             os.close(fd)
 

@@ -189,11 +189,15 @@ class Backend(abc.ABC):
 
     async def copy_into(
         self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
-        progress: Callable[[int], None] | None = None,
+        progress: Callable[[int], None] | None = None, owned: bool = False,
     ) -> tuple[int, str]:
         """Write the object into the open file ``out_fd``; returns (bytes written, their
         checksum with ``algo``, the one the manifest used). Restore's bulk path; a backend may
-        do it without a hop to the event loop per chunk (POSIX does)."""
+        do it without a hop to the event loop per chunk (POSIX does). ``owned``: ``out_fd`` is
+        a file of the caller's own that nobody else can shrink (restore's temp file, opened for
+        reading too), so a backend may checksum it by mapping its pages; never for a client's
+        fd, which the client could truncate under the mapping (see filecopy.checksum_into)."""
+        del owned  # the chunks are checksummed as they arrive
         digest = checksums.new(algo)
         size = 0
         loop = asyncio.get_running_loop()

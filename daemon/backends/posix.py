@@ -421,21 +421,25 @@ class PosixBackend(Backend):
 
     async def copy_into(
         self, key: str, out_fd: int, *, algo: str = ALGO,
-        progress: Callable[[int], None] | None = None,
+        progress: Callable[[int], None] | None = None, owned: bool = False,
     ) -> tuple[int, str]:
         # One thread job per file, copied by the kernel and checksummed from the page cache:
         # no event-loop hop and no user-space write loop.
         return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key), out_fd,
-                               algo, progress)
+                               algo, progress, owned)
 
     def _copy_into_sync(self, parts: builtins.list[str], out_fd: int, algo: str,
-                        progress: Callable[[int], None] | None,
+                        progress: Callable[[int], None] | None, owned: bool,
                         stop: threading.Event) -> tuple[int, str]:
         src = open_existing(self.fs, parts, stop)
         try:
             size = os.fstat(src).st_size
+            # A restore is not fsynced (it is repeatable): no write-behind to wait on. The
+            # checksum maps what was written when that is the caller's own file, never the
+            # destination's file or a client's, which others may truncate (checksum_into).
             checksum = copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
-                                         progress=progress)
+                                         progress=progress, write_behind=False,
+                                         mapped=out_fd if owned else None)
             if os.preadv(src, [bytearray(1)], size):
                 raise BackendError(f"{'/'.join(parts)} grew while it was read",
                                    kind="integrity", transient=True)

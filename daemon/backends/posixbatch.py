@@ -101,7 +101,8 @@ def _one_directory(backend: PosixBackend, dir_fd: int, items: Sequence[tuple[Ent
             o = _Open(i, entry, tmp, out)
             opened.append(o)
             try:
-                o.checksum = copy_and_checksum(src_fd, out, size, stop, entry.name)
+                o.checksum = copy_and_checksum(src_fd, out, size, stop, entry.name,
+                                               mapped=src_fd)
                 backend._xattr.record(out, o.checksum)  # (its writeback began in the copy)
             except OSError as exc:
                 outcomes[i] = backend_error(exc, f"writing {entry.name} at {backend.uri}")

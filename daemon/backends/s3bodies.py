@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp.payload
 
 from ckptdrain.daemon import checksums
-from ckptdrain.daemon.filecopy import checksum_buffer
+from ckptdrain.daemon.filecopy import checksum_into
 
 # How long one part may wait for its socket to take more bytes; botocore's read timeout bounds
 # the answer, this bounds the body (a server that stops reading).
@@ -35,18 +35,14 @@ _SLICE_BYTES = 1 << 20
 
 
 def checksum_range(fd: int, offset: int, length: int) -> int:
-    """The CRC64NVME of ``length`` bytes of ``fd`` at ``offset``, read through the thread's
-    reused buffer (blocking: worker threads only)."""
-    view = checksum_buffer()
+    """The CRC64NVME of ``length`` bytes of the staged file ``fd`` at ``offset``, from a
+    mapping of its pages (the daemon's own file, never shrunk: see filecopy.checksum_into)
+    (blocking: worker threads only)."""
     digest = checksums.Crc64nvme()
-    done = 0
-    while done < length:
-        n = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
-        if n == 0:
-            raise OSError(f"staged file ended at byte {offset + done}, before the "
-                          f"{offset + length} bytes declared: it was truncated after hand-off")
-        digest.update(view[:n])
-        done += n
+    done = checksum_into(fd, offset, length, digest, owned=True)
+    if done < length:
+        raise OSError(f"staged file ended at byte {offset + done}, before the "
+                      f"{offset + length} bytes declared: it was truncated after hand-off")
     return digest.crc
 
 

@@ -142,12 +142,14 @@ class S3Reads(S3Client, Backend):
 
     async def copy_into(
         self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
-        progress: Callable[[int], None] | None = None,
+        progress: Callable[[int], None] | None = None, owned: bool = False,
     ) -> tuple[int, str]:
         """Restore's bulk path: a large object is fetched as ``part_size_bytes`` ranges,
         ``max_concurrency`` at a time (one connection each, as the upload was), each written at
         its offset and checksummed in a worker thread; the ranges' CRC64NVMEs are combined. A
-        format 1 (sha256) shard, which must be hashed in order, is read as one stream."""
+        format 1 (sha256) shard, which must be hashed in order, is read as one stream
+        (``owned`` is unused: the ranges are checksummed from the buffers they arrive in)."""
+        del owned
         full = self._key(key)
         head = await self._head(key, full)
         if head is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.daemon import filecopy
+from ckptdrain.daemon import checksums, filecopy
 from ckptdrain.daemon.checksums import Stopped, of_bytes
 
 MiB = 1 << 20
@@ -151,3 +151,90 @@ def test_a_copy_writes_behind_keeping_at_most_two_ranges_dirty(
         (2 * r, r, start), (r, r, wait),
         (3 * r, 4096, start), (2 * r, r, wait),
     ]
+
+
+@pytest.mark.parametrize(("offset", "length"), [(0, 1), (4096, 3 * MiB), (4097, MiB + 5),
+                                                (7, 2 * MiB - 7)])
+def test_a_mapped_checksum_equals_the_read_one_at_any_offset(
+        tmp_path: Path, offset: int, length: int) -> None:
+    data = os.urandom(2 * MiB + 4 * MiB)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped, read = checksums.Crc64nvme(), checksums.Crc64nvme()
+        assert filecopy.checksum_mapped(fd, offset, length, mapped)
+        assert filecopy.checksum_read(fd, offset, length, read) == length
+        assert mapped.crc == read.crc
+        expected = checksums.Crc64nvme()
+        expected.update(data[offset:offset + length])
+        assert mapped.crc == expected.crc
+        # Past the end nothing is mapped (a page there would be SIGBUS): the caller reads.
+        past = checksums.Crc64nvme()
+        assert not filecopy.checksum_mapped(fd, len(data) - 10, 11, past)
+        assert past.crc == 0
+    finally:
+        os.close(fd)
+
+
+def test_a_file_that_cannot_be_mapped_is_read_from_the_source_instead(tmp_path: Path) -> None:
+    # A write-only target cannot be mapped: the copy's checksum falls back to reading the
+    # source, and is still right.
+    data = os.urandom(filecopy.COPY_RANGE_BYTES + 12345)
+    src, out, out_path = _files(tmp_path, data)
+    try:
+        assert not filecopy.checksum_mapped(out, 0, 1, checksums.Crc64nvme())
+        checksum = filecopy.copy_and_checksum(src, out, len(data), threading.Event(), "x",
+                                              write_behind=False, mapped=out)
+    finally:
+        os.close(src)
+        os.close(out)
+    assert checksum == of_bytes(data) and out_path.read_bytes() == data
+
+
+def _recording_mmap(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The files filecopy maps (the real mmap runs), by inode."""
+    mapped: list[int] = []
+    real = filecopy.mmap.mmap
+
+    def recording(fd: int, *args: object, **kwargs: object) -> object:
+        mapped.append(os.fstat(fd).st_ino)
+        return real(fd, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(filecopy.mmap, "mmap", recording)
+    return mapped
+
+
+@pytest.mark.asyncio
+async def test_restore_maps_only_its_own_file_and_never_writes_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's fd (the daemon's fetch for a reader) is never mapped: the client could
+    truncate it under the mapping and SIGBUS would end the daemon. The CLI's own temp file is
+    mapped (it checksums what it wrote). A restore is not fsynced, so it starts no writeback."""
+    from ckptdrain.daemon.backends.posix import PosixBackend
+    from ckptdrain.daemon.config import DestinationConfig
+
+    mapped = _recording_mmap(monkeypatch)
+    syncs: list[int] = []
+    monkeypatch.setattr(filecopy, "_sync_file_range",
+                        lambda fd, offset, nbytes, flags: syncs.append(offset) or 0)
+    backend = PosixBackend(DestinationConfig(uri=f"file://{tmp_path / 'dest'}"), "n1")
+    data = os.urandom(2 * filecopy.COPY_RANGE_BYTES + 99)
+    try:
+        assert await backend.put_bytes("job/1/model.bin", data)
+        source = os.stat(tmp_path / "dest" / "job" / "1" / "model.bin").st_ino
+        for owned in (False, True):
+            target = tmp_path / f"restored-{owned}"
+            fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                size, checksum = await backend.copy_into("job/1/model.bin", fd, owned=owned)
+            finally:
+                os.close(fd)
+            assert (size, checksum) == (len(data), of_bytes(data))
+            assert target.read_bytes() == data
+            ours = os.stat(target).st_ino
+            assert (ours in mapped) is owned
+            assert source not in mapped  # the destination's file: anyone may truncate it
+    finally:
+        await backend.aclose()
+    assert syncs == []
