@@ -110,32 +110,41 @@ def checksum_into(fd: int, offset: int, length: int, digest: checksums.Digest, *
     checksummed where they lie in the page cache (:func:`checksum_mapped`). Any other file (a
     client's, the destination's) is read through the thread's buffer.
     """
-    if owned and checksum_mapped(fd, offset, length, digest):
-        return length
-    return checksum_read(fd, offset, length, digest)
+    done = checksum_mapped(fd, offset, length, digest) if owned else 0
+    return done + checksum_read(fd, offset + done, length - done, digest)
 
 
-def checksum_mapped(fd: int, offset: int, length: int, digest: checksums.Digest) -> bool:
-    """Add ``length`` bytes of ``fd`` at ``offset`` to ``digest`` from a mapping of its pages,
-    with no copy: about a third of the CPU of reading them through a buffer. Only for an
-    ``owned`` file (:func:`checksum_into`): touching a mapped page past a file's end kills the
-    process (SIGBUS), so a file someone else could truncate meanwhile is never mapped. False,
-    with nothing added, where the file is shorter or cannot be mapped (opened write-only, a
-    file system without mmap): the caller reads instead."""
+# A mapped checksum maps this much at a time, so the pages it holds mapped (which count in the
+# process's RSS, though they are the page cache's) stay few whatever the part or file size.
+CHECKSUM_WINDOW_BYTES = COPY_RANGE_BYTES
+
+
+def checksum_mapped(fd: int, offset: int, length: int, digest: checksums.Digest) -> int:
+    """Add up to ``length`` bytes of ``fd`` at ``offset`` to ``digest`` from mappings of its
+    pages, with no copy: about a third of the CPU of reading them through a buffer. Only for
+    an ``owned`` file (:func:`checksum_into`): touching a mapped page past a file's end kills
+    the process (SIGBUS), so a file someone else could truncate meanwhile is never mapped.
+    Returns how many bytes it added: all, or fewer where the file is shorter or cannot be
+    mapped (opened write-only, a file system without mmap); the caller reads the rest."""
     if length <= 0 or os.fstat(fd).st_size < offset + length:
-        return False
-    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    try:
-        mapping = mmap.mmap(fd, offset + length - base, mmap.MAP_SHARED, mmap.PROT_READ,
-                            offset=base)
-    except (OSError, ValueError):
-        return False
-    try:
-        with memoryview(mapping) as whole, whole[offset - base:] as part:
-            digest.update(part)
-    finally:
-        mapping.close()
-    return True
+        return 0
+    done = 0
+    while done < length:
+        start = offset + done
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        want = min(CHECKSUM_WINDOW_BYTES, length - done)
+        try:
+            mapping = mmap.mmap(fd, start + want - base, mmap.MAP_SHARED, mmap.PROT_READ,
+                                offset=base)
+        except (OSError, ValueError):
+            return done
+        try:
+            with memoryview(mapping) as whole, whole[start - base:] as part:
+                digest.update(part)
+        finally:
+            mapping.close()
+        done += want
+    return done
 
 
 def checksum_read(fd: int, offset: int, length: int, digest: checksums.Digest) -> int:
@@ -206,8 +215,8 @@ def copy_segment(
             if behind is not None:
                 finish_writeback(out, *behind)
             behind = (offset, copied)
-        if not (mapped is not None and checksum_mapped(mapped, offset, copied, digest)) \
-                and checksum_read(src_fd, offset, copied, digest) < copied:
+        done = 0 if mapped is None else checksum_mapped(mapped, offset, copied, digest)
+        if done + checksum_read(src_fd, offset + done, copied - done, digest) < copied:
             raise Truncated(f"source of {name} shrank while it was copied")
         offset += copied
         if flow is not None:

@@ -197,7 +197,7 @@ def run_posix(ctx: Context, section: Section) -> None:
             baseline=figure([total / t for t in base], "B/s"),
             target=Target(">=", 0.9) if big else None,
             bound=(f"disk writes (both fsync every file) and CPU: daemon {busy(ours_cpu, ours)} "
-                   f"(kernel copy, CRC64NVME read back from the page cache), cp + sync "
+                   f"(kernel copy, CRC64NVME of the mapped staged file), cp + sync "
                    f"{busy(base_cpu, base)}")))
         gb = total / 1e9
         section.rows.append(Row(
@@ -320,6 +320,9 @@ def run_s3(ctx: Context, section: Section) -> None:
     section.notes.append(TIMING_NOTE + " s5cmd's figure is its whole run, start-up included.")
     section.notes.append("the server shares the machine's 2 cores with the client being "
                          "measured, so a client that uses less CPU leaves more to the server.")
+    section.notes.append("per object ours sends two requests to s5cmd's one: before the "
+                         "manifest is written, the committer proves every shard with a HEAD "
+                         "(size and recorded checksum).")
 
 
 def _s3_memory(ctx: Context, section: Section, bucket: str, endpoint: str) -> None:

@@ -156,14 +156,16 @@ def test_a_copy_writes_behind_keeping_at_most_two_ranges_dirty(
 @pytest.mark.parametrize(("offset", "length"), [(0, 1), (4096, 3 * MiB), (4097, MiB + 5),
                                                 (7, 2 * MiB - 7)])
 def test_a_mapped_checksum_equals_the_read_one_at_any_offset(
-        tmp_path: Path, offset: int, length: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int, length: int) -> None:
+    # Small windows, so that a few MiB are mapped a window at a time, as big parts are.
+    monkeypatch.setattr(filecopy, "CHECKSUM_WINDOW_BYTES", MiB)
     data = os.urandom(2 * MiB + 4 * MiB)
     path = tmp_path / "f"
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
         mapped, read = checksums.Crc64nvme(), checksums.Crc64nvme()
-        assert filecopy.checksum_mapped(fd, offset, length, mapped)
+        assert filecopy.checksum_mapped(fd, offset, length, mapped) == length
         assert filecopy.checksum_read(fd, offset, length, read) == length
         assert mapped.crc == read.crc
         expected = checksums.Crc64nvme()
@@ -171,7 +173,7 @@ def test_a_mapped_checksum_equals_the_read_one_at_any_offset(
         assert mapped.crc == expected.crc
         # Past the end nothing is mapped (a page there would be SIGBUS): the caller reads.
         past = checksums.Crc64nvme()
-        assert not filecopy.checksum_mapped(fd, len(data) - 10, 11, past)
+        assert filecopy.checksum_mapped(fd, len(data) - 10, 11, past) == 0
         assert past.crc == 0
     finally:
         os.close(fd)
@@ -183,7 +185,7 @@ def test_a_file_that_cannot_be_mapped_is_read_from_the_source_instead(tmp_path: 
     data = os.urandom(filecopy.COPY_RANGE_BYTES + 12345)
     src, out, out_path = _files(tmp_path, data)
     try:
-        assert not filecopy.checksum_mapped(out, 0, 1, checksums.Crc64nvme())
+        assert filecopy.checksum_mapped(out, 0, 1, checksums.Crc64nvme()) == 0
         checksum = filecopy.copy_and_checksum(src, out, len(data), threading.Event(), "x",
                                               write_behind=False, mapped=out)
     finally:
