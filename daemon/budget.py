@@ -92,7 +92,8 @@ class Budget:
         waiter = _Waiter(amount, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(waiter.future)
         except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 # Admitted just as we gave up: hand the room back so nothing leaks.

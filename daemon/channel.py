@@ -135,7 +135,8 @@ class Channel:
         due = floor.deadline() - time.monotonic() if floor is not None else self.idle_timeout_s
         add(fd, wake)
         try:
-            await asyncio.wait_for(fut, max(0.0, min(due, self.idle_timeout_s)))
+            async with asyncio.timeout(max(0.0, min(due, self.idle_timeout_s))):
+                await fut
         except TimeoutError:
             if floor is not None and due < self.idle_timeout_s:
                 raise TooSlow(str(floor.too_slow(time.monotonic()))) from None
@@ -184,7 +185,8 @@ class Channel:
             gone.cancel()
 
     async def sendall(self, data: bytes) -> None:
-        await asyncio.wait_for(self._loop.sock_sendall(self.sock, data), self.idle_timeout_s)
+        async with asyncio.timeout(self.idle_timeout_s):
+            await self._loop.sock_sendall(self.sock, data)
 
     def socket_pump(self) -> SocketPump:
         """The thread-side mover of this connection's shard bytes (see dataplane.SocketPump)."""

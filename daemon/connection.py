@@ -101,7 +101,8 @@ class ClientHandler:
 
     async def _last_word(self, code: str, message: str) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.channel.sendall(self.conn.send_error(code, message)), 1.0)
+            async with asyncio.timeout(1.0):
+                await self.channel.sendall(self.conn.send_error(code, message))
 
     async def _abandon(self) -> None:
         """A client that leaves without sealing aborts its rank: the rank is incomplete."""

@@ -133,7 +133,8 @@ class DataPlane:
         self.busy += 1
         future = loop.run_in_executor(pool, fn, *args)
         try:
-            result = await asyncio.wait_for(asyncio.shield(future), limit)
+            async with asyncio.timeout(limit):
+                result = await asyncio.shield(future)
         except BaseException as exc:
             if cancel is not None:
                 cancel.set()

@@ -338,8 +338,8 @@ class Publisher:
         """Generations whose part record is written wait for the other nodes' records."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_now.wait(),
-                                       self.config.drain.commit_poll_interval_s)
+                async with asyncio.timeout(self.config.drain.commit_poll_interval_s):
+                    await self._poll_now.wait()
             self._poll_now.clear()
             waiting = [g for g in self.ledger.generations.values() if g.state is _G.RECORDED]
             if not waiting:

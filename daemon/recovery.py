@@ -104,8 +104,8 @@ async def owned_upload_ids(d: Daemon) -> set[str]:
 async def sweep_once(d: Daemon, *, timeout_s: float) -> None:
     try:
         owned = await owned_upload_ids(d)
-        aborted = await asyncio.wait_for(
-            d.backend.sweep_orphans(owned, d.config.destination.orphan_grace_s), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            aborted = await d.backend.sweep_orphans(owned, d.config.destination.orphan_grace_s)
         if aborted:
             log_event(log, logging.INFO, "orphans_swept", removed=aborted)
     except Exception as exc:  # the destination may be down; draining retries on its own

@@ -300,12 +300,14 @@ class Scheduler:
         if self._handoffs and wait_s > 0:
             self.yielded += 1
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._handoffs_clear.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._handoffs_clear.wait()
         delay = self.pacer.reserve(nbytes, time.monotonic())
         if delay:
             # A reload that changes the rate wakes the wait early (set_bandwidth).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._pacer_changed.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._pacer_changed.wait()
 
     def moved(self, shard: ShardRecord, nbytes: int) -> None:
         """``nbytes`` of ``shard`` reached the destination: drained bytes, the drain rate and

@@ -300,8 +300,8 @@ class Daemon:
     async def _refuse_if_committed(self, job: str, step: int) -> None:
         """Refuse a step another node already committed: nothing may overwrite it."""
         try:
-            committed = await asyncio.wait_for(self.committer.is_committed(job, step),
-                                               COMMITTED_CHECK_TIMEOUT_S)
+            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+                committed = await self.committer.is_committed(job, step)
         except StepUnusable as exc:
             raise RequestError(wire.COMMITTED, str(exc)) from None
         except (BackendError, OSError, TimeoutError) as exc:

@@ -72,7 +72,8 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
         nap = min(left, RECHECK_S) if ours else min(left, max(0.0, next_look - now))
         if gone is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), nap)
+                async with asyncio.timeout(nap):
+                    await changed.wait()
             continue
         async with asyncio.TaskGroup() as tg:
             woken = tg.create_task(changed.wait())

@@ -78,7 +78,8 @@ class Hold:
 
     async def wait_reached(self, timeout_s: float = DEFAULT_GATE_TIMEOUT_S) -> None:
         """Until a call is held here; a test whose call never comes fails, not hangs."""
-        await asyncio.wait_for(self.reached.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self.reached.wait()
 
 
 @dataclass
@@ -191,7 +192,8 @@ class MemoryBackend(Backend):
                 held.remaining -= 1
                 held.reached.set()
                 try:
-                    await asyncio.wait_for(held._open.wait(), self.gate_timeout_s)
+                    async with asyncio.timeout(self.gate_timeout_s):
+                        await held._open.wait()
                 except TimeoutError as exc:
                     raise BackendError(
                         f"{op} {key} was held for {self.gate_timeout_s}s; call release()",
@@ -220,7 +222,8 @@ class MemoryBackend(Backend):
         self._enter("put_file", key)
         await self._gate("put_file", key)
         try:
-            await asyncio.wait_for(self._open.wait(), self.gate_timeout_s)
+            async with asyncio.timeout(self.gate_timeout_s):
+                await self._open.wait()
         except TimeoutError as exc:
             raise BackendError(
                 f"put_file {key} was paused for {self.gate_timeout_s}s; call resume()",

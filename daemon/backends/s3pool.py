@@ -285,7 +285,8 @@ class WorkerSenders(PartSender):
             raise S3Failure(f"the S3 upload worker {worker.index} could not be reached; "
                             f"{what} will be sent again", transient=True, kind="io") from exc
         try:
-            reply = await asyncio.wait_for(asyncio.shield(answer), self._answer_timeout_s)
+            async with asyncio.timeout(self._answer_timeout_s):
+                reply = await asyncio.shield(answer)
         except TimeoutError:
             worker.lost(f"{what} got no answer in {self._answer_timeout_s:g} s")
             raise S3Failure(f"{what} got no answer from its upload worker; it will be sent "
@@ -332,7 +333,8 @@ class WorkerSenders(PartSender):
             worker.pending.clear()
         for worker in workers:
             try:
-                await asyncio.wait_for(worker.proc.wait(), STOP_TIMEOUT_S)
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await worker.proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.kill()

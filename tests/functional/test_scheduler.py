@@ -167,3 +167,37 @@ async def test_destination_errors_reading_part_records_are_retried_or_reported(
         assert denied.state is GenerationState.FAILED
         assert denied.error.endswith("failed: access denied"), denied.error
         assert not [r for r in caplog.records if r.exc_info], "no traceback for a destination error"
+
+
+# --- cancellation is never lost ---------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_paced_drain_cancelled_as_its_wait_ends_is_cancelled() -> None:
+    """A stopping daemon cancels its drains. On Python 3.11 asyncio.wait_for drops that
+    cancellation when what it waits for completes in the same turn of the loop (here: a rate
+    change waking the paced wait), and the drain went on: a stop hung with its parts pacing
+    at 1 B/s (seen in the S3 benchmark). Cancel at every point of that turn; each must end
+    the wait with CancelledError. (The daemon bans wait_for: ruff TID251.)"""
+    from types import SimpleNamespace
+
+    from ckptdrain.daemon.ratelimit import TokenBucket
+
+    cancelled_pending = 0
+    for turns in range(8):
+        drain = SimpleNamespace(config=Config(), _handoffs=0, yielded=0,
+                                pacer=TokenBucket(1), _pacer_changed=asyncio.Event())
+        paced = asyncio.create_task(Scheduler.pace(drain, 10**9))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not paced.done()
+        Scheduler.set_bandwidth(drain, 0)  # type: ignore[arg-type]
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        if paced.done():
+            continue  # the wait ended before the cancel: nothing to lose
+        cancelled_pending += 1
+        paced.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await paced
+    assert cancelled_pending >= 1, "every wait ended before its cancel: nothing tested"
