@@ -115,8 +115,10 @@ def checksum_into(fd: int, offset: int, length: int, digest: checksums.Digest, *
 
 
 # A mapped checksum maps this much at a time, so the pages it holds mapped (which count in the
-# process's RSS, though they are the page cache's) stay few whatever the part or file size.
-CHECKSUM_WINDOW_BYTES = COPY_RANGE_BYTES
+# process's RSS, though they are the page cache's) stay few whatever the part or file size:
+# 16 MiB windows added 86 MiB to a worker's peak RSS with 8 parts in flight; 2 MiB costs no
+# more CPU (0.17 CPU s per GiB in the page cache, as 16 MiB).
+CHECKSUM_WINDOW_BYTES = 2 << 20
 
 
 def checksum_mapped(fd: int, offset: int, length: int, digest: checksums.Digest) -> int:
