@@ -38,6 +38,10 @@ BACKOFF_FIRST_S = 0.05
 BACKOFF_MAX_S = 1.0
 
 
+# sockaddr_un.sun_path: 108 bytes with the terminating NUL.
+_SUN_PATH_MAX = 108
+
+
 def bind(config: Config, inherited: socket.socket | None) -> socket.socket:
     if inherited is not None:
         inherited.setblocking(False)
@@ -57,18 +61,37 @@ def bind(config: Config, inherited: socket.socket | None) -> socket.socket:
             raise OSError(f"another daemon is already serving {path}")
         finally:
             probe.close()
+    # Bound under a temporary name and renamed into place once it listens: a client that
+    # finds the path can connect (between bind and listen it would be refused, and a client
+    # or a probe waiting for the daemon would take that for "no daemon here"). A path too
+    # long for a temporary name beside it is bound in place, as before.
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
+    fits = len(os.fsencode(staged)) < _SUN_PATH_MAX
+    where = staged if fits else path
+    with contextlib.suppress(FileNotFoundError):
+        if fits:
+            os.unlink(staged)  # left by a daemon of the same pid that died binding
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # No window where the socket is wider than configured.
-    old = os.umask(0o177)
     try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    access = config.access
-    os.chmod(path, access.mode_int)
-    if access.socket_group:
-        os.chown(path, -1, group_id(access.socket_group))
-    sock.listen(1024)
+        # No window where the socket is wider than configured.
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(where))
+        finally:
+            os.umask(old)
+        access = config.access
+        os.chmod(where, access.mode_int)
+        if access.socket_group:
+            os.chown(where, -1, group_id(access.socket_group))
+        sock.listen(1024)
+        if fits:
+            os.rename(staged, path)
+    except BaseException:
+        sock.close()
+        if fits:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+        raise
     sock.setblocking(False)
     return sock
 

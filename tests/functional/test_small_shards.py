@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptdrain.client import DrainError
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.posix import PosixBackend
@@ -76,7 +77,7 @@ def _answers(d: DaemonProcess) -> bool:
         with d.client(timeout_s=5) as c:
             c.status()
         return True
-    except OSError:
+    except (OSError, DrainError):  # not up yet (DaemonUnavailable), or a stale socket
         return False
 
 
