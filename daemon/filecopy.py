@@ -169,17 +169,17 @@ def copy_and_checksum(
     write_behind: bool = True, mapped: int | None = None,
 ) -> str:
     """Copy ``size`` bytes of ``src_fd`` (from offset 0) into ``out`` through the kernel
-    (:func:`kernel_copy`), and return their checksum, read back from the source through a small
-    reused buffer: the staged copy was just written, so that read comes from the page cache.
+    (:func:`kernel_copy`), and return their checksum, taken right after each range is copied,
+    while it is in the page cache.
     ``write_behind`` (see :func:`copy_segment`) is for a copy that is fsynced when done; a
     restore, which is not, leaves writeback to the kernel and runs at page-cache speed.
     ``mapped`` names the one of the two fds whose pages the checksum maps (an ``owned`` file
     of :func:`checksum_into`); None, or a file that cannot be mapped, reads the source
     through the buffer.
 
-    The checksum is taken from the source after each range is copied, so a byte that changed
-    between the copy and the read makes the checksum disagree with what a later verify finds,
-    never the other way round; the staged copy is immutable once handed off anyway.
+    The checksum is taken after each range is copied, so a byte that changed between the copy
+    and the checksum makes it disagree with what a later verify finds, never the other way
+    round; the staged copy is immutable once handed off anyway.
     """
     digest = checksums.new(algo)
     copy_segment(src_fd, out, 0, size, digest, stop, name, flow=flow, progress=progress,

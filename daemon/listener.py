@@ -68,8 +68,8 @@ def bind(config: Config, inherited: socket.socket | None) -> socket.socket:
     staged = path.with_name(f".{path.name}.{os.getpid()}")
     fits = len(os.fsencode(staged)) < _SUN_PATH_MAX
     where = staged if fits else path
-    with contextlib.suppress(FileNotFoundError):
-        if fits:
+    if fits:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(staged)  # left by a daemon of the same pid that died binding
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -291,16 +291,16 @@ def run_s3(ctx: Context, section: Section) -> None:
             ours=figure(rss["ours"], "B"),
             bound="daemon + workers, each process's VmHWM summed (an upper bound)"))
         if n == 0:
+            default = f"default ({_default_workers()} worker(s))"
             section.rows.append(Row(
-                case=f"S3 scaling: workers = 2 / default, {case}",
-                baseline_name=f"default ({_default_workers()} worker(s))",
+                case=f"S3 scaling: workers = 2 / default, {case}", baseline_name=default,
                 ours=figure([total / t for t in times["workers=2"]], "B/s"),
                 baseline=figure([total / t for t in times["ours"]], "B/s"),
                 target=Target(">=", 1.0),
                 bound="the server (2 cores)"))
             section.rows.append(Row(
                 case=f"S3 scaling, CPU per GB: workers = 2 / default, {case}",
-                baseline_name=f"default ({_default_workers()} worker(s))",
+                baseline_name=default,
                 ours=figure([c / gb for c in cpus["workers=2"]], "cpu-s/GB"),
                 baseline=figure([c / gb for c in cpus["ours"]], "cpu-s/GB"),
                 target=Target("<=", 1.05),
