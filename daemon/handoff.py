@@ -98,6 +98,25 @@ class Handoffs:
         staging.pending_bytes += size
         return size
 
+    async def _discard_before_answering(self, name: str) -> None:
+        """A refused hand-off's temp file goes before the refusal is answered: the client that
+        sees the error sees a staging directory without it (and a retry finds the room it
+        promised freed). When the hand-off is being cancelled (its client left, the daemon
+        stops) or the unlink fails, it is queued to the supervisor instead; start-up sweeps
+        whatever temp file a stop left behind."""
+        d = self.d
+        task = asyncio.current_task()
+        if task is None or not task.cancelling():
+            try:
+                await d.dataplane.call(d.staging.discard, name)
+                return
+            except asyncio.CancelledError:
+                self._give_back(name)
+                raise
+            except (OSError, StuckIO):
+                pass  # the supervisor's try logs what is wrong, once
+        self._give_back(name)
+
     def _give_back(self, unlink: str | None, *held: Reservation | None) -> None:
         """A hand-off that did not become a shard: its temp file goes (in the data plane)
         and what it still holds is released."""
@@ -202,7 +221,9 @@ class Handoffs:
             if src_fd is not None:
                 d.dataplane.close_client_fd(src_fd)
             _close(tmp_fd)
-            self._give_back(name if created else None, room, slot)
+            self._give_back(None, room, slot)
+            if created:
+                await self._discard_before_answering(name)
         d.metrics.handoff(gen.job, time.perf_counter() - started, size, gen.ack)
         return {"path": path, "size": size, "ack": gen.ack}
 

@@ -79,7 +79,8 @@ WHEN_CHOICES = (1, 1, 2, 2, 3, 4, 6, 9)
 class Injection:
     """One strace tampering: ``syscall`` gets ``errno`` (or ``signal``) at its ``when``-th call
     in each thread (``persistent``: from then on); ``paths`` narrows it to those files;
-    ``delay_exit_us`` only slows the call down."""
+    ``delay_exit_us`` only slows the call down (after it took effect), ``delay_enter_us``
+    before it does."""
 
     syscall: str
     when: int = 1
@@ -88,9 +89,12 @@ class Injection:
     persistent: bool = False
     paths: tuple[str, ...] = ()
     delay_exit_us: int = 0
+    delay_enter_us: int = 0
 
     def describe(self) -> str:
-        what = self.errno or self.signal or f"delay {self.delay_exit_us} us"
+        what = (self.errno or self.signal
+                or (f"delay {self.delay_enter_us} us before" if self.delay_enter_us else "")
+                or f"delay {self.delay_exit_us} us")
         where = f" on {list(self.paths)}" if self.paths else ""
         return f"{self.syscall} #{self.when}{'+' if self.persistent else ''} -> {what}{where}"
 
@@ -102,6 +106,8 @@ class Injection:
             action = f"error={self.errno}"
         elif self.signal:
             action = f"signal={self.signal}"
+        elif self.delay_enter_us:
+            action = f"delay_enter={self.delay_enter_us}"
         else:
             action = f"delay_exit={self.delay_exit_us}"
         argv = [STRACE, "-f", "-qq", "-y", "--seccomp-bpf", "-o", str(log_path),
