@@ -22,6 +22,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3senders import (
@@ -293,10 +294,33 @@ class WorkerSenders(PartSender):
                             "again", transient=True, kind="timeout") from None
         except asyncio.CancelledError:
             await self._cancel(worker, request_id, answer)
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                await self._undo_late_create(body, answer.result())
             raise
         if "error" in reply:
             raise failure_from(reply["error"])
         return reply
+
+    async def _undo_late_create(self, body: dict[str, Any], reply: dict[str, Any]) -> None:
+        """A create whose answer came with (or after) its caller's cancellation started an
+        upload nobody will record: abort it now, within the cleanup bound, rather than leave
+        it to the orphan sweep (``orphan_grace_s`` later, on this node's next start)."""
+        if body.get("operation") != "create_multipart_upload" or "error" in reply:
+            return
+        upload_id = from_message(reply.get("answer", {})).get("UploadId")
+        if not upload_id:
+            return
+        params = {"Bucket": body["params"]["Bucket"], "Key": body["params"]["Key"],
+                  "UploadId": upload_id}
+        what = f"aborting the upload of {params['Key']} begun as it was cancelled"
+        try:
+            async with asyncio.timeout(self._client.cleanup_timeout_s):
+                await self._request({"op": "call", "what": what,
+                                     "operation": "abort_multipart_upload", "params": params},
+                                    None, what)
+        except (BackendError, OSError, TimeoutError) as exc:
+            log_event(log, logging.WARNING, "s3_upload_left", key=params["Key"],
+                      upload_id=upload_id, error=str(exc) or type(exc).__name__)
 
     async def _cancel(self, worker: _Worker, request_id: int,
                       answer: asyncio.Future[dict[str, Any]]) -> None:

@@ -674,6 +674,35 @@ async def test_with_workers_every_request_of_a_shard_is_sent_by_a_worker(
 
 @pytest.mark.s3
 @pytest.mark.asyncio
+async def test_a_create_answered_as_its_caller_is_cancelled_leaves_no_upload(
+        seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    # Found in the S3 benchmark: a stopping daemon cancelled a drain in the very turn its
+    # create's answer arrived from the worker; the upload it began was recorded nowhere and
+    # stayed on the server until the orphan sweep. Cancelled here exactly then: by a callback
+    # on the worker's answer, which runs before the waiting task resumes.
+    backend = S3Backend(dest_config(s3_bucket, seaweedfs.endpoint_url), NODE, workers=1)
+    try:
+        await backend.start()
+        pool = backend.parts
+        creating = asyncio.ensure_future(backend._control(
+            "starting", "create_multipart_upload", Bucket=s3_bucket, Key=f"{PREFIX}/late.bin"))
+        deadline = asyncio.get_running_loop().time() + 30
+        while not any(w is not None and w.pending for w in pool._workers):
+            assert asyncio.get_running_loop().time() < deadline, "the create was never sent"
+            await asyncio.sleep(0)
+        worker = next(w for w in pool._workers if w is not None and w.pending)
+        (answer,) = worker.pending.values()
+        answer.add_done_callback(lambda _: creating.cancel())
+        with pytest.raises(asyncio.CancelledError):
+            await creating
+        assert answer.result().get("answer"), "the create was answered, not given up"
+        assert uploads(seaweedfs, s3_bucket) == []
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
 async def test_a_range_cut_mid_body_fails_the_copy_as_transient(
         seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any, tmp_path: Path,
         proxy: FaultProxy) -> None:
