@@ -51,7 +51,7 @@ lint: $(VENV)/.stamp-install
 
 test: $(VENV)/.stamp-install $(VENV)/.stamp-torch system-deps lint
 	$(COMPILE)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 # The chaos suites at full size (docs/testing.md): >= 200 kill -9 trials and 10,000 fuzzed
 # sessions; `make test` runs a fixed slice of them. Override CHAOS_KILLS, CHAOS_SESSIONS,
