@@ -100,10 +100,9 @@ class Handoffs:
 
     async def _discard_before_answering(self, name: str) -> None:
         """A refused hand-off's temp file goes before the refusal is answered: the client that
-        sees the error sees a staging directory without it (and a retry finds the room it
-        promised freed). When the hand-off is being cancelled (its client left, the daemon
-        stops) or the unlink fails, it is queued to the supervisor instead; start-up sweeps
-        whatever temp file a stop left behind."""
+        sees the error sees a staging directory without it. When the hand-off is being
+        cancelled (its client left, the daemon stops) or the unlink fails, it is queued to the
+        supervisor instead; start-up sweeps whatever temp file a stop left behind."""
         d = self.d
         task = asyncio.current_task()
         if task is None or not task.cancelling():
