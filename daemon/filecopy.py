@@ -240,7 +240,7 @@ def parallel_copy_and_checksum(
     ``pool``'s threads (a striped Lustre file takes writes to several OSTs at a time); their
     CRC64NVMEs are combined. Every segment has ended (done, failed or stopped) on return."""
     # sendfile writes at the file position, which segments sharing ``out`` would race on.
-    if size < PARALLEL_MIN_BYTES or _kernel_copy_modes[0] != "copy_file_range":
+    if size < PARALLEL_MIN_BYTES or copy_mode(src_fd, out) != "copy_file_range":
         return copy_and_checksum(src_fd, out, size, stop, name, flow=flow, mapped=src_fd)
     step = -(-size // PARALLEL_SEGMENTS)
     step = -(-step // COPY_RANGE_BYTES) * COPY_RANGE_BYTES  # whole ranges per segment
@@ -282,41 +282,58 @@ class _Either(threading.Event):
         return self._a.is_set() or self._b.is_set()
 
 
-# Which kernel copy works between two files is learnt once per process: copy_file_range
-# refuses some pairs (EXDEV across filesystems on older kernels, EINVAL from a memfd, ...),
-# and sendfile then serves; the plain read/write loop is the last resort.
-_kernel_copy_modes = ["copy_file_range", "sendfile", "readwrite"]
+# Which kernel copy works is learnt per pair of filesystems (the two files' st_dev):
+# copy_file_range refuses some pairs (EXDEV across filesystems on older kernels, EINVAL from a
+# memfd, ...), and sendfile then serves; the plain read/write loop is the last resort. A mode
+# is learnt only once the next one has worked for the same call: an fd that fails every mode
+# (a client's read-only fd to restore into gets EBADF from each) teaches nothing. Learnt
+# process-wide from any failure, one such fd put every later copy of the daemon, every
+# drain included, on the read/write loop.
+COPY_MODES = ("copy_file_range", "sendfile", "readwrite")
+_learnt: dict[tuple[int, int], int] = {}
 _modes_lock = threading.Lock()
 _COPY_FALLBACK_ERRNOS = frozenset(
     {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
 )
 
 
+def _pair(src_fd: int, out: int) -> tuple[int, int]:
+    return os.fstat(src_fd).st_dev, os.fstat(out).st_dev
+
+
+def copy_mode(src_fd: int, out: int) -> str:
+    """The kernel copy :func:`kernel_copy` starts with between these two files."""
+    return COPY_MODES[_learnt.get(_pair(src_fd, out), 0)]
+
+
 def kernel_copy(src_fd: int, out: int, offset: int, count: int) -> int:
     """Copy up to ``count`` bytes of ``src_fd`` at ``offset`` to the same offset of ``out``
     without bringing them into user space where the kernel allows it; returns how many were
     copied (0 only at the source's end)."""
-    while True:
-        mode = _kernel_copy_modes[0]
+    pair = _pair(src_fd, out)
+    first = _learnt.get(pair, 0)
+    for index in range(first, len(COPY_MODES)):
+        mode = COPY_MODES[index]
         try:
             if mode == "copy_file_range":
-                return os.copy_file_range(src_fd, out, count, offset, offset)
-            if mode == "sendfile":
+                copied = os.copy_file_range(src_fd, out, count, offset, offset)
+            elif mode == "sendfile":
                 os.lseek(out, offset, os.SEEK_SET)
-                return os.sendfile(out, src_fd, offset, count)
-            return _read_write(src_fd, out, offset, count)
+                copied = os.sendfile(out, src_fd, offset, count)
+            else:
+                copied = _read_write(src_fd, out, offset, count)
         except OSError as exc:
-            if exc.errno not in _COPY_FALLBACK_ERRNOS or mode == "readwrite":
+            if exc.errno not in _COPY_FALLBACK_ERRNOS or index == len(COPY_MODES) - 1:
                 raise
+            continue
+        if index != first:
             with _modes_lock:
-                downgraded = offset == 0 and _kernel_copy_modes[0] == mode
-                if downgraded:
-                    _kernel_copy_modes.pop(0)
-                    log.info("%s refused (%s); copying with %s", mode, exc,
-                             _kernel_copy_modes[0])
-            if not downgraded and mode == _kernel_copy_modes[0]:
-                # Refused mid-file (an odd pair): this file goes on with the next mode only.
-                return _read_write(src_fd, out, offset, count)
+                if _learnt.get(pair, 0) < index:
+                    _learnt[pair] = index
+                    log.info("%s refused between devices %d and %d; copying with %s",
+                             COPY_MODES[first], *pair, mode)
+        return copied
+    raise AssertionError("unreachable: the last mode returns or raises")
 
 
 def _read_write(src_fd: int, out: int, offset: int, count: int) -> int:

@@ -8,6 +8,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,8 +88,7 @@ def test_sendfile_and_read_write_serve_when_copy_file_range_is_refused(
     def refused(*_: object) -> int:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(filecopy, "_kernel_copy_modes", ["copy_file_range", "sendfile",
-                                                         "readwrite"])
+    monkeypatch.setattr(filecopy, "_learnt", {})
     monkeypatch.setattr(os, "copy_file_range", refused)
     for expected_mode in ("sendfile", "readwrite"):
         where = tmp_path / expected_mode
@@ -101,8 +101,45 @@ def test_sendfile_and_read_write_serve_when_copy_file_range_is_refused(
             os.close(src)
             os.close(out)
         assert out_path.read_bytes() == data
-        assert filecopy._kernel_copy_modes[0] == expected_mode
+        (where / "again").mkdir()
+        src, out, _ = _files(where / "again", data)
+        try:
+            assert filecopy.copy_mode(src, out) == expected_mode  # learnt for this pair
+        finally:
+            os.close(src)
+            os.close(out)
         monkeypatch.setattr(os, "sendfile", refused)
+
+
+def test_an_fd_that_fails_every_copy_mode_teaches_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found: a client's read-only fd passed to restore into got EBADF from copy_file_range,
+    # then from sendfile; each failure demoted the copy mode of the whole process, so every
+    # later drain of the daemon ran the read/write loop. The fd's own error is raised, and
+    # the next copy between the same filesystems still goes through copy_file_range.
+    monkeypatch.setattr(filecopy, "_learnt", {}, raising=False)
+    data = os.urandom(3 * MiB + 11)
+    src, out, out_path = _files(tmp_path, data)
+    read_only = os.open(out_path, os.O_RDONLY)
+    real = os.copy_file_range
+    kernel_copies: list[int] = []
+
+    def recording(*args: Any) -> int:
+        kernel_copies.append(args[2])
+        return real(*args)
+
+    try:
+        with pytest.raises(OSError) as caught:
+            filecopy.copy_and_checksum(src, read_only, len(data), threading.Event(), "x")
+        assert caught.value.errno == errno.EBADF
+        monkeypatch.setattr(os, "copy_file_range", recording)
+        assert filecopy.copy_and_checksum(src, out, len(data), threading.Event(), "x") \
+            == of_bytes(data)
+    finally:
+        for fd in (src, out, read_only):
+            os.close(fd)
+    assert kernel_copies, "the next copy did not go through copy_file_range"
+    assert out_path.read_bytes() == data
 
 
 def test_drain_threads_yield_to_hand_offs() -> None:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -135,15 +136,17 @@ async def test_cancelled_put_file_stops_its_thread_and_removes_the_temp(
     fd, data = source
     started = threading.Event()
     release = threading.Event()
-    real_preadv = os.preadv
+    real_copy = os.copy_file_range
 
-    def held_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
-        # Holds the worker thread inside the copy so the cancel lands mid-file.
+    def held_copy(*args: Any) -> int:
+        # Holds the worker thread inside the copy so the cancel lands mid-file. (It held
+        # preadv once, which only the read/write loop calls: the test passed only after an
+        # earlier test's closed fd had put the whole process on that loop.)
         started.set()
         release.wait(timeout=10)
-        return real_preadv(fd, buffers, offset)
+        return real_copy(*args)
 
-    monkeypatch.setattr(os, "preadv", held_preadv)
+    monkeypatch.setattr(os, "copy_file_range", held_copy)
     backend = make(root)
     task = asyncio.create_task(backend.put_file("job/big.pt", fd, len(data)))
     assert await asyncio.to_thread(started.wait, 10)
