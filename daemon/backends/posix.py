@@ -61,6 +61,7 @@ from ckptdrain.daemon.backends.posixfs import (
     sweep_temps,
     temp_name,
     write_all,
+    writes_in_parallel,
 )
 from ckptdrain.daemon.checksums import ALGO
 from ckptdrain.daemon.filecopy import (
@@ -109,6 +110,9 @@ class PosixBackend(Backend):
         self._executor: ThreadPoolExecutor | None = None
         self._segments: ThreadPoolExecutor | None = None
         self._segments_lock = threading.Lock()
+        # Whether large shards are copied as parallel segments: None until the first copy
+        # asks the destination's filesystem (tests set it).
+        self.parallel_writes: bool | None = None
         # Temp names this process is writing right now: a sweep (at start-up or periodic)
         # must never take a file from under a copy in flight.
         self._live: set[str] = set()
@@ -246,8 +250,13 @@ class PosixBackend(Backend):
             kept = False
             try:
                 try:
-                    checksum = parallel_copy_and_checksum(
-                        self._segment_pool(), src_fd, out, size, stop, final.name, flow=flow)
+                    if self._parallel_writes(dir_fd):
+                        checksum = parallel_copy_and_checksum(
+                            self._segment_pool(), src_fd, out, size, stop, final.name,
+                            flow=flow)
+                    else:
+                        checksum = copy_and_checksum(src_fd, out, size, stop, final.name,
+                                                     flow=flow, mapped=src_fd)
                     # On the inode before it has a final name: the name appears with it.
                     self._xattr.record(out, checksum)
                     os.fsync(out)
@@ -457,6 +466,13 @@ class PosixBackend(Backend):
         return await self._run(
             "sweeping temp files", sweep_temps, self.fs, self.node_id, self._live, grace_s
         )
+
+    def _parallel_writes(self, dir_fd: int) -> bool:
+        """Large shards go as parallel segments only where the destination's filesystem
+        takes writes to one file at once (posixfs.writes_in_parallel); learnt once."""
+        if self.parallel_writes is None:
+            self.parallel_writes = writes_in_parallel(dir_fd)
+        return self.parallel_writes
 
     def _segment_pool(self) -> ThreadPoolExecutor:
         """Threads for the segments of large shards, apart from the threads that wait for them
