@@ -66,6 +66,10 @@ class S3Client:
         # they are sent from: with upload workers, their buffers live in the workers, so this
         # is what keeps upload memory at max_concurrency x part size in all.
         self.bodies = asyncio.Semaphore(self._concurrency)
+        # Restore's ranged GETs in flight across every object read at once (a restore fetches
+        # several shards together): at most max_concurrency connections and range buffers.
+        self.ranges = asyncio.Semaphore(self._concurrency)
+        self.range_buffers: list[bytearray] = []
         self._session = AioSession()
         self._client_lock = asyncio.Lock()
         self._stack: AsyncExitStack | None = None

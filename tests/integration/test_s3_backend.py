@@ -624,6 +624,53 @@ async def test_copy_into_fetches_ranges_in_parallel_and_combines_their_checksums
 
 @pytest.mark.s3
 @pytest.mark.asyncio
+async def test_objects_copied_at_once_share_max_concurrency_ranges(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        tmp_path: Path) -> None:
+    # A restore copies several shards at once. Each copy_into used to bound only its own
+    # ranges, so 8 shards at once had 8 x max_concurrency GETs and range buffers in flight
+    # (500 MB resident restoring 1 GiB). max_concurrency bounds them across the backend.
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, part_size_bytes=5 * MiB,
+                                   max_concurrency=2))
+    shards = {f"job/00000000000000000001/s{i}.bin": staged(11 * MiB + i, seed=40 + i)
+              for i in range(3)}
+    for key, shard in shards.items():
+        assert await backend.put_file(key, shard.fd, shard.size) == shard.checksum
+    own_call = backend._call
+    in_flight = peak = 0
+
+    async def counting(what: str, operation: str, **params: Any) -> Any:
+        nonlocal in_flight, peak
+        if operation != "get_object" or "Range" not in params:
+            return await own_call(what, operation, **params)
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            answer = await own_call(what, operation, **params)
+        finally:
+            in_flight -= 1
+        return answer
+
+    backend._call = counting
+
+    async def copy(key: str) -> tuple[int, str]:
+        fd = os.open(tmp_path / key.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            return await backend.copy_into(key, fd)
+        finally:
+            os.close(fd)
+
+    got = await asyncio.gather(*(copy(key) for key in shards))
+    assert got == [(s.size, s.checksum) for s in shards.values()]
+    for key, shard in shards.items():
+        assert (tmp_path / key.rsplit("/", 1)[1]).read_bytes() == shard.data
+    # Counted from request to answer; the body is then read under the same slot.
+    assert 0 < peak <= 2
+    assert len(backend.range_buffers) <= 2
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
 @pytest.mark.parametrize("workers", [0, 1])
 async def test_with_workers_every_request_of_a_shard_is_sent_by_a_worker(
         seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
