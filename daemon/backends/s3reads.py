@@ -229,8 +229,8 @@ class S3Reads(S3Client, Backend):
 
 # A range read back is written to the file this much at a time: a small buffer, likelier to be
 # in the CPU's cache still when the write copies it into the page cache. Restoring 1 GiB from
-# SeaweedFS with 8 MiB took 3.6-4.3 CPU s in the kernel and 340 MB of resident memory here,
-# with 1 MiB 1.3-2.2 s and 115 MB (docs/benchmarks.md).
+# SeaweedFS with 8 MiB took 3.9-4.3 CPU s in the kernel and 340 MB of resident memory here,
+# with 1 MiB 1.3-3.7 s and 115 MB (docs/benchmarks.md).
 RANGE_WRITE_BYTES = 1 << 20
 
 
