@@ -285,10 +285,10 @@ class _Either(threading.Event):
 # Which kernel copy works is learnt per pair of filesystems (the two files' st_dev):
 # copy_file_range refuses some pairs (EXDEV across filesystems on older kernels, EINVAL from a
 # memfd, ...), and sendfile then serves; the plain read/write loop is the last resort. A mode
-# is learnt only once the next one has worked for the same call: an fd that fails every mode
-# (a client's read-only fd to restore into gets EBADF from each) teaches nothing. Learnt
-# process-wide from any failure, one such fd put every later copy of the daemon, every
-# drain included, on the read/write loop.
+# is learnt only once the next one has worked for the same call, at a file's start: an fd that
+# fails every mode (a client's read-only fd to restore into gets EBADF from each) teaches
+# nothing, and a refusal mid-file serves that call alone. (Learnt process-wide from any
+# failure, one such fd put every later copy of the daemon, drains included, on that loop.)
 COPY_MODES = ("copy_file_range", "sendfile", "readwrite")
 _learnt: dict[tuple[int, int], int] = {}
 _modes_lock = threading.Lock()
@@ -314,6 +314,10 @@ def kernel_copy(src_fd: int, out: int, offset: int, count: int) -> int:
     first = _learnt.get(pair, 0)
     for index in range(first, len(COPY_MODES)):
         mode = COPY_MODES[index]
+        if mode == "sendfile" and index != first and offset != 0:
+            # Refused mid-file: sendfile writes at out's file position, which the parallel
+            # segments of one file share; the positional read/write loop serves this call.
+            continue
         try:
             if mode == "copy_file_range":
                 copied = os.copy_file_range(src_fd, out, count, offset, offset)
@@ -326,7 +330,7 @@ def kernel_copy(src_fd: int, out: int, offset: int, count: int) -> int:
             if exc.errno not in _COPY_FALLBACK_ERRNOS or index == len(COPY_MODES) - 1:
                 raise
             continue
-        if index != first:
+        if index != first and offset == 0:
             with _modes_lock:
                 if _learnt.get(pair, 0) < index:
                     _learnt[pair] = index

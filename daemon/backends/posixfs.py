@@ -74,6 +74,7 @@ def writes_in_parallel(fd: int) -> bool:
     """Whether a large file on ``fd``'s filesystem is best written as parallel segments."""
     return filesystem_type(fd) in PARALLEL_WRITE_FILESYSTEMS
 
+
 def backend_error(exc: OSError, what: str) -> BackendError:
     """Map an OSError to the BackendError kind operators see in metrics and alerts."""
     code = exc.errno

@@ -111,6 +111,40 @@ def test_sendfile_and_read_write_serve_when_copy_file_range_is_refused(
         monkeypatch.setattr(os, "sendfile", refused)
 
 
+def test_segments_refused_mid_file_go_on_positionally_and_teach_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # sendfile writes at the file position, which the segments of one file share: a refusal
+    # mid-file must not send them there (their bytes would land at each other's offsets).
+    monkeypatch.setattr(filecopy, "_learnt", {})
+    real = os.copy_file_range
+    sendfiles: list[int] = []
+
+    def refused_mid_file(src: int, dst: int, count: int, offset_src: int | None = None,
+                         offset_dst: int | None = None) -> int:
+        if offset_src:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(src, dst, count, offset_src, offset_dst)
+
+    def recording_sendfile(*args: Any) -> int:
+        sendfiles.append(args[2])
+        raise AssertionError("sendfile was used mid-file")
+
+    monkeypatch.setattr(os, "copy_file_range", refused_mid_file)
+    monkeypatch.setattr(os, "sendfile", recording_sendfile)
+    data = os.urandom(filecopy.PARALLEL_MIN_BYTES + 5 * MiB + 7)
+    src, out, out_path = _files(tmp_path, data)
+    try:
+        with ThreadPoolExecutor(filecopy.PARALLEL_SEGMENTS) as pool:
+            assert filecopy.parallel_copy_and_checksum(
+                pool, src, out, len(data), threading.Event(), "x") == of_bytes(data)
+        assert filecopy.copy_mode(src, out) == "copy_file_range"
+    finally:
+        os.close(src)
+        os.close(out)
+    assert out_path.read_bytes() == data
+    assert sendfiles == []
+
+
 def test_an_fd_that_fails_every_copy_mode_teaches_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Found: a client's read-only fd passed to restore into got EBADF from copy_file_range,
