@@ -61,9 +61,11 @@ from ckptdrain.daemon.backends.posixfs import (
     sweep_temps,
     temp_name,
     write_all,
+    writes_direct,
     writes_in_parallel,
 )
 from ckptdrain.daemon.checksums import ALGO
+from ckptdrain.daemon.directcopy import DIRECT_MIN_BYTES, direct_copy_and_checksum
 from ckptdrain.daemon.filecopy import (
     COPY_RANGE_BYTES,
     PARALLEL_SEGMENTS,
@@ -113,6 +115,8 @@ class PosixBackend(Backend):
         # Whether large shards are copied as parallel segments: None until the first copy
         # asks the destination's filesystem (tests set it).
         self.parallel_writes: bool | None = None
+        # Whether shards are written with direct I/O (local block filesystems); learnt once.
+        self.direct_writes: bool | None = None
         # Temp names this process is writing right now: a sweep (at start-up or periodic)
         # must never take a file from under a copy in flight.
         self._live: set[str] = set()
@@ -250,7 +254,10 @@ class PosixBackend(Backend):
             kept = False
             try:
                 try:
-                    if self._parallel_writes(dir_fd):
+                    if size >= DIRECT_MIN_BYTES and self._direct_writes(dir_fd):
+                        checksum = direct_copy_and_checksum(src_fd, out, size, stop,
+                                                            final.name, flow=flow)
+                    elif self._parallel_writes(dir_fd):
                         checksum = parallel_copy_and_checksum(
                             self._segment_pool(), src_fd, out, size, stop, final.name,
                             flow=flow)
@@ -473,6 +480,13 @@ class PosixBackend(Backend):
         if self.parallel_writes is None:
             self.parallel_writes = writes_in_parallel(dir_fd)
         return self.parallel_writes
+
+    def _direct_writes(self, dir_fd: int) -> bool:
+        """Shards go with direct I/O where the destination is a local block filesystem
+        (posixfs.writes_direct); learnt once."""
+        if self.direct_writes is None:
+            self.direct_writes = writes_direct(dir_fd)
+        return self.direct_writes
 
     def _segment_pool(self) -> ThreadPoolExecutor:
         """Threads for the segments of large shards, apart from the threads that wait for them

@@ -75,6 +75,18 @@ def writes_in_parallel(fd: int) -> bool:
     return filesystem_type(fd) in PARALLEL_WRITE_FILESYSTEMS
 
 
+# Local block filesystems (statfs f_type: ext2/3/4, XFS), where a shard is written from the
+# staged pages with direct I/O (directcopy.py) instead of being copied into the page cache.
+# Elsewhere it is not: a network filesystem's client has its own direct I/O semantics (on NFS
+# each direct write is a round trip), and tmpfs keeps every byte in memory anyway.
+DIRECT_WRITE_FILESYSTEMS = frozenset({0xEF53, 0x58465342})
+
+
+def writes_direct(fd: int) -> bool:
+    """Whether shards on ``fd``'s filesystem are written with direct I/O."""
+    return filesystem_type(fd) in DIRECT_WRITE_FILESYSTEMS
+
+
 def backend_error(exc: OSError, what: str) -> BackendError:
     """Map an OSError to the BackendError kind operators see in metrics and alerts."""
     code = exc.errno

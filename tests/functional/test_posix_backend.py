@@ -102,6 +102,7 @@ async def test_a_large_shard_goes_in_segments_only_where_the_filesystem_takes_th
     path.write_bytes(data)
     backend = make(root)
     backend.parallel_writes = parallel
+    backend.direct_writes = False  # this temp dir is on ext4, written direct otherwise
     fd = os.open(path, os.O_RDONLY)
     try:
         checksum = await backend.put_file("job/00000000000000000001/big.bin", fd, len(data))
@@ -177,13 +178,17 @@ async def test_closed_fd_fails_and_leaves_no_temp(root: Path, tmp_path: Path) ->
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("direct", [False, True], ids=["kernel-copy", "direct-io"])
 async def test_cancelled_put_file_stops_its_thread_and_removes_the_temp(
-    root: Path, source: tuple[int, bytes], monkeypatch: pytest.MonkeyPatch
+    root: Path, source: tuple[int, bytes], monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
     fd, data = source
     started = threading.Event()
     release = threading.Event()
-    real_copy = os.copy_file_range
+    # The call each way of writing makes for its first range: copy_file_range, or the direct
+    # write from the mapped staged pages (on a local block filesystem).
+    name = "pwrite" if direct else "copy_file_range"
+    real_copy = getattr(os, name)
 
     def held_copy(*args: Any) -> int:
         # Holds the worker thread inside the copy so the cancel lands mid-file. (It held
@@ -191,10 +196,11 @@ async def test_cancelled_put_file_stops_its_thread_and_removes_the_temp(
         # earlier test's closed fd had put the whole process on that loop.)
         started.set()
         release.wait(timeout=10)
-        return real_copy(*args)
+        return int(real_copy(*args))
 
-    monkeypatch.setattr(os, "copy_file_range", held_copy)
+    monkeypatch.setattr(os, name, held_copy)
     backend = make(root)
+    backend.direct_writes = direct
     task = asyncio.create_task(backend.put_file("job/big.pt", fd, len(data)))
     assert await asyncio.to_thread(started.wait, 10)
     assert len(temps(root)) == 1  # the temp exists while the copy runs
