@@ -16,9 +16,8 @@ import base64
 import hashlib
 import os
 import threading
+from types import ModuleType
 from typing import Protocol
-
-from awscrt import checksums as crt
 
 from ckptdrain.client.manifest import format_checksum, parse_checksum
 from ckptdrain.daemon.errors import DaemonError
@@ -28,6 +27,21 @@ ALGO = "crc64nvme"
 LEGACY_ALGO = "sha256"
 # Reading a file only to checksum it: a reused buffer this size (page-cache reads).
 READ_CHUNK_BYTES = 1 << 20
+
+
+_crt: ModuleType | None = None
+
+
+def crt() -> ModuleType:
+    """``awscrt.checksums``, imported on first use: loading awscrt takes about 70 ms (its TLS
+    library gathers CPU jitter entropy as it loads), which commands that never checksum a
+    byte (``status``, ``ls``, ``gc``) should not pay."""
+    global _crt
+    if _crt is None:
+        from awscrt import checksums as loaded
+
+        _crt = loaded
+    return _crt
 
 
 class Stopped(DaemonError):
@@ -51,7 +65,7 @@ class Crc64nvme:
         self.crc = crc
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        self.crc = crt.crc64nvme(data, self.crc)
+        self.crc = crt().crc64nvme(data, self.crc)
 
     def value(self) -> str:
         return format_checksum(ALGO, f"{self.crc:016x}")
@@ -90,14 +104,14 @@ def of_bytes(data: bytes | bytearray | memoryview, algo: str = ALGO) -> str:
 
 
 def crc64nvme_int(data: bytes | bytearray | memoryview) -> int:
-    return int(crt.crc64nvme(data))
+    return int(crt().crc64nvme(data))
 
 
 def combine(parts: list[tuple[int, int]]) -> str:
     """The CRC64NVME of consecutive blocks given as ``[(crc, length), ...]`` in file order."""
     crc = 0
     for part_crc, length in parts:
-        crc = crt.combine_crc64nvme(crc, part_crc, length) if length else crc
+        crc = crt().combine_crc64nvme(crc, part_crc, length) if length else crc
     return format_checksum(ALGO, f"{crc:016x}")
 
 

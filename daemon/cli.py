@@ -26,7 +26,7 @@ from ckptdrain.daemon.cli_destination import (
     EXIT_USAGE,
     CommandFailed,
 )
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.errors import DaemonError, StartupError
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "CommandFailed", "main"]
 
@@ -138,7 +138,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon.config import ConfigError
-    from ckptdrain.daemon.startup import StartupError
 
     try:
         code = int(ns.fn(ns))

@@ -78,10 +78,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def _expected(exc: BaseException) -> BaseException:
     """The typed error to report for a failed ``serve`` (the first of a group), or ``exc``."""
-    from ckptdrain.daemon.errors import DaemonError
+    from ckptdrain.daemon.errors import DaemonError, StartupError
     from ckptdrain.daemon.journal import JournalError
     from ckptdrain.daemon.metrics import MetricsServerError
-    from ckptdrain.daemon.startup import StartupError
 
     if isinstance(exc, BaseExceptionGroup):
         for leaf in exc.exceptions:

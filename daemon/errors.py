@@ -24,6 +24,15 @@ class RequestError(DaemonError):
         self.details = details or {}
 
 
+class StartupError(DaemonError):
+    """The environment does not let the daemon start; ``key`` is the config key to look at."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
 class StuckIO(DaemonError):
     """A blocking call (a client's fd on a hung mount, an fsync) outlived ``io_timeout_s``.
 

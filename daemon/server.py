@@ -34,7 +34,7 @@ from ckptdrain.daemon.config import Config
 from ckptdrain.daemon.connection import ClientHandler
 from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane, io_threads
-from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.errors import RequestError, StartupError
 from ckptdrain.daemon.expiry import Expiry
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
@@ -160,7 +160,7 @@ class Daemon:
         try:
             if free_bytes or self.staging_reserve:  # none yet: a reload during start-up
                 new = startup.fit_staged_limit(new, capacity)
-        except startup.StartupError as exc:
+        except StartupError as exc:
             log_event(log, logging.ERROR, "reload_failed", error=str(exc))
             self.notifier.ready(self.status_line())
             return

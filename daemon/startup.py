@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptdrain.daemon.config import Config
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.errors import StartupError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.staging import DATA, FREE_SPACE_RESERVE_BYTES, FREE_SPACE_RESERVE_FRACTION
 
@@ -36,13 +36,6 @@ MIN_STAGED_BYTES = 16 << 20
 _MiB = 1 << 20
 
 
-class StartupError(DaemonError):
-    """The environment does not let the daemon start; ``key`` is the config key to look at."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 def _why(exc: OSError) -> str:

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from ckptdrain.daemon.config import load_config
-from ckptdrain.daemon.startup import MIN_STAGED_BYTES, StartupError, fit_staged_limit
+from ckptdrain.daemon.errors import StartupError
+from ckptdrain.daemon.startup import MIN_STAGED_BYTES, fit_staged_limit
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 
 MiB = 1 << 20
