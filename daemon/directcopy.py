@@ -74,15 +74,11 @@ def direct_copy_and_checksum(
             want = min(COPY_RANGE_BYTES, size - offset)
             if flow is not None and not flow.pace(want, stop):
                 raise Stopped
-            staged = os.fstat(src_fd).st_size
-            if staged < offset + want:
-                # Never map past the end: touching such a page kills the process (SIGBUS).
-                raise Truncated(f"source of {name} ended at byte {staged} of {size}: the "
-                                "staged file was truncated")
+            _check_size(src_fd, offset + want, name)
             whole = want - want % DIRECT_ALIGN_BYTES if direct else 0
             if whole:
                 try:
-                    _write_mapped(src_fd, out, offset, whole, digest)
+                    _write_mapped(src_fd, out, offset, whole, digest, name)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL or offset != 0:
                         raise
@@ -107,30 +103,57 @@ def direct_copy_and_checksum(
 
 
 def _write_mapped(src_fd: int, out: int, offset: int, length: int,
-                  digest: checksums.Digest) -> None:
+                  digest: checksums.Digest, name: str) -> None:
     """Write ``length`` bytes of ``src_fd`` at ``offset`` (both block-aligned) to the same
     offset of ``out`` straight from mappings of the staged pages, checksumming each window
-    after it is written."""
+    after it is written.
+
+    A staged file that shrinks meanwhile (only the daemon's user can: staging is 0700) is
+    found before each window is mapped and again before its checksum reads it, and a write
+    from pages that went away fails with EFAULT: each is :class:`Truncated`. Only a shrink
+    in the moment between the last check and the checksum's read can still fault."""
     done = 0
     while done < length:
         start = offset + done
         want = min(DIRECT_WINDOW_BYTES, length - done)
-        mapping = mmap.mmap(src_fd, want, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+        _check_size(src_fd, start + want, name)
+        try:
+            mapping = mmap.mmap(src_fd, want, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+        except ValueError:  # shorter than the window now
+            raise _shrank(name, start) from None
         try:
             with memoryview(mapping) as view:
                 written = 0
                 while written < want:
                     # Every view of the mapping is released before it is closed, on errors too.
                     with view[written:] as rest:
-                        n = os.pwrite(out, rest, start + written)
+                        try:
+                            n = os.pwrite(out, rest, start + written)
+                        except OSError as exc:
+                            if exc.errno == errno.EFAULT:  # the pages went with the file's end
+                                raise _shrank(name, start) from None
+                            raise
                     if n <= 0:  # pragma: no cover - a regular file takes some or raises
                         raise OSError(errno.EIO, f"direct write of {want - written} bytes "
                                                  "wrote nothing")
                     written += n
+                _check_size(src_fd, start + want, name)
                 digest.update(view)
         finally:
             mapping.close()
         done += want
+
+
+def _check_size(src_fd: int, end: int, name: str) -> None:
+    # Never map or read a mapping past the end: touching such a page kills the process (SIGBUS).
+    staged = os.fstat(src_fd).st_size
+    if staged < end:
+        raise Truncated(f"source of {name} ended at byte {staged}, before byte {end}: the "
+                        "staged file was truncated")
+
+
+def _shrank(name: str, offset: int) -> Truncated:
+    return Truncated(f"source of {name} shrank while it was copied (at byte {offset})")
 
 
 def _copy_buffered(src_fd: int, out: int, offset: int, length: int,

@@ -6,6 +6,7 @@ import errno
 import fcntl
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -199,3 +200,66 @@ def test_local_block_filesystems_are_told_apart_by_their_statfs_type(tmp_path: P
             assert not posixfs.writes_direct(fd)  # tmpfs keeps every byte in memory anyway
         finally:
             os.close(fd)
+
+
+_SHRINK_AFTER_FIRST_WRITE = '''
+import os, sys, threading
+from ckptdrain.daemon import directcopy, filecopy
+src_path, out_path, keep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+src = os.open(src_path, os.O_RDWR)
+size = os.fstat(src).st_size
+real = os.pwrite
+def shrinking(fd, data, offset):
+    n = real(fd, data, offset)
+    if offset == 0:
+        os.ftruncate(src, keep)  # someone shrinks the staged file under the copy
+    return n
+directcopy.os.pwrite = shrinking
+out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+try:
+    directcopy.direct_copy_and_checksum(src, out, size, threading.Event(), "x.bin")
+except filecopy.Truncated as exc:
+    print("Truncated:", exc)
+'''
+
+
+@pytest.mark.parametrize("keep", [
+    12 * MiB,   # inside the range's second window: found before that window is mapped
+    4 * MiB,    # inside the window just written: found before its checksum reads the mapping
+], ids=["next-window", "this-window"])
+def test_a_staged_file_shrunk_mid_range_is_a_typed_error_never_a_crash(
+    disk: Path, keep: int
+) -> None:
+    # The size was checked once per 16 MiB range while each 8 MiB window is mapped: a shrink
+    # after the first window escaped as a bare ValueError from mmap (an internal error with a
+    # traceback in the daemon's log), and one inside the window just written killed the
+    # process with SIGBUS when the checksum read the mapping. A child process runs the copy,
+    # so a crash fails this test instead of ending the test run.
+    src = disk / "staged.bin"
+    src.write_bytes(os.urandom(filecopy.COPY_RANGE_BYTES + MiB))
+    done = subprocess.run(
+        [sys.executable, "-c", _SHRINK_AFTER_FIRST_WRITE, str(src), str(disk / "out.bin"),
+         str(keep)],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("Truncated: source of x.bin"), done.stdout
+
+
+def test_a_direct_write_whose_pages_went_away_is_a_truncation(
+    disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A staged file shrunk during the direct write itself: the kernel finds the mapped pages
+    # gone and says EFAULT ("Bad address"), which read as a generic I/O error.
+    def faulting(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.EFAULT, "Bad address")
+
+    monkeypatch.setattr(directcopy.os, "pwrite", faulting)
+    src = _staged(disk, os.urandom(2 * MiB))
+    out = os.open(disk / "out.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with pytest.raises(filecopy.Truncated, match="shrank while it was copied"):
+            directcopy.direct_copy_and_checksum(src, out, 2 * MiB, threading.Event(), "x")
+        assert fcntl_flags(out) & os.O_DIRECT == 0
+    finally:
+        os.close(out)
+        os.close(src)
