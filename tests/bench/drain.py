@@ -197,7 +197,7 @@ def run_posix(ctx: Context, section: Section) -> None:
             baseline=figure([total / t for t in base], "B/s"),
             target=Target(">=", 0.9) if big else None,
             bound=(f"disk writes (both fsync every file) and CPU: daemon {busy(ours_cpu, ours)} "
-                   f"(kernel copy, CRC64NVME of the mapped staged file), cp + sync "
+                   f"(direct I/O from the mapped staged file on ext4 or XFS, else a kernel copy; CRC64NVME from the same pages), cp + sync "
                    f"{busy(base_cpu, base)}")))
         gb = total / 1e9
         section.rows.append(Row(
