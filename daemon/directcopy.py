@@ -25,14 +25,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from ckptdrain.daemon import checksums
-from ckptdrain.daemon.checksums import ALGO, Stopped
-from ckptdrain.daemon.filecopy import (
-    COPY_RANGE_BYTES,
-    Truncated,
-    checksum_mapped,
-    checksum_read,
-    kernel_copy,
-)
+from ckptdrain.daemon.checksums import ALGO
+from ckptdrain.daemon.filecopy import Truncated, copy_segment, next_range
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.backends.base import ThreadFlow
@@ -69,11 +63,7 @@ def direct_copy_and_checksum(
     offset = 0
     try:
         while offset < size:
-            if stop.is_set():
-                raise Stopped
-            want = min(COPY_RANGE_BYTES, size - offset)
-            if flow is not None and not flow.pace(want, stop):
-                raise Stopped
+            want = next_range(offset, size, stop, flow)
             _check_size(src_fd, offset + want, name)
             whole = want - want % DIRECT_ALIGN_BYTES if direct else 0
             if whole:
@@ -92,7 +82,9 @@ def direct_copy_and_checksum(
                 if direct:
                     direct = False
                     _set_direct(out, False)  # the tail: not a whole block
-                _copy_buffered(src_fd, out, offset + whole, want - whole, digest, name)
+                # Already paced: the range goes through the kernel copy, checksummed as ever.
+                copy_segment(src_fd, out, offset + whole, want - whole, digest, stop, name,
+                             mapped=src_fd)
             offset += want
             if flow is not None:
                 flow.moved(want)
@@ -154,20 +146,6 @@ def _check_size(src_fd: int, end: int, name: str) -> None:
 
 def _shrank(name: str, offset: int) -> Truncated:
     return Truncated(f"source of {name} shrank while it was copied (at byte {offset})")
-
-
-def _copy_buffered(src_fd: int, out: int, offset: int, length: int,
-                   digest: checksums.Digest, name: str) -> None:
-    done = 0
-    while done < length:
-        copied = kernel_copy(src_fd, out, offset + done, length - done)
-        if copied == 0:
-            raise Truncated(f"source of {name} ended at byte {offset + done}: the staged "
-                            "file was truncated")
-        done += copied
-    got = checksum_mapped(src_fd, offset, length, digest)
-    if got + checksum_read(src_fd, offset + got, length - got, digest) < length:
-        raise Truncated(f"source of {name} shrank while it was copied")
 
 
 def _set_direct(fd: int, on: bool) -> bool:

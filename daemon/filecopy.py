@@ -187,6 +187,17 @@ def copy_and_checksum(
     return digest.value()
 
 
+def next_range(offset: int, size: int, stop: threading.Event, flow: ThreadFlow | None) -> int:
+    """How many bytes the next range of a copy at ``offset`` of ``size`` takes, once the
+    drain's pacing lets it go; raises :class:`Stopped` where ``stop`` is set first."""
+    if stop.is_set():
+        raise Stopped
+    want = min(COPY_RANGE_BYTES, size - offset)
+    if flow is not None and not flow.pace(want, stop):
+        raise Stopped
+    return want
+
+
 def copy_segment(
     src_fd: int, out: int, start: int, length: int, digest: checksums.Digest,
     stop: threading.Event, name: str, *, flow: ThreadFlow | None = None,
@@ -203,11 +214,7 @@ def copy_segment(
     # gigabytes of the drain's dirty pages, and the drain's own final fsync has little left.
     behind: tuple[int, int] | None = None
     while offset < size:
-        if stop.is_set():
-            raise Stopped
-        want = min(COPY_RANGE_BYTES, size - offset)
-        if flow is not None and not flow.pace(want, stop):
-            raise Stopped
+        want = next_range(offset, size, stop, flow)
         copied = kernel_copy(src_fd, out, offset, want)
         if copied == 0:
             raise Truncated(f"source of {name} ended at byte {offset} of {size}: the staged "
