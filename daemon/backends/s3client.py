@@ -67,9 +67,9 @@ class S3Client:
         # is what keeps upload memory at max_concurrency x part size in all.
         self.bodies = asyncio.Semaphore(self._concurrency)
         # Restore's ranged GETs in flight across every object read at once (a restore fetches
-        # several shards together): at most max_concurrency connections and range buffers.
+        # several shards together): at most max_concurrency connections, each holding at most
+        # one write batch (s3reads.RANGE_WRITE_BYTES) of what arrived.
         self.ranges = asyncio.Semaphore(self._concurrency)
-        self.range_buffers: list[bytearray] = []
         self._session = AioSession()
         self._client_lock = asyncio.Lock()
         self._stack: AsyncExitStack | None = None

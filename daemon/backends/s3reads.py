@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, cast
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
@@ -163,16 +164,10 @@ class S3Reads(S3Client, Backend):
                   for offset in range(0, size, self._part_size)]
         crcs: dict[int, int] = {}
         loop = asyncio.get_running_loop()
-        # One buffer per range in flight (self.ranges bounds them across every object being
-        # read), reused range after range: reading a whole range into fresh bytes (aiohttp
-        # joins what arrived) cost more in page faults than the copy itself. The network's
-        # chunks are gathered here and written RANGE_WRITE_BYTES at a time.
-        buffers = self.range_buffers
 
-        async def write(view: memoryview, at: int, crc: int) -> int:
-            # Waited for even when cancelled: no thread may write to out_fd (or read the
-            # buffer) once we return.
-            future = loop.run_in_executor(None, _write_at, out_fd, view, at, crc)
+        async def write(pieces: builtins.list[bytes], at: int, crc: int) -> int:
+            # Waited for even when cancelled: no thread may write to out_fd once we return.
+            future = loop.run_in_executor(None, _write_at, out_fd, pieces, at, crc)
             try:
                 return await asyncio.shield(future)
             except asyncio.CancelledError:
@@ -182,41 +177,41 @@ class S3Reads(S3Client, Backend):
         async def fetch(offset: int, length: int) -> None:
             async with self.ranges:
                 what = f"reading {key} at byte {offset}"
-                buf = buffers.pop() if buffers else bytearray(RANGE_WRITE_BYTES)
-                view = memoryview(buf)
-                try:
-                    answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full,
-                                              Range=f"bytes={offset}-{offset + length - 1}",
-                                              IfMatch=etag)
-                    crc, written, filled = 0, 0, 0
-                    async with answer["Body"] as body:
-                        while True:
-                            with self._translating(what):
-                                piece = await body.read(RANGE_WRITE_BYTES - filled)
-                            if not piece:
-                                break
-                            if written + filled + len(piece) > length:
-                                raise S3Failure(f"{what}: more than the {length} bytes of the "
-                                                "range came back", transient=True, kind="io")
-                            view[filled:filled + len(piece)] = piece
-                            filled += len(piece)
-                            if filled == RANGE_WRITE_BYTES:
-                                crc = await write(view, offset + written, crc)
-                                written, filled = written + filled, 0
-                                if progress is not None:
-                                    progress(RANGE_WRITE_BYTES)
-                    if filled:
-                        crc = await write(view[:filled], offset + written, crc)
-                        written += filled
+                answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full,
+                                          Range=f"bytes={offset}-{offset + length - 1}",
+                                          IfMatch=etag)
+                crc, written = 0, 0
+                # The network's chunks as they arrived, written RANGE_WRITE_BYTES at a time
+                # with one pwritev: gathering them into a buffer first (or letting aiohttp
+                # join them) copied every byte twice more on the event loop's thread.
+                pieces: builtins.list[bytes] = []
+                held = 0
+                async with answer["Body"] as body:
+                    next_piece = _piece_reader(body)
+                    while True:
+                        with self._translating(what):
+                            piece = await next_piece()
+                        if not piece:
+                            break
+                        if written + held + len(piece) > length:
+                            raise S3Failure(f"{what}: more than the {length} bytes of the "
+                                            "range came back", transient=True, kind="io")
+                        pieces.append(piece)
+                        held += len(piece)
+                        if held >= RANGE_WRITE_BYTES or len(pieces) >= MAX_PIECES:
+                            crc = await write(pieces, offset + written, crc)
+                            written, batch, held, pieces = written + held, held, 0, []
+                            if progress is not None:
+                                progress(batch)
+                    if pieces:
+                        crc = await write(pieces, offset + written, crc)
+                        written += held
                         if progress is not None:
-                            progress(filled)
-                    if written != length:
-                        raise S3Failure(f"{what}: {written} bytes came back for a range of "
-                                        f"{length}", transient=True, kind="io")
-                    crcs[offset] = crc
-                finally:
-                    view.release()
-                    buffers.append(buf)
+                            progress(held)
+                if written != length:
+                    raise S3Failure(f"{what}: {written} bytes came back for a range of "
+                                    f"{length}", transient=True, kind="io")
+                crcs[offset] = crc
 
         try:
             async with asyncio.TaskGroup() as tg:
@@ -227,19 +222,42 @@ class S3Reads(S3Client, Backend):
         return size, checksums.combine([(crcs[offset], length) for offset, length in ranges])
 
 
-# A range read back is written to the file this much at a time: a small buffer, likelier to be
+# A range read back is written to the file this much at a time: a small batch, likelier to be
 # in the CPU's cache still when the write copies it into the page cache. Restoring 1 GiB from
 # SeaweedFS with 8 MiB took 3.9-4.3 CPU s in the kernel and 340 MB of resident memory here,
 # with 1 MiB 1.3-3.7 s and 115 MB (docs/benchmarks.md).
 RANGE_WRITE_BYTES = 1 << 20
+# A batch is written early once it holds this many pieces (a server sending tiny chunks): one
+# pwritev takes at most IOV_MAX (1024) buffers.
+MAX_PIECES = 256
 
 
-def _write_at(fd: int, view: memoryview, offset: int, crc: int) -> int:
-    """Write ``view`` at ``offset`` of ``fd``; the CRC64NVME continued from ``crc`` over it
-    (a worker thread's)."""
-    done = 0
-    while done < len(view):
-        done += os.pwritev(fd, [view[done:]], offset + done)
+def _piece_reader(body: Any) -> Callable[[], Awaitable[bytes]]:
+    """What returns the body's next chunk as the network delivered it (b"" at its end):
+    aiohttp's ``readany`` hands over the chunk it holds, where ``read(n)`` joins or slices
+    chunks into new bytes. A body that is not aiohttp's is read 1 MiB at a time."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    readany = getattr(content, "readany", None)
+    if readany is not None:
+        return cast("Callable[[], Awaitable[bytes]]", readany)
+    return lambda: cast("Awaitable[bytes]", body.read(RANGE_WRITE_BYTES))
+
+
+def _write_at(fd: int, pieces: builtins.list[bytes], offset: int, crc: int) -> int:
+    """Write ``pieces`` one after another at ``offset`` of ``fd``; the CRC64NVME continued
+    from ``crc`` over them (a worker thread's)."""
+    views = [memoryview(p) for p in pieces]
+    at = offset
+    while views:
+        n = os.pwritev(fd, views, at)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwritev wrote nothing at byte {at}")
+        at += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
     digest = checksums.Crc64nvme(crc)
-    digest.update(view)
+    for piece in pieces:
+        digest.update(piece)
     return digest.crc

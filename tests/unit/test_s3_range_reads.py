@@ -1,0 +1,120 @@
+"""Restore's ranged GETs write the network's chunks as they arrived, in batches with one
+pwritev, never gathered into a buffer first (each gather was another copy of every byte on the
+event loop's thread). Against a small HTTP server speaking just enough S3 (HEAD, ranged GET)
+that sends one range as many tiny writes, the way a slow or hostile server can."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from ckptdrain.daemon import checksums
+from ckptdrain.daemon.backends import s3reads
+from ckptdrain.daemon.backends.s3 import S3Backend
+from ckptdrain.daemon.config import DestinationConfig
+
+MiB = 1 << 20
+PART = 5 * MiB
+DATA = random.Random(11).randbytes(2 * PART + 4321)
+TRICKLED = 300  # tiny writes that make up the start of the second range
+
+
+async def _server() -> tuple[web.AppRunner, int, list[str]]:
+    ranges: list[str] = []
+
+    async def head(request: web.Request) -> web.Response:
+        return web.Response(headers={"Content-Length": str(len(DATA)), "ETag": '"e1"'})
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        spec = request.headers["Range"]
+        ranges.append(spec)
+        start, end = (int(x) for x in spec.removeprefix("bytes=").split("-"))
+        resp = web.StreamResponse(status=206, headers={
+            "Content-Range": f"bytes {start}-{end}/{len(DATA)}", "ETag": '"e1"',
+            "Content-Length": str(end - start + 1)})
+        await resp.prepare(request)
+        at = start
+        if start == PART:
+            for _ in range(TRICKLED):
+                await resp.write(DATA[at:at + 7])
+                at += 7
+                await asyncio.sleep(0.002)  # each write its own segment, its own chunk
+        while at <= end:
+            step = min(end + 1 - at, 300_000)
+            await resp.write(DATA[at:at + step])
+            at += step
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_route("HEAD", "/bucket/prefix/{key:.*}", head)
+    app.router.add_get("/bucket/prefix/{key:.*}", get, allow_head=False)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, runner.addresses[0][1], ranges
+
+
+@pytest.mark.asyncio
+async def test_ranges_are_written_from_the_chunks_as_they_arrived(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(s3reads, "MAX_PIECES", 8)
+    batches: list[list[Any]] = []
+    real_write_at = s3reads._write_at
+
+    def recording(fd: int, pieces: list[bytes], offset: int, crc: int) -> int:
+        batches.append(list(pieces))
+        return real_write_at(fd, pieces, offset, crc)
+
+    monkeypatch.setattr(s3reads, "_write_at", recording)
+    runner, port, ranges = await _server()
+    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url=f"http://127.0.0.1:{port}",
+                               region="us-east-1", addressing_style="path",
+                               part_size_bytes=PART, max_concurrency=2)
+    backend = S3Backend(config, "node", workers=0)
+    out = tmp_path / "restored"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        got = await backend.copy_into("job/00000000000000000001/big.bin", fd)
+    finally:
+        os.close(fd)
+        await backend.aclose()
+        await runner.cleanup()
+    assert got == (len(DATA), checksums.of_bytes(DATA))
+    assert out.read_bytes() == DATA
+    assert sorted(ranges) == sorted(f"bytes={o}-{min(o + PART, len(DATA)) - 1}"
+                                    for o in range(0, len(DATA), PART))
+    # What aiohttp received, as it received it: bytes objects, never joined into bigger ones
+    # nor copied into a buffer of ours, at most MAX_PIECES to a pwritev and about
+    # RANGE_WRITE_BYTES to a batch.
+    assert all(type(p) is bytes for batch in batches for p in batch)
+    assert max(len(batch) for batch in batches) == 8
+    assert all(sum(map(len, batch)) < s3reads.RANGE_WRITE_BYTES + 300_000 for batch in batches)
+    assert sum(1 for batch in batches for p in batch if len(p) == 7) >= TRICKLED // 2
+
+
+def test_a_batch_is_written_in_order_with_the_checksum_of_its_bytes(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    pieces = [rng.randbytes(rng.choice([0, 1, 7, 4096, 65537])) for _ in range(200)]
+    joined = b"".join(pieces)
+    head = rng.randbytes(333)
+    path = tmp_path / "f"
+    path.write_bytes(head)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        crc = s3reads._write_at(fd, pieces, len(head), checksums.crc64nvme_int(head))
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == head + joined
+    assert crc == checksums.crc64nvme_int(head + joined)
+    assert os.sysconf("SC_IOV_MAX") >= s3reads.MAX_PIECES
