@@ -172,6 +172,8 @@ class S3Reads(S3Client, Backend):
                 return await asyncio.shield(future)
             except asyncio.CancelledError:
                 await asyncio.wait([future])
+                if not future.cancelled():
+                    future.exception()  # retrieved: the cancellation is what we report
                 raise
 
         async def fetch(offset: int, length: int) -> None:
@@ -182,8 +184,8 @@ class S3Reads(S3Client, Backend):
                                           IfMatch=etag)
                 crc, written = 0, 0
                 # The network's chunks as they arrived, written RANGE_WRITE_BYTES at a time
-                # with one pwritev: gathering them into a buffer first (or letting aiohttp
-                # join them) copied every byte twice more on the event loop's thread.
+                # with one pwritev: letting aiohttp join them and then gathering them into a
+                # buffer copied every byte twice more on the event loop's thread.
                 pieces: builtins.list[bytes] = []
                 held = 0
                 async with answer["Body"] as body:
@@ -194,8 +196,9 @@ class S3Reads(S3Client, Backend):
                         if not piece:
                             break
                         if written + held + len(piece) > length:
-                            raise S3Failure(f"{what}: more than the {length} bytes of the "
-                                            "range came back", transient=True, kind="io")
+                            raise S3Failure(f"{what} at {self.uri}: more than the {length} "
+                                            "bytes of the range came back; the server sent a "
+                                            "wrong answer, retry", transient=True, kind="io")
                         pieces.append(piece)
                         held += len(piece)
                         if held >= RANGE_WRITE_BYTES or len(pieces) >= MAX_PIECES:
@@ -209,8 +212,9 @@ class S3Reads(S3Client, Backend):
                         if progress is not None:
                             progress(held)
                 if written != length:
-                    raise S3Failure(f"{what}: {written} bytes came back for a range of "
-                                    f"{length}", transient=True, kind="io")
+                    raise S3Failure(f"{what} at {self.uri}: {written} bytes came back for a "
+                                    f"range of {length}; the answer was cut short, retry",
+                                    transient=True, kind="io")
                 crcs[offset] = crc
 
         try:
@@ -233,20 +237,30 @@ MAX_PIECES = 256
 
 
 def _piece_reader(body: Any) -> Callable[[], Awaitable[bytes]]:
-    """What returns the body's next chunk as the network delivered it (b"" at its end):
-    aiohttp's ``readany`` hands over the chunk it holds, where ``read(n)`` joins or slices
-    chunks into new bytes. A body that is not aiohttp's is read 1 MiB at a time."""
+    """What returns the body's next chunk as the network delivered it (b"" at its end).
+    aiohttp's ``readchunk`` hands over one chunk it holds as it is; ``read(n)`` joins or
+    slices chunks into new bytes, and so does ``readany`` once more than one is waiting (when
+    the range's writes fall behind the network). A body that is not aiohttp's is read 1 MiB
+    at a time."""
     content = getattr(getattr(body, "raw_stream", None), "content", None)
-    readany = getattr(content, "readany", None)
-    if readany is not None:
-        return cast("Callable[[], Awaitable[bytes]]", readany)
-    return lambda: cast("Awaitable[bytes]", body.read(RANGE_WRITE_BYTES))
+    readchunk = getattr(content, "readchunk", None)
+    if readchunk is None:
+        return lambda: cast("Awaitable[bytes]", body.read(RANGE_WRITE_BYTES))
+
+    async def next_piece() -> bytes:
+        while True:
+            data, end_of_http_chunk = await readchunk()
+            # (b"", True) is the end of one HTTP chunk of a chunked body, not of the body.
+            if data or not end_of_http_chunk:
+                return cast(bytes, data)
+
+    return next_piece
 
 
 def _write_at(fd: int, pieces: builtins.list[bytes], offset: int, crc: int) -> int:
     """Write ``pieces`` one after another at ``offset`` of ``fd``; the CRC64NVME continued
     from ``crc`` over them (a worker thread's)."""
-    views = [memoryview(p) for p in pieces]
+    views = [memoryview(p) for p in pieces if p]
     at = offset
     while views:
         n = os.pwritev(fd, views, at)

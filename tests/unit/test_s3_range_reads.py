@@ -9,13 +9,17 @@ import asyncio
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.streams import StreamReader
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends import s3reads
+from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.config import DestinationConfig
 
@@ -25,7 +29,9 @@ DATA = random.Random(11).randbytes(2 * PART + 4321)
 TRICKLED = 300  # tiny writes that make up the start of the second range
 
 
-async def _server() -> tuple[web.AppRunner, int, list[str]]:
+async def _server(answer: str = "range") -> tuple[web.AppRunner, int, list[str]]:
+    """``answer``: "range" (what S3 does), "whole" (the whole object, as a server that
+    ignores Range), "short" (the range less its last 100 bytes)."""
     ranges: list[str] = []
 
     async def head(request: web.Request) -> web.Response:
@@ -35,6 +41,10 @@ async def _server() -> tuple[web.AppRunner, int, list[str]]:
         spec = request.headers["Range"]
         ranges.append(spec)
         start, end = (int(x) for x in spec.removeprefix("bytes=").split("-"))
+        if answer == "whole":
+            return web.Response(body=DATA, headers={"ETag": '"e1"'})
+        if answer == "short":
+            end -= 100
         resp = web.StreamResponse(status=206, headers={
             "Content-Range": f"bytes {start}-{end}/{len(DATA)}", "ETag": '"e1"',
             "Content-Length": str(end - start + 1)})
@@ -94,9 +104,8 @@ async def test_ranges_are_written_from_the_chunks_as_they_arrived(
     assert out.read_bytes() == DATA
     assert sorted(ranges) == sorted(f"bytes={o}-{min(o + PART, len(DATA)) - 1}"
                                     for o in range(0, len(DATA), PART))
-    # What aiohttp received, as it received it: bytes objects, never joined into bigger ones
-    # nor copied into a buffer of ours, at most MAX_PIECES to a pwritev and about
-    # RANGE_WRITE_BYTES to a batch.
+    # What aiohttp received: bytes objects, not copied into a buffer of ours, at most
+    # MAX_PIECES to a pwritev and about RANGE_WRITE_BYTES to a batch.
     assert all(type(p) is bytes for batch in batches for p in batch)
     assert max(len(batch) for batch in batches) == 8
     assert all(sum(map(len, batch)) < s3reads.RANGE_WRITE_BYTES + 300_000 for batch in batches)
@@ -118,3 +127,72 @@ def test_a_batch_is_written_in_order_with_the_checksum_of_its_bytes(tmp_path: Pa
     assert path.read_bytes() == head + joined
     assert crc == checksums.crc64nvme_int(head + joined)
     assert os.sysconf("SC_IOV_MAX") >= s3reads.MAX_PIECES
+
+
+@pytest.mark.asyncio
+async def test_chunks_waiting_together_are_handed_over_one_by_one_never_joined() -> None:
+    """When the writes fall behind the network several chunks wait in aiohttp's buffer:
+    ``readany`` would join them all into new bytes (one more copy of each); each is handed
+    over as the very object that arrived."""
+    loop = asyncio.get_running_loop()
+    content = StreamReader(BaseProtocol(loop), 1 << 20, loop=loop)
+    fed = [b"a" * 7, b"b" * 70_000, b"c" * 3]
+    for chunk in fed:
+        content.feed_data(chunk)
+    content.feed_eof()
+
+    class Body:
+        raw_stream = SimpleNamespace(content=content)
+
+    next_piece = s3reads._piece_reader(Body())
+    got = [await next_piece() for _ in range(len(fed) + 1)]
+    assert got == [*fed, b""]
+    assert all(g is f for g, f in zip(got, fed, strict=False))
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_is_not_aiohttps_is_read_a_batch_at_a_time() -> None:
+    sizes: list[int] = []
+
+    class Body:
+        def __init__(self) -> None:
+            self.left = 3 * s3reads.RANGE_WRITE_BYTES + 5
+
+        async def read(self, n: int) -> bytes:
+            sizes.append(n)
+            take = min(n, self.left)
+            self.left -= take
+            return b"x" * take
+
+    next_piece = s3reads._piece_reader(Body())
+    got = [len(await next_piece()) for _ in range(5)]
+    assert got == [s3reads.RANGE_WRITE_BYTES] * 3 + [5, 0]
+    assert set(sizes) == {s3reads.RANGE_WRITE_BYTES}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("answer", "message"), [
+    ("whole", "more than the 5242880 bytes of the range came back"),
+    ("short", "bytes came back for a range of"),
+])
+async def test_a_wrong_sized_answer_fails_the_copy_as_transient(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str, message: str) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    runner, port, _ = await _server(answer)
+    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url=f"http://127.0.0.1:{port}",
+                               region="us-east-1", addressing_style="path",
+                               part_size_bytes=PART, max_concurrency=2, max_attempts=1)
+    backend = S3Backend(config, "node", workers=0)
+    fd = os.open(tmp_path / "restored", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with pytest.raises(BackendError) as caught:
+            await backend.copy_into("job/00000000000000000001/big.bin", fd)
+    finally:
+        os.close(fd)
+        await backend.aclose()
+        await runner.cleanup()
+    assert caught.value.transient
+    assert message in str(caught.value)
+    assert "s3://bucket/prefix" in str(caught.value)
