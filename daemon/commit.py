@@ -329,7 +329,7 @@ class Committer:
 
         Part records are written only after their shards drained, so this normally finds
         nothing; it guards the one promise a manifest makes, also against another attempt at
-        the same step that replaced an uncommitted shard. One ``stat`` per shard: the size and
+        the same step that replaced an uncommitted shard. One ``stat`` per shard (``stat_many``): the size and
         the checksum recorded when the object was created (S3 metadata, a POSIX xattr), no
         read of the bytes. An object with no recorded checksum (written by an older version,
         or a new multipart S3 object, which only its writer's record can name: see s3.py) is
@@ -339,14 +339,14 @@ class Committer:
         absent: list[ShardEntry] = []
         different: list[ShardEntry] = []
 
-        async def check(shard: ShardEntry) -> None:
-            found = await self.backend.stat(prefix + shard.path)
+        shards = manifest.shards
+        infos = await self.backend.stat_many([prefix + shard.path for shard in shards],
+                                             concurrency=SHARD_CHECK_CONCURRENCY)
+        for shard, found in zip(shards, infos, strict=True):
             if found is None:
                 absent.append(shard)
             elif found.size != shard.size or found.checksum not in (None, shard.checksum):
                 different.append(shard)
-
-        await for_each_bounded(manifest.shards, check, SHARD_CHECK_CONCURRENCY)
         return sorted(absent, key=_by_rank), sorted(different, key=_by_rank)
 
     async def _raise_latest(self, job: str, step: int) -> None:

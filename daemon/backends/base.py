@@ -14,7 +14,7 @@ import builtins
 import concurrent.futures
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -177,6 +177,21 @@ class Backend(abc.ABC):
         """Size, modification time and recorded checksum of ``key``; None when it is absent.
         One request or syscall, never a read of the bytes, except on a POSIX filesystem that
         could not record the checksum (no user xattrs), where the file is hashed instead."""
+
+    async def stat_many(self, keys: Sequence[str], *,
+                        concurrency: int = 32) -> builtins.list[ObjectInfo | None]:
+        """:meth:`stat` of every key, in order (the commit's proof of every shard): here at
+        most ``concurrency`` at once. A backend that can answer many in one go overrides it
+        (POSIX: one thread job per batch instead of a thread hop per shard)."""
+        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports this module
+
+        found: builtins.list[ObjectInfo | None] = [None] * len(keys)
+
+        async def one(i: int) -> None:
+            found[i] = await self.stat(keys[i])
+
+        await for_each_bounded(range(len(keys)), one, concurrency)
+        return found
 
     @abc.abstractmethod
     async def list_dirs(self, prefix: str) -> builtins.list[str]:

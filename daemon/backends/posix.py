@@ -25,7 +25,7 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -49,6 +49,7 @@ from ckptdrain.daemon.backends.posixbatch import (
 from ckptdrain.daemon.backends.posixfs import (
     LFS_TIMEOUT_S,
     NAME_MAX,
+    STAT_BATCH,
     ChecksumXattr,
     backend_error,
     list_dirs,
@@ -57,6 +58,7 @@ from ckptdrain.daemon.backends.posixfs import (
     read_small,
     read_some,
     stat_file,
+    stat_files,
     striped_mkdir,
     sweep_temps,
     temp_name,
@@ -64,6 +66,7 @@ from ckptdrain.daemon.backends.posixfs import (
     writes_direct,
     writes_in_parallel,
 )
+from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.checksums import ALGO
 from ckptdrain.daemon.directcopy import DIRECT_MIN_BYTES, direct_copy_and_checksum
 from ckptdrain.daemon.filecopy import (
@@ -416,6 +419,23 @@ class PosixBackend(Backend):
             return None
         size, modified, checksum = found
         return ObjectInfo(key=key, size=size, modified=modified, checksum=checksum)
+
+    async def stat_many(self, keys: Sequence[str], *,
+                        concurrency: int = 32) -> builtins.list[ObjectInfo | None]:
+        # STAT_BATCH keys to a thread job: 10,000 small shards' proofs were 10,000 thread hops,
+        # a sixth of the event loop's time in a commit of them.
+        del concurrency  # the pool's threads bound it
+        batches = [keys[i:i + STAT_BATCH] for i in range(0, len(keys), STAT_BATCH)]
+        found: builtins.list[builtins.list[tuple[int, float, str] | None]] = [[]] * len(batches)
+
+        async def one(i: int) -> None:
+            found[i] = await self._run(f"checking {len(batches[i])} shards", stat_files, self.fs,
+                                       [self._parts(k) for k in batches[i]], self._xattr)
+
+        await for_each_bounded(range(len(batches)), one, self.max_threads)
+        return [None if f is None else ObjectInfo(key=k, size=f[0], modified=f[1], checksum=f[2])
+                for batch, results in zip(batches, found, strict=True)
+                for k, f in zip(batch, results, strict=True)]
 
     async def list_dirs(self, prefix: str) -> builtins.list[str]:
         base = prefix.rstrip("/")

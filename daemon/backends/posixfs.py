@@ -197,6 +197,21 @@ def stat_file(
         os.close(fd)
 
 
+# Paths stat'ed in one thread job by PosixBackend.stat_many.
+STAT_BATCH = 256
+
+
+def stat_files(fs: Beneath, many: list[list[str]], xattr: ChecksumXattr,
+               stop: threading.Event) -> list[tuple[int, float, str] | None]:
+    """:func:`stat_file` of each path, in one worker-thread job; raises Stopped on ``stop``."""
+    found = []
+    for parts in many:
+        if stop.is_set():
+            raise Stopped
+        found.append(stat_file(fs, parts, xattr, stop))
+    return found
+
+
 def read_small(fs: Beneath, parts: list[str], max_bytes: int,
                stop: threading.Event) -> bytes | None:
     """The whole file at ``parts`` (at most ``max_bytes``), or None when there is none."""
