@@ -496,9 +496,16 @@ async def test_stat_many_answers_as_stat_does_a_batch_per_thread_job(
         return await real_run(what, fn, *args)
 
     monkeypatch.setattr(backend, "_run", counting)
+    monkeypatch.setattr(backend, "max_threads", 1)
     many = await backend.stat_many(keys)
     assert many == one_by_one
     assert sum(f is None for f in many) == len(range(0, posixfs.STAT_BATCH + 7, 5)) + 1
     assert many[1] is not None and many[1].checksum == of_bytes(b"bytes 1")
     assert jobs == [f"checking {posixfs.STAT_BATCH} shards", "checking 8 shards"]
+    # A few shards go one to a job, as many at once as there are threads (a file without a
+    # checksum xattr is hashed: large ones hash in parallel).
+    jobs.clear()
+    monkeypatch.setattr(backend, "max_threads", 8)
+    assert await backend.stat_many(keys[:8]) == one_by_one[:8]
+    assert jobs == ["checking 1 shards"] * 8
     assert await backend.stat_many([]) == []
