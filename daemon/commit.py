@@ -329,11 +329,11 @@ class Committer:
 
         Part records are written only after their shards drained, so this normally finds
         nothing; it guards the one promise a manifest makes, also against another attempt at
-        the same step that replaced an uncommitted shard. One ``stat`` per shard (``stat_many``): the size and
-        the checksum recorded when the object was created (S3 metadata, a POSIX xattr), no
-        read of the bytes. An object with no recorded checksum (written by an older version,
-        or a new multipart S3 object, which only its writer's record can name: see s3.py) is
-        proved by its size alone, as before.
+        the same step that replaced an uncommitted shard. One ``stat`` per shard, asked of
+        the backend all at once (``stat_many``): the size and the checksum recorded when the
+        object was created (S3 metadata, a POSIX xattr), no read of the bytes. An object with
+        no recorded checksum (written by an older version, or a new multipart S3 object, which
+        only its writer's record can name: see s3.py) is proved by its size alone, as before.
         """
         prefix = generation_prefix(manifest.job, manifest.generation)
         absent: list[ShardEntry] = []

@@ -429,7 +429,7 @@ class PosixBackend(Backend):
         del concurrency  # the pool's threads bound it
         size = max(1, min(STAT_BATCH, -(-len(keys) // self.max_threads)))
         batches = [keys[i:i + size] for i in range(0, len(keys), size)]
-        found: builtins.list[builtins.list[tuple[int, float, str] | None]] = [[]] * len(batches)
+        found: builtins.list[builtins.list[tuple[int, float, str] | None]] = [[] for _ in batches]
 
         async def one(i: int) -> None:
             found[i] = await self._run(f"checking {len(batches[i])} shards", stat_files, self.fs,
