@@ -224,10 +224,12 @@ def test_a_copy_writes_behind_keeping_at_most_two_ranges_dirty(
     ]
 
 
-@pytest.mark.parametrize(("offset", "length"), [(0, 1), (4096, 3 * MiB), (4097, MiB + 5),
-                                                (7, 2 * MiB - 7)])
+@pytest.mark.parametrize(("offset", "length", "windows"),
+                         [(0, 1, 0), (4096, 3 * MiB, 3), (4097, MiB + 5, 1), (7, 2 * MiB - 7, 1),
+                          (0, MiB - 1, 0)])
 def test_a_mapped_checksum_equals_the_read_one_at_any_offset(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int, length: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int, length: int,
+        windows: int) -> None:
     # Small windows, so that a few MiB are mapped a window at a time, as big parts are.
     monkeypatch.setattr(filecopy, "CHECKSUM_WINDOW_BYTES", MiB)
     data = os.urandom(2 * MiB + 4 * MiB)
@@ -235,16 +237,22 @@ def test_a_mapped_checksum_equals_the_read_one_at_any_offset(
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        mapped, read = checksums.Crc64nvme(), checksums.Crc64nvme()
-        assert filecopy.checksum_mapped(fd, offset, length, mapped) == length
-        assert filecopy.checksum_read(fd, offset, length, read) == length
-        assert mapped.crc == read.crc
         expected = checksums.Crc64nvme()
         expected.update(data[offset:offset + length])
-        assert mapped.crc == expected.crc
+        # Whole windows only are mapped; the caller reads the rest, and all of a short range
+        # (a mapping's munmap costs more than reading a few pages).
+        mapped = checksums.Crc64nvme()
+        assert filecopy.checksum_mapped(fd, offset, length, mapped) == windows * MiB
+        whole = checksums.Crc64nvme()
+        whole.update(data[offset:offset + windows * MiB])
+        assert mapped.crc == whole.crc
+        into, read = checksums.Crc64nvme(), checksums.Crc64nvme()
+        assert filecopy.checksum_into(fd, offset, length, into, owned=True) == length
+        assert filecopy.checksum_read(fd, offset, length, read) == length
+        assert into.crc == read.crc == expected.crc
         # Past the end nothing is mapped (a page there would be SIGBUS): the caller reads.
         past = checksums.Crc64nvme()
-        assert filecopy.checksum_mapped(fd, len(data) - 10, 11, past) == 0
+        assert filecopy.checksum_mapped(fd, len(data) - MiB - 10, MiB + 11, past) == 0
         assert past.crc == 0
     finally:
         os.close(fd)
