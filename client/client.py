@@ -403,6 +403,7 @@ class Generation:
         self._state = "new"  # new -> open -> sealed | aborted
         # The boundary in force, as the daemon answered begin (never weaker than asked).
         self.effective_ack: str | None = None
+        self._inline_bytes = -1  # the largest shard sent as one put_bytes frame (none: -1)
 
     @property
     def node_id(self) -> str:
@@ -435,6 +436,11 @@ class Generation:
         self._state = "open"
         ack = reply.get("ack")
         self.effective_ack = ack if isinstance(ack, str) else None
+        # Offered by daemons that take small shards as one put_bytes frame (an older one does
+        # not: every shard then takes put and data).
+        inline = reply.get("inline_bytes")
+        if isinstance(inline, int) and not isinstance(inline, bool):
+            self._inline_bytes = min(inline, wire.INLINE_MAX_BYTES)
         return self
 
     def __exit__(
@@ -510,9 +516,13 @@ class Generation:
             with view.cast("B") as flat:
                 if self.effective_ack == "memory":
                     return self._put_memory(channel, path, flat, deferred)
+                fields = self._shard_fields(path, flat.nbytes, deferred)
+                if flat.nbytes <= self._inline_bytes:
+                    # A small shard in one round trip: a refusal costs little of the wire.
+                    return channel.request("put_bytes", fields, payload=flat)
                 # Two round trips: the daemon admits the shard (or pushes back) before any of
                 # its bytes are on the wire, then takes them in one data frame.
-                channel.request("put", self._shard_fields(path, flat.nbytes, deferred))
+                channel.request("put", fields)
                 return channel.request("data", {}, payload=flat)
 
     def _put_memory(

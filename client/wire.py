@@ -17,9 +17,14 @@ The header is a JSON object whose ``"type"`` names the message; the other keys a
 A shard sent as bytes takes two round trips: ``put`` declares it (``size``, no payload), the
 daemon answers ``ok`` once it has admitted it (budget reserved: backpressure happens before any
 byte is sent, never with gigabytes stuck in a socket), then the client sends one ``data`` frame
-whose payload is the shard, exactly ``size`` bytes, and the daemon answers again. Only ``data``
-carries a payload. The machine tracks this on both sides: ``data`` is refused unless it follows
-an accepted ``put`` with the same size, and nothing else may come between.
+whose payload is the shard, exactly ``size`` bytes, and the daemon answers again. The machine
+tracks this on both sides: ``data`` is refused unless it follows an accepted ``put`` with the
+same size, and nothing else may come between.
+
+A small shard (at most :data:`INLINE_MAX_BYTES`, and only to a daemon whose ``begin`` reply
+offers ``inline_bytes``) takes one round trip instead: ``put_bytes`` carries the shard as its
+payload, ``size`` bytes exactly. A refusal then costs the bytes already sent, which is why only
+small shards go this way. Only ``data`` and ``put_bytes`` carry a payload.
 
 ``put_fd`` and ``put_memfd`` carry one file descriptor instead (SCM_RIGHTS, attached to the
 frame's first byte) and take one round trip; the IO layer moves the fd, this machine only says
@@ -52,6 +57,9 @@ PREFIX: Final = struct.Struct(">4sIQ")
 PREFIX_BYTES: Final = PREFIX.size  # 16
 MAX_HEADER_BYTES: Final = 64 * 1024
 MAX_PAYLOAD_BYTES: Final = 1 << 44
+# The largest shard a ``put_bytes`` frame carries. A daemon holds that much of a connection's
+# bytes before it has admitted them, so it is no more than one receive buffer.
+INLINE_MAX_BYTES: Final = 256 * 1024
 
 # Error codes: the same strings as ``code`` on the classes in ckptdrain.client.errors.
 BAD_REQUEST: Final = "bad_request"
@@ -332,6 +340,7 @@ _CLIENT_KINDS: dict[str, _Schema] = {
     },
     "put": _SHARD,
     "data": {},
+    "put_bytes": _SHARD,
     "put_fd": _SHARD,
     "put_memfd": _SHARD,
     "seal": {"job": (_job, True), "step": (_step, True), "rank": (_rank, True)},
@@ -381,7 +390,7 @@ _SERVER_KINDS: dict[str, _Schema | None] = {
         "details": (_check_dict, False),
     },
 }
-_PAYLOAD_KINDS: Final = frozenset({"data"})
+_PAYLOAD_KINDS: Final = frozenset({"data", "put_bytes"})
 _FD_KINDS: Final = frozenset({"put_fd", "put_memfd", "fetch"})
 
 CLIENT_MESSAGE_TYPES: Final = frozenset(_CLIENT_KINDS)
@@ -441,6 +450,19 @@ def _validate(
     for name, (_checker, required) in schema.items():
         if required and name not in checked:
             raise ProtocolError(BAD_REQUEST, f"{kind!r} is missing required field {name!r}")
+    if kind == "put_bytes":
+        if payload_len > INLINE_MAX_BYTES:
+            raise ProtocolError(
+                BAD_REQUEST,
+                f"'put_bytes' carries at most {INLINE_MAX_BYTES} bytes, not {payload_len}; send "
+                "a larger shard with 'put' and then its 'data'",
+            )
+        if payload_len != checked["size"]:
+            raise ProtocolError(
+                SIZE_MISMATCH,
+                f"'put_bytes' declares {checked['size']} bytes but carries {payload_len}; they "
+                "must be equal",
+            )
     if kind == "begin":
         try:
             names.validate_rank(checked["rank"], checked["world_size"])
@@ -718,8 +740,9 @@ class Connection:
                 checked = _validate(kind, fields, payload_len, outgoing=False)
             except ProtocolError as exc:
                 # The frame is whole and consumed: a bad field is one refused request, not a
-                # broken stream. Unless bytes follow it (a payload) or nothing was agreed yet.
-                if kind == "hello" or payload_len or kind in _PAYLOAD_KINDS:
+                # broken stream. Unless bytes follow it (a payload), nothing was agreed yet, or
+                # it is the data frame an admitted put waits for.
+                if kind in ("hello", "data") or payload_len:
                     raise
                 self._received_any = True
                 return Rejected(kind, exc.code, exc.message)

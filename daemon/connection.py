@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError, parse_checksum
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog, checksums, maintenance, reads, waits
+from ckptdrain.daemon import catalog, checksums, maintenance, payloads, reads, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
@@ -114,6 +114,16 @@ class ClientHandler:
     async def send(self, kind: str, fields: dict[str, Any] | None = None) -> None:
         await self.channel.sendall(self.conn.send(kind, fields or {}))
 
+    async def _receive(self) -> None:
+        n = await self.channel.recv_into(self.view, self.conn.received_bytes)
+        self.conn.receive_data(self.view[:n])
+
+    async def receive_more(self) -> None:
+        """More of a payload the wire machine needs (payloads.receive_inline): on the rate
+        floor that began with it, and the short idle timeout."""
+        self.channel.idle_timeout_s = self.d.config.limits.client_idle_timeout_s
+        await self._receive()
+
     async def next_message(self) -> Message | None:
         limits = self.d.config.limits
         while True:
@@ -130,8 +140,7 @@ class ClientHandler:
                 between = not mid_frame and self.gen is not None and not self.gen.terminal
                 self.channel.idle_timeout_s = (limits.open_rank_idle_timeout_s if between
                                                else limits.client_idle_timeout_s)
-                n = await self.channel.recv_into(self.view, self.conn.received_bytes)
-                self.conn.receive_data(self.view[:n])
+                await self._receive()
                 continue
             if isinstance(event, wire.ConnectionClosed):
                 return None
@@ -204,6 +213,13 @@ class ClientHandler:
         if kind == "begin":
             return await self.begin(f["job"], f["step"], f["rank"], f["world_size"], f.get("ack"),
                                     f.get("attempt") or "")
+        if kind == "put_bytes":
+            # Read whole before anything is decided: a refusal then leaves no bytes of it in
+            # the stream, and the conversation goes on.
+            inline = await payloads.receive_inline(self)
+            gen, rank = self._own_rank(f)
+            return await self.d.handoffs.stage(self, gen, rank, f["path"], f["size"], None,
+                                               bool(f.get("deferred", False)), inline)
         if kind in ("put", "put_fd", "put_memfd"):
             return await self._put(kind, f["job"], f["step"], f["rank"], f["path"], f["size"],
                                    bool(f.get("deferred", False)))
@@ -360,7 +376,9 @@ class ClientHandler:
             await self.d.ledger.apply(gen, GenerationEvent.REOPENED)
         await self.d.ledger.open_rank(gen, rank)
         self.gen, self.rank, self.ack = gen, rank, effective
-        return {"job": job, "step": step, "rank": rank, "ack": effective, "node_id": self.d.node_id}
+        # inline_bytes: this daemon takes a shard that small as one put_bytes frame.
+        return {"job": job, "step": step, "rank": rank, "ack": effective, "node_id": self.d.node_id,
+                "inline_bytes": wire.INLINE_MAX_BYTES}
 
     async def seal(self, owned: tuple[GenerationRecord, int]) -> dict[str, Any]:
         gen, rank = owned

@@ -21,10 +21,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.wire import PayloadChunk, PayloadEnd, ProtocolError
+from ckptdrain.daemon import payloads
 from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
-from ckptdrain.daemon.channel import IdleTimeout, TooSlow
-from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, kernel_copy, write_all
+from ckptdrain.daemon.dataplane import kernel_copy
 from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.staging import StagingFull
@@ -129,8 +128,11 @@ class Handoffs:
 
     # -- ack=local: into staging, fsynced, journalled, then acknowledged -------------------------
     async def stage(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,
-                    src_fd: int | None, deferred: bool) -> dict[str, Any]:
-        """Owns ``src_fd`` (closes it, or leaves it to a stuck thread's clean-up)."""
+                    src_fd: int | None, deferred: bool,
+                    inline: bytes | memoryview | None = None) -> dict[str, Any]:
+        """Owns ``src_fd`` (closes it, or leaves it to a stuck thread's clean-up). The bytes
+        come through ``src_fd``, or are ``inline`` (a put_bytes frame's payload, all of it
+        already read), or else the client is told to send its data frame now."""
         d = self.d
         started = time.perf_counter()
         handed_at = time.time()
@@ -157,11 +159,13 @@ class Handoffs:
             opened, disk = await d.dataplane.call(d.staging.open_tmp_sampling, name)
             tmp_fd, created = opened, True
             promised = self._reserve_disk(size, disk)
-            tail: bytes | memoryview | None = None  # bytes received but not written yet
-            if src_fd is None:
+            # Bytes received but not written yet: a put_bytes frame's own (read before this
+            # request was dispatched), or all of a data frame that came with what was buffered.
+            tail: bytes | memoryview | None = inline or None
+            if src_fd is None and inline is None:
                 await h.send("ok", {"ready": True})
-                tail = await self._receive_payload(h, tmp_fd, size, path)
-            else:
+                tail = await payloads.receive_data(d, h, tmp_fd, size, path)
+            elif src_fd is not None:
                 src, dst = src_fd, tmp_fd
                 src_fd = tmp_fd = None  # the copy's thread owns them until it returns
                 stop = threading.Event()
@@ -225,70 +229,6 @@ class Handoffs:
                 await self._discard_before_answering(name)
         d.metrics.handoff(gen.job, time.perf_counter() - started, size, gen.ack)
         return {"path": path, "size": size, "ack": gen.ack}
-
-    async def _receive_payload(self, h: ClientHandler, fd: int, size: int,
-                               path: str) -> bytes | memoryview | None:
-        """The shard's data frame, paced by the rate floor from the moment the client is told
-        to send it: an admitted shard whose bytes never come, or trickle, frees its room in
-        ``client_rate_grace_s + size / client_min_bytes_per_s`` at most. Returns the payload
-        unwritten when all of it came with what was buffered (the caller writes it with the
-        rename, one data-plane call for both), else None (all written to ``fd``)."""
-        h.receiving_payload = True
-        h.channel.begin_transfer()
-        try:
-            return await self._receive_data_frame(h, fd, size, path)
-        finally:
-            h.receiving_payload = False
-            h.channel.end_transfer()
-
-    async def _receive_data_frame(self, h: ClientHandler, fd: int, size: int,
-                                  path: str) -> bytes | memoryview | None:
-        msg = await h.next_message()
-        if msg is None:
-            raise ConnectionError(f"client left before sending the bytes of {path!r}")
-        if msg.kind != "data":
-            raise ProtocolError(wire.BAD_REQUEST, f"expected the data frame of {path!r}, got {msg.kind!r}")
-        if msg.payload_len != size:
-            raise ProtocolError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but the "
-                                f"data frame carries {msg.payload_len}")
-        conn = h.conn
-        # What the wire machine had already buffered (at most one receive buffer; the chunks
-        # are copies it handed over) is written in one call, then the pump takes the rest.
-        buffered: list[memoryview] = []
-        ended = False
-        while conn.buffered or conn.payload_remaining == 0:
-            event = conn.next_event()
-            if isinstance(event, PayloadChunk):
-                buffered.append(event.data)
-                continue
-            if not isinstance(event, PayloadEnd):
-                raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
-            ended = True
-            break
-        data = (None if not buffered else buffered[0] if len(buffered) == 1
-                else b"".join(buffered))
-        if ended:
-            return data
-        if data is not None:
-            await self.d.dataplane.call(write_all, fd, data)
-        want = conn.payload_remaining
-        cancel = threading.Event()
-        pump = h.channel.socket_pump()
-        try:
-            # The byte pump runs in a thread of its own: splice socket -> pipe -> file. The
-            # wire machine is told afterwards what bypassed it.
-            await self.d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
-                                        cancel, h.channel.transfer, cancel=cancel)
-        except ClientTooSlow as exc:
-            raise TooSlow(str(exc)) from None
-        except ClientIdle as exc:
-            raise IdleTimeout(str(exc)) from None
-        except Cancelled:
-            raise ConnectionError("hand-off cancelled") from None
-        conn.payload_consumed(want)
-        if not isinstance(end := conn.next_event(), PayloadEnd):
-            raise ProtocolError(wire.BAD_REQUEST, f"unexpected {end!r} after a payload")
-        return None
 
     # -- ack=memory: the client's memfd, held and acknowledged at once ---------------------------
     async def hold(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,

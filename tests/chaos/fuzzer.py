@@ -91,8 +91,13 @@ def conversation(rng: random.Random, sizes: dict[str, int], kinds: tuple[str, ..
         choice = rng.random()
         if choice < 0.3:
             data = rng.randbytes(rng.choice((0, 1, rng.randint(2, 64 << 10))))
-            chunks.append(Chunk(_frame("put", {**who, "path": path, "size": len(data)}), kind="put"))
-            chunks.append(Chunk(_frame("data", {}, data), kind="data"))
+            if rng.random() < 0.5:  # a small shard in one frame
+                chunks.append(Chunk(_frame("put_bytes", {**who, "path": path, "size": len(data)},
+                                           data), kind="put_bytes"))
+            else:
+                chunks.append(Chunk(_frame("put", {**who, "path": path, "size": len(data)}),
+                                    kind="put"))
+                chunks.append(Chunk(_frame("data", {}, data), kind="data"))
         elif choice < 0.65:
             kind = rng.choice(("put_fd", "put_memfd"))
             fd_kind = rng.choice(kinds)

@@ -339,6 +339,51 @@ def test_the_data_frame_must_carry_exactly_the_declared_size() -> None:
         assert f"carries {len(wrong)}" in error.message
 
 
+def put_bytes(path: str, payload: bytes, size: int | None = None) -> bytes:
+    size = len(payload) if size is None else size
+    return frame({"type": "put_bytes", **JOB, "path": path, "size": size}, payload)
+
+
+def test_put_bytes_carries_a_small_shard_as_its_own_payload() -> None:
+    events = feed(Role.SERVER, [HELLO, put_bytes("a.bin", b"abc"), put_bytes("e.bin", b""),
+                                frame({"type": "seal", **JOB})])
+    assert events[1] == Message("put_bytes", {**JOB, "path": "a.bin", "size": 3}, 3)
+    assert events[2:4] == [b"abc", PayloadEnd()]
+    assert events[4] == Message("put_bytes", {**JOB, "path": "e.bin", "size": 0}, 0)
+    assert events[5] == PayloadEnd()
+    assert events[6] == Message("seal", JOB, 0)
+    assert isinstance(events[7], ConnectionClosed)
+    # At the limit it goes; the bytes follow the header in the same frame.
+    at_limit = b"x" * wire.INLINE_MAX_BYTES
+    assert normalize(feed(Role.SERVER, [HELLO, put_bytes("big", at_limit)])[2:4]) == [
+        at_limit, PayloadEnd()]
+
+
+def test_put_bytes_must_carry_exactly_its_size_and_no_more_than_the_inline_limit() -> None:
+    # Bytes follow the header, so the frame cannot be skipped: the connection fails.
+    for wrong in (b"x" * 9, b"x" * 11):
+        error = expect_error(Role.SERVER, HELLO + put_bytes("a.bin", wrong, size=10),
+                             "size_mismatch", "declares 10 bytes")
+        assert f"carries {len(wrong)}" in error.message
+    # Without bytes after it the frame is whole: refused, and the next one is read.
+    events = feed(Role.SERVER, [HELLO, put_bytes("a.bin", b"", size=10), frame({"type": "status"})])
+    assert isinstance(events[1], Rejected) and events[1].code == "size_mismatch"
+    assert events[2] == Message("status", {}, 0)
+    over = wire.INLINE_MAX_BYTES + 1
+    expect_error(Role.SERVER, HELLO + put_bytes("a.bin", b"x" * over), "bad_request",
+                 f"at most {wire.INLINE_MAX_BYTES} bytes")
+    # A put_bytes is not the data frame an admitted put waits for.
+    expect_error(Role.SERVER, HELLO + put("a.bin", 3) + put_bytes("b.bin", b"abc"),
+                 "bad_request", "expected the 'data' frame of the accepted put, got 'put_bytes'")
+    # The sending side refuses the same frames.
+    client = Connection(Role.CLIENT)
+    client.send("hello", {"version": 1})
+    with pytest.raises(ProtocolError, match="declares 4 bytes but carries 3"):
+        client.send("put_bytes", {**JOB, "path": "a", "size": 4}, 3)
+    with pytest.raises(ProtocolError, match="at most"):
+        client.send("put_bytes", {**JOB, "path": "a", "size": over}, over)
+
+
 def test_data_only_right_after_a_put_the_daemon_accepted() -> None:
     never = "'data' frame without a put the daemon accepted"
     expect_error(Role.SERVER, HELLO + data(b"abc"), "bad_request", never)
@@ -611,6 +656,7 @@ def test_round_trip_of_every_client_message() -> None:
         ("data", None, b"abcd"),
         ("put_fd", {**JOB, "path": "o.pt", "size": 12345}, b""),
         ("put_memfd", {**JOB, "path": "o.mem", "size": 0}, b""),
+        ("put_bytes", {**JOB, "path": "s.bin", "size": 5}, b"small"),
         ("seal", JOB, b""),
         ("abort", {**JOB, "reason": "ValueError: ünïcode"}, b""),
         ("wait", {"job": "j", "step": 2, "timeout_s": 600}, b""),
@@ -631,7 +677,8 @@ def test_round_trip_of_every_client_message() -> None:
         expected = "welcome" if kind == "hello" else "ok"
         assert [m.kind for m in drain(client)] == [expected]
     assert wire.needs_fd("put_fd") and wire.needs_fd("put_memfd") and not wire.needs_fd("put")
-    assert wire.takes_payload("data") and not wire.takes_payload("put")
+    assert wire.takes_payload("data") and wire.takes_payload("put_bytes")
+    assert not wire.takes_payload("put")
 
 
 def test_round_trip_of_server_messages() -> None:

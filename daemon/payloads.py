@@ -1,0 +1,112 @@
+"""A shard's bytes as they come on the socket: the ``data`` frame of an admitted ``put``, or
+the payload of a ``put_bytes`` frame (a small shard, in one round trip).
+
+Both are paced by the client's rate floor from the moment the bytes are due, so a client
+whose bytes never come, or trickle, is cut off in ``client_rate_grace_s + size /
+client_min_bytes_per_s`` at most. A data frame's bytes go to the staged file (those already
+buffered in one data-plane call, the rest through the socket pump's thread); a ``put_bytes``
+payload, at most ``wire.INLINE_MAX_BYTES``, is read whole before its request is decided, so
+that a refusal leaves the conversation at a frame boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from ckptdrain.client import wire
+from ckptdrain.client.wire import PayloadChunk, PayloadEnd, ProtocolError
+from ckptdrain.daemon.channel import IdleTimeout, TooSlow
+from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, write_all
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.connection import ClientHandler
+    from ckptdrain.daemon.server import Daemon
+
+
+def _joined(chunks: list[memoryview]) -> bytes | memoryview | None:
+    return None if not chunks else chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def receive_inline(h: ClientHandler) -> bytes | memoryview:
+    """All of the payload of the ``put_bytes`` frame just read."""
+    h.receiving_payload = True
+    h.channel.begin_transfer()
+    chunks: list[memoryview] = []
+    try:
+        while True:
+            event = h.conn.next_event()
+            if event is wire.NEED_DATA:
+                await h.receive_more()
+            elif isinstance(event, PayloadChunk):
+                chunks.append(event.data)
+            elif isinstance(event, PayloadEnd):
+                return _joined(chunks) or b""
+            else:
+                raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
+    finally:
+        h.receiving_payload = False
+        h.channel.end_transfer()
+
+
+async def receive_data(d: Daemon, h: ClientHandler, fd: int, size: int,
+                       path: str) -> bytes | memoryview | None:
+    """The admitted shard's data frame, into ``fd``. Returns the payload unwritten when all
+    of it came with what was buffered (the caller writes it with the rename, one data-plane
+    call for both), else None (all written to ``fd``)."""
+    h.receiving_payload = True
+    h.channel.begin_transfer()
+    try:
+        return await _receive_data_frame(d, h, fd, size, path)
+    finally:
+        h.receiving_payload = False
+        h.channel.end_transfer()
+
+
+async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
+                              path: str) -> bytes | memoryview | None:
+    msg = await h.next_message()
+    if msg is None:
+        raise ConnectionError(f"client left before sending the bytes of {path!r}")
+    if msg.kind != "data":
+        raise ProtocolError(wire.BAD_REQUEST, f"expected the data frame of {path!r}, got {msg.kind!r}")
+    if msg.payload_len != size:
+        raise ProtocolError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but the "
+                            f"data frame carries {msg.payload_len}")
+    conn = h.conn
+    # What the wire machine had already buffered (at most one receive buffer; the chunks
+    # are copies it handed over) is written in one call, then the pump takes the rest.
+    buffered: list[memoryview] = []
+    ended = False
+    while conn.buffered or conn.payload_remaining == 0:
+        event = conn.next_event()
+        if isinstance(event, PayloadChunk):
+            buffered.append(event.data)
+            continue
+        if not isinstance(event, PayloadEnd):
+            raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
+        ended = True
+        break
+    data = _joined(buffered)
+    if ended:
+        return data
+    if data is not None:
+        await d.dataplane.call(write_all, fd, data)
+    want = conn.payload_remaining
+    cancel = threading.Event()
+    pump = h.channel.socket_pump()
+    try:
+        # The byte pump runs in a thread of its own: splice socket -> pipe -> file. The
+        # wire machine is told afterwards what bypassed it.
+        await d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
+                               cancel, h.channel.transfer, cancel=cancel)
+    except ClientTooSlow as exc:
+        raise TooSlow(str(exc)) from None
+    except ClientIdle as exc:
+        raise IdleTimeout(str(exc)) from None
+    except Cancelled:
+        raise ConnectionError("hand-off cancelled") from None
+    conn.payload_consumed(want)
+    if not isinstance(end := conn.next_event(), PayloadEnd):
+        raise ProtocolError(wire.BAD_REQUEST, f"unexpected {end!r} after a payload")
+    return None

@@ -1,0 +1,126 @@
+"""A small shard in one round trip (``put_bytes``), against a real daemon: what it commits,
+what a refusal leaves of the conversation, and what a wrong or trickled frame gets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import client as client_module
+from ckptdrain.client import wire
+from tests.conftest import DaemonProcess
+from tests.functional.test_bad_input import RawClient, error_in, frame
+from tests.functional.test_slots import _rate_limited, read_all
+
+
+def _put_bytes(raw: RawClient, path: str, data: bytes, **who: Any) -> Any:
+    fields = {"job": "inline", "step": 1, "rank": 0, **who, "path": path, "size": len(data)}
+    raw.sock.sendall(wire.encode_message("put_bytes", fields, len(data)) + data)
+    return raw.reply()
+
+
+def test_small_shards_go_in_one_round_trip_and_commit_byte_equal(
+        daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[str] = []
+    request = client_module._Channel.request
+
+    def recording(self: Any, kind: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(kind)
+        return request(self, kind, *args, **kwargs)
+
+    monkeypatch.setattr(client_module._Channel, "request", recording)
+    shards = {"small.bin": os.urandom(64 << 10), "empty.bin": b"",
+              "limit.bin": os.urandom(wire.INLINE_MAX_BYTES),
+              "over.bin": os.urandom(wire.INLINE_MAX_BYTES + 1)}
+    with daemon.client() as c:
+        with c.generation("inline", 1) as gen:
+            sent.clear()
+            for path, data in shards.items():
+                gen.put(path, data)
+            # Up to the limit one frame each; past it, admission first, then the bytes.
+            assert sent == ["put_bytes", "put_bytes", "put_bytes", "put", "data"]
+        c.wait("inline", 1, timeout_s=60)
+    committed = tmp_path / "dest" / "inline" / f"{1:020d}"
+    for path, data in shards.items():
+        assert (committed / path).read_bytes() == data
+
+
+def test_a_refused_put_bytes_leaves_the_conversation_going(daemon: DaemonProcess) -> None:
+    with RawClient(daemon.socket_path) as raw:
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        # Before begin: refused, and the next request is read as a request.
+        early = _put_bytes(raw, "a.bin", b"early")
+        assert early.kind == "error" and early.fields["code"] == "bad_request"
+        begun = raw.call("begin", job="inline", step=1, rank=0, world_size=2)
+        assert begun.kind == "ok" and begun.fields["inline_bytes"] == wire.INLINE_MAX_BYTES
+        assert _put_bytes(raw, "a.bin", b"first").kind == "ok"
+        again = _put_bytes(raw, "a.bin", b"second")
+        assert again.kind == "error" and again.fields["code"] == "duplicate"
+        other = _put_bytes(raw, "b.bin", b"not mine", rank=1)
+        assert other.kind == "error" and other.fields["code"] == "bad_request"
+        assert _put_bytes(raw, "c.bin", b"third").kind == "ok"
+        sealed = raw.call("seal", job="inline", step=1, rank=0)
+        assert sealed.kind == "ok" and sealed.fields["shards"] == 2
+        assert sealed.fields["bytes"] == len(b"first") + len(b"third")
+
+
+def test_put_bytes_refused_for_room_is_backpressure_and_the_connection_goes_on(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="300KiB",
+                    CKPTDRAIN_LIMITS__ON_FULL="reject",
+                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    chunk = os.urandom(200 << 10)
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin(job="inline")
+        assert _put_bytes(raw, "a.bin", chunk).kind == "ok"
+        full = _put_bytes(raw, "b.bin", chunk)
+        assert full.kind == "error" and full.fields["code"] == "backpressure"
+        status = raw.call("status")
+        assert status.kind == "ok" and status.fields["staged_bytes"] == len(chunk)
+
+
+def test_put_bytes_of_the_wrong_size_ends_that_connection_only(daemon: DaemonProcess) -> None:
+    with RawClient(daemon.socket_path) as raw:
+        raw.hello_begin(job="inline")
+        header = frame({"type": "put_bytes", "job": "inline", "step": 1, "rank": 0,
+                        "path": "a.bin", "size": 10}, payload_len=4)
+        err = error_in(raw.raw(header + b"abcd"))
+    assert err["code"] == "size_mismatch" and "declares 10 bytes but carries 4" in err["message"]
+    with RawClient(daemon.socket_path) as raw:
+        raw.hello_begin(job="inline-over")
+        over = wire.INLINE_MAX_BYTES + 1
+        header = frame({"type": "put_bytes", "job": "inline-over", "step": 1, "rank": 0,
+                        "path": "a.bin", "size": over}, payload_len=over)
+        err = error_in(raw.raw(header))
+    assert err["code"] == "bad_request" and "with 'put' and then its 'data'" in err["message"]
+    with daemon.client() as c, c.generation("inline-ok", 1) as gen:
+        gen.put("fine.bin", b"still serving")
+
+
+def test_a_trickled_put_bytes_payload_is_cut_off(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = _rate_limited(make_daemon)
+    size = wire.INLINE_MAX_BYTES
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin(job="trickle")
+        head = frame({"type": "put_bytes", "job": "trickle", "step": 1, "rank": 0,
+                      "path": "a", "size": size}, payload_len=size)
+        raw.sock.sendall(head + b"x" * 4096)
+        raw.sock.settimeout(0.2)
+        got, deadline = b"", time.monotonic() + 30
+        while not got:
+            assert time.monotonic() < deadline, "a trickled put_bytes kept its connection"
+            with contextlib.suppress(OSError):
+                raw.sock.sendall(b"x" * 100)
+            with contextlib.suppress(TimeoutError, BlockingIOError, ConnectionResetError):
+                got = raw.sock.recv(65536)
+        got += read_all(raw.sock)
+    err = error_in(got)
+    assert err["code"] == "timeout" and "client_min_bytes_per_s" in err["message"]
+    with d.client() as c:
+        assert not [g for g in c.status()["generations"] if g["job"] == "trickle"
+                    and g["shards"].get("staged")]
