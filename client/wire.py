@@ -58,7 +58,8 @@ PREFIX_BYTES: Final = PREFIX.size  # 16
 MAX_HEADER_BYTES: Final = 64 * 1024
 MAX_PAYLOAD_BYTES: Final = 1 << 44
 # The largest shard a ``put_bytes`` frame carries. A daemon holds that much of a connection's
-# bytes before it has admitted them, so it is no more than one receive buffer.
+# bytes before it has admitted them (while it waits for room, too), on top of the connection's
+# receive buffer: small, so that this stays a fraction of what a connection costs anyway.
 INLINE_MAX_BYTES: Final = 256 * 1024
 
 # Error codes: the same strings as ``code`` on the classes in ckptdrain.client.errors.
@@ -451,11 +452,12 @@ def _validate(
         if required and name not in checked:
             raise ProtocolError(BAD_REQUEST, f"{kind!r} is missing required field {name!r}")
     if kind == "put_bytes":
-        if payload_len > INLINE_MAX_BYTES:
+        if max(payload_len, checked["size"]) > INLINE_MAX_BYTES:
             raise ProtocolError(
                 BAD_REQUEST,
-                f"'put_bytes' carries at most {INLINE_MAX_BYTES} bytes, not {payload_len}; send "
-                "a larger shard with 'put' and then its 'data'",
+                f"'put_bytes' carries at most {INLINE_MAX_BYTES} bytes, not "
+                f"{max(payload_len, checked['size'])}; send a larger shard with 'put' and then "
+                "its 'data'",
             )
         if payload_len != checked["size"]:
             raise ProtocolError(

@@ -215,9 +215,17 @@ class ClientHandler:
                                     f.get("attempt") or "")
         if kind == "put_bytes":
             # Read whole before anything is decided: a refusal then leaves no bytes of it in
-            # the stream, and the conversation goes on.
+            # the stream, and the conversation goes on. Only the rank's own shard is a
+            # hand-off a stopping daemon lets finish: a stranger's stalled payload is not.
+            try:
+                mine: tuple[GenerationRecord, int] | RequestError = self._own_rank(f)
+            except RequestError as exc:
+                mine = exc
+            self.busy = not isinstance(mine, RequestError)
             inline = await payloads.receive_inline(self)
-            gen, rank = self._own_rank(f)
+            if isinstance(mine, RequestError):
+                raise mine
+            gen, rank = mine
             return await self.d.handoffs.stage(self, gen, rank, f["path"], f["size"], None,
                                                bool(f.get("deferred", False)), inline)
         if kind in ("put", "put_fd", "put_memfd"):

@@ -154,38 +154,46 @@ class Handoffs:
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
             room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, h.uid)
             yielding.enter_context(d.scheduler.handoff())
-            # One data-plane call samples the room and creates the temp file: the sample is
-            # checked on the loop (pending_bytes), and a refusal unlinks the empty file.
-            opened, disk = await d.dataplane.call(d.staging.open_tmp_sampling, name)
-            tmp_fd, created = opened, True
-            promised = self._reserve_disk(size, disk)
-            # Bytes received but not written yet: a put_bytes frame's own (read before this
-            # request was dispatched), or all of a data frame that came with what was buffered.
-            tail: bytes | memoryview | None = inline or None
-            if src_fd is None and inline is None:
-                await h.send("ok", {"ready": True})
-                tail = await payloads.receive_data(d, h, tmp_fd, size, path)
-            elif src_fd is not None:
-                src, dst = src_fd, tmp_fd
-                src_fd = tmp_fd = None  # the copy's thread owns them until it returns
-                stop = threading.Event()
-
-                def give_up() -> None:
-                    d.dataplane.close_client_fd(src)
-                    _close(dst)
-
-                await d.dataplane.call(kernel_copy, src, dst, size, stop, cleanup=give_up,
-                                       cancel=stop)
-                src_fd, tmp_fd = None, dst
-                d.dataplane.close_client_fd(src)
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
-            # files of a batch one after the other, their directory once. A small shard's
-            # bytes, all received with its frame, are written in the same call.
-            fd, tmp_fd = tmp_fd, None
-            await d.dataplane.call(functools.partial(d.staging.finish_later, fd, name, tail),
-                                   cleanup=lambda: _close(fd))
-            _close(fd)
+            # files of a batch one after the other, their directory once.
+            if inline is not None:
+                # A put_bytes frame's bytes, all here: one data-plane call samples the room
+                # and writes the staged file whole (at most wire.INLINE_MAX_BYTES before the
+                # sample is checked, well within the filesystem's reserve); a refusal
+                # unlinks it.
+                created = True
+                disk = await d.dataplane.call(
+                    functools.partial(d.staging.write_sampling, name, inline))
+                promised = self._reserve_disk(size, disk)
+            else:
+                # One data-plane call samples the room and creates the temp file: the sample
+                # is checked on the loop (pending_bytes), and a refusal unlinks the empty file.
+                opened, disk = await d.dataplane.call(d.staging.open_tmp_sampling, name)
+                tmp_fd, created = opened, True
+                promised = self._reserve_disk(size, disk)
+                # All of a data frame that came with what was buffered, not written yet.
+                tail: bytes | memoryview | None = None
+                if src_fd is None:
+                    await h.send("ok", {"ready": True})
+                    tail = await payloads.receive_data(d, h, tmp_fd, size, path)
+                else:
+                    src, dst = src_fd, tmp_fd
+                    src_fd = tmp_fd = None  # the copy's thread owns them until it returns
+                    stop = threading.Event()
+
+                    def give_up() -> None:
+                        d.dataplane.close_client_fd(src)
+                        _close(dst)
+
+                    await d.dataplane.call(kernel_copy, src, dst, size, stop, cleanup=give_up,
+                                           cancel=stop)
+                    src_fd, tmp_fd = None, dst
+                    d.dataplane.close_client_fd(src)
+                fd, tmp_fd = tmp_fd, None
+                await d.dataplane.call(functools.partial(d.staging.finish_later, fd, name, tail),
+                                       cleanup=lambda: _close(fd))
+                _close(fd)
             # The generation may have ended while this hand-off waited for room or bytes
             # (another rank aborted, a newer one superseded it): then nothing is kept.
             h.still_open(gen, rank)

@@ -11,11 +11,14 @@ from typing import Any
 
 import pytest
 
+from ckptdrain.client import Backpressure, wire
 from ckptdrain.client import client as client_module
-from ckptdrain.client import wire
 from tests.conftest import DaemonProcess
+from tests.functional import test_backpressure
 from tests.functional.test_bad_input import RawClient, error_in, frame
 from tests.functional.test_slots import _rate_limited, read_all
+
+small_tmpfs = test_backpressure.small_tmpfs  # a fixture: a 64 MiB tmpfs, for a disk that fills
 
 
 def _put_bytes(raw: RawClient, path: str, data: bytes, **who: Any) -> Any:
@@ -124,3 +127,39 @@ def test_a_trickled_put_bytes_payload_is_cut_off(make_daemon) -> None:  # type: 
     with d.client() as c:
         assert not [g for g in c.status()["generations"] if g["job"] == "trickle"
                     and g["shards"].get("staged")]
+
+
+def test_put_bytes_refused_by_a_full_staging_disk_leaves_no_file(
+        make_daemon, small_tmpfs: Path) -> None:  # type: ignore[no-untyped-def]
+    # The staged file is written in the same thread job as the disk's room is sampled; a
+    # sample that refuses it unlinks it before the refusal is answered.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    st = os.statvfs(small_tmpfs)
+    # Room for the bytes themselves, not for them and the filesystem's reserve.
+    (small_tmpfs / "someone-else").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (2 << 20)))
+    c = d.client()
+    with c.generation("full", 1) as gen, pytest.raises(Backpressure) as info:
+        gen.put("b", os.urandom(200 << 10))
+    assert info.value.details["limit"] == "staging_filesystem"
+    assert os.listdir(small_tmpfs / "staging" / "shards") == []
+    (small_tmpfs / "someone-else").unlink()
+    with c.generation("full", 2) as gen:
+        assert gen.put("b", b"room again")["ack"] == "local"
+
+
+def test_a_strangers_stalled_put_bytes_is_no_hand_off_to_wait_for_at_stop(
+        daemon: DaemonProcess) -> None:
+    # Found by attacking it: a put_bytes before any begin counted as a hand-off in flight,
+    # so a peer that had only said hello held a stopping daemon for its whole grace period
+    # and was then cut off by the rate floor. It is now cancelled at once, as an idle one is.
+    with RawClient(daemon.socket_path) as raw:
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        size = wire.INLINE_MAX_BYTES
+        raw.sock.sendall(frame({"type": "put_bytes", "job": "s", "step": 1, "rank": 0,
+                                "path": "a", "size": size}, payload_len=size) + b"x" * 1000)
+        status = daemon.client().status()  # the frame is being read by now
+        assert status["node_id"]
+        daemon.stop(timeout_s=30)
+        got = read_all(raw.sock)
+    assert b"client_min_bytes_per_s" not in got and b"timeout" not in got

@@ -369,6 +369,10 @@ def test_put_bytes_must_carry_exactly_its_size_and_no_more_than_the_inline_limit
     events = feed(Role.SERVER, [HELLO, put_bytes("a.bin", b"", size=10), frame({"type": "status"})])
     assert isinstance(events[1], Rejected) and events[1].code == "size_mismatch"
     assert events[2] == Message("status", {}, 0)
+    # A size over the limit is the limit's error, with or without the bytes.
+    events = feed(Role.SERVER, [HELLO, put_bytes("a.bin", b"", size=wire.INLINE_MAX_BYTES + 1)])
+    assert isinstance(events[1], Rejected) and events[1].code == "bad_request"
+    assert "at most" in events[1].message
     over = wire.INLINE_MAX_BYTES + 1
     expect_error(Role.SERVER, HELLO + put_bytes("a.bin", b"x" * over), "bad_request",
                  f"at most {wire.INLINE_MAX_BYTES} bytes")
