@@ -8,6 +8,7 @@ idle timeout), and every generation of the well-behaved client committed intact.
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import os
 import socket
@@ -30,6 +31,7 @@ from tests.chaos.fuzzer import (
     run_session,
 )
 from tests.chaos.killer import ChaosDaemon
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -276,6 +278,9 @@ def test_fds_on_frames_that_take_none_are_closed(tmp_path: Path, sock_dir: Path)
         pid = daemon.pid
         raw = Raw(daemon)
         assert (w := raw.call("hello", {"version": wire.PROTOCOL_VERSION})) and w.kind == "welcome"
+        # One request without an fd first: what the daemon opens once, on its first request
+        # or its first second of service, is not counted against the frames below.
+        assert (s := raw.call("status", {})) and s.kind == "ok"
         baseline = inv.proc_fds(pid)
         for _ in range(40):
             fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -287,10 +292,15 @@ def test_fds_on_frames_that_take_none_are_closed(tmp_path: Path, sock_dir: Path)
                 os.close(fd)
             if raw.reply() is None:
                 break
-        # The connection stays open: whatever the daemon still holds, it holds for it.
-        held = inv.proc_fds(pid) - baseline
+        # The connection stays open: whatever the daemon still holds, it holds for it. What
+        # it keeps, not what a periodic task has open for a moment (CI once counted 3).
+        held = [inv.proc_fds(pid) - baseline]
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: held.append(inv.proc_fds(pid) - baseline) or held[-1] <= 2,
+                     timeout_s=10)
         raw.close()
-        assert held <= 2, f"the daemon holds {held} more fds for one connection after 40 fds on status frames"
+        assert held[-1] <= 2, (f"the daemon holds {held[-1]} more fds for one connection after "
+                               f"40 fds on status frames (counted {held})")
         still_serves(daemon, "fdleak")
     finally:
         daemon.kill()
