@@ -11,7 +11,9 @@ that a refusal leaves the conversation at a frame boundary.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
@@ -28,12 +30,22 @@ def _joined(chunks: list[memoryview]) -> bytes | memoryview | None:
     return None if not chunks else chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def receive_inline(h: ClientHandler) -> bytes | memoryview:
-    """All of the payload of the ``put_bytes`` frame just read."""
+@contextlib.contextmanager
+def _due(h: ClientHandler) -> Iterator[None]:
+    """The bytes are due: paced by the rate floor until they are in."""
     h.receiving_payload = True
     h.channel.begin_transfer()
-    chunks: list[memoryview] = []
     try:
+        yield
+    finally:
+        h.receiving_payload = False
+        h.channel.end_transfer()
+
+
+async def receive_inline(h: ClientHandler) -> bytes | memoryview:
+    """All of the payload of the ``put_bytes`` frame just read."""
+    chunks: list[memoryview] = []
+    with _due(h):
         while True:
             event = h.conn.next_event()
             if event is wire.NEED_DATA:
@@ -44,9 +56,6 @@ async def receive_inline(h: ClientHandler) -> bytes | memoryview:
                 return _joined(chunks) or b""
             else:
                 raise ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r} inside a payload")
-    finally:
-        h.receiving_payload = False
-        h.channel.end_transfer()
 
 
 async def receive_data(d: Daemon, h: ClientHandler, fd: int, size: int,
@@ -54,13 +63,8 @@ async def receive_data(d: Daemon, h: ClientHandler, fd: int, size: int,
     """The admitted shard's data frame, into ``fd``. Returns the payload unwritten when all
     of it came with what was buffered (the caller writes it with the rename, one data-plane
     call for both), else None (all written to ``fd``)."""
-    h.receiving_payload = True
-    h.channel.begin_transfer()
-    try:
+    with _due(h):
         return await _receive_data_frame(d, h, fd, size, path)
-    finally:
-        h.receiving_payload = False
-        h.channel.end_transfer()
 
 
 async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
