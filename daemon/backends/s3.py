@@ -256,24 +256,22 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         own object and this returns False too: callers compare the bytes, as they must.)"""
         full = self._key(key)
         params: dict[str, Any] = {
-            # A bytearray, not bytes: botocore wraps bytes in a BytesIO and then sends
-            # "Expect: 100-continue", a round trip per manifest and one aiohttp waits on
-            # without a timeout if a proxy never answers it.
-            "Bucket": self.bucket, "Key": full, "Body": bytearray(data),
+            "Bucket": self.bucket, "Key": full,
             "ChecksumCRC32": crc32_header(crc32_hex(data)),
             "Metadata": {NODE_METADATA_KEY: self.node_id},
         }
         if exclusive:
             return await self._create(
                 f"writing {key}",
-                lambda: self._call(f"writing {key}", "put_object", IfNoneMatch="*", **params))
-        await self._call(f"writing {key}", "put_object", **params)
+                lambda: self._small(f"writing {key}", "put_object", body=data, IfNoneMatch="*",
+                                    **params))
+        await self._small(f"writing {key}", "put_object", body=data, **params)
         return True
 
     async def delete(self, key: str) -> None:
         full = self._key(key)
         try:
-            await self._call(f"deleting {key}", "delete_object", Bucket=self.bucket, Key=full)
+            await self._small(f"deleting {key}", "delete_object", Bucket=self.bucket, Key=full)
         except S3Failure as exc:
             if exc.code != "NoSuchKey":
                 raise
