@@ -256,22 +256,24 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         own object and this returns False too: callers compare the bytes, as they must.)"""
         full = self._key(key)
         params: dict[str, Any] = {
-            "Bucket": self.bucket, "Key": full,
+            # A bytearray, not bytes: botocore wraps bytes in a BytesIO and then sends
+            # "Expect: 100-continue", a round trip per manifest and one aiohttp waits on
+            # without a timeout if a proxy never answers it.
+            "Bucket": self.bucket, "Key": full, "Body": bytearray(data),
             "ChecksumCRC32": crc32_header(crc32_hex(data)),
             "Metadata": {NODE_METADATA_KEY: self.node_id},
         }
         if exclusive:
             return await self._create(
                 f"writing {key}",
-                lambda: self._small(f"writing {key}", "put_object", body=data, IfNoneMatch="*",
-                                    **params))
-        await self._small(f"writing {key}", "put_object", body=data, **params)
+                lambda: self._call(f"writing {key}", "put_object", IfNoneMatch="*", **params))
+        await self._call(f"writing {key}", "put_object", **params)
         return True
 
     async def delete(self, key: str) -> None:
         full = self._key(key)
         try:
-            await self._small(f"deleting {key}", "delete_object", Bucket=self.bucket, Key=full)
+            await self._call(f"deleting {key}", "delete_object", Bucket=self.bucket, Key=full)
         except S3Failure as exc:
             if exc.code != "NoSuchKey":
                 raise

@@ -183,12 +183,10 @@ class S3Client:
         with self._translating(what):
             return await getattr(client, operation)(**params)
 
-    async def _small(self, what: str, operation: str, *, body: bytes | None = None,
-                     read_max: int | None = None, **params: Any) -> Any:
-        """A request without a streamed body (s3senders.SMALL_OPERATIONS), sent by whoever
-        sends bodies: with upload workers, a worker builds, signs and parses it, not the
-        daemon's loop. ``body`` and ``read_max`` as in :meth:`PartSender.call`."""
-        return await self.parts.call(what, operation, params, body=body, read_max=read_max)
+    async def _control(self, what: str, operation: str, **params: Any) -> Any:
+        """A request every shard makes (s3senders.CONTROL_OPERATIONS), sent by whoever sends
+        bodies: with upload workers, a worker builds and signs it, not the daemon's loop."""
+        return await self.parts.call(what, operation, params)
 
     def _key(self, key: str) -> str:
         if not key or key.startswith("/") or any(s in ("", ".", "..") for s in key.split("/")):
@@ -218,7 +216,7 @@ class S3Client:
 
     async def _head(self, key: str, full: str) -> dict[str, Any] | None:
         try:
-            head: dict[str, Any] = await self._small(
+            head: dict[str, Any] = await self._control(
                 f"checking {key}", "head_object", Bucket=self.bucket, Key=full,
                 ChecksumMode="ENABLED",
             )

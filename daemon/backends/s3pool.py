@@ -1,6 +1,5 @@
 """The S3 upload worker pool: ``drain.workers`` processes (s3worker.py) that send shard bodies
-and every small request the daemon makes (s3senders.SMALL_OPERATIONS), and the messages the
-daemon and they exchange.
+and the small requests every shard makes, and the messages the daemon and they exchange.
 
 A request to a worker carries a duplicate of the staged file's fd (SCM_RIGHTS), so the daemon
 may close its own fd at any time; the worker closes its copy when the part is done. Each worker
@@ -8,11 +7,6 @@ is owned by the pool: started with the backend (or on first use), restarted afte
 it had in flight fails as a transient error, which the drain retries and the upload journal
 resumes), and stopped with the backend. A cancelled send tells the worker to cancel the part
 and waits for its answer, so no part is still in flight when the caller aborts its upload.
-
-What does not fit in one datagram travels in a memfd attached to the message: a small
-object's bytes each way (a part record or manifest written or read), and a request or an
-answer longer than half a datagram (a Complete of thousands of parts, a page of a listing).
-Whoever receives a message's fds owns them and closes them once read.
 """
 
 from __future__ import annotations
@@ -29,11 +23,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.backends.s3bodies import in_thread
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3senders import (
-    SMALL_OPERATIONS,
+    CONTROL_OPERATIONS,
     InProcessSender,
     Part,
     PartSender,
@@ -53,13 +46,6 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 10
 # How long a stopping pool waits for a worker to exit after its socket closed, then kills it.
 STOP_TIMEOUT_S = 5.0
-# A request or answer longer than this goes in a memfd (the datagram keeps room for the rest).
-INLINE_MESSAGE_BYTES = MAX_MESSAGE_BYTES // 2
-# Longest memfd a message may carry: a small object's bytes (get_bytes reads at most 64 MiB) or
-# a spilled request or answer; a longer one is refused, not read.
-MESSAGE_FD_MAX_BYTES = 256 << 20
-# Up to this many bytes are copied into or out of a memfd on the loop; more, in a thread.
-_COPY_ON_LOOP_BYTES = 64 << 10
 
 
 # -- messages --------------------------------------------------------------------------------
@@ -120,71 +106,6 @@ def receive_ready(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | Non
     return obj, fds
 
 
-def to_memfd(data: bytes | bytearray | memoryview) -> int:
-    """A new memfd holding ``data`` (its fd, owned by the caller)."""
-    fd = os.memfd_create("ckptdrain-s3-message", os.MFD_CLOEXEC)
-    try:
-        _write_all(fd, data)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.write(fd, view[done:])
-
-
-def from_memfd(fd: int, limit: int) -> bytes:
-    """All of the memfd ``fd`` (the caller still owns it); ValueError when longer than
-    ``limit``."""
-    size = os.fstat(fd).st_size
-    if size > limit:
-        raise ValueError(f"a message's memfd holds {size} bytes, more than {limit}")
-    pieces: list[bytes] = []
-    got = 0
-    while got < size:
-        piece = os.pread(fd, size - got, got)
-        if not piece:
-            raise ValueError(f"a message's memfd ended at {got} of its {size} bytes")
-        pieces.append(piece)
-        got += len(piece)
-    return b"".join(pieces)
-
-
-async def memfd_of(data: bytes | bytearray | memoryview) -> int:
-    """:func:`to_memfd`, written in a thread when ``data`` is long (no byte copy of size on
-    the loop). The memfd is made here, so a cancelled caller closes it: in_thread has waited
-    for the thread's write by then."""
-    if len(data) <= _COPY_ON_LOOP_BYTES:
-        return to_memfd(data)
-    fd = os.memfd_create("ckptdrain-s3-message", os.MFD_CLOEXEC)
-    try:
-        await in_thread(_write_all, fd, data)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-async def read_memfd(fd: int, limit: int) -> bytes:
-    """:func:`from_memfd`, in a thread when the memfd is long."""
-    if os.fstat(fd).st_size <= _COPY_ON_LOOP_BYTES:
-        return from_memfd(fd, limit)
-    data: bytes = await in_thread(from_memfd, fd, limit)
-    return data
-
-
-def close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
-
-
 def failure_message(exc: BaseException) -> dict[str, Any]:
     """How a worker reports a failed part (rebuilt by :func:`failure_from`)."""
     if isinstance(exc, S3Failure):
@@ -215,8 +136,7 @@ class _Worker:
         self.index = index
         self.proc = proc
         self.sock = sock
-        # Each answer comes with the fds its message carried, owned by whoever awaits it.
-        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
+        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.alive = True
         self.spawned = time.monotonic()
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
@@ -235,15 +155,14 @@ class _Worker:
                 self.lost("it exited")
                 return
             answer, fds = got
+            for fd in fds:
+                os.close(fd)  # workers send none; never leak what arrives anyway
             if "started" in answer:
-                close_all(fds)
                 self._started(answer["started"])
                 continue
             future = self.pending.pop(int(answer.get("id", -1)), None)
             if future is not None and not future.done():
-                future.set_result((answer, fds))
-            else:
-                close_all(fds)  # nobody waits for it any more: never leak what arrives
+                future.set_result(answer)
 
     def _started(self, figures: Any) -> None:
         if not isinstance(figures, dict):
@@ -277,7 +196,7 @@ class WorkerSenders(PartSender):
 
     def __init__(self, client: S3Client, config: DestinationConfig, node_id: str,
                  count: int) -> None:
-        self._client = client
+        self._client = client  # sends what does not fit in a message itself
         self._config = config
         self._node_id = node_id
         self._count = count
@@ -331,77 +250,36 @@ class WorkerSenders(PartSender):
         return worker
 
     async def send(self, part: Part, fd: int) -> Sent:
-        reply, fds = await self._request(
+        reply = await self._request(
             {"op": "part", "key": part.key, "full": part.full, "upload_id": part.upload_id,
              "number": part.number, "offset": part.offset, "length": part.length,
              "kept_crc": part.kept_crc, "kept_etag": part.kept_etag},
-            [fd], f"part {part.number} of {part.key}")
-        close_all(fds)
+            fd, f"part {part.number} of {part.key}")
         return Sent(str(reply["etag"]), int(reply["crc"]), uploaded=bool(reply["uploaded"]))
 
     async def put(self, whole: Whole, fd: int) -> int:
-        reply, fds = await self._request(
+        reply = await self._request(
             {"op": "put", "key": whole.key, "full": whole.full, "size": whole.size,
-             "metadata": whole.metadata, "exclusive": whole.exclusive}, [fd], whole.key)
-        close_all(fds)
+             "metadata": whole.metadata, "exclusive": whole.exclusive}, fd, whole.key)
         return int(reply["crc"])
 
-    async def call(self, what: str, operation: str, params: dict[str, Any], *,
-                   body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:
-        if operation not in SMALL_OPERATIONS:
-            raise ValueError(f"{operation} is not one of the requests workers send")
-        request: dict[str, Any] = {"op": "call", "what": what, "operation": operation,
-                                   "params": params, "read_max": read_max,
-                                   "body": body is not None}
-        fds: list[int] = []
-        try:
-            if body is not None:
-                fds.append(await memfd_of(body))
-            encoded = encode(request)
-            if len(encoded) > INLINE_MESSAGE_BYTES:
-                if body is not None:
-                    raise ValueError(f"{what}: a request with a body has parameters too long "
-                                     "for one message")
-                fds.append(await memfd_of(encoded))  # a Complete of thousands of parts
-                request = {"op": "call", "spilled": True}
-            reply, got = await self._request(request, fds, what)
-        finally:
-            close_all(fds)  # the worker holds its own copies (SCM_RIGHTS) once sent
-        try:
-            return await self._answer_of(reply, got, what, read_max)
-        finally:
-            close_all(got)
+    async def call(self, what: str, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+        body = {"op": "call", "what": what, "operation": operation, "params": params}
+        if operation not in CONTROL_OPERATIONS or len(encode(body)) > MAX_MESSAGE_BYTES // 2:
+            # A Complete of thousands of parts does not fit in one datagram: sent from here.
+            answer: dict[str, Any] = await self._client._call(what, operation, **params)
+            return answer
+        return from_message(dict(await self._request(body, None, what))["answer"])
 
-    @staticmethod
-    async def _answer_of(reply: dict[str, Any], fds: list[int], what: str,
-                         read_max: int | None) -> dict[str, Any]:
-        """A call's answer, from its message and the memfds that came with it."""
-        try:
-            if "answer_fd" in reply:
-                message = json.loads(await read_memfd(fds[int(reply["answer_fd"])],
-                                                      MESSAGE_FD_MAX_BYTES))
-            else:
-                message = reply["answer"]
-            answer = from_message(dict(message))
-            if read_max is not None:
-                answer["Body"] = await read_memfd(fds[int(reply["body_fd"])], read_max)
-        except (KeyError, IndexError, TypeError, ValueError, OSError) as exc:
-            raise S3Failure(f"{what}: the upload worker's answer was malformed ({exc}); the "
-                            "request will be sent again", transient=True, kind="io") from exc
-        return answer
-
-    async def _request(self, body: dict[str, Any], fds: list[int],
-                       what: str) -> tuple[dict[str, Any], list[int]]:
-        """Send one request with ``fds`` (the caller keeps owning them); its answer and the
-        fds that came with it, owned by the caller from then on."""
+    async def _request(self, body: dict[str, Any], fd: int | None,
+                       what: str) -> dict[str, Any]:
         worker = await self._worker()
         request_id = next(self._ids)
-        answer: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
-            asyncio.get_running_loop().create_future())
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = answer
         request = {"id": request_id, **body}
         try:
-            await send_message(worker.sock, request, fds, timeout_s=10.0)
+            await send_message(worker.sock, request, [] if fd is None else [fd], timeout_s=10.0)
         except (OSError, TimeoutError) as exc:
             worker.pending.pop(request_id, None)
             worker.lost(f"a request could not be sent ({exc})")
@@ -409,7 +287,7 @@ class WorkerSenders(PartSender):
                             f"{what} will be sent again", transient=True, kind="io") from exc
         try:
             async with asyncio.timeout(self._answer_timeout_s):
-                reply, got = await asyncio.shield(answer)
+                reply = await asyncio.shield(answer)
         except TimeoutError:
             worker.lost(f"{what} got no answer in {self._answer_timeout_s:g} s")
             raise S3Failure(f"{what} got no answer from its upload worker; it will be sent "
@@ -417,14 +295,11 @@ class WorkerSenders(PartSender):
         except asyncio.CancelledError:
             await self._cancel(worker, request_id, answer)
             if answer.done() and not answer.cancelled() and answer.exception() is None:
-                late, late_fds = answer.result()
-                close_all(late_fds)
-                await self._undo_late_create(body, late)
+                await self._undo_late_create(body, answer.result())
             raise
         if "error" in reply:
-            close_all(got)
             raise failure_from(reply["error"])
-        return reply, got
+        return reply
 
     async def _undo_late_create(self, body: dict[str, Any], reply: dict[str, Any]) -> None:
         """A create whose answer came with (or after) its caller's cancellation started an
@@ -440,16 +315,15 @@ class WorkerSenders(PartSender):
         what = f"aborting the upload of {params['Key']} begun as it was cancelled"
         try:
             async with asyncio.timeout(self._client.cleanup_timeout_s):
-                _, fds = await self._request({"op": "call", "what": what,
-                                              "operation": "abort_multipart_upload",
-                                              "params": params}, [], what)
-                close_all(fds)
+                await self._request({"op": "call", "what": what,
+                                     "operation": "abort_multipart_upload", "params": params},
+                                    None, what)
         except (BackendError, OSError, TimeoutError) as exc:
             log_event(log, logging.WARNING, "s3_upload_left", key=params["Key"],
                       upload_id=upload_id, error=str(exc) or type(exc).__name__)
 
     async def _cancel(self, worker: _Worker, request_id: int,
-                      answer: asyncio.Future[tuple[dict[str, Any], list[int]]]) -> None:
+                      answer: asyncio.Future[dict[str, Any]]) -> None:
         """Tell the worker to give the part up and wait until it has: the caller aborts the
         upload next, and a part landing after the abort would be left on the server."""
         if answer.done():

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 from ckptdrain.daemon import checksums
-from ckptdrain.daemon.backends.base import Backend, ObjectInfo
+from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.logs import log_event
@@ -34,7 +34,7 @@ class S3Reads(S3Client, Backend):
                                       "Delimiter": "/", "MaxKeys": self.list_page_size}
             if token:
                 params["ContinuationToken"] = token
-            page = await self._small(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
             for common in page.get("CommonPrefixes", []):
                 name = str(common["Prefix"])[len(full_prefix):].rstrip("/")
                 if name:
@@ -48,13 +48,20 @@ class S3Reads(S3Client, Backend):
         full = self._key(key)
         what = f"reading {key}"
         try:
-            answer = await self._small(what, "get_object", read_max=max_bytes,
-                                       Bucket=self.bucket, Key=full)
+            answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full)
         except S3Failure as exc:
             if exc.code == "NoSuchKey" or (exc.status == 404 and exc.code != "NoSuchBucket"):
                 return None
             raise
-        data: bytes = answer["Body"]
+        async with answer["Body"] as body:
+            length = int(answer.get("ContentLength") or 0)
+            if length > max_bytes:
+                raise BackendError(
+                    f"{key} at {self.uri} is {length} bytes, more than the {max_bytes} expected "
+                    "of a small object; it is not one this daemon wrote", kind="integrity",
+                )
+            with self._translating(what):
+                data: bytes = await body.read()
         return data
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
@@ -66,7 +73,7 @@ class S3Reads(S3Client, Backend):
                                       "MaxKeys": self.list_page_size}
             if token:
                 params["ContinuationToken"] = token
-            page = await self._small(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
             for item in page.get("Contents", []):
                 full_key = str(item["Key"])
                 if full_key.endswith("/"):
