@@ -123,8 +123,14 @@ def test_a_killed_worker_is_replaced_and_its_parts_are_sent_again(
     data = os.urandom(48 * MiB)
     with d.client(timeout_s=300).generation("killjob", 1) as gen:
         gen.put("model.bin", data)
-    wait_for(lambda: workers_of(d.pid), timeout_s=60)
-    # A worker starts with the first multipart upload, which takes ~6 s at this pace.
+    # Killed once a first part is in (the upload's create was answered: a create whose answer
+    # dies with its worker leaves an upload nobody knows of, for the orphan sweep) and while
+    # the next parts are sent, ~5 s at this pace.
+    def drained() -> int:
+        status = d.client(timeout_s=30).status()
+        return sum(int(s["drained_bytes"]) for s in status["shards_draining"])
+
+    wait_for(lambda: drained() >= 8 * MiB, timeout_s=60)
     first = workers_of(d.pid)
     os.kill(first[0], signal.SIGKILL)
     d.client(timeout_s=300).wait("killjob", 1, timeout_s=240)
