@@ -32,6 +32,7 @@ from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import newest_committed, read_latest
+from ckptdrain.daemon.threads import outlast, settled
 
 log = logging.getLogger(__name__)
 
@@ -516,7 +517,7 @@ async def _create_temp(target: Path) -> tuple[Path, int]:
     try:
         return tmp, await asyncio.shield(future)
     except asyncio.CancelledError:
-        await asyncio.wait([future])
+        await outlast(future)
         if not future.cancelled() and future.exception() is None:
             os.close(future.result())
             tmp.unlink(missing_ok=True)
@@ -526,11 +527,4 @@ async def _create_temp(target: Path) -> tuple[Path, int]:
 async def _settled(fn: Callable[..., _T], *args: object) -> _T:
     """Run ``fn`` in a thread; if cancelled, wait for the thread to finish before re-raising,
     so no thread still writes to an fd the caller is about to close."""
-    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])
-        if not future.cancelled():
-            future.exception()
-        raise
+    return await settled(asyncio.get_running_loop().run_in_executor(None, fn, *args))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.threads import settled
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
@@ -218,12 +219,7 @@ class Backend(abc.ABC):
         loop = asyncio.get_running_loop()
         async for chunk in self.read_chunks(key):
             # Waited for even when cancelled: no thread may write to out_fd once we return.
-            future = loop.run_in_executor(None, _hash_and_write, digest, out_fd, chunk)
-            try:
-                await asyncio.shield(future)
-            except asyncio.CancelledError:
-                await asyncio.wait([future])
-                raise
+            await settled(loop.run_in_executor(None, _hash_and_write, digest, out_fd, chunk))
             size += len(chunk)
             if progress is not None:
                 progress(len(chunk))

@@ -77,6 +77,7 @@ from ckptdrain.daemon.filecopy import (
     parallel_copy_and_checksum,
     yield_to_handoffs,
 )
+from ckptdrain.daemon.threads import settled
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
@@ -162,14 +163,9 @@ class PosixBackend(Backend):
                                                 initializer=yield_to_handoffs)
         future = loop.run_in_executor(self._executor, lambda: fn(*args, stop))
         try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            stop.set()
-            # The thread finishes its current chunk (bounded by one buffer's I/O) and cleans up.
-            await asyncio.wait([future])
-            if not future.cancelled():
-                future.exception()  # retrieved: the cancellation is what the caller sees
-            raise
+            # Cancelled, the thread finishes its current chunk (bounded by one buffer's I/O)
+            # and cleans up before we return.
+            return await settled(future, stop=stop)
         except OSError as exc:
             raise backend_error(exc, f"{what} at {self.uri}") from exc
         except Truncated as exc:

@@ -49,6 +49,7 @@ from ckptdrain.daemon.backends.s3parts import (
 )
 from ckptdrain.daemon.backends.s3reads import S3Reads
 from ckptdrain.daemon.backends.s3senders import Whole
+from ckptdrain.daemon.threads import settled
 
 # Re-exported: the names tests and older imports know this module by.
 __all__ = ["GiB", "KiB", "MiB", "S3Backend", "S3Failure", "classify", "multipart_etag",
@@ -202,15 +203,8 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         future = asyncio.get_running_loop().run_in_executor(
             None, checksums.of_file, fd, size, stop
         )
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            stop.set()
-            # As in _read: the fd may not be closed under the thread.
-            await asyncio.wait([future], timeout=READ_DRAIN_TIMEOUT_S)
-            if future.done() and not future.cancelled():
-                future.exception()  # retrieved: the cancellation is what the caller sees
-            raise
+        # As in _read: the fd may not be closed under the thread.
+        return await settled(future, stop=stop, grace_s=READ_DRAIN_TIMEOUT_S)
 
     def _flapping(self, key: str) -> S3Failure:
         return S3Failure(
@@ -256,24 +250,22 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         own object and this returns False too: callers compare the bytes, as they must.)"""
         full = self._key(key)
         params: dict[str, Any] = {
-            # A bytearray, not bytes: botocore wraps bytes in a BytesIO and then sends
-            # "Expect: 100-continue", a round trip per manifest and one aiohttp waits on
-            # without a timeout if a proxy never answers it.
-            "Bucket": self.bucket, "Key": full, "Body": bytearray(data),
+            "Bucket": self.bucket, "Key": full,
             "ChecksumCRC32": crc32_header(crc32_hex(data)),
             "Metadata": {NODE_METADATA_KEY: self.node_id},
         }
         if exclusive:
             return await self._create(
                 f"writing {key}",
-                lambda: self._call(f"writing {key}", "put_object", IfNoneMatch="*", **params))
-        await self._call(f"writing {key}", "put_object", **params)
+                lambda: self._small(f"writing {key}", "put_object", body=data, IfNoneMatch="*",
+                                    **params))
+        await self._small(f"writing {key}", "put_object", body=data, **params)
         return True
 
     async def delete(self, key: str) -> None:
         full = self._key(key)
         try:
-            await self._call(f"deleting {key}", "delete_object", Bucket=self.bucket, Key=full)
+            await self._small(f"deleting {key}", "delete_object", Bucket=self.bucket, Key=full)
         except S3Failure as exc:
             if exc.code != "NoSuchKey":
                 raise

@@ -24,6 +24,7 @@ import aiohttp.payload
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.filecopy import checksum_into
+from ckptdrain.daemon.threads import settled
 
 # How long one part may wait for its socket to take more bytes; botocore's read timeout bounds
 # the answer, this bounds the body (a server that stops reading).
@@ -150,10 +151,4 @@ async def in_thread(fn: Any, *args: Any) -> Any:
     loop = asyncio.get_running_loop()
     stop = threading.Event()
     call_args = (*args, stop) if fn is _sendfile_all else args
-    future = loop.run_in_executor(None, fn, *call_args)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        stop.set()
-        await asyncio.wait([future])
-        raise
+    return await settled(loop.run_in_executor(None, fn, *call_args), stop=stop)

@@ -30,6 +30,7 @@ from ckptdrain.daemon.backends.s3parts import (
 )
 from ckptdrain.daemon.backends.s3pool import open_sender
 from ckptdrain.daemon.checksums import from_s3_header
+from ckptdrain.daemon.threads import settled
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
@@ -183,10 +184,12 @@ class S3Client:
         with self._translating(what):
             return await getattr(client, operation)(**params)
 
-    async def _control(self, what: str, operation: str, **params: Any) -> Any:
-        """A request every shard makes (s3senders.CONTROL_OPERATIONS), sent by whoever sends
-        bodies: with upload workers, a worker builds and signs it, not the daemon's loop."""
-        return await self.parts.call(what, operation, params)
+    async def _small(self, what: str, operation: str, *, body: bytes | None = None,
+                     read_max: int | None = None, **params: Any) -> Any:
+        """A request without a streamed body (s3senders.SMALL_OPERATIONS), sent by whoever
+        sends bodies: with upload workers, a worker builds, signs and parses it, not the
+        daemon's loop. ``body`` and ``read_max`` as in :meth:`PartSender.call`."""
+        return await self.parts.call(what, operation, params, body=body, read_max=read_max)
 
     def _key(self, key: str) -> str:
         if not key or key.startswith("/") or any(s in ("", ".", "..") for s in key.split("/")):
@@ -206,17 +209,13 @@ class S3Client:
         """Fill ``buf`` from ``fd`` at ``offset`` in a worker thread; the CRC64NVME of it."""
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(None, read_part, fd, buf, offset)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # The thread still writes into buf and reads fd: wait for it, so neither the buffer
-            # nor the fd (closed by our caller when we return) is reused under it.
-            await asyncio.wait([future], timeout=READ_DRAIN_TIMEOUT_S)
-            raise
+        # Cancelled, the thread still writes into buf and reads fd: wait for it, so neither
+        # the buffer nor the fd (closed by our caller when we return) is reused under it.
+        return await settled(future, grace_s=READ_DRAIN_TIMEOUT_S)
 
     async def _head(self, key: str, full: str) -> dict[str, Any] | None:
         try:
-            head: dict[str, Any] = await self._control(
+            head: dict[str, Any] = await self._small(
                 f"checking {key}", "head_object", Bucket=self.bucket, Key=full,
                 ChecksumMode="ENABLED",
             )

@@ -57,7 +57,7 @@ class MultipartUploads(S3Client):
         upload_id, kept = await self._resume(key, full, upload_log, part_size, size)
         new = upload_id is None
         if upload_id is None:
-            created = await self._control(
+            created = await self._small(
                 f"starting the upload of {key}", "create_multipart_upload",
                 Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC64NVME",
                 ChecksumType="FULL_OBJECT", Metadata=metadata,
@@ -189,7 +189,7 @@ class MultipartUploads(S3Client):
             params["IfNoneMatch"] = "*"
         try:
             # botocore turns an error inside a 200 answer to Complete into a retried 500.
-            await self._control(f"completing the upload of {key}", "complete_multipart_upload",
+            await self._small(f"completing the upload of {key}", "complete_multipart_upload",
                              **params)
             return True
         except S3Failure as exc:
@@ -231,7 +231,7 @@ class MultipartUploads(S3Client):
             async with asyncio.timeout(self.cleanup_timeout_s):
                 for _ in range(ABORT_ROUNDS):
                     try:
-                        await self._control(f"aborting the upload of {key}",
+                        await self._small(f"aborting the upload of {key}",
                                          "abort_multipart_upload", Bucket=self.bucket,
                                          Key=full, UploadId=upload_id)
                         aborted = True
@@ -273,7 +273,7 @@ class MultipartUploads(S3Client):
             if marker:
                 params["PartNumberMarker"] = marker
             try:
-                page = await self._call(f"listing the parts of {key}", "list_parts", **params)
+                page = await self._small(f"listing the parts of {key}", "list_parts", **params)
             except S3Failure as exc:
                 if exc.code == "NoSuchUpload":
                     return None
@@ -298,8 +298,8 @@ class MultipartUploads(S3Client):
                 params["KeyMarker"] = key_marker
             if id_marker:
                 params["UploadIdMarker"] = id_marker
-            page = await self._call("listing multipart uploads", "list_multipart_uploads",
-                                    **params)
+            page = await self._small("listing multipart uploads", "list_multipart_uploads",
+                                     **params)
             for upload in page.get("Uploads", []):
                 info = UploadInfo(str(upload["Key"]), str(upload["UploadId"]),
                                   upload.get("Initiated"))
@@ -336,9 +336,9 @@ class MultipartUploads(S3Client):
                 if (now - initiated).total_seconds() <= grace_s:
                     continue
             try:
-                await self._call(f"aborting orphaned upload of {upload.key}",
-                                 "abort_multipart_upload", Bucket=self.bucket, Key=upload.key,
-                                 UploadId=upload.upload_id)
+                await self._small(f"aborting orphaned upload of {upload.key}",
+                                  "abort_multipart_upload", Bucket=self.bucket, Key=upload.key,
+                                  UploadId=upload.upload_id)
             except S3Failure as exc:
                 if exc.code != "NoSuchUpload":
                     raise

@@ -1,5 +1,6 @@
 """The S3 upload worker pool: ``drain.workers`` processes (s3worker.py) that send shard bodies
-and the small requests every shard makes, and the messages the daemon and they exchange.
+and every small request the daemon makes (s3senders.SMALL_OPERATIONS); the messages they
+exchange are s3messages.py.
 
 A request to a worker carries a duplicate of the staged file's fd (SCM_RIGHTS), so the daemon
 may close its own fd at any time; the worker closes its copy when the part is done. Each worker
@@ -24,9 +25,20 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.backends.s3messages import (
+    INLINE_MESSAGE_BYTES,
+    MESSAGE_FD_MAX_BYTES,
+    close_all,
+    encode,
+    failure_from,
+    memfd_of,
+    read_memfd,
+    receive_ready,
+    send_message,
+)
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3senders import (
-    CONTROL_OPERATIONS,
+    SMALL_OPERATIONS,
     InProcessSender,
     Part,
     PartSender,
@@ -35,6 +47,7 @@ from ckptdrain.daemon.backends.s3senders import (
     from_message,
 )
 from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.threads import outlast
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.backends.s3client import S3Client
@@ -42,88 +55,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A message is one SOCK_SEQPACKET datagram: requests and answers are a few hundred bytes.
-MAX_MESSAGE_BYTES = 64 << 10
 # How long a stopping pool waits for a worker to exit after its socket closed, then kills it.
 STOP_TIMEOUT_S = 5.0
-
-
-# -- messages --------------------------------------------------------------------------------
-
-
-async def send_message(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = None,
-                       *, timeout_s: float) -> None:
-    """Send one message (with ``fds`` attached) on a non-blocking SOCK_SEQPACKET socket."""
-    data = encode(obj)
-    async with asyncio.timeout(timeout_s):
-        while True:
-            try:
-                socket.send_fds(sock, [data], fds or [])
-                return
-            except BlockingIOError:
-                await ready(sock, write=True)
-
-
-def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-async def ready(sock: socket.socket, *, write: bool) -> None:
-    """Wait until ``sock`` is writable (or readable), without a task of its own."""
-    loop = asyncio.get_running_loop()
-    event = loop.create_future()
-    fd = sock.fileno()
-    if write:
-        loop.add_writer(fd, event.set_result, None)
-    else:
-        loop.add_reader(fd, event.set_result, None)
-    try:
-        await event
-    finally:
-        if write:
-            loop.remove_writer(fd)
-        else:
-            loop.remove_reader(fd)
-
-
-def receive_ready(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """One message waiting on a non-blocking socket: (object, fds); None at EOF; raises
-    BlockingIOError when none is waiting. A malformed message closes its fds and raises
-    ValueError."""
-    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 4)
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None
-    try:
-        obj = json.loads(data)
-        if not isinstance(obj, dict):
-            raise ValueError("not an object")
-    except ValueError:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return obj, fds
-
-
-def failure_message(exc: BaseException) -> dict[str, Any]:
-    """How a worker reports a failed part (rebuilt by :func:`failure_from`)."""
-    if isinstance(exc, S3Failure):
-        return {"message": str(exc), "transient": exc.transient, "kind": exc.kind,
-                "code": exc.code, "status": exc.status}
-    if isinstance(exc, OSError):
-        return {"message": str(exc), "oserror": exc.errno or 0}
-    return {"message": f"{type(exc).__name__}: {exc}", "transient": True, "kind": "io",
-            "internal": True}
-
-
-def failure_from(error: dict[str, Any]) -> BaseException:
-    message = str(error.get("message", "the upload worker failed"))
-    if "oserror" in error:
-        return OSError(int(error["oserror"]), message)
-    return S3Failure(message, transient=bool(error.get("transient", True)),
-                     kind=str(error.get("kind", "io")), code=str(error.get("code", "")),
-                     status=int(error.get("status", 0)))
+# The code of the failure a request gets when its worker died or could not be reached.
+WORKER_LOST = "ckptdrain.WorkerLost"
+# Requests that only read, sent once more when their worker is lost (writes are the drain's to
+# retry: it knows whether a create-once write landed).
+_RESENT_WHEN_LOST = frozenset({"head_object", "get_object", "list_objects_v2", "list_parts",
+                               "list_multipart_uploads"})
 
 
 # -- worker processes ------------------------------------------------------------------------
@@ -136,7 +75,8 @@ class _Worker:
         self.index = index
         self.proc = proc
         self.sock = sock
-        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        # Each answer comes with the fds its message carried, owned by whoever awaits it.
+        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
         self.alive = True
         self.spawned = time.monotonic()
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
@@ -155,14 +95,15 @@ class _Worker:
                 self.lost("it exited")
                 return
             answer, fds = got
-            for fd in fds:
-                os.close(fd)  # workers send none; never leak what arrives anyway
             if "started" in answer:
+                close_all(fds)
                 self._started(answer["started"])
                 continue
             future = self.pending.pop(int(answer.get("id", -1)), None)
             if future is not None and not future.done():
-                future.set_result(answer)
+                future.set_result((answer, fds))
+            else:
+                close_all(fds)  # nobody waits for it any more: never leak what arrives
 
     def _started(self, figures: Any) -> None:
         if not isinstance(figures, dict):
@@ -183,8 +124,9 @@ class _Worker:
             self.proc.kill()
         log_event(log, logging.WARNING, "s3_worker_lost", worker=self.index, why=why,
                   in_flight=len(self.pending), action="parts in flight are sent again")
-        failure = S3Failure(f"the S3 upload worker {self.index} stopped ({why}); the part "
-                            "will be sent again", transient=True, kind="io")
+        failure = S3Failure(f"the S3 upload worker {self.index} stopped ({why}); it is "
+                            "started again for the next request", transient=True, kind="io",
+                            code=WORKER_LOST)
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(failure)
@@ -196,7 +138,7 @@ class WorkerSenders(PartSender):
 
     def __init__(self, client: S3Client, config: DestinationConfig, node_id: str,
                  count: int) -> None:
-        self._client = client  # sends what does not fit in a message itself
+        self._client = client
         self._config = config
         self._node_id = node_id
         self._count = count
@@ -250,56 +192,129 @@ class WorkerSenders(PartSender):
         return worker
 
     async def send(self, part: Part, fd: int) -> Sent:
-        reply = await self._request(
+        reply, fds = await self._request(
             {"op": "part", "key": part.key, "full": part.full, "upload_id": part.upload_id,
              "number": part.number, "offset": part.offset, "length": part.length,
              "kept_crc": part.kept_crc, "kept_etag": part.kept_etag},
-            fd, f"part {part.number} of {part.key}")
+            [fd], f"part {part.number} of {part.key}")
+        close_all(fds)
         return Sent(str(reply["etag"]), int(reply["crc"]), uploaded=bool(reply["uploaded"]))
 
     async def put(self, whole: Whole, fd: int) -> int:
-        reply = await self._request(
+        reply, fds = await self._request(
             {"op": "put", "key": whole.key, "full": whole.full, "size": whole.size,
-             "metadata": whole.metadata, "exclusive": whole.exclusive}, fd, whole.key)
+             "metadata": whole.metadata, "exclusive": whole.exclusive}, [fd], whole.key)
+        close_all(fds)
         return int(reply["crc"])
 
-    async def call(self, what: str, operation: str, params: dict[str, Any]) -> dict[str, Any]:
-        body = {"op": "call", "what": what, "operation": operation, "params": params}
-        if operation not in CONTROL_OPERATIONS or len(encode(body)) > MAX_MESSAGE_BYTES // 2:
-            # A Complete of thousands of parts does not fit in one datagram: sent from here.
-            answer: dict[str, Any] = await self._client._call(what, operation, **params)
-            return answer
-        return from_message(dict(await self._request(body, None, what))["answer"])
+    async def call(self, what: str, operation: str, params: dict[str, Any], *,
+                   body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:
+        if operation not in SMALL_OPERATIONS:
+            raise ValueError(f"{operation} is not one of the requests workers send")
+        request: dict[str, Any] = {"op": "call", "what": what, "operation": operation,
+                                   "params": params, "read_max": read_max,
+                                   "body": body is not None}
+        fds: list[int] = []
+        try:
+            if body is not None:
+                fds.append(await memfd_of(body))
+            encoded = encode(request)
+            if len(encoded) > INLINE_MESSAGE_BYTES:
+                if body is not None:
+                    raise ValueError(f"{what}: a request with a body has parameters too long "
+                                     "for one message")
+                fds.append(await memfd_of(encoded))  # a Complete of thousands of parts
+                request = {"op": "call", "spilled": True}
+            try:
+                reply, got = await self._request(request, fds, what)
+            except S3Failure as exc:
+                # A read is sent once more to a fresh worker: a client's `latest` or `wait`
+                # must not fail because a worker died (the in-process client's own retries
+                # covered the same moment). A write is retried by the drain that owns it.
+                if exc.code != WORKER_LOST or operation not in _RESENT_WHEN_LOST:
+                    raise
+                reply, got = await self._request(request, fds, what)
+        finally:
+            close_all(fds)  # the worker holds its own copies (SCM_RIGHTS) once sent
+        try:
+            return await self._answer_of(reply, got, what, read_max)
+        finally:
+            close_all(got)
 
-    async def _request(self, body: dict[str, Any], fd: int | None,
-                       what: str) -> dict[str, Any]:
+    @staticmethod
+    async def _answer_of(reply: dict[str, Any], fds: list[int], what: str,
+                         read_max: int | None) -> dict[str, Any]:
+        """A call's answer, from its message and the memfds that came with it."""
+        try:
+            if "answer_fd" in reply:
+                message = json.loads(await read_memfd(fds[int(reply["answer_fd"])],
+                                                      MESSAGE_FD_MAX_BYTES))
+            else:
+                message = reply["answer"]
+            answer = from_message(dict(message))
+            if read_max is not None:
+                answer["Body"] = await read_memfd(fds[int(reply["body_fd"])], read_max)
+        except (KeyError, IndexError, TypeError, ValueError, OSError) as exc:
+            raise S3Failure(f"{what}: the upload worker's answer was malformed ({exc}); the "
+                            "request will be sent again", transient=True, kind="io") from exc
+        return answer
+
+    async def _request(self, body: dict[str, Any], fds: list[int],
+                       what: str) -> tuple[dict[str, Any], list[int]]:
+        """Send one request with ``fds`` (the caller keeps owning them); its answer and the
+        fds that came with it, owned by the caller from then on."""
         worker = await self._worker()
         request_id = next(self._ids)
-        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
+            asyncio.get_running_loop().create_future())
         worker.pending[request_id] = answer
         request = {"id": request_id, **body}
         try:
-            await send_message(worker.sock, request, [] if fd is None else [fd], timeout_s=10.0)
+            await send_message(worker.sock, request, fds, timeout_s=10.0)
         except (OSError, TimeoutError) as exc:
             worker.pending.pop(request_id, None)
             worker.lost(f"a request could not be sent ({exc})")
-            raise S3Failure(f"the S3 upload worker {worker.index} could not be reached; "
-                            f"{what} will be sent again", transient=True, kind="io") from exc
+            raise S3Failure(f"the S3 upload worker {worker.index} could not be reached for "
+                            f"{what}; it is started again for the next request",
+                            transient=True, kind="io", code=WORKER_LOST) from exc
+        except BaseException:
+            # Cancelled while the socket was full: nothing was sent, so nothing to give up.
+            worker.pending.pop(request_id, None)
+            raise
         try:
             async with asyncio.timeout(self._answer_timeout_s):
-                reply = await asyncio.shield(answer)
+                reply, got = await asyncio.shield(answer)
         except TimeoutError:
             worker.lost(f"{what} got no answer in {self._answer_timeout_s:g} s")
             raise S3Failure(f"{what} got no answer from its upload worker; it will be sent "
                             "again", transient=True, kind="timeout") from None
         except asyncio.CancelledError:
-            await self._cancel(worker, request_id, answer)
-            if answer.done() and not answer.cancelled() and answer.exception() is None:
-                await self._undo_late_create(body, answer.result())
+            # Given up as a task this frame owns and outlasts: a second cancel (a drain's
+            # timeout, then the shutdown) must not cut the give-up short, or a late answer's
+            # memfds leak and a late create's upload is left to the orphan sweep.
+            giving_up = asyncio.ensure_future(self._give_up(worker, request_id, answer, body))
+            await outlast(giving_up)
+            if not giving_up.cancelled():
+                giving_up.exception()  # retrieved: the cancellation is what the caller sees
             raise
+        finally:
+            # Whatever arrives for this id from now on finds nobody and closes its own fds.
+            worker.pending.pop(request_id, None)
         if "error" in reply:
+            close_all(got)
             raise failure_from(reply["error"])
-        return reply
+        return reply, got
+
+    async def _give_up(self, worker: _Worker, request_id: int,
+                       answer: asyncio.Future[tuple[dict[str, Any], list[int]]],
+                       body: dict[str, Any]) -> None:
+        """A cancelled request: stop the worker's work on it, close what its answer carried,
+        and undo a create that happened anyway. Bounded by the waits inside."""
+        await self._cancel(worker, request_id, answer)
+        if answer.done() and not answer.cancelled() and answer.exception() is None:
+            late, late_fds = answer.result()
+            close_all(late_fds)
+            await self._undo_late_create(body, late)
 
     async def _undo_late_create(self, body: dict[str, Any], reply: dict[str, Any]) -> None:
         """A create whose answer came with (or after) its caller's cancellation started an
@@ -315,15 +330,16 @@ class WorkerSenders(PartSender):
         what = f"aborting the upload of {params['Key']} begun as it was cancelled"
         try:
             async with asyncio.timeout(self._client.cleanup_timeout_s):
-                await self._request({"op": "call", "what": what,
-                                     "operation": "abort_multipart_upload", "params": params},
-                                    None, what)
+                _, fds = await self._request({"op": "call", "what": what,
+                                              "operation": "abort_multipart_upload",
+                                              "params": params}, [], what)
+                close_all(fds)
         except (BackendError, OSError, TimeoutError) as exc:
             log_event(log, logging.WARNING, "s3_upload_left", key=params["Key"],
                       upload_id=upload_id, error=str(exc) or type(exc).__name__)
 
     async def _cancel(self, worker: _Worker, request_id: int,
-                      answer: asyncio.Future[dict[str, Any]]) -> None:
+                      answer: asyncio.Future[tuple[dict[str, Any], list[int]]]) -> None:
         """Tell the worker to give the part up and wait until it has: the caller aborts the
         upload next, and a part landing after the abort would be left on the server."""
         if answer.done():

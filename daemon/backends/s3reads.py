@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 from ckptdrain.daemon import checksums
-from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
+from ckptdrain.daemon.backends.base import Backend, ObjectInfo
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.threads import settled
 
 log = logging.getLogger("ckptdrain.daemon.backends.s3")
 
@@ -34,7 +35,7 @@ class S3Reads(S3Client, Backend):
                                       "Delimiter": "/", "MaxKeys": self.list_page_size}
             if token:
                 params["ContinuationToken"] = token
-            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            page = await self._small(f"listing {prefix or '/'}", "list_objects_v2", **params)
             for common in page.get("CommonPrefixes", []):
                 name = str(common["Prefix"])[len(full_prefix):].rstrip("/")
                 if name:
@@ -48,20 +49,13 @@ class S3Reads(S3Client, Backend):
         full = self._key(key)
         what = f"reading {key}"
         try:
-            answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full)
+            answer = await self._small(what, "get_object", read_max=max_bytes,
+                                       Bucket=self.bucket, Key=full)
         except S3Failure as exc:
             if exc.code == "NoSuchKey" or (exc.status == 404 and exc.code != "NoSuchBucket"):
                 return None
             raise
-        async with answer["Body"] as body:
-            length = int(answer.get("ContentLength") or 0)
-            if length > max_bytes:
-                raise BackendError(
-                    f"{key} at {self.uri} is {length} bytes, more than the {max_bytes} expected "
-                    "of a small object; it is not one this daemon wrote", kind="integrity",
-                )
-            with self._translating(what):
-                data: bytes = await body.read()
+        data: bytes = answer["Body"]
         return data
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
@@ -73,7 +67,7 @@ class S3Reads(S3Client, Backend):
                                       "MaxKeys": self.list_page_size}
             if token:
                 params["ContinuationToken"] = token
-            page = await self._call(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            page = await self._small(f"listing {prefix or '/'}", "list_objects_v2", **params)
             for item in page.get("Contents", []):
                 full_key = str(item["Key"])
                 if full_key.endswith("/"):
@@ -167,14 +161,7 @@ class S3Reads(S3Client, Backend):
 
         async def write(pieces: builtins.list[bytes], at: int, crc: int) -> int:
             # Waited for even when cancelled: no thread may write to out_fd once we return.
-            future = loop.run_in_executor(None, _write_at, out_fd, pieces, at, crc)
-            try:
-                return await asyncio.shield(future)
-            except asyncio.CancelledError:
-                await asyncio.wait([future])
-                if not future.cancelled():
-                    future.exception()  # retrieved: the cancellation is what we report
-                raise
+            return await settled(loop.run_in_executor(None, _write_at, out_fd, pieces, at, crc))
 
         async def fetch(offset: int, length: int) -> None:
             async with self.ranges:

@@ -4,8 +4,10 @@ started and owned by the daemon's :class:`~ckptdrain.daemon.backends.s3pool.Work
 It reads one message with the destination's configuration, then serves part requests on the
 SOCK_SEQPACKET socket ``FD``: each carries the staged file's fd and names a multipart part or a
 whole object (PutObject), and is answered with the ETag and CRC64NVME, or with the error; or
-it is a small request without a body (HEAD, create, complete, abort), answered with botocore's
-answer as JSON. It exits when the daemon closes the socket or dies
+it is one of the daemon's small requests (s3senders.SMALL_OPERATIONS: HEAD, create, complete,
+abort, listings, small objects written, read and deleted), answered with botocore's answer as
+JSON and, for a read, the object's bytes in a memfd. It exits when the daemon closes the socket
+or dies
 (PR_SET_PDEATHSIG), so a ``kill -9`` of the daemon leaves no worker behind. A failure of one
 part is that part's answer; nothing a part does ends the worker.
 """
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import signal
@@ -25,12 +28,25 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ckptdrain.daemon.backends.s3bodies import in_thread
 from ckptdrain.daemon.backends.s3client import S3Client
-from ckptdrain.daemon.backends.s3pool import failure_message, ready, receive_ready, send_message
+from ckptdrain.daemon.backends.s3messages import (
+    INLINE_MESSAGE_BYTES,
+    MESSAGE_FD_MAX_BYTES,
+    close_all,
+    encode,
+    failure_message,
+    from_memfd,
+    memfd_of,
+    ready,
+    receive_ready,
+    send_message,
+)
 from ckptdrain.daemon.backends.s3senders import (
-    CONTROL_OPERATIONS,
+    SMALL_OPERATIONS,
     Part,
     Whole,
+    call_in_process,
     put_in_process,
     send_in_process,
     to_message,
@@ -68,15 +84,49 @@ class _Request:
     fd: int | None
 
 
+async def _call(client: S3Client, request: _Request) -> dict[str, Any]:
+    """One small request; its answer's fields, with ``_fds``: the memfds the answer carries
+    (owned by the answer until it is sent)."""
+    body = request.body
+    data: bytes | None = None
+    if body.get("spilled") or body.get("body"):
+        if request.fd is None:
+            raise ValueError("a request's memfd did not come with it")
+        held: bytes = await in_thread(from_memfd, request.fd, MESSAGE_FD_MAX_BYTES)
+        if body.get("spilled"):
+            body = json.loads(held)
+        else:
+            data = held
+    operation = str(body["operation"])
+    if operation not in SMALL_OPERATIONS:
+        raise ValueError(f"{operation} is not sent by workers")
+    read_max = None if body.get("read_max") is None else int(body["read_max"])
+    answer = await call_in_process(client, str(body["what"]), operation, dict(body["params"]),
+                                   data, read_max)
+    fds: list[int] = []
+    try:
+        fields: dict[str, Any] = {}
+        if read_max is not None:
+            fields["body_fd"] = len(fds)
+            fds.append(await memfd_of(answer["Body"]))
+        message = to_message(answer)
+        encoded = encode(message)
+        if len(encoded) > INLINE_MESSAGE_BYTES:
+            fields["answer_fd"] = len(fds)
+            fds.append(await memfd_of(encoded))  # a long page of a listing
+        else:
+            fields["answer"] = message
+    except BaseException:
+        close_all(fds)
+        raise
+    return {**fields, "_fds": fds}
+
+
 async def _work(client: S3Client, request: _Request) -> dict[str, Any]:
     """What the request asks for; its answer's fields."""
     body = request.body
     if body.get("op") == "call":
-        operation = str(body["operation"])
-        if operation not in CONTROL_OPERATIONS:
-            raise ValueError(f"{operation} is not sent by workers")
-        answer = await client._call(str(body["what"]), operation, **dict(body["params"]))
-        return {"answer": to_message(answer)}
+        return await _call(client, request)
     if request.fd is None:
         raise ValueError("a body request came without the staged file's descriptor")
     if body.get("op") == "put":
@@ -117,8 +167,12 @@ def _done(answers: asyncio.Queue[dict[str, Any]], tasks: dict[int, asyncio.Task[
 async def _send_answers(sock: socket.socket, answers: asyncio.Queue[dict[str, Any]]) -> None:
     while True:
         answer = await answers.get()
-        with contextlib.suppress(OSError, TimeoutError):
-            await send_message(sock, answer, timeout_s=30.0)
+        fds: list[int] = answer.pop("_fds", [])
+        try:
+            with contextlib.suppress(OSError, TimeoutError):
+                await send_message(sock, answer, fds, timeout_s=30.0)
+        finally:
+            close_all(fds)  # sent or not: the daemon holds its own copies
 
 
 async def serve(sock: socket.socket) -> None:

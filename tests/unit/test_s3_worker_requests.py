@@ -14,6 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.backends.s3messages import from_memfd, to_memfd
+from ckptdrain.daemon.backends.s3pool import WorkerSenders
 from ckptdrain.daemon.config import DestinationConfig
 
 
@@ -112,3 +115,65 @@ def test_a_failed_request_is_answered_with_its_error_and_the_worker_serves_on(
     os.close(read_end)
     os.close(write_end)
     assert _answer(worker)["id"] == 3
+
+
+def test_a_request_whose_memfd_is_missing_or_wrong_is_refused_and_its_fd_closed(
+        worker: socket.socket) -> None:
+    """A small request's bytes (an object to write, or the request itself when it is longer
+    than a datagram) come in a memfd. Without it, or naming a request workers do not send,
+    the request is answered with its error, the fd it came with is closed, and the worker
+    serves on."""
+    spilled_without_fd = {"id": 1, "op": "call", "spilled": True}
+    worker.sendall(json.dumps(spilled_without_fd).encode())
+    assert "memfd did not come" in str(_error_of(_answer(worker), 1)["message"])
+
+    spilled = os.memfd_create("request")
+    os.write(spilled, json.dumps({"op": "call", "what": "deleting", "operation": "delete_bucket",
+                                  "params": {"Bucket": "bucket"}}).encode())
+    socket.send_fds(worker, [json.dumps({"id": 2, "op": "call", "spilled": True}).encode()],
+                    [spilled])
+    os.close(spilled)
+    assert "delete_bucket is not sent by workers" in str(_error_of(_answer(worker), 2)["message"])
+
+    # A body that is not a memfd (a pipe: nothing to read), for a request workers do not send.
+    read_end, write_end = os.pipe()
+    body = {"id": 3, "op": "call", "what": "deleting", "operation": "delete_bucket",
+            "params": {"Bucket": "bucket"}, "body": True}
+    socket.send_fds(worker, [json.dumps(body).encode()], [read_end])
+    os.close(read_end)
+    assert "not sent by workers" in str(_error_of(_answer(worker), 3)["message"])
+    with pytest.raises(OSError) as broken:
+        os.write(write_end, b"x")
+    assert broken.value.errno == errno.EPIPE
+    os.close(write_end)
+
+
+def _error_of(answer: dict[str, object], request_id: int) -> dict[str, object]:
+    assert answer["id"] == request_id
+    error = answer["error"]
+    assert isinstance(error, dict)
+    return error
+
+
+def test_a_memfd_longer_than_its_limit_is_not_read() -> None:
+    fd = to_memfd(b"x" * 100)
+    try:
+        assert from_memfd(fd, 100) == b"x" * 100
+        with pytest.raises(ValueError, match="more than 99"):
+            from_memfd(fd, 99)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_answer_is_a_transient_failure_and_its_fds_stay_the_callers() -> None:
+    fd = to_memfd(b"not json")
+    try:
+        for reply, fds in (({"id": 1}, []), ({"id": 1, "answer_fd": 0}, [fd]),
+                           ({"id": 1, "answer": {}, "body_fd": 3}, [fd])):
+            with pytest.raises(S3Failure) as failed:
+                await WorkerSenders._answer_of(reply, fds, "reading k", 10)
+            assert failed.value.transient and "answer was malformed" in str(failed.value)
+        os.fstat(fd)  # still open: the caller closes what came with the answer
+    finally:
+        os.close(fd)

@@ -1,0 +1,82 @@
+"""With upload workers, the daemon's own S3 client sends none of the small requests its commit
+and its sweeps make: part records, manifests and LATEST written and read, listings, deletes,
+the parts of an upload to resume and the orphan sweep. Each cost the daemon's event loop
+1.6-2.6 CPU ms to build, sign and parse; a worker does that now. The answers are the ones the
+daemon's own loop gets (workers = 0), also where they do not fit in one message: an object's
+bytes either way, a page of a listing longer than a datagram, a refused exclusive write, a
+missing object, one longer than asked for."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.s3 import S3Backend
+from ckptdrain.daemon.backends.s3messages import MAX_MESSAGE_BYTES
+from tests.integration.seaweedfs import SeaweedFS
+from tests.integration.test_s3_backend import PREFIX, dest_config, uploads
+
+GEN1 = "job/00000000000000000001"
+GEN2 = "job/00000000000000000002"
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_the_commits_requests_are_sent_by_a_worker_with_the_same_answers(
+        seaweedfs: SeaweedFS, s3_bucket: str, workers: int) -> None:
+    backend = S3Backend(dest_config(s3_bucket, seaweedfs.endpoint_url), "gpu0", workers=workers)
+    sent_here: list[str] = []
+    own_call = backend._call
+
+    async def recording(what: str, operation: str, **params: Any) -> Any:
+        sent_here.append(operation)
+        return await own_call(what, operation, **params)
+
+    backend._call = recording  # type: ignore[method-assign]
+    # Long names: one page of this listing is several datagrams of JSON.
+    names = [f"{GEN2}/{'s' * 160}-{i:04d}.bin" for i in range(400)]
+    try:
+        await backend.start()
+        record = os.urandom(3000)
+        manifest = os.urandom(300 << 10)  # copied into and out of its memfd in a thread
+        assert await backend.put_bytes(f"{GEN1}/_parts/gpu0.json", record, exclusive=True)
+        # The server's 412 comes back through the worker as the same refusal.
+        assert not await backend.put_bytes(f"{GEN1}/_parts/gpu0.json", b"other",
+                                           exclusive=True)
+        assert await backend.get_bytes(f"{GEN1}/_parts/gpu0.json") == record
+        assert await backend.put_bytes(f"{GEN1}/MANIFEST.json", manifest)
+        assert await backend.get_bytes(f"{GEN1}/MANIFEST.json") == manifest
+        assert await backend.get_bytes(f"{GEN1}/none.json") is None
+        with pytest.raises(BackendError) as refused:
+            await backend.get_bytes(f"{GEN1}/MANIFEST.json", max_bytes=1000)
+        assert refused.value.kind == "integrity" and not refused.value.transient
+        assert "more than the 1000 expected" in str(refused.value)
+
+        for name in names:
+            assert await backend.put_bytes(name, b"")
+        listed = await backend.list(f"{GEN2}/")
+        # The page's keys alone are longer than a datagram: the answer came in a memfd.
+        assert sum(len(i.key) for i in listed) > MAX_MESSAGE_BYTES
+        assert [(i.key, i.size) for i in listed] == [(n, 0) for n in sorted(names)]
+        assert await backend.list_dirs("job/") == [GEN1.split("/")[1], GEN2.split("/")[1]]
+        await backend.delete(names[0])
+        assert names[0] not in [i.key for i in await backend.list(f"{GEN2}/")]
+
+        # An upload to resume: its parts are listed by the worker; then it is swept as an
+        # orphan (nobody owns it), and the sweep's abort is the worker's too.
+        full = f"{PREFIX}/{GEN1}/big.bin"
+        created = seaweedfs.client().create_multipart_upload(Bucket=s3_bucket, Key=full)
+        assert await backend._list_parts("big.bin", full, str(created["UploadId"])) == {}
+        assert await backend.sweep_orphans(set(), 0.0) == 1
+        assert uploads(seaweedfs, s3_bucket) == []
+    finally:
+        await backend.aclose()
+    if workers:
+        assert sent_here == []
+    else:
+        assert {"put_object", "get_object", "list_objects_v2", "delete_object", "list_parts",
+                "list_multipart_uploads", "abort_multipart_upload"} <= set(sent_here)

@@ -1,0 +1,223 @@
+"""The daemon's side of the S3 upload workers when a request is given up or its worker dies,
+against scripted workers: the test is the worker, on the real SOCK_SEQPACKET socket, and
+decides when each message arrives.
+
+Found attacking the first version of small requests through the workers (3a02fab):
+- a caller cancelled twice (a drain's own timeout, then the shutdown) cut its give-up short: an
+  answer that came later leaked the memfds it carried, and a create that landed anyway was left
+  for the orphan sweep because the abort undoing it was cancelled too;
+- a worker that died under a read failed the read, where the daemon's own client had retried
+  it: a client's ``latest`` or ``wait`` failed because of a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import pytest_asyncio
+
+from ckptdrain.daemon.backends.s3client import S3Client
+from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.backends.s3pool import WORKER_LOST, WorkerSenders, _Worker
+from ckptdrain.daemon.config import DestinationConfig
+
+CONFIG = DestinationConfig(uri="s3://bucket/prefix", endpoint_url="http://127.0.0.1:9",
+                           region="us-east-1", addressing_style="path")
+
+
+class _Process:
+    """Stands in for a worker's process (the test plays the worker): records kills."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.killed = 0
+
+    def kill(self) -> None:
+        self.killed += 1
+        self.returncode = -9
+
+    async def wait(self) -> int:
+        self.returncode = self.returncode if self.returncode is not None else 0
+        return self.returncode
+
+
+class _Scripted(WorkerSenders):
+    """A pool whose every started worker is a socket the test holds the other end of."""
+
+    def __init__(self) -> None:
+        client = cast(S3Client, SimpleNamespace(cleanup_timeout_s=5.0))
+        super().__init__(client, CONFIG, "n", 1)
+        self.ends: list[socket.socket] = []
+
+    async def _start(self, index: int) -> _Worker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        self.ends.append(theirs)
+        proc = cast(asyncio.subprocess.Process, _Process(10_000 + len(self.ends)))
+        return _Worker(index, proc, ours)
+
+
+@pytest_asyncio.fixture
+async def pool() -> AsyncIterator[_Scripted]:
+    scripted = _Scripted()
+    try:
+        yield scripted
+    finally:
+        await scripted.aclose()
+        for end in scripted.ends:
+            end.close()
+
+
+async def _receive(end: socket.socket) -> dict[str, Any]:
+    """The next message the daemon sent this worker (fds it carried are closed)."""
+    async with asyncio.timeout(30):
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(end, 1 << 16, 4)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.005)
+    for fd in fds:
+        os.close(fd)
+    assert data, "the daemon closed the worker's socket"
+    message = json.loads(data)
+    assert isinstance(message, dict)
+    return message
+
+
+def _answer(end: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    socket.send_fds(end, [json.dumps(message).encode()], fds or [])
+
+
+def _leftover(end: socket.socket) -> list[dict[str, Any]]:
+    """Messages already waiting on the worker's end."""
+    found = []
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(end, 1 << 16, 4)
+        except BlockingIOError:
+            return found
+        for fd in fds:
+            os.close(fd)
+        found.append(json.loads(data))
+
+
+def _memfds_named(name: str) -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == f"/memfd:{name} (deleted)":
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+@pytest.mark.asyncio
+async def test_a_read_cancelled_twice_closes_the_memfd_its_late_answer_carries(
+        pool: _Scripted) -> None:
+    reading = asyncio.ensure_future(pool.call(
+        "reading k", "get_object", {"Bucket": "bucket", "Key": "prefix/k"}, read_max=100))
+    await pool.start()
+    (end,) = pool.ends
+    request = await _receive(end)
+    assert request["operation"] == "get_object"
+    reading.cancel()
+    assert await _receive(end) == {"cancel": request["id"]}
+    reading.cancel()  # the shutdown's cancel, while the give-up waits for the worker
+    for _ in range(5):
+        await asyncio.sleep(0)
+    # The worker had read the object before it saw the cancel: its answer carries the bytes.
+    body = os.memfd_create("late-answer")
+    os.write(body, b"late bytes")
+    _answer(end, {"id": request["id"], "answer": {"ContentLength": 10}, "body_fd": 0}, [body])
+    os.close(body)
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await _one_more_request(pool, end)  # answers are read in order: the late one is in
+    assert _memfds_named("late-answer") == 0
+
+
+async def _one_more_request(pool: _Scripted, end: socket.socket) -> None:
+    checking = asyncio.ensure_future(pool.call("checking k", "head_object",
+                                               {"Bucket": "bucket", "Key": "prefix/k"}))
+    request = await _receive(end)
+    _answer(end, {"id": request["id"], "answer": {"ContentLength": 0}})
+    assert (await checking)["ContentLength"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_create_cancelled_twice_still_aborts_the_upload_it_began(
+        pool: _Scripted) -> None:
+    creating = asyncio.ensure_future(pool.call(
+        "starting", "create_multipart_upload", {"Bucket": "bucket", "Key": "prefix/big"}))
+    await pool.start()
+    (end,) = pool.ends
+    create = await _receive(end)
+    creating.cancel()
+    assert await _receive(end) == {"cancel": create["id"]}
+    # The create had landed: an upload exists that nobody records.
+    _answer(end, {"id": create["id"], "answer": {"UploadId": "u-late", "Key": "prefix/big"}})
+    abort = await _receive(end)
+    assert abort["operation"] == "abort_multipart_upload"
+    assert abort["params"] == {"Bucket": "bucket", "Key": "prefix/big", "UploadId": "u-late"}
+    creating.cancel()  # a second cancel while the abort is on its way
+    for _ in range(5):
+        await asyncio.sleep(0)
+    _answer(end, {"id": abort["id"], "answer": {}})
+    with pytest.raises(asyncio.CancelledError):
+        await creating
+    # The abort was seen through, not given up in turn.
+    assert _leftover(end) == []
+
+
+@pytest.mark.asyncio
+async def test_a_read_whose_worker_dies_is_sent_again_to_a_fresh_worker(
+        pool: _Scripted) -> None:
+    params = {"Bucket": "bucket", "Key": "prefix/job/LATEST"}
+    reading = asyncio.ensure_future(pool.call("reading LATEST", "get_object", params,
+                                              read_max=100))
+    await pool.start()
+    first = pool.ends[0]
+    assert (await _receive(first))["params"] == params
+    first.close()  # the worker died under the read
+    async with asyncio.timeout(30):
+        while len(pool.ends) < 2:
+            await asyncio.sleep(0.005)
+    second = pool.ends[1]
+    again = await _receive(second)
+    assert again["params"] == params
+    body = os.memfd_create("latest-body")
+    os.write(body, b"5")
+    _answer(second, {"id": again["id"], "answer": {"ContentLength": 1}, "body_fd": 0}, [body])
+    os.close(body)
+    answer = await reading
+    assert answer["Body"] == b"5"
+    assert _memfds_named("latest-body") == 0
+
+
+@pytest.mark.asyncio
+async def test_a_write_whose_worker_dies_fails_as_transient_and_is_not_sent_again(
+        pool: _Scripted) -> None:
+    # The drain owns a write's retry: it knows whether a create-once write landed.
+    writing = asyncio.ensure_future(pool.call(
+        "writing the part record", "put_object", {"Bucket": "bucket", "Key": "prefix/r"},
+        body=b"record"))
+    await pool.start()
+    first = pool.ends[0]
+    assert (await _receive(first))["operation"] == "put_object"
+    first.close()
+    with pytest.raises(S3Failure) as failed:
+        await writing
+    assert failed.value.transient and failed.value.code == WORKER_LOST
+    assert "started again for the next request" in str(failed.value)
+    assert len(pool.ends) == 1, "a write was sent again by the pool"
