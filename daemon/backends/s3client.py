@@ -98,6 +98,7 @@ class S3Client:
         self.list_page_size = LIST_PAGE
         self.aborted_uploads = 0
         # Who sends multipart parts: this loop, or ``workers`` processes (s3senders.py, s3pool.py).
+        self._workers = workers
         self.parts = open_sender(self, config, node_id, workers)
 
     # -- client -----------------------------------------------------------------------------
@@ -141,7 +142,11 @@ class S3Client:
         return self._client
 
     async def start(self) -> None:
-        await self.warm_up()
+        # With upload workers, every request of the drain, the commit and the sweeps is a
+        # worker's: this process builds its own client only for a streamed read (a shard read
+        # through the daemon), on first use, and does not carry botocore's model otherwise.
+        if self._workers == 0:
+            await self.warm_up()
         await self.parts.start()
 
     async def warm_up(self) -> None:
