@@ -22,14 +22,16 @@ the config names; what is still failing after them becomes a :class:`BackendErro
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError, Flow, ObjectInfo, UploadLog
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
+from ckptdrain.daemon.backends.s3client import absent
 from ckptdrain.daemon.backends.s3errors import S3Failure, classify
 from ckptdrain.daemon.backends.s3multipart import MultipartUploads
 from ckptdrain.daemon.backends.s3parts import (
@@ -48,8 +50,12 @@ from ckptdrain.daemon.backends.s3parts import (
     same_etag,
 )
 from ckptdrain.daemon.backends.s3reads import S3Reads
-from ckptdrain.daemon.backends.s3senders import Whole
+from ckptdrain.daemon.backends.s3senders import BATCH_AT_ONCE, Whole
 from ckptdrain.daemon.threads import settled
+
+# Keys in one batch of the commit's HEADs (one message to an upload worker; its answer, about
+# 300 bytes a key, goes in a memfd when longer than half a datagram).
+STAT_BATCH = 256
 
 # Re-exported: the names tests and older imports know this module by.
 __all__ = ["GiB", "KiB", "MiB", "S3Backend", "S3Failure", "classify", "multipart_etag",
@@ -243,6 +249,32 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
     async def stat(self, key: str) -> ObjectInfo | None:
         head = await self._head(key, self._key(key))
         return None if head is None else self._info(key, head)
+
+    async def stat_many(self, keys: Sequence[str], *,
+                        concurrency: int = 32) -> builtins.list[ObjectInfo | None]:
+        """:meth:`stat` of every key, in order, as batches of HEADs: with upload workers one
+        message per :data:`STAT_BATCH` keys (the daemon's loop paid a hand-over per shard),
+        ``concurrency`` HEADs in flight in all."""
+        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports base
+
+        found: builtins.list[ObjectInfo | None] = [None] * len(keys)
+
+        async def batch(start: int) -> None:
+            chunk = keys[start:start + STAT_BATCH]
+            answers = await self.parts.call_many(
+                f"checking {len(chunk)} shards from {chunk[0]}", "head_object",
+                [{"Bucket": self.bucket, "Key": self._key(k), "ChecksumMode": "ENABLED"}
+                 for k in chunk])
+            for i, (key, answer) in enumerate(zip(chunk, answers, strict=True)):
+                if isinstance(answer, S3Failure):
+                    if not absent(answer):
+                        raise answer
+                else:
+                    found[start + i] = self._info(key, answer)
+
+        await for_each_bounded(range(0, len(keys), STAT_BATCH), batch,
+                               max(1, concurrency // BATCH_AT_ONCE))
+        return found
 
     async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
         """Write a small object. With ``exclusive``, ``If-None-Match: *``: False when the key

@@ -54,6 +54,12 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
+def absent(exc: S3Failure) -> bool:
+    """Whether a HEAD's failure says the object does not exist (and the bucket does)."""
+    return exc.code in ("NoSuchKey", "NotFound", "404") or (
+        exc.status == 404 and exc.code != "NoSuchBucket")
+
+
 class S3Client:
     """``s3://bucket/prefix``; keys are stored as ``prefix/key``. The base of S3Backend."""
 
@@ -225,9 +231,7 @@ class S3Client:
                 ChecksumMode="ENABLED",
             )
         except S3Failure as exc:
-            if exc.code in ("NoSuchKey", "NotFound", "404") or (
-                exc.status == 404 and exc.code != "NoSuchBucket"
-            ):
+            if absent(exc):
                 return None
             raise
         return head

@@ -38,6 +38,7 @@ from ckptdrain.daemon.backends.s3messages import (
 )
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3senders import (
+    BATCHED_OPERATIONS,
     SMALL_OPERATIONS,
     InProcessSender,
     Part,
@@ -211,9 +212,30 @@ class WorkerSenders(PartSender):
                    body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:
         if operation not in SMALL_OPERATIONS:
             raise ValueError(f"{operation} is not one of the requests workers send")
-        request: dict[str, Any] = {"op": "call", "what": what, "operation": operation,
-                                   "params": params, "read_max": read_max,
-                                   "body": body is not None}
+        return await self._small({"op": "call", "what": what, "operation": operation,
+                                  "params": params, "read_max": read_max,
+                                  "body": body is not None}, body, read_max)
+
+    async def call_many(self, what: str, operation: str,
+                        params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
+        if operation not in BATCHED_OPERATIONS:
+            raise ValueError(f"{operation} is not sent in batches")
+        answer = await self._small({"op": "call", "what": what, "operation": operation,
+                                    "params": params, "many": True}, None, None)
+        try:
+            results = answer["results"]
+            if not isinstance(results, list) or len(results) != len(params):
+                raise ValueError(f"{len(params)} requests, answers {results!r:.80}")
+            return [_failure_of_one(r["error"]) if "error" in r else dict(r["answer"])
+                    for r in results]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise S3Failure(f"{what}: the upload worker's answer was malformed ({exc}); the "
+                            "requests will be sent again", transient=True, kind="io") from exc
+
+    async def _small(self, request: dict[str, Any], body: bytes | None,
+                     read_max: int | None) -> dict[str, Any]:
+        """Send one small request (a call or a batch of them) to a worker: its answer."""
+        what, operation = str(request["what"]), str(request["operation"])
         fds: list[int] = []
         try:
             if body is not None:
@@ -379,6 +401,14 @@ class WorkerSenders(PartSender):
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.kill()
                 await worker.proc.wait()
+
+
+def _failure_of_one(error: dict[str, Any]) -> S3Failure:
+    """The failure one request of a batch got (workers report S3Failures only)."""
+    failed = failure_from(error)
+    if isinstance(failed, S3Failure):
+        return failed
+    return S3Failure(str(failed), transient=True, kind="io")
 
 
 def open_sender(client: S3Client, config: DestinationConfig, node_id: str,

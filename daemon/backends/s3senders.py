@@ -12,6 +12,7 @@ keeps everything that decides: which upload to create or complete, the journal, 
 from __future__ import annotations
 
 import abc
+import asyncio
 import datetime
 import logging
 from dataclasses import dataclass
@@ -86,6 +87,14 @@ class PartSender(abc.ABC):
         bytes to send (PutObject); with ``read_max``, the object's bytes are read whole into
         the answer's ``Body`` (GetObject), and one longer than that fails as ``integrity``."""
 
+    @abc.abstractmethod
+    async def call_many(self, what: str, operation: str,
+                        params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
+        """Many requests of one of :data:`BATCHED_OPERATIONS` (the commit's HEAD of every
+        shard): each one's answer, or the S3Failure it got, in order. An upload worker takes
+        them as one message, so the daemon's loop pays one hand-over per batch, not per
+        shard."""
+
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Start what the sender runs before the first shard needs it."""
 
@@ -102,6 +111,34 @@ SMALL_OPERATIONS = frozenset({
     "head_object", "create_multipart_upload", "complete_multipart_upload",
     "abort_multipart_upload", "list_parts", "list_multipart_uploads", "list_objects_v2",
     "get_object", "put_object", "delete_object"})
+
+
+# Requests that may go in one batch (PartSender.call_many): reads whose answers are small.
+BATCHED_OPERATIONS = frozenset({"head_object"})
+# How many requests of one batch are in flight at once (one connection each).
+BATCH_AT_ONCE = 16
+
+
+async def call_each(client: S3Client, what: str, operation: str,
+                    params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
+    """:meth:`PartSender.call_many` from this process: each request's answer, or the
+    S3Failure it got, in order; at most :data:`BATCH_AT_ONCE` at once."""
+    if operation not in BATCHED_OPERATIONS:
+        raise ValueError(f"{operation} is not sent in batches")
+    results: list[dict[str, Any] | S3Failure] = [{} for _ in params]
+    room = asyncio.Semaphore(BATCH_AT_ONCE)
+
+    async def one(i: int) -> None:
+        async with room:
+            try:
+                results[i] = await client._call(what, operation, **params[i])
+            except S3Failure as exc:
+                results[i] = exc
+
+    async with asyncio.TaskGroup() as group:
+        for i in range(len(params)):
+            group.create_task(one(i))
+    return results
 
 
 async def call_in_process(client: S3Client, what: str, operation: str, params: dict[str, Any],
@@ -233,3 +270,7 @@ class InProcessSender(PartSender):
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
                    body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:
         return await call_in_process(self._client, what, operation, params, body, read_max)
+
+    async def call_many(self, what: str, operation: str,
+                        params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
+        return await call_each(self._client, what, operation, params)

@@ -46,6 +46,7 @@ from ckptdrain.daemon.backends.s3senders import (
     SMALL_OPERATIONS,
     Part,
     Whole,
+    call_each,
     call_in_process,
     put_in_process,
     send_in_process,
@@ -100,16 +101,30 @@ async def _call(client: S3Client, request: _Request) -> dict[str, Any]:
     operation = str(body["operation"])
     if operation not in SMALL_OPERATIONS:
         raise ValueError(f"{operation} is not sent by workers")
+    if body.get("many"):
+        # A batch (the commit's HEADs): each request's answer or its own failure.
+        each = await call_each(client, str(body["what"]), operation,
+                               [dict(p) for p in body["params"]])
+        return await _answer_fields({"results": [
+            {"error": failure_message(r)} if isinstance(r, BaseException)
+            else {"answer": to_message(r)} for r in each]}, None)
     read_max = None if body.get("read_max") is None else int(body["read_max"])
     answer = await call_in_process(client, str(body["what"]), operation, dict(body["params"]),
                                    data, read_max)
+    return await _answer_fields(to_message(answer),
+                                None if read_max is None else answer["Body"])
+
+
+async def _answer_fields(message: dict[str, Any], data: bytes | None) -> dict[str, Any]:
+    """A small request's answer as message fields: ``message`` inline or, when longer than
+    half a datagram, in a memfd; ``data`` (an object read) in a memfd of its own. ``_fds``:
+    the memfds the answer carries (owned by the answer until it is sent)."""
     fds: list[int] = []
     try:
         fields: dict[str, Any] = {}
-        if read_max is not None:
+        if data is not None:
             fields["body_fd"] = len(fds)
-            fds.append(await memfd_of(answer["Body"]))
-        message = to_message(answer)
+            fds.append(await memfd_of(data))
         encoded = encode(message)
         if len(encoded) > INLINE_MESSAGE_BYTES:
             fields["answer_fd"] = len(fds)
