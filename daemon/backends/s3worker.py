@@ -102,12 +102,14 @@ async def _call(client: S3Client, request: _Request) -> dict[str, Any]:
     if operation not in SMALL_OPERATIONS:
         raise ValueError(f"{operation} is not sent by workers")
     if body.get("many"):
-        # A batch (the commit's HEADs): each request's answer or its own failure.
+        # A batch (the commit's HEADs): each request's answer or its own failure, without
+        # the HTTP headers botocore keeps (ResponseMetadata: about 1 KB a key, read by none).
         each = await call_each(client, str(body["what"]), operation,
                                [dict(p) for p in body["params"]])
         return await _answer_fields({"results": [
             {"error": failure_message(r)} if isinstance(r, BaseException)
-            else {"answer": to_message(r)} for r in each]}, None)
+            else {"answer": to_message({k: v for k, v in r.items() if k != "ResponseMetadata"})}
+            for r in each]}, None)
     read_max = None if body.get("read_max") is None else int(body["read_max"])
     answer = await call_in_process(client, str(body["what"]), operation, dict(body["params"]),
                                    data, read_max)
