@@ -78,10 +78,10 @@ def receive_ready(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | Non
         obj = json.loads(data)
         if not isinstance(obj, dict):
             raise ValueError("not an object")
-    except ValueError:
+    except (ValueError, RecursionError) as exc:  # nested too deep for json: malformed too
         for fd in fds:
             os.close(fd)
-        raise
+        raise ValueError(f"a malformed message ({type(exc).__name__}: {exc})") from exc
     return obj, fds
 
 

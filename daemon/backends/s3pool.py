@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.backends.base import BackendError
@@ -100,7 +101,14 @@ class _Worker:
                 close_all(fds)
                 self._started(answer["started"])
                 continue
-            future = self.pending.pop(int(answer.get("id", -1)), None)
+            request_id = answer.get("id")
+            if not isinstance(request_id, int):
+                # A worker that answers nobody's request is broken: what it has in flight
+                # fails as transient (sent again to a fresh one) rather than wait it out.
+                close_all(fds)
+                self.lost(f"it sent an answer without a request id ({request_id!r:.40})")
+                return
+            future = self.pending.pop(request_id, None)
             if future is not None and not future.done():
                 future.set_result((answer, fds))
             else:
@@ -199,14 +207,17 @@ class WorkerSenders(PartSender):
              "kept_crc": part.kept_crc, "kept_etag": part.kept_etag},
             [fd], f"part {part.number} of {part.key}")
         close_all(fds)
-        return Sent(str(reply["etag"]), int(reply["crc"]), uploaded=bool(reply["uploaded"]))
+        with _malformed(f"part {part.number} of {part.key}"):
+            return Sent(str(reply["etag"]), int(reply["crc"]),
+                        uploaded=bool(reply["uploaded"]))
 
     async def put(self, whole: Whole, fd: int) -> int:
         reply, fds = await self._request(
             {"op": "put", "key": whole.key, "full": whole.full, "size": whole.size,
              "metadata": whole.metadata, "exclusive": whole.exclusive}, [fd], whole.key)
         close_all(fds)
-        return int(reply["crc"])
+        with _malformed(whole.key):
+            return int(reply["crc"])
 
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
                    body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:
@@ -222,15 +233,12 @@ class WorkerSenders(PartSender):
             raise ValueError(f"{operation} is not sent in batches")
         answer = await self._small({"op": "call", "what": what, "operation": operation,
                                     "params": params, "many": True}, None, None)
-        try:
+        with _malformed(what):
             results = answer["results"]
             if not isinstance(results, list) or len(results) != len(params):
                 raise ValueError(f"{len(params)} requests, answers {results!r:.80}")
             return [_failure_of_one(r["error"]) if "error" in r else dict(r["answer"])
                     for r in results]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise S3Failure(f"{what}: the upload worker's answer was malformed ({exc}); the "
-                            "requests will be sent again", transient=True, kind="io") from exc
 
     async def _small(self, request: dict[str, Any], body: bytes | None,
                      read_max: int | None) -> dict[str, Any]:
@@ -267,7 +275,7 @@ class WorkerSenders(PartSender):
     async def _answer_of(reply: dict[str, Any], fds: list[int], what: str,
                          read_max: int | None) -> dict[str, Any]:
         """A call's answer, from its message and the memfds that came with it."""
-        try:
+        with _malformed(what):
             if "answer_fd" in reply:
                 message = json.loads(await read_memfd(fds[int(reply["answer_fd"])],
                                                       MESSAGE_FD_MAX_BYTES))
@@ -276,9 +284,6 @@ class WorkerSenders(PartSender):
             answer = from_message(dict(message))
             if read_max is not None:
                 answer["Body"] = await read_memfd(fds[int(reply["body_fd"])], read_max)
-        except (KeyError, IndexError, TypeError, ValueError, OSError) as exc:
-            raise S3Failure(f"{what}: the upload worker's answer was malformed ({exc}); the "
-                            "request will be sent again", transient=True, kind="io") from exc
         return answer
 
     async def _request(self, body: dict[str, Any], fds: list[int],
@@ -308,6 +313,8 @@ class WorkerSenders(PartSender):
                 reply, got = await asyncio.shield(answer)
         except TimeoutError:
             worker.lost(f"{what} got no answer in {self._answer_timeout_s:g} s")
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # retrieved: the timeout is what the caller sees
             raise S3Failure(f"{what} got no answer from its upload worker; it will be sent "
                             "again", transient=True, kind="timeout") from None
         except asyncio.CancelledError:
@@ -324,7 +331,9 @@ class WorkerSenders(PartSender):
             worker.pending.pop(request_id, None)
         if "error" in reply:
             close_all(got)
-            raise failure_from(reply["error"])
+            with _malformed(what):
+                failure = failure_from(reply["error"])
+            raise failure
         return reply, got
 
     async def _give_up(self, worker: _Worker, request_id: int,
@@ -401,6 +410,20 @@ class WorkerSenders(PartSender):
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.kill()
                 await worker.proc.wait()
+
+
+@contextlib.contextmanager
+def _malformed(what: str) -> Iterator[None]:
+    """Every reading of a worker's answer happens in here: whatever shape it has, a broken or
+    hostile worker's answer is a transient S3Failure (the drain sends the request again),
+    never an untyped exception that ends a generation as ``internal``."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError,
+            OSError) as exc:
+        raise S3Failure(f"{what}: the upload worker's answer was malformed "
+                        f"({type(exc).__name__}: {exc}); the request will be sent again",
+                        transient=True, kind="io") from exc
 
 
 def _failure_of_one(error: dict[str, Any]) -> S3Failure:

@@ -164,12 +164,17 @@ async def call_in_process(client: S3Client, what: str, operation: str, params: d
 
 
 def to_message(answer: dict[str, Any]) -> dict[str, Any]:
-    """A botocore answer as JSON: its datetimes (LastModified) as tagged ISO strings."""
+    """A botocore answer as JSON: its datetimes (LastModified) as tagged ISO strings. A dict
+    of the answer that looks like a tag (user metadata may name a key ``__datetime__``) is
+    wrapped in a tag of its own, so :func:`from_message` never takes data for a tag."""
     def convert(value: Any) -> Any:
         if isinstance(value, datetime.datetime):
             return {_DATETIME_TAG: value.isoformat()}
         if isinstance(value, dict):
-            return {str(k): convert(v) for k, v in value.items()}
+            converted = {str(k): convert(v) for k, v in value.items()}
+            if len(converted) == 1 and next(iter(converted)) in _TAGS:
+                return {_DICT_TAG: converted}
+            return converted
         if isinstance(value, (list, tuple)):
             return [convert(v) for v in value]
         return value
@@ -180,8 +185,12 @@ def from_message(message: dict[str, Any]) -> dict[str, Any]:
     """The inverse of :func:`to_message`."""
     def convert(value: Any) -> Any:
         if isinstance(value, dict):
-            if set(value) == {_DATETIME_TAG}:
-                return datetime.datetime.fromisoformat(str(value[_DATETIME_TAG]))
+            if len(value) == 1:
+                ((key, inner),) = value.items()
+                if key == _DATETIME_TAG:
+                    return datetime.datetime.fromisoformat(str(inner))
+                if key == _DICT_TAG:
+                    return {k: convert(v) for k, v in dict(inner).items()}
             return {k: convert(v) for k, v in value.items()}
         if isinstance(value, list):
             return [convert(v) for v in value]
@@ -190,6 +199,8 @@ def from_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 _DATETIME_TAG = "__datetime__"
+_DICT_TAG = "__dict__"
+_TAGS = frozenset({_DATETIME_TAG, _DICT_TAG})
 
 async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
     """Checksum and upload one part from this process (a worker's, or the daemon's own when

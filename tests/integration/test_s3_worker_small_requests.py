@@ -145,3 +145,21 @@ async def test_a_batch_of_heads_fails_as_a_head_does_when_the_server_refuses(
         assert "checking 2 shards from" in str(batch.value)
     finally:
         await backend.aclose()
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_a_shard_whose_metadata_looks_like_a_message_tag_stats_alike(
+        seaweedfs: SeaweedFS, s3_bucket: str, workers: int) -> None:
+    # Another client of the bucket wrote user metadata named as the messages' date tag.
+    seaweedfs.client().put_object(Bucket=s3_bucket, Key=f"{PREFIX}/{GEN1}/odd.bin", Body=b"abc",
+                                  Metadata={"__datetime__": "2020-01-01T00:00:00"})
+    backend = S3Backend(dest_config(s3_bucket, seaweedfs.endpoint_url), "gpu0", workers=workers)
+    try:
+        await backend.start()
+        info = await backend.stat(f"{GEN1}/odd.bin")
+        assert info is not None and info.size == 3
+        assert await backend.stat_many([f"{GEN1}/odd.bin"]) == [info]
+    finally:
+        await backend.aclose()

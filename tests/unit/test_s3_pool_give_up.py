@@ -13,6 +13,7 @@ Found attacking the first version of small requests through the workers (3a02fab
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ import pytest_asyncio
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3pool import WORKER_LOST, WorkerSenders, _Worker
+from ckptdrain.daemon.backends.s3senders import Part
 from ckptdrain.daemon.config import DestinationConfig
 
 CONFIG = DestinationConfig(uri="s3://bucket/prefix", endpoint_url="http://127.0.0.1:9",
@@ -56,6 +58,7 @@ class _Scripted(WorkerSenders):
         client = cast(S3Client, SimpleNamespace(cleanup_timeout_s=5.0))
         super().__init__(client, CONFIG, "n", 1)
         self.ends: list[socket.socket] = []
+        self.started: list[_Worker] = []  # every worker, to count those killed
 
     async def _start(self, index: int) -> _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -63,7 +66,9 @@ class _Scripted(WorkerSenders):
         theirs.setblocking(False)
         self.ends.append(theirs)
         proc = cast(asyncio.subprocess.Process, _Process(10_000 + len(self.ends)))
-        return _Worker(index, proc, ours)
+        worker = _Worker(index, proc, ours)
+        self.started.append(worker)
+        return worker
 
 
 @pytest_asyncio.fixture
@@ -221,3 +226,108 @@ async def test_a_write_whose_worker_dies_fails_as_transient_and_is_not_sent_agai
     assert failed.value.transient and failed.value.code == WORKER_LOST
     assert "started again for the next request" in str(failed.value)
     assert len(pool.ends) == 1, "a write was sent again by the pool"
+
+
+# Found by a second attack (on 9e15742): a broken or hostile worker's answer must fail its
+# request as a transient S3Failure (sent again), never raise out of the socket's reader or
+# end a generation as `internal`; and no fd it attached may stay open.
+
+_MALFORMED_REPLIES: list[tuple[str, Any]] = [
+    ("an error that is not an object", {"error": "boom"}),
+    ("an error whose status is not a number", {"error": {"status": "x"}}),
+    ("a part answer without its etag", {"crc": 1, "uploaded": True}),
+    ("a part answer whose crc is not a number", {"etag": "e", "crc": "zz", "uploaded": True}),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("case", "reply"), _MALFORMED_REPLIES,
+                         ids=[c for c, _ in _MALFORMED_REPLIES])
+async def test_a_malformed_part_answer_is_a_transient_failure(
+        pool: _Scripted, case: str, reply: dict[str, Any]) -> None:
+    staged = os.memfd_create("staged")
+    try:
+        sending = asyncio.ensure_future(pool.send(Part("k", "prefix/k", "u", 1, 0, 10), staged))
+        await pool.start()
+        (end,) = pool.ends
+        request = await _receive(end)
+        _answer(end, {"id": request["id"], **reply})
+        with pytest.raises(S3Failure) as failed:
+            await sending
+        assert failed.value.transient and "answer was malformed" in str(failed.value), case
+    finally:
+        os.close(staged)
+
+
+@pytest.mark.asyncio
+async def test_a_deeply_nested_answer_in_a_memfd_is_a_transient_failure(
+        pool: _Scripted) -> None:
+    reading = asyncio.ensure_future(pool.call("checking k", "head_object",
+                                              {"Bucket": "bucket", "Key": "prefix/k"}))
+    await pool.start()
+    (end,) = pool.ends
+    request = await _receive(end)
+    nested = os.memfd_create("nested-answer")
+    os.write(nested, b"[" * 100_000 + b"]" * 100_000)
+    _answer(end, {"id": request["id"], "answer_fd": 0}, [nested])
+    os.close(nested)
+    with pytest.raises(S3Failure) as failed:
+        await reading
+    assert failed.value.transient and "RecursionError" in str(failed.value)
+    assert _memfds_named("nested-answer") == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("message", [
+    {"id": "abc"}, {"id": None}, {"answer": {}},
+    "deep",  # a datagram of JSON nested too deep to parse
+])
+async def test_an_answer_that_names_no_request_replaces_the_worker_and_the_read_goes_on(
+        pool: _Scripted, message: Any) -> None:
+    params = {"Bucket": "bucket", "Key": "prefix/job/LATEST"}
+    reading = asyncio.ensure_future(pool.call("reading LATEST", "get_object", params,
+                                              read_max=100))
+    await pool.start()
+    first = pool.ends[0]
+    await _receive(first)
+    stray = os.memfd_create("stray-answer")
+    data = (b"[" * 20_000 + b"]" * 20_000) if message == "deep" else json.dumps(message).encode()
+    socket.send_fds(first, [data], [stray])
+    os.close(stray)
+    async with asyncio.timeout(30):  # not the answer timeout (950 s by default)
+        while len(pool.ends) < 2:
+            await asyncio.sleep(0.005)
+    again = await _receive(pool.ends[1])
+    _answer(pool.ends[1], {"id": again["id"], "answer": {"ContentLength": 0}, "body_fd": 0},
+            [os.memfd_create("empty")])
+    assert (await reading)["Body"] == b""
+    assert _memfds_named("stray-answer") == 0
+    assert pool_processes_killed(pool) == 1
+
+
+def pool_processes_killed(pool: _Scripted) -> int:
+    return sum(cast(_Process, w.proc).killed for w in pool.started)
+
+
+@pytest.mark.asyncio
+async def test_an_answer_that_times_out_leaves_no_exception_unretrieved(
+        pool: _Scripted) -> None:
+    unhandled: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    pool._answer_timeout_s = 0.2
+    checking = asyncio.ensure_future(pool.call("checking k", "head_object",
+                                               {"Bucket": "bucket", "Key": "prefix/k"}))
+    await pool.start()
+    await _receive(pool.ends[0])  # and never answered
+    kind = ""
+    try:
+        await checking
+    except S3Failure as exc:
+        kind = exc.kind  # not kept: the answer future must be freed with it
+    assert kind == "timeout"
+    del checking
+    for _ in range(3):  # the futures and the frames that held them, collected
+        gc.collect()
+        await asyncio.sleep(0.01)
+    assert [context.get("message") for context in unhandled] == []

@@ -177,3 +177,22 @@ async def test_a_malformed_answer_is_a_transient_failure_and_its_fds_stay_the_ca
         os.fstat(fd)  # still open: the caller closes what came with the answer
     finally:
         os.close(fd)
+
+
+def test_an_answer_travels_unchanged_whatever_its_user_metadata_is_named() -> None:
+    """Found attacking the workers: user metadata with the key ``__datetime__`` (any client
+    of the bucket can write it) was read back as a date, and a stat of that object failed
+    with an untyped AttributeError, or, not being a date, as malformed on every retry."""
+    import datetime
+
+    from ckptdrain.daemon.backends.s3senders import from_message, to_message
+
+    when = datetime.datetime(2026, 12, 4, 8, 0, tzinfo=datetime.UTC)
+    answer = {
+        "LastModified": when,
+        "Metadata": {"__datetime__": "2020-01-01T00:00:00"},
+        "Other": {"__dict__": {"__datetime__": "x"}},
+        "Pages": [{"__datetime__": "not a date"}, {"__dict__": 1}, {"a": when}],
+        "ContentLength": 3,
+    }
+    assert from_message(json.loads(json.dumps(to_message(answer)))) == answer
