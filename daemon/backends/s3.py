@@ -254,7 +254,8 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
                         concurrency: int = 32) -> builtins.list[ObjectInfo | None]:
         """:meth:`stat` of every key, in order, as batches of HEADs: with upload workers one
         message per :data:`STAT_BATCH` keys (the daemon's loop paid a hand-over per shard),
-        ``concurrency`` HEADs in flight in all."""
+        about ``concurrency`` HEADs in flight in all (at least one batch's
+        :data:`~ckptdrain.daemon.backends.s3senders.BATCH_AT_ONCE`)."""
         from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports base
 
         found: builtins.list[ObjectInfo | None] = [None] * len(keys)
@@ -262,7 +263,7 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         async def batch(start: int) -> None:
             chunk = keys[start:start + STAT_BATCH]
             answers = await self.parts.call_many(
-                f"checking {len(chunk)} shards from {chunk[0]}", "head_object",
+                "checking", "head_object",
                 [{"Bucket": self.bucket, "Key": self._key(k), "ChecksumMode": "ENABLED"}
                  for k in chunk])
             for i, (key, answer) in enumerate(zip(chunk, answers, strict=True)):

@@ -144,7 +144,12 @@ class S3Client:
                         )
                     )
                 self._stack = stack
-                freeze_long_lived()
+                if self._workers == 0:
+                    # Frozen once botocore's model is in (the CLI, a worker, a daemon without
+                    # workers, all at their start). A daemon with workers builds a client
+                    # only mid-run, for a read, when freezing would pin whatever is alive
+                    # then (tasks, tracebacks) out of the collector's reach for good.
+                    freeze_long_lived()
         return self._client
 
     async def start(self) -> None:
@@ -153,6 +158,8 @@ class S3Client:
         # through the daemon), on first use, and does not carry botocore's model otherwise.
         if self._workers == 0:
             await self.warm_up()
+        else:
+            freeze_long_lived()  # what warm_up froze before: the modules loaded by now
         await self.parts.start()
 
     async def warm_up(self) -> None:
@@ -238,6 +245,16 @@ class S3Client:
 
     @staticmethod
     def _info(key: str, head: dict[str, Any]) -> ObjectInfo:
+        try:
+            return S3Client._info_of(key, head)
+        except (AttributeError, TypeError, ValueError) as exc:
+            # Only an upload worker's answer can be malformed (botocore parses its own).
+            raise S3Failure(f"checking {key}: the answer was malformed "
+                            f"({type(exc).__name__}: {exc}); it will be sent again",
+                            transient=True, kind="io") from exc
+
+    @staticmethod
+    def _info_of(key: str, head: dict[str, Any]) -> ObjectInfo:
         modified = head.get("LastModified")
         recorded = head.get("Metadata", {}).get(CHECKSUM_METADATA_KEY)
         try:

@@ -39,6 +39,7 @@ from ckptdrain.daemon.backends.s3messages import (
 )
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3senders import (
+    BATCH_AT_ONCE,
     BATCHED_OPERATIONS,
     SMALL_OPERATIONS,
     InProcessSender,
@@ -231,8 +232,12 @@ class WorkerSenders(PartSender):
                         params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
         if operation not in BATCHED_OPERATIONS:
             raise ValueError(f"{operation} is not sent in batches")
+        # A batch goes in rounds of BATCH_AT_ONCE: its answer may take that many requests'
+        # time (a stalled endpoint must not get a healthy worker replaced).
+        rounds = max(1, -(-len(params) // BATCH_AT_ONCE))
         answer = await self._small({"op": "call", "what": what, "operation": operation,
-                                    "params": params, "many": True}, None, None)
+                                    "params": params, "many": True}, None, None,
+                                   timeout_s=rounds * self._answer_timeout_s)
         with _malformed(what):
             results = answer["results"]
             if not isinstance(results, list) or len(results) != len(params):
@@ -241,7 +246,7 @@ class WorkerSenders(PartSender):
                     for r in results]
 
     async def _small(self, request: dict[str, Any], body: bytes | None,
-                     read_max: int | None) -> dict[str, Any]:
+                     read_max: int | None, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Send one small request (a call or a batch of them) to a worker: its answer."""
         what, operation = str(request["what"]), str(request["operation"])
         fds: list[int] = []
@@ -256,14 +261,14 @@ class WorkerSenders(PartSender):
                 fds.append(await memfd_of(encoded))  # a Complete of thousands of parts
                 request = {"op": "call", "spilled": True}
             try:
-                reply, got = await self._request(request, fds, what)
+                reply, got = await self._request(request, fds, what, timeout_s)
             except S3Failure as exc:
                 # A read is sent once more to a fresh worker: a client's `latest` or `wait`
                 # must not fail because a worker died (the in-process client's own retries
                 # covered the same moment). A write is retried by the drain that owns it.
                 if exc.code != WORKER_LOST or operation not in _RESENT_WHEN_LOST:
                     raise
-                reply, got = await self._request(request, fds, what)
+                reply, got = await self._request(request, fds, what, timeout_s)
         finally:
             close_all(fds)  # the worker holds its own copies (SCM_RIGHTS) once sent
         try:
@@ -286,10 +291,12 @@ class WorkerSenders(PartSender):
                 answer["Body"] = await read_memfd(fds[int(reply["body_fd"])], read_max)
         return answer
 
-    async def _request(self, body: dict[str, Any], fds: list[int],
-                       what: str) -> tuple[dict[str, Any], list[int]]:
-        """Send one request with ``fds`` (the caller keeps owning them); its answer and the
-        fds that came with it, owned by the caller from then on."""
+    async def _request(self, body: dict[str, Any], fds: list[int], what: str,
+                       timeout_s: float | None = None) -> tuple[dict[str, Any], list[int]]:
+        """Send one request with ``fds`` (the caller keeps owning them); its answer (within
+        ``timeout_s``, one request's bound by default) and the fds that came with it, owned
+        by the caller from then on."""
+        answer_timeout_s = self._answer_timeout_s if timeout_s is None else timeout_s
         worker = await self._worker()
         request_id = next(self._ids)
         answer: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
@@ -309,10 +316,10 @@ class WorkerSenders(PartSender):
             worker.pending.pop(request_id, None)
             raise
         try:
-            async with asyncio.timeout(self._answer_timeout_s):
+            async with asyncio.timeout(answer_timeout_s):
                 reply, got = await asyncio.shield(answer)
         except TimeoutError:
-            worker.lost(f"{what} got no answer in {self._answer_timeout_s:g} s")
+            worker.lost(f"{what} got no answer in {answer_timeout_s:g} s")
             if answer.done() and not answer.cancelled():
                 answer.exception()  # retrieved: the timeout is what the caller sees
             raise S3Failure(f"{what} got no answer from its upload worker; it will be sent "

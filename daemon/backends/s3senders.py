@@ -12,7 +12,6 @@ keeps everything that decides: which upload to create or complete, the journal, 
 from __future__ import annotations
 
 import abc
-import asyncio
 import datetime
 import logging
 from dataclasses import dataclass
@@ -122,22 +121,23 @@ BATCH_AT_ONCE = 16
 async def call_each(client: S3Client, what: str, operation: str,
                     params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
     """:meth:`PartSender.call_many` from this process: each request's answer, or the
-    S3Failure it got, in order; at most :data:`BATCH_AT_ONCE` at once."""
+    S3Failure it got, in order; at most :data:`BATCH_AT_ONCE` at once. Any other failure
+    (a closed backend) fails the batch as itself, as it fails one request."""
+    from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports the backends
+
     if operation not in BATCHED_OPERATIONS:
         raise ValueError(f"{operation} is not sent in batches")
     results: list[dict[str, Any] | S3Failure] = [{} for _ in params]
-    room = asyncio.Semaphore(BATCH_AT_ONCE)
 
     async def one(i: int) -> None:
-        async with room:
-            try:
-                results[i] = await client._call(what, operation, **params[i])
-            except S3Failure as exc:
-                results[i] = exc
+        try:
+            # Each its own label: a failure names its own key, not the batch's first.
+            results[i] = await client._call(f"{what} {params[i].get('Key', '')}", operation,
+                                            **params[i])
+        except S3Failure as exc:
+            results[i] = exc
 
-    async with asyncio.TaskGroup() as group:
-        for i in range(len(params)):
-            group.create_task(one(i))
+    await for_each_bounded(range(len(params)), one, BATCH_AT_ONCE)
     return results
 
 

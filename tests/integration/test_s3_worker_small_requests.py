@@ -17,6 +17,7 @@ import pytest
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import STAT_BATCH, S3Backend
 from ckptdrain.daemon.backends.s3messages import MAX_MESSAGE_BYTES
+from ckptdrain.daemon.config import DestinationConfig
 from tests.integration.seaweedfs import SeaweedFS
 from tests.integration.test_s3_backend import PREFIX, dest_config, uploads
 
@@ -105,9 +106,10 @@ async def test_the_commits_proof_heads_shards_in_batches_with_stats_answers(
         if workers:
             own_request = backend.parts._request  # type: ignore[attr-defined]
 
-            async def counting(body: dict[str, Any], fds: list[int], what: str) -> Any:
+            async def counting(body: dict[str, Any], fds: list[int], what: str,
+                               timeout_s: float | None = None) -> Any:
                 sent.append(1)
-                return await own_request(body, fds, what)
+                return await own_request(body, fds, what, timeout_s)
 
             backend.parts._request = counting  # type: ignore[attr-defined]
         many = await backend.stat_many(keys)
@@ -142,9 +144,29 @@ async def test_a_batch_of_heads_fails_as_a_head_does_when_the_server_refuses(
             await backend.stat(f"{GEN1}/a.bin")
         assert (batch.value.kind, batch.value.transient) == (single.value.kind,
                                                              single.value.transient)
-        assert "checking 2 shards from" in str(batch.value)
+        # The failure names the key that got it, as a stat's does.
+        assert any(f"checking {PREFIX}/{GEN1}/{name} at " in str(batch.value)
+                   for name in ("a.bin", "b.bin"))
     finally:
         await backend.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_a_closed_backends_batch_fails_as_its_stat_does(workers: int) -> None:
+    """Found reviewing the batches: without workers, a failure other than an S3Failure (the
+    backend closed under a commit) came out of the batch as an ExceptionGroup, which the
+    commit does not know as a destination error, and the generation ended as `internal`."""
+    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url="http://127.0.0.1:9",
+                               region="us-east-1", addressing_style="path")
+    backend = S3Backend(config, "gpu0", workers=workers)
+    await backend.aclose()
+    with pytest.raises(BackendError) as batch:
+        await backend.stat_many([f"{GEN1}/a.bin", f"{GEN1}/b.bin"])
+    with pytest.raises(BackendError) as single:
+        await backend.stat(f"{GEN1}/a.bin")
+    assert type(batch.value) is type(single.value)
+    assert "closed" in str(batch.value) and "closed" in str(single.value)
 
 
 @pytest.mark.s3

@@ -27,7 +27,7 @@ import pytest_asyncio
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3pool import WORKER_LOST, WorkerSenders, _Worker
-from ckptdrain.daemon.backends.s3senders import Part
+from ckptdrain.daemon.backends.s3senders import BATCH_AT_ONCE, Part
 from ckptdrain.daemon.config import DestinationConfig
 
 CONFIG = DestinationConfig(uri="s3://bucket/prefix", endpoint_url="http://127.0.0.1:9",
@@ -331,3 +331,25 @@ async def test_an_answer_that_times_out_leaves_no_exception_unretrieved(
         gc.collect()
         await asyncio.sleep(0.01)
     assert [context.get("message") for context in unhandled] == []
+
+
+@pytest.mark.asyncio
+async def test_a_batch_may_take_as_long_as_its_rounds_of_requests(pool: _Scripted) -> None:
+    """Found reviewing the batches: a batch of 256 HEADs goes in 16 rounds, and was held to
+    one request's answer timeout; against a stalled endpoint the healthy worker was replaced
+    and every part in flight on it failed."""
+    pool._answer_timeout_s = 0.2
+    keys = [{"Bucket": "bucket", "Key": f"prefix/k{i}"} for i in range(3 * BATCH_AT_ONCE)]
+    checking = asyncio.ensure_future(pool.call_many("checking", "head_object", keys))
+    await pool.start()
+    (end,) = pool.ends
+    request = await _receive(end)  # spilled or not, one message for the batch
+    await asyncio.sleep(0.35)  # the endpoint is slow: longer than one request's bound
+    results = [{"answer": {"ContentLength": i}} for i in range(len(keys))]
+    answer = os.memfd_create("batch-answer")
+    os.write(answer, json.dumps({"results": results}).encode())
+    _answer(end, {"id": request["id"], "answer_fd": 0}, [answer])
+    os.close(answer)
+    got = await checking
+    assert [r["ContentLength"] for r in got if isinstance(r, dict)] == list(range(len(keys)))
+    assert pool.ends == [end] and pool_processes_killed(pool) == 0

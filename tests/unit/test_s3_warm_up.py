@@ -68,3 +68,35 @@ async def test_the_first_client_built_is_frozen_out_of_the_collectors_walks_once
     finally:
         gc.unfreeze()
         s3client.freeze_long_lived.cache_clear()
+
+
+@pytest.mark.asyncio
+async def test_with_workers_the_daemon_freezes_at_start_and_never_mid_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found reviewing 887a950: with workers the daemon built no client at start, so the
+    first freeze came with a client built mid-run (a shard read through the daemon) and
+    pinned whatever was alive then (tasks, tracebacks) out of the collector's reach."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url="http://127.0.0.1:9",
+                               region="us-east-1", addressing_style="path")
+    gc.unfreeze()
+    s3client.freeze_long_lived.cache_clear()
+    freezes: list[str] = []
+    real_freeze = gc.freeze
+
+    def counting_freeze() -> None:
+        freezes.append("frozen")
+        real_freeze()
+
+    monkeypatch.setattr(gc, "freeze", counting_freeze)
+    backend = S3Backend(config, "node", workers=1)
+    try:
+        await backend.start()
+        assert backend._client is None and freezes == ["frozen"]
+        await backend._s3()  # what a read through the daemon does first
+        assert backend._client is not None and freezes == ["frozen"]
+    finally:
+        await backend.aclose()
+        gc.unfreeze()

@@ -196,3 +196,15 @@ def test_an_answer_travels_unchanged_whatever_its_user_metadata_is_named() -> No
         "ContentLength": 3,
     }
     assert from_message(json.loads(json.dumps(to_message(answer)))) == answer
+
+
+@pytest.mark.parametrize("head", [{"LastModified": "2026-12-04", "ContentLength": 1},
+                                  {"ContentLength": "many"}, {"Metadata": "none"}])
+def test_a_malformed_head_answer_is_a_transient_failure(head: dict[str, object]) -> None:
+    """Found reviewing 083b29f: a stat read its (worker's) answer outside the answer's
+    boundary, so a date that was not one raised an untyped AttributeError."""
+    from ckptdrain.daemon.backends.s3client import S3Client
+
+    with pytest.raises(S3Failure) as failed:
+        S3Client._info("job/1/a.bin", head)
+    assert failed.value.transient and "checking job/1/a.bin" in str(failed.value)
