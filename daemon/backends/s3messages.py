@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from ckptdrain.daemon.backends.s3bodies import in_thread
@@ -170,3 +171,23 @@ def failure_from(error: dict[str, Any]) -> BaseException:
                      status=int(error.get("status", 0)))
 
 
+@contextlib.contextmanager
+def malformed(what: str) -> Iterator[None]:
+    """Every reading of a worker's answer happens in here: whatever shape it has, a broken or
+    hostile worker's answer is a transient S3Failure (the drain sends the request again),
+    never an untyped exception that ends a generation as ``internal``."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError,
+            OSError) as exc:
+        raise S3Failure(f"{what}: the upload worker's answer was malformed "
+                        f"({type(exc).__name__}: {exc}); the request will be sent again",
+                        transient=True, kind="io") from exc
+
+
+def failure_of_one(error: dict[str, Any]) -> S3Failure:
+    """The failure one request of a batch got (workers report S3Failures only)."""
+    failed = failure_from(error)
+    if isinstance(failed, S3Failure):
+        return failed
+    return S3Failure(str(failed), transient=True, kind="io")

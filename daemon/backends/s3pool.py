@@ -21,7 +21,6 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.backends.base import BackendError
@@ -32,6 +31,8 @@ from ckptdrain.daemon.backends.s3messages import (
     close_all,
     encode,
     failure_from,
+    failure_of_one,
+    malformed,
     memfd_of,
     read_memfd,
     receive_ready,
@@ -208,7 +209,7 @@ class WorkerSenders(PartSender):
              "kept_crc": part.kept_crc, "kept_etag": part.kept_etag},
             [fd], f"part {part.number} of {part.key}")
         close_all(fds)
-        with _malformed(f"part {part.number} of {part.key}"):
+        with malformed(f"part {part.number} of {part.key}"):
             return Sent(str(reply["etag"]), int(reply["crc"]),
                         uploaded=bool(reply["uploaded"]))
 
@@ -217,7 +218,7 @@ class WorkerSenders(PartSender):
             {"op": "put", "key": whole.key, "full": whole.full, "size": whole.size,
              "metadata": whole.metadata, "exclusive": whole.exclusive}, [fd], whole.key)
         close_all(fds)
-        with _malformed(whole.key):
+        with malformed(whole.key):
             return int(reply["crc"])
 
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
@@ -238,11 +239,11 @@ class WorkerSenders(PartSender):
         answer = await self._small({"op": "call", "what": what, "operation": operation,
                                     "params": params, "many": True}, None, None,
                                    timeout_s=rounds * self._answer_timeout_s)
-        with _malformed(what):
+        with malformed(what):
             results = answer["results"]
             if not isinstance(results, list) or len(results) != len(params):
                 raise ValueError(f"{len(params)} requests, answers {results!r:.80}")
-            return [_failure_of_one(r["error"]) if "error" in r else dict(r["answer"])
+            return [failure_of_one(r["error"]) if "error" in r else dict(r["answer"])
                     for r in results]
 
     async def _small(self, request: dict[str, Any], body: bytes | None,
@@ -280,7 +281,7 @@ class WorkerSenders(PartSender):
     async def _answer_of(reply: dict[str, Any], fds: list[int], what: str,
                          read_max: int | None) -> dict[str, Any]:
         """A call's answer, from its message and the memfds that came with it."""
-        with _malformed(what):
+        with malformed(what):
             if "answer_fd" in reply:
                 message = json.loads(await read_memfd(fds[int(reply["answer_fd"])],
                                                       MESSAGE_FD_MAX_BYTES))
@@ -338,7 +339,7 @@ class WorkerSenders(PartSender):
             worker.pending.pop(request_id, None)
         if "error" in reply:
             close_all(got)
-            with _malformed(what):
+            with malformed(what):
                 failure = failure_from(reply["error"])
             raise failure
         return reply, got
@@ -417,28 +418,6 @@ class WorkerSenders(PartSender):
                 with contextlib.suppress(ProcessLookupError):
                     worker.proc.kill()
                 await worker.proc.wait()
-
-
-@contextlib.contextmanager
-def _malformed(what: str) -> Iterator[None]:
-    """Every reading of a worker's answer happens in here: whatever shape it has, a broken or
-    hostile worker's answer is a transient S3Failure (the drain sends the request again),
-    never an untyped exception that ends a generation as ``internal``."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError,
-            OSError) as exc:
-        raise S3Failure(f"{what}: the upload worker's answer was malformed "
-                        f"({type(exc).__name__}: {exc}); the request will be sent again",
-                        transient=True, kind="io") from exc
-
-
-def _failure_of_one(error: dict[str, Any]) -> S3Failure:
-    """The failure one request of a batch got (workers report S3Failures only)."""
-    failed = failure_from(error)
-    if isinstance(failed, S3Failure):
-        return failed
-    return S3Failure(str(failed), transient=True, kind="io")
 
 
 def open_sender(client: S3Client, config: DestinationConfig, node_id: str,
