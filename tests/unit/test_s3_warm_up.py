@@ -37,21 +37,7 @@ async def test_the_first_client_built_is_frozen_out_of_the_collectors_walks_once
     collection no longer walks it (4% of a restore's CPU went to the collector before). Only
     the first client freezes: freezing at every one kept each closed client's cycles for good
     (about 12 MB per client in a process opening backend after backend)."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url="http://127.0.0.1:9",
-                               region="us-east-1", addressing_style="path")
-    gc.unfreeze()
-    s3client.freeze_long_lived.cache_clear()
-    freezes: list[int] = []
-    real_freeze = gc.freeze
-
-    def counting_freeze() -> None:
-        freezes.append(1)
-        real_freeze()
-
-    monkeypatch.setattr(gc, "freeze", counting_freeze)
+    config, freezes = _counting_freezes(monkeypatch)
     counts = []
     try:
         for _ in range(2):
@@ -64,7 +50,7 @@ async def test_the_first_client_built_is_frozen_out_of_the_collectors_walks_once
                 await backend.aclose()
         # Everything alive once the first client was built; the second freezes nothing more.
         assert counts[0] > 10_000
-        assert freezes == [1]
+        assert freezes == ["frozen"]
     finally:
         gc.unfreeze()
         s3client.freeze_long_lived.cache_clear()
@@ -76,6 +62,23 @@ async def test_with_workers_the_daemon_freezes_at_start_and_never_mid_run(
     """Found reviewing 887a950: with workers the daemon built no client at start, so the
     first freeze came with a client built mid-run (a shard read through the daemon) and
     pinned whatever was alive then (tasks, tracebacks) out of the collector's reach."""
+    config, freezes = _counting_freezes(monkeypatch)
+    backend = S3Backend(config, "node", workers=1)
+    try:
+        await backend.start()
+        assert backend._client is None and freezes == ["frozen"]
+        await backend._s3()  # what a read through the daemon does first
+        assert backend._client is not None and freezes == ["frozen"]
+    finally:
+        await backend.aclose()
+        gc.unfreeze()
+        s3client.freeze_long_lived.cache_clear()
+
+
+def _counting_freezes(monkeypatch: pytest.MonkeyPatch) -> tuple[DestinationConfig, list[str]]:
+    """A configuration whose endpoint nothing listens on (building a client sends nothing),
+    and the list of gc.freeze calls from now on, with this process unfrozen and the
+    once-per-process freeze forgotten."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
@@ -91,12 +94,4 @@ async def test_with_workers_the_daemon_freezes_at_start_and_never_mid_run(
         real_freeze()
 
     monkeypatch.setattr(gc, "freeze", counting_freeze)
-    backend = S3Backend(config, "node", workers=1)
-    try:
-        await backend.start()
-        assert backend._client is None and freezes == ["frozen"]
-        await backend._s3()  # what a read through the daemon does first
-        assert backend._client is not None and freezes == ["frozen"]
-    finally:
-        await backend.aclose()
-        gc.unfreeze()
+    return config, freezes
