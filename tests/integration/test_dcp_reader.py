@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from ckptdrain.client import NotFound
 from ckptdrain.client.dcp import DrainReader, DrainWriter
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 from tests.integration.test_dcp import SINGLE_PROCESS_WARNING, compare, generation_dir
 
 pytestmark = pytest.mark.torch
@@ -189,7 +189,15 @@ def test_a_copy_changed_after_its_drain_is_caught_even_with_its_mtime_put_back(
     assert sources == {".metadata": "local", "__0_0.distcp": "destination"}
     assert any("event=local_copy_damaged" in line and "checked=hashed" in line
                for line in daemon.log().splitlines())
-    assert not biggest.exists()  # dropped: the next reader goes to the destination at once
+    # Dropped: the next reader goes to the destination at once; the file itself is unlinked
+    # by a batched data-plane job after the reply, so its removal is awaited with a deadline.
+    damaged = sum("event=local_copy_damaged" in line for line in daemon.log().splitlines())
+    loaded, sources = load(daemon)
+    assert compare(saved_state(3), loaded) == 7
+    assert sources == {".metadata": "local", "__0_0.distcp": "destination"}
+    assert sum("event=local_copy_damaged" in line
+               for line in daemon.log().splitlines()) == damaged
+    wait_for(lambda: not biggest.exists(), timeout_s=20)
 
 
 def test_targets_of_other_dtypes_and_layouts_load_as_with_file_system_reader(
