@@ -24,7 +24,7 @@ import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ckptdrain.client import names, wire
+from ckptdrain.client import names, pipes, wire
 from ckptdrain.client.errors import (
     DaemonUnavailable,
     DrainError,
@@ -247,12 +247,15 @@ class _Channel:
         *,
         payload: memoryview | None = None,
         fd: int | None = None,
+        pipe: pipes.PipeHandOff | None = None,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the fields of its ``ok`` (or ``welcome``) reply.
 
         An ``error`` reply raises its typed error and leaves the connection usable; any other
-        failure raises and leaves it broken (``self.broken`` says why).
+        failure raises and leaves it broken (``self.broken`` says why). With ``pipe`` (a
+        ``data_pipe``), its read end goes with the frame and the rest of the shard is spliced
+        in before the reply is read; the caller closes the pipe.
         """
         if self.broken is not None:
             raise self.broken
@@ -269,7 +272,12 @@ class _Channel:
         message: wire.Message
         try:
             try:
-                self._send(header, payload, fd, deadline)
+                if pipe is None:
+                    self._send(header, payload, fd, deadline)
+                else:
+                    self._send(header, None, pipe.read_fd, deadline)
+                    pipe.handed_over()
+                    pipe.finish(deadline)
             except (BrokenPipeError, ConnectionResetError):
                 # The daemon may refuse a request and close without reading the rest of it
                 # (a shard it cannot stage): its reply is still readable and says why.
@@ -521,9 +529,16 @@ class Generation:
                     # A small shard in one round trip: a refusal costs little of the wire.
                     return channel.request("put_bytes", fields, payload=flat)
                 # Two round trips: the daemon admits the shard (or pushes back) before any of
-                # its bytes are on the wire, then takes them in one data frame.
-                channel.request("put", fields)
-                return channel.request("data", {}, payload=flat)
+                # its bytes are on the wire, then takes them: through a pipe where it offers
+                # one (one copy, see pipes.py), else in one data frame.
+                ready = channel.request("put", fields)
+                pipe = pipes.PipeHandOff.start(flat) if ready.get("pipe") is True else None
+                if pipe is None:
+                    return channel.request("data", {}, payload=flat)
+                try:
+                    return channel.request("data_pipe", {}, pipe=pipe)
+                finally:
+                    pipe.close()
 
     def _put_memory(
         self, channel: _Channel, path: str, data: memoryview, deferred: bool

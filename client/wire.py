@@ -19,14 +19,16 @@ daemon answers ``ok`` once it has admitted it (budget reserved: backpressure hap
 byte is sent, never with gigabytes stuck in a socket), then the client sends one ``data`` frame
 whose payload is the shard, exactly ``size`` bytes, and the daemon answers again. The machine
 tracks this on both sides: ``data`` is refused unless it follows an accepted ``put`` with the
-same size, and nothing else may come between.
+same size, and nothing else may come between. A daemon whose ``ok`` to the put says ``"pipe":
+true`` also takes a ``data_pipe`` frame there instead: no payload, and one fd, the read end of
+a pipe into which the client writes (``vmsplice``) exactly ``size`` bytes.
 
 A small shard (at most :data:`INLINE_MAX_BYTES`, and only to a daemon whose ``begin`` reply
 offers ``inline_bytes``) takes one round trip instead: ``put_bytes`` carries the shard as its
 payload, ``size`` bytes exactly. A refusal then costs the bytes already sent, which is why only
 small shards go this way. Only ``data`` and ``put_bytes`` carry a payload.
 
-``put_fd`` and ``put_memfd`` carry one file descriptor instead (SCM_RIGHTS, attached to the
+``put_fd``, ``put_memfd`` (and ``data_pipe``) carry one file descriptor instead (SCM_RIGHTS, attached to the
 frame's first byte) and take one round trip; the IO layer moves the fd, this machine only says
 which types need one (:func:`needs_fd`).
 
@@ -341,6 +343,9 @@ _CLIENT_KINDS: dict[str, _Schema] = {
     },
     "put": _SHARD,
     "data": {},
+    # The admitted put's bytes through a pipe instead: its read end rides with the frame and
+    # the client vmsplice()s its buffer into the write end (offered by the put's `ok`).
+    "data_pipe": {},
     "put_bytes": _SHARD,
     "put_fd": _SHARD,
     "put_memfd": _SHARD,
@@ -392,7 +397,9 @@ _SERVER_KINDS: dict[str, _Schema | None] = {
     },
 }
 _PAYLOAD_KINDS: Final = frozenset({"data", "put_bytes"})
-_FD_KINDS: Final = frozenset({"put_fd", "put_memfd", "fetch"})
+_FD_KINDS: Final = frozenset({"put_fd", "put_memfd", "fetch", "data_pipe"})
+# What an accepted put's next frame may be.
+_DATA_KINDS: Final = frozenset({"data", "data_pipe"})
 
 CLIENT_MESSAGE_TYPES: Final = frozenset(_CLIENT_KINDS)
 SERVER_MESSAGE_TYPES: Final = frozenset(_SERVER_KINDS)
@@ -744,7 +751,7 @@ class Connection:
                 # The frame is whole and consumed: a bad field is one refused request, not a
                 # broken stream. Unless bytes follow it (a payload), nothing was agreed yet, or
                 # it is the data frame an admitted put waits for.
-                if kind in ("hello", "data") or payload_len:
+                if kind == "hello" or kind in _DATA_KINDS or payload_len:
                     raise
                 self._received_any = True
                 return Rejected(kind, exc.code, exc.message)
@@ -757,27 +764,27 @@ class Connection:
 
     def _check_client_frame(self, kind: str, payload_len: int) -> None:
         if self._data_size is not None:
-            if kind != "data":
+            if kind not in _DATA_KINDS:
                 raise ProtocolError(
                     BAD_REQUEST,
                     f"expected the 'data' frame of the accepted put, got {kind!r}; "
                     "send the shard's bytes right after the daemon's 'ok' to its put",
                 )
-            if payload_len != self._data_size:
+            if kind == "data" and payload_len != self._data_size:
                 raise ProtocolError(
                     SIZE_MISMATCH,
                     f"the put declared {self._data_size} bytes but its 'data' frame carries "
                     f"{payload_len}; they must be equal",
                 )
-        elif kind == "data":
+        elif kind in _DATA_KINDS:
             raise ProtocolError(
                 BAD_REQUEST,
-                "'data' frame without a put the daemon accepted; send 'put' and wait for its "
-                "'ok' first",
+                f"{kind!r} frame without a put the daemon accepted; send 'put' and wait for "
+                "its 'ok' first",
             )
 
     def _client_frame_done(self, kind: str, fields: Mapping[str, Any]) -> None:
-        if kind == "data":
+        if kind in _DATA_KINDS:
             self._data_size = None
         elif kind == "put":
             self._put_size = fields["size"]

@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterator
 
 from ckptdrain.client import wire
 from ckptdrain.client.wire import ProtocolError
-from ckptdrain.daemon.dataplane import RateFloor, SocketPump
+from ckptdrain.daemon.dataplane import RateFloor
 from ckptdrain.daemon.errors import DaemonError, RequestError
 from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.pumps import SocketPump
 
 log = logging.getLogger("ckptdrain.connection")
 
@@ -189,7 +190,7 @@ class Channel:
             await self._loop.sock_sendall(self.sock, data)
 
     def socket_pump(self) -> SocketPump:
-        """The thread-side mover of this connection's shard bytes (see dataplane.SocketPump)."""
+        """The thread-side mover of this connection's shard bytes (see pumps.SocketPump)."""
         if self._pump is None:
             self._pump = SocketPump(self.sock.fileno())
         return self._pump

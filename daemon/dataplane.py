@@ -18,9 +18,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -28,15 +26,10 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckptdrain.daemon.errors import DaemonError, StuckIO
-from ckptdrain.daemon.filecopy import start_writeback
 
 T = TypeVar("T")
 
-PIPE_BYTES = 1 << 20
-WRITEBACK_KICK_BYTES = 32 << 20
 COPY_CHUNK_BYTES = 64 << 20
-# How often a pump blocked on a silent client looks at its idle deadline and at cancellation.
-POLL_SLICE_S = 0.5
 
 
 class Cancelled(DaemonError):
@@ -123,7 +116,7 @@ class DataPlane:
 
     async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event) -> T:
         """Run a socket pump: no overall timeout (it enforces the client's idle timeout
-        itself); on cancellation ``cancel`` tells it to stop within POLL_SLICE_S."""
+        itself); on cancellation ``cancel`` tells it to stop within pumps.POLL_SLICE_S."""
         return await self._run(self._pumps, fn, args, None, cancel, None)
 
     async def _run(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
@@ -206,131 +199,3 @@ def kernel_copy(src: int, dst: int, size: int, cancel: threading.Event | None = 
         if n == 0:
             raise OSError(errno.EIO, f"source file ended at {offset} of {size} bytes")
         offset += n
-
-
-class SocketPump:
-    """Moves one shard's bytes from a client socket into its staging file, in a pool thread.
-
-    splice socket -> pipe -> file keeps the bytes in the kernel; where splice is refused (some
-    filesystems) it falls back to recv into a reused buffer and write. The socket stays
-    non-blocking (the event loop owns it between requests); the thread waits with poll() in
-    short slices, so it notices its idle deadline and a cancellation promptly.
-    """
-
-    def __init__(self, sock_fd: int) -> None:
-        # Our own reference to the socket: a cancelled pump may outlive the connection's
-        # close by a poll slice, and must never find its fd number reused by another client.
-        self.sock_fd = os.dup(sock_fd)
-        self._pipe: tuple[int, int] | None = None
-        self._buf: bytearray | None = None
-        self.splice_ok = True
-        # The connection may close while a cancelled pump is still in its thread: the pipe
-        # is then closed by the thread on its way out, never under it.
-        self._lock = threading.Lock()
-        self._busy = False
-        self._closed = False
-
-    def pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
-             cancel: threading.Event, floor: RateFloor | None = None) -> int:
-        with self._lock:
-            if self._closed:
-                raise Cancelled
-            self._busy = True
-        try:
-            return self._pump(out_fd, nbytes, idle_timeout_s, cancel, floor)
-        finally:
-            with self._lock:
-                self._busy = False
-                if self._closed:
-                    self._close_pipe()
-
-    def _pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
-              cancel: threading.Event, floor: RateFloor | None) -> int:
-        poller = select.poll()
-        poller.register(self.sock_fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        done = kicked = 0
-        idle_since = time.monotonic()
-        while done < nbytes:
-            if cancel.is_set():
-                raise Cancelled
-            now = time.monotonic()
-            if floor is not None and now > floor.deadline():
-                raise floor.too_slow(now)
-            try:
-                n = self._move(out_fd, nbytes - done)
-            except BlockingIOError:
-                if now - idle_since > idle_timeout_s:
-                    raise ClientIdle(f"client idle for {idle_timeout_s:g} s mid-shard") from None
-                wait = min(POLL_SLICE_S, idle_timeout_s)
-                if floor is not None:
-                    wait = min(wait, max(0.0, floor.deadline() - now))
-                poller.poll(int(wait * 1000) + 1)
-                continue
-            if n == 0:
-                raise ConnectionError("client left mid-shard")
-            done += n
-            idle_since = time.monotonic()
-            if floor is not None:
-                floor.got += n
-                # The socket is non-blocking, so the move's time is our own disk's: the
-                # client is not charged for it (a slow staging disk is not a slow client).
-                floor.started += idle_since - now
-            if done - kicked >= WRITEBACK_KICK_BYTES:
-                # Start writing back what has arrived, so the fsync before the acknowledgement
-                # waits for the tail only, not the whole shard.
-                start_writeback(out_fd, kicked, done - kicked)
-                kicked = done
-        return done
-
-    def _move(self, out_fd: int, want: int) -> int:
-        if self.splice_ok:
-            r, w = self._pipes()
-            try:
-                n = os.splice(self.sock_fd, w, min(want, PIPE_BYTES),
-                              flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
-            except ConnectionResetError:
-                return 0
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-                self.splice_ok = False
-                return self._move(out_fd, want)
-            left = n
-            while left:
-                # The pipe holds exactly what was just spliced in: this never waits.
-                left -= os.splice(r, out_fd, left, flags=os.SPLICE_F_MOVE)
-            return n
-        if self._buf is None:
-            self._buf = bytearray(PIPE_BYTES)
-        view = memoryview(self._buf)[: min(want, PIPE_BYTES)]
-        try:
-            n = os.readv(self.sock_fd, [view])
-        except ConnectionResetError:
-            return 0
-        write_all(out_fd, view[:n])
-        return n
-
-    def _pipes(self) -> tuple[int, int]:
-        if self._pipe is None:
-            r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-            self._pipe = (r, w)
-            with contextlib.suppress(OSError):  # the default 64 KiB works too, only slower
-                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        return self._pipe
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            if not self._busy:
-                self._close_pipe()
-
-    def _close_pipe(self) -> None:
-        if self._pipe is not None:
-            for fd in self._pipe:
-                os.close(fd)
-            self._pipe = None
-        if self.sock_fd >= 0:
-            os.close(self.sock_fd)
-            self.sock_fd = -1
-
-

@@ -175,7 +175,8 @@ class Handoffs:
                 # All of a data frame that came with what was buffered, not written yet.
                 tail: bytes | memoryview | None = None
                 if src_fd is None:
-                    await h.send("ok", {"ready": True})
+                    # "pipe": the client may pass a pipe instead of a data frame (pumps.py).
+                    await h.send("ok", {"ready": True, "pipe": True})
                     tail = await payloads.receive_data(d, h, tmp_fd, size, path)
                 else:
                     src, dst = src_fd, tmp_fd

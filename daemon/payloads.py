@@ -12,6 +12,8 @@ that a refusal leaves the conversation at a frame boundary.
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -20,6 +22,8 @@ from ckptdrain.client import wire
 from ckptdrain.client.wire import PayloadChunk, PayloadEnd, ProtocolError
 from ckptdrain.daemon.channel import IdleTimeout, TooSlow
 from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, write_all
+from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.pumps import PipeEnded, PipeOverrun, PipePump, SocketPump
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.connection import ClientHandler
@@ -72,6 +76,9 @@ async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
     msg = await h.next_message()
     if msg is None:
         raise ConnectionError(f"client left before sending the bytes of {path!r}")
+    if msg.kind == "data_pipe":
+        await _receive_pipe(d, h, fd, size, path)
+        return None
     if msg.kind != "data":
         raise ProtocolError(wire.BAD_REQUEST, f"expected the data frame of {path!r}, got {msg.kind!r}")
     if msg.payload_len != size:
@@ -97,20 +104,53 @@ async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
     if data is not None:
         await d.dataplane.call(write_all, fd, data)
     want = conn.payload_remaining
+    # The byte pump runs in a thread of its own: splice socket -> pipe -> file. The wire
+    # machine is told afterwards what bypassed it.
+    await _run_pump(d, h, h.channel.socket_pump(), fd, want)
+    conn.payload_consumed(want)
+    if not isinstance(end := conn.next_event(), PayloadEnd):
+        raise ProtocolError(wire.BAD_REQUEST, f"unexpected {end!r} after a payload")
+    return None
+
+
+async def _run_pump(d: Daemon, h: ClientHandler, pump: SocketPump | PipePump, fd: int,
+                    want: int) -> None:
     cancel = threading.Event()
-    pump = h.channel.socket_pump()
     try:
-        # The byte pump runs in a thread of its own: splice socket -> pipe -> file. The
-        # wire machine is told afterwards what bypassed it.
         await d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
                                cancel, h.channel.transfer, cancel=cancel)
+    except (PipeEnded, PipeOverrun) as exc:
+        # The frame is whole: the client hears why, and the conversation goes on.
+        raise RequestError(wire.SIZE_MISMATCH, str(exc)) from None
     except ClientTooSlow as exc:
         raise TooSlow(str(exc)) from None
     except ClientIdle as exc:
         raise IdleTimeout(str(exc)) from None
     except Cancelled:
         raise ConnectionError("hand-off cancelled") from None
-    conn.payload_consumed(want)
-    if not isinstance(end := conn.next_event(), PayloadEnd):
-        raise ProtocolError(wire.BAD_REQUEST, f"unexpected {end!r} after a payload")
-    return None
+
+
+async def _receive_pipe(d: Daemon, h: ClientHandler, fd: int, size: int, path: str) -> None:
+    """A ``data_pipe`` frame: the shard's bytes through the pipe whose read end came with it
+    (the client vmsplice()s its buffer in, so the one copy is the kernel's into ``fd``)."""
+    pipe_fd = h.channel.take_frame_fd("data_pipe")
+    try:
+        # In the data plane: a client's fd may be anything, even a file on a hung mount.
+        is_pipe = await d.dataplane.call(_is_fifo, pipe_fd,
+                                         cleanup=lambda: h.channel.close_fd(pipe_fd))
+    except OSError as exc:
+        raise RequestError(wire.BAD_REQUEST, f"the fd passed with data_pipe for {path!r} "
+                           f"cannot be used ({exc.strerror or exc})") from None
+    if not is_pipe:
+        h.channel.close_fd(pipe_fd)
+        raise RequestError(wire.BAD_REQUEST, f"the fd passed with data_pipe for {path!r} is "
+                           "not a pipe; pass the read end of os.pipe(), or send 'data'")
+    pump = PipePump(pipe_fd)  # owns the pipe from here; closed once its thread is out
+    try:
+        await _run_pump(d, h, pump, fd, size)
+    finally:
+        pump.close()
+
+
+def _is_fifo(fd: int) -> bool:
+    return stat.S_ISFIFO(os.fstat(fd).st_mode)

@@ -834,3 +834,41 @@ def test_frame_start_counts_payload_bytes_read_past_the_machine() -> None:
     conn.receive_data(frame({"type": "status"}))
     assert conn.next_event() == Message("status", {})
     assert conn.frame_start == offset
+
+
+def test_data_pipe_stands_where_data_would_and_nowhere_else() -> None:
+    """An accepted put's bytes may come through a pipe (its read end on the frame, no payload):
+    the same place in the conversation as `data`, never without an accepted put, never twice."""
+    never = "'data_pipe' frame without a put the daemon accepted"
+    expect_error(Role.SERVER, HELLO + frame({"type": "data_pipe"}), "bad_request", never)
+    expect_error(Role.SERVER, HELLO + put("refused.bin", 3) + frame({"type": "data_pipe"}),
+                 "bad_request", never)
+    expect_error(Role.SERVER, HELLO + put("a.bin", 3) + frame({"type": "data_pipe"}, b"abc"),
+                 "bad_request", "payload")
+    assert wire.needs_fd("data_pipe") and not wire.takes_payload("data_pipe")
+    client = Connection(Role.CLIENT)
+    client.send("hello", {"version": 1})
+    client.receive_data(frame({"type": "welcome", "version": 1, "node_id": "n"}))
+    drain(client)
+    client.send("put", {**JOB, "path": "a", "size": 3})
+    with pytest.raises(ProtocolError, match=never):
+        client.send("data_pipe", None)  # not answered yet
+    client.receive_data(frame({"type": "ok", "ready": True, "pipe": True}))
+    drain(client)
+    assert client.send("data_pipe", None).startswith(b"CKD1")
+    assert client.awaiting_data is None
+    with pytest.raises(ProtocolError, match=never):
+        client.send("data_pipe", None)
+    # The server side ends its wait for the bytes the same way.
+    server = Connection(Role.SERVER)
+    server.receive_data(HELLO + put("a.bin", 3) + frame({"type": "data_pipe"}))
+    hello = server.next_event()
+    assert isinstance(hello, Message)
+    answer(server, hello)
+    put_msg = server.next_event()
+    assert isinstance(put_msg, Message) and put_msg.kind == "put"
+    server.send("ok", {"ready": True, "pipe": True})
+    assert server.awaiting_data == 3
+    event = server.next_event()
+    assert isinstance(event, Message) and event.kind == "data_pipe"
+    assert server.awaiting_data is None and server.payload_remaining == 0

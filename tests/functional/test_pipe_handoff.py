@@ -1,0 +1,186 @@
+"""A put's bytes through a pipe (``data_pipe``): the client vmsplice()s its buffer and the
+daemon splices it into the staged file, one copy instead of two. What a well-behaved client
+gets (byte-equal commits, whatever the buffer), when it falls back to the socket, and what a
+hostile one gets (a typed refusal or a cut-off; the daemon and everyone else carry on)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import SizeMismatch, pipes, wire
+from tests.conftest import DaemonProcess
+from tests.functional.test_bad_input import RawClient
+from tests.functional.test_failure_boundary import still_serves
+from tests.functional.test_fd_requests import is_error, send_fds
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def spliced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """(bytes vmspliced, shard size) of every put that went through a pipe."""
+    seen: list[tuple[int, int]] = []
+    finish = pipes.PipeHandOff.finish
+
+    def recorded(self: pipes.PipeHandOff, deadline: float) -> None:
+        finish(self, deadline)
+        seen.append((self.sent, self._view.nbytes))
+
+    monkeypatch.setattr(pipes.PipeHandOff, "finish", recorded)
+    yield seen
+
+
+def committed_bytes(d: DaemonProcess, job: str, step: int, path: str) -> bytes:
+    return (d.dest / job / f"{step:020d}" / path).read_bytes()
+
+
+def test_large_puts_of_every_kind_of_buffer_go_through_the_pipe_byte_equal(
+        daemon: DaemonProcess, spliced: list[tuple[int, int]]) -> None:
+    blob = os.urandom(9 * MiB + 5)
+    buffers: dict[str, Any] = {
+        "bytes.bin": blob,
+        "bytearray.bin": bytearray(blob[: 3 * MiB]),
+        "slice.bin": memoryview(blob)[7: 2 * MiB + 7],  # read-only, starting mid-page
+        "ints.bin": memoryview(bytearray(blob[: 4 * MiB])).cast("I"),  # not bytes-shaped
+    }
+    c = daemon.client()
+    with c.generation("piped", 1) as gen:
+        for path, buf in buffers.items():
+            assert gen.put(path, buf)["size"] == memoryview(buf).nbytes
+    c.wait("piped", 1, timeout_s=60)
+    for path, buf in buffers.items():
+        assert committed_bytes(daemon, "piped", 1, path) == bytes(memoryview(buf).cast("B"))
+    assert sorted(spliced) == sorted((memoryview(b).nbytes,) * 2 for b in buffers.values())
+
+
+def test_with_sigpipe_not_ignored_the_put_goes_over_the_socket(
+        daemon: DaemonProcess, spliced: list[tuple[int, int]]) -> None:
+    # A reader that went away would raise SIGPIPE in the writer: a process that lets
+    # SIGPIPE end it must never write into a pipe.
+    blob = os.urandom(2 * MiB)
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        c = daemon.client()
+        with c.generation("socketed", 1) as gen:
+            gen.put("a.bin", blob)
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
+    c.wait("socketed", 1, timeout_s=60)
+    assert committed_bytes(daemon, "socketed", 1, "a.bin") == blob
+    assert spliced == []
+
+
+def admitted(raw: RawClient, path: str, size: int) -> None:
+    reply = raw.call("put", job="bad", step=1, rank=0, path=path, size=size)
+    assert reply.kind == "ok" and reply.fields == {"ready": True, "pipe": True}, reply
+
+
+def data_pipe(raw: RawClient, fd: int) -> Any:
+    send_fds(raw, wire.encode_message("data_pipe", {}), [fd])
+    return raw.reply()
+
+
+def test_a_pipe_that_ends_short_or_runs_over_is_a_size_error_and_the_conversation_goes_on(
+        daemon: DaemonProcess) -> None:
+    with RawClient(daemon.socket_path) as raw:
+        raw.hello_begin()
+        for path, written in (("short.bin", 1000), ("long.bin", 5000)):
+            admitted(raw, path, 4096)
+            r, w = os.pipe()
+            os.write(w, b"s" * written)
+            if written < 4096:
+                os.close(w)
+            reply = data_pipe(raw, r)
+            os.close(r)
+            if written > 4096:
+                os.close(w)
+            assert is_error(reply, wire.SIZE_MISMATCH, "pipe"), reply
+        # Refused shards are not kept: the same paths go through in full.
+        for path in ("short.bin", "long.bin"):
+            admitted(raw, path, 4096)
+            r, w = os.pipe()
+            os.write(w, b"k" * 4096)
+            reply = data_pipe(raw, r)
+            os.close(r)
+            os.close(w)
+            assert reply.kind == "ok" and reply.fields["size"] == 4096, reply
+        assert raw.call("seal", job="bad", step=1, rank=0).kind == "ok"
+    daemon.client().wait("bad", 1, timeout_s=60)
+    assert committed_bytes(daemon, "bad", 1, "long.bin") == b"k" * 4096
+    still_serves(daemon)
+
+
+@pytest.mark.parametrize("what", ["regular file", "socket", "none"])
+def test_data_pipe_with_something_else_is_a_typed_refusal(
+        daemon: DaemonProcess, tmp_path: Path, what: str) -> None:
+    with RawClient(daemon.socket_path) as raw:
+        raw.hello_begin()
+        admitted(raw, "x.bin", 100)
+        if what == "none":
+            raw.sock.sendall(wire.encode_message("data_pipe", {}))
+            reply, fragment = raw.reply(), "without a file descriptor"
+        elif what == "socket":
+            a, b = socket.socketpair()
+            with a, b:
+                reply, fragment = data_pipe(raw, a.fileno()), "not a pipe"
+        else:
+            (tmp_path / "f").write_bytes(b"f" * 100)
+            fd = os.open(tmp_path / "f", os.O_RDONLY)
+            reply, fragment = data_pipe(raw, fd), "not a pipe"
+            os.close(fd)
+        assert is_error(reply, wire.BAD_REQUEST, fragment), reply
+        assert raw.call("status").kind == "ok"  # the connection goes on
+    still_serves(daemon)
+
+
+def test_a_pipe_held_open_and_silent_frees_its_room_and_the_daemon_serves_others(
+        make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__CLIENT_MIN_BYTES_PER_S="65536",
+                                   CKPTDRAIN_LIMITS__CLIENT_RATE_GRACE_S="1.0",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="64MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject")
+    r, w = os.pipe()  # blocking: the daemon's thread must not wait on it
+    try:
+        with RawClient(d.socket_path) as raw:
+            raw.hello_begin()
+            admitted(raw, "big.bin", 60 * MiB)  # nearly all of the staging budget
+            send_fds(raw, wire.encode_message("data_pipe", {}), [r])
+            answer = raw.raw(b"")  # cut off within grace + size / rate: ~1 s
+        assert b"timeout" in answer and b"client_min_bytes_per_s" in answer
+    finally:
+        os.close(r)
+        os.close(w)
+    # The room is back: a shard needing most of it is taken.
+    c = d.client()
+    with c.generation("after", 1) as gen:
+        gen.put("big.bin", os.urandom(60 * MiB))
+    c.wait("after", 1, timeout_s=60)
+    still_serves(d)
+
+
+def test_the_client_raises_size_mismatch_when_the_daemon_refuses_its_pipe(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client whose pipe ends early (here: one that stops splicing half way) hears why,
+    # as a typed error, and its connection stays usable.
+    finish = pipes.PipeHandOff.finish
+
+    def half(self: pipes.PipeHandOff, deadline: float) -> None:
+        self._view = self._view[: self._view.nbytes // 2]
+        finish(self, deadline)
+
+    monkeypatch.setattr(pipes.PipeHandOff, "finish", half)
+    c = daemon.client()
+    with c.generation("halved", 1) as gen:
+        with pytest.raises(SizeMismatch, match="pipe ended after"):
+            gen.put("a.bin", os.urandom(4 * MiB))
+        monkeypatch.setattr(pipes.PipeHandOff, "finish", finish)
+        gen.put("a.bin", b"whole" * MiB)
+    c.wait("halved", 1, timeout_s=60)
+    assert committed_bytes(daemon, "halved", 1, "a.bin") == b"whole" * MiB

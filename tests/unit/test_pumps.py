@@ -1,0 +1,146 @@
+"""The pipe pump (a ``data_pipe`` frame's bytes): exactly the shard's size from the client's
+pipe into the staged file, with or without splice into the file, and a client that writes
+too little, too much or nothing is told so without ever blocking the pump's thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.client.pipes import PipeHandOff
+from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, RateFloor
+from ckptdrain.daemon.pumps import PipeEnded, PipeOverrun, PipePump
+from tests.conftest import wait_for
+
+MiB = 1 << 20
+
+
+def writer(w: int, data: bytes, close: bool = True) -> threading.Thread:
+    def run() -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view):]
+        if close:
+            os.close(w)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("splice_into_file", [True, False])
+def test_exactly_the_size_lands_in_the_file(tmp_path: Path, splice_into_file: bool) -> None:
+    data = os.urandom(5 * MiB + 123)
+    r, w = os.pipe()  # blocking, as a careless client leaves it: the pump must not care
+    pump = PipePump(r)
+    pump.splice_ok = splice_into_file
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT)
+    t = writer(w, data)
+    try:
+        assert pump.pump(out, len(data), 10.0, threading.Event()) == len(data)
+    finally:
+        t.join()
+        os.close(out)
+        pump.close()
+    assert (tmp_path / "staged").read_bytes() == data
+    assert pump.src_fd == -1  # closed with the pump
+
+
+def test_a_pipe_that_ends_early_is_a_size_error(tmp_path: Path) -> None:
+    r, w = os.pipe()
+    pump = PipePump(r)
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT)
+    t = writer(w, b"x" * 1000)
+    try:
+        with pytest.raises(PipeEnded, match="after 1000 of the shard's 4096 bytes"):
+            pump.pump(out, 4096, 10.0, threading.Event())
+    finally:
+        t.join()
+        os.close(out)
+        pump.close()
+
+
+def test_bytes_past_the_size_are_refused(tmp_path: Path) -> None:
+    r, w = os.pipe()
+    os.write(w, b"y" * 5000)
+    pump = PipePump(r)
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(PipeOverrun, match="more bytes than the shard's size"):
+            pump.pump(out, 4096, 10.0, threading.Event())
+    finally:
+        os.close(w)
+        os.close(out)
+        pump.close()
+
+
+def test_a_pipe_held_open_and_silent_is_cut_off_not_waited_on(tmp_path: Path) -> None:
+    r, w = os.pipe()  # blocking: a plain read of it would wait for ever
+    os.write(w, b"z" * 100)
+    pump = PipePump(r)
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ClientIdle, match="idle for 0.3 s"):
+            pump.pump(out, 4096, 0.3, threading.Event())
+        floor = RateFloor(rate=1000, grace_s=0.2)
+        with pytest.raises(ClientTooSlow, match="client_min_bytes_per_s"):
+            pump.pump(out, 4096, 30.0, threading.Event(), floor)
+    finally:
+        os.close(w)
+        os.close(out)
+        pump.close()
+    assert time.monotonic() - t0 < 20  # bounded by the limits, not by the client
+
+
+def test_a_cancelled_pump_stops_and_its_pipe_closes_when_it_is_out(tmp_path: Path) -> None:
+    r, w = os.pipe()
+    pump = PipePump(r)
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT)
+    cancel = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pump.pump(out, 4096, 30.0, cancel)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_for(lambda: pump._busy, timeout_s=10)  # in its thread, waiting on the silent pipe
+    pump.close()  # the connection went: the thread still owns the pipe until it is out
+    assert pump.src_fd == r
+    cancel.set()
+    t.join(10)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], Cancelled)
+    assert pump.src_fd == -1
+    os.close(w)
+    os.close(out)
+
+
+def test_the_client_side_vmsplices_a_read_only_buffer_from_any_offset(tmp_path: Path) -> None:
+    """bytes are read-only (no ctypes from_buffer): the address comes from the buffer
+    protocol, and a slice starts where the slice does."""
+    data = os.urandom(3 * MiB)
+    view = memoryview(data)[4097:]
+    pipe = PipeHandOff.start(view)
+    assert pipe is not None and pipe.sent > 0
+    pump = PipePump(os.dup(pipe.read_fd))
+    pipe.handed_over()
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT)
+    t = threading.Thread(target=pipe.finish, args=(time.monotonic() + 30,))
+    t.start()
+    try:
+        pump.pump(out, view.nbytes, 10.0, threading.Event())
+    finally:
+        t.join()
+        pipe.close()
+        os.close(out)
+        pump.close()
+    assert (tmp_path / "staged").read_bytes() == data[4097:]
+    assert pipe.sent == view.nbytes
