@@ -14,7 +14,6 @@ raises SIGPIPE, which would otherwise end the process; elsewhere ``put`` sends `
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -98,8 +97,16 @@ class PipeHandOff:
         self._base = _address(view)
         self.sent = 0
         self.read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        with contextlib.suppress(OSError):  # past the user's pipe quota: smaller, still right
-            fcntl.fcntl(self._write_fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        try:
+            # Past the user's pipe quota (/proc/sys/fs/pipe-user-pages-soft) the kernel
+            # refuses, and a small pipe would move the shard a few pages per call: then
+            # the socket serves better (OSError: the caller sends `data`).
+            granted = fcntl.fcntl(self._write_fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+            if granted < _PIPE_BYTES:
+                raise OSError(errno.ENOSPC, f"a pipe of {granted} bytes")
+        except OSError:
+            self.close()
+            raise
 
     @classmethod
     def start(cls, view: memoryview) -> PipeHandOff | None:

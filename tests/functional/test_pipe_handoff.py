@@ -5,6 +5,8 @@ hostile one gets (a typed refusal or a cut-off; the daemon and everyone else car
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import signal
 import socket
@@ -184,3 +186,28 @@ def test_the_client_raises_size_mismatch_when_the_daemon_refuses_its_pipe(
         gen.put("a.bin", b"whole" * MiB)
     c.wait("halved", 1, timeout_s=60)
     assert committed_bytes(daemon, "halved", 1, "a.bin") == b"whole" * MiB
+
+
+def test_where_the_kernel_refuses_a_full_size_pipe_the_put_goes_over_the_socket(
+        daemon: DaemonProcess, spliced: list[tuple[int, int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past the user's pipe quota (pipe-user-pages-soft, which a test cannot set) the
+    # kernel refuses F_SETPIPE_SZ: a pipe of a few pages would cost a syscall per few
+    # pages, so the socket takes the shard. The refusal is injected into this process.
+    real = fcntl.fcntl
+    refused: list[int] = []
+
+    def quota(fd: int, cmd: int, arg: int = 0) -> Any:
+        if cmd == fcntl.F_SETPIPE_SZ:
+            refused.append(arg)
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(pipes.fcntl, "fcntl", quota)
+    blob = os.urandom(2 * MiB)
+    c = daemon.client()
+    with c.generation("quota", 1) as gen:
+        gen.put("a.bin", blob)
+    c.wait("quota", 1, timeout_s=60)
+    assert committed_bytes(daemon, "quota", 1, "a.bin") == blob
+    assert spliced == [] and refused == [1 << 20]
