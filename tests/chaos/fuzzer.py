@@ -1,7 +1,8 @@
 """A protocol fuzzer: hostile byte streams and file descriptors at the daemon's socket.
 
 A session is drawn from a seed: a plausible conversation built with ``client/wire.py``
-(hello, begin, put + data, put_fd, put_memfd, fetch, seal, abort, wait, status, ...), then
+(hello, begin, put + data or data_pipe, put_fd, put_memfd, fetch, seal, abort, wait, status,
+...), then
 mutated: bit flips, truncation, wrong header or payload lengths, oversize headers, frames
 dropped, duplicated or shuffled, garbage between frames, fds of every kind attached to frames
 that take none or one (pipes, sockets, /dev/null, write-only files, directories, O_PATH, plain
@@ -31,7 +32,7 @@ from typing import Any, ClassVar
 from ckptdrain.client import wire
 
 FD_KINDS = ("regular", "regular_wronly", "directory", "devnull", "pipe_r", "pipe_w", "socket",
-            "memfd", "memfd_sealed", "memfd_wronly", "memfd_locked", "opath")
+            "memfd", "memfd_sealed", "memfd_wronly", "memfd_locked", "opath", "pipe_full")
 # fds that hit a known, not yet fixed bug (each with its own xfail-marked test in test_fuzz.py).
 # The general runs leave them out, also from frames that take no fd, until the fix.
 KNOWN_BUG_FD_KINDS: frozenset[str] = frozenset()
@@ -95,9 +96,18 @@ def conversation(rng: random.Random, sizes: dict[str, int], kinds: tuple[str, ..
                 chunks.append(Chunk(_frame("put_bytes", {**who, "path": path, "size": len(data)},
                                            data), kind="put_bytes"))
             else:
-                chunks.append(Chunk(_frame("put", {**who, "path": path, "size": len(data)}),
-                                    kind="put"))
-                chunks.append(Chunk(_frame("data", {}, data), kind="data"))
+                if rng.random() < 0.4:
+                    # The bytes through a pipe: mostly a pipe holding the right number of
+                    # them, else any fd (short, silent, wrong end, not a pipe at all).
+                    fd_kind = "pipe_full" if rng.random() < 0.6 else rng.choice(kinds)
+                    size = sizes["pipe_full"] if fd_kind == "pipe_full" else len(data)
+                    chunks.append(Chunk(_frame("put", {**who, "path": path, "size": size}),
+                                        kind="put"))
+                    chunks.append(Chunk(_frame("data_pipe", {}), [fd_kind], "data_pipe"))
+                else:
+                    chunks.append(Chunk(_frame("put", {**who, "path": path, "size": len(data)}),
+                                        kind="put"))
+                    chunks.append(Chunk(_frame("data", {}, data), kind="data"))
         elif choice < 0.65:
             kind = rng.choice(("put_fd", "put_memfd"))
             fd_kind = rng.choice(kinds)
@@ -234,7 +244,8 @@ class FdFactory:
 
     SIZES: ClassVar[dict[str, int]] = {
         "regular": 4096 + 7, "regular_wronly": 4096 + 7, "opath": 4096 + 7,
-        "memfd": 1000, "memfd_sealed": 1000, "memfd_wronly": 1000, "memfd_locked": 1000}
+        "memfd": 1000, "memfd_sealed": 1000, "memfd_wronly": 1000, "memfd_locked": 1000,
+        "pipe_full": 3000}
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -259,6 +270,11 @@ class FdFactory:
         if kind in ("pipe_r", "pipe_w"):
             r, w = os.pipe2(os.O_CLOEXEC)
             return (r if kind == "pipe_r" else w), [r, w]
+        if kind == "pipe_full":  # a data_pipe's honest pipe: its bytes in, the write end closed
+            r, w = os.pipe2(os.O_CLOEXEC)
+            os.write(w, b"p" * self.SIZES["pipe_full"])
+            os.close(w)
+            return r, [r]
         if kind == "socket":
             a, b = socket.socketpair()
             fa, fb = a.detach(), b.detach()
