@@ -65,7 +65,8 @@ def test_an_invalid_name_on_a_put_leaves_the_connection_usable(daemon: DaemonPro
         raw.sock.sendall(frame({"type": "put", **shard, "path": "../escape", "size": 2}))
         reply = raw.reply()
         assert reply.kind == "error" and reply.fields["code"] == wire.INVALID_NAME, reply
-        assert raw.call("put", **shard, path="fine.bin", size=2).fields == {"ready": True}
+        assert raw.call("put", **shard, path="fine.bin", size=2).fields == {"ready": True,
+                                                                           "pipe": True}
         raw.sock.sendall(wire.encode_message("data", {}, 2) + b"ok")
         assert raw.reply().kind == "ok"
         assert raw.call("seal", **shard).kind == "ok"

@@ -45,8 +45,9 @@ def test_small_shards_go_in_one_round_trip_and_commit_byte_equal(
             sent.clear()
             for path, data in shards.items():
                 gen.put(path, data)
-            # Up to the limit one frame each; past it, admission first, then the bytes.
-            assert sent == ["put_bytes", "put_bytes", "put_bytes", "put", "data"]
+            # Up to the limit one frame each; past it, admission first, then the bytes
+            # (through a pipe, which this daemon offers: see test_pipe_handoff.py).
+            assert sent == ["put_bytes", "put_bytes", "put_bytes", "put", "data_pipe"]
         c.wait("inline", 1, timeout_s=60)
     committed = tmp_path / "dest" / "inline" / f"{1:020d}"
     for path, data in shards.items():
