@@ -277,7 +277,7 @@ class _Channel:
                 else:
                     self._send(header, None, pipe.read_fd, deadline)
                     pipe.handed_over()
-                    pipe.finish(deadline)
+                    pipe.finish(deadline, self._sock.fileno())
             except (BrokenPipeError, ConnectionResetError):
                 # The daemon may refuse a request and close without reading the rest of it
                 # (a shard it cannot stage): its reply is still readable and says why.

@@ -130,12 +130,14 @@ class PipeHandOff:
         os.close(self.read_fd)
         self.read_fd = -1
 
-    def finish(self, deadline: float) -> None:
+    def finish(self, deadline: float, reply_fd: int) -> None:
         """Splice the rest in, waiting for room until ``deadline``; then close the write end.
-        A reader that went away (the daemon refused mid-shard) ends it early: its reply, read
-        next, says why."""
+        The daemon's reply arriving early on ``reply_fd`` (its socket: a refusal mid-shard)
+        ends it, and so does a reader that went away (EPIPE, unless a forked child of this
+        process holds a read end too, hence the socket): the reply, read next, says why."""
         poller = select.poll()
         poller.register(self._write_fd, select.POLLOUT)
+        poller.register(reply_fd, select.POLLIN)
         try:
             while self.sent < self._view.nbytes:
                 try:
@@ -146,7 +148,9 @@ class PipeHandOff:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError("the daemon did not take the shard's bytes in time")
-                poller.poll(max(1, int(remaining * 1000)))
+                ready = poller.poll(max(1, int(remaining * 1000)))
+                if any(fd == reply_fd for fd, _events in ready):
+                    return
         finally:
             self._close_write()
 

@@ -30,6 +30,8 @@ from ckptdrain.daemon.errors import DaemonError, StuckIO
 T = TypeVar("T")
 
 COPY_CHUNK_BYTES = 64 << 20
+# How often a pump's watchdog looks at it.
+WATCH_SLICE_S = 1.0
 
 
 class Cancelled(DaemonError):
@@ -114,20 +116,28 @@ class DataPlane:
         that can stop part-way (a long copy stops at its next chunk)."""
         return await self._run(self._pool, fn, args, self.timeout_s, cancel, cleanup)
 
-    async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event) -> T:
-        """Run a socket pump: no overall timeout (it enforces the client's idle timeout
-        itself); on cancellation ``cancel`` tells it to stop within pumps.POLL_SLICE_S."""
-        return await self._run(self._pumps, fn, args, None, cancel, None)
+    async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event,
+                   stalled: Callable[[], bool]) -> T:
+        """Run a byte pump: no overall timeout (it enforces the client's idle timeout and
+        rate floor itself); on cancellation ``cancel`` tells it to stop within
+        pumps.POLL_SLICE_S. A watchdog looks at ``stalled`` every WATCH_SLICE_S: a pump that
+        has not come back from one system call for that long (a pipe whose lock its client
+        holds, a staging disk that stopped) is given up on like a stuck call: PumpStalled,
+        counted in ``stuck`` until its thread returns. The pump owns every fd it uses (its
+        own dups), so giving up on it never closes one under it."""
+        return await self._run(self._pumps, fn, args, None, cancel, None, stalled)
 
     async def _run(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
                    args: tuple[object, ...], limit: float | None, cancel: threading.Event | None,
-                   cleanup: Callable[[], None] | None) -> T:
+                   cleanup: Callable[[], None] | None,
+                   stalled: Callable[[], bool] | None = None) -> T:
         loop = asyncio.get_running_loop()
         self.busy += 1
         future = loop.run_in_executor(pool, fn, *args)
         try:
             async with asyncio.timeout(limit):
-                result = await asyncio.shield(future)
+                result = await (asyncio.shield(future) if stalled is None
+                                else _watched(future, stalled))
         except BaseException as exc:
             if cancel is not None:
                 cancel.set()
@@ -138,7 +148,7 @@ class DataPlane:
             else:
                 # Still running: a timeout means stuck (shown in status); a cancellation only
                 # waits for the pump to see its cancel flag.
-                stuck = isinstance(exc, TimeoutError)
+                stuck = isinstance(exc, TimeoutError | StuckIO)
                 self.stuck += stuck
 
                 def finished(done: asyncio.Future[T]) -> None:
@@ -167,6 +177,22 @@ class DataPlane:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pumps.shutdown(wait=False, cancel_futures=True)
         self._closer.shutdown(wait=False)
+
+
+class PumpStalled(StuckIO):
+    """A pump's thread did not come back from one system call within its watchdog's limit."""
+
+
+async def _watched(future: asyncio.Future[T], stalled: Callable[[], bool]) -> T:
+    while True:
+        # asyncio.wait leaves the future running when it times out or is cancelled.
+        done, _ = await asyncio.wait({future}, timeout=WATCH_SLICE_S)
+        if done:
+            return future.result()
+        if stalled():
+            raise PumpStalled("the hand-off's bytes stopped moving inside one system call "
+                                  "(a pipe whose client holds its lock, or a staging disk that "
+                                  "stopped answering)")
 
 
 # -- blocking steps, run in the pool ---------------------------------------------------------

@@ -12,6 +12,7 @@ that a refusal leaves the conversation at a frame boundary.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 import threading
@@ -21,9 +22,15 @@ from typing import TYPE_CHECKING
 from ckptdrain.client import wire
 from ckptdrain.client.wire import PayloadChunk, PayloadEnd, ProtocolError
 from ckptdrain.daemon.channel import IdleTimeout, TooSlow
-from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, write_all
+from ckptdrain.daemon.dataplane import (
+    Cancelled,
+    ClientIdle,
+    ClientTooSlow,
+    PumpStalled,
+    write_all,
+)
 from ckptdrain.daemon.errors import RequestError
-from ckptdrain.daemon.pumps import PipeEnded, PipeOverrun, PipePump, SocketPump
+from ckptdrain.daemon.pumps import POLL_SLICE_S, PipeEnded, PipeOverrun, PipePump, SocketPump
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.connection import ClientHandler
@@ -116,9 +123,26 @@ async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
 async def _run_pump(d: Daemon, h: ClientHandler, pump: SocketPump | PipePump, fd: int,
                     want: int) -> None:
     cancel = threading.Event()
+    idle_s, floor = h.channel.idle_timeout_s, h.channel.transfer
+    # The pump's own copy of the staged file's fd: a pump given up on (stalled) may still be
+    # inside a system call on it when the hand-off closes and unlinks its file.
+    out = os.dup(fd)
+
+    def run() -> int:
+        try:
+            return pump.pump(out, want, idle_s, cancel, floor)
+        finally:
+            os.close(out)
+
+    stall_s = idle_s + POLL_SLICE_S
     try:
-        await d.dataplane.pump(pump.pump, fd, want, h.channel.idle_timeout_s,
-                               cancel, h.channel.transfer, cancel=cancel)
+        await d.dataplane.pump(run, cancel=cancel, stalled=lambda: pump.stalled(stall_s))
+    except PumpStalled as exc:
+        # Answered; a data frame's connection then ends (its bytes are out of step), a
+        # data_pipe's goes on (its frame was whole).
+        raise RequestError(wire.TIMEOUT, f"{exc} for {stall_s:g} s; the hand-off is given up "
+                           "on, and its thread is counted as stuck in `ckptdrain status`"
+                           ) from None
     except (PipeEnded, PipeOverrun) as exc:
         # The frame is whole: the client hears why, and the conversation goes on.
         raise RequestError(wire.SIZE_MISMATCH, str(exc)) from None
@@ -136,21 +160,21 @@ async def _receive_pipe(d: Daemon, h: ClientHandler, fd: int, size: int, path: s
     pipe_fd = h.channel.take_frame_fd("data_pipe")
     try:
         # In the data plane: a client's fd may be anything, even a file on a hung mount.
-        is_pipe = await d.dataplane.call(_is_fifo, pipe_fd,
-                                         cleanup=lambda: h.channel.close_fd(pipe_fd))
+        # Closed off the loop too (close_fd): the last close of a pipe takes its lock.
+        is_read_end = await d.dataplane.call(_pipe_read_end, pipe_fd,
+                                             cleanup=lambda: h.channel.close_fd(pipe_fd))
     except OSError as exc:
         raise RequestError(wire.BAD_REQUEST, f"the fd passed with data_pipe for {path!r} "
                            f"cannot be used ({exc.strerror or exc})") from None
-    if not is_pipe:
+    if not is_read_end:
         h.channel.close_fd(pipe_fd)
         raise RequestError(wire.BAD_REQUEST, f"the fd passed with data_pipe for {path!r} is "
-                           "not a pipe; pass the read end of os.pipe(), or send 'data'")
-    pump = PipePump(pipe_fd)  # owns the pipe from here; closed once its thread is out
-    try:
-        await _run_pump(d, h, pump, fd, size)
-    finally:
-        pump.close()
+                           "not the read end of a pipe; pass os.pipe()'s first fd, or send "
+                           "'data'")
+    # Owns the pipe from here, and closes it in its own thread as it returns.
+    await _run_pump(d, h, PipePump(pipe_fd), fd, size)
 
 
-def _is_fifo(fd: int) -> bool:
-    return stat.S_ISFIFO(os.fstat(fd).st_mode)
+def _pipe_read_end(fd: int) -> bool:
+    readable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+    return readable and stat.S_ISFIFO(os.fstat(fd).st_mode)

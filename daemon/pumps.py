@@ -51,12 +51,20 @@ class _Pump:
         self._lock = threading.Lock()
         self._busy = False
         self._closed = False
+        # When the pump's thread last came back from a system call (see stalled).
+        self._beat = time.monotonic()
+
+    def stalled(self, limit_s: float) -> bool:
+        """Whether the pump is running and has been inside one system call for ``limit_s``:
+        between calls it beats at least every POLL_SLICE_S."""
+        return self._busy and time.monotonic() - self._beat > limit_s
 
     def pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
              cancel: threading.Event, floor: RateFloor | None = None) -> int:
         with self._lock:
             if self._closed:
                 raise Cancelled
+            self._beat = time.monotonic()
             self._busy = True
         try:
             return self._pump(out_fd, nbytes, idle_timeout_s, cancel, floor)
@@ -75,7 +83,7 @@ class _Pump:
         while done < nbytes:
             if cancel.is_set():
                 raise Cancelled
-            now = time.monotonic()
+            now = self._beat = time.monotonic()
             if floor is not None and now > floor.deadline():
                 raise floor.too_slow(now)
             try:
@@ -182,7 +190,13 @@ class SocketPump(_Pump):
 
 class PipePump(_Pump):
     """A ``data_pipe`` frame's bytes: splice from the client's pipe straight into the file.
-    Owns ``pipe_fd`` (closed with the pump). Where splice into the file is refused, the bytes
+
+    One shard, one pump: it owns ``pipe_fd`` and closes it in its own thread as the pump
+    returns (:meth:`pump`), never on the event loop. The pipe is an object its client shares:
+    every read and the last close of it take the pipe's lock, which the client can hold
+    (a blocking splice of its own into the pipe) for as long as it likes, and the kernel
+    waits for that lock uninterruptibly. So only this thread, which a watchdog gives up on
+    (DataPlane.pump), ever touches it. Where splice into the file is refused, the bytes
     go pipe -> our pipe (splice between pipes always works, without blocking) -> buffer ->
     file, so a client that clears O_NONBLOCK on its pipe never blocks this thread.
 
@@ -209,6 +223,13 @@ class PipePump(_Pump):
                 raise OSError(errno.EIO, "the pump's own pipe ended early")
             left -= got
         return n
+
+    def pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
+             cancel: threading.Event, floor: RateFloor | None = None) -> int:
+        try:
+            return super().pump(out_fd, nbytes, idle_timeout_s, cancel, floor)
+        finally:
+            self.close()  # in this thread: see the class's docstring
 
     def _ended(self, done: int, nbytes: int) -> None:
         raise PipeEnded(f"the pipe ended after {done} of the shard's {nbytes} bytes; write "

@@ -5,19 +5,23 @@ hostile one gets (a typed refusal or a cut-off; the daemon and everyone else car
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import platform
 import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptdrain.client import SizeMismatch, pipes, wire
-from tests.conftest import DaemonProcess
+from ckptdrain.client import DrainError, SizeMismatch, pipes, wire
+from tests.conftest import DaemonProcess, wait_for
 from tests.functional.test_bad_input import RawClient
 from tests.functional.test_failure_boundary import still_serves
 from tests.functional.test_fd_requests import is_error, send_fds
@@ -31,8 +35,8 @@ def spliced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
     seen: list[tuple[int, int]] = []
     finish = pipes.PipeHandOff.finish
 
-    def recorded(self: pipes.PipeHandOff, deadline: float) -> None:
-        finish(self, deadline)
+    def recorded(self: pipes.PipeHandOff, deadline: float, reply_fd: int) -> None:
+        finish(self, deadline, reply_fd)
         seen.append((self.sent, self._view.nbytes))
 
     monkeypatch.setattr(pipes.PipeHandOff, "finish", recorded)
@@ -119,7 +123,7 @@ def test_a_pipe_that_ends_short_or_runs_over_is_a_size_error_and_the_conversatio
     still_serves(daemon)
 
 
-@pytest.mark.parametrize("what", ["regular file", "socket", "none"])
+@pytest.mark.parametrize("what", ["regular file", "socket", "write end", "none"])
 def test_data_pipe_with_something_else_is_a_typed_refusal(
         daemon: DaemonProcess, tmp_path: Path, what: str) -> None:
     with RawClient(daemon.socket_path) as raw:
@@ -131,11 +135,18 @@ def test_data_pipe_with_something_else_is_a_typed_refusal(
         elif what == "socket":
             a, b = socket.socketpair()
             with a, b:
-                reply, fragment = data_pipe(raw, a.fileno()), "not a pipe"
+                reply, fragment = data_pipe(raw, a.fileno()), "not the read end of a pipe"
+        elif what == "write end":
+            # Found by attack: splicing from it failed EBADF, reported as `internal`.
+            r, w = os.pipe()
+            os.write(w, b"w" * 100)
+            reply, fragment = data_pipe(raw, w), "not the read end of a pipe"
+            os.close(r)
+            os.close(w)
         else:
             (tmp_path / "f").write_bytes(b"f" * 100)
             fd = os.open(tmp_path / "f", os.O_RDONLY)
-            reply, fragment = data_pipe(raw, fd), "not a pipe"
+            reply, fragment = data_pipe(raw, fd), "not the read end of a pipe"
             os.close(fd)
         assert is_error(reply, wire.BAD_REQUEST, fragment), reply
         assert raw.call("status").kind == "ok"  # the connection goes on
@@ -173,9 +184,9 @@ def test_the_client_raises_size_mismatch_when_the_daemon_refuses_its_pipe(
     # as a typed error, and its connection stays usable.
     finish = pipes.PipeHandOff.finish
 
-    def half(self: pipes.PipeHandOff, deadline: float) -> None:
+    def half(self: pipes.PipeHandOff, deadline: float, reply_fd: int) -> None:
         self._view = self._view[: self._view.nbytes // 2]
-        finish(self, deadline)
+        finish(self, deadline, reply_fd)
 
     monkeypatch.setattr(pipes.PipeHandOff, "finish", half)
     c = daemon.client()
@@ -211,3 +222,121 @@ def test_where_the_kernel_refuses_a_full_size_pipe_the_put_goes_over_the_socket(
     c.wait("quota", 1, timeout_s=60)
     assert committed_bytes(daemon, "quota", 1, "a.bin") == blob
     assert spliced == [] and refused == [1 << 20]
+
+
+_SPLICE_SYSCALL = {"x86_64": 275, "aarch64": 76}[platform.machine()]
+
+
+def in_splice(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside splice(2) now (its first field in /proc/.../syscall)."""
+    syscall = Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().split()
+    return bool(syscall) and syscall[0] == str(_SPLICE_SYSCALL)
+
+
+@contextlib.contextmanager
+def pipe_lock_held(end: str) -> Iterator[int]:
+    """One end of a pipe whose kernel lock this process holds: a thread's blocking splice
+    from an empty socket into another file opened on the same pipe keeps the lock until a
+    byte comes. Every read and the last close of the pipe wait for it, uninterruptibly.
+    Yields the end to pass; the lock is let go on leaving."""
+    r, w = os.pipe()
+    other = os.open(f"/proc/self/fd/{w}", os.O_WRONLY)
+    a, b = socket.socketpair()
+    hog = threading.Thread(target=lambda: os.splice(a.fileno(), other, 1))
+    hog.start()
+    try:
+        wait_for(lambda: in_splice(hog), timeout_s=10)
+        yield r if end == "read" else w
+    finally:
+        b.send(b"z")
+        hog.join(10)
+        for fd in (r, w, other):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        a.close()
+        b.close()
+
+
+def pipe_locked_daemon(make_daemon: Any) -> DaemonProcess:
+    return make_daemon(  # type: ignore[no-any-return]
+        CKPTDRAIN_LIMITS__CLIENT_IDLE_TIMEOUT_S="2", CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="64MiB",
+        CKPTDRAIN_LIMITS__ON_FULL="reject")
+
+
+def test_a_write_end_whose_lock_its_client_holds_never_blocks_the_event_loop(
+        make_daemon: Any) -> None:
+    """Found by attack: the refused pipe was closed on the event loop, and the last close
+    of a pipe waits for its lock: the daemon stopped answering everyone."""
+    d = pipe_locked_daemon(make_daemon)
+    with pipe_lock_held("write") as fd, RawClient(d.socket_path) as raw:
+        raw.hello_begin()
+        admitted(raw, "w.bin", 4096)
+        send_fds(raw, wire.encode_message("data_pipe", {}), [fd])
+        os.close(fd)  # the daemon's copy is now the last reference
+        assert is_error(raw.reply(), wire.BAD_REQUEST, "not the read end"), d.log()
+        with d.client(timeout_s=10) as c:
+            assert c.status()["node_id"] == "node-a"
+        assert raw.call("status").kind == "ok"
+    still_serves(d)
+
+
+def test_a_read_end_whose_lock_its_client_holds_is_given_up_on_and_frees_its_room(
+        make_daemon: Any) -> None:
+    """Found by attack: the pump's thread waited in the kernel for the lock, past the idle
+    timeout and the rate floor, holding the shard's staging room until the client let go."""
+    d = pipe_locked_daemon(make_daemon)
+    with pipe_lock_held("read") as fd, RawClient(d.socket_path) as raw:
+        raw.hello_begin()
+        admitted(raw, "big.bin", 60 * MiB)  # nearly all of the staging budget
+        send_fds(raw, wire.encode_message("data_pipe", {}), [fd])
+        os.close(fd)
+        reply = raw.reply()
+        assert is_error(reply, wire.TIMEOUT, "stopped moving inside one system call"), reply
+        with d.client(timeout_s=10) as c:
+            assert c.status()["io_threads"]["stuck"] == 1
+            with c.generation("after", 1) as gen:  # the room is back
+                gen.put("big.bin", os.urandom(60 * MiB))
+            c.wait("after", 1, timeout_s=60)
+        assert raw.call("status").kind == "ok"  # this client's conversation goes on
+    # Let go: the thread comes back, closes the pipe, and is no longer counted.
+    with d.client(timeout_s=10) as c:
+        wait_for(lambda: c.status()["io_threads"]["stuck"] == 0, timeout_s=20)
+    assert not list((d.root / "staging" / "shards").glob("*.tmp"))
+    still_serves(d)
+
+
+def test_a_reader_forked_off_the_client_does_not_hide_the_daemons_refusal(
+        make_daemon: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by attack: with another read end open (a child forked mid-put), the daemon's
+    cut-off never showed as EPIPE, and the client waited out its whole timeout before a
+    generic Timeout. It now watches the socket and reads the daemon's reason."""
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__CLIENT_MIN_BYTES_PER_S="4MiB",
+                                   CKPTDRAIN_LIMITS__CLIENT_RATE_GRACE_S="1.0")
+    kept: list[int] = []
+    handed_over = pipes.PipeHandOff.handed_over
+    splice_some = pipes.PipeHandOff._splice_some
+
+    def like_a_fork(self: pipes.PipeHandOff) -> None:
+        kept.append(os.dup(self.read_fd))  # what a forked child would hold
+        handed_over(self)
+
+    def slowly(self: pipes.PipeHandOff) -> int:
+        time.sleep(0.05)
+        view, self._view = self._view, self._view[: self.sent + 4096]
+        try:
+            return splice_some(self)
+        finally:
+            self._view = view
+
+    monkeypatch.setattr(pipes.PipeHandOff, "handed_over", like_a_fork)
+    monkeypatch.setattr(pipes.PipeHandOff, "_splice_some", slowly)
+    try:
+        c = d.client(timeout_s=30)
+        with pytest.raises(DrainError) as info, c.generation("slow", 1) as gen:
+            gen.put("a.bin", os.urandom(64 * MiB))
+        # The daemon's reason, not the client's own Timeout after 30 s.
+        assert "client_min_bytes_per_s" in str(info.value), info.value
+    finally:
+        for fd in kept:
+            os.close(fd)
+    still_serves(d)
