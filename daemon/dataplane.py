@@ -14,11 +14,13 @@ clean-up the caller handed over, never while the thread may still use them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
 import errno
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,8 @@ from ckptdrain.daemon.errors import DaemonError, StuckIO
 T = TypeVar("T")
 
 COPY_CHUNK_BYTES = 64 << 20
+# Closes of clients' pipes in threads of their own at once; past it, in the closer's pool.
+MAX_PIPE_CLOSERS = 256
 # How often a pump's watchdog looks at it.
 WATCH_SLICE_S = 1.0
 
@@ -97,12 +101,19 @@ class DataPlane:
         # per connection, created as needed): a slow client never takes an fsync's thread.
         self._pumps = concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump",
                                                             initializer=name_os_thread)
+        # Pipe pumps apart: a client can wedge one (it holds its pipe's lock), and a wedged
+        # thread must never keep a socket hand-off waiting for a free one.
+        self._pipe_pumps = concurrent.futures.ThreadPoolExecutor(
+            pumps, thread_name_prefix="ckptdrain-pipe", initializer=name_os_thread)
         # Closing a client's fd can block: a TCP socket lingering on unsent data, a FUSE file
         # whose server holds the flush. Never on the loop, nor in a hand-off's thread.
         self._closer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ckptdrain-io-close",
                                                              initializer=name_os_thread)
         self.stuck = 0
         self.busy = 0
+        # Stuck pumps by who started them (a uid): such a client is offered no more pipes.
+        self.stuck_owners: collections.Counter[object] = collections.Counter()
+        self._pipe_closes = threading.BoundedSemaphore(MAX_PIPE_CLOSERS)
 
     async def call(self, fn: Callable[..., T], *args: object,
                    cleanup: Callable[[], None] | None = None,
@@ -117,20 +128,22 @@ class DataPlane:
         return await self._run(self._pool, fn, args, self.timeout_s, cancel, cleanup)
 
     async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event,
-                   stalled: Callable[[], bool]) -> T:
+                   stalled: Callable[[], bool], pipe: bool = False, owner: object = None) -> T:
         """Run a byte pump: no overall timeout (it enforces the client's idle timeout and
         rate floor itself); on cancellation ``cancel`` tells it to stop within
         pumps.POLL_SLICE_S. A watchdog looks at ``stalled`` every WATCH_SLICE_S: a pump that
         has not come back from one system call for that long (a pipe whose lock its client
         holds, a staging disk that stopped) is given up on like a stuck call: PumpStalled,
-        counted in ``stuck`` until its thread returns. The pump owns every fd it uses (its
-        own dups), so giving up on it never closes one under it."""
-        return await self._run(self._pumps, fn, args, None, cancel, None, stalled)
+        counted in ``stuck`` (and ``stuck_owners[owner]``) until its thread returns. The pump
+        owns every fd it uses (its own dups), so giving up on it never closes one under it.
+        ``pipe``: a client's pipe, in the pool of their own."""
+        return await self._run(self._pipe_pumps if pipe else self._pumps, fn, args, None,
+                               cancel, None, stalled, owner)
 
     async def _run(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
                    args: tuple[object, ...], limit: float | None, cancel: threading.Event | None,
                    cleanup: Callable[[], None] | None,
-                   stalled: Callable[[], bool] | None = None) -> T:
+                   stalled: Callable[[], bool] | None = None, owner: object = None) -> T:
         loop = asyncio.get_running_loop()
         self.busy += 1
         future = loop.run_in_executor(pool, fn, *args)
@@ -150,9 +163,13 @@ class DataPlane:
                 # waits for the pump to see its cancel flag.
                 stuck = isinstance(exc, TimeoutError | StuckIO)
                 self.stuck += stuck
+                self.stuck_owners[owner] += stuck
 
                 def finished(done: asyncio.Future[T]) -> None:
                     self.stuck -= stuck
+                    self.stuck_owners[owner] -= stuck
+                    if self.stuck_owners[owner] <= 0:
+                        del self.stuck_owners[owner]
                     self.busy -= 1
                     if not done.cancelled():
                         done.exception()  # retrieved: the hand-off already failed
@@ -170,17 +187,35 @@ class DataPlane:
     def close_client_fd(self, fd: int) -> None:
         """Close an fd a client passed, in a thread: returns at once, whatever the fd is."""
         with contextlib.suppress(RuntimeError):  # shutting down: the process's exit closes it
-            self._closer.submit(_close_quietly, fd)
+            self._closer.submit(self._close_client_fd, fd)
+
+    def _close_client_fd(self, fd: int) -> None:
+        # The last close of a pipe waits for the pipe's lock, which its client can hold for
+        # as long as it likes: such a close gets a thread of its own (up to MAX_PIPE_CLOSERS
+        # at once), so it never holds up the closes of other clients' fds.
+        with contextlib.suppress(OSError):
+            if stat.S_ISFIFO(os.fstat(fd).st_mode) and self._pipe_closes.acquire(blocking=False):
+                threading.Thread(target=self._close_pipe, args=(fd,), daemon=True,
+                                 name="ckptdrain-io-close-pipe").start()
+                return
+        _close_quietly(fd)
+
+    def _close_pipe(self, fd: int) -> None:
+        try:
+            _close_quietly(fd)
+        finally:
+            self._pipe_closes.release()
 
     def close(self) -> None:
         # Stuck threads cannot be joined: leave them to the process's exit.
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pumps.shutdown(wait=False, cancel_futures=True)
+        self._pipe_pumps.shutdown(wait=False, cancel_futures=True)
         self._closer.shutdown(wait=False)
 
 
 class PumpStalled(StuckIO):
-    """A pump's thread did not come back from one system call within its watchdog's limit."""
+    """A pump did not beat within its watchdog's limit (queued, or inside one system call)."""
 
 
 async def _watched(future: asyncio.Future[T], stalled: Callable[[], bool]) -> T:
@@ -190,9 +225,9 @@ async def _watched(future: asyncio.Future[T], stalled: Callable[[], bool]) -> T:
         if done:
             return future.result()
         if stalled():
-            raise PumpStalled("the hand-off's bytes stopped moving inside one system call "
-                                  "(a pipe whose client holds its lock, or a staging disk that "
-                                  "stopped answering)")
+            raise PumpStalled("the hand-off's bytes stopped moving (its pump waited for a "
+                                  "thread, or sat inside one system call: a pipe whose client "
+                                  "holds its lock, a staging disk that stopped answering)")
 
 
 # -- blocking steps, run in the pool ---------------------------------------------------------

@@ -175,9 +175,12 @@ class Handoffs:
                 # All of a data frame that came with what was buffered, not written yet.
                 tail: bytes | memoryview | None = None
                 if src_fd is None:
-                    # "pipe": the client may pass a pipe instead of a data frame (pumps.py).
-                    await h.send("ok", {"ready": True, "pipe": True})
-                    tail = await payloads.receive_data(d, h, tmp_fd, size, path)
+                    # "pipe": the client may pass a pipe instead of a data frame (pumps.py);
+                    # not offered to a uid one of whose pipes wedged a pump (it holds the
+                    # pipe's lock), so one uid wedges at most one pump per connection.
+                    pipe = h.uid not in d.dataplane.stuck_owners
+                    await h.send("ok", {"ready": True, "pipe": pipe})
+                    tail = await payloads.receive_data(d, h, tmp_fd, size, path, pipe)
                 else:
                     src, dst = src_fd, tmp_fd
                     src_fd = tmp_fd = None  # the copy's thread owns them until it returns

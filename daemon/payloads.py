@@ -70,19 +70,24 @@ async def receive_inline(h: ClientHandler) -> bytes | memoryview:
 
 
 async def receive_data(d: Daemon, h: ClientHandler, fd: int, size: int,
-                       path: str) -> bytes | memoryview | None:
+                       path: str, pipe: bool) -> bytes | memoryview | None:
     """The admitted shard's data frame, into ``fd``. Returns the payload unwritten when all
     of it came with what was buffered (the caller writes it with the rename, one data-plane
     call for both), else None (all written to ``fd``)."""
     with _due(h):
-        return await _receive_data_frame(d, h, fd, size, path)
+        return await _receive_data_frame(d, h, fd, size, path, pipe)
 
 
 async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
-                              path: str) -> bytes | memoryview | None:
+                              path: str, pipe: bool) -> bytes | memoryview | None:
     msg = await h.next_message()
     if msg is None:
         raise ConnectionError(f"client left before sending the bytes of {path!r}")
+    if msg.kind == "data_pipe" and not pipe:
+        h.channel.close_fd(h.channel.take_frame_fd("data_pipe"))
+        raise RequestError(wire.BAD_REQUEST, f"no pipe was offered for {path!r} (the put's ok "
+                           "said \"pipe\": false: a pipe of this uid's wedged a hand-off); "
+                           "send its bytes as 'data'")
     if msg.kind == "data_pipe":
         await _receive_pipe(d, h, fd, size, path)
         return None
@@ -126,7 +131,11 @@ async def _run_pump(d: Daemon, h: ClientHandler, pump: SocketPump | PipePump, fd
     idle_s, floor = h.channel.idle_timeout_s, h.channel.transfer
     # The pump's own copy of the staged file's fd: a pump given up on (stalled) may still be
     # inside a system call on it when the hand-off closes and unlinks its file.
-    out = os.dup(fd)
+    try:
+        out = os.dup(fd)
+    except OSError:
+        pump.never_started(h.channel.close_fd)
+        raise
 
     def run() -> int:
         try:
@@ -135,8 +144,10 @@ async def _run_pump(d: Daemon, h: ClientHandler, pump: SocketPump | PipePump, fd
             os.close(out)
 
     stall_s = idle_s + POLL_SLICE_S
+    pump.arm()
     try:
-        await d.dataplane.pump(run, cancel=cancel, stalled=lambda: pump.stalled(stall_s))
+        await d.dataplane.pump(run, cancel=cancel, stalled=lambda: pump.stalled(stall_s),
+                               pipe=isinstance(pump, PipePump), owner=h.uid)
     except PumpStalled as exc:
         # Answered; a data frame's connection then ends (its bytes are out of step), a
         # data_pipe's goes on (its frame was whole).

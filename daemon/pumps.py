@@ -17,6 +17,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 
 from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, RateFloor, write_all
 from ckptdrain.daemon.filecopy import start_writeback
@@ -54,10 +55,18 @@ class _Pump:
         # When the pump's thread last came back from a system call (see stalled).
         self._beat = time.monotonic()
 
+    def arm(self) -> None:
+        """The pump is handed to its pool now: its watchdog counts from here."""
+        self._beat = time.monotonic()
+
     def stalled(self, limit_s: float) -> bool:
-        """Whether the pump is running and has been inside one system call for ``limit_s``:
-        between calls it beats at least every POLL_SLICE_S."""
-        return self._busy and time.monotonic() - self._beat > limit_s
+        """Whether the armed pump has not beaten for ``limit_s``: it waited that long for a
+        thread of its pool, or has been inside one system call that long (between calls it
+        beats at least every POLL_SLICE_S)."""
+        return time.monotonic() - self._beat > limit_s
+
+    def never_started(self, close_fd: Callable[[int], None]) -> None:
+        """The pump could not be handed to a thread: what it owns is closed with ``close_fd``."""
 
     def pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
              cancel: threading.Event, floor: RateFloor | None = None) -> int:
@@ -230,6 +239,12 @@ class PipePump(_Pump):
             return super().pump(out_fd, nbytes, idle_timeout_s, cancel, floor)
         finally:
             self.close()  # in this thread: see the class's docstring
+
+    def never_started(self, close_fd: Callable[[int], None]) -> None:
+        with self._lock:
+            fd, self.src_fd, self._closed = self.src_fd, -1, True
+        if fd >= 0:
+            close_fd(fd)
 
     def _ended(self, done: int, nbytes: int) -> None:
         raise PipeEnded(f"the pipe ended after {done} of the shard's {nbytes} bytes; write "

@@ -291,16 +291,33 @@ def test_a_read_end_whose_lock_its_client_holds_is_given_up_on_and_frees_its_roo
         send_fds(raw, wire.encode_message("data_pipe", {}), [fd])
         os.close(fd)
         reply = raw.reply()
-        assert is_error(reply, wire.TIMEOUT, "stopped moving inside one system call"), reply
+        assert is_error(reply, wire.TIMEOUT, "stopped moving"), reply
         with d.client(timeout_s=10) as c:
             assert c.status()["io_threads"]["stuck"] == 1
             with c.generation("after", 1) as gen:  # the room is back
                 gen.put("big.bin", os.urandom(60 * MiB))
             c.wait("after", 1, timeout_s=60)
         assert raw.call("status").kind == "ok"  # this client's conversation goes on
-    # Let go: the thread comes back, closes the pipe, and is no longer counted.
+        # Found by the second attack: one connection wedged the whole pump pool, a put at a
+        # time. A uid with a wedged pump is offered no pipe (its puts go over the socket),
+        # and a pipe sent anyway is refused.
+        reply = raw.call("put", job="bad", step=1, rank=0, path="next.bin", size=4096)
+        assert reply.kind == "ok" and reply.fields == {"ready": True, "pipe": False}, reply
+        r, w = os.pipe()
+        os.write(w, b"n" * 4096)
+        reply = data_pipe(raw, r)
+        os.close(r)
+        os.close(w)
+        assert is_error(reply, wire.BAD_REQUEST, "no pipe was offered"), reply
+        assert raw.call("status").kind == "ok"
+    # Let go: the thread comes back, closes the pipe, and is no longer counted; the uid is
+    # offered pipes again.
     with d.client(timeout_s=10) as c:
         wait_for(lambda: c.status()["io_threads"]["stuck"] == 0, timeout_s=20)
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin(job="again")
+        reply = raw.call("put", job="again", step=1, rank=0, path="a.bin", size=10)
+        assert reply.fields == {"ready": True, "pipe": True}, reply
     assert not list((d.root / "staging" / "shards").glob("*.tmp"))
     still_serves(d)
 
@@ -340,3 +357,33 @@ def test_a_reader_forked_off_the_client_does_not_hide_the_daemons_refusal(
         for fd in kept:
             os.close(fd)
     still_serves(d)
+
+
+def daemon_fds(d: DaemonProcess) -> int:
+    assert d.proc is not None
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+def test_wedged_pipe_closes_never_hold_up_the_closes_of_other_clients_fds(
+        daemon: DaemonProcess) -> None:
+    """Found by the second attack: the last close of a pipe whose client holds its lock
+    wedged the daemon's two closer threads, and every fd any client passed piled up."""
+    with contextlib.ExitStack() as held:
+        for _ in range(3):  # more than the closer's threads
+            fd = held.enter_context(pipe_lock_held("write"))
+            raw = held.enter_context(RawClient(daemon.socket_path))
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+            send_fds(raw, wire.encode_message("status", {}), [fd])  # a frame that takes none
+            os.close(fd)  # the daemon's copy is now the last one
+            assert raw.reply().kind == "ok"
+        before = daemon_fds(daemon)
+        with RawClient(daemon.socket_path) as raw:
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+            for _ in range(50):
+                null = os.open(os.devnull, os.O_RDONLY)
+                send_fds(raw, wire.encode_message("status", {}), [null])
+                os.close(null)
+                assert raw.reply().kind == "ok"
+        # Every /dev/null is closed while the three pipes' closes still wait.
+        wait_for(lambda: daemon_fds(daemon) <= before, timeout_s=20)
+    still_serves(daemon)

@@ -4,6 +4,7 @@ too little, too much or nothing is told so without ever blocking the pump's thre
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -13,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from ckptdrain.client.pipes import PipeHandOff
-from ckptdrain.daemon.dataplane import Cancelled, ClientIdle, ClientTooSlow, RateFloor
+from ckptdrain.daemon.dataplane import (
+    Cancelled,
+    ClientIdle,
+    ClientTooSlow,
+    DataPlane,
+    PumpStalled,
+    RateFloor,
+)
 from ckptdrain.daemon.pumps import PipeEnded, PipeOverrun, PipePump
 from tests.conftest import wait_for
 
@@ -152,3 +160,40 @@ def test_the_client_side_vmsplices_a_read_only_buffer_from_any_offset(tmp_path: 
         other.close()
     assert (tmp_path / "staged").read_bytes() == data[4097:]
     assert pipe.sent == view.nbytes
+
+
+def test_a_pump_that_waits_too_long_for_a_thread_is_given_up_on(tmp_path: Path) -> None:
+    """Found by the second attack: the watchdog only looked at running pumps, so one queued
+    behind wedged threads waited with nothing to end it. It counts from when it was armed."""
+    plane = DataPlane(1, 30.0, pumps=1)
+    hold = threading.Event()
+    r, w = os.pipe()
+    os.write(w, b"q" * 100)
+    os.close(w)
+    pump = PipePump(r)
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT)
+
+    async def scenario() -> None:
+        wedged = asyncio.ensure_future(plane.pump(hold.wait, 60, cancel=threading.Event(),
+                                                  stalled=lambda: False, pipe=True))
+        await asyncio.sleep(0)  # the one pipe thread is taken
+        cancel = threading.Event()
+        pump.arm()
+        with pytest.raises(PumpStalled, match="waited for a thread"):
+            await plane.pump(pump.pump, out, 100, 10.0, cancel, cancel=cancel,
+                             stalled=lambda: pump.stalled(0.5), pipe=True, owner="uid")
+        assert plane.stuck == 1 and plane.stuck_owners == {"uid": 1}
+        hold.set()
+        await wedged
+        # The queued pump runs at last, sees it was given up on, and closes its pipe.
+        while plane.stuck:
+            await asyncio.sleep(0.05)
+        assert plane.stuck_owners == {} and pump.src_fd == -1
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        hold.set()
+        plane.close()
+        os.close(out)
+    assert (tmp_path / "staged").read_bytes() == b""
