@@ -220,6 +220,11 @@ class LimitsConfig(BaseModel):
     # One blocking step of a hand-off (copying from a client's fd, an fsync) that takes
     # longer fails that hand-off; its thread is counted as stuck until the call returns.
     io_timeout_s: float = Field(default=600.0, gt=0)
+    # Offer clients a pipe for a put's bytes (one copy instead of two). A client can hold its
+    # pipe's kernel lock and so wedge the thread that reads it (given up on, counted as
+    # stuck, and it keeps a stopping daemon's process from exiting until the client lets
+    # go): where local users are not trusted that far, turn it off.
+    pipe_handoff: bool = True
 
 
 class DestinationConfig(BaseModel):

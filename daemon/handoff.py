@@ -178,7 +178,8 @@ class Handoffs:
                     # "pipe": the client may pass a pipe instead of a data frame (pumps.py);
                     # not offered to a uid one of whose pipes wedged a pump (it holds the
                     # pipe's lock), so one uid wedges at most one pump per connection.
-                    pipe = h.uid not in d.dataplane.stuck_owners
+                    pipe = (d.config.limits.pipe_handoff
+                            and h.uid not in d.dataplane.stuck_owners)
                     await h.send("ok", {"ready": True, "pipe": pipe})
                     tail = await payloads.receive_data(d, h, tmp_fd, size, path, pipe)
                 else:

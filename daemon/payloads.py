@@ -86,8 +86,8 @@ async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
     if msg.kind == "data_pipe" and not pipe:
         h.channel.close_fd(h.channel.take_frame_fd("data_pipe"))
         raise RequestError(wire.BAD_REQUEST, f"no pipe was offered for {path!r} (the put's ok "
-                           "said \"pipe\": false: a pipe of this uid's wedged a hand-off); "
-                           "send its bytes as 'data'")
+                           "said \"pipe\": false: limits.pipe_handoff is off, or a pipe of "
+                           "this uid's wedged a hand-off); send its bytes as 'data'")
     if msg.kind == "data_pipe":
         await _receive_pipe(d, h, fd, size, path)
         return None

@@ -99,7 +99,8 @@ def busiest_thread_s(before: dict[tuple[int, int], float],
 # The other threads are named in the kernel by tests/bench/threadnames/sitecustomize.py, which
 # every daemon the benchmarks start loads (BenchDaemon.env).
 THREAD_KINDS = ("loop", "pump", "io", "journal", "drain", "other")
-_THREAD_PREFIXES = ((b"ckptdrain-pump", "pump"), (b"ckptdrain-io", "io"), (b"journal", "journal"),
+_THREAD_PREFIXES = ((b"ckptdrain-pump", "pump"), (b"ckptdrain-pipe", "pump"),
+                    (b"ckptdrain-io", "io"), (b"journal", "journal"),
                     (b"posix-segment", "drain"),
                     (b"posix-dest", "drain"), (b"asyncio", "drain"), (b"uvloop", "drain"))
 THREAD_NAMES_DIR = Path(__file__).resolve().parent / "threadnames"
@@ -108,7 +109,8 @@ THREAD_NAMES_DIR = Path(__file__).resolve().parent / "threadnames"
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of ``pid`` so far by kind of thread (/proc/<pid>/task/*/stat utime +
     stime): ``loop`` (the main thread: the event loop), ``pump`` (``ckptdrain-pump_*``:
-    socket -> file), ``io`` (``ckptdrain-io_*``: copies, fsyncs), ``journal`` (SQLite's
+    socket -> file; ``ckptdrain-pipe_*``: a client's pipe -> file),
+    ``io`` (``ckptdrain-io_*``: copies, fsyncs), ``journal`` (SQLite's
     thread), ``drain`` (``posix-dest_*`` and the default executor's ``asyncio_*`` or
     ``uvloop_*``: reading and hashing staged shards), ``other`` (every other thread still
     alive), and ``all`` (the process total)."""

@@ -387,3 +387,27 @@ def test_wedged_pipe_closes_never_hold_up_the_closes_of_other_clients_fds(
         # Every /dev/null is closed while the three pipes' closes still wait.
         wait_for(lambda: daemon_fds(daemon) <= before, timeout_s=20)
     still_serves(daemon)
+
+
+def test_with_pipe_handoff_off_no_pipe_is_offered_or_taken(
+        make_daemon: Any, spliced: list[tuple[int, int]]) -> None:
+    # limits.pipe_handoff = false: for nodes whose local users are not trusted not to wedge
+    # a thread on a pipe's lock. Puts go over the socket; a pipe sent anyway is refused.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__PIPE_HANDOFF="false")
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin()
+        reply = raw.call("put", job="bad", step=1, rank=0, path="x.bin", size=4096)
+        assert reply.kind == "ok" and reply.fields == {"ready": True, "pipe": False}, reply
+        r, w = os.pipe()
+        os.write(w, b"x" * 4096)
+        reply = data_pipe(raw, r)
+        os.close(r)
+        os.close(w)
+        assert is_error(reply, wire.BAD_REQUEST, "no pipe was offered"), reply
+    blob = os.urandom(2 * MiB)
+    c = d.client()
+    with c.generation("off", 1) as gen:
+        gen.put("a.bin", blob)
+    c.wait("off", 1, timeout_s=60)
+    assert committed_bytes(d, "off", 1, "a.bin") == blob
+    assert spliced == []
