@@ -47,6 +47,17 @@ def committed_bytes(d: DaemonProcess, job: str, step: int, path: str) -> bytes:
     return (d.dest / job / f"{step:020d}" / path).read_bytes()
 
 
+def saved_over_the_socket(d: DaemonProcess, job: str, spliced: list[tuple[int, int]]) -> None:
+    """A 2 MiB put commits byte-equal, and not through a pipe."""
+    blob = os.urandom(2 * MiB)
+    c = d.client()
+    with c.generation(job, 1) as gen:
+        gen.put("a.bin", blob)
+    c.wait(job, 1, timeout_s=60)
+    assert committed_bytes(d, job, 1, "a.bin") == blob
+    assert spliced == []
+
+
 def test_large_puts_of_every_kind_of_buffer_go_through_the_pipe_byte_equal(
         daemon: DaemonProcess, spliced: list[tuple[int, int]]) -> None:
     blob = os.urandom(9 * MiB + 5)
@@ -70,17 +81,11 @@ def test_with_sigpipe_not_ignored_the_put_goes_over_the_socket(
         daemon: DaemonProcess, spliced: list[tuple[int, int]]) -> None:
     # A reader that went away would raise SIGPIPE in the writer: a process that lets
     # SIGPIPE end it must never write into a pipe.
-    blob = os.urandom(2 * MiB)
     previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
-        c = daemon.client()
-        with c.generation("socketed", 1) as gen:
-            gen.put("a.bin", blob)
+        saved_over_the_socket(daemon, "socketed", spliced)
     finally:
         signal.signal(signal.SIGPIPE, previous)
-    c.wait("socketed", 1, timeout_s=60)
-    assert committed_bytes(daemon, "socketed", 1, "a.bin") == blob
-    assert spliced == []
 
 
 def admitted(raw: RawClient, path: str, size: int) -> None:
@@ -91,6 +96,18 @@ def admitted(raw: RawClient, path: str, size: int) -> None:
 def data_pipe(raw: RawClient, fd: int) -> Any:
     send_fds(raw, wire.encode_message("data_pipe", {}), [fd])
     return raw.reply()
+
+
+def pipe_not_offered(raw: RawClient, path: str) -> None:
+    """The put's ok offers no pipe, and a data_pipe sent anyway is refused."""
+    reply = raw.call("put", job="bad", step=1, rank=0, path=path, size=4096)
+    assert reply.kind == "ok" and reply.fields == {"ready": True, "pipe": False}, reply
+    r, w = os.pipe()
+    os.write(w, b"x" * 4096)
+    reply = data_pipe(raw, r)
+    os.close(r)
+    os.close(w)
+    assert is_error(reply, wire.BAD_REQUEST, "no pipe was offered"), reply
 
 
 def test_a_pipe_that_ends_short_or_runs_over_is_a_size_error_and_the_conversation_goes_on(
@@ -215,13 +232,8 @@ def test_where_the_kernel_refuses_a_full_size_pipe_the_put_goes_over_the_socket(
         return real(fd, cmd, arg)
 
     monkeypatch.setattr(pipes.fcntl, "fcntl", quota)
-    blob = os.urandom(2 * MiB)
-    c = daemon.client()
-    with c.generation("quota", 1) as gen:
-        gen.put("a.bin", blob)
-    c.wait("quota", 1, timeout_s=60)
-    assert committed_bytes(daemon, "quota", 1, "a.bin") == blob
-    assert spliced == [] and refused == [1 << 20]
+    saved_over_the_socket(daemon, "quota", spliced)
+    assert refused == [1 << 20]
 
 
 _SPLICE_SYSCALL = {"x86_64": 275, "aarch64": 76}[platform.machine()]
@@ -301,14 +313,7 @@ def test_a_read_end_whose_lock_its_client_holds_is_given_up_on_and_frees_its_roo
         # Found by the second attack: one connection wedged the whole pump pool, a put at a
         # time. A uid with a wedged pump is offered no pipe (its puts go over the socket),
         # and a pipe sent anyway is refused.
-        reply = raw.call("put", job="bad", step=1, rank=0, path="next.bin", size=4096)
-        assert reply.kind == "ok" and reply.fields == {"ready": True, "pipe": False}, reply
-        r, w = os.pipe()
-        os.write(w, b"n" * 4096)
-        reply = data_pipe(raw, r)
-        os.close(r)
-        os.close(w)
-        assert is_error(reply, wire.BAD_REQUEST, "no pipe was offered"), reply
+        pipe_not_offered(raw, "next.bin")
         assert raw.call("status").kind == "ok"
     # Let go: the thread comes back, closes the pipe, and is no longer counted; the uid is
     # offered pipes again.
@@ -396,18 +401,5 @@ def test_with_pipe_handoff_off_no_pipe_is_offered_or_taken(
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__PIPE_HANDOFF="false")
     with RawClient(d.socket_path) as raw:
         raw.hello_begin()
-        reply = raw.call("put", job="bad", step=1, rank=0, path="x.bin", size=4096)
-        assert reply.kind == "ok" and reply.fields == {"ready": True, "pipe": False}, reply
-        r, w = os.pipe()
-        os.write(w, b"x" * 4096)
-        reply = data_pipe(raw, r)
-        os.close(r)
-        os.close(w)
-        assert is_error(reply, wire.BAD_REQUEST, "no pipe was offered"), reply
-    blob = os.urandom(2 * MiB)
-    c = d.client()
-    with c.generation("off", 1) as gen:
-        gen.put("a.bin", blob)
-    c.wait("off", 1, timeout_s=60)
-    assert committed_bytes(d, "off", 1, "a.bin") == blob
-    assert spliced == []
+        pipe_not_offered(raw, "x.bin")
+    saved_over_the_socket(d, "off", spliced)
