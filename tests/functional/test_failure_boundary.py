@@ -109,8 +109,10 @@ def test_fds_on_frames_that_take_none_are_closed(daemon: DaemonProcess) -> None:
         during = open_fds(daemon.pid)
     for fd in passed:
         os.close(fd)
-    # 2000 fds were passed; at most the connection's own and one request's worth remain.
-    assert during <= before + 4 + 4, (before, during)
+    # 2000 fds were passed (the finding: 19 -> 2019 open). Closes run in the closer's
+    # threads, after the reply: a few requests' worth may still be on their way (28 against
+    # 19 was seen once on a fresh clone's CI), never the thousands of a leak.
+    assert during <= before + 64, (before, during)
     wait_for(lambda: open_fds(daemon.pid) <= before + 2)
     still_serves(daemon)
 
