@@ -128,22 +128,25 @@ class DataPlane:
         return await self._run(self._pool, fn, args, self.timeout_s, cancel, cleanup)
 
     async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event,
-                   stalled: Callable[[], bool], pipe: bool = False, owner: object = None) -> T:
+                   stalled: Callable[[], bool], pipe: bool = False, owner: object = None,
+                   running: Callable[[], bool] | None = None) -> T:
         """Run a byte pump: no overall timeout (it enforces the client's idle timeout and
         rate floor itself); on cancellation ``cancel`` tells it to stop within
         pumps.POLL_SLICE_S. A watchdog looks at ``stalled`` every WATCH_SLICE_S: a pump that
         has not come back from one system call for that long (a pipe whose lock its client
         holds, a staging disk that stopped) is given up on like a stuck call: PumpStalled,
-        counted in ``stuck`` (and ``stuck_owners[owner]``) until its thread returns. The pump
-        owns every fd it uses (its own dups), so giving up on it never closes one under it.
-        ``pipe``: a client's pipe, in the pool of their own."""
+        counted in ``stuck`` until its thread returns, and in ``stuck_owners[owner]`` when
+        ``owner`` is given and the pump was ``running`` (one still queued for a thread is not
+        its client's doing). The pump owns every fd it uses (its own dups), so giving up on it
+        never closes one under it. ``pipe``: a client's pipe, in the pool of their own."""
         return await self._run(self._pipe_pumps if pipe else self._pumps, fn, args, None,
-                               cancel, None, stalled, owner)
+                               cancel, None, stalled, owner, running)
 
     async def _run(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
                    args: tuple[object, ...], limit: float | None, cancel: threading.Event | None,
                    cleanup: Callable[[], None] | None,
-                   stalled: Callable[[], bool] | None = None, owner: object = None) -> T:
+                   stalled: Callable[[], bool] | None = None, owner: object = None,
+                   running: Callable[[], bool] | None = None) -> T:
         loop = asyncio.get_running_loop()
         self.busy += 1
         future = loop.run_in_executor(pool, fn, *args)
@@ -163,13 +166,16 @@ class DataPlane:
                 # waits for the pump to see its cancel flag.
                 stuck = isinstance(exc, TimeoutError | StuckIO)
                 self.stuck += stuck
-                self.stuck_owners[owner] += stuck
+                blamed = (stuck and owner is not None and running is not None and running())
+                if blamed:
+                    self.stuck_owners[owner] += 1
 
                 def finished(done: asyncio.Future[T]) -> None:
                     self.stuck -= stuck
-                    self.stuck_owners[owner] -= stuck
-                    if self.stuck_owners[owner] <= 0:
-                        del self.stuck_owners[owner]
+                    if blamed:
+                        self.stuck_owners[owner] -= 1
+                        if self.stuck_owners[owner] <= 0:
+                            del self.stuck_owners[owner]
                     self.busy -= 1
                     if not done.cancelled():
                         done.exception()  # retrieved: the hand-off already failed
@@ -195,9 +201,12 @@ class DataPlane:
         # at once), so it never holds up the closes of other clients' fds.
         with contextlib.suppress(OSError):
             if stat.S_ISFIFO(os.fstat(fd).st_mode) and self._pipe_closes.acquire(blocking=False):
-                threading.Thread(target=self._close_pipe, args=(fd,), daemon=True,
-                                 name="ckptdrain-io-close-pipe").start()
-                return
+                try:
+                    threading.Thread(target=self._close_pipe, args=(fd,), daemon=True,
+                                     name="ckptdrain-io-close-pipe").start()
+                    return
+                except RuntimeError:  # no thread to be had: close it here after all
+                    self._pipe_closes.release()
         _close_quietly(fd)
 
     def _close_pipe(self, fd: int) -> None:

@@ -146,8 +146,11 @@ async def _run_pump(d: Daemon, h: ClientHandler, pump: SocketPump | PipePump, fd
     stall_s = idle_s + POLL_SLICE_S
     pump.arm()
     try:
+        # Only a client's pipe can wedge a pump by its client's doing: its uid is blamed (and
+        # offered no pipe meanwhile); a socket pump stalls on our own disk.
+        pipe = isinstance(pump, PipePump)
         await d.dataplane.pump(run, cancel=cancel, stalled=lambda: pump.stalled(stall_s),
-                               pipe=isinstance(pump, PipePump), owner=h.uid)
+                               pipe=pipe, owner=h.uid if pipe else None, running=pump.running)
     except PumpStalled as exc:
         # Answered; a data frame's connection then ends (its bytes are out of step), a
         # data_pipe's goes on (its frame was whole).

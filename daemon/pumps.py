@@ -55,6 +55,10 @@ class _Pump:
         # When the pump's thread last came back from a system call (see stalled).
         self._beat = time.monotonic()
 
+    def running(self) -> bool:
+        """Whether a thread is inside :meth:`pump` now."""
+        return self._busy
+
     def arm(self) -> None:
         """The pump is handed to its pool now: its watchdog counts from here."""
         self._beat = time.monotonic()
