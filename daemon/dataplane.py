@@ -235,8 +235,8 @@ async def _watched(future: asyncio.Future[T], stalled: Callable[[], bool]) -> T:
             return future.result()
         if stalled():
             raise PumpStalled("the hand-off's bytes stopped moving (its pump waited for a "
-                                  "thread, or sat inside one system call: a pipe whose client "
-                                  "holds its lock, a staging disk that stopped answering)")
+                              "thread, or sat inside one system call: a pipe whose client "
+                              "holds its lock, a staging disk that stopped answering)")
 
 
 # -- blocking steps, run in the pool ---------------------------------------------------------

@@ -83,12 +83,12 @@ async def _receive_data_frame(d: Daemon, h: ClientHandler, fd: int, size: int,
     msg = await h.next_message()
     if msg is None:
         raise ConnectionError(f"client left before sending the bytes of {path!r}")
-    if msg.kind == "data_pipe" and not pipe:
-        h.channel.close_fd(h.channel.take_frame_fd("data_pipe"))
-        raise RequestError(wire.BAD_REQUEST, f"no pipe was offered for {path!r} (the put's ok "
-                           "said \"pipe\": false: limits.pipe_handoff is off, or a pipe of "
-                           "this uid's wedged a hand-off); send its bytes as 'data'")
     if msg.kind == "data_pipe":
+        if not pipe:
+            h.channel.close_fd(h.channel.take_frame_fd("data_pipe"))
+            raise RequestError(wire.BAD_REQUEST, f"no pipe was offered for {path!r} (the put's "
+                               "ok said \"pipe\": false: limits.pipe_handoff is off, or a pipe "
+                               "of this uid's wedged a hand-off); send its bytes as 'data'")
         await _receive_pipe(d, h, fd, size, path)
         return None
     if msg.kind != "data":
