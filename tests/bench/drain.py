@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tests.bench.processes import (
+    CKPTDRAIN,
     BenchDaemon,
     BenchError,
     busiest_thread_s,
@@ -34,6 +35,7 @@ from tests.bench.processes import (
     tree_peak_rss,
 )
 from tests.bench.report import MiB, Row, Section, Target, busy, figure, size_text
+from tests.bench.restore import verify_rows
 from tests.bench.suite import Benchmark, Context
 from tests.bench.workload import DRAIN_PAUSED, random_buffer, settle, write_files
 
@@ -317,6 +319,13 @@ def run_s3(ctx: Context, section: Section) -> None:
                       f"{figure([total / t for t in times['ours']], 'B/s').show()}"))
     if not ctx.quick:
         _s3_memory(ctx, section, bucket, server.endpoint_url)
+        # The generation the memory row committed is node-sized: `verify` of it is where its
+        # fixed cost (start-up, one HEAD per shard) meets bytes worth reading.
+        verify_env = {**env, "CKPTDRAIN_DESTINATION__ENDPOINT_URL": server.endpoint_url,
+                      "XDG_STATE_HOME": str(ctx.fresh("verify-xdg"))}
+        verify_rows(ctx, ctx.runs(3), [CKPTDRAIN, "verify", "--job", JOB, "--generation", "1",
+                                       f"s3://{bucket}/rss"], verify_env, "8 x 2 GiB", section,
+                    target=Target("<=", 0.05), bound="the generation of the row above")
     section.notes.append(TIMING_NOTE + " s5cmd's figure is its whole run, start-up included.")
     section.notes.append("the server shares the machine's 2 cores with the client being "
                          "measured, so a client that uses less CPU leaves more to the server.")
