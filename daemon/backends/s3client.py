@@ -169,7 +169,16 @@ class S3Client:
         is not fatal: the first request builds the client again and reports the failure, with
         what to do."""
         with contextlib.suppress(Exception):
-            await self._s3()
+            client = await self._s3()
+            # aiobotocore opens its aiohttp session, TLS context included (about 30 ms of
+            # CPU reading the CA bundle, even for an http:// endpoint), at the first request:
+            # each worker would pay it in its first drain, not at its start. Its internals are
+            # not public, so where they differ the first request pays it, as before.
+            http = getattr(getattr(client, "_endpoint", None), "http_session", None)
+            open_session = getattr(http, "_get_session", None)
+            proxies = getattr(http, "_proxy_config", None)
+            if open_session is not None and proxies is not None:
+                await open_session(proxies.proxy_url_for(client.meta.endpoint_url))
 
     async def aclose(self) -> None:
         await self.parts.aclose()
