@@ -14,6 +14,9 @@ import pytest
 
 from ckptdrain.client import Backpressure, GenerationFailed, wire
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
+from tests.functional.test_bad_input import RawClient
+
+MiB = 1 << 20
 
 # Every character of it is 4 bytes of UTF-8: 300 of them (what a summary keeps of an error)
 # are 1.2 KB per generation, and 100 generations were over the 64 KiB of one frame.
@@ -47,6 +50,32 @@ def test_status_is_one_frame_however_much_the_node_holds(daemon: DaemonProcess) 
     one = subprocess.run([CKPTDRAIN, "status", "--job", "other", "--json"], env=daemon.env(),
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert [g["job"] for g in json.loads(one)["generations"]] == ["other"]
+
+
+def test_idle_connections_cost_the_daemon_little_memory(daemon: DaemonProcess) -> None:
+    """Each connection's receive buffer was a zeroed 1 MiB bytearray, resident from the hello
+    on: 200 connections that had only said hello grew the daemon by about 200 MiB (and one
+    local user may hold 512). Now the buffer's pages are resident only once a recv reaches
+    them, so an idle connection costs its objects, a few KiB."""
+    before = _rss_bytes(daemon.pid)
+    clients: list[RawClient] = []
+    try:
+        for _ in range(200):
+            raw = RawClient(daemon.socket_path)
+            clients.append(raw)
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        grown = _rss_bytes(daemon.pid) - before
+        assert grown < 48 * MiB, f"200 idle connections grew the daemon by {grown >> 20} MiB"
+        # Each still serves a request after the others joined.
+        assert all(raw.call("status").kind == "ok" for raw in clients[:5])
+    finally:
+        for raw in clients:
+            raw.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_job_keeps_only_its_newest_failed_generations(make_daemon) -> None:  # type: ignore[no-untyped-def]
