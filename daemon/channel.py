@@ -21,6 +21,7 @@ import fcntl
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -38,6 +39,19 @@ MAX_FDS_PER_MESSAGE = 4
 # or pipelines many, is cut off here instead of growing the daemon's fd table.
 MAX_QUEUED_FDS = 8
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+
+
+# What one read takes at most: a shard sent inline (put_bytes) in one read, several frames too.
+RECV_BUFFER_BYTES = 1 << 20
+_per_thread = threading.local()
+
+
+def _shared_buffer() -> memoryview:
+    """This thread's receive buffer: the event loop's, for all of its connections."""
+    view: memoryview | None = getattr(_per_thread, "view", None)
+    if view is None:
+        view = _per_thread.view = memoryview(bytearray(RECV_BUFFER_BYTES))
+    return view
 
 
 def _close(fd: int) -> None:
@@ -87,9 +101,17 @@ class Channel:
     def end_transfer(self) -> None:
         self.transfer = None
 
-    async def recv_into(self, view: memoryview, at: int = 0) -> int:
-        """Read at least one byte into ``view`` (0 at EOF), collecting any passed fds; ``at``
-        is the stream offset of the first byte read (wire.Connection.received_bytes)."""
+    async def receive(self, feed: Callable[[memoryview], None], at: int = 0) -> int:
+        """Read at least one byte (0 at EOF) and hand what was read to ``feed``, which must copy
+        it (wire.Connection.receive_data does), collecting any passed fds; ``at`` is the
+        stream offset of the first byte read (wire.Connection.received_bytes).
+
+        The bytes land in one buffer shared by every connection of this thread's loop, so a
+        connection costs no receive buffer of its own (one each, 1 MiB, was resident for as
+        long as the connection stayed open once a large read had filled it). That is safe
+        because the read and ``feed`` run here with no ``await`` between them: no other
+        connection's read can overwrite the bytes before they are copied out."""
+        view = _shared_buffer()
         while True:
             floor = self.transfer
             if floor is not None and (now := time.monotonic()) > floor.deadline():
@@ -100,6 +122,7 @@ class Channel:
                 await self._readable()
                 continue
             except ConnectionResetError:
+                feed(view[:0])
                 return 0
             if floor is not None:
                 floor.got += n
@@ -119,6 +142,7 @@ class Channel:
                 raise ProtocolError(wire.BAD_REQUEST, f"the client passed more than "
                                     f"{MAX_QUEUED_FDS} file descriptors no request took; pass "
                                     "one fd with each put_fd/put_memfd/fetch frame only")
+            feed(view[:n])
             return n
 
     async def _readable(self) -> None:

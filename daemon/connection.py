@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import socket
 import stat
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptdrain.connection")
 
-RECV_BUFFER_BYTES = 1 << 20
 ACK_STRENGTH = {"memory": 0, "local": 1}
 # Requests that are not hand-offs: a stop does not wait for them.
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
@@ -59,11 +57,6 @@ class ClientHandler:
                                rate_grace_s=limits.client_rate_grace_s,
                                close_fd=daemon.dataplane.close_client_fd)
         self.conn = wire.Connection(wire.Role.SERVER)
-        # Mapped, not allocated: a bytearray is zeroed whole, so every connection held 1 MiB
-        # resident from its hello on (a local user's 512 idle connections, half a GiB). A
-        # private anonymous mapping's pages become resident only as a recv first reaches them.
-        self.buf = mmap.mmap(-1, RECV_BUFFER_BYTES, flags=mmap.MAP_PRIVATE)
-        self.view = memoryview(self.buf)
         self.peer = peer  # checked against [access] at accept (listener.py)
         self.uid = peer.uid
         self.gid = peer.gid
@@ -119,8 +112,7 @@ class ClientHandler:
         await self.channel.sendall(self.conn.send(kind, fields or {}))
 
     async def _receive(self) -> None:
-        n = await self.channel.recv_into(self.view, self.conn.received_bytes)
-        self.conn.receive_data(self.view[:n])
+        await self.channel.receive(self.conn.receive_data, self.conn.received_bytes)
 
     async def receive_more(self) -> None:
         """More of a payload the wire machine needs (payloads.receive_inline): on the rate

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import stat
 import subprocess
@@ -68,6 +69,38 @@ def test_idle_connections_cost_the_daemon_little_memory(daemon: DaemonProcess) -
         assert grown < 48 * MiB, f"200 idle connections grew the daemon by {grown >> 20} MiB"
         # Each still serves a request after the others joined.
         assert all(raw.call("status").kind == "ok" for raw in clients[:5])
+    finally:
+        for raw in clients:
+            raw.close()
+
+
+def test_connections_that_sent_large_frames_cost_the_daemon_little_memory(
+        daemon: DaemonProcess) -> None:
+    """Found reviewing 8b343da, which mapped each connection's 1 MiB receive buffer instead
+    of zeroing it: the pages a read reached stayed resident for as long as the connection
+    stayed open, so a client that pipelined a few inline shards (put_bytes) still pinned up to
+    1 MiB of the daemon. Now every connection reads into one buffer the loop shares."""
+    payload = os.urandom(wire.INLINE_MAX_BYTES)
+    before = _rss_bytes(daemon.pid)
+    clients: list[RawClient] = []
+    try:
+        for i in range(64):
+            raw = RawClient(daemon.socket_path)
+            clients.append(raw)
+            # A deep send queue, so the daemon's reads can take a whole 1 MiB at once.
+            raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MiB)
+            raw.hello_begin(job="wide", rank=i, world_size=64)  # one generation, 64 ranks
+            frames = b"".join(
+                wire.encode_message("put_bytes", {"job": "wide", "step": 1, "rank": i,
+                                                  "path": f"r{i}/s{k}.bin", "size": len(payload)},
+                                    len(payload)) + payload
+                for k in range(4))
+            raw.sock.sendall(frames)
+            replies = [raw.reply() for _ in range(4)]
+            assert [r.kind for r in replies] == ["ok"] * 4, replies
+        grown = _rss_bytes(daemon.pid) - before
+        assert grown < 32 * MiB, (
+            f"64 connections that each sent 1 MiB grew the daemon by {grown >> 20} MiB")
     finally:
         for raw in clients:
             raw.close()
