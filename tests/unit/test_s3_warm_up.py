@@ -42,6 +42,9 @@ async def test_start_opens_the_http_session_so_the_first_request_builds_no_tls_c
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                  "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)  # the session's key is the proxy's URL
     built: list[object] = []
     real_build = AIOHTTPSession._build_ssl_contexts
 
