@@ -61,7 +61,7 @@ def run_rss(ctx: Context, section: Section) -> None:
         baseline_name=f"same, {size_text(small)} shards",
         ours=figure([peak_big], "B"), baseline=figure([peak_small], "B"),
         target=Target("<=", 1.25), limit=("<=", LIMIT_BYTES),
-        bound="the daemon's fixed buffers (1 MiB receive buffer per connection, drain buffers "
+        bound="the daemon's fixed buffers (one 1 MiB receive buffer shared by its connections, drain buffers "
               "per worker), not shard size"))
     gb = total / 1e9
     section.notes.append(
