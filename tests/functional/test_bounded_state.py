@@ -3,6 +3,7 @@ generations and idle jobs are forgotten with their metric series, the journal st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ import sqlite3
 import stat
 import subprocess
 import urllib.request
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -56,22 +58,16 @@ def test_status_is_one_frame_however_much_the_node_holds(daemon: DaemonProcess) 
 def test_idle_connections_cost_the_daemon_little_memory(daemon: DaemonProcess) -> None:
     """Each connection's receive buffer was a zeroed 1 MiB bytearray, resident from the hello
     on: 200 connections that had only said hello grew the daemon by about 200 MiB (and one
-    local user may hold 512). Now the buffer's pages are resident only once a recv reaches
-    them, so an idle connection costs its objects, a few KiB."""
+    local user may hold 512). Now an idle connection costs its objects, a few KiB."""
+    def hello(_: int, raw: RawClient) -> None:
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+
     before = _rss_bytes(daemon.pid)
-    clients: list[RawClient] = []
-    try:
-        for _ in range(200):
-            raw = RawClient(daemon.socket_path)
-            clients.append(raw)
-            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+    with _held_connections(daemon, 200, hello) as clients:
         grown = _rss_bytes(daemon.pid) - before
         assert grown < 48 * MiB, f"200 idle connections grew the daemon by {grown >> 20} MiB"
         # Each still serves a request after the others joined.
         assert all(raw.call("status").kind == "ok" for raw in clients[:5])
-    finally:
-        for raw in clients:
-            raw.close()
 
 
 def test_connections_that_sent_large_frames_cost_the_daemon_little_memory(
@@ -81,26 +77,37 @@ def test_connections_that_sent_large_frames_cost_the_daemon_little_memory(
     stayed open, so a client that pipelined a few inline shards (put_bytes) still pinned up to
     1 MiB of the daemon. Now every connection reads into one buffer the loop shares."""
     payload = os.urandom(wire.INLINE_MAX_BYTES)
+
+    def four_inline_shards(i: int, raw: RawClient) -> None:
+        # A deep send queue, so the daemon's reads can take a whole 1 MiB at once.
+        raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MiB)
+        raw.hello_begin(job="wide", rank=i, world_size=64)  # one generation, 64 ranks
+        raw.sock.sendall(b"".join(
+            wire.encode_message("put_bytes", {"job": "wide", "step": 1, "rank": i,
+                                              "path": f"r{i}/s{k}.bin", "size": len(payload)},
+                                len(payload)) + payload
+            for k in range(4)))
+        replies = [raw.reply() for _ in range(4)]
+        assert [r.kind for r in replies] == ["ok"] * 4, replies
+
     before = _rss_bytes(daemon.pid)
-    clients: list[RawClient] = []
-    try:
-        for i in range(64):
-            raw = RawClient(daemon.socket_path)
-            clients.append(raw)
-            # A deep send queue, so the daemon's reads can take a whole 1 MiB at once.
-            raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MiB)
-            raw.hello_begin(job="wide", rank=i, world_size=64)  # one generation, 64 ranks
-            frames = b"".join(
-                wire.encode_message("put_bytes", {"job": "wide", "step": 1, "rank": i,
-                                                  "path": f"r{i}/s{k}.bin", "size": len(payload)},
-                                    len(payload)) + payload
-                for k in range(4))
-            raw.sock.sendall(frames)
-            replies = [raw.reply() for _ in range(4)]
-            assert [r.kind for r in replies] == ["ok"] * 4, replies
+    with _held_connections(daemon, 64, four_inline_shards):
         grown = _rss_bytes(daemon.pid) - before
         assert grown < 32 * MiB, (
             f"64 connections that each sent 1 MiB grew the daemon by {grown >> 20} MiB")
+
+
+@contextlib.contextmanager
+def _held_connections(d: DaemonProcess, count: int,
+                      setup: Callable[[int, RawClient], None]) -> Iterator[list[RawClient]]:
+    """``count`` open connections, each after ``setup(index, client)``; closed on the way out."""
+    clients: list[RawClient] = []
+    try:
+        for i in range(count):
+            raw = RawClient(d.socket_path)
+            clients.append(raw)
+            setup(i, raw)
+        yield clients
     finally:
         for raw in clients:
             raw.close()
