@@ -82,10 +82,23 @@ class _Pump:
         try:
             return self._pump(out_fd, nbytes, idle_timeout_s, cancel, floor)
         finally:
+            self._end_transfer()
             with self._lock:
                 self._busy = False
                 if self._closed:
                     self._close_fds()
+
+    def _end_transfer(self) -> None:
+        """Our pipe and buffer serve one transfer. Kept for the connection's life, every
+        connection that had sent one shard held 1 MiB of pipe: the daemon's user may have
+        64 MiB of them (pipe-user-pages-soft), past which the kernel hands out small pipes,
+        so one user's idle connections slowed every other client's hand-offs. And a pipe
+        that outlives its transfer could carry into the next one bytes that a failed splice
+        into the file left in it."""
+        pipe, self._pipe, self._buf = self._pipe, None, None
+        if pipe is not None:
+            for fd in pipe:
+                os.close(fd)
 
     def _pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
               cancel: threading.Event, floor: RateFloor | None) -> int:

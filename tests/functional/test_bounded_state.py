@@ -12,6 +12,7 @@ import stat
 import subprocess
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +97,38 @@ def test_connections_that_sent_large_frames_cost_the_daemon_little_memory(
         assert grown < 32 * MiB, (
             f"64 connections that each sent 1 MiB grew the daemon by {grown >> 20} MiB")
 
+
+
+def test_connections_that_sent_a_shard_over_the_socket_hold_no_pipe(
+        daemon: DaemonProcess) -> None:
+    """Found reviewing deb9f0e: a connection's socket pump kept its 1 MiB pipe for as long as
+    the connection stayed open once it had sent one `data` frame. The daemon's user may have
+    64 MiB of pipes (pipe-user-pages-soft) before the kernel hands out small ones, so 64 idle
+    connections of one user slowed every other client's hand-offs. Now a pipe serves one
+    transfer."""
+    payload = os.urandom(2 * MiB)
+
+    def one_shard_over_the_socket(i: int, raw: RawClient) -> None:
+        raw.hello_begin(job="piped", rank=i, world_size=16)
+        fields = {"job": "piped", "step": 1, "rank": i, "path": f"r{i}.bin",
+                  "size": len(payload)}
+        assert raw.call("put", **fields).kind == "ok"
+        raw.sock.sendall(wire.encode_message("data", {}, len(payload)) + payload)
+        reply = raw.reply()
+        assert reply.kind == "ok", reply
+
+    before = _pipes(daemon.pid)
+    with _held_connections(daemon, 16, one_shard_over_the_socket):
+        assert _pipes(daemon.pid) - before <= 2, "connections done with their shard hold pipes"
+
+
+def _pipes(pid: int) -> int:
+    fds = Path(f"/proc/{pid}/fd")
+    count = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd).startswith("pipe:")
+    return count
 
 @contextlib.contextmanager
 def _held_connections(d: DaemonProcess, count: int,
