@@ -29,6 +29,8 @@ POLL_SLICE_S = 0.5
 # splice flags: the client's pipe is read without blocking whatever its file flags say (the
 # client shares them and may clear O_NONBLOCK); pages move where the kernel can.
 _NONBLOCK = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+# What splice answers where a file or socket takes no part in it.
+_REFUSED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 class PipeEnded(ClientIdle):
@@ -82,11 +84,13 @@ class _Pump:
         try:
             return self._pump(out_fd, nbytes, idle_timeout_s, cancel, floor)
         finally:
-            self._end_transfer()
-            with self._lock:
-                self._busy = False
-                if self._closed:
-                    self._close_fds()
+            try:
+                self._end_transfer()
+            finally:
+                with self._lock:
+                    self._busy = False
+                    if self._closed:
+                        self._close_fds()
 
     def _end_transfer(self) -> None:
         """Our pipe and buffer serve one transfer. Kept for the connection's life, every
@@ -96,8 +100,8 @@ class _Pump:
         that outlives its transfer could carry into the next one bytes that a failed splice
         into the file left in it."""
         pipe, self._pipe, self._buf = self._pipe, None, None
-        if pipe is not None:
-            for fd in pipe:
+        for fd in pipe or ():
+            with contextlib.suppress(OSError):
                 os.close(fd)
 
     def _pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,
@@ -168,6 +172,15 @@ class _Pump:
         write_all(out_fd, view[:n])
         return n
 
+    def _empty_pipe(self, read_fd: int, out_fd: int, left: int) -> None:
+        """Write the ``left`` bytes our pipe holds through the buffer (the file refuses
+        splice). The pipe holds exactly those: this never waits."""
+        while left:
+            got = self._through_buffer(read_fd, out_fd, left)
+            if got == 0:
+                raise OSError(errno.EIO, "the pump's own pipe ended early")
+            left -= got
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -203,14 +216,23 @@ class SocketPump(_Pump):
         except ConnectionResetError:
             return 0
         except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            if exc.errno not in _REFUSED:
                 raise
             self.splice_ok = False
             return self._move(out_fd, want)
         left = n
         while left:
             # The pipe holds exactly what was just spliced in: this never waits.
-            left -= os.splice(r, out_fd, left, flags=os.SPLICE_F_MOVE)
+            try:
+                left -= os.splice(r, out_fd, left, flags=os.SPLICE_F_MOVE)
+            except OSError as exc:
+                if exc.errno not in _REFUSED:
+                    raise
+                # The file takes no splice (an O_APPEND file, some filesystems): what is in
+                # the pipe goes through the buffer, and the moves after it skip the pipe.
+                self.splice_ok = False
+                self._empty_pipe(r, out_fd, left)
+                left = 0
         return n
 
 
@@ -236,18 +258,12 @@ class PipePump(_Pump):
             try:
                 return os.splice(self.src_fd, out_fd, min(want, PIPE_BYTES), flags=_NONBLOCK)
             except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                if exc.errno not in _REFUSED:
                     raise
                 self.splice_ok = False
         r, w = self._pipes()
         n = os.splice(self.src_fd, w, min(want, PIPE_BYTES), flags=_NONBLOCK)
-        left = n
-        while left:
-            # Our pipe holds exactly what was just spliced in: this never waits.
-            got = self._through_buffer(r, out_fd, left)
-            if got == 0:
-                raise OSError(errno.EIO, "the pump's own pipe ended early")
-            left -= got
+        self._empty_pipe(r, out_fd, n)
         return n
 
     def pump(self, out_fd: int, nbytes: int, idle_timeout_s: float,

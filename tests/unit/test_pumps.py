@@ -5,6 +5,7 @@ too little, too much or nothing is told so without ever blocking the pump's thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -22,7 +23,7 @@ from ckptdrain.daemon.dataplane import (
     PumpStalled,
     RateFloor,
 )
-from ckptdrain.daemon.pumps import PipeEnded, PipeOverrun, PipePump
+from ckptdrain.daemon.pumps import PipeEnded, PipeOverrun, PipePump, SocketPump
 from tests.conftest import wait_for
 
 MiB = 1 << 20
@@ -57,6 +58,36 @@ def test_exactly_the_size_lands_in_the_file(tmp_path: Path, splice_into_file: bo
         pump.close()
     assert (tmp_path / "staged").read_bytes() == data
     assert pump.src_fd == -1  # closed with the pump
+
+
+def test_a_socket_pump_into_a_file_that_takes_no_splice_goes_through_its_buffer(
+        tmp_path: Path) -> None:
+    """Found reviewing 472b190: the socket pump fell back to its buffer only where the
+    socket refused splice, not where the file did (an O_APPEND file refuses it with EINVAL):
+    every `data` frame to such a staging file failed as an internal error. Now what is in the
+    pump's pipe goes through the buffer, and so does the rest."""
+    data = os.urandom(3 * MiB + 17)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    pump = SocketPump(ours.fileno())
+    out = os.open(tmp_path / "staged", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the pump failed and its socket closed
+            theirs.sendall(data)
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        assert pump.pump(out, len(data), 10.0, threading.Event()) == len(data)
+        assert not pump.splice_ok  # learnt once: the moves after the first skip the pipe
+    finally:
+        pump.close()
+        ours.close()  # a sender still blocked gets EPIPE, so a failure here never hangs
+        t.join()
+        os.close(out)
+        theirs.close()
+    assert (tmp_path / "staged").read_bytes() == data
 
 
 def test_a_pipe_that_ends_early_is_a_size_error(tmp_path: Path) -> None:
