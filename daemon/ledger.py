@@ -55,6 +55,11 @@ class Ledger:
         # Set (and replaced) whenever a generation is opened, changes or is forgotten: what
         # `wait` sleeps on, so it learns of a commit or a new attempt at once.
         self._changed = asyncio.Event()
+        # Called (once per end, and it may be called again) the moment a generation's state
+        # turns terminal in memory, before its row is journalled: the daemon frees its
+        # generation slot here (server.py), so that no `wait` woken during that write sees
+        # the end while the job's next `begin` is still refused for the slot.
+        self.ended: Callable[[GenerationRecord], None] = lambda gen: None
 
     async def load(self) -> dict[int, str]:
         """Rebuild from the journal; returns the upload ids it knows, by shard id."""
@@ -253,6 +258,8 @@ class Ledger:
         new = transition(gen.state, event)
         _check_fields(gen, fields)
         gen.state = new
+        if gen.terminal:
+            self.ended(gen)
         await self._save(gen, fields)
         return new
 

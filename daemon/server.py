@@ -94,6 +94,7 @@ class Daemon:
         self.supervisor.on_failure = lambda: self.metrics.internal_error("background")
         self.admission = Admission(config, self.metrics, self.ledger,
                                    drain_rate=lambda: self.scheduler.drain_rate_bytes_per_s())
+        self.ledger.ended = self.admission.release_generation
         self.copies = LocalCopies(self.staging, self.admission, self.ledger, self.dataplane,
                                   self.supervisor)
         self.copies.keep_after_drain = config.retention.keep_local_copy
