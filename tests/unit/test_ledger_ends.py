@@ -1,7 +1,7 @@
 """A generation's end frees its slot before anyone can see the end.
 
-Found by a fresh clone's CI at 06ff096 (`test_an_abort_seen_after_a_restart_ends_the_generation`,
-once in four runs): a generation's state turned terminal in memory, then its row was
+Found by a fresh clone's CI at 06ff096 (`test_an_abort_seen_after_a_restart_ends_the_generation`;
+it had passed in two runs before): a generation's state turned terminal in memory, then its row was
 journalled, and only after that write did the publisher free its generation slot. A `wait`
 woken during the write answered "failed", and the job's next `begin` was refused:
 max_generations_in_flight full, by the generation that had just ended."""
