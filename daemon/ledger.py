@@ -55,10 +55,10 @@ class Ledger:
         # Set (and replaced) whenever a generation is opened, changes or is forgotten: what
         # `wait` sleeps on, so it learns of a commit or a new attempt at once.
         self._changed = asyncio.Event()
-        # Called (once per end, and it may be called again) the moment a generation's state
-        # turns terminal in memory, before its row is journalled: the daemon frees its
-        # generation slot here (server.py), so that no `wait` woken during that write sees
-        # the end while the job's next `begin` is still refused for the slot.
+        # Called the moment a generation's state turns terminal in memory, before its row is
+        # journalled: the daemon frees its generation slot here (server.py), so that no
+        # `wait` woken during that write sees the end while the job's next `begin` is still
+        # refused for the slot.
         self.ended: Callable[[GenerationRecord], None] = lambda gen: None
 
     async def load(self) -> dict[int, str]:

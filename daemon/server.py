@@ -319,8 +319,8 @@ class Daemon:
         await self.scheduler.fail_generation(gen, reason, kind=kind, event=event)
 
     def _after_terminal(self, gen: GenerationRecord) -> None:
-        """Free what a finished generation held on this node."""
-        self.admission.release_generation(gen)
+        """Free what a finished generation held on this node (its slot was freed the moment
+        it ended: Ledger.ended)."""
         if gen.state is GenerationState.COMMITTED:
             self.copies.drop_older_committed(gen)
             job = gen.job
