@@ -237,6 +237,9 @@ class DestinationConfig(BaseModel):
     endpoint_url: str | None = None
     region: str = Field(default="us-east-1", min_length=1)
     addressing_style: Literal["auto", "path", "virtual"] = "path"
+    # Who sends single-request uploads and the commit's HEADs: botocore, or the AWS common
+    # runtime's S3 client (backends/s3crt.py). Everything else is botocore's either way.
+    engine: Literal["aiobotocore", "crt"] = "aiobotocore"
     checksum: Literal["when_required", "when_supported"] = "when_required"
     retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
     max_attempts: int = Field(default=5, ge=1, le=100)

@@ -19,6 +19,7 @@ from botocore.exceptions import ClientError
 
 from ckptdrain.client.manifest import ManifestError, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
+from ckptdrain.daemon.backends.s3crt import CrtEngine
 from ckptdrain.daemon.backends.s3errors import S3_FAILURES, S3Failure, advice, classify
 from ckptdrain.daemon.backends.s3parts import (
     CHECKSUM_METADATA_KEY,
@@ -106,6 +107,9 @@ class S3Client:
         # Who sends multipart parts: this loop, or ``workers`` processes (s3senders.py, s3pool.py).
         self._workers = workers
         self.parts = open_sender(self, config, node_id, workers)
+        # destination.engine = "crt": single PutObjects and the commit's HEADs go through
+        # the AWS common runtime (s3crt.py), wherever bodies are sent from.
+        self.crt = CrtEngine(self, config) if config.engine == "crt" else None
 
     # -- client -----------------------------------------------------------------------------
 
@@ -179,9 +183,14 @@ class S3Client:
             proxies = getattr(http, "_proxy_config", None)
             if open_session is not None and proxies is not None:
                 await open_session(proxies.proxy_url_for(client.meta.endpoint_url))
+        if self.crt is not None:
+            with contextlib.suppress(Exception):
+                await self.crt.start()
 
     async def aclose(self) -> None:
         await self.parts.aclose()
+        if self.crt is not None:
+            await self.crt.aclose()
         async with self._client_lock:
             self._closed = True
             stack, self._stack, self._client = self._stack, None, None

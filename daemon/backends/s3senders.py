@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,11 +130,16 @@ async def call_each(client: S3Client, what: str, operation: str,
         raise ValueError(f"{operation} is not sent in batches")
     results: list[dict[str, Any] | S3Failure] = [{} for _ in params]
 
+    crt = client.crt  # the only batched operation is HEAD, which the runtime also sends
+
     async def one(i: int) -> None:
+        # Each its own label: a failure names its own key, not the batch's first.
+        label = f"{what} {params[i].get('Key', '')}"
         try:
-            # Each its own label: a failure names its own key, not the batch's first.
-            results[i] = await client._call(f"{what} {params[i].get('Key', '')}", operation,
-                                            **params[i])
+            if crt is not None:
+                results[i] = await crt.head(label, str(params[i]["Key"]))
+            else:
+                results[i] = await client._call(label, operation, **params[i])
         except S3Failure as exc:
             results[i] = exc
 
@@ -237,8 +243,16 @@ async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
 
 async def put_in_process(client: S3Client, whole: Whole, fd: int) -> int:
     """Checksum and PutObject a whole object from this process (from the file in a worker)."""
+    crc: int
+    if client.crt is not None:
+        whole_file: bool
+        crc, whole_file = await in_thread(_checksum_whole, fd, whole.size)
+        if whole_file:  # the runtime sends the whole file: only when it is the whole object
+            await client.crt.put(f"uploading {whole.key}", whole.full, fd, whole.size, crc,
+                                 _metadata(whole, crc), whole.exclusive)
+            return crc
     if client.file_bodies:
-        crc: int = await in_thread(checksum_range, fd, 0, whole.size)
+        crc = await in_thread(checksum_range, fd, 0, whole.size)
         await client._call(f"uploading {whole.key}", "put_object",
                            **_put_params(client, whole, FileBody(fd, 0, whole.size), crc))
         return crc
@@ -254,12 +268,21 @@ async def put_in_process(client: S3Client, whole: Whole, fd: int) -> int:
         client.buffers.release(buf, reuse=reuse)
 
 
+def _checksum_whole(fd: int, size: int) -> tuple[int, bool]:
+    """The CRC64NVME of the object's ``size`` bytes, and whether they are all of the file
+    (blocking: worker threads only)."""
+    return checksum_range(fd, 0, size), os.fstat(fd).st_size == size
+
+
+def _metadata(whole: Whole, crc: int) -> dict[str, str]:
+    return {**whole.metadata, CHECKSUM_METADATA_KEY: checksums.combine([(crc, whole.size)])}
+
+
 def _put_params(client: S3Client, whole: Whole, body: Any, crc: int) -> dict[str, Any]:
     params: dict[str, Any] = {
         "Bucket": client.bucket, "Key": whole.full, "Body": body,
         "ContentLength": whole.size, "ChecksumCRC64NVME": crc64_header(crc),
-        "Metadata": {**whole.metadata, CHECKSUM_METADATA_KEY: checksums.combine(
-            [(crc, whole.size)])},
+        "Metadata": _metadata(whole, crc),
     }
     if whole.exclusive:
         params["IfNoneMatch"] = "*"

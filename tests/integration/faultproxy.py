@@ -52,6 +52,7 @@ class ProxiedRequest:
     method: str
     target: str
     fault: str | None = None
+    user_agent: str = ""  # which client sent it (botocore's or the AWS common runtime's)
 
     @property
     def is_upload_part(self) -> bool:
@@ -175,7 +176,8 @@ class FaultProxy:
                 if head is None:
                     return
                 method, target = _request_line(head.first_line)
-                request = ProxiedRequest(method, target)
+                request = ProxiedRequest(method, target,
+                                         user_agent=head.headers.get("user-agent", ""))
                 self.requests.append(request)
                 self._maybe_go_unreachable()
                 if self._unreachable:

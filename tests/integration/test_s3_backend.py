@@ -6,12 +6,10 @@ import asyncio
 import hashlib
 import os
 import random
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import (
@@ -21,7 +19,6 @@ from ckptdrain.daemon.backends.s3 import (
     multipart_etag,
     part_plan,
 )
-from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.config import DestinationConfig
 from tests.integration.faultproxy import FaultProxy
 from tests.integration.seaweedfs import REGION, SeaweedFS
@@ -56,35 +53,6 @@ def dest_config(bucket: str, endpoint_url: str, **overrides: Any) -> Destination
     return DestinationConfig(**settings)
 
 
-class Staged:
-    """A staged shard: a file of seeded random bytes, open for reading."""
-
-    def __init__(self, directory: Path, size: int, seed: int = 0) -> None:
-        self.data = random.Random(seed).randbytes(size)
-        self.path = directory / f"shard-{seed}-{size}"
-        self.path.write_bytes(self.data)
-        self.size = size
-        self.fd = os.open(self.path, os.O_RDONLY)
-        self.checksum = of_bytes(self.data)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-@pytest.fixture
-def staged(tmp_path: Path) -> Iterator[Any]:
-    made: list[Staged] = []
-
-    def make(size: int, seed: int = 0) -> Staged:
-        s = Staged(tmp_path, size, seed)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
 class RecordingUploadLog:
     """An UploadLog in memory that records every call."""
 
@@ -114,27 +82,6 @@ class RecordingUploadLog:
 
     def ops(self, name: str) -> list[tuple[Any, ...]]:
         return [c for c in self.calls if c[0] == name]
-
-
-@pytest_asyncio.fixture
-async def backends() -> AsyncIterator[Any]:
-    """Factory for S3Backends, closed after the test."""
-    made: list[S3Backend] = []
-
-    def make(config: DestinationConfig, node_id: str = NODE) -> S3Backend:
-        b = S3Backend(config, node_id)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        await b.aclose()
-
-
-@pytest_asyncio.fixture
-async def proxy(seaweedfs: SeaweedFS) -> AsyncIterator[FaultProxy]:
-    async with FaultProxy("127.0.0.1", seaweedfs.ports["s3"], seed=7) as p:
-        yield p
 
 
 def uploads(seaweedfs: SeaweedFS, bucket: str, prefix: str = "") -> list[dict[str, Any]]:

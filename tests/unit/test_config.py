@@ -314,6 +314,8 @@ def test_config_is_frozen() -> None:
         ('[destination]\nuri = "file:///a/../b"', "destination.uri", ".."),
         ('[destination]\nendpoint_url = "127.0.0.1:8333"', "destination.endpoint_url",
          "not an http(s) URL"),
+        ('[destination]\nengine = "boto3"', "destination.engine",
+         '"boto3" is not one of "aiobotocore" or "crt"'),
         ('[destination]\npart_size_bytes = "1MiB"', "destination.part_size_bytes",
          "must be >= 5MiB (got 1MiB)"),
         ('[destination]\nstripe_size_bytes = "100KiB"', "destination.stripe_size_bytes",

@@ -1,0 +1,244 @@
+"""``destination.engine = "crt"``: single PutObjects and the commit's HEADs sent by the AWS
+common runtime's S3 client, against a real SeaweedFS, directly and through a fault proxy.
+
+What the rest of the backend sees must not change with the engine: the object the server
+stores (bytes, CRC64NVME, metadata), the HEAD's answer, and the failure (transient or not, its
+kind) for each fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client.manifest import Manifest
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.s3 import MiB
+from ckptdrain.daemon.backends.s3crt import CrtEngine, head_answer
+from ckptdrain.daemon.checksums import from_s3_header, of_bytes
+from tests.conftest import CKPTDRAIN
+from tests.integration.faultproxy import FaultProxy, ThreadedProxy
+from tests.integration.seaweedfs import SeaweedFS, free_ports
+from tests.integration.test_s3_backend import PREFIX, dest_config
+from tests.integration.test_s3_daemon import get, s3_daemon, uploads
+
+pytestmark = pytest.mark.s3
+
+CRT = {"engine": "crt"}
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _settle_fds(baseline: int) -> int:
+    """The open fds once the runtime has let go of a given-up request's body (it closes its
+    duplicate when the request ends, on its own thread): polled, bounded."""
+    for _ in range(200):
+        if _open_fds() <= baseline:
+            break
+        await asyncio.sleep(0.05)
+    return _open_fds()
+
+
+@pytest.mark.asyncio
+async def test_puts_what_botocore_would_and_heads_answer_the_same(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any) -> None:
+    # From the daemon's own loop here (drain.workers = 0); the daemon test below sends
+    # through an upload worker.
+    crt = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, **CRT))
+    shards = [staged(0, seed=1), staged(1, seed=2), staged(MiB + 3, seed=3),
+              staged(7 * MiB, seed=4)]
+    keys = [f"job/{i}/sh ard+{i}.bin" for i in range(len(shards))]  # encoded in the path
+    for key, shard in zip(keys, shards, strict=True):
+        assert await crt.put_file(key, shard.fd, shard.size) == shard.checksum
+    raw = seaweedfs.client()
+    for key, shard in zip(keys, shards, strict=True):
+        head = raw.head_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}", ChecksumMode="ENABLED")
+        # One PutObject (no multipart ETag), the server's own CRC64NVME of what it stored.
+        assert "-" not in head["ETag"]
+        assert from_s3_header(head["ChecksumCRC64NVME"]) == shard.checksum
+        assert head["Metadata"]["ckptdrain-checksum"] == shard.checksum
+        body = raw.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")["Body"].read()
+        assert body == shard.data
+
+    plain = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    asked = [*keys, "job/missing"]
+    by_crt = await crt.stat_many(asked)
+    by_botocore = await plain.stat_many(asked)
+    assert by_crt == by_botocore
+    assert by_crt[-1] is None
+    assert [i.checksum for i in by_crt[:-1] if i] == [s.checksum for s in shards]
+
+
+@pytest.mark.asyncio
+async def test_a_taken_key_is_settled_or_replaced_as_with_botocore(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any) -> None:
+    crt = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, **CRT))
+    first, second = staged(2 * MiB, seed=10), staged(2 * MiB, seed=11)
+    assert await crt.put_file("job/x", first.fd, first.size) == first.checksum
+    # The same bytes again: If-None-Match refuses the create, the HEAD finds our checksum.
+    assert await crt.put_file("job/x", first.fd, first.size) == first.checksum
+    # Other bytes: a leftover no manifest names, replaced.
+    assert await crt.put_file("job/x", second.fd, second.size) == second.checksum
+    info = (await crt.stat_many(["job/x"]))[0]
+    assert info is not None and info.checksum == second.checksum
+
+
+@pytest.mark.asyncio
+async def test_a_corrupted_body_is_refused_as_integrity(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        proxy: FaultProxy) -> None:
+    crt = backends(dest_config(s3_bucket, proxy.endpoint_url, **CRT))
+    shard = staged(MiB, seed=20)
+    proxy.inject("corrupt", match=lambda r: r.method == "PUT")
+    with pytest.raises(BackendError) as err:
+        await crt.put_file("job/x", shard.fd, shard.size)
+    assert err.value.kind == "integrity" and err.value.transient
+    assert (await crt.stat_many(["job/x"])) == [None]
+    assert await crt.put_file("job/x", shard.fd, shard.size) == shard.checksum
+
+
+@pytest.mark.asyncio
+async def test_throttling_is_retried_by_the_runtime(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        proxy: FaultProxy) -> None:
+    crt = backends(dest_config(s3_bucket, proxy.endpoint_url, max_attempts=3, **CRT))
+    shard = staged(MiB, seed=21)
+    proxy.inject("slowdown", match=lambda r: r.method == "PUT")
+    assert await crt.put_file("job/x", shard.fd, shard.size) == shard.checksum
+    puts = [r.fault for r in proxy.requests if r.method == "PUT"]
+    assert puts == ["slowdown", None]
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_endpoint_is_a_transient_io_failure(
+        s3_bucket: str, backends: Any, staged: Any) -> None:
+    crt = backends(dest_config(s3_bucket, f"http://127.0.0.1:{free_ports(1)[0]}",
+                               max_attempts=1, connect_timeout_s=1.0, **CRT))
+    shard = staged(1000, seed=22)
+    await crt.start()  # the runtime's threads and sockets are not counted as leaks
+    baseline = _open_fds()
+    with pytest.raises(BackendError) as err:
+        await crt.put_file("job/x", shard.fd, shard.size)
+    assert err.value.transient and err.value.kind in ("io", "timeout")
+    assert "destination.endpoint_url" in str(err.value) or "timeout" in str(err.value)
+    with pytest.raises(BackendError) as err:
+        await crt.stat_many(["job/x"])
+    assert err.value.transient
+    assert await _settle_fds(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_wrong_credentials_are_an_auth_failure_that_retrying_cannot_fix(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    crt = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, **CRT))
+    shard = staged(1000, seed=23)
+    with pytest.raises(BackendError) as err:
+        await crt.put_file("job/x", shard.fd, shard.size)
+    assert err.value.kind == "auth" and not err.value.transient
+    assert "credentials" in str(err.value)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_a_stalled_request_is_given_up_and_its_body_fd_released(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        how: str, caplog: pytest.LogCaptureFixture) -> None:
+    async with FaultProxy("127.0.0.1", seaweedfs.ports["s3"], stall_s=3.0) as stalling:
+        crt = backends(dest_config(s3_bucket, stalling.endpoint_url, max_attempts=1,
+                                   connect_timeout_s=0.5, read_timeout_s=0.5, **CRT))
+        await crt.start()  # the runtime's threads and sockets are not counted as leaks
+        shard = staged(MiB, seed=24)
+        baseline = _open_fds()
+        stalling.inject("stall", match=lambda r: r.method == "PUT")
+        task = asyncio.create_task(crt.put_file("job/x", shard.fd, shard.size))
+        if how == "cancel":
+            while not [r for r in stalling.requests if r.method == "PUT"]:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(BackendError) as err:
+                await task
+            assert err.value.kind == "timeout" and err.value.transient
+        # The runtime's duplicate of the body's fd is closed once it lets go of the request.
+        assert await _settle_fds(baseline) <= baseline
+        # And the request's late end (an error nobody awaited) was read, not left to asyncio
+        # to log as "exception was never retrieved" when collected.
+        del task
+        gc.collect()
+        assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_head_answer_has_botocores_shape() -> None:
+    answer = head_answer([
+        ("Content-Length", "12"), ("ETag", '"abc"'), ("Last-Modified",
+                                                     "Fri, 04 Dec 2026 22:00:00 GMT"),
+        ("X-Amz-Meta-Ckptdrain-Checksum", "crc64nvme:00"), ("x-amz-checksum-crc64nvme", "AA=="),
+        ("x-amz-checksum-type", "FULL_OBJECT")])
+    assert answer["ContentLength"] == 12 and answer["ETag"] == '"abc"'
+    assert answer["Metadata"] == {"ckptdrain-checksum": "crc64nvme:00"}
+    assert answer["LastModified"].timestamp() == 1796421600.0
+    assert answer["ChecksumCRC64NVME"] == "AA==" and answer["ChecksumType"] == "FULL_OBJECT"
+
+
+def test_keys_are_uri_encoded_in_the_path() -> None:
+    engine = CrtEngine.__new__(CrtEngine)
+    engine._base = "/bucket/"
+    assert engine.path("p/job/a b+c%.bin") == "/bucket/p/job/a%20b%2Bc%25.bin"
+
+
+# -- the daemon, end to end -------------------------------------------------------------------
+
+
+def test_a_daemon_with_the_runtime_engine_commits_through_faults(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, tmp_path: Path) -> None:
+    faulty = ThreadedProxy(seaweedfs.endpoint_url, seed=11, stall_s=5)
+    try:
+        faulty.do(lambda: faulty.proxy.set_rates(reset=0.1, slowdown=0.1))
+        d = s3_daemon(make_daemon, "node-a", s3_bucket, faulty.endpoint_url,
+                      CKPTDRAIN_DESTINATION__ENGINE="crt", CKPTDRAIN_DESTINATION__MAX_ATTEMPTS="3",
+                      CKPTDRAIN_DRAIN__WORKERS="1")
+        blobs = {f"r0/s{i}.bin": os.urandom((i * 97 + 1) << 12) for i in range(40)}
+        blobs["r0/large.bin"] = os.urandom(9 << 20)  # multipart: botocore's, as before
+        with d.client(timeout_s=300).generation("crtjob", 3) as gen:
+            for path, data in blobs.items():
+                gen.put(path, data)
+        d.client().wait("crtjob", 3, timeout_s=300)
+        assert faulty.do(lambda: len(faulty.proxy.faults())) > 0, "no fault injected"
+        seen = faulty.do(lambda: list(faulty.proxy.requests))
+    finally:
+        faulty.close()
+    # Who sent what: the single PutObjects and the commit's HEADs went through the runtime
+    # (from the upload worker), the multipart upload through botocore.
+    by = {(r.method, "partNumber=" in r.target or "uploads" in r.target,
+           r.user_agent.startswith("CRTS3NativeClient/"))
+          for r in seen if r.method in ("PUT", "HEAD", "POST")}
+    assert ("PUT", False, True) in by and ("HEAD", False, True) in by, sorted(by)
+    assert ("PUT", True, True) not in by and ("PUT", True, False) in by, sorted(by)
+    manifest = Manifest.from_json(get(seaweedfs, s3_bucket, f"crtjob/{3:020d}/MANIFEST.json"))
+    assert {s.path: s.checksum for s in manifest.shards} == {
+        p: of_bytes(b) for p, b in blobs.items()}
+    for path in ("r0/s7.bin", "r0/large.bin"):
+        assert get(seaweedfs, s3_bucket, f"crtjob/{3:020d}/{path}") == blobs[path]
+    assert uploads(seaweedfs, s3_bucket) == []
+    # The stored checksums agree with the manifest: `verify` (the runtime's HEADs here too,
+    # from the CLI's own loop) reads no bytes.
+    env = d.env() | {"CKPTDRAIN_DESTINATION__ENDPOINT_URL": seaweedfs.endpoint_url}
+    out = subprocess.run([CKPTDRAIN, "verify", f"s3://{s3_bucket}/ckpt", "--job", "crtjob",
+                          "--json"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["checked"] == report["stored"] == len(blobs)
+    assert report["bytes"] == 0
