@@ -217,7 +217,12 @@ def run_posix(ctx: Context, section: Section) -> None:
 # count), two workers (the scaling row: workers must add throughput, not cost), and the part
 # bodies on the daemon's own event loop (workers = 0, what the engine did before workers).
 S3_SIDES = {"ours": {}, "workers=2": {"CKPTDRAIN_DRAIN__WORKERS": "2"},
-            "workers=0": {"CKPTDRAIN_DRAIN__WORKERS": "0"}}
+            "workers=0": {"CKPTDRAIN_DRAIN__WORKERS": "0"},
+            "engine=crt": {"CKPTDRAIN_DESTINATION__ENGINE": "crt"}}
+# Sides of the first case (large shards: multipart, which the crt engine leaves to botocore)
+# and of the second (small shards: one PutObject each).
+LARGE_SIDES = ["ours", "workers=2", "workers=0", "s5cmd"]
+SMALL_SIDES = ["ours", "engine=crt", "s5cmd"]
 
 
 def run_s3(ctx: Context, section: Section) -> None:
@@ -234,7 +239,7 @@ def run_s3(ctx: Context, section: Section) -> None:
         files = source_files(ctx, count, size)
         total = count * size
         gb = total / 1e9
-        sides = [*S3_SIDES, "s5cmd"] if n == 0 else ["ours", "s5cmd"]
+        sides = LARGE_SIDES if n == 0 else SMALL_SIDES
         times: dict[str, list[float]] = {side: [] for side in sides}
         cpus: dict[str, list[float]] = {side: [] for side in sides}
         threads: dict[str, list[float]] = {side: [] for side in sides}
@@ -292,6 +297,8 @@ def run_s3(ctx: Context, section: Section) -> None:
             case=f"peak RSS, {case}", baseline_name="-",
             ours=figure(rss["ours"], "B"),
             bound="daemon + workers, each process's VmHWM summed (an upper bound)"))
+        if n == 1:
+            _crt_rows(section, case, total, gb, times, cpus, threads)
         if n == 0:
             default = f"default ({_default_workers()} worker(s))"
             section.rows.append(Row(
@@ -332,6 +339,34 @@ def run_s3(ctx: Context, section: Section) -> None:
     section.notes.append("per object ours sends two requests to s5cmd's one: before the "
                          "manifest is written, the committer proves every shard with a HEAD "
                          "(size and recorded checksum).")
+
+
+def _crt_rows(section: Section, case: str, total: int, gb: float,
+              times: dict[str, list[float]], cpus: dict[str, list[float]],
+              threads: dict[str, list[float]]) -> None:
+    """The small-shard case with ``destination.engine = "crt"`` (single PutObjects and the
+    commit's HEADs through the AWS common runtime) against s5cmd, as the default's rows."""
+    side = "engine=crt"
+    section.rows.append(Row(
+        case=f"{case} to S3, engine = crt", baseline_name="s5cmd cp",
+        ours=figure([total / t for t in times[side]], "B/s"),
+        baseline=figure([total / t for t in times["s5cmd"]], "B/s"),
+        target=Target(">=", 0.8),
+        bound=f"SeaweedFS on the same 2 cores (CPU-bound); default engine: "
+              f"{figure([total / t for t in times['ours']], 'B/s').show()}"))
+    section.rows.append(Row(
+        case=f"CPU per GB, {case}, engine = crt", baseline_name="s5cmd",
+        ours=figure([c / gb for c in cpus[side]], "cpu-s/GB"),
+        baseline=figure([c / gb for c in cpus["s5cmd"]], "cpu-s/GB"),
+        target=Target("<=", 1.0),
+        bound=f"client-side CPU only, the runtime's threads included; default engine: "
+              f"{figure([c / gb for c in cpus['ours']], 'cpu-s/GB').show()}"))
+    section.rows.append(Row(
+        case=f"busiest thread CPU per GB, {case}, engine = crt", baseline_name="-",
+        ours=figure([c / gb for c in threads[side]], "cpu-s/GB"),
+        limit=("<=", 0.5),
+        bound="the one thread of the daemon, its workers or the runtime that used the most "
+              f"CPU; default engine: {figure([c / gb for c in threads['ours']], 'cpu-s/GB').show()}"))
 
 
 def _s3_memory(ctx: Context, section: Section, bucket: str, endpoint: str) -> None:
