@@ -130,7 +130,8 @@ async def call_each(client: S3Client, what: str, operation: str,
         raise ValueError(f"{operation} is not sent in batches")
     results: list[dict[str, Any] | S3Failure] = [{} for _ in params]
 
-    crt = client.crt  # the only batched operation is HEAD, which the runtime also sends
+    # The only batched operation is HEAD, which the runtime also sends (where it can).
+    crt = client.crt if client.crt is not None and await client.crt.available() else None
 
     async def one(i: int) -> None:
         # Each its own label: a failure names its own key, not the batch's first.
@@ -244,7 +245,7 @@ async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
 async def put_in_process(client: S3Client, whole: Whole, fd: int) -> int:
     """Checksum and PutObject a whole object from this process (from the file in a worker)."""
     crc: int
-    if client.crt is not None:
+    if client.crt is not None and await client.crt.available():
         whole_file: bool
         crc, whole_file = await in_thread(_checksum_whole, fd, whole.size)
         if whole_file:  # the runtime sends the whole file: only when it is the whole object

@@ -34,6 +34,13 @@ pytestmark = pytest.mark.s3
 CRT = {"engine": "crt"}
 
 
+def _by_runtime(requests: list[Any], method: str) -> list[bool]:
+    """For each ``method`` request the proxy saw (multipart parts left out): whether the AWS
+    common runtime sent it (its User-Agent), not botocore."""
+    return [r.user_agent.startswith("CRTS3NativeClient/") for r in requests
+            if r.method == method and "partNumber=" not in r.target]
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -50,10 +57,11 @@ async def _settle_fds(baseline: int) -> int:
 
 @pytest.mark.asyncio
 async def test_puts_what_botocore_would_and_heads_answer_the_same(
-        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any) -> None:
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        proxy: FaultProxy) -> None:
     # From the daemon's own loop here (drain.workers = 0); the daemon test below sends
-    # through an upload worker.
-    crt = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, **CRT))
+    # through an upload worker. Through the proxy (no faults): it sees who sent each request.
+    crt = backends(dest_config(s3_bucket, proxy.endpoint_url, **CRT))
     shards = [staged(0, seed=1), staged(1, seed=2), staged(MiB + 3, seed=3),
               staged(7 * MiB, seed=4)]
     keys = [f"job/{i}/sh ard+{i}.bin" for i in range(len(shards))]  # encoded in the path
@@ -69,10 +77,13 @@ async def test_puts_what_botocore_would_and_heads_answer_the_same(
         body = raw.get_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")["Body"].read()
         assert body == shard.data
 
-    plain = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    assert _by_runtime(proxy.requests, "PUT") == [True] * len(keys)
+    plain = backends(dest_config(s3_bucket, proxy.endpoint_url))
     asked = [*keys, "job/missing"]
     by_crt = await crt.stat_many(asked)
+    assert _by_runtime(proxy.requests, "HEAD") == [True] * len(asked)
     by_botocore = await plain.stat_many(asked)
+    assert _by_runtime(proxy.requests, "HEAD") == [True] * len(asked) + [False] * len(asked)
     assert by_crt == by_botocore
     assert by_crt[-1] is None
     assert [i.checksum for i in by_crt[:-1] if i] == [s.checksum for s in shards]
@@ -107,15 +118,61 @@ async def test_a_corrupted_body_is_refused_as_integrity(
 
 
 @pytest.mark.asyncio
-async def test_throttling_is_retried_by_the_runtime(
+async def test_max_attempts_bounds_the_attempts_at_a_throttling_server(
         seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
         proxy: FaultProxy) -> None:
-    crt = backends(dest_config(s3_bucket, proxy.endpoint_url, max_attempts=3, **CRT))
     shard = staged(MiB, seed=21)
+    once = backends(dest_config(s3_bucket, proxy.endpoint_url, max_attempts=1, **CRT))
     proxy.inject("slowdown", match=lambda r: r.method == "PUT")
+    with pytest.raises(BackendError) as err:
+        await once.put_file("job/x", shard.fd, shard.size)
+    assert err.value.kind == "throttled" and err.value.transient, str(err.value)
+    # One attempt: the runtime's own retries (5 by default) are off.
+    assert [r.fault for r in proxy.requests if r.method == "PUT"] == ["slowdown"]
+
+    proxy.requests.clear()
+    thrice = backends(dest_config(s3_bucket, proxy.endpoint_url, max_attempts=3, **CRT))
+    proxy.inject("slowdown", times=2, match=lambda r: r.method == "PUT")
+    assert await thrice.put_file("job/x", shard.fd, shard.size) == shard.checksum
+    assert [r.fault for r in proxy.requests if r.method == "PUT"] == ["slowdown", "slowdown",
+                                                                      None]
+    assert _by_runtime(proxy.requests, "PUT") == [True] * 3
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_attempt_times_out_and_the_next_attempt_lands(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any) -> None:
+    async with FaultProxy("127.0.0.1", seaweedfs.ports["s3"], stall_s=30.0) as stalling:
+        crt = backends(dest_config(s3_bucket, stalling.endpoint_url, max_attempts=2,
+                                   connect_timeout_s=0.5, read_timeout_s=0.5, **CRT))
+        shard = staged(1000, seed=25)
+        stalling.inject("stall", match=lambda r: r.method == "PUT")
+        # The first attempt's answer never comes (the proxy holds it 30 s): given up after
+        # its timeouts, it is sent again, long before the stall ends.
+        assert await crt.put_file("job/x", shard.fd, shard.size) == shard.checksum
+        assert [r.fault for r in stalling.requests if r.method == "PUT"] == ["stall", None]
+        assert _by_runtime(stalling.requests, "PUT") == [True, True]
+
+
+@pytest.mark.asyncio
+async def test_the_engine_stands_aside_where_a_proxy_applies(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The fault proxy as an HTTP proxy: botocore sends it absolute-form requests, which it
+    # passes on to SeaweedFS. The runtime's S3 client takes no proxy, so botocore sends the
+    # requests the runtime would have.
+    monkeypatch.setenv("HTTP_PROXY", proxy.endpoint_url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    crt = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, **CRT))
+    shard = staged(MiB, seed=26)
     assert await crt.put_file("job/x", shard.fd, shard.size) == shard.checksum
-    puts = [r.fault for r in proxy.requests if r.method == "PUT"]
-    assert puts == ["slowdown", None]
+    assert (await crt.stat_many(["job/x"]))[0] is not None
+    assert _by_runtime(proxy.requests, "PUT") == [False]
+    assert _by_runtime(proxy.requests, "HEAD") == [False]
+    assert [r for r in caplog.records if "s3_crt_engine_unused" in r.getMessage()
+            and "proxy" in r.getMessage()]
 
 
 @pytest.mark.asyncio
@@ -163,7 +220,9 @@ async def test_a_stalled_request_is_given_up_and_its_body_fd_released(
         stalling.inject("stall", match=lambda r: r.method == "PUT")
         task = asyncio.create_task(crt.put_file("job/x", shard.fd, shard.size))
         if how == "cancel":
-            while not [r for r in stalling.requests if r.method == "PUT"]:
+            for _ in range(1000):  # bounded: 10 s
+                if [r for r in stalling.requests if r.method == "PUT"]:
+                    break
                 await asyncio.sleep(0.01)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -193,10 +252,15 @@ def test_head_answer_has_botocores_shape() -> None:
     assert answer["ChecksumCRC64NVME"] == "AA==" and answer["ChecksumType"] == "FULL_OBJECT"
 
 
-def test_keys_are_uri_encoded_in_the_path() -> None:
+def test_keys_are_uri_encoded_in_the_path_as_botocore_encodes_them() -> None:
+    from botocore.utils import percent_encode
+
     engine = CrtEngine.__new__(CrtEngine)
     engine._base = "/bucket/"
     assert engine.path("p/job/a b+c%.bin") == "/bucket/p/job/a%20b%2Bc%25.bin"
+    for key in ("p/job/00000000000000000001/rank-0/x.distcp", "p/j/~tilde/é=ü&?#.bin",
+                "p/j/a:b;c,d'e(f)g!h*i@j$.bin"):
+        assert engine.path(key) == "/bucket/" + percent_encode(key, safe="/~")
 
 
 # -- the daemon, end to end -------------------------------------------------------------------
