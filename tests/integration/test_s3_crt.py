@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,12 @@ from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import MiB
 from ckptdrain.daemon.backends.s3crt import CrtEngine, head_answer
 from ckptdrain.daemon.checksums import from_s3_header, of_bytes
-from tests.conftest import CKPTDRAIN
+from tests.conftest import CKPTDRAIN, wait_for
 from tests.integration.faultproxy import FaultProxy, ThreadedProxy
 from tests.integration.seaweedfs import SeaweedFS, free_ports
 from tests.integration.test_s3_backend import PREFIX, dest_config
 from tests.integration.test_s3_daemon import get, s3_daemon, uploads
+from tests.integration.test_s3_workers import workers_of
 
 pytestmark = pytest.mark.s3
 
@@ -306,3 +308,34 @@ def test_a_daemon_with_the_runtime_engine_commits_through_faults(
     report = json.loads(out.stdout)
     assert report["ok"] and report["checked"] == report["stored"] == len(blobs)
     assert report["bytes"] == 0
+
+
+def test_a_worker_killed_mid_drain_is_replaced_and_the_runtime_sends_the_rest(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    # Paced (about 3 s for all) so shards are still being sent when the worker dies with the
+    # runtime's requests in flight: each is sent again by the replacement, create-once.
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
+                  CKPTDRAIN_DESTINATION__ENGINE="crt", CKPTDRAIN_DRAIN__WORKERS="1",
+                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="8MiB")
+    blobs = {f"r0/s{i}.bin": os.urandom(512 << 10) for i in range(48)}
+    with d.client(timeout_s=300).generation("crtkill", 1) as gen:
+        for path, data in blobs.items():
+            gen.put(path, data)
+
+    def drained() -> int:
+        for g in d.client(timeout_s=30).status()["generations"]:
+            if g["job"] == "crtkill":
+                return int(g["shards"].get("drained", 0))
+        return 0
+
+    wait_for(lambda: drained() >= 8, timeout_s=60)
+    first = workers_of(d.pid)
+    os.kill(first[0], signal.SIGKILL)
+    d.client(timeout_s=300).wait("crtkill", 1, timeout_s=240)
+    assert "s3_worker_lost" in d.log()
+    assert first[0] not in workers_of(d.pid)
+    manifest = Manifest.from_json(get(seaweedfs, s3_bucket, f"crtkill/{1:020d}/MANIFEST.json"))
+    assert {s.path: s.checksum for s in manifest.shards} == {
+        p: of_bytes(b) for p, b in blobs.items()}
+    for path in ("r0/s0.bin", "r0/s47.bin"):
+        assert get(seaweedfs, s3_bucket, f"crtkill/{1:020d}/{path}") == blobs[path]
