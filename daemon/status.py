@@ -32,7 +32,8 @@ MAX_STATUS_DRAINING = 32
 def shards_draining(gens: list[Any]) -> list[dict[str, Any]]:
     """The shards of ``gens`` being drained now and how far each is (bytes at the destination
     of its size), the longest-waiting first: "stuck or slow?" answered per shard."""
-    found = [(g, s) for g in gens for s in g.shards.values() if s.state is ShardState.DRAINING]
+    found = [(g, s) for g in gens for s in g.open_shards.values()
+             if s.state is ShardState.DRAINING]
     found.sort(key=lambda gs: gs[1].staged_at)
     return [{"job": g.job, "step": g.step, "path": s.path, "size": s.size,
              "drained_bytes": s.moved_bytes} for g, s in found[:MAX_STATUS_DRAINING]]
@@ -141,23 +142,35 @@ def _uploads(d: Daemon, gens: list[Any]) -> dict[str, Any]:
     """S3 multipart uploads this node has begun and not completed or aborted, oldest first
     (what an operator looks for when a drain seems stuck): up to MAX_STATUS_UPLOADS."""
     open_ids = d.journal.open_uploads
-    found = []
+    found: list[dict[str, Any]] = []
     if open_ids:
         now = time.time()
-        for g in gens:
-            for s in g.shards.values():
-                begun = open_ids.get(s.id)
-                if begun is not None:
-                    upload_id, since = begun
-                    found.append({"job": g.job, "step": g.step, "path": s.path,
-                                  "size": s.size, "state": str(s.state), "upload_id": upload_id,
-                                  "age_s": round(now - since, 3)})
-        if len(found) < len(open_ids):  # the rest may belong to forgotten generations
+        # An open upload is a drain's, so its shard is among the undrained ones; only when
+        # some are not found there is every shard looked at, and the ids no generation's
+        # shard names (forgotten generations') dropped.
+        found = _open_uploads(gens, open_ids, now, every=False)
+        if len(found) < len(open_ids):
+            found = _open_uploads(gens, open_ids, now, every=True)
+        if len(found) < len(open_ids):
             seen = {s.id for g in d.ledger.generations.values() for s in g.shards.values()}
             for stale in [i for i in open_ids if i not in seen]:
                 del open_ids[stale]
     found.sort(key=lambda u: -u["age_s"])
     return {"uploads_open": found[:MAX_STATUS_UPLOADS], "uploads_open_count": len(found)}
+
+
+def _open_uploads(gens: list[Any], open_ids: dict[int, Any], now: float, *,
+                  every: bool) -> list[dict[str, Any]]:
+    found = []
+    for g in gens:
+        for s in (g.shards if every else g.open_shards).values():
+            begun = open_ids.get(s.id)
+            if begun is not None:
+                upload_id, since = begun
+                found.append({"job": g.job, "step": g.step, "path": s.path,
+                              "size": s.size, "state": str(s.state), "upload_id": upload_id,
+                              "age_s": round(now - since, 3)})
+    return found
 
 
 def refresh_snapshot(d: Daemon) -> None:
@@ -172,8 +185,9 @@ def refresh_snapshot(d: Daemon) -> None:
             oldest[g.job] = since if cur is None else min(cur, since)
         if not g.terminal:
             in_flight[g.job] = in_flight.get(g.job, 0) + 1
-        for s in g.shards.values():
-            shards_by_state[s.state] = shards_by_state.get(s.state, 0) + 1
+        for st, n in g.by_state.items():
+            if n:
+                shards_by_state[st] = shards_by_state.get(st, 0) + n
         if g.receiving:
             shards_by_state["receiving"] = shards_by_state.get("receiving", 0) + len(g.receiving)
     free_bytes, free_inodes = d.staging_free
