@@ -52,6 +52,10 @@ class Ledger:
         self.generations: dict[GenKey, GenerationRecord] = {}
         self.jobs: dict[str, int] = {}
         self._next_shard_id = 1
+        # Every shard of every generation held, by id: what `status` finds an open upload's
+        # shard by (O(open uploads), not a walk of every shard). Kept where shards are added
+        # (a hand-off, the journal's replay) and dropped (a refused add, a forgotten attempt).
+        self.shard_index: dict[int, tuple[GenerationRecord, ShardRecord]] = {}
         # Set (and replaced) whenever a generation is opened, changes or is forgotten: what
         # `wait` sleeps on, so it learns of a commit or a new attempt at once.
         self._changed = asyncio.Event()
@@ -90,6 +94,7 @@ class Ledger:
                 deferred=bool(s["deferred"]),
             )
             gen.count(gen.shards[s["path"]], +1)
+            self.shard_index[s["id"]] = (gen, gen.shards[s["path"]])
             gen.dirs.update(parents(s["path"]))
             self._next_shard_id = max(self._next_shard_id, s["id"] + 1)
         return dict(snap.uploads)
@@ -143,8 +148,14 @@ class Ledger:
             # Its rows would land on (or replace) the newer attempt's at the same step.
             raise IllegalTransition(f"step {gen.step} of job {gen.job!r}: attempt "
                                     f"{gen.attempt or 'unnamed'} was replaced or forgotten")
+        if shard.path in gen.shards or shard.id in self.shard_index:
+            # The hand-off refuses duplicates before this; a record replaced here would leave
+            # the generation's tallies counting it.
+            raise IllegalTransition(f"step {gen.step} of job {gen.job!r} already holds "
+                                    f"{shard.path!r} (or shard id {shard.id})")
         gen.shards[shard.path] = shard
         gen.count(shard, +1)
+        self.shard_index[shard.id] = (gen, shard)
         statements = [j.put_shard(shard.row())]
         if gen.handoff_at is None or shard.handed_at < gen.handoff_at:
             gen.handoff_at = shard.handed_at
@@ -154,6 +165,7 @@ class Ledger:
         except BaseException:
             gen.shards.pop(shard.path, None)
             gen.count(shard, -1)
+            self.shard_index.pop(shard.id, None)
             raise
 
     async def open_rank(self, gen: GenerationRecord, rank: int) -> None:
@@ -231,11 +243,14 @@ class Ledger:
             # its row must not come back into the journal (or overwrite the new attempt's).
             gen = None
             persist = False
+        # Worked out first: nothing may raise between the tallies' -1 and +1.
+        values = {name: cap_error(value) if name == "error" else value
+                  for name, value in fields.items()}
         if gen is not None:
             gen.count(shard, -1)
         shard.state = new
-        for name, value in fields.items():
-            setattr(shard, name, cap_error(value) if name == "error" else value)
+        for name, value in values.items():
+            setattr(shard, name, value)
         if gen is not None:
             gen.count(shard, +1)
         if not persist:
@@ -298,6 +313,9 @@ class Ledger:
         if not self.current(gen):
             return
         del self.generations[gen.key]
+        for shard in gen.shards.values():
+            if self.shard_index.get(shard.id, (None, None))[1] is shard:
+                del self.shard_index[shard.id]
         self._notify()
         await self.journal.write(*j.delete_generation(gen.job, gen.step, gen.attempt))
 

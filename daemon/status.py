@@ -140,37 +140,28 @@ MAX_STATUS_UPLOADS = 50
 
 def _uploads(d: Daemon, gens: list[Any]) -> dict[str, Any]:
     """S3 multipart uploads this node has begun and not completed or aborted, oldest first
-    (what an operator looks for when a drain seems stuck): up to MAX_STATUS_UPLOADS."""
+    (what an operator looks for when a drain seems stuck): up to MAX_STATUS_UPLOADS. Each open
+    upload's shard is found by its id (O(open uploads)); the ids no shard held names any more
+    (forgotten generations') are dropped."""
     open_ids = d.journal.open_uploads
+    shown = {id(g) for g in gens}
     found: list[dict[str, Any]] = []
-    if open_ids:
-        now = time.time()
-        # An open upload is a drain's, so its shard is among the undrained ones; only when
-        # some are not found there is every shard looked at, and the ids no generation's
-        # shard names (forgotten generations') dropped.
-        found = _open_uploads(gens, open_ids, now, every=False)
-        if len(found) < len(open_ids):
-            found = _open_uploads(gens, open_ids, now, every=True)
-        if len(found) < len(open_ids):
-            seen = {s.id for g in d.ledger.generations.values() for s in g.shards.values()}
-            for stale in [i for i in open_ids if i not in seen]:
-                del open_ids[stale]
+    stale = []
+    now = time.time()
+    for sid, (upload_id, since) in open_ids.items():
+        held = d.ledger.shard_index.get(sid)
+        if held is None:
+            stale.append(sid)
+            continue
+        g, s = held
+        if id(g) in shown:
+            found.append({"job": g.job, "step": g.step, "path": s.path, "size": s.size,
+                          "state": str(s.state), "upload_id": upload_id,
+                          "age_s": round(now - since, 3)})
+    for sid in stale:
+        del open_ids[sid]
     found.sort(key=lambda u: -u["age_s"])
     return {"uploads_open": found[:MAX_STATUS_UPLOADS], "uploads_open_count": len(found)}
-
-
-def _open_uploads(gens: list[Any], open_ids: dict[int, Any], now: float, *,
-                  every: bool) -> list[dict[str, Any]]:
-    found = []
-    for g in gens:
-        for s in (g.shards if every else g.open_shards).values():
-            begun = open_ids.get(s.id)
-            if begun is not None:
-                upload_id, since = begun
-                found.append({"job": g.job, "step": g.step, "path": s.path,
-                              "size": s.size, "state": str(s.state), "upload_id": upload_id,
-                              "age_s": round(now - since, 3)})
-    return found
 
 
 def refresh_snapshot(d: Daemon) -> None:
