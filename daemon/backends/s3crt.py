@@ -122,25 +122,33 @@ class CrtEngine:
         self._base = parts.path.rstrip("/") + ("/" if virtual else f"/{quote(bucket, safe='')}/")
         with self._owner._translating("reading the credentials"):
             await self._credentials()
+        from awscrt.exceptions import AwsCrtError
+
         tls = parts.scheme == "https"
-        trust = None
         bundle = self._owner._session.get_config_variable("ca_bundle")
-        if tls and bundle:  # botocore's AWS_CA_BUNDLE / ca_bundle, in place of the system's
-            options = io.TlsContextOptions()
-            options.override_default_trust_store_from_path(ca_filepath=str(bundle))
-            trust = io.ClientTlsContext(options).new_connection_options()
-        group = io.EventLoopGroup(_IO_THREADS)
-        self._client = s3.S3Client(
-            bootstrap=io.ClientBootstrap(group, io.DefaultHostResolver(group)),
-            region=self._config.region,
-            tls_mode=s3.S3RequestTlsMode.ENABLED if tls else s3.S3RequestTlsMode.DISABLED,
-            tls_connection_options=trust,
-            credential_provider=self._provider,
-            max_active_connections_override=int(self._config.max_concurrency)
-            + _HEAD_CONNECTIONS,
-            retry_config=s3.S3RetryConfig(retry_mode=s3.S3RetryMode.NONE),
-            connect_timeout_ms=int(float(self._config.connect_timeout_s) * 1000),
-        )
+        try:
+            trust = None
+            if tls and bundle:  # botocore's AWS_CA_BUNDLE / ca_bundle, not the system's
+                options = io.TlsContextOptions()
+                options.override_default_trust_store_from_path(ca_filepath=str(bundle))
+                trust = io.ClientTlsContext(options).new_connection_options()
+            group = io.EventLoopGroup(_IO_THREADS)
+            self._client = s3.S3Client(
+                bootstrap=io.ClientBootstrap(group, io.DefaultHostResolver(group)),
+                region=self._config.region,
+                tls_mode=s3.S3RequestTlsMode.ENABLED if tls else s3.S3RequestTlsMode.DISABLED,
+                tls_connection_options=trust,
+                credential_provider=self._provider,
+                max_active_connections_override=int(self._config.max_concurrency)
+                + _HEAD_CONNECTIONS,
+                retry_config=s3.S3RetryConfig(retry_mode=s3.S3RetryMode.NONE),
+                connect_timeout_ms=int(float(self._config.connect_timeout_s) * 1000),
+            )
+        except (AwsCrtError, RuntimeError) as exc:  # awscrt raises both for bad arguments
+            # A CA bundle it cannot read, no threads to be had: botocore sends these requests
+            # (and says what is wrong with the bundle, if that is it).
+            self.unusable = f"the runtime could not start ({exc})"
+            log_event(log, logging.WARNING, "s3_crt_engine_unused", reason=self.unusable)
 
     async def _credentials(self) -> None:
         """The credentials botocore's chain resolves (environment, profile, instance role),

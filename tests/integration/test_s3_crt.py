@@ -178,6 +178,24 @@ async def test_the_engine_stands_aside_where_a_proxy_applies(
 
 
 @pytest.mark.asyncio
+async def test_a_ca_bundle_the_runtime_cannot_read_hands_its_requests_to_botocore(
+        s3_bucket: str, backends: Any, staged: Any, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("not a certificate\n")
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(bundle))
+    # https (the bundle applies), to a port nothing listens on: botocore's failure, typed.
+    crt = backends(dest_config(s3_bucket, f"https://127.0.0.1:{free_ports(1)[0]}",
+                               max_attempts=1, connect_timeout_s=1.0, **CRT))
+    shard = staged(1000, seed=27)
+    with pytest.raises(BackendError):
+        await crt.put_file("job/x", shard.fd, shard.size)
+    assert crt.crt is not None and crt.crt.unusable is not None
+    assert "could not start" in crt.crt.unusable
+    assert [r for r in caplog.records if "s3_crt_engine_unused" in r.getMessage()]
+
+
+@pytest.mark.asyncio
 async def test_an_unreachable_endpoint_is_a_transient_io_failure(
         s3_bucket: str, backends: Any, staged: Any) -> None:
     crt = backends(dest_config(s3_bucket, f"http://127.0.0.1:{free_ports(1)[0]}",
