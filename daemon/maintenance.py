@@ -48,15 +48,15 @@ def report(d: Daemon) -> dict[str, Any]:
     shards = undrained = receiving = failed = open_generations = 0
     for gen in d.ledger.generations.values():
         receiving += len(gen.receiving)
+        # From the generation's tallies (records.py), not a walk of its shards.
         if gen.terminal:
-            failed += sum(1 for s in gen.shards.values() if s.state is ShardState.FAILED)
+            failed += gen.by_state[ShardState.FAILED]
             continue
         if any(st in _UNRECORDED for st in gen.ranks.values()):
             open_generations += 1
-        for s in gen.shards.values():
-            if s.state in _UNDRAINED:
-                shards += 1
-                undrained += s.size
+        for state in _UNDRAINED:
+            shards += gen.by_state[state]
+            undrained += gen.bytes_by_state[state]
     left = {"generations_unrecorded": open_generations, "shards_undrained": shards,
             "bytes_undrained": undrained, "shards_receiving": receiving,
             "shards_failed": failed}

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ckptdrain.daemon import maintenance
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.ledger import Ledger
 from ckptdrain.daemon.records import GenerationRecord, ShardRecord
@@ -201,7 +202,12 @@ async def test_status_and_the_metrics_snapshot_walk_no_generations_shards() -> N
     CountedShards.walks = 0
     reply = status(d, job="j")  # type: ignore[arg-type]
     refresh_snapshot(d)  # type: ignore[arg-type]
+    left = maintenance.report(d)["left"]  # type: ignore[arg-type]
     assert CountedShards.walks == 0
+    every = [s for g in ledger.generations.values() for s in dict.values(g.shards)]
+    undrained = [s for s in every if s.state in (ShardState.STAGED, ShardState.DRAINING)]
+    assert left["shards_undrained"] == len(undrained) == 600
+    assert left["bytes_undrained"] == sum(s.size for s in undrained)
     shown = {(g["job"], g["step"]): g for g in reply["generations"]}
     assert shown[("j", 3)]["shards"] == {"staged": 10, "draining": 20, "drained": 19,
                                          "discarded": 1}
