@@ -35,6 +35,7 @@ from urllib.parse import quote, urlsplit
 
 from botocore.exceptions import ClientError
 
+from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3parts import crc64_header
 from ckptdrain.daemon.logs import log_event
@@ -210,6 +211,9 @@ class CrtEngine:
 
         with self._owner._translating(what):
             await self._credentials()
+        client = self._client
+        if client is None:  # closed meanwhile (the backend is stopping)
+            raise BackendError(f"the S3 backend for {self._owner.uri} is closed", kind="io")
         answered: list[list[tuple[str, str]]] = []
 
         def on_headers(status_code: int, headers: list[tuple[str, str]], **_: Any) -> None:
@@ -220,7 +224,7 @@ class CrtEngine:
         # name a file that reused the number.
         body = os.dup(fd) if fd is not None else None
         try:
-            request = self._client.make_request(
+            request = client.make_request(
                 type=s3.S3RequestType.DEFAULT, operation_name=operation,
                 request=http.HttpRequest(method, self.path(full), http.HttpHeaders(headers)),
                 send_filepath=None if body is None else f"/proc/self/fd/{body}",
@@ -245,7 +249,13 @@ class CrtEngine:
                 await asyncio.shield(ended)
         except TimeoutError as exc:
             request.cancel()
+            task = asyncio.current_task()
+            cancels = task.cancelling() if task is not None else 0
             await outlast(ended, _END_GRACE_S)  # its body and connection, let go
+            if task is not None and task.cancelling() > cancels:
+                # Cancelled while the runtime let go (outlast holds cancels back): the caller
+                # gave up, so this is no timeout to retry.
+                raise asyncio.CancelledError from None
             raise self._failure(what, operation, exc) from exc
         except asyncio.CancelledError:
             request.cancel()

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client.manifest import Manifest
+from ckptdrain.daemon.backends import s3crt
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import MiB
 from ckptdrain.daemon.backends.s3crt import CrtEngine, head_answer
@@ -258,6 +259,47 @@ async def test_a_stalled_request_is_given_up_and_its_body_fd_released(
         del task
         gc.collect()
         assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_while_a_given_up_attempt_ends_is_not_lost(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with FaultProxy("127.0.0.1", seaweedfs.ports["s3"], stall_s=30.0) as stalling:
+        crt = backends(dest_config(s3_bucket, stalling.endpoint_url, max_attempts=3,
+                                   connect_timeout_s=0.5, read_timeout_s=0.5, **CRT))
+        shard = staged(1000, seed=28)
+        stalling.inject("stall", match=lambda r: r.method == "PUT")
+        # The runtime takes its time to end the timed-out attempt (a fault injected here: a
+        # second before the real wait), and the drain is cancelled meanwhile.
+        waiting = asyncio.Event()
+        real = s3crt.outlast
+
+        async def slow_end(future: Any, timeout_s: float | None = None) -> None:
+            waiting.set()
+            await real(asyncio.ensure_future(asyncio.sleep(1.0)), 5.0)
+            await real(future, timeout_s)
+
+        monkeypatch.setattr(s3crt, "outlast", slow_end)
+        task = asyncio.create_task(crt.put_file("job/x", shard.fd, shard.size))
+        async with asyncio.timeout(30):
+            await waiting.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Not taken for a timeout and retried: one attempt only.
+        assert [r.fault for r in stalling.requests if r.method == "PUT"] == ["stall"]
+
+
+@pytest.mark.asyncio
+async def test_a_closed_engine_fails_a_request_as_closed(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any) -> None:
+    crt = backends(dest_config(s3_bucket, seaweedfs.endpoint_url, **CRT))
+    await crt.start()
+    assert crt.crt is not None and await crt.crt.available()
+    await crt.crt.aclose()
+    with pytest.raises(BackendError, match="is closed"):
+        await crt.crt.head("checking job/x", f"{PREFIX}/job/x")
 
 
 def test_head_answer_has_botocores_shape() -> None:
