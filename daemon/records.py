@@ -194,9 +194,9 @@ class GenerationRecord:
         return ""
 
     def summary(self) -> dict[str, Any]:
-        by_state = {str(st): n for st, n in self.by_state.items() if n}
-        bytes_by_state = {str(st): self.bytes_by_state[st]
-                          for st, n in self.by_state.items() if n}
+        held = [st for st, n in self.by_state.items() if n]
+        by_state = {str(st): self.by_state[st] for st in held}
+        bytes_by_state = {str(st): self.bytes_by_state[st] for st in held}
         since = self.oldest_undrained_since()
         return {
             "job": self.job,

@@ -244,7 +244,7 @@ async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
 
 async def put_in_process(client: S3Client, whole: Whole, fd: int) -> int:
     """Checksum and PutObject a whole object from this process (from the file in a worker)."""
-    crc: int
+    crc: int | None = None
     if client.crt is not None and await client.crt.available():
         whole_file: bool
         crc, whole_file = await in_thread(_checksum_whole, fd, whole.size)
@@ -253,18 +253,19 @@ async def put_in_process(client: S3Client, whole: Whole, fd: int) -> int:
                                  _metadata(whole, crc), whole.exclusive)
             return crc
     if client.file_bodies:
-        crc = await in_thread(checksum_range, fd, 0, whole.size)
+        if crc is None:  # not read above already
+            crc = await in_thread(checksum_range, fd, 0, whole.size)
         await client._call(f"uploading {whole.key}", "put_object",
                            **_put_params(client, whole, FileBody(fd, 0, whole.size), crc))
         return crc
     buf = await client.buffers.acquire(whole.size)
     reuse = False
     try:
-        crc = await client._read(fd, buf, 0)
+        read_crc = await client._read(fd, buf, 0)
         reuse = True
         await client._call(f"uploading {whole.key}", "put_object",
-                           **_put_params(client, whole, buf, crc))
-        return crc
+                           **_put_params(client, whole, buf, read_crc))
+        return read_crc
     finally:
         client.buffers.release(buf, reuse=reuse)
 
