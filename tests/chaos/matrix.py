@@ -58,7 +58,9 @@ class TrialSpec:
                 "proxy": f"S3 faults at {self.proxy_rate:.0%}, kill -9 after {self.kill_after_s} s"}
         second = (f", again {self.second_kill_after_s} s into the restart"
                   if self.second_kill_after_s is not None else "")
-        return (f"seed {self.seed}: {self.dest}, {what[self.fault]}{second}; "
+        engine = self.env.get("CKPTDRAIN_DESTINATION__ENGINE")
+        dest = f"{self.dest} ({engine})" if engine else self.dest
+        return (f"seed {self.seed}: {dest}, {what[self.fault]}{second}; "
                 f"max_staged_bytes={self.max_staged_bytes} keep_local_copy={self.keep_local_copy}; "
                 f"{len(self.plan.generations)} generations, {self.plan.total_shards} shards")
 
@@ -96,6 +98,11 @@ def trial_spec(seed: int, *, multipart: bool = True) -> TrialSpec:
             # not own is an orphan (a lost CreateMultipartUpload answer leaves one the SDK's
             # retry never learns the id of), and the start-up sweep must abort it.
             "CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S": "0",
+            # Half the trials send single PUTs and the commit's HEADs through the AWS common
+            # runtime. Drawn from its own generator, so the other draws (and the fixed seeds
+            # of `make test`'s slice) stay as they were.
+            "CKPTDRAIN_DESTINATION__ENGINE": "crt" if random.Random(seed ^ 0xC127).random() < 0.5
+            else "aiobotocore",
         }
     spec = TrialSpec(seed=seed, dest=dest, fault=fault, plan=plan, env=env,
                      max_staged_bytes=max_staged, keep_local_copy=keep_local)
