@@ -1,0 +1,130 @@
+"""Local copies dropped one at a time, as their shards drain, are unlinked in batches: a
+generation of small shards must not cost the event loop a task, a thread hop and a future's
+callback per shard just to remove files."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from ckptdrain.daemon import copies as copies_module
+from ckptdrain.daemon.copies import LocalCopies
+from ckptdrain.daemon.dataplane import DataPlane
+from ckptdrain.daemon.records import ShardRecord
+from ckptdrain.daemon.staging import Staging
+from ckptdrain.daemon.state import ShardState
+from ckptdrain.daemon.supervisor import Supervisor
+
+
+class RecordingStaging(Staging):
+    """The real staging directory; records each batch it is asked to unlink."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.batches: list[list[str]] = []
+
+    def discard_many(self, names: list[str]) -> None:
+        self.batches.append(list(names))
+        super().discard_many(names)
+
+
+def _staged(staging: Staging, i: int) -> ShardRecord:
+    name = staging.new_name()
+    staging.data_path(name).write_bytes(b"x" * 64)
+    return ShardRecord(id=i, job="j", step=1, rank=0, path=f"s{i}", size=64, staged_name=name,
+                       state=ShardState.DRAINED, handed_at=0.0, staged_at=0.0)
+
+
+async def _until_gone(paths: list[Path], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(p.exists() for p in paths):
+        assert time.monotonic() < deadline, "dropped copies were never unlinked"
+        await asyncio.sleep(0.01)
+
+
+class Copies:
+    """A LocalCopies over a real staging directory, data plane and supervisor."""
+
+    def __init__(self, root: Path) -> None:
+        self.staging = RecordingStaging(root)
+        self.staging.prepare()
+        self.plane = DataPlane(2, 10.0, pumps=1)
+        self.supervisor = Supervisor()
+        self.local = LocalCopies(self.staging, admission=None, ledger=None,  # type: ignore[arg-type]
+                                 dataplane=self.plane, supervisor=self.supervisor)
+        self.local.keep_after_drain = False  # keep_local_copy off: drained copies are dropped
+
+    def staged(self, count: int) -> list[ShardRecord]:
+        return [_staged(self.staging, i) for i in range(count)]
+
+    def paths(self, shards: list[ShardRecord]) -> list[Path]:
+        return [self.staging.data_path(s.staged_name) for s in shards]
+
+    def unlinked(self) -> list[str]:
+        return sorted(n for batch in self.staging.batches for n in batch)
+
+
+@pytest_asyncio.fixture
+async def copies(tmp_path: Path) -> AsyncIterator[Copies]:
+    made = Copies(tmp_path / "staging")
+    runner = asyncio.create_task(made.supervisor.run())
+    try:
+        yield made
+    finally:
+        await made.supervisor.finish(5.0)
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
+        made.plane.close()
+
+
+@pytest.mark.asyncio
+async def test_copies_dropped_one_by_one_as_they_drain_are_unlinked_in_a_few_batches(
+        copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A long gathering window, so that a loaded machine spacing the drops out cannot split
+    # them into many batches; the daemon's own window is shorter.
+    monkeypatch.setattr(copies_module, "UNLINK_GATHER_S", 1.0, raising=False)
+    shards = copies.staged(40)
+    for shard in shards:
+        copies.local.drained(shard)
+        # Drains end apart from each other: each unlink alone would be done by the next.
+        await asyncio.sleep(0.005)
+    await _until_gone(copies.paths(shards))
+    assert copies.unlinked() == sorted(s.staged_name for s in shards)
+    assert len(copies.staging.batches) <= 3, [len(b) for b in copies.staging.batches]
+    assert not any(s.local_copy for s in shards)
+    copies.local.discard(shards[0])  # dropped again: nothing more to unlink
+    await asyncio.sleep(0)
+    assert len(copies.unlinked()) == len(shards)
+
+
+@pytest.mark.asyncio
+async def test_any_other_drop_unlinks_what_is_gathered_at_once(
+        copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Gathered drops would wait a minute; a generation that ends (a plain discard) must not.
+    monkeypatch.setattr(copies_module, "UNLINK_GATHER_S", 60.0, raising=False)
+    drained, ended = copies.staged(5), copies.staged(1)
+    for shard in drained:
+        copies.local.drained(shard)
+    await asyncio.sleep(0.01)
+    copies.local.discard(ended[0])
+    await _until_gone(copies.paths(drained + ended))
+    assert copies.unlinked() == sorted(s.staged_name for s in drained + ended)
+
+
+@pytest.mark.asyncio
+async def test_a_clean_stop_unlinks_what_is_gathered(
+        copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A restarted daemon would find the files and keep them as local copies.
+    monkeypatch.setattr(copies_module, "UNLINK_GATHER_S", 0.5, raising=False)
+    shards = copies.staged(5)
+    for shard in shards:
+        copies.local.drained(shard)
+    await asyncio.sleep(0)
+    assert await copies.supervisor.finish(5.0) == 0
+    assert not any(p.exists() for p in copies.paths(shards))
