@@ -30,6 +30,9 @@ TEMP_SUFFIX = ".ckptdrain-tmp"
 
 _JOB_CHARS = re.compile(r"[A-Za-z0-9._-]")
 _COMPONENT_CHARS = re.compile(r"[A-Za-z0-9._+=,@-]")
+# The same sets for a whole name at once: one match in C where a name is good (the daemon
+# checks every name again each time it builds a key from it), a scan only to name a bad char.
+_WHOLE = {allowed: re.compile(f"{allowed.pattern}*") for allowed in (_JOB_CHARS, _COMPONENT_CHARS)}
 _JOB_RULE = "use letters, digits, '.', '_', '-', not starting with '.' or '-'"
 _PATH_RULE = (
     "use a relative '/'-separated path of letters, digits and '._+=,@-', "
@@ -38,6 +41,8 @@ _PATH_RULE = (
 
 
 def _first_bad_char(text: str, allowed: re.Pattern[str]) -> str | None:
+    if _WHOLE[allowed].fullmatch(text):
+        return None
     for char in text:
         if not allowed.fullmatch(char):
             return char

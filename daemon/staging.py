@@ -35,6 +35,7 @@ class Staging:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.dir = root / "shards"
+        self._dir = str(self.dir)  # opened per shard on the loop: no Path built each time
         # Bytes promised to hand-offs being received right now: not on disk yet, so statvfs
         # does not show them, but two concurrent shards must not both count the same room.
         self.pending_bytes = 0
@@ -172,7 +173,7 @@ class Staging:
             os.close(fd)
 
     def open_data(self, name: str) -> int:
-        return os.open(self.data_path(name), os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(f"{self._dir}/{name}{DATA}", os.O_RDONLY | os.O_CLOEXEC)
 
     def exists(self, name: str) -> bool:
         return self.data_path(name).exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ckptdrain.client import names
 from ckptdrain.client.errors import InvalidName, RejectedInput
@@ -179,3 +181,13 @@ def test_good_ranks(rank: int, world_size: int) -> None:
 def test_bad_ranks(rank: object, world_size: object, why: str) -> None:
     with pytest.raises(RejectedInput, match=why):
         names.validate_rank(rank, world_size)
+
+
+@given(st.text(alphabet=st.sampled_from("aZ09._-+=,@/\\ \n\x00é\ud800"), max_size=12)
+       | st.text(max_size=12))
+def test_the_whole_name_match_finds_what_a_scan_of_each_character_finds(text: str) -> None:
+    # Names are matched whole (one regex call) and scanned only to report a bad character:
+    # both must agree on every string, newlines, NULs and surrogates included.
+    for allowed in (names._JOB_CHARS, names._COMPONENT_CHARS):
+        scanned = next((c for c in text if not allowed.fullmatch(c)), None)
+        assert names._first_bad_char(text, allowed) == scanned
