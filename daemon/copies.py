@@ -3,7 +3,8 @@
 A staged shard holds two reservations: its bytes on ``max_staged_bytes`` for as long as its
 file exists, and a ``max_queued_shards`` slot until it has drained (or is discarded). Both
 live here, keyed by the shard record, and are released exactly once: the slot when the shard
-drains or is dropped, the bytes after its file is unlinked (off the event loop).
+drains or is dropped; the bytes after its file is unlinked (off the event loop) when it is
+evicted or dropped as it drains, at once when the decision to drop it is made otherwise.
 
 Copies kept after draining (for a fast restore, for a failed generation's ``retry``, for a
 generation still waiting on other nodes) stay inside ``max_staged_bytes``. When a hand-off
@@ -37,8 +38,9 @@ UNLINK_BATCH = 256
 # How long copies dropped as their shards drain (keep_local_copy off) are gathered before one
 # data-plane call unlinks them. They drop one at a time: unlinked at once, each was a task, a
 # thread hop and a future's callback on the event loop, about a fifth of its CPU per shard in
-# a drain of small shards (py-spy, 256 x 1 MiB to S3). Their room went back at the drop. Any
-# other drop (a generation ended, failed or expired; an older copy replaced) ends the wait.
+# a drain of small shards (py-spy, 256 x 1 MiB to S3). A gathered copy keeps its room until its
+# file is gone, so max_staged_bytes still bounds the disk, and a hand-off that waits for room
+# (or any other drop: a generation ended, failed or expired) ends the wait.
 UNLINK_GATHER_S = 0.05
 
 
@@ -54,7 +56,8 @@ class LocalCopies:
         self._room: dict[ShardRecord, Reservation] = {}
         self._slot: dict[ShardRecord, Reservation] = {}
         self.evicted = 0
-        self._unlinks: list[str] = []
+        # Files to unlink, each with the room it holds until then (None: released at the drop).
+        self._unlinks: list[tuple[str, Reservation | None]] = []
         self._unlinking = False
         self._unlink_now = asyncio.Event()
 
@@ -88,7 +91,9 @@ class LocalCopies:
         if slot is not None:
             slot.release()
         if not self.keep_after_drain:
-            self.discard(shard, gather=True)
+            # Its room goes back once the file is gone; a hand-off waiting for room gets it
+            # without the gathering wait.
+            self._drop(shard, gather=not self.admission.staged.head_request(), hold_room=True)
         elif self.admission.staged.head_request():
             # A hand-off waits for room, and this copy just became evictable: make room now,
             # or the waiter would wait for a release that kept copies never make.
@@ -99,31 +104,33 @@ class LocalCopies:
         while (head := self.admission.staged.head_request()) and await self.make_room(head):
             pass
 
-    def discard(self, shard: ShardRecord, *, gather: bool = False) -> None:
+    def discard(self, shard: ShardRecord) -> None:
         """Drop the shard's file and everything it holds. Its room goes back at once (the
         decision is made; the staging filesystem's own free-space check covers the moment
-        until the unlink, which runs in the data plane, is done). ``gather``: the unlink may
-        wait :data:`UNLINK_GATHER_S` for more drops to join it."""
+        until the unlink, which runs in the data plane, is done)."""
+        self._drop(shard, gather=False, hold_room=False)
+
+    def _drop(self, shard: ShardRecord, *, gather: bool, hold_room: bool) -> None:
+        """``gather``: the unlink may wait :data:`UNLINK_GATHER_S` for more drops to join
+        it; ``hold_room``: the room goes back when the file is gone, not now."""
         slot = self._slot.pop(shard, None)
         if slot is not None:
             slot.release()
         room = self._room.pop(shard, None)
-        if room is not None:
-            room.release()
         if not shard.local_copy and room is None:
             return
+        if room is not None and not hold_room:
+            room.release()
+            room = None
         shard.local_copy = False
         # Unlinked in batches: one data-plane job for every file dropped meanwhile, not a
         # task and a thread hop per shard (a generation of small shards drops thousands).
-        # Critical: a clean stop lets it finish, or a restarted daemon would find the files
-        # and keep them as local copies.
-        self._unlinks.append(shard.staged_name)
+        self._unlinks.append((shard.staged_name, room))
         if not gather:
             self._unlink_now.set()
         if not self._unlinking:
             self._unlinking = True
-            self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies",
-                                  critical=True)
+            self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies")
 
     async def _unlink_dropped(self) -> None:
         try:
@@ -134,17 +141,28 @@ class LocalCopies:
                         async with asyncio.timeout(UNLINK_GATHER_S):
                             await self._unlink_now.wait()
                 self._unlink_now.clear()
-                names = self._unlinks[:UNLINK_BATCH]
+                batch = self._unlinks[:UNLINK_BATCH]
                 del self._unlinks[:UNLINK_BATCH]
-                await self.dataplane.call(self.staging.discard_many, names)
+                try:
+                    await self.dataplane.call(self.staging.discard_many, [n for n, _ in batch])
+                finally:
+                    # Unlinked, failed or cancelled (a stop): given back once either way.
+                    for _, room in batch:
+                        if room is not None:
+                            room.release()
         finally:
             self._unlinking = False
             if not self._unlinks:
                 self._unlink_now.clear()  # what asked for it is unlinked
+            elif not self.supervisor.accepting:
+                # Stopping: a restart's recovery drops these files (keep_local_copy off).
+                for _, room in self._unlinks:
+                    if room is not None:
+                        room.release()
+                self._unlinks.clear()
             else:  # the call failed (logged by the supervisor): go on with the rest
                 self._unlinking = True
-                self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies",
-                                  critical=True)
+                self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies")
 
     def discard_generation(self, gen: GenerationRecord) -> None:
         for shard in gen.shards.values():
@@ -190,7 +208,9 @@ class LocalCopies:
             victims.append(shard)
             freed += self._room[shard].amount
         for shard in victims:
-            room = self._room.pop(shard)
+            room = self._room.pop(shard, None)
+            if room is None:
+                continue  # dropped or evicted by someone else while this one unlinked
             shard.local_copy = False
             try:
                 await self.dataplane.call(self.staging.discard, shard.staged_name)

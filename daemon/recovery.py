@@ -37,7 +37,10 @@ async def recover(d: Daemon) -> None:
         open_ranks = [r for r, st in gen.ranks.items() if st is RankState.OPEN]
         for shard in gen.shards.values():
             if shard.state in (ShardState.STAGED, ShardState.FAILED, ShardState.DRAINED):
-                if shard.staged_name in exists:
+                # A drained copy with keep_local_copy off was on its way out (dropped, its
+                # unlink not done when the daemon stopped): the sweep below removes it.
+                wanted = shard.state is not ShardState.DRAINED or d.copies.keep_after_drain
+                if wanted and shard.staged_name in exists:
                     keep.add(shard.staged_name)
                     # Held against the limits exactly as while running, whatever the
                     # generation's state: a failed one keeps its copy for retry.

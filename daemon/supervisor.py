@@ -34,6 +34,11 @@ class Supervisor:
         self.on_failure: Callable[[], None] | None = None  # counts it in the metrics
 
     @property
+    def accepting(self) -> bool:
+        """False once a stop began: :meth:`spawn` takes no more work."""
+        return self._accepting
+
+    @property
     def active(self) -> int:
         return len(self._running) + len(self._pending)
 

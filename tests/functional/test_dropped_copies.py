@@ -8,16 +8,18 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
 
 from ckptdrain.daemon import copies as copies_module
+from ckptdrain.daemon.budget import Budget
 from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane
-from ckptdrain.daemon.records import ShardRecord
+from ckptdrain.daemon.records import GenerationRecord, ShardRecord
 from ckptdrain.daemon.staging import Staging
-from ckptdrain.daemon.state import ShardState
+from ckptdrain.daemon.state import GenerationState, ShardState
 from ckptdrain.daemon.supervisor import Supervisor
 
 
@@ -55,12 +57,21 @@ class Copies:
         self.staging.prepare()
         self.plane = DataPlane(2, 10.0, pumps=1)
         self.supervisor = Supervisor()
-        self.local = LocalCopies(self.staging, admission=None, ledger=None,  # type: ignore[arg-type]
+        self.room = Budget("max_staged_bytes", 64 * 100)
+        self.generations: dict[tuple[str, int], GenerationRecord] = {}
+        self.local = LocalCopies(self.staging, SimpleNamespace(staged=self.room),  # type: ignore[arg-type]
+                                 SimpleNamespace(generations=self.generations),  # type: ignore[arg-type]
                                  dataplane=self.plane, supervisor=self.supervisor)
         self.local.keep_after_drain = False  # keep_local_copy off: drained copies are dropped
 
     def staged(self, count: int) -> list[ShardRecord]:
-        return [_staged(self.staging, i) for i in range(count)]
+        """Staged files, each owning its room (64 bytes) as a hand-off leaves it."""
+        made = [_staged(self.staging, len(self.staging.batches) * 1000 + i) for i in range(count)]
+        for shard in made:
+            room = self.room.reserve_now(shard.size)
+            assert room is not None
+            self.local.adopt(shard, room, None)
+        return made
 
     def paths(self, shards: list[ShardRecord]) -> list[Path]:
         return [self.staging.data_path(s.staged_name) for s in shards]
@@ -118,13 +129,53 @@ async def test_any_other_drop_unlinks_what_is_gathered_at_once(
 
 
 @pytest.mark.asyncio
-async def test_a_clean_stop_unlinks_what_is_gathered(
+async def test_a_gathered_copy_holds_its_room_until_its_file_is_gone(
         copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A restarted daemon would find the files and keep them as local copies.
-    monkeypatch.setattr(copies_module, "UNLINK_GATHER_S", 0.5, raising=False)
+    # max_staged_bytes bounds the disk: room given back before the unlink would let a
+    # hand-off's bytes land while the dropped file still takes the space.
+    monkeypatch.setattr(copies_module, "UNLINK_GATHER_S", 60.0, raising=False)
     shards = copies.staged(5)
     for shard in shards:
         copies.local.drained(shard)
-    await asyncio.sleep(0)
-    assert await copies.supervisor.finish(5.0) == 0
-    assert not any(p.exists() for p in copies.paths(shards))
+    await asyncio.sleep(0.05)
+    assert all(p.exists() for p in copies.paths(shards))
+    assert copies.room.used == 5 * 64
+    copies.local.discard(copies.staged(1)[0])  # a generation ended: no more waiting
+    await _until_gone(copies.paths(shards))
+    while copies.room.used:
+        await asyncio.sleep(0.01)
+    assert copies.unlinked() and copies.room.used == 0
+
+
+@pytest.mark.asyncio
+async def test_a_hand_off_waiting_for_room_does_not_wait_for_the_gathering(
+        copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copies_module, "UNLINK_GATHER_S", 60.0, raising=False)
+    shards = copies.staged(100)  # the budget is full
+    waiter = asyncio.create_task(copies.room.reserve(64, block=True, timeout_s=30.0))
+    await asyncio.sleep(0.01)
+    assert copies.room.head_request() == 64
+    copies.local.drained(shards[0])
+    async with asyncio.timeout(10.0):
+        room = await waiter
+    assert not copies.staging.data_path(shards[0].staged_name).exists()
+    room.release()
+
+
+@pytest.mark.asyncio
+async def test_two_evictions_at_once_do_not_take_the_same_copy_twice(copies: Copies) -> None:
+    # make_room unlinks its victims one by one; another make_room (a waiting hand-off's
+    # relief beside a hand-off of its own) may take one of them meanwhile.
+    copies.local.keep_after_drain = True
+    gen = GenerationRecord(job="j", step=1, world_size=1, ack="local", created_at=0.0,
+                           state=GenerationState.COMMITTED)
+    copies.generations[("j", 1)] = gen
+    shards = copies.staged(100)  # full
+    for shard in shards:
+        gen.shards[shard.path] = shard
+    first = asyncio.create_task(copies.local.make_room(64 * 3))
+    second = asyncio.create_task(copies.local.make_room(64 * 3))
+    freed = await asyncio.gather(first, second)
+    assert all(n > 0 for n in freed)
+    await _until_gone(copies.paths(shards[:3]))
+    assert copies.room.used <= 64 * 97

@@ -56,3 +56,24 @@ def test_undrained_shards_are_never_evicted(make_daemon) -> None:  # type: ignor
         assert refused.value.details["limit"] == "max_staged_bytes"
         gen.abort("test over")
     assert on_disk(d) <= 3 * MiB
+
+
+def test_a_restart_with_keep_local_copy_off_keeps_no_drained_copy(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Drained copies dropped with keep_local_copy off are unlinked in gathered batches: a
+    # stop may come first. The next start must not take the files found for kept copies.
+    # The same holds for copies kept under keep_local_copy = true when it is turned off.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
+    c = d.client()
+    with c.generation("kept", 1) as gen:
+        for i in range(4):
+            gen.put(f"s{i}", bytes([i]) * (256 << 10))
+    c.wait("kept", 1, timeout_s=30)
+    assert c.status()["kept_copy_bytes"] == 4 * (256 << 10)
+    assert on_disk(d) == 4 * (256 << 10)
+    assert d.stop() == 0
+    d.overrides["CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY"] = "false"
+    d.start()
+    status = d.client().status()
+    assert status["kept_copy_bytes"] == 0 and status["staged_bytes"] == 0, status
+    assert on_disk(d) == 0
+    assert state(d, "kept", 1) == "committed"
