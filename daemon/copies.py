@@ -140,9 +140,10 @@ class LocalCopies:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(UNLINK_GATHER_S):
                             await self._unlink_now.wait()
-                self._unlink_now.clear()
                 batch = self._unlinks[:UNLINK_BATCH]
                 del self._unlinks[:UNLINK_BATCH]
+                if not self._unlinks:  # else what asked for it may be in the rest: no wait
+                    self._unlink_now.clear()
                 try:
                     await self.dataplane.call(self.staging.discard_many, [n for n, _ in batch])
                 finally:

@@ -129,6 +129,22 @@ async def test_any_other_drop_unlinks_what_is_gathered_at_once(
 
 
 @pytest.mark.asyncio
+async def test_a_drop_that_asks_for_no_wait_is_not_left_for_a_later_batch(
+        copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
+    # More gathered drops than one call unlinks, then a generation ends: its file comes in a
+    # second batch, which must not wait for the gathering either.
+    monkeypatch.setattr(copies_module, "UNLINK_GATHER_S", 60.0, raising=False)
+    copies.room.set_limit(64 * 400)
+    drained = copies.staged(copies_module.UNLINK_BATCH + 40)
+    for shard in drained:
+        copies.local.drained(shard)
+    ended = copies.staged(1)
+    copies.local.discard(ended[0])
+    await _until_gone(copies.paths(drained + ended))
+    assert len(copies.staging.batches) == 2
+
+
+@pytest.mark.asyncio
 async def test_a_gathered_copy_holds_its_room_until_its_file_is_gone(
         copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
     # max_staged_bytes bounds the disk: room given back before the unlink would let a
