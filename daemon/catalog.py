@@ -31,7 +31,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
-from ckptdrain.daemon.latest import newest_committed, read_latest
+from ckptdrain.daemon.latest import newest_committed, parse_manifest, read_latest
 from ckptdrain.daemon.threads import outlast, settled
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ async def read_manifest(backend: Backend, job: str, step: int) -> Manifest | Non
     if data is None:
         return None
     try:
-        manifest = Manifest.from_json(data)
+        manifest = await parse_manifest(data)
     except ManifestError as exc:
         log.warning("ignoring %s: %s", key, exc)
         return None

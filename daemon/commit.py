@@ -46,7 +46,13 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon.backends.base import Backend
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.errors import DaemonError
-from ckptdrain.daemon.latest import off_loop_if_large, parse_latest, parse_manifest, raise_latest
+from ckptdrain.daemon.latest import (
+    PART_ENTRY_BYTES,
+    off_loop_if_large,
+    parse_latest,
+    parse_manifest,
+    raise_latest,
+)
 from ckptdrain.daemon.tombstone import is_tombstone
 
 # Re-exported: the LATEST helpers lived here first (latest.py now).
@@ -126,7 +132,8 @@ class Committer:
             raise ValueError(
                 f"part record names node {part.node!r} but this committer is {self.node_id!r}"
             )
-        await self.backend.put_bytes(part_key(part.job, part.step, part.node), part.to_json())
+        body = await off_loop_if_large(len(part.shards) * PART_ENTRY_BYTES, part.to_json)
+        await self.backend.put_bytes(part_key(part.job, part.step, part.node), body)
 
     async def try_publish(
         self, job: str, step: int, world_size: int, attempt: str = ""
@@ -173,7 +180,7 @@ class Committer:
             )
 
         key = manifest_key(job, step)
-        body = await off_loop_if_large(len(manifest.shards) * 200, manifest.to_json)
+        body = await off_loop_if_large(len(manifest.shards) * PART_ENTRY_BYTES, manifest.to_json)
         if await self.backend.put_bytes(key, body, exclusive=True):
             log.info(
                 "published %s (%d shards, %d bytes)",
@@ -201,7 +208,7 @@ class Committer:
                 "something is deleting this generation (retention?)",
             )
         try:
-            existing = Manifest.from_json(existing_bytes)
+            existing = await parse_manifest(existing_bytes)
         except ManifestError as exc:
             return CommitResult(
                 CommitOutcome.CONFLICT, None, reason=f"the existing {key} is unreadable: {exc}"
@@ -233,7 +240,7 @@ class Committer:
         data = await self.backend.get_bytes(manifest_key(job, step))
         if data is None or is_tombstone(data):
             return None
-        return Manifest.from_json(data)
+        return await parse_manifest(data)
 
     async def is_committed(self, job: str, step: int) -> bool:
         """Whether ``job`` step ``step`` is committed at the destination: what a ``begin``

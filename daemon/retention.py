@@ -41,7 +41,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptdrain.client.manifest import (
-    Manifest,
     ManifestError,
     generation_prefix,
     latest_key,
@@ -50,7 +49,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.catalog import for_each_bounded
-from ckptdrain.daemon.latest import raise_latest, read_latest
+from ckptdrain.daemon.latest import parse_manifest, raise_latest, read_latest
 from ckptdrain.daemon.retention_plan import (
     GenerationKeys,
     RetentionPlan,
@@ -230,7 +229,7 @@ async def _validate_newest(
         if is_tombstone(data):
             tombstoned.add(step)
             continue
-        reason = _manifest_problem(job, step, data)
+        reason = await _manifest_problem(job, step, data)
         if reason:
             log.warning("retention: %s: %s", manifest_key(job, step), reason)
             unreadable[step] = reason
@@ -239,10 +238,10 @@ async def _validate_newest(
     return valid, unreadable, tombstoned
 
 
-def _manifest_problem(job: str, step: int, data: bytes) -> str:
+async def _manifest_problem(job: str, step: int, data: bytes) -> str:
     """Why these bytes are not the valid manifest of ``job`` step ``step`` ("" if they are)."""
     try:
-        manifest = Manifest.from_json(data)
+        manifest = await parse_manifest(data)
     except ManifestError as exc:
         return f"unreadable: {exc}"
     if (manifest.job, manifest.generation) != (job, step):

@@ -29,6 +29,7 @@ from ckptdrain.client.manifest import (
 )
 from ckptdrain.client.names import MANIFEST_NAME
 from ckptdrain.daemon.backends.base import Backend, ObjectInfo, ShardConflict
+from ckptdrain.daemon.latest import parse_manifest
 from ckptdrain.daemon.tombstone import is_tombstone
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ async def settle_existing(
             f"(found {where}); save a new step"
         )
     try:
-        manifest = Manifest.from_json(data)
+        manifest = await parse_manifest(data)
     except ManifestError as exc:
         raise ShardConflict(
             f"step {step} of job {job!r} has a damaged MANIFEST.json ({exc}); nothing is "
@@ -103,7 +104,7 @@ async def check_replaced(backend: Backend, key: str, size: int, checksum: str) -
     if data is None or is_tombstone(data):
         return
     try:
-        entry = _entry(Manifest.from_json(data), path)
+        entry = _entry(await parse_manifest(data), path)
     except ManifestError:
         return  # damaged: nothing it promises can be checked; settle_existing reports it
     if entry is not None and (entry.size, entry.checksum) != (size, checksum):
