@@ -53,6 +53,7 @@ from ckptdrain.daemon.latest import (
     parse_manifest,
     raise_latest,
 )
+from ckptdrain.daemon.manifestcache import Committed, ManifestCache
 from ckptdrain.daemon.tombstone import is_tombstone
 
 # Re-exported: the LATEST helpers lived here first (latest.py now).
@@ -125,6 +126,7 @@ class Committer:
         self._clock = clock
         # One per job this committer has raised LATEST for: a handful per daemon.
         self._latest_locks: dict[str, asyncio.Lock] = {}
+        self.manifests = ManifestCache()
 
     async def record_part(self, part: PartRecord) -> None:
         """Write (or overwrite) this node's part record for the part's generation."""
@@ -156,8 +158,9 @@ class Committer:
                 f"ranks {describe_ranks(missing)} of {world_size} have no part record yet",
             )
         try:
-            manifest = await off_loop_if_large(
-                sum(len(p.shards) for p in parts) * 200, build_manifest, parts, self._clock())
+            manifest = await off_loop_if_large(sum(len(p.shards) for p in parts)
+                                               * PART_ENTRY_BYTES, build_manifest, parts,
+                                               self._clock())
         except ManifestError as exc:
             return CommitResult(CommitOutcome.CONFLICT, None, reason=str(exc))
 
@@ -232,11 +235,19 @@ class Committer:
 
     async def committed(self, job: str, step: int) -> Manifest | None:
         """The generation's manifest, or None if it is not committed (also when retention
-        has tombstoned it as abandoned).
+        has tombstoned it as abandoned); read and parsed once (:mod:`.manifestcache`).
 
         Raises ManifestError when a manifest exists but is malformed: that is damage to
         report, not an uncommitted generation to wait for.
         """
+        found = await self.committed_shards(job, step)
+        return None if found is None else found.manifest
+
+    async def committed_shards(self, job: str, step: int) -> Committed | None:
+        """:meth:`committed`, with its shards by path."""
+        return await self.manifests.get(job, step, lambda: self._read_committed(job, step))
+
+    async def _read_committed(self, job: str, step: int) -> Manifest | None:
         data = await self.backend.get_bytes(manifest_key(job, step))
         if data is None or is_tombstone(data):
             return None

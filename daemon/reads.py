@@ -104,10 +104,10 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
     d = h.d
     h.check_job_owner(job)
     try:
-        manifest = await d.committer.committed(job, step)
-        if manifest is None:
+        committed = await d.committer.committed_shards(job, step)
+        if committed is None:
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} is not committed")
-        entry = next((s for s in manifest.shards if s.path == path), None)
+        entry = committed.by_path.get(path)
         if entry is None:
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
         size, checksum = await d.backend.copy_into(shard_key(job, step, path), out_fd,

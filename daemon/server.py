@@ -407,6 +407,7 @@ class Daemon:
             newest = max(report.kept, default=None)
             cutoff = time.time() - retention.abandoned_grace_s
             gone = set(report.deleted) | set(report.abandoned_deleted)
+            self.committer.manifests.forget(job, gone)
             for old in [g for g in self.ledger.generations.values() if g.job == job]:
                 stale = (old.state in (GenerationState.FAILED, GenerationState.CANCELLED)
                          and newest is not None and old.step < newest and old.created_at < cutoff)

@@ -133,6 +133,33 @@ async def test_a_large_part_record_is_built_off_the_loop(monkeypatch: pytest.Mon
     assert len(where) == SHARDS and threading.current_thread().name not in where
 
 
+@pytest.mark.asyncio
+async def test_a_committed_manifest_is_read_and_parsed_once_for_every_shard_fetched(
+        parsed_where: list[str]) -> None:
+    # A reader loading a checkpoint from the destination through the daemon fetches shard by
+    # shard, and each fetch looked the shard up in a manifest read and parsed again.
+    import asyncio
+
+    manifest = _manifest()
+    backend = MemoryBackend("gpu1")
+    await backend.put_bytes(manifest_key(JOB, STEP), manifest.to_json())
+    committer = Committer(backend, "gpu1")
+    # Ranks asking at once, then one after another.
+    await asyncio.gather(*(committer.committed(JOB, STEP) for _ in range(8)))
+    for entry in manifest.shards[:50]:
+        found = await committer.committed_shards(JOB, STEP)
+        assert found is not None and found.by_path[entry.path] == entry
+    assert len(parsed_where) == 1
+    # Not committed: asked again each time, never kept.
+    assert await committer.committed(JOB, STEP + 1) is None
+    assert await committer.committed(JOB, STEP + 1) is None
+    assert committer.manifests.reads == 3
+    # Removed by retention: read again if asked.
+    committer.manifests.forget(JOB, [STEP])
+    assert await committer.committed(JOB, STEP) == manifest
+    assert len(parsed_where) == 2
+
+
 def _direct_parses(path: Path) -> Iterator[tuple[str, int]]:
     """(function, line) of each ``Manifest.from_json``/``PartRecord.from_json`` call."""
     tree = ast.parse(path.read_text(), filename=str(path))
