@@ -23,6 +23,7 @@ import pickle
 import shutil
 import signal
 import struct
+import sys
 import tempfile
 import time
 import uuid
@@ -168,13 +169,24 @@ def full_tensors(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def init_group(rank: int, world: int, init_file: str) -> None:
-    # A rank that torch's C++ aborts (SIGABRT: "terminate called without an active
-    # exception", seen twice in CI on the resharded loads and not reproduced in 40 loops under
-    # load) leaves no Python traceback; this prints every thread's stack to the captured
-    # stderr, so the next one says where it happened.
+    # A rank that torch's C++ aborts leaves no Python traceback; this prints every thread's
+    # stack to the captured stderr, so one says where it happened (see end_rank).
     faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
+
+
+def end_rank() -> None:
+    """A rank whose work is done and checked (its results written) ends here, every rank
+    together (a barrier), without the interpreter's teardown. torch aborted a rank at that
+    teardown three times in CI ("terminate called without an active exception" in C++, the
+    main thread in no Python frame: static destructors after the rank's function had
+    returned), on the resharded loads through DrainReader; not reproduced on demand."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def save_ranks(rank: int, world: int, init_file: str, sockets: list[str], dest: str,
@@ -215,8 +227,10 @@ def save_ranks(rank: int, world: int, init_file: str, sockets: list[str], dest: 
         result["async"] = load_and_compare(
             Path(dest) / JOB / f"{ASYNC_STEP:020d}", expected, world, rank, ASYNC_STEP)
         (Path(work) / f"save-rank{rank}.json").write_text(json.dumps(result))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank()
 
 
 def load_resharded(rank: int, world: int, init_file: str, dest: str, work: str,
@@ -250,8 +264,10 @@ def load_resharded(rank: int, world: int, init_file: str, dest: str, work: str,
         (Path(work) / f"reshard-{tag}-rank{rank}.json").write_text(
             json.dumps({"compared": len(expected), "local_shapes": [list(s) for s in shards],
                         "sources": sources}))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank()
 
 
 def run_ranks(fn: Callable[..., None], world: int, *args: Any,
