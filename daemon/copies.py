@@ -147,19 +147,14 @@ class LocalCopies:
                 try:
                     await self.dataplane.call(self.staging.discard_many, [n for n, _ in batch])
                 finally:
-                    # Unlinked, failed or cancelled (a stop): given back once either way.
-                    for _, room in batch:
-                        if room is not None:
-                            room.release()
+                    _give_back(batch)  # unlinked, failed or cancelled (a stop): either way
         finally:
             self._unlinking = False
             if not self._unlinks:
                 self._unlink_now.clear()  # what asked for it is unlinked
             elif not self.supervisor.accepting:
                 # Stopping: a restart's recovery drops these files (keep_local_copy off).
-                for _, room in self._unlinks:
-                    if room is not None:
-                        room.release()
+                _give_back(self._unlinks)
                 self._unlinks.clear()
             else:  # the call failed (logged by the supervisor): go on with the rest
                 self._unlinking = True
@@ -222,3 +217,11 @@ class LocalCopies:
             log_event(log, logging.INFO, "local_copies_evicted", shards=len(victims), bytes=freed,
                       reason="a hand-off needed room on max_staged_bytes")
         return freed
+
+
+def _give_back(unlinks: list[tuple[str, Reservation | None]]) -> None:
+    """The rooms gathered drops held until their unlink: each released once, as it leaves
+    the unlink queue."""
+    for _, room in unlinks:
+        if room is not None:
+            room.release()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ckptdrain.client.manifest import Manifest, ShardEntry
 from ckptdrain.daemon.locks import KeyedLocks
@@ -29,7 +29,7 @@ CACHED_SHARDS = 200_000
 @dataclass(frozen=True)
 class Committed:
     manifest: Manifest
-    by_path: dict[str, ShardEntry] = field(default_factory=dict)
+    by_path: dict[str, ShardEntry]
 
 
 class ManifestCache:
