@@ -208,8 +208,11 @@ class FaultProxy:
                     await writer.drain()
                     continue
                 if up_writer is None or up_writer.is_closing():
-                    up_reader, up_writer = await asyncio.wait_for(
-                        asyncio.open_connection(*self.upstream), self.connect_timeout_s)
+                    # asyncio.timeout, not wait_for: on Python 3.11 a cancel (aclose) that
+                    # meets the connect's completion made wait_for drop the new connection
+                    # unclosed, which a later test then saw as a ResourceWarning.
+                    async with asyncio.timeout(self.connect_timeout_s):
+                        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
                 assert up_reader is not None and up_writer is not None
                 if request.fault == "corrupt":
                     body = bytearray(await reader.readexactly(length))
