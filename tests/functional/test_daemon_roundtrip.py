@@ -73,7 +73,8 @@ def test_cli_ls_verify_and_corruption_named(daemon: DaemonProcess) -> None:
     assert out.returncode == 0, out.stderr
     assert "generation 2" in out.stdout
     victim = gen_dir(daemon, "cli-job", 2) / "weights.bin"
-    victim.write_bytes(b"x" + victim.read_bytes()[1:])
+    data = victim.read_bytes()  # random: its first byte is b"x" one time in 256, so flip it
+    victim.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
     out = subprocess.run([CKPTDRAIN, "verify", daemon.dest_uri, "--job", "cli-job", "--generation", "2"], env=env, capture_output=True, text=True)
     assert out.returncode == 1
     assert "weights.bin" in out.stderr and "Traceback" not in out.stderr
@@ -160,6 +161,28 @@ def test_retention_runs_after_each_commit(make_daemon) -> None:  # type: ignore[
     assert c.latest("kept") == 4
     steps = [g["step"] for g in c.status()["generations"]]
     assert steps == [3, 4] or steps == [2, 3, 4]  # forgotten once retention removed them
+
+
+def test_two_nodes_one_retention_run_per_commit_and_both_forget_older(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Retention runs on the node that published each manifest; the other node still forgets
+    the older committed generations it holds, so neither node's journal grows with the job."""
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_RETENTION__KEEP_LAST="1")
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_RETENTION__KEEP_LAST="1")
+    for step in range(1, 4):
+        for rank, node in enumerate((a, b)):
+            with node.client().generation("pair", step, rank=rank, world_size=2) as gen:
+                gen.put(f"r{rank}.bin", os.urandom(1000))
+        a.client().wait("pair", step, timeout_s=30)
+        b.client().wait("pair", step, timeout_s=30)
+    deadline = time.monotonic() + 30
+    while (sorted(p.name for p in (a.dest / "pair").iterdir() if p.is_dir()) != [f"{3:020d}"]
+           or [g["step"] for g in a.client().status()["generations"]] != [3]
+           or [g["step"] for g in b.client().status()["generations"]] != [3]):
+        assert time.monotonic() < deadline, sorted((a.dest / "pair").iterdir())
+        time.sleep(0.05)
+    published = [line for node in (a, b) for line in node.log().splitlines()
+                 if "event=generation_committed" in line and "outcome=published" in line]
+    assert len(published) == 3, published
 
 
 def test_old_failed_generations_are_forgotten_after_the_grace(make_daemon) -> None:  # type: ignore[no-untyped-def]
