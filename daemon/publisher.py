@@ -69,6 +69,7 @@ class Publisher:
         drain: Callable[[GenerationRecord, ShardRecord], Awaitable[bool]],
         on_terminal: Callable[[GenerationRecord], None],
         on_ended: Callable[[GenerationRecord], None],
+        on_published: Callable[[GenerationRecord], None] | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -77,6 +78,9 @@ class Publisher:
         self._drain = drain  # a deferred shard, copied right before the manifest
         self._on_terminal = on_terminal  # the daemon frees the generation's slot and copies
         self._on_ended = on_ended  # the scheduler cancels its copies and uploads
+        # This node's create made the manifest: the daemon runs the job's retention (one node
+        # per commit, not every node of the job).
+        self._on_published = on_published
         self.destination = config.destination.scheme
         self._poll_now = asyncio.Event()
         # Work that outlives its caller (a failure record, aborting uploads), queued here and
@@ -316,6 +320,8 @@ class Publisher:
             }
             self.metrics.generation_committed(gen.job, gen.step, clocks, committed_at)
             self._on_terminal(gen)
+            if result.outcome is CommitOutcome.PUBLISHED and self._on_published is not None:
+                self._on_published(gen)
             log_event(log, logging.INFO, "generation_committed", job=gen.job, step=gen.step,
                       outcome=result.outcome.name.lower(), shards=len(gen.shards),
                       bytes=sum(s.size for s in gen.shards.values()))

@@ -25,9 +25,14 @@ transactions both reads can come before both writes. The tombstone stays for one
 after the shards are gone, so that a publisher which read the part records just before they
 were deleted finds it too; a later run removes it.
 
-Any node may run it, all nodes at once included: every decision is taken from one listing,
-deletes are idempotent, and a key that is already gone is not an error. Only the
-:class:`Backend` interface is used, so POSIX and S3 behave the same.
+A run lists what it decides on, not the whole job: the generation directories (one request),
+the newest manifests until ``keep_last`` valid ones are found, and then only the generations it
+may remove (older than the newest commit, or tombstoned). The kept generations' shards are
+never listed: a job with 10,000-shard generations and ``keep_last = 3`` lists about 10,000
+keys per commit, not 40,000. Each generation is decided from its own listing and the
+manifests read, so the runs of several nodes may overlap: deletes are idempotent, a key that
+is already gone is not an error, and the tombstone settles every race with a publish. Only
+the :class:`Backend` interface is used, so POSIX and S3 behave the same.
 
 Planning (retention_plan.py) is pure; :func:`apply_retention` does the I/O around it.
 """
@@ -37,7 +42,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptdrain.client.manifest import (
@@ -45,6 +50,7 @@ from ckptdrain.client.manifest import (
     generation_prefix,
     latest_key,
     manifest_key,
+    parse_generation_dir,
 )
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError
@@ -56,7 +62,6 @@ from ckptdrain.daemon.retention_plan import (
     check_arguments,
     deletion_order,
     group_generations,
-    manifests_to_read,
     plan_retention,
 )
 from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json
@@ -64,7 +69,7 @@ from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json
 # Re-exported: retention's planning lived here first.
 __all__ = [
     "GenerationKeys", "RetentionPlan", "RetentionReport", "apply_retention", "deletion_order",
-    "gc", "group_generations", "manifests_to_read", "plan_retention",
+    "gc", "group_generations", "plan_retention",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +78,8 @@ log = logging.getLogger(__name__)
 # and one request at a time would take minutes for a 100,000-shard generation; an unbounded
 # burst would be throttled (503 SlowDown) or swamp a Lustre MDS.
 DELETE_CONCURRENCY = 16
+# Generations listed at once: usually one goes per commit, many on a first `gc` of a long job.
+LIST_CONCURRENCY = 4
 
 
 @dataclass(frozen=True)
@@ -121,8 +128,7 @@ async def apply_retention(
     generation_prefix(job, 0)  # validates the job name before anything is listed
     if now is None:
         now = time.time()
-    generations = group_generations(job, await backend.list(f"{job}/"))
-    valid, unreadable, tombstoned = await _validate_newest(backend, job, generations, keep_last)
+    generations, valid, unreadable, tombstoned = await _survey(backend, job, keep_last)
     plan = plan_retention(
         generations,
         valid,
@@ -206,26 +212,33 @@ async def gc(
     ]
 
 
-async def _validate_newest(
-    backend: Backend, job: str, generations: Mapping[int, GenerationKeys], keep_last: int
-) -> tuple[list[int], dict[int, str], set[int]]:
-    """Read manifests newest first until ``keep_last`` valid ones are found: (valid steps,
-    unreadable ones with the reason, tombstoned ones).
+async def _survey(
+    backend: Backend, job: str, keep_last: int
+) -> tuple[dict[int, GenerationKeys], list[int], dict[int, str], set[int]]:
+    """What retention needs to know of ``job``: (its generations, the valid steps newest first,
+    the unreadable ones with the reason, the tombstoned ones).
 
-    Only the generations that will be kept are read (normally ``keep_last`` small objects),
-    never the older ones about to be removed.
+    Manifests are read newest first until ``keep_last`` valid ones are found, never the older
+    ones about to be removed. Only the generations a run may remove are listed key by key:
+    those older than the newest commit and not kept, and tombstoned ones. The others stand
+    for themselves with no keys (kept, in flight, or kept for inspection: none is deleted).
     """
+    steps = sorted(
+        (step for name in await backend.list_dirs(f"{job}/")
+         if (step := parse_generation_dir(name)) is not None),
+        reverse=True,
+    )
     valid: list[int] = []
     unreadable: dict[int, str] = {}
     tombstoned: set[int] = set()
-    for step in manifests_to_read(generations):
+    present: dict[int, bool] = {}  # read: whether a manifest key held anything
+    for step in steps:
         if len(valid) == keep_last:
             break
         data = await backend.get_bytes(manifest_key(job, step))
+        present[step] = data is not None
         if data is None:
-            # Listed a moment ago, gone now: another node's retention is removing it.
-            unreadable[step] = "removed while this run was reading it"
-            continue
+            continue  # uncommitted (or removed since the listing by another node's run)
         if is_tombstone(data):
             tombstoned.add(step)
             continue
@@ -235,7 +248,26 @@ async def _validate_newest(
             unreadable[step] = reason
         else:
             valid.append(step)
-    return valid, unreadable, tombstoned
+    newest = valid[0] if valid else None
+    doomed = [s for s in steps if s not in valid and s not in unreadable
+              and (s in tombstoned or (newest is not None and s < newest))]
+    generations = {
+        step: GenerationKeys(step=step, keys=(), has_manifest=found, newest_write=None)
+        for step, found in present.items()
+    }
+    listed: dict[int, dict[int, GenerationKeys]] = {}
+
+    async def list_one(step: int) -> None:
+        listed[step] = group_generations(job, await backend.list(generation_prefix(job, step)))
+
+    await for_each_bounded(doomed, list_one, LIST_CONCURRENCY)
+    for step in doomed:
+        found = listed[step].get(step)
+        if found is None:
+            generations.pop(step, None)  # emptied since the directory listing: nothing to do
+        else:
+            generations[step] = found
+    return generations, valid, unreadable, tombstoned
 
 
 async def _manifest_problem(job: str, step: int, data: bytes) -> str:

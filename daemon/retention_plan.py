@@ -1,8 +1,8 @@
 """Retention's decisions, without I/O: which generations of a job stay, which go, and in
 which order their keys are deleted (the rules are in docs/layout.md, "Retention").
 
-:mod:`ckptdrain.daemon.retention` lists the destination, reads the manifests it needs, and
-applies what :func:`plan_retention` decides.
+:mod:`ckptdrain.daemon.retention` lists the generations, reads the manifests it needs, lists
+the generations it may remove, and applies what :func:`plan_retention` decides.
 """
 
 from __future__ import annotations
@@ -74,11 +74,6 @@ def group_generations(job: str, infos: Iterable[ObjectInfo]) -> dict[int, Genera
         )
         for step, found in keys.items()
     }
-
-
-def manifests_to_read(generations: Mapping[int, GenerationKeys]) -> list[int]:
-    """Steps with a manifest key, newest first: the order in which to validate them."""
-    return sorted((g.step for g in generations.values() if g.has_manifest), reverse=True)
 
 
 def plan_retention(

@@ -56,6 +56,7 @@ class Scheduler:
         metrics: Metrics,
         on_drained: Callable[[ShardRecord], None],
         on_terminal: Callable[[GenerationRecord], None],
+        on_published: Callable[[GenerationRecord], None] | None = None,
         upload_log_for: Callable[[ShardRecord], UploadLog | None] | None = None,
     ) -> None:
         self.ledger = ledger
@@ -67,6 +68,7 @@ class Scheduler:
         self.publisher = Publisher(
             config=config, ledger=ledger, committer=committer, metrics=metrics,
             drain=self._drain_deferred, on_terminal=on_terminal, on_ended=self._discard_copies,
+            on_published=on_published,
         )
         self.config = config
         self._queue = FairQueue()

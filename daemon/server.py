@@ -40,7 +40,7 @@ from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
-from ckptdrain.daemon.locks import KeyedLocks
+from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics
 from ckptdrain.daemon.recovery import recover, sweep_forever, sweep_once
@@ -103,7 +103,7 @@ class Daemon:
         self.scheduler = Scheduler(
             config=config, ledger=self.ledger, staging=self.staging, backend=self.backend,
             committer=self.committer, metrics=self.metrics, on_drained=self.copies.drained,
-            on_terminal=self._after_terminal,
+            on_terminal=self._after_terminal, on_published=self._published,
             upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
         self.handoffs = Handoffs(self)
@@ -113,7 +113,7 @@ class Daemon:
         self.staging_reserve = 0
         self._stop = asyncio.Event()
         self._listener: Listener | None = None
-        self._retention_locks: dict[str, asyncio.Lock] = {}
+        self._retention_runs = CoalescedRuns()  # by job
         self._begin_locks = KeyedLocks()
         self.metrics_address: tuple[str, int] | None = None
         self.stopping = False
@@ -324,7 +324,7 @@ class Daemon:
         if gen.state is GenerationState.COMMITTED:
             self.copies.drop_older_committed(gen)
             job = gen.job
-            self.supervisor.spawn(lambda: self._retain(job), what=f"retention {job}")
+            self.supervisor.spawn(lambda: self._forget_older(job), what=f"forget older {job}")
             return
         job = gen.job
         self.supervisor.spawn(lambda: self.expiry.trim(job), what=f"trim ended {job}")
@@ -383,37 +383,58 @@ class Daemon:
                     await self.ledger.apply(shard, ShardEvent.DISCARDED)
         return True
 
+    def _published(self, gen: GenerationRecord) -> None:
+        job = gen.job
+        self.supervisor.spawn(lambda: self._retain(job), what=f"retention {job}")
+
     async def _retain(self, job: str) -> None:
-        """Retention after a commit: keep the newest ``keep_last`` committed generations.
-        Every node does this; the steps are idempotent, so they may overlap safely."""
-        lock = self._retention_locks.setdefault(job, asyncio.Lock())
-        if lock.locked():
-            return  # a run for this job is under way and will see this commit's listing
-        async with lock:
-            retention = self.config.retention
-            try:
-                report = await apply_retention(self.backend, job, keep_last=retention.keep_last,
-                                               abandoned_grace_s=retention.abandoned_grace_s)
-            except Exception as exc:  # a destination hiccup: the next commit runs it again
-                log_event(log, logging.WARNING, "retention_failed", job=job, error=str(exc))
-                return
-            if report.deleted or report.abandoned_deleted or report.failed:
-                log_event(log, logging.INFO, "retention", job=job, kept=report.kept,
-                          deleted=report.deleted, abandoned=report.abandoned_deleted,
-                          failed=[step for step, _ in report.failed])
-            # Forget what retention removed, and failed or cancelled generations older than
-            # the newest commit once the grace period is over (nobody will retry them now):
-            # the journal and the local copies stay bounded.
-            newest = max(report.kept, default=None)
-            cutoff = time.time() - retention.abandoned_grace_s
-            gone = set(report.deleted) | set(report.abandoned_deleted)
-            self.committer.manifests.forget(job, gone)
-            for old in [g for g in self.ledger.generations.values() if g.job == job]:
-                stale = (old.state in (GenerationState.FAILED, GenerationState.CANCELLED)
-                         and newest is not None and old.step < newest and old.created_at < cutoff)
-                if old.terminal and (old.step in gone or stale):
-                    self.copies.discard_generation(old)
-                    await self.ledger.forget(old)
+        """Retention at the destination after this node published a generation of ``job``.
+
+        Only the publishing node runs it: every node of a 100-node job listing the job and
+        deleting the same old generation would multiply its requests by 100. A publisher that
+        dies before its run leaves the old generation to the next commit's run (or
+        ``ckptdrain gc``). One run per job at a time, and a commit during a run asks for one
+        more after it (CoalescedRuns): the newest commit is always seen by a run that began
+        after it.
+        """
+        await self._retention_runs.run(job, lambda: self._retain_once(job))
+
+    async def _retain_once(self, job: str) -> None:
+        retention = self.config.retention
+        try:
+            report = await apply_retention(self.backend, job, keep_last=retention.keep_last,
+                                           abandoned_grace_s=retention.abandoned_grace_s)
+        except Exception as exc:  # a destination hiccup: the next commit runs it again
+            log_event(log, logging.WARNING, "retention_failed", job=job, error=str(exc))
+            return
+        if report.deleted or report.abandoned_deleted or report.failed:
+            log_event(log, logging.INFO, "retention", job=job, kept=report.kept,
+                      deleted=report.deleted, abandoned=report.abandoned_deleted,
+                      failed=[step for step, _ in report.failed])
+        self.committer.manifests.forget(job, [*report.deleted, *report.abandoned_deleted])
+
+    async def _forget_older(self, job: str) -> None:
+        """After a commit, on every node: forget this job's committed generations beyond the
+        newest ``keep_last`` (retention removes them at the destination), and its failed or
+        cancelled ones older than the newest commit once the grace period is over (nobody
+        will retry them now), so the journal and the local copies stay bounded."""
+        retention = self.config.retention
+        mine = [g for g in self.ledger.generations.values() if g.job == job]
+        committed = sorted((g.step for g in mine if g.state is GenerationState.COMMITTED),
+                           reverse=True)
+        if not committed:
+            return
+        older = set(committed[retention.keep_last:])
+        self.committer.manifests.forget(job, older)
+        cutoff = time.time() - retention.abandoned_grace_s
+        for old in mine:
+            stale = (old.state in (GenerationState.FAILED, GenerationState.CANCELLED)
+                     and old.step < committed[0] and old.created_at < cutoff)
+            # Another run may have forgotten it while this one waited on the journal.
+            if (old.terminal and (old.step in older or stale)
+                    and self.ledger.generations.get(old.key) is old):
+                self.copies.discard_generation(old)
+                await self.ledger.forget(old)
 
     # -- status ------------------------------------------------------------------------------
     def status(self, *, job: str | None = None, peer: Peer | None = None) -> dict[str, Any]:

@@ -42,7 +42,6 @@ from ckptdrain.daemon.retention import (
     apply_retention,
     gc,
     group_generations,
-    manifests_to_read,
     plan_retention,
 )
 from ckptdrain.daemon.tombstone import is_tombstone
@@ -210,6 +209,35 @@ async def test_keep_last_two_of_five_leaves_exactly_the_newest_two(dest: Dest) -
 
 
 @pytest.mark.asyncio
+async def test_a_run_lists_only_the_generations_it_may_remove() -> None:
+    """After a commit, retention lists the generation directories and the one generation that
+    goes, not the kept generations' shards (a 10,000-shard job with keep_last = 3 listed 40,000
+    keys per commit, on every node), and reads only the kept generations' manifests."""
+    store = MemoryStore()
+    backend = MemoryBackend(NODE, store=store)
+    many = tuple(f"model/rank{r}.pt" for r in range(40))
+    for step in (1, 2, 3):
+        await commit(backend, step, many)
+    await commit(backend, 5, many, job="other")  # another job is never listed
+    assert (await retain(backend, 3)).deleted == []
+    await commit(backend, 4, many)
+    await abandon(backend, 6)  # in flight: newer than the newest commit, never listed
+    store.calls.clear()
+
+    report = await retain(backend, 3)
+
+    assert (report.kept, report.deleted) == ([4, 3, 2], [1])
+    calls = [(op, key) for _node, op, key in store.calls]
+    assert [c for c in calls if c[0] in ("list", "list_dirs")] == [
+        ("list_dirs", f"{JOB}/"), ("list", generation_prefix(JOB, 1))]
+    reads = [key for op, key in calls if op == "get_bytes"]
+    assert reads[:4] == [manifest_key(JOB, s) for s in (6, 4, 3, 2)]
+    assert manifest_key(JOB, 1) not in reads[:4]
+    assert len([k for op, k in calls if op == "delete"]) == len(many) + 2  # shards, part, manifest
+    await backend.aclose()
+
+
+@pytest.mark.asyncio
 async def test_manifest_goes_before_part_records_before_shards(tmp_path: Path) -> None:
     store = MemoryStore()
     backend = MemoryBackend(NODE, store=store)
@@ -240,6 +268,7 @@ async def test_manifest_goes_before_part_records_before_shards(tmp_path: Path) -
     prefix = generation_prefix(JOB, 15)
     abandoned_calls = [(op, key) for op, key in calls if key.startswith(prefix)]
     assert abandoned_calls == [
+        ("list", prefix),  # the generation is listed (the run deletes what it lists)
         ("put_bytes", manifest_key(JOB, 15)),
         ("delete", part_key(JOB, 15, NODE)),
         *(("delete", shard_key(JOB, 15, p)) for p in sorted(PATHS[:2])),
@@ -394,7 +423,7 @@ def test_plan_with_fewer_valid_generations_than_keep_last_removes_no_committed_o
     ]
     generations = group_generations(JOB, listing)
     assert sorted(generations) == [1, 2, 3]
-    assert manifests_to_read(generations) == [2, 1]
+    assert [generations[s].has_manifest for s in (1, 2, 3)] == [True, True, False]
 
     # Step 2's manifest is damaged; only step 1 is valid, and keep_last is 3.
     plan = plan_retention(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.backends.memory import MemoryBackend
+from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import Config, DestinationConfig, DrainConfig
 from ckptdrain.daemon.journal import Journal
@@ -65,25 +66,27 @@ async def test_a_waiting_worker_wakes_on_put() -> None:
 # call raise something no real backend raises (a bug), which is what the boundary is for.
 
 
-async def _staged_generation(ledger: Ledger, staging: Staging, job: str) -> GenerationRecord:
-    gen = await ledger.open_generation(job, 1, 1, "local", uid=0)
-    await ledger.open_rank(gen, 0)
+async def _staged_generation(ledger: Ledger, staging: Staging, job: str, *, rank: int = 0,
+                             world_size: int = 1) -> GenerationRecord:
+    gen = await ledger.open_generation(job, 1, world_size, "local", uid=0)
+    await ledger.open_rank(gen, rank)
     name = staging.new_name()
     staging.data_path(name).write_bytes(b"x" * 100)
     now = time.time()
     await ledger.add_shard(gen, ShardRecord(
-        id=ledger.shard_ids(), job=job, step=1, rank=0, path="a.bin", size=100,
+        id=ledger.shard_ids(), job=job, step=1, rank=rank, path=f"{rank}.bin", size=100,
         staged_name=name, state=ShardState.STAGED, handed_at=now, staged_at=now))
-    await ledger.apply((gen, 0), RankEvent.SEALED)
+    await ledger.apply((gen, rank), RankEvent.SEALED)
     return gen
 
 
 @contextlib.asynccontextmanager
 async def running_scheduler(
-    tmp_path: Path, backend: MemoryBackend,
+    tmp_path: Path, backend: MemoryBackend, published: list[GenerationRecord] | None = None,
 ) -> AsyncIterator[tuple[Scheduler, Ledger, Staging, list[GenerationRecord]]]:
+    node = backend.node_id
     config = Config(
-        node_id="n0", socket=tmp_path / "d.sock", staging_dir=tmp_path / "staging",
+        node_id=node, socket=tmp_path / "d.sock", staging_dir=tmp_path / "staging",
         destination=DestinationConfig(uri="memory://boundary"),
         drain=DrainConfig(commit_poll_interval_s=0.05, retry_initial_backoff_s=0.01),
     )
@@ -95,8 +98,9 @@ async def running_scheduler(
     ended: list[GenerationRecord] = []
     scheduler = Scheduler(
         config=config, ledger=ledger, staging=staging, backend=backend,
-        committer=Committer(backend, "n0"), metrics=Metrics("n0", "test"),
+        committer=Committer(backend, node), metrics=Metrics(node, "test"),
         on_drained=lambda shard: None, on_terminal=ended.append,
+        on_published=None if published is None else published.append,
     )
     running = asyncio.create_task(scheduler.run())
     try:
@@ -201,3 +205,38 @@ async def test_a_paced_drain_cancelled_as_its_wait_ends_is_cancelled() -> None:
         with pytest.raises(asyncio.CancelledError):
             await paced
     assert cancelled_pending >= 1, "every wait ended before its cancel: nothing tested"
+
+
+@pytest.mark.asyncio
+async def test_only_the_node_whose_create_made_the_manifest_is_told_it_published(
+    tmp_path: Path,
+) -> None:
+    """Retention runs where the manifest was published, not on every node of the job: each
+    commit tells exactly one node (whose create made it), however the two nodes' commit
+    steps interleave; the other node still ends the generation committed."""
+    store = MemoryStore()
+    for trial in range(4):
+        told: dict[str, list[GenerationRecord]] = {"n0": [], "n1": []}
+        job = f"two-nodes-{trial}"
+        async with contextlib.AsyncExitStack() as stack:
+            gens = []
+            for rank, node in enumerate(("n0", "n1")):
+                (tmp_path / f"{trial}-{node}").mkdir()
+                # The nodes' calls in a seeded order: either may publish.
+                backend = MemoryBackend(node, store=store,
+                                        interleave=random.Random(trial * 2 + rank))
+                scheduler, ledger, staging, _ended = await stack.enter_async_context(
+                    running_scheduler(tmp_path / f"{trial}-{node}", backend, told[node]))
+                gens.append((scheduler, await _staged_generation(
+                    ledger, staging, job, rank=rank, world_size=2)))
+            for scheduler, gen in gens:
+                for shard in gen.shards.values():
+                    scheduler.enqueue(gen, shard)
+            deadline = time.monotonic() + 15
+            while not all(g.terminal for _s, g in gens) or not (told["n0"] or told["n1"]):
+                assert time.monotonic() < deadline, [g.state for _s, g in gens]
+                await asyncio.sleep(0.01)
+            assert [g.state for _s, g in gens] == [GenerationState.COMMITTED] * 2
+            publisher = [node for node, gens_told in told.items() if gens_told]
+            assert len(publisher) == 1, told
+            assert [(g.job, g.step) for g in told[publisher[0]]] == [(job, 1)]
