@@ -74,10 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Deletes in flight per generation: S3 has no cheap bulk delete through the Backend interface,
-# and one request at a time would take minutes for a 100,000-shard generation; an unbounded
-# burst would be throttled (503 SlowDown) or swamp a Lustre MDS.
-DELETE_CONCURRENCY = 16
 # Generations listed at once: usually one goes per commit, many on a first `gc` of a long job.
 LIST_CONCURRENCY = 4
 
@@ -325,9 +321,10 @@ async def _delete_abandoned(
 
 
 async def _delete_all(backend: Backend, keys: Sequence[str]) -> None:
-    """Delete ``keys`` with at most DELETE_CONCURRENCY in flight; the first failure cancels
-    the rest and is raised as itself."""
-    await for_each_bounded(keys, backend.delete, DELETE_CONCURRENCY)
+    """Delete ``keys`` in bulk (Backend.delete_many: DeleteObjects on S3, a directory fsync
+    per batch on POSIX); every delete is done and durable when this returns."""
+    if keys:
+        await backend.delete_many(keys)
 
 
 async def _repair_latest(backend: Backend, job: str, removed: set[int], newest: int) -> None:

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
 
 
+# Single deletes in flight at once (Backend.delete_many's default): one at a time would take
+# minutes for a 100,000-shard generation; an unbounded burst would be throttled (503 SlowDown)
+# or swamp a Lustre MDS.
+DELETE_CONCURRENCY = 16
+
+
 class BackendError(DaemonError):
     """A destination operation failed. ``transient`` errors are worth retrying."""
 
@@ -228,6 +234,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Remove a key; a missing key is not an error."""
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove every key (a missing one is not an error); when this returns, every removal
+        has finished and is as durable as :meth:`delete`'s. The first failure is raised, and
+        the other keys may or may not be gone. Here, :meth:`delete` with at most
+        :data:`DELETE_CONCURRENCY` at once; a backend with a bulk delete overrides it (S3:
+        DeleteObjects, 1,000 keys a request; POSIX: one thread job and one directory fsync
+        per directory of a batch)."""
+        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports this module
+
+        await for_each_bounded(keys, self.delete, DELETE_CONCURRENCY)
 
     async def prepare_prefix(self, prefix: str) -> None:  # noqa: B027 - optional hook
         """Called once before the first object under a generation prefix is written

@@ -66,6 +66,12 @@ from ckptdrain.daemon.backends.posixfs import (
     writes_direct,
     writes_in_parallel,
 )
+from ckptdrain.daemon.backends.posixremove import (
+    REMOVE_AT_ONCE,
+    REMOVE_BATCH,
+    remove_many,
+    remove_one,
+)
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.checksums import ALGO
 from ckptdrain.daemon.directcopy import DIRECT_MIN_BYTES, direct_copy_and_checksum
@@ -374,28 +380,19 @@ class PosixBackend(Backend):
             self._live.discard(self._live_key(tmp))
 
     async def delete(self, key: str) -> None:
-        await self._run(f"deleting {key}", self._delete_sync, self._entry(key))
+        await self._run(f"deleting {key}", remove_one, self.fs, self._entry(key))
 
-    def _delete_sync(self, entry: Entry, stop: threading.Event) -> None:
-        del stop
-        try:
-            with self.fs.dir(entry.dir) as dir_fd:
-                # unlink() removes a planted link itself, never what it points to.
-                os.unlink(entry.name, dir_fd=dir_fd)
-                # Retention deletes a manifest before its shards; the unlink must be durable
-                # before the shards go, or a crash could resurrect a manifest whose shards
-                # are gone.
-                os.fsync(dir_fd)
-        except (FileNotFoundError, NotADirectoryError):
-            return  # gone already (a concurrent delete removed the directory: durable too)
-        # Directories left empty (a removed generation's) would use up Lustre inodes. Only
-        # retention deletes, and only generations nobody writes; <root>/<job> itself stays.
-        for depth in range(len(entry.dir), 1, -1):
-            try:
-                with self.fs.dir(entry.dir[: depth - 1]) as parent_fd:
-                    os.rmdir(entry.dir[depth - 1], dir_fd=parent_fd)
-            except OSError:
-                break  # not empty (or gone, or not ours to follow): stop here
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        # A batch per thread job (posixremove): one walk and one fsync per directory.
+        entries = [self._entry(key) for key in keys]
+        batches = [entries[i:i + REMOVE_BATCH] for i in range(0, len(entries), REMOVE_BATCH)]
+
+        async def remove(batch: list[Entry]) -> None:
+            where = "/".join(batch[0].dir)
+            await self._run(f"deleting {len(batch)} keys under {where or '/'}", remove_many,
+                            self.fs, batch)
+
+        await for_each_bounded(batches, remove, REMOVE_AT_ONCE)
 
     # --- reads ------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError, Flow, ObjectInfo, UploadLog
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 from ckptdrain.daemon.backends.s3client import absent
-from ckptdrain.daemon.backends.s3errors import S3Failure, classify
+from ckptdrain.daemon.backends.s3errors import S3Failure, advice, classify
 from ckptdrain.daemon.backends.s3multipart import MultipartUploads
 from ckptdrain.daemon.backends.s3parts import (
     CHECKSUM_METADATA_KEY,
@@ -56,6 +56,10 @@ from ckptdrain.daemon.threads import settled
 # Keys in one batch of the commit's HEADs (one message to an upload worker; its answer, about
 # 300 bytes a key, goes in a memfd when longer than half a datagram).
 STAT_BATCH = 256
+# DeleteObjects takes at most 1,000 keys; a few requests at once, so retention's deletes do
+# not crowd out the next checkpoint's uploads under the same prefix.
+DELETE_OBJECTS_MAX = 1000
+DELETE_REQUESTS_AT_ONCE = 4
 
 # Re-exported: the names tests and older imports know this module by.
 __all__ = ["GiB", "KiB", "MiB", "S3Backend", "S3Failure", "classify", "multipart_etag",
@@ -294,6 +298,44 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
                                     **params))
         await self._small(f"writing {key}", "put_object", body=data, **params)
         return True
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """DeleteObjects, :data:`DELETE_OBJECTS_MAX` keys a request (the most S3 takes), a
+        few requests at once: a 10,000-shard generation in 10 requests, not 10,000. A key
+        already gone is no error (S3 reports it deleted); any other key's error fails the
+        call with the first one, once every request has been answered."""
+        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports base
+
+        fulls = [self._key(key) for key in keys]
+
+        async def batch(start: int) -> None:
+            chunk = fulls[start:start + DELETE_OBJECTS_MAX]
+            answer = await self._small(
+                f"deleting {len(chunk)} keys from {self._strip_root(chunk[0])}",
+                "delete_objects", Bucket=self.bucket,
+                Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+            errors = [e for e in answer.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+            if errors:
+                raise self._refused_delete(errors, len(chunk))
+
+        await for_each_bounded(range(0, len(fulls), DELETE_OBJECTS_MAX), batch,
+                               DELETE_REQUESTS_AT_ONCE)
+
+    def _refused_delete(self, errors: list[dict[str, Any]], keys: int) -> S3Failure:
+        """The failure for keys a DeleteObjects answer says it did not delete (its first)."""
+        first = errors[0]
+        code = str(first.get("Code", ""))
+        key = str(first.get("Key", ""))
+        if self.root and key.startswith(f"{self.root}/"):
+            key = self._strip_root(key)
+        transient = code in ("InternalError", "SlowDown", "ServiceUnavailable")
+        kind = ("throttled" if code == "SlowDown" else
+                "auth" if code in ("AccessDenied", "AllAccessDisabled") else "io")
+        return S3Failure(
+            f"deleting {key} at {self.uri}: {code}: {first.get('Message', '')} ({len(errors)} "
+            f"of the request's {keys} keys not deleted); "
+            f"{advice(kind, transient, self._endpoint)}",
+            transient=transient, kind=kind, code=code)
 
     async def delete(self, key: str) -> None:
         full = self._key(key)

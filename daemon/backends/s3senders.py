@@ -110,7 +110,7 @@ class PartSender(abc.ABC):
 SMALL_OPERATIONS = frozenset({
     "head_object", "create_multipart_upload", "complete_multipart_upload",
     "abort_multipart_upload", "list_parts", "list_multipart_uploads", "list_objects_v2",
-    "get_object", "put_object", "delete_object"})
+    "get_object", "put_object", "delete_object", "delete_objects"})
 
 
 # Requests that may go in one batch (PartSender.call_many): reads whose answers are small.

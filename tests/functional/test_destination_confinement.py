@@ -84,6 +84,8 @@ async def test_a_link_planted_at_a_generation_directory(
     assert await backend.list_dirs("eviljob/") == []  # a link is not a generation directory
     with pytest.raises(UnsafePath):
         await backend.delete(gen + "secret")
+    with pytest.raises(UnsafePath):
+        await backend.delete_many([gen + "secret", gen + "MANIFEST.json"])
 
 
 @pytest.mark.asyncio
@@ -103,6 +105,8 @@ async def test_a_link_planted_at_a_job_directory(
     assert await backend.list_dirs("") == []
     with pytest.raises(UnsafePath):
         await backend.delete(f"victimjob/{STEP1}/secret")
+    with pytest.raises(UnsafePath):
+        await backend.delete_many([f"victimjob/{STEP1}/secret"])
 
 
 @pytest.mark.asyncio

@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.daemon import filecopy
-from ckptdrain.daemon.backends import posix, posixfs
+from ckptdrain.daemon.backends import posix, posixfs, posixremove
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo, open_backend
 from ckptdrain.daemon.backends.posix import PosixBackend, backend_error, temp_name
 from ckptdrain.daemon.checksums import of_bytes
@@ -311,6 +311,53 @@ async def test_read_chunks_and_delete(root: Path, source: tuple[int, bytes]) -> 
     with pytest.raises(BackendError, match="does not exist"):
         async for _ in backend.read_chunks("j/s"):
             pass
+
+
+@pytest.mark.asyncio
+async def test_delete_many_fsyncs_each_directory_once_and_removes_emptied_ones(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention's bulk delete: one directory fsync per directory of a batch (a delete per
+    key fsynced its directory each time: 10,000 journal commits for a 10,000-shard
+    generation), keys already gone are fine, and the directories it empties go (up to, not
+    including, the job's)."""
+    backend = make(root)
+    keys = [f"j/00000000000000000001/model/rank{i:03d}.pt" for i in range(300)]
+    keys += [f"j/00000000000000000001/optim/rank{i:03d}.pt" for i in range(300)]
+    keys += ["j/00000000000000000001/MANIFEST.json"]
+    for key in keys:
+        await backend.put_bytes(key, b"x")
+    await backend.put_bytes("j/00000000000000000002/model/rank000.pt", b"stays")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(posixremove.os, "fsync", recording_fsync)
+    await backend.delete_many([*keys, "j/00000000000000000001/model/never-written"])
+
+    gen1 = root / "j" / "00000000000000000001"
+    assert sorted(synced) == [str(gen1), str(gen1 / "model"), str(gen1 / "optim")]
+    assert not gen1.exists() and (root / "j").is_dir()
+    assert await backend.get_bytes("j/00000000000000000002/model/rank000.pt") == b"stays"
+    await backend.delete_many(keys[:3])  # all gone already, and their directory too: fine
+
+
+def test_a_stopped_removal_stops_between_files(root: Path) -> None:
+    """A cancelled delete_many tells its thread to stop (PosixBackend._run), and the thread
+    looks between files: a batch of thousands does not run on behind its caller."""
+    backend = make(root)
+    (root / "j" / "1").mkdir(parents=True)
+    for i in range(5):
+        (root / "j" / "1" / f"s{i}").write_bytes(b"")
+    stop = threading.Event()
+    stop.set()
+    entries = [backend._entry(f"j/1/s{i}") for i in range(5)]
+    posixremove.remove_many(backend.fs, entries, stop)
+    assert sorted(os.listdir(root / "j" / "1")) == [f"s{i}" for i in range(5)]
+    posixremove.remove_many(backend.fs, entries, threading.Event())
+    assert not (root / "j" / "1").exists() and (root / "j").is_dir()
 
 
 @pytest.mark.asyncio

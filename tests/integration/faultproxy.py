@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate")
+FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
+          "delete_denied")
 # Faults applied to a request that is still forwarded to the server.
 _FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate"})
 _MAX_HEAD = 64 * 1024
@@ -372,6 +373,18 @@ async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter
 
 def _fault_response(fault: str, target: str) -> bytes:
     resource = target.split("?")[0]
+    if fault == "delete_denied":
+        # A DeleteObjects answered 200 with one key refused inside it (the request is not
+        # forwarded: nothing is deleted), as S3 reports a key it could not delete.
+        body = (
+            b'<?xml version="1.0" encoding="UTF-8"?>\n<DeleteResult><Error>'
+            b"<Key>denied/key</Key><Code>AccessDenied</Code><Message>Access Denied</Message>"
+            b"</Error></DeleteResult>"
+        )
+        return (
+            "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nx-amz-request-id: faultproxy\r\n\r\n"
+        ).encode() + body
     if fault == "slowdown":
         status, code, message = "503 Slow Down", "SlowDown", "Please reduce your request rate."
     else:  # error200

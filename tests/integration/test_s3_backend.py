@@ -19,6 +19,7 @@ from ckptdrain.daemon.backends.s3 import (
     multipart_etag,
     part_plan,
 )
+from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.config import DestinationConfig
 from tests.integration.faultproxy import FaultProxy
 from tests.integration.seaweedfs import REGION, SeaweedFS
@@ -221,6 +222,35 @@ async def test_small_objects_list_get_delete(seaweedfs: SeaweedFS, s3_bucket: st
     listed = seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix="other/")
     assert listed.get("KeyCount", 0) == 0
     assert seaweedfs.client().head_object(Bucket=s3_bucket, Key=f"{PREFIX}/other/y")
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_delete_many_removes_keys_in_requests_of_a_thousand(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, proxy: FaultProxy) -> None:
+    """Retention's bulk delete: DeleteObjects, 1,000 keys a request (a 10,000-shard generation
+    was 10,000 DELETEs); keys already gone are fine; a key the server refuses fails the call
+    with its code, and nothing is reported deleted that was not."""
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url))
+    keys = [f"bulk/{i:05d}" for i in range(2100)]
+    await for_each_bounded(keys, lambda k: backend.put_bytes(k, b"x"), 32)
+    keep = await backend.put_bytes("bulkier/stays", b"y")
+    proxy.requests.clear()
+
+    await backend.delete_many([*keys, "bulk/never-written"])
+
+    deletes = [r for r in proxy.requests if r.method == "POST" and "delete" in r.target]
+    assert len(deletes) == 3 and not [r for r in proxy.requests if r.method == "DELETE"]
+    assert await backend.list("bulk/") == []
+    assert keep and await backend.get_bytes("bulkier/stays") == b"y"
+    await backend.delete_many(keys[:5])  # all gone already: fine
+
+    await backend.put_bytes("bulk/again", b"z")
+    proxy.inject("delete_denied", match=lambda r: r.method == "POST" and "delete" in r.target)
+    with pytest.raises(BackendError, match="AccessDenied") as refused:
+        await backend.delete_many(["bulk/again"])
+    assert refused.value.transient is False and "denied/key" in str(refused.value)
+    assert await backend.get_bytes("bulk/again") == b"z"
 
 
 @pytest.mark.s3

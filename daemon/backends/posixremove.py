@@ -1,0 +1,72 @@
+"""Removing keys from a POSIX destination: one, or many in one worker-thread job.
+
+Only retention removes, in batches that must each be durable before the next begins (a
+generation's manifest, then its part records, then its shards). One key at a time, each
+delete cost a thread hop, a walk from the root to its directory, a directory fsync (a
+filesystem journal commit of its own) and a walk up the tree trying to remove directories
+that were not empty yet: 10,000 shards took about 4.5 CPU seconds. A batch pays the walk and
+the fsync once per directory, and tries the emptied directories once, deepest first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Sequence
+
+from ckptdrain.daemon.backends.beneath import Beneath, Entry
+
+# Keys per worker-thread job: a cancelled batch stops between files, and no job holds a
+# thread for long however big the generation.
+REMOVE_BATCH = 2048
+# Batches at once: directories of one generation are independent, and two threads overlap one
+# batch's fsyncs with the other's unlinks.
+REMOVE_AT_ONCE = 2
+
+
+def remove_one(fs: Beneath, entry: Entry, stop: threading.Event) -> None:
+    remove_many(fs, [entry], stop)
+
+
+def remove_many(fs: Beneath, entries: Sequence[Entry], stop: threading.Event) -> None:
+    """Unlink every entry (a name already gone is fine), fsync each directory once, then
+    remove the directories left empty. Returns early, with what it removed made durable,
+    when ``stop`` is set."""
+    by_dir: dict[tuple[str, ...], list[str]] = {}
+    for entry in entries:
+        by_dir.setdefault(entry.dir, []).append(entry.name)
+    emptied: list[tuple[str, ...]] = []
+    for parts, names in by_dir.items():
+        try:
+            with fs.dir(parts) as dir_fd:
+                for name in names:
+                    if stop.is_set():
+                        break
+                    # unlink() removes a planted link itself, never what it points to. A name
+                    # already gone was removed by another node's run or an earlier one.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dir_fd)
+                # The unlinks must be durable before the caller's next batch: retention
+                # deletes a manifest before its shards, and a crash must not resurrect a
+                # manifest whose shards are gone.
+                os.fsync(dir_fd)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # the directory is gone (a concurrent removal's; durable too)
+        emptied.append(parts)
+        if stop.is_set():
+            return
+    # Directories left empty (a removed generation's) would use up Lustre inodes. Only
+    # retention removes, and only generations nobody writes; <root>/<job> itself stays.
+    removed: set[tuple[str, ...]] = set()
+    for parts in sorted(emptied, key=len, reverse=True):
+        for depth in range(len(parts), 1, -1):
+            here = parts[:depth]
+            if here in removed:
+                continue  # removed with a deeper directory of this batch: look further up
+            try:
+                with fs.dir(here[:-1]) as parent_fd:
+                    os.rmdir(here[-1], dir_fd=parent_fd)
+            except OSError:
+                break  # not empty (yet, or at all), gone, or not ours to follow: stop here
+            removed.add(here)
