@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 
 
@@ -32,32 +33,51 @@ class KeyedLocks:
 
 
 class CoalescedRuns:
-    """One run of a piece of work per key at a time, and none lost: a request while a run is
-    under way asks for one more run after it (however many requests came meanwhile).
+    """One run of a piece of work per key at a time, none lost, and at most one per
+    ``min_interval_s``: a request while a run is under way, or within ``min_interval_s`` of
+    the last run's start, asks for one more run, which starts once both are over (however
+    many requests came meanwhile).
 
     Skipping the request instead (the run under way "will see it") loses the newest one when
     the run had already read what the request was about: retention's run that listed the job
-    before a commit, after the job's last commit, left an old generation for good.
+    before a commit, after the job's last commit, left an old generation for good. The
+    interval bounds what a key that asks often costs: a job committing every few
+    milliseconds gets retention once per interval, not once per commit.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_interval_s: float = 0.0, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self._interval = min_interval_s
+        self._clock = clock
+        self._sleep = sleep
         self._again: dict[Hashable, bool] = {}
+        # When each key's last run started, while that is within the interval.
+        self._started: dict[Hashable, float] = {}
 
     def __len__(self) -> int:
         return len(self._again)
 
     async def run(self, key: Hashable, work: Callable[[], Awaitable[None]]) -> None:
-        """Run ``work`` for ``key`` now, or after the run under way (then return at once).
-        An exception from ``work`` ends this call, and with it any run asked for meanwhile."""
+        """Run ``work`` for ``key`` now (or once the interval since its last run is over), or
+        after the run under way (then return at once). An exception from ``work`` ends this
+        call, and with it any run asked for meanwhile."""
         if key in self._again:
             self._again[key] = True
             return
         self._again[key] = False
         try:
             while True:
+                wait = self._started.get(key, -self._interval) + self._interval - self._clock()
+                if wait > 0:
+                    await self._sleep(wait)
+                self._again[key] = False  # requests until now are served by this run
+                self._started[key] = self._clock()
                 await work()
                 if not self._again[key]:
                     return
-                self._again[key] = False
         finally:
             del self._again[key]
+            now = self._clock()
+            for old in [k for k, at in self._started.items() if now - at >= self._interval]:
+                del self._started[old]

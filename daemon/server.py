@@ -68,6 +68,9 @@ STOP_GRACE_S = 10.0
 COMMITTED_CHECK_TIMEOUT_S = 5.0
 # Starting the S3 upload workers (a process spawn each) must not hold up start-up for long.
 BACKEND_START_TIMEOUT_S = 10.0
+# Retention runs of one job start at least this far apart: a job committing every few
+# milliseconds (a test loop, a tiny model) pays for one run a second, not one per commit.
+RETENTION_INTERVAL_S = 1.0
 
 
 class Daemon:
@@ -113,7 +116,7 @@ class Daemon:
         self.staging_reserve = 0
         self._stop = asyncio.Event()
         self._listener: Listener | None = None
-        self._retention_runs = CoalescedRuns()  # by job
+        self._retention_runs = CoalescedRuns(RETENTION_INTERVAL_S)  # by job
         self._begin_locks = KeyedLocks()
         self.metrics_address: tuple[str, int] | None = None
         self.stopping = False
@@ -395,7 +398,7 @@ class Daemon:
         dies before its run leaves the old generation to the next commit's run (or
         ``ckptdrain gc``). One run per job at a time, and a commit during a run asks for one
         more after it (CoalescedRuns): the newest commit is always seen by a run that began
-        after it.
+        after it. Runs of a job start at least RETENTION_INTERVAL_S apart.
         """
         await self._retention_runs.run(job, lambda: self._retain_once(job))
 

@@ -68,3 +68,37 @@ async def test_keys_run_apart_and_a_failing_run_leaves_no_key_behind() -> None:
     assert len(runs) == 0
     await asyncio.wait_for(runs.run("a", other), 5)
     assert done == ["b", "a", "b"]
+
+
+@pytest.mark.asyncio
+async def test_runs_of_a_key_start_at_least_the_interval_apart() -> None:
+    """A key that asks every few milliseconds gets one run per interval: requests during the
+    wait are served by that one run. The clock and the sleep are the test's."""
+    now = [100.0]
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+        await asyncio.sleep(0)
+
+    runs = CoalescedRuns(1.0, clock=lambda: now[0], sleep=sleep)
+    started: list[float] = []
+
+    async def work() -> None:
+        started.append(now[0])
+        now[0] += 0.25  # the run takes a quarter of the interval
+
+    await runs.run("job", work)  # the first run: at once
+    now[0] += 0.1
+    second = asyncio.create_task(runs.run("job", work))  # 0.35 s after the first began
+    await asyncio.sleep(0)
+    for _ in range(5):
+        await runs.run("job", work)  # while the second waits: served by it
+    await asyncio.wait_for(second, 5)
+    assert started == [100.0, 101.0] and slept == [pytest.approx(0.65)]
+    await runs.run("other", work)  # another key does not wait for this one's interval
+    assert started[-1] == 101.25 and len(slept) == 1
+    now[0] += 5.0
+    await runs.run("job", work)  # long after: at once
+    assert len(slept) == 1 and len(started) == 4
