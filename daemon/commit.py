@@ -35,6 +35,7 @@ from ckptdrain.client.manifest import (
     build_manifest,
     describe_ranks,
     generation_prefix,
+    latest_key,
     manifest_key,
     missing_ranks,
     owners_disagree,
@@ -43,7 +44,7 @@ from ckptdrain.client.manifest import (
     same_contents,
     validate_node_id,
 )
-from ckptdrain.daemon.backends.base import Backend
+from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import (
@@ -191,8 +192,7 @@ class Committer:
                 len(manifest.shards),
                 manifest.total_bytes,
             )
-            await self._raise_latest(job, step)
-            return CommitResult(CommitOutcome.PUBLISHED, manifest)
+            return await self._published(job, step, manifest)
 
         existing_bytes = await self.backend.get_bytes(key)
         if existing_bytes is not None and is_tombstone(existing_bytes):
@@ -366,6 +366,19 @@ class Committer:
             elif found.size != shard.size or found.checksum not in (None, shard.checksum):
                 different.append(shard)
         return sorted(absent, key=_by_rank), sorted(different, key=_by_rank)
+
+    async def _published(self, job: str, step: int, manifest: Manifest) -> CommitResult:
+        """This node's create made the manifest: the commit happened, whatever LATEST does.
+        LATEST is a hint (readers check it against the listing), so a failure to raise it is
+        logged, not raised: a retry of the whole publish would find the manifest and answer
+        ACCEPTED, and no node would know it published (nor run retention)."""
+        try:
+            await self._raise_latest(job, step)
+        except BackendError as exc:
+            log.warning("published %s but could not raise %s: %s; readers find the "
+                        "generation by listing until a later commit raises it",
+                        manifest_key(job, step), latest_key(job), exc)
+        return CommitResult(CommitOutcome.PUBLISHED, manifest)
 
     async def _raise_latest(self, job: str, step: int) -> None:
         """Point LATEST at ``step`` unless it already names a newer generation.

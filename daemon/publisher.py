@@ -304,7 +304,12 @@ class Publisher:
         except BackendError as exc:
             await self.end(gen, f"commit failed: {exc}", kind="drain")
             return
+        published = result.outcome is CommitOutcome.PUBLISHED
         if gen.terminal:
+            # Ended here meanwhile (cancelled, expired), yet this node's create committed it:
+            # retention still runs where the manifest was made.
+            if published and self._on_published is not None:
+                self._on_published(gen)
             return
         if result.committed:
             manifest = result.manifest
@@ -320,7 +325,7 @@ class Publisher:
             }
             self.metrics.generation_committed(gen.job, gen.step, clocks, committed_at)
             self._on_terminal(gen)
-            if result.outcome is CommitOutcome.PUBLISHED and self._on_published is not None:
+            if published and self._on_published is not None:
                 self._on_published(gen)
             log_event(log, logging.INFO, "generation_committed", job=gen.job, step=gen.step,
                       outcome=result.outcome.name.lower(), shards=len(gen.shards),

@@ -156,6 +156,12 @@ async def apply_retention(
         except BackendError as exc:
             failed.append((step, f"removal interrupted: {exc}; the next run retries it"))
             continue
+        except ValueError as exc:
+            # A key another tool wrote that this destination cannot address (``a//b`` on
+            # S3): that generation fails, the others and LATEST's repair still go ahead.
+            failed.append((step, f"removal stopped at a key it cannot address: {exc}; "
+                                 "remove it by hand"))
+            continue
         if outcome is _Abandoned.REMOVED:
             log.info("retention removed abandoned generation %d of job %r", step, job)
             abandoned.append(step)
@@ -279,7 +285,7 @@ async def _manifest_problem(job: str, step: int, data: bytes) -> str:
 
 async def _is_tombstoned(backend: Backend, job: str, step: int) -> bool:
     """Whether an old generation's manifest key holds a tombstone (manifests below the kept
-    ones are not read by _validate_newest): its removal must keep the key until last."""
+    ones are not read by _survey): its removal must keep the key until last."""
     data = await backend.get_bytes(manifest_key(job, step))
     return data is not None and is_tombstone(data)
 

@@ -47,6 +47,7 @@ def group_generations(job: str, infos: Iterable[ObjectInfo]) -> dict[int, Genera
     keys: dict[int, list[str]] = {}
     newest: dict[int, float | None] = {}
     manifest_written: dict[int, float | None] = {}
+    manifests: dict[int, str] = {}  # a key built once per step, not once per listed key
     for info in infos:
         if not info.key.startswith(head):
             continue
@@ -57,7 +58,9 @@ def group_generations(job: str, infos: Iterable[ObjectInfo]) -> dict[int, Genera
         if step is None:
             continue
         keys.setdefault(step, []).append(info.key)
-        if info.key == manifest_key(job, step):
+        if step not in manifests:
+            manifests[step] = manifest_key(job, step)
+        if info.key == manifests[step]:
             manifest_written[step] = info.modified
         before = newest.get(step, 0.0)
         if before is None or info.modified is None:
@@ -68,7 +71,7 @@ def group_generations(job: str, infos: Iterable[ObjectInfo]) -> dict[int, Genera
         step: GenerationKeys(
             step=step,
             keys=tuple(sorted(found)),
-            has_manifest=manifest_key(job, step) in found,
+            has_manifest=manifests[step] in found,
             newest_write=newest[step],
             manifest_written=manifest_written.get(step),
         )

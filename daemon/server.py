@@ -411,9 +411,12 @@ class Daemon:
             log_event(log, logging.WARNING, "retention_failed", job=job, error=str(exc))
             return
         if report.deleted or report.abandoned_deleted or report.failed:
-            log_event(log, logging.INFO, "retention", job=job, kept=report.kept,
+            # A failed removal leaves the destination growing: worth a warning.
+            log_event(log, logging.WARNING if report.failed else logging.INFO, "retention",
+                      job=job, kept=report.kept,
                       deleted=report.deleted, abandoned=report.abandoned_deleted,
-                      failed=[step for step, _ in report.failed])
+                      failed=[step for step, _ in report.failed],
+                      error=report.failed[0][1] if report.failed else None)
         self.committer.manifests.forget(job, [*report.deleted, *report.abandoned_deleted])
 
     async def _forget_older(self, job: str) -> None:

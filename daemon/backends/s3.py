@@ -302,14 +302,13 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
     async def delete_many(self, keys: Sequence[str]) -> None:
         """DeleteObjects, :data:`DELETE_OBJECTS_MAX` keys a request (the most S3 takes), a
         few requests at once: a 10,000-shard generation in 10 requests, not 10,000. A key
-        already gone is no error (S3 reports it deleted); any other key's error fails the
-        call with the first one, once every request has been answered."""
+        already gone is no error (S3 reports it deleted); the first request that reports any
+        other key's error fails the call (requests still in flight are cancelled, and may or
+        may not have deleted their keys)."""
         from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports base
 
-        fulls = [self._key(key) for key in keys]
-
         async def batch(start: int) -> None:
-            chunk = fulls[start:start + DELETE_OBJECTS_MAX]
+            chunk = [self._key(key) for key in keys[start:start + DELETE_OBJECTS_MAX]]
             answer = await self._small(
                 f"deleting {len(chunk)} keys from {self._strip_root(chunk[0])}",
                 "delete_objects", Bucket=self.bucket,
@@ -318,7 +317,7 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
             if errors:
                 raise self._refused_delete(errors, len(chunk))
 
-        await for_each_bounded(range(0, len(fulls), DELETE_OBJECTS_MAX), batch,
+        await for_each_bounded(range(0, len(keys), DELETE_OBJECTS_MAX), batch,
                                DELETE_REQUESTS_AT_ONCE)
 
     def _refused_delete(self, errors: list[dict[str, Any]], keys: int) -> S3Failure:

@@ -6,9 +6,11 @@ the destination's prefix; HEAD; and reading a staged file into a pooled buffer o
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import gc
+import hashlib
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -53,6 +55,17 @@ def freeze_long_lived() -> None:
     would keep each closed client's cycles, about 12 MB apiece.
     """
     gc.freeze()
+
+
+def add_content_md5(request: Any, **_: Any) -> None:
+    """Give a DeleteObjects request a Content-MD5 (a botocore event handler). botocore sends
+    only a CRC32 of the body, which S3 takes, but S3-compatible stores that predate flexible
+    checksums (older MinIO and Ceph RGW releases among them) refuse DeleteObjects without an
+    MD5 ("MissingContentMD5"), and retention would then remove nothing."""
+    body = request.body
+    if isinstance(body, bytes | bytearray) and "Content-MD5" not in request.headers:
+        digest = hashlib.md5(body, usedforsecurity=False).digest()
+        request.headers["Content-MD5"] = base64.b64encode(digest).decode()
 
 
 def absent(exc: S3Failure) -> bool:
@@ -148,6 +161,8 @@ class S3Client:
                         )
                     )
                 self._stack = stack
+                self._client.meta.events.register("before-sign.s3.DeleteObjects",
+                                                  add_content_md5)
                 if self._workers == 0:
                     # Frozen once botocore's model is in (the CLI, a worker, a daemon without
                     # workers, all at their start). A daemon with workers builds a client

@@ -382,6 +382,27 @@ async def test_dry_run_reports_and_removes_nothing(dest: Dest) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_key_the_destination_cannot_address_fails_only_its_generation() -> None:
+    """A key another tool wrote under an old generation that the backend refuses to address
+    (S3Backend raises ValueError for ``a//b``) failed the whole run, every run after it, with
+    the older generations and LATEST's repair behind it. Now only that generation fails."""
+    backend = MemoryBackend(NODE)
+    for step in (100, 200, 300, 400):
+        await commit(backend, step)
+    await backend.put_bytes(latest_key(JOB), b"100\n")  # a hint lagging behind
+    backend.inject("delete", ValueError("'llama//x' is not a relative key"),
+                   key_contains="00200/")
+
+    report = await retain(backend, 1)
+
+    assert report.deleted == [300, 100]
+    assert [step for step, _ in report.failed] == [200]
+    assert "cannot address" in report.failed[0][1]
+    assert await backend.get_bytes(latest_key(JOB)) == b"400\n"  # repaired all the same
+    await backend.aclose()
+
+
+@pytest.mark.asyncio
 async def test_a_failed_delete_is_reported_and_the_next_run_finishes(tmp_path: Path) -> None:
     backend = MemoryBackend(NODE)
     for step in (100, 200, 300):

@@ -240,3 +240,23 @@ async def test_only_the_node_whose_create_made_the_manifest_is_told_it_published
             publisher = [node for node, gens_told in told.items() if gens_told]
             assert len(publisher) == 1, told
             assert [(g.job, g.step) for g in told[publisher[0]]] == [(job, 1)]
+
+
+@pytest.mark.asyncio
+async def test_a_failed_latest_write_after_the_create_still_tells_the_publisher(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """LATEST is a hint: when raising it fails right after this node's create made the
+    manifest, the commit stays this node's. Before, the publish was retried, found the
+    manifest and answered ACCEPTED, and no node ran retention for that commit."""
+    backend = MemoryBackend("n0")
+    backend.inject("put_bytes", BackendError("503 SlowDown", transient=True, kind="throttled"),
+                   key_contains="LATEST")
+    told: list[GenerationRecord] = []
+    with caplog.at_level(logging.WARNING, logger="ckptdrain.daemon.commit"):
+        async with running_scheduler(tmp_path, backend, told) as (scheduler, ledger, staging, _):
+            gen = await _staged_generation(ledger, staging, "latest-fails")
+            await drain_all(scheduler, [gen])
+    assert gen.state is GenerationState.COMMITTED
+    assert told == [gen]
+    assert "could not raise" in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import random
@@ -251,6 +252,42 @@ async def test_delete_many_removes_keys_in_requests_of_a_thousand(
         await backend.delete_many(["bulk/again"])
     assert refused.value.transient is False and "denied/key" in str(refused.value)
     assert await backend.get_bytes("bulk/again") == b"z"
+
+
+@pytest.mark.asyncio
+async def test_delete_objects_carries_a_content_md5(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores that predate flexible checksums (older MinIO, Ceph RGW) refuse a DeleteObjects
+    without Content-MD5, and botocore sends only a CRC32: the request is caught just before
+    it would leave (nothing listens on the endpoint) and its headers read."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    backend = S3Backend(dest_config("bucket", "http://127.0.0.1:9"), NODE, workers=0)
+    try:
+        await _caught_delete_objects(backend)
+    finally:
+        await backend.aclose()
+
+
+async def _caught_delete_objects(backend: S3Backend) -> None:
+    client = await backend._s3()
+    seen: dict[str, str] = {}
+
+    class Caught(Exception):
+        pass
+
+    def grab(request: Any, **_: Any) -> None:
+        seen.update({k: v.decode() if isinstance(v, bytes) else str(v)
+                     for k, v in request.headers.items()})
+        seen["body"] = request.body.decode() if isinstance(request.body, bytes) else ""
+        raise Caught
+
+    client.meta.events.register("before-send.s3.DeleteObjects", grab)
+    with pytest.raises(Caught):
+        await client.delete_objects(Bucket="bucket",
+                                    Delete={"Objects": [{"Key": "a/b"}], "Quiet": True})
+    body = seen["body"].encode()
+    assert seen["Content-MD5"] == base64.b64encode(hashlib.md5(body).digest()).decode()
+    assert "<Key>a/b</Key>" in seen["body"]
 
 
 @pytest.mark.s3
