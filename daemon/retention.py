@@ -55,6 +55,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.catalog import for_each_bounded
+from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.latest import parse_manifest, raise_latest, read_latest
 from ckptdrain.daemon.retention_plan import (
     GenerationKeys,
@@ -112,6 +113,7 @@ async def apply_retention(
     abandoned_grace_s: float,
     now: float | None = None,
     dry_run: bool = False,
+    kept: KeptManifests | None = None,
 ) -> RetentionReport:
     """Apply the retention rules to ``job`` at ``backend`` (see the module docstring).
 
@@ -119,12 +121,13 @@ async def apply_retention(
     the destination's clock stamps the objects, so the grace period should dwarf clock skew).
     Raises BackendError when the job cannot be listed or its kept manifests cannot be read;
     an error while removing one generation is reported in ``failed`` and the run goes on.
+    ``kept`` remembers large valid manifests between runs (the daemon's, one per process).
     """
     check_arguments(keep_last, abandoned_grace_s)
     generation_prefix(job, 0)  # validates the job name before anything is listed
     if now is None:
         now = time.time()
-    generations, valid, unreadable, tombstoned = await _survey(backend, job, keep_last)
+    generations, valid, unreadable, tombstoned = await _survey(backend, job, keep_last, kept)
     plan = plan_retention(
         generations,
         valid,
@@ -215,13 +218,15 @@ async def gc(
 
 
 async def _survey(
-    backend: Backend, job: str, keep_last: int
+    backend: Backend, job: str, keep_last: int, kept: KeptManifests | None = None,
 ) -> tuple[dict[int, GenerationKeys], list[int], dict[int, str], set[int]]:
     """What retention needs to know of ``job``: (its generations, the valid steps newest first,
     the unreadable ones with the reason, the tombstoned ones).
 
     Manifests are read newest first until ``keep_last`` valid ones are found, never the older
-    ones about to be removed. Only the generations a run may remove are listed key by key:
+    ones about to be removed; with ``kept``, a large manifest an earlier run found valid is
+    checked by a stat instead (keptmanifests.py). Only the generations a run may remove are
+    listed key by key:
     those older than the newest commit and not kept, and tombstoned ones. The others stand
     for themselves with no keys (kept, in flight, or kept for inspection: none is deleted).
     """
@@ -237,6 +242,10 @@ async def _survey(
     for step in steps:
         if len(valid) == keep_last:
             break
+        if kept is not None and await _still_valid(backend, kept, job, step):
+            present[step] = True
+            valid.append(step)
+            continue
         data = await backend.get_bytes(manifest_key(job, step))
         present[step] = data is not None
         if data is None:
@@ -250,6 +259,12 @@ async def _survey(
             unreadable[step] = reason
         else:
             valid.append(step)
+            if kept is not None and len(data) >= kept.min_bytes:
+                info = await backend.stat(manifest_key(job, step))
+                if info is not None and info.modified is not None and info.size == len(data):
+                    kept.remember(job, step, info.size, info.modified)
+    if kept is not None:
+        kept.keep_only(job, valid)
     newest = valid[0] if valid else None
     doomed = [s for s in steps if s not in valid and s not in unreadable
               and (s in tombstoned or (newest is not None and s < newest))]
@@ -270,6 +285,15 @@ async def _survey(
         else:
             generations[step] = found
     return generations, valid, unreadable, tombstoned
+
+
+async def _still_valid(backend: Backend, kept: KeptManifests, job: str, step: int) -> bool:
+    """Whether a manifest an earlier run found valid is still there as it was then."""
+    known = kept.known(job, step)
+    if known is None:
+        return False
+    info = await backend.stat(manifest_key(job, step))
+    return info is not None and (info.size, info.modified) == known
 
 
 async def _manifest_problem(job: str, step: int, data: bytes) -> str:

@@ -38,6 +38,7 @@ from ckptdrain.daemon.errors import RequestError, StartupError
 from ckptdrain.daemon.expiry import Expiry
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
+from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
 from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
@@ -117,6 +118,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._listener: Listener | None = None
         self._retention_runs = CoalescedRuns(RETENTION_INTERVAL_S)  # by job
+        self._kept_manifests = KeptManifests()
         self._begin_locks = KeyedLocks()
         self.metrics_address: tuple[str, int] | None = None
         self.stopping = False
@@ -406,7 +408,8 @@ class Daemon:
         retention = self.config.retention
         try:
             report = await apply_retention(self.backend, job, keep_last=retention.keep_last,
-                                           abandoned_grace_s=retention.abandoned_grace_s)
+                                           abandoned_grace_s=retention.abandoned_grace_s,
+                                           kept=self._kept_manifests)
         except Exception as exc:  # a destination hiccup: the next commit runs it again
             log_event(log, logging.WARNING, "retention_failed", job=job, error=str(exc))
             return
