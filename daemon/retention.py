@@ -127,7 +127,8 @@ async def apply_retention(
     generation_prefix(job, 0)  # validates the job name before anything is listed
     if now is None:
         now = time.time()
-    generations, valid, unreadable, tombstoned = await _survey(backend, job, keep_last, kept)
+    generations, valid, unreadable, tombstoned, empty = await _survey(backend, job, keep_last,
+                                                                      kept)
     plan = plan_retention(
         generations,
         valid,
@@ -173,6 +174,13 @@ async def apply_retention(
                                   f"{abandoned_grace_s:g}s old, so no late publish can commit it"))
         else:
             skipped.append((step, "committed while retention was removing it; kept"))
+    if not dry_run and empty:
+        try:
+            await backend.remove_empty(
+                [generation_prefix(job, step) for step in empty], now - abandoned_grace_s)
+        except BackendError as exc:
+            log.warning("retention: could not remove the empty directories of %s: %s",
+                        ", ".join(generation_prefix(job, step) for step in empty), exc)
     if not dry_run and plan.newest_committed is not None and (deleted or abandoned):
         try:
             await _repair_latest(backend, job, set(deleted) | set(abandoned), plan.newest_committed)
@@ -219,9 +227,10 @@ async def gc(
 
 async def _survey(
     backend: Backend, job: str, keep_last: int, kept: KeptManifests | None = None,
-) -> tuple[dict[int, GenerationKeys], list[int], dict[int, str], set[int]]:
+) -> tuple[dict[int, GenerationKeys], list[int], dict[int, str], set[int], list[int]]:
     """What retention needs to know of ``job``: (its generations, the valid steps newest first,
-    the unreadable ones with the reason, the tombstoned ones).
+    the unreadable ones with the reason, the tombstoned ones, the steps it may remove whose
+    directories hold no key).
 
     Manifests are read newest first until ``keep_last`` valid ones are found, never the older
     ones about to be removed; with ``kept``, a large manifest an earlier run found valid is
@@ -278,13 +287,17 @@ async def _survey(
         listed[step] = group_generations(job, await backend.list(generation_prefix(job, step)))
 
     await for_each_bounded(doomed, list_one, LIST_CONCURRENCY)
+    empty: list[int] = []
     for step in doomed:
         found = listed[step].get(step)
         if found is None:
-            generations.pop(step, None)  # emptied since the directory listing: nothing to do
+            # Directories and no key: a removal interrupted before its directories went, or a
+            # generation that never wrote a shard. Nothing to delete; the directories may go.
+            generations.pop(step, None)
+            empty.append(step)
         else:
             generations[step] = found
-    return generations, valid, unreadable, tombstoned
+    return generations, valid, unreadable, tombstoned, empty
 
 
 async def _still_valid(backend: Backend, kept: KeptManifests, job: str, step: int) -> bool:

@@ -246,6 +246,13 @@ class Backend(abc.ABC):
 
         await for_each_bounded(keys, self.delete, DELETE_CONCURRENCY)
 
+    async def remove_empty(self, prefixes: Sequence[str],  # noqa: B027 - optional hook
+                           unchanged_since: float) -> None:
+        """Remove what is left of the generation directories ``prefixes`` when they hold no
+        key: empty directories not changed since ``unchanged_since`` (Unix time), deepest
+        first, never following a link (POSIX: a removal interrupted before its directories
+        went, a generation that never wrote a shard). Stores without directories have none."""
+
     async def prepare_prefix(self, prefix: str) -> None:  # noqa: B027 - optional hook
         """Called once before the first object under a generation prefix is written
         (POSIX creates the directory and applies Lustre striping)."""

@@ -69,6 +69,7 @@ from ckptdrain.daemon.backends.posixfs import (
 from ckptdrain.daemon.backends.posixremove import (
     REMOVE_AT_ONCE,
     REMOVE_BATCH,
+    remove_empty_tree,
     remove_many,
     remove_one,
 )
@@ -395,6 +396,11 @@ class PosixBackend(Backend):
 
     def _remove_keys(self, keys: Sequence[str], stop: threading.Event) -> None:
         remove_many(self.fs, [self._entry(key) for key in keys], stop)
+
+    async def remove_empty(self, prefixes: Sequence[str], unchanged_since: float) -> None:
+        for prefix in prefixes:
+            await self._run(f"removing the empty directories of {prefix}", remove_empty_tree,
+                            self.fs, self._parts(prefix.rstrip("/")), unchanged_since)
 
     # --- reads ------------------------------------------------------------------------------
 

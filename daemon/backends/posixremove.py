@@ -70,3 +70,30 @@ def remove_many(fs: Beneath, entries: Sequence[Entry], stop: threading.Event) ->
             except OSError:
                 break  # not empty (yet, or at all), gone, or not ours to follow: stop here
             removed.add(here)
+
+
+def remove_empty_tree(fs: Beneath, parts: list[str], unchanged_since: float,
+                      stop: threading.Event) -> None:
+    """Remove the directory ``parts`` and the directories under it that hold no file and were
+    not changed since ``unchanged_since``, deepest first. Ages are taken before anything is
+    removed (a removal changes its parent's mtime); a directory that holds a file, a link or
+    anything else, or that something wrote to meanwhile, stays (its rmdir fails)."""
+    found: list[tuple[tuple[str, ...], float]] = []  # directories, parents before children
+    pending = [tuple(parts)]
+    while pending and not stop.is_set():
+        here = pending.pop()
+        try:
+            with fs.dir(here) as dir_fd:
+                changed = os.fstat(dir_fd).st_mtime
+                with os.scandir(dir_fd) as entries:
+                    subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        found.append((here, changed))
+        pending += [(*here, name) for name in subdirs]
+    for here, changed in sorted(found, key=lambda f: len(f[0]), reverse=True):
+        if stop.is_set() or changed >= unchanged_since:
+            continue
+        # ENOTEMPTY (a file, a link, or a directory that stayed), or gone: it stays.
+        with contextlib.suppress(OSError), fs.dir(here[:-1]) as parent_fd:
+            os.rmdir(here[-1], dir_fd=parent_fd)

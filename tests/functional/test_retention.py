@@ -277,6 +277,39 @@ async def test_kept_manifests_found_valid_before_are_checked_by_a_stat_not_read_
 
 
 @pytest.mark.asyncio
+async def test_directories_left_without_keys_go_once_they_are_old(tmp_path: Path) -> None:
+    """A removal killed after its unlinks but before its directories went, or a generation
+    that made its directories and never wrote a shard, left directories with no key: every
+    later run listed them and found nothing to do, for good. They go now, once unchanged for
+    the grace period, never through a link and never the job's own directory."""
+    root = tmp_path / "dest"
+    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), NODE)
+    for step in (1, 2, 3):
+        await commit(backend, step)
+    job = root / JOB
+    for step in (1, 2):  # 1 and 2: their keys gone, their directories left behind
+        for info in await backend.list(generation_prefix(JOB, step)):
+            (root / info.key).unlink()
+    (job / f"{1:020d}" / "optim" / "deeper").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (job / f"{2:020d}" / "model" / "link").symlink_to(elsewhere)  # planted: never followed
+    assert sorted(p.name for p in job.iterdir() if p.is_dir()) == [f"{s:020d}" for s in (1, 2, 3)]
+
+    young = await apply_retention(backend, JOB, keep_last=1, abandoned_grace_s=GRACE_S)
+    assert young.kept == [3] and (job / f"{1:020d}").is_dir()  # changed within the grace
+    later = time.time() + 2 * GRACE_S
+    old = await apply_retention(backend, JOB, keep_last=1, abandoned_grace_s=GRACE_S, now=later)
+
+    assert old.kept == [3]
+    assert not (job / f"{1:020d}").exists()
+    assert (job / f"{2:020d}" / "model" / "link").is_symlink() and elsewhere.is_dir()
+    assert not (job / f"{2:020d}" / "optim").exists()  # its empty siblings went
+    assert (job / f"{3:020d}" / "MANIFEST.json").is_file() and job.is_dir()
+    await backend.aclose()
+
+
+@pytest.mark.asyncio
 async def test_manifest_goes_before_part_records_before_shards(tmp_path: Path) -> None:
     store = MemoryStore()
     backend = MemoryBackend(NODE, store=store)
