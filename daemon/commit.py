@@ -72,6 +72,10 @@ PART_READ_CONCURRENCY = 16
 # Shards checked at once before a publish: a 100,000-shard generation is 100,000 HEADs on S3
 # (a few seconds at this width) and must not be 100,000 requests at once.
 SHARD_CHECK_CONCURRENCY = 32
+# Raising LATEST after a commit: tries for a transient failure, the first wait between them
+# (then doubled). LATEST is a hint, so after them the commit stands without it.
+LATEST_TRIES = 3
+LATEST_RETRY_S = 0.2
 
 
 class CommitError(DaemonError):
@@ -223,7 +227,7 @@ class Committer:
                 reason=f"{key} already exists and commits different shards than the part "
                 "records now say; two runs wrote the same job and step",
             )
-        await self._raise_latest(job, step)
+        await self._raise_latest_hint(job, step)
         return CommitResult(CommitOutcome.ACCEPTED, existing)
 
     async def ranks_missing(
@@ -372,13 +376,25 @@ class Committer:
         LATEST is a hint (readers check it against the listing), so a failure to raise it is
         logged, not raised: a retry of the whole publish would find the manifest and answer
         ACCEPTED, and no node would know it published (nor run retention)."""
-        try:
-            await self._raise_latest(job, step)
-        except BackendError as exc:
-            log.warning("published %s but could not raise %s: %s; readers find the "
-                        "generation by listing until a later commit raises it",
-                        manifest_key(job, step), latest_key(job), exc)
+        await self._raise_latest_hint(job, step)
         return CommitResult(CommitOutcome.PUBLISHED, manifest)
+
+    async def _raise_latest_hint(self, job: str, step: int) -> None:
+        """Raise LATEST to ``step`` after a commit, a few tries for a transient failure; then
+        log and go on. The manifest is the commit; a LATEST that cannot be written (a
+        throttled store, a refused key) must not turn a committed generation into a failed
+        one on any node, and readers find the generation by listing meanwhile."""
+        for attempt in range(LATEST_TRIES):
+            try:
+                await self._raise_latest(job, step)
+                return
+            except BackendError as exc:
+                if not exc.transient or attempt + 1 == LATEST_TRIES:
+                    log.warning("%s is committed but %s could not be raised to it: %s; "
+                                "readers find it by listing until a later commit raises it",
+                                manifest_key(job, step), latest_key(job), exc)
+                    return
+                await asyncio.sleep(LATEST_RETRY_S * 2 ** attempt)
 
     async def _raise_latest(self, job: str, step: int) -> None:
         """Point LATEST at ``step`` unless it already names a newer generation.

@@ -2,12 +2,14 @@
 them again.
 
 Retention runs after every commit and validates the newest ``keep_last`` manifests: it reads
-each one and parses it. A 10,000-shard manifest is 1.4 MB to read and 83 ms to parse, so with
-``keep_last = 3`` each commit read and parsed two manifests it had already found valid. A
-committed manifest is created once and never rewritten (only removed), so a later run that
-finds it by a stat (one HEAD, or one ``fstatat``) with the same size and write time counts it
-valid without reading it. A stat that finds it gone, of another size or written at another
-time, reads it again; so does any destination that reports no write times.
+each one and parses it. A 10,000-shard manifest is 1.0-1.4 MB to read and 65-83 ms to parse
+(the lengths of its paths decide), so with ``keep_last = 3`` each commit read and parsed two
+manifests it had already found valid. A committed manifest is created once and never
+rewritten (only removed), so a later run that finds it by a stat (one HEAD, or one ``fstat``:
+no checksum asked, so never a hash nor an xattr write) with the same size and write time
+counts it valid without reading it. A stat that finds it gone, of another size or written at
+another time, reads it again; so does a stat that fails, and any destination that reports no
+write times.
 """
 
 from __future__ import annotations

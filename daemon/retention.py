@@ -53,7 +53,7 @@ from ckptdrain.client.manifest import (
     parse_generation_dir,
 )
 from ckptdrain.daemon import catalog
-from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.latest import parse_manifest, raise_latest, read_latest
@@ -269,7 +269,7 @@ async def _survey(
         else:
             valid.append(step)
             if kept is not None and len(data) >= kept.min_bytes:
-                info = await backend.stat(manifest_key(job, step))
+                info = await _stat_or_none(backend, manifest_key(job, step))
                 if info is not None and info.modified is not None and info.size == len(data):
                     kept.remember(job, step, info.size, info.modified)
     if kept is not None:
@@ -305,8 +305,19 @@ async def _still_valid(backend: Backend, kept: KeptManifests, job: str, step: in
     known = kept.known(job, step)
     if known is None:
         return False
-    info = await backend.stat(manifest_key(job, step))
+    info = await _stat_or_none(backend, manifest_key(job, step))
     return info is not None and (info.size, info.modified) == known
+
+
+async def _stat_or_none(backend: Backend, key: str) -> ObjectInfo | None:
+    """Size and write time of ``key`` without its checksum (POSIX: one fstat, never a hash
+    nor an xattr write, which a full destination would refuse); None when it is absent or
+    the stat failed: remembering is only a shortcut, and reading the manifest decides."""
+    try:
+        return await backend.stat(key, checksum=False)
+    except BackendError as exc:
+        log.info("retention: could not stat %s (%s); reading it instead", key, exc)
+        return None
 
 
 async def _manifest_problem(job: str, step: int, data: bytes) -> str:

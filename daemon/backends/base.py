@@ -180,10 +180,12 @@ class Backend(abc.ABC):
         """Every key under ``prefix`` (recursive), sorted by key; temporary files excluded."""
 
     @abc.abstractmethod
-    async def stat(self, key: str) -> ObjectInfo | None:
+    async def stat(self, key: str, *, checksum: bool = True) -> ObjectInfo | None:
         """Size, modification time and recorded checksum of ``key``; None when it is absent.
         One request or syscall, never a read of the bytes, except on a POSIX filesystem that
-        could not record the checksum (no user xattrs), where the file is hashed instead."""
+        could not record the checksum (no user xattrs), where the file is hashed instead (and
+        the checksum recorded). With ``checksum=False``, size and time only (``checksum`` is
+        None): never a read, never a write (POSIX: one ``fstat``)."""
 
     async def stat_many(self, keys: Sequence[str], *,
                         concurrency: int = 32) -> builtins.list[ObjectInfo | None]:

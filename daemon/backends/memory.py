@@ -291,11 +291,11 @@ class MemoryBackend(Backend):
             if key.startswith(prefix)
         ]
 
-    async def stat(self, key: str) -> ObjectInfo | None:
+    async def stat(self, key: str, *, checksum: bool = True) -> ObjectInfo | None:
         self._enter("stat", key)
         await self._gate("stat", key)
         data = self.store.objects.get(key)
-        return None if data is None else self._info(key, data, with_checksum=True)
+        return None if data is None else self._info(key, data, with_checksum=checksum)
 
     async def list_dirs(self, prefix: str) -> builtins.list[str]:
         self._enter("list_dirs", prefix)

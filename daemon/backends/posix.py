@@ -413,13 +413,13 @@ class PosixBackend(Backend):
         base = self._parts(base_key) if base_key else []
         return await self._run(f"listing {prefix or '/'}", list_files, self.fs, base, prefix)
 
-    async def stat(self, key: str) -> ObjectInfo | None:
+    async def stat(self, key: str, *, checksum: bool = True) -> ObjectInfo | None:
         found = await self._run(f"checking {key}", stat_file, self.fs, self._parts(key),
-                                self._xattr)
+                                self._xattr if checksum else None)
         if found is None:
             return None
-        size, modified, checksum = found
-        return ObjectInfo(key=key, size=size, modified=modified, checksum=checksum)
+        size, modified, recorded = found
+        return ObjectInfo(key=key, size=size, modified=modified, checksum=recorded)
 
     async def stat_many(self, keys: Sequence[str], *,
                         concurrency: int = 32) -> builtins.list[ObjectInfo | None]:
@@ -430,7 +430,8 @@ class PosixBackend(Backend):
         del concurrency  # the pool's threads bound it
         size = max(1, min(STAT_BATCH, -(-len(keys) // self.max_threads)))
         batches = [keys[i:i + size] for i in range(0, len(keys), size)]
-        found: builtins.list[builtins.list[tuple[int, float, str] | None]] = [[] for _ in batches]
+        found: builtins.list[builtins.list[tuple[int, float, str | None] | None]] = [
+            [] for _ in batches]
 
         async def one(i: int) -> None:
             found[i] = await self._run(f"checking {len(batches[i])} shards", stat_files, self.fs,

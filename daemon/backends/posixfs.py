@@ -172,13 +172,13 @@ class ChecksumXattr:
 
 
 def stat_file(
-    fs: Beneath, parts: list[str], xattr: ChecksumXattr, stop: threading.Event
-) -> tuple[int, float, str] | None:
+    fs: Beneath, parts: list[str], xattr: ChecksumXattr | None, stop: threading.Event
+) -> tuple[int, float, str | None] | None:
     """(size, mtime, checksum) of the regular file at ``path``, or None when there is none.
 
     The checksum is the recorded one; a file without one (an older version wrote it, or the
     filesystem keeps no user xattrs) is hashed, and the result recorded when possible, so
-    the next ask is cheap again.
+    the next ask is cheap again. With no ``xattr``, no checksum (None): one ``fstat``.
     """
     try:
         fd = fs.open(parts)
@@ -188,6 +188,8 @@ def stat_file(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
+        if xattr is None:
+            return st.st_size, st.st_mtime, None
         checksum = xattr.read(fd)
         if checksum is None:
             checksum = hash_file(fd, stop)
@@ -202,7 +204,7 @@ STAT_BATCH = 256
 
 
 def stat_files(fs: Beneath, many: list[list[str]], xattr: ChecksumXattr,
-               stop: threading.Event) -> list[tuple[int, float, str] | None]:
+               stop: threading.Event) -> list[tuple[int, float, str | None] | None]:
     """:func:`stat_file` of each path, in one worker-thread job; raises Stopped on ``stop``."""
     found = []
     for parts in many:

@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Sequence
 
+from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.beneath import Beneath, Entry
 
 # Keys per worker-thread job: a cancelled batch stops between files, and no job holds a
@@ -87,13 +88,15 @@ def remove_empty_tree(fs: Beneath, parts: list[str], unchanged_since: float,
                 changed = os.fstat(dir_fd).st_mtime
                 with os.scandir(dir_fd) as entries:
                     subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-        except (FileNotFoundError, NotADirectoryError):
+        except (OSError, BackendError):
+            # Gone, not ours to read (another user's), or a link on the way: it stays, and
+            # so does every directory above it (their rmdir finds them not empty).
             continue
         found.append((here, changed))
         pending += [(*here, name) for name in subdirs]
     for here, changed in sorted(found, key=lambda f: len(f[0]), reverse=True):
         if stop.is_set() or changed >= unchanged_since:
             continue
-        # ENOTEMPTY (a file, a link, or a directory that stayed), or gone: it stays.
-        with contextlib.suppress(OSError), fs.dir(here[:-1]) as parent_fd:
+        # ENOTEMPTY (a file, a link, or a directory that stayed), gone, or refused: it stays.
+        with contextlib.suppress(OSError, BackendError), fs.dir(here[:-1]) as parent_fd:
             os.rmdir(here[-1], dir_fd=parent_fd)

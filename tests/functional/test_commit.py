@@ -430,3 +430,32 @@ async def test_large_part_records_are_parsed_off_the_event_loop(monkeypatch: pyt
     assert result.outcome is CommitOutcome.PUBLISHED
     assert seen and threading.main_thread().name not in seen, seen
     await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_latest_that_cannot_be_written_never_fails_a_commit_on_any_node(
+    tmp_path: Path,
+) -> None:
+    """The publisher's LATEST write refused for good (a permission, a planted link): the
+    publisher answered PUBLISHED, but every other node's try_publish raised the same refusal
+    and ended the committed generation there as "commit failed". LATEST is a hint: both
+    nodes now see the commit, and LATEST is left as it was."""
+    store = MemoryStore()
+    gpu1, gpu2 = MemoryBackend("gpu1", store=store), MemoryBackend("gpu2", store=store)
+    committers = []
+    for i, backend in enumerate((gpu1, gpu2)):
+        committer = Committer(backend, backend.node_id)
+        await committer.record_part(await drain(backend, tmp_path, backend.node_id,
+                                                (2 * i, 2 * i + 1)))
+        committers.append(committer)
+    for backend in (gpu1, gpu2):
+        backend.inject("put_bytes", BackendError("403 AccessDenied", kind="auth"), times=5,
+                       key_contains="LATEST")
+
+    first = await committers[0].try_publish(JOB, STEP, 4)
+    second = await committers[1].try_publish(JOB, STEP, 4)
+
+    assert (first.outcome, second.outcome) == (CommitOutcome.PUBLISHED, CommitOutcome.ACCEPTED)
+    assert await gpu1.get_bytes(latest_key(JOB)) is None
+    await gpu1.aclose()
+    await gpu2.aclose()

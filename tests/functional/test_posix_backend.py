@@ -344,6 +344,31 @@ async def test_delete_many_fsyncs_each_directory_once_and_removes_emptied_ones(
     await backend.delete_many(keys[:3])  # all gone already, and their directory too: fine
 
 
+@pytest.mark.asyncio
+async def test_a_directory_it_cannot_read_keeps_only_itself_and_those_above_it(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention's removal of empty generation directories: one directory it may not read
+    (another user's, mode 0700) stopped the call, and every generation after it kept its
+    empty directories; now that directory and its parents stay, the rest go."""
+    backend = make(root)
+    for step in (1, 2):
+        (root / "j" / f"{step:020d}" / "model").mkdir(parents=True)
+    (root / "j" / f"{1:020d}" / "private").mkdir()
+    real_scandir = os.scandir
+
+    def scandir(fd: int) -> Any:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/private"):
+            raise PermissionError(13, "Permission denied")
+        return real_scandir(fd)
+
+    monkeypatch.setattr(posixremove.os, "scandir", scandir)
+    later = time.time() + 3600
+    await backend.remove_empty([f"j/{1:020d}/", f"j/{2:020d}/"], later)
+    assert (root / "j" / f"{1:020d}" / "private").is_dir()
+    assert not (root / "j" / f"{1:020d}" / "model").exists()
+    assert not (root / "j" / f"{2:020d}").exists() and (root / "j").is_dir()
+
+
 def test_a_stopped_removal_stops_between_files(root: Path) -> None:
     """A cancelled delete_many tells its thread to stop (PosixBackend._run), and the thread
     looks between files: a batch of thousands does not run on behind its caller."""

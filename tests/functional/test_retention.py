@@ -5,6 +5,7 @@ recording in-memory fake."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from ckptdrain.client.manifest import (
     shard_key,
 )
 from ckptdrain.daemon import catalog
+from ckptdrain.daemon.backends import posixfs
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
@@ -274,6 +276,55 @@ async def test_kept_manifests_found_valid_before_are_checked_by_a_stat_not_read_
     assert manifest_key(JOB, 3) in reads and manifest_key(JOB, 2) in reads
     assert again.kept == [4] and 3 in [step for step, _ in again.skipped]
     await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_remembering_a_manifest_neither_hashes_it_nor_writes_to_a_full_destination(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On POSIX a stat with its checksum hashes a file that has none recorded (a manifest has
+    none) and records it in an xattr, which a full destination refuses: the shortcut failed
+    the whole run there, and retention, the one thing that frees space, never ran. It asks
+    for size and time only now; and a stat that fails only means reading the manifest."""
+    backend = PosixBackend(DestinationConfig(uri=f"file://{tmp_path / 'dest'}"), NODE)
+    for step in (1, 2, 3):
+        await commit(backend, step)
+    hashed: list[int] = []
+    real_hash = posixfs.hash_file
+
+    def recording_hash(fd: int, stop: threading.Event) -> str:
+        hashed.append(fd)
+        return real_hash(fd, stop)
+
+    def full(self: object, fd: int, checksum: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    kept = KeptManifests(min_bytes=0)
+
+    async def retain_on_a_full_destination() -> RetentionReport:
+        with monkeypatch.context() as full_now:  # the commits before it had room
+            full_now.setattr(posixfs, "hash_file", recording_hash)
+            full_now.setattr(posixfs.ChecksumXattr, "record", full)
+            return await apply_retention(backend, JOB, keep_last=2, abandoned_grace_s=GRACE_S,
+                                         kept=kept)
+
+    first = await retain_on_a_full_destination()
+    assert (first.kept, first.deleted, hashed) == ([3, 2], [1], [])
+    await commit(backend, 4)
+    again = await retain_on_a_full_destination()
+    assert (again.kept, again.deleted, hashed) == ([4, 3], [2], [])
+    await backend.aclose()
+
+    memory = MemoryBackend(NODE)
+    for step in (1, 2, 3):
+        await commit(memory, step)
+    kept = KeptManifests(min_bytes=0)
+    await apply_retention(memory, JOB, keep_last=3, abandoned_grace_s=GRACE_S, kept=kept)
+    memory.inject("stat", BackendError("503 SlowDown", transient=True), key_contains="MANIFEST")
+    await commit(memory, 4)
+    report = await apply_retention(memory, JOB, keep_last=3, abandoned_grace_s=GRACE_S,
+                                   kept=kept)
+    assert (report.kept, report.deleted) == ([4, 3, 2], [1])
+    await memory.aclose()
 
 
 @pytest.mark.asyncio

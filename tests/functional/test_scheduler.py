@@ -250,13 +250,21 @@ async def test_a_failed_latest_write_after_the_create_still_tells_the_publisher(
     manifest, the commit stays this node's. Before, the publish was retried, found the
     manifest and answered ACCEPTED, and no node ran retention for that commit."""
     backend = MemoryBackend("n0")
+    # Refused for good (a permission, a planted link): no retry helps.
+    backend.inject("put_bytes", BackendError("403 AccessDenied", kind="auth"), times=10,
+                   key_contains="latest-refused/LATEST")
+    # Throttled once: the next try raises it.
     backend.inject("put_bytes", BackendError("503 SlowDown", transient=True, kind="throttled"),
-                   key_contains="LATEST")
+                   key_contains="latest-throttled/LATEST")
     told: list[GenerationRecord] = []
     with caplog.at_level(logging.WARNING, logger="ckptdrain.daemon.commit"):
         async with running_scheduler(tmp_path, backend, told) as (scheduler, ledger, staging, _):
-            gen = await _staged_generation(ledger, staging, "latest-fails")
-            await drain_all(scheduler, [gen])
-    assert gen.state is GenerationState.COMMITTED
-    assert told == [gen]
-    assert "could not raise" in caplog.text
+            gens = [await _staged_generation(ledger, staging, job)
+                    for job in ("latest-refused", "latest-throttled")]
+            await drain_all(scheduler, gens)
+    assert [g.state for g in gens] == [GenerationState.COMMITTED] * 2
+    assert sorted(g.job for g in told) == ["latest-refused", "latest-throttled"]
+    assert "latest-refused/LATEST could not be raised" in caplog.text
+    assert "latest-throttled/LATEST could not" not in caplog.text
+    assert await backend.get_bytes("latest-refused/LATEST") is None
+    assert await backend.get_bytes("latest-throttled/LATEST") == b"1\n"
