@@ -69,7 +69,7 @@ class Publisher:
         drain: Callable[[GenerationRecord, ShardRecord], Awaitable[bool]],
         on_terminal: Callable[[GenerationRecord], None],
         on_ended: Callable[[GenerationRecord], None],
-        on_published: Callable[[GenerationRecord], None] | None = None,
+        on_published: Callable[[GenerationRecord], None] = lambda gen: None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -304,12 +304,11 @@ class Publisher:
         except BackendError as exc:
             await self.end(gen, f"commit failed: {exc}", kind="drain")
             return
-        published = result.outcome is CommitOutcome.PUBLISHED
+        if result.outcome is CommitOutcome.PUBLISHED:
+            # This node's create made the manifest: retention runs here, also when the
+            # generation ended here meanwhile (cancelled, expired).
+            self._on_published(gen)
         if gen.terminal:
-            # Ended here meanwhile (cancelled, expired), yet this node's create committed it:
-            # retention still runs where the manifest was made.
-            if published and self._on_published is not None:
-                self._on_published(gen)
             return
         if result.committed:
             manifest = result.manifest
@@ -325,8 +324,6 @@ class Publisher:
             }
             self.metrics.generation_committed(gen.job, gen.step, clocks, committed_at)
             self._on_terminal(gen)
-            if published and self._on_published is not None:
-                self._on_published(gen)
             log_event(log, logging.INFO, "generation_committed", job=gen.job, step=gen.step,
                       outcome=result.outcome.name.lower(), shards=len(gen.shards),
                       bytes=sum(s.size for s in gen.shards.values()))

@@ -56,7 +56,7 @@ class Scheduler:
         metrics: Metrics,
         on_drained: Callable[[ShardRecord], None],
         on_terminal: Callable[[GenerationRecord], None],
-        on_published: Callable[[GenerationRecord], None] | None = None,
+        on_published: Callable[[GenerationRecord], None] = lambda gen: None,
         upload_log_for: Callable[[ShardRecord], UploadLog | None] | None = None,
     ) -> None:
         self.ledger = ledger

@@ -100,7 +100,7 @@ async def running_scheduler(
         config=config, ledger=ledger, staging=staging, backend=backend,
         committer=Committer(backend, node), metrics=Metrics(node, "test"),
         on_drained=lambda shard: None, on_terminal=ended.append,
-        on_published=None if published is None else published.append,
+        on_published=(lambda gen: None) if published is None else published.append,
     )
     running = asyncio.create_task(scheduler.run())
     try:
