@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import errno
 import logging
 import os
@@ -15,6 +16,7 @@ from typing import Any, cast
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, ObjectInfo
+from ckptdrain.daemon.backends.posixfs import writes_in_parallel
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.logs import log_event
@@ -158,13 +160,15 @@ class S3Reads(S3Client, Backend):
                   for offset in range(0, size, self._part_size)]
         crcs: dict[int, int] = {}
         loop = asyncio.get_running_loop()
-        # One write into the file at a time. The kernel serializes buffered writes to one file
-        # anyway (the inode's lock), and threads queued there spin for it: a tenth of a
-        # restore's CPU in perf. Queued here, a range's write waits without burning a core.
-        one_writer = asyncio.Lock()
+        # On a local filesystem, one write into the file at a time: the kernel serializes
+        # buffered writes to one file anyway (the inode's lock), and threads queued there spin
+        # for it, a tenth of a restore's CPU in perf. Queued here, a range's write waits
+        # without burning a core. A network filesystem's client takes them at once.
+        writers: contextlib.AbstractAsyncContextManager[Any] = (
+            contextlib.nullcontext() if writes_in_parallel(out_fd) else asyncio.Lock())
 
         async def write(pieces: builtins.list[bytes], at: int, crc: int) -> int:
-            async with one_writer:
+            async with writers:
                 # Waited for even when cancelled: no thread may write to out_fd once we return.
                 return await settled(loop.run_in_executor(None, _write_at, out_fd, pieces, at,
                                                           crc))
