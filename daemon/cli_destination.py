@@ -94,7 +94,8 @@ def _backend(ns: argparse.Namespace, dest: str) -> Any:
         raise CommandFailed(f"destination {dest} does not exist (no directory "
                             f"{destination.root_path}); check DEST")
     node = os.uname().nodename.replace("/", "_")
-    return open_backend(destination, node)
+    # This process's loop serves the command alone: a restore writes on it (open_backend).
+    return open_backend(destination, node, writes_on_loop=True)
 
 
 async def _with_backend(ns: argparse.Namespace, dest: str,

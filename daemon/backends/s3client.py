@@ -78,8 +78,11 @@ class S3Client:
     """``s3://bucket/prefix``; keys are stored as ``prefix/key``. The base of S3Backend."""
 
     def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
-                 file_bodies: bool = False) -> None:
+                 file_bodies: bool = False, writes_on_loop: bool = False) -> None:
         self.uri = config.uri
+        # Restore's ranges written into their file by the event loop's own thread (see
+        # S3Reads.copy_into): only for a process whose loop serves nothing else.
+        self.writes_on_loop = writes_on_loop
         # An upload worker's client sends bodies from the staged file (s3bodies.FileBody); it
         # turns botocore's parameter validation off, which does not know that type.
         self.file_bodies = file_bodies

@@ -168,6 +168,12 @@ class S3Reads(S3Client, Backend):
             contextlib.nullcontext() if writes_in_parallel(out_fd) else asyncio.Lock())
 
         async def write(pieces: builtins.list[bytes], at: int, crc: int) -> int:
+            if self.writes_on_loop:
+                # The command's loop serves this restore alone, and the batch it just read
+                # is still in this core's cache: writing it here cost 0.5 CPU s less per
+                # 4 GiB than a thread hop per batch (each hop's thread then waits for the
+                # GIL), and took 13% off the wall time (docs/benchmarks.md).
+                return _write_at(out_fd, pieces, at, crc)
             async with writers:
                 # Waited for even when cancelled: no thread may write to out_fd once we return.
                 return await settled(loop.run_in_executor(None, _write_at, out_fd, pieces, at,
