@@ -7,17 +7,32 @@ Neither side fsyncs (a restore is repeatable). ``ckptdrain restore`` checks ever
 its time includes the command's start-up. At 1 GiB that start-up is a large part of the
 time, so the ``file://`` case also runs at 8 x 512 MiB, and ``verify`` has a row at 16 GiB in
 the ``s3`` benchmark (tests/bench/drain.py). The S3 case runs at 8 x 512 MiB as well.
+The 1 GiB generation is also fetched through a daemon, every shard at once (DrainReader's path
+for a shard with no local copy): that row is the CPU the daemon's event loop spends per GB.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import statistics
+import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tests.bench.processes import CKPTDRAIN, BenchError, run_timed
+from tests.bench.processes import (
+    CKPTDRAIN,
+    BenchError,
+    children,
+    cpu_seconds,
+    run_timed,
+    thread_cpu,
+    thread_delta,
+)
 from tests.bench.report import MiB, Row, Section, Target, busy, figure
+from tests.bench.scaling import LOOP_LIMIT_S_PER_GB
 from tests.bench.suite import Benchmark, Context
 from tests.bench.workload import generation_dir, random_buffer, settle, write_files
 
@@ -128,6 +143,7 @@ def run_restore(ctx: Context, section: Section) -> None:
                 endpoint)
         del data
         s3_row("big", f"{count} x {BIG_SHARD // MiB} MiB", ctx.runs(3), count * BIG_SHARD)
+    _fetch_row(ctx, section, runs, f"s3://{bucket}/ckpt", endpoint, count, size)
     verify_rows(ctx, runs, [CKPTDRAIN, "verify", "--job", JOB, "--generation", "1",
                             f"s3://{bucket}/ckpt"], env, case, section,
                 bound="start-up bound at this size: the command's start-up (about 0.5 s, most "
@@ -137,6 +153,66 @@ def run_restore(ctx: Context, section: Section) -> None:
                         env=env)
     section.notes.append(f"`ckptdrain restore` times include the command's start-up; "
                          f"`ckptdrain ls` of an empty destination takes {startup.wall_s:.2f} s.")
+
+
+def _fetch_row(ctx: Context, section: Section, runs: int, uri: str, endpoint: dict[str, str],
+               count: int, size: int) -> None:
+    """The same generation read through a daemon (``fetch`` from the destination, DrainReader's
+    path for a shard with no local copy), every shard at once as a loading job's ranks do: the
+    daemon's event loop, which serves every client, should move none of the bytes."""
+    daemon = ctx.daemon("fetch", uri, overrides=endpoint)
+    into = ctx.fresh("fetch-into")
+    total = count * size
+    walls: list[float] = []
+    loops: list[float] = []
+    daemon_cpu: list[float] = []
+    workers_cpu: list[float] = []
+    ctx.say(f"restore: {runs} runs of {count} x {size // MiB} MiB fetched through the daemon")
+
+    def fetch(i: int, errors: list[BaseException]) -> None:
+        try:
+            with daemon.client() as client:
+                out = into / f"shard-{i:04d}.bin"
+                fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    got = client.fetch_from_destination(JOB, 1, f"shard-{i:04d}.bin", fd)
+                finally:
+                    os.close(fd)
+                if got.get("size") != size:
+                    raise BenchError(f"fetched {got!r}, expected {size} bytes")
+        except BaseException as exc:  # reported below, in the benchmark's thread
+            errors.append(exc)
+
+    for _ in range(runs):
+        settle()
+        workers = children(daemon.pid)
+        before, workers_before = thread_cpu(daemon.pid), sum(map(cpu_seconds, workers))
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=fetch, args=(i, errors)) for i in range(count)]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        walls.append(time.perf_counter() - started)
+        if errors:
+            raise BenchError(f"a fetch failed: {errors[0]!r}")
+        spent = thread_delta(before, thread_cpu(daemon.pid))
+        loops.append(spent["loop"] / (total / 1e9))
+        daemon_cpu.append(spent["all"])
+        workers_cpu.append(sum(map(cpu_seconds, workers)) - workers_before)
+        for out in into.iterdir():
+            out.unlink()
+    daemon.stop()
+    gb = total / 1e9
+    section.rows.append(Row(
+        case=f"loop thread CPU per GB, `fetch` of {count} x {size // MiB} MiB from S3 through "
+             "the daemon", baseline_name="-", ours=figure(loops, "cpu-s/GB"),
+        limit=("<=", LOOP_LIMIT_S_PER_GB),
+        bound=(f"{count} readers at once, {total / statistics.median(walls) / 1e6:.0f} MB/s; "
+               f"CPU per GB: the daemon {statistics.median(daemon_cpu) / gb:.2f} s, its upload "
+               f"workers {statistics.median(workers_cpu) / gb:.2f} s (they read the objects "
+               "and write the readers' files)")))
 
 
 def _posix_row(ctx: Context, section: Section, runs: int, case: str, total: int,
