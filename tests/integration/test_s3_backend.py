@@ -696,14 +696,7 @@ async def test_with_workers_every_request_of_a_shard_is_sent_by_a_worker(
     own client sends none of a shard's requests (it records what it sends here)."""
     config = dest_config(s3_bucket, seaweedfs.endpoint_url)
     backend = backends(config) if workers == 0 else S3Backend(config, "gpu0", workers=workers)
-    sent_here: list[str] = []
-    own_call = backend._call
-
-    async def recording(what: str, operation: str, **params: Any) -> Any:
-        sent_here.append(operation)
-        return await own_call(what, operation, **params)
-
-    backend._call = recording
+    sent_here = _sent_by_this_process(backend)
     try:
         await backend.start()
         big, small = staged(20 * MiB + 3, seed=11), staged(3000, seed=12)
@@ -750,14 +743,7 @@ async def test_with_workers_a_shard_read_through_the_daemon_is_read_by_a_worker(
     for key, shard in shards.items():
         assert await direct.put_file(key, shard.fd, shard.size) == shard.checksum
     backend = S3Backend(config, "gpu0", workers=1)
-    sent_here: list[str] = []
-    own_call = backend._call
-
-    async def recording(what: str, operation: str, **params: Any) -> Any:
-        sent_here.append(operation)
-        return await own_call(what, operation, **params)
-
-    backend._call = recording
+    sent_here = _sent_by_this_process(backend)
     try:
         await backend.start()
         for (key, shard), algo in itertools.product(shards.items(), ("crc64nvme", "sha256")):
@@ -826,6 +812,20 @@ async def test_a_read_given_up_is_stopped_in_its_worker_before_the_call_returns(
     finally:
         os.close(fd)
         await backend.aclose()
+
+
+def _sent_by_this_process(backend: S3Backend) -> list[str]:
+    """The operations ``backend``'s own client sends from now on (not its workers'), in
+    order, recorded as they are sent."""
+    sent: list[str] = []
+    own_call = backend._call
+
+    async def recording(what: str, operation: str, **params: Any) -> Any:
+        sent.append(operation)
+        return await own_call(what, operation, **params)
+
+    backend._call = recording
+    return sent
 
 
 def _open_files(pid: int) -> set[str]:

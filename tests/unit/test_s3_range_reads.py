@@ -21,7 +21,6 @@ from aiohttp.streams import StreamReader
 from ckptdrain.daemon import checksums, cli_destination
 from ckptdrain.daemon.backends import s3reads
 from ckptdrain.daemon.backends.base import BackendError, open_backend
-from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.config import DestinationConfig
 
 MiB = 1 << 20
@@ -73,12 +72,38 @@ async def _server(answer: str = "range") -> tuple[web.AppRunner, int, list[str]]
     return runner, runner.addresses[0][1], ranges
 
 
-@pytest.mark.asyncio
-async def test_ranges_are_written_from_the_chunks_as_they_arrived(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True)
+def _credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+async def _restored(tmp_path: Path, *, answer: str = "range", max_concurrency: int = 2,
+                    max_attempts: int = 5, writes_on_loop: bool = False,
+                    ) -> tuple[tuple[int, str], bytes, list[str]]:
+    """``copy_into`` of big.bin from :func:`_server` into a new file: what it returned, the
+    file's bytes and the ranges the server was asked for."""
+    runner, port, ranges = await _server(answer)
+    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url=f"http://127.0.0.1:{port}",
+                               region="us-east-1", addressing_style="path",
+                               part_size_bytes=PART, max_concurrency=max_concurrency,
+                               max_attempts=max_attempts)
+    backend = open_backend(config, "node", writes_on_loop=writes_on_loop)
+    out = tmp_path / "restored"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        got = await backend.copy_into("job/00000000000000000001/big.bin", fd)
+    finally:
+        os.close(fd)
+        await backend.aclose()
+        await runner.cleanup()
+    return got, out.read_bytes(), ranges
+
+
+@pytest.mark.asyncio
+async def test_ranges_are_written_from_the_chunks_as_they_arrived(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(s3reads, "MAX_PIECES", 8)
     batches: list[list[Any]] = []
     real_write_at = s3reads._write_at
@@ -88,21 +113,9 @@ async def test_ranges_are_written_from_the_chunks_as_they_arrived(
         return real_write_at(fd, pieces, offset, crc)
 
     monkeypatch.setattr(s3reads, "_write_at", recording)
-    runner, port, ranges = await _server()
-    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url=f"http://127.0.0.1:{port}",
-                               region="us-east-1", addressing_style="path",
-                               part_size_bytes=PART, max_concurrency=2)
-    backend = S3Backend(config, "node", workers=0)
-    out = tmp_path / "restored"
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        got = await backend.copy_into("job/00000000000000000001/big.bin", fd)
-    finally:
-        os.close(fd)
-        await backend.aclose()
-        await runner.cleanup()
+    got, written, ranges = await _restored(tmp_path)
     assert got == (len(DATA), checksums.of_bytes(DATA))
-    assert out.read_bytes() == DATA
+    assert written == DATA
     assert sorted(ranges) == sorted(f"bytes={o}-{min(o + PART, len(DATA)) - 1}"
                                     for o in range(0, len(DATA), PART))
     # What aiohttp received: bytes objects, not copied into a buffer of ours, at most
@@ -177,23 +190,9 @@ async def test_a_body_that_is_not_aiohttps_is_read_a_batch_at_a_time() -> None:
     ("short", "bytes came back for a range of"),
 ])
 async def test_a_wrong_sized_answer_fails_the_copy_as_transient(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str, message: str) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    runner, port, _ = await _server(answer)
-    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url=f"http://127.0.0.1:{port}",
-                               region="us-east-1", addressing_style="path",
-                               part_size_bytes=PART, max_concurrency=2, max_attempts=1)
-    backend = S3Backend(config, "node", workers=0)
-    fd = os.open(tmp_path / "restored", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with pytest.raises(BackendError) as caught:
-            await backend.copy_into("job/00000000000000000001/big.bin", fd)
-    finally:
-        os.close(fd)
-        await backend.aclose()
-        await runner.cleanup()
+        tmp_path: Path, answer: str, message: str) -> None:
+    with pytest.raises(BackendError) as caught:
+        await _restored(tmp_path, answer=answer, max_attempts=1)
     assert caught.value.transient
     assert message in str(caught.value)
     assert "s3://bucket/prefix" in str(caught.value)
@@ -210,9 +209,6 @@ async def test_one_file_is_written_by_one_thread_at_a_time_on_a_local_filesystem
     its thread until another write into the file starts (or 2 s pass): any write that may
     run beside it does."""
     monkeypatch.setattr(s3reads, "writes_in_parallel", lambda fd: network_filesystem)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     guard = threading.Lock()
     writing = 0
     most = 0
@@ -238,21 +234,9 @@ async def test_one_file_is_written_by_one_thread_at_a_time_on_a_local_filesystem
                 writing -= 1
 
     monkeypatch.setattr(s3reads, "_write_at", recording)
-    runner, port, ranges = await _server()
-    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url=f"http://127.0.0.1:{port}",
-                               region="us-east-1", addressing_style="path",
-                               part_size_bytes=PART, max_concurrency=3)
-    backend = S3Backend(config, "node", workers=0)
-    out = tmp_path / "restored"
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        got = await backend.copy_into("job/00000000000000000001/big.bin", fd)
-    finally:
-        os.close(fd)
-        await backend.aclose()
-        await runner.cleanup()
+    got, written, ranges = await _restored(tmp_path, max_concurrency=3)
     assert got == (len(DATA), checksums.of_bytes(DATA))
-    assert out.read_bytes() == DATA
+    assert written == DATA
     assert len(ranges) == 3
     assert (most > 1) == network_filesystem
 
@@ -265,9 +249,6 @@ async def test_the_commands_restore_writes_on_its_loop_the_daemons_in_threads(
     another thread, every cache line crossed cores (9 s of kernel CPU for 4 GiB in the worst
     runs here, 3 s written on the loop). Only a process whose loop serves nothing else (the
     ``ckptdrain`` command) writes there; the daemon's loop never does."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     threads: set[int] = set()
     real_write_at = s3reads._write_at
 
@@ -276,21 +257,10 @@ async def test_the_commands_restore_writes_on_its_loop_the_daemons_in_threads(
         return real_write_at(fd, pieces, offset, crc)
 
     monkeypatch.setattr(s3reads, "_write_at", recording)
-    runner, port, _ = await _server()
-    config = DestinationConfig(uri="s3://bucket/prefix", endpoint_url=f"http://127.0.0.1:{port}",
-                               region="us-east-1", addressing_style="path",
-                               part_size_bytes=PART, max_concurrency=3)
-    backend = open_backend(config, "node", writes_on_loop=writes_on_loop)
-    out = tmp_path / "restored"
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        got = await backend.copy_into("job/00000000000000000001/big.bin", fd)
-    finally:
-        os.close(fd)
-        await backend.aclose()
-        await runner.cleanup()
+    got, written, _ = await _restored(tmp_path, max_concurrency=3,
+                                      writes_on_loop=writes_on_loop)
     assert got == (len(DATA), checksums.of_bytes(DATA))
-    assert out.read_bytes() == DATA
+    assert written == DATA
     assert threads
     assert (threads == {threading.get_ident()}) == writes_on_loop
 
