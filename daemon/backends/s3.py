@@ -84,9 +84,8 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
     validates_checksums = True
 
     def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
-                 file_bodies: bool = False, writes_on_loop: bool = False) -> None:
-        super().__init__(config, node_id, workers=workers, file_bodies=file_bodies,
-                         writes_on_loop=writes_on_loop)
+                 writes_on_loop: bool = False) -> None:
+        super().__init__(config, node_id, workers=workers, writes_on_loop=writes_on_loop)
 
     async def put_file(
         self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None,

@@ -110,7 +110,6 @@ class S3Client:
         # several shards together): at most max_concurrency connections, each holding at most
         # one write batch (s3reads.RANGE_WRITE_BYTES) of what arrived.
         self.ranges = asyncio.Semaphore(self._concurrency)
-        self.range_bytes_at_once = self._part_size * self._concurrency
         self._session = AioSession()
         self._client_lock = asyncio.Lock()
         self._stack: AsyncExitStack | None = None

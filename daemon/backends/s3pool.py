@@ -221,18 +221,6 @@ class WorkerSenders(PartSender):
         with malformed(whole.key):
             return int(reply["crc"])
 
-    async def read_into(self, key: str, fd: int, *, algo: str,
-                        size: int) -> tuple[int, str] | None:
-        # A worker reads the object and writes it into fd: the daemon's loop moves none of
-        # its bytes. Its answer may take one part's bound per round of ranges.
-        rounds = max(1, -(-size // max(1, self._client.range_bytes_at_once)))
-        what = f"reading {key}"
-        reply, fds = await self._request({"op": "read_into", "key": key, "algo": algo}, [fd],
-                                         what, timeout_s=rounds * self._answer_timeout_s)
-        close_all(fds)
-        with malformed(what):
-            return int(reply["size"]), str(reply["checksum"])
-
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
                    body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:
         if operation not in SMALL_OPERATIONS:

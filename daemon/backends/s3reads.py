@@ -153,12 +153,6 @@ class S3Reads(S3Client, Backend):
             raise S3Failure(f"{key} does not exist at {self.uri}; it was never written or has "
                             "been deleted", transient=False, kind="not_found", code="NoSuchKey")
         size = int(head.get("ContentLength") or 0)
-        if progress is None:
-            # With upload workers (the daemon's), a worker reads it: the daemon's event loop
-            # serves every client and must not move a shard's bytes.
-            done = await self.parts.read_into(key, out_fd, algo=algo, size=size)
-            if done is not None:
-                return done
         if algo != checksums.ALGO or size <= self._part_size:
             return await super().copy_into(key, out_fd, algo=algo, progress=progress)
         etag = str(head.get("ETag") or "")

@@ -95,14 +95,6 @@ class PartSender(abc.ABC):
         them as one message, so the daemon's loop pays one hand-over per batch, not per
         shard."""
 
-    async def read_into(self, key: str, fd: int, *, algo: str,
-                        size: int) -> tuple[int, str] | None:
-        """Restore's bulk read of ``key`` (``size`` bytes, by its HEAD) into the file ``fd``
-        (the caller keeps owning ``fd``) by whoever sends bodies: its size and checksum, or
-        None where that is this process, which then reads it itself."""
-        del key, fd, algo, size
-        return None
-
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Start what the sender runs before the first shard needs it."""
 

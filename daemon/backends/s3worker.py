@@ -6,8 +6,7 @@ SOCK_SEQPACKET socket ``FD``: each carries the staged file's fd and names a mult
 whole object (PutObject), and is answered with the ETag and CRC64NVME, or with the error; or
 it is one of the daemon's small requests (s3senders.SMALL_OPERATIONS: HEAD, create, complete,
 abort, listings, small objects written, read and deleted), answered with botocore's answer as
-JSON and, for a read, the object's bytes in a memfd; or it carries a reader's file and names a
-shard to read into it (a ``fetch`` from the destination), answered with its size and checksum. It exits when the daemon closes the socket
+JSON and, for a read, the object's bytes in a memfd. It exits when the daemon closes the socket
 or dies
 (PR_SET_PDEATHSIG), so a ``kill -9`` of the daemon leaves no worker behind. A failure of one
 part is that part's answer; nothing a part does ends the worker.
@@ -29,7 +28,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.backends.s3bodies import in_thread
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3messages import (
@@ -141,18 +139,13 @@ async def _answer_fields(message: dict[str, Any], data: bytes | None) -> dict[st
     return {**fields, "_fds": fds}
 
 
-async def _work(client: S3Backend, request: _Request) -> dict[str, Any]:
+async def _work(client: S3Client, request: _Request) -> dict[str, Any]:
     """What the request asks for; its answer's fields."""
     body = request.body
     if body.get("op") == "call":
         return await _call(client, request)
     if request.fd is None:
         raise ValueError("a body request came without the staged file's descriptor")
-    if body.get("op") == "read_into":
-        # A shard read through the daemon, written into the reader's file (request.fd).
-        size, checksum = await client.copy_into(str(body["key"]), request.fd,
-                                                algo=str(body["algo"]))
-        return {"size": size, "checksum": checksum}
     if body.get("op") == "put":
         whole = Whole(key=str(body["key"]), full=str(body["full"]), size=int(body["size"]),
                       metadata=dict(body["metadata"]), exclusive=bool(body["exclusive"]))
@@ -165,7 +158,7 @@ async def _work(client: S3Backend, request: _Request) -> dict[str, Any]:
     return {"etag": sent.etag, "crc": sent.crc, "uploaded": sent.uploaded}
 
 
-async def _answer(client: S3Backend, request: _Request) -> dict[str, Any]:
+async def _answer(client: S3Client, request: _Request) -> dict[str, Any]:
     try:
         return {"id": request.id, **await _work(client, request)}
     except Exception as exc:  # the boundary of one request: its answer, never the worker's end
@@ -207,8 +200,8 @@ async def serve(sock: socket.socket) -> None:
     setup, fds = first
     for fd in fds:
         os.close(fd)
-    client = S3Backend(DestinationConfig.model_validate(setup["config"]), str(setup["node_id"]),
-                       file_bodies=True)
+    client = S3Client(DestinationConfig.model_validate(setup["config"]), str(setup["node_id"]),
+                      file_bodies=True)
     await client.warm_up()
     # What starting cost (imports, botocore's service model): the daemon logs it, so an
     # operator sees a slow start and a benchmark can tell this fixed cost from the drain's.

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import errno
 import hashlib
-import itertools
 import os
 import random
 from pathlib import Path
@@ -728,92 +725,6 @@ async def test_with_workers_every_request_of_a_shard_is_sent_by_a_worker(
     assert uploads(seaweedfs, s3_bucket) == []
 
 
-@pytest.mark.s3
-@pytest.mark.asyncio
-async def test_with_workers_a_shard_read_through_the_daemon_is_read_by_a_worker(
-        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
-        tmp_path: Path) -> None:
-    """A reader fetching a shard from the destination through the daemon: its bytes went
-    through the daemon's event loop, which serves every client (0.3-0.5 CPU s per GB of HTTP
-    on that one thread). With upload workers a worker reads it into the reader's file."""
-    config = dest_config(s3_bucket, seaweedfs.endpoint_url, part_size_bytes=5 * MiB)
-    direct = backends(config)
-    shards = {"job/00000000000000000001/big.bin": staged(17 * MiB + 5, seed=61),
-              "job/00000000000000000001/small.bin": staged(3000, seed=62)}
-    for key, shard in shards.items():
-        assert await direct.put_file(key, shard.fd, shard.size) == shard.checksum
-    backend = S3Backend(config, "gpu0", workers=1)
-    sent_here = _sent_by_this_process(backend)
-    try:
-        await backend.start()
-        for (key, shard), algo in itertools.product(shards.items(), ("crc64nvme", "sha256")):
-            expected = (shard.checksum if algo == "crc64nvme"
-                        else "sha256:" + hashlib.sha256(shard.data).hexdigest())
-            out = tmp_path / f"{key.rsplit('/', 1)[1]}-{algo}"
-            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                assert await backend.copy_into(key, fd, algo=algo) == (shard.size, expected)
-            finally:
-                os.close(fd)
-            assert out.read_bytes() == shard.data
-        fd = os.open(tmp_path / "gone", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with pytest.raises(BackendError) as caught:
-                await backend.copy_into("job/00000000000000000001/gone.bin", fd)
-        finally:
-            os.close(fd)
-        assert caught.value.kind == "not_found"
-        # A file the reader passed that cannot be written: the OSError, as when the daemon
-        # wrote it itself (the reader is told its file was at fault, not the destination).
-        fd = os.open(tmp_path / "gone", os.O_RDONLY)
-        try:
-            with pytest.raises(OSError) as refused:
-                await backend.copy_into("job/00000000000000000001/small.bin", fd)
-        finally:
-            os.close(fd)
-        assert refused.value.errno == errno.EBADF
-    finally:
-        await backend.aclose()
-    assert sent_here == [], sent_here
-
-
-@pytest.mark.s3
-@pytest.mark.asyncio
-async def test_a_read_given_up_is_stopped_in_its_worker_before_the_call_returns(
-        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any, tmp_path: Path,
-        proxy: FaultProxy) -> None:
-    """The worker writes into the reader's file: once the daemon's call has returned (here,
-    cancelled while the worker waits on a stalled GET), no worker holds that file any more,
-    so nothing lands in it after the reader was answered."""
-    shard = staged(11 * MiB + 1, seed=63)
-    key = "job/00000000000000000001/stalled.bin"
-    direct = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
-    assert await direct.put_file(key, shard.fd, shard.size) == shard.checksum
-    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url, part_size_bytes=5 * MiB),
-                        "gpu0", workers=1)
-    out = tmp_path / "restored"
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        await backend.start()
-        proxy.inject("stall", times=100, match=lambda r: r.method == "GET")
-        reading = asyncio.ensure_future(backend.copy_into(key, fd))
-        pool = backend.parts
-        deadline = asyncio.get_running_loop().time() + 30
-        while not any(r.fault == "stall" for r in proxy.requests):
-            assert not reading.done(), reading
-            assert asyncio.get_running_loop().time() < deadline, "no GET reached the proxy"
-            await asyncio.sleep(0.01)
-        (worker,) = [w for w in pool._workers if w is not None]
-        assert f"{out}" in _open_files(worker.proc.pid)
-        reading.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await reading
-        assert f"{out}" not in _open_files(worker.proc.pid)
-    finally:
-        os.close(fd)
-        await backend.aclose()
-
-
 def _sent_by_this_process(backend: S3Backend) -> list[str]:
     """The operations ``backend``'s own client sends from now on (not its workers'), in
     order, recorded as they are sent."""
@@ -826,14 +737,6 @@ def _sent_by_this_process(backend: S3Backend) -> list[str]:
 
     backend._call = recording
     return sent
-
-
-def _open_files(pid: int) -> set[str]:
-    names = set()
-    for entry in os.scandir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            names.add(os.readlink(entry.path))
-    return names
 
 
 @pytest.mark.s3
