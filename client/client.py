@@ -809,9 +809,11 @@ class Client:
         return self._call("status", {"job": job})
 
     def fetch_local(self, job: str, step: int, path: str, fd: int) -> dict[str, Any]:
-        """Have the daemon copy its local copy of a committed shard into ``fd`` (open for
-        writing); returns ``{"size", "checksum"}`` of what it wrote. Raises NotFound when this
-        node holds no local copy. The caller checks the checksum against the manifest."""
+        """Have the daemon copy its local copy of a committed shard into ``fd`` (a regular
+        file open for writing, without O_APPEND), which it empties first: the file becomes
+        exactly the shard. Returns ``{"size", "checksum"}`` of what it wrote. Raises NotFound
+        when this node holds no local copy. The caller checks the checksum against the
+        manifest."""
         names.validate_shard_path(path)
         channel = self._open_channel()
         try:
@@ -821,7 +823,8 @@ class Client:
 
     def fetch_from_destination(self, job: str, step: int, path: str, fd: int) -> dict[str, Any]:
         """Have the daemon copy shard ``path`` of committed step ``step`` from the destination
-        into ``fd`` (open for writing), checked against the manifest (for a destination this
+        into ``fd`` (a regular file open for writing, without O_APPEND; emptied first, so the
+        file becomes exactly the shard), checked against the manifest (for a destination this
         process cannot read itself, such as S3); returns ``{"size", "checksum"}``."""
         names.validate_shard_path(path)
         channel = self._open_channel()

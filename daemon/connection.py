@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
@@ -256,16 +257,19 @@ class ClientHandler:
                 return await self.fetch(f["job"], f["step"], f["path"], fd)  # owns the fd
             owned = True
             try:
-                # The destination's threads write into it: a regular file open for writing
-                # only, checked off the loop (a pipe or socket is the client's mistake, not
-                # a destination error).
+                # The destination's threads write into it: checked and emptied off the loop
+                # (a pipe or socket is the client's mistake, not a destination error).
                 owned = False
-                regular = await self.d.dataplane.call(
-                    _writable_regular, fd, cleanup=lambda: self.d.dataplane.close_client_fd(fd))
-                owned = True
-                if not regular:
-                    raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
-                                       "writing")
+                try:
+                    await self.d.dataplane.call(
+                        _prepare_target, fd,
+                        cleanup=lambda: self.d.dataplane.close_client_fd(fd))
+                except _BadTarget as exc:
+                    raise RequestError(wire.BAD_REQUEST, str(exc)) from None
+                except OSError as exc:
+                    raise RequestError(wire.BAD_REQUEST, "could not empty the file passed for "
+                                       f"{f['path']!r}: {exc.strerror or exc}") from None
+                owned = True  # the call returned: the fd is ours again (dataplane.call)
                 return await reads.fetch_from_destination(self, f["job"], f["step"], f["path"],
                                                           fd)
             finally:
@@ -414,10 +418,7 @@ class ClientHandler:
                     or not shard.local_copy):
                 raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} "
                                    f"of step {step} of job {job!r}; read it from the destination")
-            if not writable(out_fd):
-                raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
-                                   "writing")
-            # fstat too in the data plane: the client's file may sit on a mount that hangs.
+            # Checked in the data plane: the client's file may sit on a mount that hangs.
             # The call owns the fd from here; if it fails, its clean-up closes it.
             owned = False
             # Checksummed with the algorithm of the recorded one (a sha256 of an older version's
@@ -427,9 +428,8 @@ class ClientHandler:
                 size, checksum = await self.d.dataplane.call(
                     _copy_to_client, self.d.staging, shard.staged_name, out_fd, algo,
                     cleanup=lambda: self.d.dataplane.close_client_fd(out_fd))
-            except _NotRegular:
-                raise RequestError(wire.BAD_REQUEST, "fetch needs a regular file opened for "
-                                   "writing") from None
+            except _BadTarget as exc:
+                raise RequestError(wire.BAD_REQUEST, str(exc)) from None
             except FileNotFoundError:
                 raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; "
                                    "read it from the destination") from None
@@ -470,17 +470,25 @@ class ClientHandler:
         return {"job": job, "step": step, "requeued": requeued}
 
 
-class _NotRegular(DaemonError):
-    """The fd passed to fetch is not a regular file (raised in the data plane)."""
+class _BadTarget(DaemonError):
+    """The fd passed to fetch cannot take the shard (raised in the data plane)."""
 
 
-def _writable_regular(fd: int) -> bool:
-    return writable(fd) and stat.S_ISREG(os.fstat(fd).st_mode)
+def _prepare_target(fd: int) -> None:
+    """Make the client's file for a fetch ready to become exactly the shard: a regular file
+    open for writing, without O_APPEND (which puts every write at the end, so ranges written
+    at their offsets came out scrambled, with a checksum that still matched), and emptied
+    (what it held would stay past the shard's end). Blocking: the data plane's."""
+    if not (writable(fd) and stat.S_ISREG(os.fstat(fd).st_mode)):
+        raise _BadTarget("fetch needs a regular file opened for writing")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+        raise _BadTarget("fetch needs a file opened without O_APPEND: the shard is written at "
+                         "its own offsets")
+    os.ftruncate(fd, 0)
 
 
 def _copy_to_client(staging: Staging, name: str, out_fd: int, algo: str) -> tuple[int, str]:
-    if not stat.S_ISREG(os.fstat(out_fd).st_mode):
-        raise _NotRegular
+    _prepare_target(out_fd)
     return staging.copy_out(name, out_fd, algo)
 
 

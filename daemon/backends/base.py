@@ -215,7 +215,8 @@ class Backend(abc.ABC):
         self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
         progress: Callable[[int], None] | None = None, owned: bool = False,
     ) -> tuple[int, str]:
-        """Write the object into the open file ``out_fd``; returns (bytes written, their
+        """Write the object into the open file ``out_fd``, each byte at its own offset from 0
+        (never at the file's position, and never with O_APPEND); returns (bytes written, their
         checksum with ``algo``, the one the manifest used). Restore's bulk path; a backend may
         do it without a hop to the event loop per chunk (POSIX does). ``owned``: ``out_fd`` is
         a file of the caller's own that nobody else can shrink (restore's temp file, opened for
@@ -227,7 +228,8 @@ class Backend(abc.ABC):
         loop = asyncio.get_running_loop()
         async for chunk in self.read_chunks(key):
             # Waited for even when cancelled: no thread may write to out_fd once we return.
-            await settled(loop.run_in_executor(None, _hash_and_write, digest, out_fd, chunk))
+            await settled(loop.run_in_executor(None, _hash_and_write, digest, out_fd, chunk,
+                                               size))
             size += len(chunk)
             if progress is not None:
                 progress(len(chunk))
@@ -279,11 +281,14 @@ class Backend(abc.ABC):
         """Release connections."""
 
 
-def _hash_and_write(digest: Any, fd: int, chunk: bytes) -> None:
+def _hash_and_write(digest: Any, fd: int, chunk: bytes, at: int) -> None:
+    """Add ``chunk`` to ``digest`` and write it at offset ``at`` of ``fd``: at its own offset,
+    as every copy_into writes, so the result does not depend on the fd's file position."""
     digest.update(chunk)
     view = memoryview(chunk)
     while view:
-        view = view[os.write(fd, view):]
+        written = os.pwrite(fd, view, at)
+        view, at = view[written:], at + written
 
 
 def open_backend(config: DestinationConfig, node_id: str, *, workers: int = 0,

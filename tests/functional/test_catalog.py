@@ -274,3 +274,24 @@ async def test_restore_of_an_uncommitted_generation_is_refused(
     with pytest.raises(catalog.NotCommitted):
         await catalog.restore(backend, JOB, 400, tmp_path / "restored")
     assert not (tmp_path / "restored").exists()
+
+
+@pytest.mark.asyncio
+async def test_a_streamed_copy_writes_at_offsets_from_zero_not_at_the_files_position(
+        tmp_path: Path) -> None:
+    # The copy of a backend without a bulk path of its own (and S3's for a small or a sha256
+    # shard) wrote each chunk at the file's position: into a reader's fd left at its end by
+    # an earlier attempt, the shard landed after the old bytes, reported as fetched.
+    backend = MemoryBackend("gpu1")
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    await backend.put_bytes("job/00000000000000000001/a.bin", data)
+    target = tmp_path / "into.bin"
+    target.write_bytes(b"x" * 100)
+    fd = os.open(target, os.O_RDWR)
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+        size, _ = await backend.copy_into("job/00000000000000000001/a.bin", fd)
+    finally:
+        os.close(fd)
+    assert size == len(data)
+    assert target.read_bytes() == data

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import InvalidName, wire
+from ckptdrain.client import InvalidName, RejectedInput, wire
 from tests.conftest import DaemonProcess
 from tests.functional.test_bad_input import RawClient
 from tests.functional.test_failure_boundary import memfd_with, still_serves
@@ -275,3 +275,52 @@ def test_the_directory_rule_holds_across_a_restart(daemon: DaemonProcess) -> Non
             gen.put("x", b"over it")
         gen.put("y", b"beside it")
     c.wait("names", 2, timeout_s=30)
+
+
+@pytest.mark.parametrize("source", ["local", "destination"])
+def test_a_fetch_makes_the_file_exactly_the_shard_whatever_it_held(
+    daemon: DaemonProcess, tmp_path: Path, source: str
+) -> None:
+    # Found by attacking the readers' fetch: the copy wrote the shard at offsets 0..size and
+    # left whatever the file held past that (a reader retrying into the same file, or reusing
+    # a bigger one, got a file longer than the shard); the answer's checksum, of the bytes
+    # written, still matched the manifest. Now the daemon empties the file first.
+    c = daemon.client()
+    data = os.urandom(3 << 20)
+    with c.generation("readers", 1) as gen:
+        gen.put("big.bin", data)
+    c.wait("readers", 1, timeout_s=30)
+    target = tmp_path / "into.bin"
+    target.write_bytes(b"stale" * (1 << 20))  # longer than the shard
+    fd = os.open(target, os.O_RDWR)
+    try:
+        os.lseek(fd, 0, os.SEEK_END)  # as after an earlier, cut-off attempt
+        fetch = c.fetch_local if source == "local" else c.fetch_from_destination
+        got = fetch("readers", 1, "big.bin", fd)
+    finally:
+        os.close(fd)
+    assert got["size"] == len(data)
+    assert target.read_bytes() == data
+
+
+@pytest.mark.parametrize("source", ["local", "destination"])
+def test_a_fetch_into_a_file_opened_to_append_is_refused(
+    daemon: DaemonProcess, tmp_path: Path, source: str
+) -> None:
+    # With O_APPEND every write lands at the end, so the ranges of a shard written at their
+    # offsets came out in arrival order: a scrambled file, and an answer of success (the
+    # checksum is of the bytes received, which were right).
+    c = daemon.client()
+    with c.generation("readers", 1) as gen:
+        gen.put("big.bin", os.urandom(1 << 20))
+    c.wait("readers", 1, timeout_s=30)
+    target = tmp_path / "into.bin"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        fetch = c.fetch_local if source == "local" else c.fetch_from_destination
+        with pytest.raises(RejectedInput, match="O_APPEND"):
+            fetch("readers", 1, "big.bin", fd)
+    finally:
+        os.close(fd)
+    assert target.read_bytes() == b""
+    still_serves(daemon)
