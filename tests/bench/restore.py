@@ -210,9 +210,9 @@ def _fetch_row(ctx: Context, section: Section, runs: int, uri: str, endpoint: di
              "the daemon", baseline_name="-", ours=figure(loops, "cpu-s/GB"),
         limit=("<=", LOOP_LIMIT_S_PER_GB),
         bound=(f"{count} readers at once, {total / statistics.median(walls) / 1e6:.0f} MB/s; "
-               f"CPU per GB: the daemon {statistics.median(daemon_cpu) / gb:.2f} s, its upload "
-               f"workers {statistics.median(workers_cpu) / gb:.2f} s (they read the objects "
-               "and write the readers' files)")))
+               f"CPU per GB: the daemon {statistics.median(daemon_cpu) / gb:.2f} s (its event "
+               "loop reads the objects, its threads write the readers' files), its upload "
+               f"workers {statistics.median(workers_cpu) / gb:.2f} s")))
 
 
 def _posix_row(ctx: Context, section: Section, runs: int, case: str, total: int,
