@@ -169,10 +169,10 @@ class S3Reads(S3Client, Backend):
 
         async def write(pieces: builtins.list[bytes], at: int, crc: int) -> int:
             if self.writes_on_loop:
-                # The command's loop serves this restore alone, and the batch it just read
-                # is still in this core's cache: writing it here cost 0.5 CPU s less per
-                # 4 GiB than a thread hop per batch (each hop's thread then waits for the
-                # GIL), and took 13% off the wall time (docs/benchmarks.md).
+                # The command's loop serves this restore alone: writing the batch here saves
+                # a thread hop per batch (and that thread's wait for the GIL), 0.3 user CPU s
+                # per 4 GiB, and was faster in three of four side-by-side series (a write
+                # never waited long here: see docs/benchmarks.md).
                 return _write_at(out_fd, pieces, at, crc)
             async with writers:
                 # Waited for even when cancelled: no thread may write to out_fd once we return.
