@@ -106,6 +106,8 @@ class S3Reads(S3Client, Backend):
                     raise S3Failure(f"{key} does not exist at {self.uri}; it was never "
                                     "written or has been deleted", transient=False,
                                     kind="not_found", code=exc.code) from exc
+                if exc.code == "PreconditionFailed" and etag is not None:
+                    raise self._replaced(key, exc) from exc
                 raise
             etag = str(answer.get("ETag") or "") or None
             try:
@@ -136,6 +138,15 @@ class S3Reads(S3Client, Backend):
                 resumes += 1
                 log_event(log, logging.INFO, "s3_read_resumed", key=key, offset=offset,
                           error=str(exc))
+
+    def _replaced(self, key: str, exc: S3Failure) -> S3Failure:
+        """A read pinned to the ETag it began with (If-Match) found another object there: the
+        key was written again mid-read. Worth reading again (it is checked against the
+        manifest then); the write-side advice ("another writer got there first") fit badly."""
+        return S3Failure(f"{key} was replaced at {self.uri} while it was read (its ETag "
+                         "changed); read it again: what it holds now is checked against the "
+                         "manifest", transient=True, kind="conflict", code=exc.code,
+                         status=exc.status)
 
     async def copy_into(
         self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
@@ -182,9 +193,14 @@ class S3Reads(S3Client, Backend):
         async def fetch(offset: int, length: int) -> None:
             async with self.ranges:
                 what = f"reading {key} at byte {offset}"
-                answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full,
-                                          Range=f"bytes={offset}-{offset + length - 1}",
-                                          IfMatch=etag)
+                try:
+                    answer = await self._call(what, "get_object", Bucket=self.bucket, Key=full,
+                                              Range=f"bytes={offset}-{offset + length - 1}",
+                                              IfMatch=etag)
+                except S3Failure as exc:
+                    if exc.code == "PreconditionFailed":
+                        raise self._replaced(key, exc) from exc
+                    raise
                 crc, written = 0, 0
                 # The network's chunks as they arrived, written RANGE_WRITE_BYTES at a time
                 # with one pwritev: letting aiohttp join them and then gathering them into a

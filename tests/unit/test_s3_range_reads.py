@@ -31,7 +31,8 @@ TRICKLED = 300  # tiny writes that make up the start of the second range
 
 async def _server(answer: str = "range") -> tuple[web.AppRunner, int, list[str]]:
     """``answer``: "range" (what S3 does), "whole" (the whole object, as a server that
-    ignores Range), "short" (the range less its last 100 bytes)."""
+    ignores Range), "short" (the range less its last 100 bytes), "replaced" (412: the ETag
+    the read is pinned to is no longer the object's)."""
     ranges: list[str] = []
 
     async def head(request: web.Request) -> web.Response:
@@ -43,6 +44,11 @@ async def _server(answer: str = "range") -> tuple[web.AppRunner, int, list[str]]
         start, end = (int(x) for x in spec.removeprefix("bytes=").split("-"))
         if answer == "whole":
             return web.Response(body=DATA, headers={"ETag": '"e1"'})
+        if answer == "replaced":  # the object was written again since the HEAD
+            return web.Response(status=412, content_type="application/xml", body=(
+                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>PreconditionFailed</Code>"
+                b"<Message>At least one of the pre-conditions you specified did not hold"
+                b"</Message></Error>"))
         if answer == "short":
             end -= 100
         resp = web.StreamResponse(status=206, headers={
@@ -271,3 +277,14 @@ def test_the_command_opens_its_destination_to_write_on_its_loop(tmp_path: Path) 
         assert backend.writes_on_loop
     finally:
         asyncio.run(backend.aclose())
+
+
+@pytest.mark.asyncio
+async def test_an_object_replaced_mid_read_says_so_and_is_worth_reading_again(
+        tmp_path: Path) -> None:
+    # A range pinned to the object's ETag (If-Match) got 412: the reader was told "another
+    # writer got there first or is writing the same key", advice for a write, as permanent.
+    with pytest.raises(BackendError) as caught:
+        await _restored(tmp_path, answer="replaced", max_attempts=1)
+    assert caught.value.transient
+    assert "was replaced at s3://bucket/prefix while it was read" in str(caught.value)
