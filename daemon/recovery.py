@@ -35,6 +35,10 @@ async def recover(d: Daemon) -> None:
         if not gen.terminal:
             d.admission.adopt_generation(gen)
         open_ranks = [r for r, st in gen.ranks.items() if st is RankState.OPEN]
+        # Aborting a rank and failing its generation are two journal writes (at run time, and
+        # below for a rank open at the crash): a crash between them leaves an aborted rank
+        # in a generation that is not failed, which would wait for good for that rank.
+        aborted = [r for r, st in gen.ranks.items() if st is RankState.ABORTED]
         for shard in gen.shards.values():
             if shard.state in (ShardState.STAGED, ShardState.FAILED, ShardState.DRAINED):
                 # A drained copy with keep_local_copy off was on its way out (dropped, its
@@ -63,6 +67,10 @@ async def recover(d: Daemon) -> None:
                 await d.ledger.apply((gen, r), RankEvent.ABORTED)
             await d.fail(gen, f"the daemon restarted while rank(s) {open_ranks} were still "
                               "handing off; save this generation again", kind="interrupted")
+            continue
+        if aborted:
+            await d.fail(gen, f"rank(s) {aborted} had been aborted when the daemon stopped; "
+                              "save this generation again", kind="interrupted")
             continue
         for shard in gen.shards.values():
             if shard.state is ShardState.STAGED:

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from ckptdrain.client import GenerationFailed
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.checksums import of_bytes
 from tests.conftest import DaemonProcess, wait_for
@@ -172,3 +173,26 @@ def test_restart_removes_stray_staging_files(daemon: DaemonProcess, signal_name:
     daemon.start()
     assert not (shards / "deadbeef.tmp").exists()
     assert not (shards / "cafebabe.data").exists()
+
+
+def test_a_rank_aborted_just_before_a_crash_fails_its_generation_on_restart(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found by `make chaos` (seed 24028): a restart aborts a rank still open at the crash and
+    # then fails its generation, two journal writes. Killed between them, the next restart
+    # found the rank aborted, not open, and the generation not failed: it recorded the other
+    # rank's part and waited for good for a record of the aborted one. (A client's abort at
+    # run time is the same two writes.)
+    d: DaemonProcess = make_daemon()
+    c = d.client()
+    with c.generation("crash-ab", 3, rank=0, world_size=2) as gen:
+        gen.put("r0.bin", b"0" * 5000)
+    d.kill()
+    import sqlite3
+
+    db = sqlite3.connect(d.staging / "journal.sqlite3")
+    db.execute("INSERT INTO ranks (job, step, rank, state) VALUES ('crash-ab', 3, 1, 'aborted')")
+    db.commit()
+    db.close()
+    d.start()
+    with pytest.raises(GenerationFailed, match="rank"):
+        d.client().wait("crash-ab", 3, timeout_s=30)
+    assert not (d.dest / "crash-ab" / f"{3:020d}" / "MANIFEST.json").exists()
