@@ -2,8 +2,8 @@
 
 Runs before the socket is served. Acknowledged shards go back on the drain queue, temp files
 and shards the journal never acknowledged are deleted, every kept file is counted against the
-limits again, and generations that cannot go on (a rank still open at the crash, a memory
-hand-off that never reached local storage) fail here. Their uploads' aborts are queued to the
+limits again, and generations that cannot go on (a rank still open at the crash or already
+aborted, a memory hand-off that never reached local storage) fail here. Their uploads' aborts are queued to the
 supervisor, which starts with the scheduler, so they happen even though nothing runs yet.
 """
 
