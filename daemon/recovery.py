@@ -3,8 +3,9 @@
 Runs before the socket is served. Acknowledged shards go back on the drain queue, temp files
 and shards the journal never acknowledged are deleted, every kept file is counted against the
 limits again, and generations that cannot go on (a rank still open at the crash or already
-aborted, a memory hand-off that never reached local storage) fail here. Their uploads' aborts are queued to the
-supervisor, which starts with the scheduler, so they happen even though nothing runs yet.
+aborted, a memory hand-off that never reached local storage) fail here. Their uploads' aborts
+are queued to the supervisor, which starts with the scheduler, so they happen even though
+nothing runs yet.
 """
 
 from __future__ import annotations
@@ -62,15 +63,13 @@ async def recover(d: Daemon) -> None:
                               "local storage; memory hand-offs do not survive a daemon "
                               "crash; save this generation again", kind="interrupted")
             continue
-        if open_ranks:
+        if open_ranks or aborted:
             for r in open_ranks:
                 await d.ledger.apply((gen, r), RankEvent.ABORTED)
-            await d.fail(gen, f"the daemon restarted while rank(s) {open_ranks} were still "
-                              "handing off; save this generation again", kind="interrupted")
-            continue
-        if aborted:
-            await d.fail(gen, f"rank(s) {aborted} had been aborted when the daemon stopped; "
-                              "save this generation again", kind="interrupted")
+            why = (f"the daemon restarted while rank(s) {open_ranks} were still handing off"
+                   if open_ranks else f"rank(s) {aborted} had been aborted when the daemon "
+                   "stopped")
+            await d.fail(gen, f"{why}; save this generation again", kind="interrupted")
             continue
         for shard in gen.shards.values():
             if shard.state is ShardState.STAGED:
