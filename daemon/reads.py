@@ -110,7 +110,8 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
         entry = committed.by_path.get(path)
         if entry is None:
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
-        size, checksum = await d.backend.copy_into(shard_key(job, step, path), out_fd,
+        # Read on the fetcher's own loop: this one serves every client (daemon/fetcher.py).
+        size, checksum = await d.fetcher.copy_into(shard_key(job, step, path), out_fd,
                                                    algo=entry.algo)
     except (BackendError, ManifestError) as exc:
         raise destination_error(job, step, exc) from None

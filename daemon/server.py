@@ -36,6 +36,7 @@ from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane, io_threads
 from ckptdrain.daemon.errors import RequestError, StartupError
 from ckptdrain.daemon.expiry import Expiry
+from ckptdrain.daemon.fetcher import Fetcher
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.keptmanifests import KeptManifests
@@ -92,6 +93,8 @@ class Daemon:
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)
+        self.fetcher = Fetcher(self.backend,
+                               lambda: open_backend(config.destination, config.node_id))
         self.dataplane = DataPlane(io_threads(limits.io_threads), limits.io_timeout_s,
                                    pumps=limits.max_clients)
         self.supervisor = Supervisor()
@@ -200,6 +203,7 @@ class Daemon:
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.push_async_callback(self.backend.aclose)
+                stack.push_async_callback(self.fetcher.aclose)  # first: its reads have ended
                 await self._start_backend()
                 async with asyncio.TaskGroup() as tg:
                     # First, so that what recovery queues (aborts of failed uploads) runs.

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import threading
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -166,11 +167,12 @@ class S3Client:
                 self._stack = stack
                 self._client.meta.events.register("before-sign.s3.DeleteObjects",
                                                   add_content_md5)
-                if self._workers == 0:
-                    # Frozen once botocore's model is in (the CLI, a worker, a daemon without
-                    # workers, all at their start). A daemon with workers builds a client
-                    # only mid-run, for a read, when freezing would pin whatever is alive
-                    # then (tasks, tracebacks) out of the collector's reach for good.
+                if self._workers == 0 and threading.current_thread() is threading.main_thread():
+                    # Frozen once botocore's model is in, by a client built on the process's
+                    # main thread (the CLI, a worker, a daemon without workers, all at their
+                    # start). The daemon's reads for its clients build theirs mid-run, on the
+                    # fetch thread (daemon/fetcher.py), when freezing would pin whatever is
+                    # alive then (tasks, tracebacks) out of the collector's reach for good.
                     freeze_long_lived()
         return self._client
 

@@ -98,8 +98,9 @@ def busiest_thread_s(before: dict[tuple[int, int], float],
 # data plane names its pool threads in the kernel (dataplane.name_os_thread, 15 bytes).
 # The other threads are named in the kernel by tests/bench/threadnames/sitecustomize.py, which
 # every daemon the benchmarks start loads (BenchDaemon.env).
-THREAD_KINDS = ("loop", "pump", "io", "journal", "drain", "other")
+THREAD_KINDS = ("loop", "pump", "io", "journal", "drain", "fetch", "other")
 _THREAD_PREFIXES = ((b"ckptdrain-pump", "pump"), (b"ckptdrain-pipe", "pump"),
+                    (b"ckptdrain-fetch", "fetch"),
                     (b"ckptdrain-io", "io"), (b"journal", "journal"),
                     (b"posix-segment", "drain"),
                     (b"posix-dest", "drain"), (b"asyncio", "drain"), (b"uvloop", "drain"))
@@ -112,7 +113,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
     socket -> file; ``ckptdrain-pipe_*``: a client's pipe -> file),
     ``io`` (``ckptdrain-io_*``: copies, fsyncs), ``journal`` (SQLite's
     thread), ``drain`` (``posix-dest_*`` and the default executor's ``asyncio_*`` or
-    ``uvloop_*``: reading and hashing staged shards), ``other`` (every other thread still
+    ``uvloop_*``: reading and hashing staged shards; on the fetch loop, writing readers'
+    files), ``fetch`` (``ckptdrain-fetch``: the event loop reading the destination for
+    clients' fetches), ``other`` (every other thread still
     alive), and ``all`` (the process total)."""
     out = dict.fromkeys(THREAD_KINDS, 0.0)
     try:

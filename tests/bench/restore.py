@@ -167,6 +167,7 @@ def _fetch_row(ctx: Context, section: Section, runs: int, uri: str, endpoint: di
     loops: list[float] = []
     daemon_cpu: list[float] = []
     workers_cpu: list[float] = []
+    fetch_cpu: list[float] = []
     ctx.say(f"restore: {runs} runs of {count} x {size // MiB} MiB fetched through the daemon")
 
     def fetch(i: int, errors: list[BaseException]) -> None:
@@ -199,6 +200,7 @@ def _fetch_row(ctx: Context, section: Section, runs: int, uri: str, endpoint: di
             raise BenchError(f"a fetch failed: {errors[0]!r}")
         spent = thread_delta(before, thread_cpu(daemon.pid))
         loops.append(spent["loop"] / (total / 1e9))
+        fetch_cpu.append(spent["fetch"])
         daemon_cpu.append(spent["all"])
         workers_cpu.append(sum(map(cpu_seconds, workers)) - workers_before)
         for out in into.iterdir():
@@ -210,9 +212,10 @@ def _fetch_row(ctx: Context, section: Section, runs: int, uri: str, endpoint: di
              "the daemon", baseline_name="-", ours=figure(loops, "cpu-s/GB"),
         limit=("<=", LOOP_LIMIT_S_PER_GB),
         bound=(f"{count} readers at once, {total / statistics.median(walls) / 1e6:.0f} MB/s; "
-               f"CPU per GB: the daemon {statistics.median(daemon_cpu) / gb:.2f} s (its event "
-               "loop reads the objects, its threads write the readers' files), its upload "
-               f"workers {statistics.median(workers_cpu) / gb:.2f} s")))
+               f"CPU per GB: the daemon {statistics.median(daemon_cpu) / gb:.2f} s, of which its "
+               f"fetch thread (the event loop that reads the objects for clients) "
+               f"{statistics.median(fetch_cpu) / gb:.2f} s (threads write the readers' files); "
+               f"its upload workers {statistics.median(workers_cpu) / gb:.2f} s")))
 
 
 def _posix_row(ctx: Context, section: Section, runs: int, case: str, total: int,
