@@ -439,7 +439,8 @@ async def _write_verified(
     try:
         try:
             size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
-                                                     progress=progress, owned=True)
+                                                     progress=progress, owned=True,
+                                                     expected_size=shard.size)
         finally:
             os.close(fd)
         if size != shard.size:

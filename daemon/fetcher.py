@@ -57,14 +57,16 @@ class Fetcher:
         """The reading loop's thread, once started."""
         return self._thread
 
-    async def copy_into(self, key: str, out_fd: int, *, algo: str = checksums.ALGO
-                        ) -> tuple[int, str]:
+    async def copy_into(self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
+                        expected_size: int | None = None) -> tuple[int, str]:
         """``Backend.copy_into`` of ``key`` into the client's ``out_fd``; returns only once no
         thread writes to ``out_fd`` any more, cancelled or not."""
         if not self._backend.reads_on_loop:
-            return await self._backend.copy_into(key, out_fd, algo=algo)
+            return await self._backend.copy_into(key, out_fd, algo=algo,
+                                                 expected_size=expected_size)
         loop, reader = await self._started()
-        return await _on(loop, lambda: reader.copy_into(key, out_fd, algo=algo))
+        return await _on(loop, lambda: reader.copy_into(key, out_fd, algo=algo,
+                                                        expected_size=expected_size))
 
     async def _started(self) -> tuple[asyncio.AbstractEventLoop, Backend]:
         async with self._starting:

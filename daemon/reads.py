@@ -112,7 +112,7 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
         # Read on the fetcher's own loop: this one serves every client (daemon/fetcher.py).
         size, checksum = await d.fetcher.copy_into(shard_key(job, step, path), out_fd,
-                                                   algo=entry.algo)
+                                                   algo=entry.algo, expected_size=entry.size)
     except (BackendError, ManifestError) as exc:
         raise destination_error(job, step, exc) from None
     except OSError as exc:

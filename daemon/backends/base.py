@@ -218,6 +218,7 @@ class Backend(abc.ABC):
     async def copy_into(
         self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
         progress: Callable[[int], None] | None = None, owned: bool = False,
+        expected_size: int | None = None,
     ) -> tuple[int, str]:
         """Write the object into the open file ``out_fd``, each byte at its own offset from 0
         (never at the file's position, and never with O_APPEND); returns (bytes written, their
@@ -225,8 +226,11 @@ class Backend(abc.ABC):
         do it without a hop to the event loop per chunk (POSIX does). ``owned``: ``out_fd`` is
         a file of the caller's own that nobody else can shrink (restore's temp file, opened for
         reading too), so a backend may checksum it by mapping its pages; never for a client's
-        fd, which the client could truncate under the mapping (see filecopy.checksum_into)."""
-        del owned  # the chunks are checksummed as they arrive
+        fd, which the client could truncate under the mapping (see filecopy.checksum_into).
+        ``expected_size``: the size the manifest lists, when the caller has one; a backend may
+        plan the read by it instead of asking the destination first (the caller compares what
+        came back with the manifest anyway)."""
+        del owned, expected_size  # the chunks are checksummed as they arrive, in order
         digest = checksums.new(algo)
         size = 0
         loop = asyncio.get_running_loop()

@@ -37,7 +37,8 @@ class ThreadedReads(MemoryBackend):
 
     async def copy_into(self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
                         progress: Callable[[int], None] | None = None,
-                        owned: bool = False) -> tuple[int, str]:
+                        owned: bool = False,
+                        expected_size: int | None = None) -> tuple[int, str]:
         self.read_on.append(threading.current_thread().name)
         if key == "on-the-loop":  # holds the reading loop itself while copy runs
             return self.copy(out_fd), f"{algo}:0"
