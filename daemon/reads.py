@@ -15,10 +15,12 @@ the fd is checked to be that very file. Anything else (no copy, a copy gone or d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import parse_checksum
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.reads")
 
 Identity = tuple[int, int, int, int, int]
+T = TypeVar("T")
 
 
 def identity(st: os.stat_result) -> Identity:
@@ -111,8 +114,8 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
         if entry is None:
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
         # Read on the fetcher's own loop: this one serves every client (daemon/fetcher.py).
-        size, checksum = await d.fetcher.copy_into(shard_key(job, step, path), out_fd,
-                                                   algo=entry.algo, expected_size=entry.size)
+        size, checksum = await _unless_hung_up(h, d.fetcher.copy_into(
+            shard_key(job, step, path), out_fd, algo=entry.algo, expected_size=entry.size))
     except (BackendError, ManifestError) as exc:
         raise destination_error(job, step, exc) from None
     except OSError as exc:
@@ -123,3 +126,25 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
                            f"destination does not match its manifest ({size} bytes, {checksum}); "
                            "run `ckptdrain verify` on it")
     return {"path": path, "size": size, "checksum": checksum}
+
+
+async def _unless_hung_up(h: ClientHandler, work: Coroutine[Any, Any, T]) -> T:
+    """``work``, ended early if the client hangs up meanwhile: a reader killed mid-fetch must
+    not go on pulling its shard from the destination into a file nobody will read (till the
+    reply fails). Cancelled, ``work`` is awaited to its end (the fetcher's rule for the fd);
+    then the connection ends (ConnectionError: no reply)."""
+    with h.channel.hangup_watch() as gone:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(work)
+                either: list[asyncio.Future[Any]] = [task, gone]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if not task.done():
+                    task.cancel()
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None  # the one task's own error, as raised
+    if task.cancelled():
+        log_event(log, logging.INFO, "fetch_abandoned", uid=h.uid,
+                  action="the client hung up: its read from the destination was stopped")
+        raise ConnectionError("the client hung up during its fetch")
+    return task.result()

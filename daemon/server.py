@@ -93,8 +93,8 @@ class Daemon:
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)
-        self.fetcher = Fetcher(self.backend,
-                               lambda: open_backend(config.destination, config.node_id))
+        self.fetcher = Fetcher(lambda: open_backend(config.destination, config.node_id),
+                               close_fd=lambda fd: self.dataplane.close_client_fd(fd))
         self.dataplane = DataPlane(io_threads(limits.io_threads), limits.io_timeout_s,
                                    pumps=limits.max_clients)
         self.supervisor = Supervisor()

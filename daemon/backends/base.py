@@ -125,10 +125,6 @@ class Backend(abc.ABC):
     # stores it (S3's full-object CRC64NVME): then ``verify`` trusts ``stat`` without reading.
     # A POSIX xattr records a checksum but proves nothing about the bytes beside it.
     validates_checksums: bool = False
-    # Whether reading an object parses the destination's answers on the event loop (S3's
-    # HTTP), rather than in threads (POSIX): the daemon then reads for its clients on a
-    # loop of its own (daemon/fetcher.py), not the one that serves them.
-    reads_on_loop: bool = False
     # Small shards the drain may hand over together in one put_files call (see there): at
     # most this many (1: one at a time), of at most ``batch_shard_bytes`` each and
     # ``batch_bytes`` in all.

@@ -82,7 +82,6 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
     # -- put_file ---------------------------------------------------------------------------
 
     validates_checksums = True
-    reads_on_loop = True
 
     def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
                  writes_on_loop: bool = False) -> None:

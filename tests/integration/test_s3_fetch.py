@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +30,7 @@ from ckptdrain.daemon.backends.s3reads import S3Reads
 from ckptdrain.daemon.config import Config, DestinationConfig, MetricsConfig
 from ckptdrain.daemon.server import Daemon
 from tests.conftest import wait_for
+from tests.integration.faultproxy import FaultProxy
 from tests.integration.seaweedfs import SeaweedFS
 
 pytestmark = pytest.mark.s3
@@ -147,3 +151,59 @@ async def _delete(backend: S3Backend, key: str) -> None:
         await backend.delete(key)
     finally:
         await backend.aclose()
+
+
+# A reader in a process of its own, killed while its fetch is under way.
+_READER = """
+import os, sys
+from ckptdrain.client import Client
+fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+with Client(sys.argv[1], timeout_s=600) as c:
+    c.fetch_from_destination("fetched", 1, "stalled.bin", fd)
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_reader_killed_mid_fetch_stops_its_read_from_the_destination(
+        seaweedfs: SeaweedFS, s3_bucket: str, tmp_path: Path, short_tmp: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found attacking the fetch loop: a reader killed mid-fetch left its fetch running till
+    the object had all been read into its file (or the read timed out), and only the reply
+    failed. The GET here is held by a proxy for 120 s; the read must end at the hang-up."""
+    ended: list[str] = []
+    original = S3Reads.copy_into
+
+    async def recording(self: S3Reads, key: str, out_fd: int, **kw: Any) -> tuple[int, str]:
+        try:
+            return await original(self, key, out_fd, **kw)
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+
+    monkeypatch.setattr(S3Reads, "copy_into", recording)
+    async with FaultProxy("127.0.0.1", seaweedfs.ports["s3"], stall_s=120.0) as proxy:
+        destination = DestinationConfig(uri=f"s3://{s3_bucket}/ckpt",
+                                        endpoint_url=proxy.endpoint_url, read_timeout_s=300)
+        config = Config(node_id="node-a", socket=short_tmp / "h.sock",
+                        staging_dir=tmp_path / "staging", destination=destination,
+                        metrics=MetricsConfig(listen=""))
+        out = tmp_path / "out"
+        out.mkdir()
+
+        def steps() -> dict[str, Any]:
+            client_side(config.socket, out, {"stalled.bin": b"s" * MiB})
+            proxy.inject("stall", match=lambda r: r.method == "GET" and "stalled.bin" in r.target)
+            reader = subprocess.Popen([sys.executable, "-c", _READER, str(config.socket),
+                                       str(out / "again")])
+            try:
+                wait_for(lambda: proxy.faults("stall"), timeout_s=60)  # its GET is held
+            finally:
+                reader.send_signal(signal.SIGKILL)
+                reader.wait(timeout=30)
+            wait_for(lambda: ended, timeout_s=30)  # long before the 120 s stall ends
+            with Client(config.socket, timeout_s=30) as c:
+                return c.status()
+
+        status = await serving(Daemon(config), steps)
+    assert ended == ["cancelled"]
+    assert status["node_id"] == "node-a"

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from ckptdrain.daemon import checksums
+from ckptdrain.daemon import fetcher as fetcher_module
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.memory import MemoryBackend
 from ckptdrain.daemon.fetcher import Fetcher
@@ -26,8 +27,6 @@ from tests.unit.test_threads import _cancel_twice_while_the_thread_runs
 class ThreadedReads(MemoryBackend):
     """Reads on its event loop, as S3 does; writes into the client's fd with ``copy`` in a
     thread of that loop. Records the thread each read ran on."""
-
-    reads_on_loop = True
 
     def __init__(self, copy: Callable[[int], int] = lambda fd: 0) -> None:
         super().__init__("node-a")
@@ -50,8 +49,26 @@ class ThreadedReads(MemoryBackend):
         self.closed += 1
 
 
-def fetcher_with(reader: ThreadedReads) -> tuple[Fetcher, ThreadedReads]:
-    daemons = ThreadedReads()
+@pytest.fixture
+def client_fd() -> Iterator[int]:
+    """A client's file, as a fetch passes it."""
+    fd = os.memfd_create("client-file")
+    yield fd
+    os.close(fd)
+
+
+class Closes:
+    """The fetcher's ``close_fd``: closes each fd and records it, in order."""
+
+    def __init__(self) -> None:
+        self.closed: list[int] = []
+
+    def __call__(self, fd: int) -> None:
+        os.close(fd)
+        self.closed.append(fd)
+
+
+def fetcher_with(reader: ThreadedReads, closes: Closes | None = None) -> Fetcher:
     opened: list[ThreadedReads] = []
 
     def open_reader() -> ThreadedReads:
@@ -59,7 +76,7 @@ def fetcher_with(reader: ThreadedReads) -> tuple[Fetcher, ThreadedReads]:
         assert len(opened) == 1, "the reading backend is opened once"
         return reader
 
-    return Fetcher(daemons, open_reader), daemons
+    return Fetcher(open_reader, close_fd=closes or Closes())
 
 
 @pytest.mark.asyncio
@@ -70,15 +87,20 @@ async def test_reads_run_on_the_fetch_thread_and_their_errors_come_back_as_raise
         return 7
 
     reader = ThreadedReads(copy)
-    fetcher, daemons = fetcher_with(reader)
+    closes = Closes()
+    fetcher = fetcher_with(reader, closes)
+    fd = os.memfd_create("client-file")
     try:
-        assert await fetcher.copy_into("k", 5) == (7, "crc64nvme:0")
+        assert await fetcher.copy_into("k", fd) == (7, "crc64nvme:0")
+        reader.copy = lambda into: copy(-1)
         with pytest.raises(BackendError, match="does not exist") as raised:
-            await fetcher.copy_into("k", -1)
+            await fetcher.copy_into("k", fd)
         assert raised.value.kind == "not_found"
         assert reader.read_on == ["ckptdrain-fetch", "ckptdrain-fetch"]
-        assert daemons.read_on == []  # the daemon's own backend read nothing
+        # Each read had a duplicate of the client's fd of its own, closed once it ended.
+        assert len(closes.closed) == 2 and fd not in closes.closed
     finally:
+        os.close(fd)
         await fetcher.aclose()
 
 
@@ -100,7 +122,7 @@ async def test_a_caller_cancelled_twice_returns_only_once_the_read_has_ended() -
             seen.append(f"closed under the thread ({exc})")
         return 0
 
-    fetcher, _ = fetcher_with(ThreadedReads(copy))
+    fetcher = fetcher_with(ThreadedReads(copy))
 
     async def caller() -> None:
         try:
@@ -122,7 +144,46 @@ async def test_a_caller_cancelled_twice_returns_only_once_the_read_has_ended() -
 
 
 @pytest.mark.asyncio
-async def test_a_fetch_cancelled_before_its_read_began_returns() -> None:
+async def test_a_write_stuck_in_the_kernel_holds_a_cancelled_caller_only_for_the_grace(
+        client_fd: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found attacking the fetch loop: a fetch into a file on a frozen filesystem held the
+    daemon's stop for as long as the filesystem stayed frozen. The write goes to a duplicate
+    the fetcher closes when the write returns, so the caller may go after a grace and close
+    its own fd: no thread can write into a reused fd number."""
+    monkeypatch.setattr(fetcher_module, "CANCEL_GRACE_S", 0.2)
+    started, thawed = threading.Event(), threading.Event()
+    wrote_into: list[int] = []
+
+    def stuck(into: int) -> int:  # a pwrite into a frozen filesystem
+        wrote_into.append(into)
+        started.set()
+        thawed.wait(30)
+        os.fstat(into)  # still open: nobody closed it under this thread
+        return 0
+
+    closes = Closes()
+    fetcher = fetcher_with(ThreadedReads(stuck), closes)
+    try:
+        task = asyncio.create_task(fetcher.copy_into("k", client_fd))
+        await asyncio.to_thread(started.wait, 30)
+        task.cancel()
+        async with asyncio.timeout(10):  # returns after the grace, the write still stuck
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert closes.closed == []  # the duplicate stays open while its write is stuck
+        assert wrote_into and wrote_into[0] != client_fd
+        thawed.set()
+        async with asyncio.timeout(10):
+            while not closes.closed:
+                await asyncio.sleep(0.01)
+        assert closes.closed == wrote_into
+    finally:
+        thawed.set()
+        await fetcher.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_fetch_cancelled_before_its_read_began_returns(client_fd: int) -> None:
     """Cancelled while the reading loop was busy, the read is cancelled before its first
     step: its coroutine never runs, so only the task's end can tell the caller."""
     held, go = threading.Event(), threading.Event()
@@ -132,11 +193,11 @@ async def test_a_fetch_cancelled_before_its_read_began_returns() -> None:
         go.wait(30)
         return 0
 
-    fetcher, _ = fetcher_with(ThreadedReads(hold_the_loop))
+    fetcher = fetcher_with(ThreadedReads(hold_the_loop))
     try:
-        holding = asyncio.create_task(fetcher.copy_into("on-the-loop", 3))
+        holding = asyncio.create_task(fetcher.copy_into("on-the-loop", client_fd))
         await asyncio.to_thread(held.wait, 30)
-        queued = asyncio.create_task(fetcher.copy_into("queued", 4))
+        queued = asyncio.create_task(fetcher.copy_into("queued", client_fd))
         await asyncio.sleep(0)  # the request is on its way to the busy loop
         queued.cancel()
         go.set()
@@ -150,34 +211,42 @@ async def test_a_fetch_cancelled_before_its_read_began_returns() -> None:
 
 
 @pytest.mark.asyncio
-async def test_closing_stops_the_thread_and_a_later_fetch_gets_a_transient_error() -> None:
+async def test_a_read_that_reaches_the_loop_as_it_stops_gets_a_transient_error(client_fd: int) -> None:
+    """Its task is created in the loop's last turn and never steps: the loop's end cancels
+    it, which is not the caller's cancel, so the caller hears "stopping", neither a
+    cancellation it never asked for nor nothing at all."""
+    fetcher = fetcher_with(ThreadedReads(lambda fd: 1))
+    gate = threading.Event()
+    try:
+        await fetcher.copy_into("k", client_fd)
+        loop = fetcher._loop
+        assert loop is not None
+        loop.call_soon_threadsafe(gate.wait, 30)  # holds the loop's thread in one callback
+        loop.call_soon_threadsafe(loop.stop)  # then stop and the read run in one turn
+        read = asyncio.create_task(fetcher.copy_into("k", client_fd))
+        await asyncio.sleep(0)  # the read is sent: it queued its start behind the stop
+        gate.set()
+        async with asyncio.timeout(30):
+            with pytest.raises(BackendError, match="stopping") as raised:
+                await read
+        assert raised.value.transient
+    finally:
+        gate.set()
+        await fetcher.aclose()
+
+
+@pytest.mark.asyncio
+async def test_closing_stops_the_thread_and_a_later_fetch_gets_a_transient_error(client_fd: int) -> None:
     reader = ThreadedReads(lambda fd: 1)
-    fetcher, _ = fetcher_with(reader)
-    await fetcher.copy_into("k", 3)
+    fetcher = fetcher_with(reader)
+    await fetcher.copy_into("k", client_fd)
     thread = fetcher.thread
     assert thread is not None and thread.is_alive()
     await fetcher.aclose()
     assert not thread.is_alive()
     assert reader.closed == 1
     with pytest.raises(BackendError, match="stopping") as raised:
-        await fetcher.copy_into("k", 3)
+        await fetcher.copy_into("k", client_fd)
     assert raised.value.transient
     await fetcher.aclose()  # twice is harmless
     assert reader.closed == 1
-
-
-@pytest.mark.asyncio
-async def test_a_destination_read_in_threads_is_read_in_place() -> None:
-    class Posixlike(ThreadedReads):
-        reads_on_loop = False
-
-    daemons = Posixlike(lambda fd: 2)
-
-    def never() -> ThreadedReads:
-        raise AssertionError("no second backend for a destination that reads in threads")
-
-    fetcher = Fetcher(daemons, never)
-    assert await fetcher.copy_into("k", 3) == (2, "crc64nvme:0")
-    assert daemons.read_on == [threading.current_thread().name]
-    assert fetcher.thread is None
-    await fetcher.aclose()
