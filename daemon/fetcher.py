@@ -118,15 +118,15 @@ class Fetcher:
         asked = False  # whether this caller cancelled the work
 
         def report(task: asyncio.Task[T]) -> None:  # on this loop, once the task is done
+            error = None if task.cancelled() else task.exception()  # retrieved, either way
             if outcome.done():
                 return
-            if task.cancelled():
-                if asked:
-                    outcome.cancel()
-                else:  # ended by the reading loop's stop, not by the caller
-                    outcome.set_exception(_stopping())
-            elif task.exception() is not None:
-                outcome.set_exception(task.exception())  # type: ignore[arg-type]
+            if asked:  # however it ended, the cancelled caller takes no result of it
+                outcome.cancel()
+            elif task.cancelled():  # ended by the reading loop's stop, not by the caller
+                outcome.set_exception(_stopping())
+            elif error is not None:
+                outcome.set_exception(error)
             else:
                 outcome.set_result(task.result())
 
