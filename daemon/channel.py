@@ -185,8 +185,9 @@ class Channel:
     @contextlib.contextmanager
     def hangup_watch(self) -> Iterator[asyncio.Future[None]]:
         """A future done once the client has closed its end (EOF or reset), for requests that
-        wait long without reading (``wait``): a client gone need not keep its slot till the
-        timeout. Bytes of a pipelined next request end the watch; they are read after."""
+        wait long without reading (``wait``, a fetch from the destination): a client gone need
+        not keep its slot till the timeout, nor its read going. Bytes of a pipelined next
+        request end the watch; they are read after."""
         gone: asyncio.Future[None] = self._loop.create_future()
         fd = self.sock.fileno()
 

@@ -10,21 +10,27 @@ connections; the daemon's loop sends it the request and awaits the answer. A POS
 destination copies in that backend's threads, as the daemon's own does.
 
 One owner for the client's fd on each side. The read writes into a duplicate of it, which
-the fetcher closes (off any loop: a close can flush to a slow mount) once the read on the
-other loop has ended, writes included; the caller keeps its own and closes it when it likes.
-A thread still writing can then never write into a reused fd number, someone else's file. A
-cancelled caller (the client hung up, the daemon is stopping) waits for the read to end, up
-to ``CANCEL_GRACE_S``: a read ends within a turn or two of its loop once cancelled, unless a
-write into the client's file is stuck in the kernel (a frozen or hung filesystem), which
-must not hold the connection, or the daemon's stop, for as long as the kernel likes.
+the fetcher owns from the call on and closes (off any loop: a close can flush to a slow
+mount) once the read on the other loop has ended, writes included; the connection keeps its
+own and closes it when it likes. A thread still writing can then never write into a reused
+fd number, someone else's file. A cancelled caller (the daemon is stopping) or one whose
+client hung up waits for the read to end, up to ``CANCEL_GRACE_S``: a read ends within a turn
+or two of its loop once cancelled, unless a write into the client's file is stuck in the
+kernel (a frozen or hung filesystem), which must not hold the connection, or the daemon's
+stop, for as long as the kernel likes.
+
+The reads are tasks of the reading loop, not of a TaskGroup of the caller's: a TaskGroup
+cannot span two loops. What owns them is the loop's intake (:class:`_Intake`): every read it
+took in is run and ended before the loop closes, and each one's end is what answers its
+caller.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -40,10 +46,33 @@ log = logging.getLogger("ckptdrain.fetcher")
 T = TypeVar("T")
 
 # How long closing waits for the reading loop: its backend's clean-up, then its tasks and
-# threads. Past it the thread is left to the process's exit (it is a daemon thread).
+# threads (the thread is joined for longer than the two together). Past it the thread is
+# left to the process's exit (it is a daemon thread).
 CLOSE_TIMEOUT_S = 10.0
 # How long a cancelled fetch waits for its read to end (see above).
 CANCEL_GRACE_S = 5.0
+
+
+class _Intake:
+    """The reading loop and what it takes in. A read is queued on the loop only while the
+    intake is open, under its lock; the loop's thread shuts it before its last turns, so
+    every read queued is run and ended before the loop closes, and none is dropped unrun
+    with its caller waiting for good."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._open = True
+
+    def submit(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._open:
+                self.loop.call_soon_threadsafe(callback)
+            return self._open
+
+    def shut(self) -> None:
+        with self._lock:
+            self._open = False
 
 
 class Fetcher:
@@ -52,17 +81,17 @@ class Fetcher:
     def __init__(self, open_reader: Callable[[], Backend], *,
                  close_fd: Callable[[int], None]) -> None:
         """``open_reader``: a new backend for the daemon's destination (called once, on the
-        reading loop); ``close_fd``: how a duplicate of a client's fd is closed (without
-        blocking the caller)."""
+        reading loop; it is synchronous and does no I/O); ``close_fd``: how a duplicate of a
+        client's fd is closed (without blocking the caller)."""
         self._open_reader = open_reader
         self._close_fd = close_fd
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._intake: _Intake | None = None
         self._thread: threading.Thread | None = None
         self._reader: Backend | None = None
         self._starting = asyncio.Lock()
         self._closed = False
         # Outcomes callers await, until each is settled: what closing settles if the reading
-        # loop ended without reporting them (a read that reached it as it stopped).
+        # loop could not answer them (its thread stuck past the join).
         self._waiting: set[asyncio.Future[Any]] = set()
 
     @property
@@ -70,60 +99,72 @@ class Fetcher:
         """The reading loop's thread, once started."""
         return self._thread
 
-    async def copy_into(self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
-                        expected_size: int | None = None) -> tuple[int, str]:
-        """``Backend.copy_into`` of ``key`` into the client's ``out_fd``, through a duplicate
-        of it that this fetcher closes once the read has ended (``out_fd`` stays the
-        caller's)."""
-        loop, reader = await self._started()
-        into = os.dup(out_fd)
+    async def copy_into(self, key: str, into: int, *, algo: str = checksums.ALGO,
+                        expected_size: int | None = None,
+                        gone: asyncio.Future[None] | None = None) -> tuple[int, str]:
+        """``Backend.copy_into`` of ``key`` into ``into``, a duplicate of a client's fd that
+        this fetcher owns from the call on and closes once the read has ended, however it
+        ends. ``gone``: done once the client has hung up; the read is then stopped and
+        ConnectionError raised (no reply is owed to a client that left)."""
+        try:
+            intake, reader = await self._started()
+        except BaseException:
+            self._close_fd(into)
+            raise
         return await self._there(
-            loop, lambda: reader.copy_into(key, into, algo=algo, expected_size=expected_size),
-            grace_s=CANCEL_GRACE_S, after=lambda: self._close_fd(into))
+            intake, lambda: reader.copy_into(key, into, algo=algo, expected_size=expected_size),
+            grace_s=CANCEL_GRACE_S, after=lambda: self._close_fd(into), gone=gone)
 
-    async def _started(self) -> tuple[asyncio.AbstractEventLoop, Backend]:
+    async def _started(self) -> tuple[_Intake, Backend]:
         async with self._starting:
             if self._closed:
                 raise _stopping()
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=_serve, args=(loop,), name="ckptdrain-fetch",
+            if self._intake is None:
+                try:
+                    loop = asyncio.new_event_loop()
+                except OSError as exc:  # out of file descriptors
+                    raise _cannot_start(exc) from None
+                intake = _Intake(loop)
+                thread = threading.Thread(target=_serve, args=(intake,), name="ckptdrain-fetch",
                                           daemon=True)
-                thread.start()
-                self._loop, self._thread = loop, thread
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # out of threads
+                    loop.close()
+                    raise _cannot_start(exc) from None
+                self._intake, self._thread = intake, thread
             if self._reader is None:
                 # Built on its own loop: its locks, semaphores and connections belong there.
-                self._reader = await self._there(self._loop, self._open)
-            return self._loop, self._reader
+                self._reader = await self._there(self._intake, self._open)
+            return self._intake, self._reader
 
     async def _open(self) -> Backend:
         return self._open_reader()
 
-    async def _there(self, loop: asyncio.AbstractEventLoop,
-                     work: Callable[[], Coroutine[Any, Any, T]], *,
-                     grace_s: float | None = None,
-                     after: Callable[[], None] | None = None) -> T:
-        """Run ``work()`` as a task on ``loop`` (the reading loop) and await its outcome here;
-        ``after()`` runs once that task has ended, however it ends (or at once, if it never
-        starts). Cancelled, cancel it there and wait, through any further cancels, until it
-        has ended (or ``grace_s`` has passed): the task's own end is what says so. A
-        concurrent future's would not (cancelled, it is done at once while the work it stood
-        for runs on), and neither would the coroutine's own ``finally`` (a task cancelled
-        before its first step never runs its body)."""
+    async def _there(self, intake: _Intake, work: Callable[[], Coroutine[Any, Any, T]], *,
+                     grace_s: float | None = None, after: Callable[[], None] | None = None,
+                     gone: asyncio.Future[None] | None = None) -> T:
+        """Run ``work()`` as a task on the reading loop and await its outcome here; ``after()``
+        runs once that task has ended, however it ends (or at once, if it is never taken in).
+        Cancelled, or once ``gone`` is done first, cancel it there and wait, through any
+        further cancels, until it has ended (or ``grace_s`` has passed): the task's own end is
+        what says so. A concurrent future's would not (cancelled, it is done at once while the
+        work it stood for runs on), and neither would the coroutine's own ``finally`` (a task
+        cancelled before its first step never runs its body)."""
         here = asyncio.get_running_loop()
         outcome: asyncio.Future[T] = here.create_future()
         self._waiting.add(outcome)
         outcome.add_done_callback(self._waiting.discard)
-        tasks: list[asyncio.Task[T]] = []  # touched on ``loop`` only
-        asked = False  # whether this caller cancelled the work
+        tasks: list[asyncio.Task[T]] = []  # touched on the reading loop only
+        asked = False  # whether this side stopped the work
 
         def report(task: asyncio.Task[T]) -> None:  # on this loop, once the task is done
             error = None if task.cancelled() else task.exception()  # retrieved, either way
             if outcome.done():
                 return
-            if asked:  # however it ended, the cancelled caller takes no result of it
+            if asked:  # however it ended, a caller that stopped it takes no result of it
                 outcome.cancel()
-            elif task.cancelled():  # ended by the reading loop's stop, not by the caller
+            elif task.cancelled():  # ended by the reading loop's stop, not by this side
                 outcome.set_exception(_stopping())
             elif error is not None:
                 outcome.set_exception(error)
@@ -137,7 +178,7 @@ class Fetcher:
                 here.call_soon_threadsafe(report, task)
 
         def start() -> None:
-            task = loop.create_task(work())
+            task = intake.loop.create_task(work())
             task.add_done_callback(ended)
             tasks.append(task)
 
@@ -145,50 +186,59 @@ class Fetcher:
             for task in tasks:
                 task.cancel()
 
-        try:
-            loop.call_soon_threadsafe(start)
-        except RuntimeError:  # its loop has closed
+        async def call_off() -> None:
+            nonlocal asked
+            asked = True
+            intake.submit(cancel)  # shut: the loop is ending, and ends the task itself
+            await outlast(outcome, grace_s)
+            if outcome.done() and not outcome.cancelled():
+                outcome.exception()  # retrieved: the caller does not take it
+
+        if not intake.submit(start):
             outcome.cancel()
             if after is not None:
                 after()
-            raise _stopping() from None
+            raise _stopping()
         try:
-            return await asyncio.shield(outcome)
+            if gone is None:
+                return await asyncio.shield(outcome)
+            either: list[asyncio.Future[Any]] = [outcome, gone]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if outcome.done():
+                return outcome.result()
         except asyncio.CancelledError:
-            asked = True
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(cancel)
-            await outlast(outcome, grace_s)
-            if outcome.done() and not outcome.cancelled():
-                outcome.exception()  # retrieved: the cancellation is what the caller sees
+            await call_off()
             raise
+        await call_off()
+        raise ConnectionError("the client hung up during its fetch")
 
     async def aclose(self) -> None:
         """Close the reading backend and stop its loop (after every fetch has ended: the
         daemon closes this once its connections are gone)."""
         async with self._starting:
             self._closed = True
-            loop, thread, reader = self._loop, self._thread, self._reader
-            self._loop = self._thread = self._reader = None  # closed once
-        if loop is None or thread is None:
+            intake, thread, reader = self._intake, self._thread, self._reader
+            self._intake = self._thread = self._reader = None  # closed once
+        if intake is None or thread is None:
             return
         try:
             if reader is not None:
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                    await self._there(loop, reader.aclose, grace_s=CLOSE_TIMEOUT_S)
+                    # A short grace once the timeout has cancelled it: the loop's stop ends it.
+                    await self._there(intake, reader.aclose, grace_s=1.0)
         except Exception as exc:  # closing goes on: the loop must stop
             log_event(log, logging.WARNING, "fetch_close_failed", error=str(exc) or repr(exc))
-        with contextlib.suppress(RuntimeError):  # its loop has closed already
-            loop.call_soon_threadsafe(_finish_soon, loop)
-        # The thread ends when its loop has stopped and closed: joined in a thread, so a
-        # stuck write into a client's file cannot hold the daemon's loop here.
-        await asyncio.to_thread(thread.join, 2 * CLOSE_TIMEOUT_S)
+        intake.submit(functools.partial(_finish_soon, intake.loop))
+        # The thread ends when its loop has stopped and closed (at most two close timeouts:
+        # its tasks and threads, then what was still queued): joined in a thread, so a stuck
+        # write into a client's file cannot hold the daemon's loop here.
+        join_s = 3 * CLOSE_TIMEOUT_S
+        await asyncio.to_thread(thread.join, join_s)
         if thread.is_alive():
-            log_event(log, logging.WARNING, "fetch_thread_stuck", timeout_s=2 * CLOSE_TIMEOUT_S,
+            log_event(log, logging.WARNING, "fetch_thread_stuck", timeout_s=join_s,
                       action="left to the process's exit")
-            return
-        # The loop is gone, and nothing it ran can still write: a caller it never answered
-        # (a read that reached it as it closed) is answered now rather than never.
+        # A caller the loop could not answer (its thread stuck past the join) is answered
+        # now rather than never; the duplicate it wrote into stays with the stuck thread.
         for outcome in list(self._waiting):
             if not outcome.done():
                 outcome.set_exception(_stopping())
@@ -200,19 +250,30 @@ def _stopping() -> BackendError:
                         "ended; retry once it is back", transient=True)
 
 
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
+def _cannot_start(exc: BaseException) -> BackendError:
+    return BackendError(f"the daemon could not start its thread for reads from the "
+                        f"destination ({exc}); it is short of threads or file descriptors: "
+                        "retry shortly", transient=True)
+
+
+def _serve(intake: _Intake) -> None:
+    loop = intake.loop
     name_os_thread()
     asyncio.set_event_loop(loop)
     try:
         loop.run_forever()
-        # A read that arrived as the loop stopped: ended here, so that its caller (waiting
-        # on the task's end) hears of it rather than waiting for good.
+        # Reads queued as the loop stopped: one more turn runs those taken in before the
+        # intake shut (their tasks made), then every task left is ended here, so that each
+        # caller (waiting on its task's end) hears of it rather than waiting for good.
+        intake.shut()
+        loop.run_until_complete(asyncio.sleep(0))
         left = asyncio.all_tasks(loop)
         for task in left:
             task.cancel()
         if left:
             loop.run_until_complete(asyncio.wait(left, timeout=CLOSE_TIMEOUT_S))
     finally:
+        intake.shut()
         loop.close()
 
 
@@ -229,8 +290,9 @@ _finishing: set[asyncio.Task[None]] = set()
 
 
 async def _finish(loop: asyncio.AbstractEventLoop) -> None:
-    """On the reading loop: end what is left on it, its default executor's threads (the
-    writes into clients' files) included, then stop it."""
+    """On the reading loop: end what is left on it, its async generators (a read's stream
+    broken off) and its default executor's threads (the writes into clients' files)
+    included, then stop it."""
     me = asyncio.current_task()
     left = [t for t in asyncio.all_tasks() if t is not me]
     for task in left:
@@ -238,6 +300,7 @@ async def _finish(loop: asyncio.AbstractEventLoop) -> None:
     try:
         async with asyncio.timeout(CLOSE_TIMEOUT_S):
             await asyncio.gather(*left, return_exceptions=True)
+            await loop.shutdown_asyncgens()
             await loop.shutdown_default_executor()
     except TimeoutError:
         pass

@@ -15,12 +15,10 @@ the fd is checked to be that very file. Anything else (no copy, a copy gone or d
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import parse_checksum
@@ -34,7 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.reads")
 
 Identity = tuple[int, int, int, int, int]
-T = TypeVar("T")
 
 
 def identity(st: os.stat_result) -> Identity:
@@ -99,7 +96,11 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
 async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: str,
                                  out_fd: int) -> dict[str, object]:
     """Copy ``path`` of committed step ``step`` from the destination into the client's file
-    (a reader of an S3 destination stays stdlib-only), checked against the manifest."""
+    (a reader of an S3 destination stays stdlib-only), checked against the manifest. A client
+    that hangs up meanwhile stops the read (a reader killed mid-fetch must not go on pulling
+    its shard into a file nobody will open) and its connection ends with no reply. The
+    watch ends at a pipelined request's first byte (channel.hangup_watch); the stdlib client
+    never pipelines."""
     from ckptdrain.client.manifest import ManifestError, shard_key
     from ckptdrain.daemon.backends.base import BackendError
     from ckptdrain.daemon.connection import destination_error
@@ -113,11 +114,26 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
         entry = committed.by_path.get(path)
         if entry is None:
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
-        # Read on the fetcher's own loop: this one serves every client (daemon/fetcher.py).
-        size, checksum = await _unless_hung_up(h, d.fetcher.copy_into(
-            shard_key(job, step, path), out_fd, algo=entry.algo, expected_size=entry.size))
+        try:
+            # The read's own fd (daemon/fetcher.py): closed when the read has ended, which
+            # may be after this returns; out_fd stays the connection's.
+            into = os.dup(out_fd)
+        except OSError as exc:
+            raise RequestError(wire.BACKPRESSURE, f"the daemon has too many files open to take "
+                               f"the file for {path!r} ({exc.strerror or exc}); retry shortly"
+                               ) from None
+        with h.channel.hangup_watch() as gone:
+            # Read on the fetcher's own loop: this one serves every client.
+            size, checksum = await d.fetcher.copy_into(
+                shard_key(job, step, path), into, algo=entry.algo, expected_size=entry.size,
+                gone=gone)
     except (BackendError, ManifestError) as exc:
         raise destination_error(job, step, exc) from None
+    except ConnectionError:
+        log_event(log, logging.INFO, "fetch_abandoned", uid=h.uid, job=job, step=step,
+                  path=path, action="the client hung up: its read from the destination was "
+                  "stopped")
+        raise  # no reply: the connection ends
     except OSError as exc:
         raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file passed: "
                            f"{exc.strerror or exc}") from None
@@ -126,25 +142,3 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
                            f"destination does not match its manifest ({size} bytes, {checksum}); "
                            "run `ckptdrain verify` on it")
     return {"path": path, "size": size, "checksum": checksum}
-
-
-async def _unless_hung_up(h: ClientHandler, work: Coroutine[Any, Any, T]) -> T:
-    """``work``, ended early if the client hangs up meanwhile: a reader killed mid-fetch must
-    not go on pulling its shard from the destination into a file nobody will read (till the
-    reply fails). Cancelled, ``work`` is awaited to its end (the fetcher's rule for the fd);
-    then the connection ends (ConnectionError: no reply)."""
-    with h.channel.hangup_watch() as gone:
-        try:
-            async with asyncio.TaskGroup() as tg:
-                task = tg.create_task(work)
-                either: list[asyncio.Future[Any]] = [task, gone]
-                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-                if not task.done():
-                    task.cancel()
-        except BaseExceptionGroup as group:
-            raise group.exceptions[0] from None  # the one task's own error, as raised
-    if task.cancelled():
-        log_event(log, logging.INFO, "fetch_abandoned", uid=h.uid,
-                  action="the client hung up: its read from the destination was stopped")
-        raise ConnectionError("the client hung up during its fetch")
-    return task.result()

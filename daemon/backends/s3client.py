@@ -178,8 +178,9 @@ class S3Client:
 
     async def start(self) -> None:
         # With upload workers, every request of the drain, the commit and the sweeps is a
-        # worker's: this process builds its own client only for a streamed read (a shard read
-        # through the daemon), on first use, and does not carry botocore's model otherwise.
+        # worker's: the daemon's backend builds a client only for a streamed read, on first
+        # use (a shard read for a client goes through the fetcher's backend of its own,
+        # daemon/fetcher.py), and does not carry botocore's model otherwise.
         if self._workers == 0:
             await self.warm_up()
         else:

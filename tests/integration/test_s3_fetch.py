@@ -10,6 +10,7 @@ reads are recorded by wrapping the S3 backend's ``copy_into``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -166,10 +167,13 @@ with Client(sys.argv[1], timeout_s=600) as c:
 @pytest.mark.asyncio
 async def test_a_reader_killed_mid_fetch_stops_its_read_from_the_destination(
         seaweedfs: SeaweedFS, s3_bucket: str, tmp_path: Path, short_tmp: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Found attacking the fetch loop: a reader killed mid-fetch left its fetch running till
     the object had all been read into its file (or the read timed out), and only the reply
-    failed. The GET here is held by a proxy for 120 s; the read must end at the hang-up."""
+    failed. The GET here is held by a proxy for 120 s; the read must end at the hang-up, and
+    the connection with it, no reply attempted (a review found the hang-up answered as a
+    `bad_request` about the client's file)."""
+    caplog.set_level(logging.INFO, logger="ckptdrain")
     ended: list[str] = []
     original = S3Reads.copy_into
 
@@ -207,3 +211,7 @@ async def test_a_reader_killed_mid_fetch_stops_its_read_from_the_destination(
         status = await serving(Daemon(config), steps)
     assert ended == ["cancelled"]
     assert status["node_id"] == "node-a"
+    events = [r.getMessage() for r in caplog.records]
+    assert any("event=fetch_abandoned" in m and "stalled.bin" in m for m in events)
+    dropped = [m for m in events if "event=client_dropped" in m]
+    assert dropped and all("hung up during its fetch" in m for m in dropped), dropped

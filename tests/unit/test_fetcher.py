@@ -1,6 +1,7 @@
 """The daemon's reads for its clients run on a loop of their own (daemon/fetcher.py), and the
-rule for the client's fd holds across the two loops: a cancelled caller returns only once the
-read, and the thread writing the fd, have ended.
+rules for the client's fd hold across the two loops: the read writes into a duplicate that
+the fetcher closes once the read has ended, whoever stopped it, and a caller is always
+answered (by its read's end, or once that loop is gone).
 
 The backend here is a fake that reads "on its loop" as S3 does and writes in a thread: what a
 cancelled read leaves running is what these tests need to hold still, which a real server
@@ -26,12 +27,13 @@ from tests.unit.test_threads import _cancel_twice_while_the_thread_runs
 
 class ThreadedReads(MemoryBackend):
     """Reads on its event loop, as S3 does; writes into the client's fd with ``copy`` in a
-    thread of that loop. Records the thread each read ran on."""
+    thread of that loop. Records the thread each read ran on, and the reads cancelled."""
 
     def __init__(self, copy: Callable[[int], int] = lambda fd: 0) -> None:
         super().__init__("node-a")
         self.copy = copy
         self.read_on: list[str] = []
+        self.cancelled: list[str] = []
         self.closed = 0
 
     async def copy_into(self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
@@ -41,6 +43,12 @@ class ThreadedReads(MemoryBackend):
         self.read_on.append(threading.current_thread().name)
         if key == "on-the-loop":  # holds the reading loop itself while copy runs
             return self.copy(out_fd), f"{algo}:0"
+        if key == "waits":  # a read waiting on the network, as long as it is let
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.append(key)
+                raise
         loop = asyncio.get_running_loop()
         size = await settled(loop.run_in_executor(None, self.copy, out_fd))
         return size, f"{algo}:0"
@@ -51,7 +59,7 @@ class ThreadedReads(MemoryBackend):
 
 @pytest.fixture
 def client_fd() -> Iterator[int]:
-    """A client's file, as a fetch passes it."""
+    """A client's file, as a fetch passes it (the connection's own fd)."""
     fd = os.memfd_create("client-file")
     yield fd
     os.close(fd)
@@ -80,7 +88,8 @@ def fetcher_with(reader: ThreadedReads, closes: Closes | None = None) -> Fetcher
 
 
 @pytest.mark.asyncio
-async def test_reads_run_on_the_fetch_thread_and_their_errors_come_back_as_raised() -> None:
+async def test_reads_run_on_the_fetch_thread_and_their_errors_come_back_as_raised(
+        client_fd: int) -> None:
     def copy(fd: int) -> int:
         if fd < 0:
             raise BackendError("shard-0 does not exist; it was deleted", kind="not_found")
@@ -89,18 +98,16 @@ async def test_reads_run_on_the_fetch_thread_and_their_errors_come_back_as_raise
     reader = ThreadedReads(copy)
     closes = Closes()
     fetcher = fetcher_with(reader, closes)
-    fd = os.memfd_create("client-file")
     try:
-        assert await fetcher.copy_into("k", fd) == (7, "crc64nvme:0")
-        reader.copy = lambda into: copy(-1)
+        into = [os.dup(client_fd), os.dup(client_fd)]
+        assert await fetcher.copy_into("k", into[0]) == (7, "crc64nvme:0")
+        reader.copy = lambda fd: copy(-1)
         with pytest.raises(BackendError, match="does not exist") as raised:
-            await fetcher.copy_into("k", fd)
+            await fetcher.copy_into("k", into[1])
         assert raised.value.kind == "not_found"
         assert reader.read_on == ["ckptdrain-fetch", "ckptdrain-fetch"]
-        # Each read had a duplicate of the client's fd of its own, closed once it ended.
-        assert len(closes.closed) == 2 and fd not in closes.closed
+        assert closes.closed == into  # each read's own fd, closed once it ended
     finally:
-        os.close(fd)
         await fetcher.aclose()
 
 
@@ -120,7 +127,7 @@ async def test_a_caller_cancelled_twice_waits_for_its_read_to_end(client_fd: int
 
     fetcher = fetcher_with(ThreadedReads(copy))
     try:
-        task = asyncio.create_task(fetcher.copy_into("k", client_fd))
+        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
         still_waiting = await _cancel_twice_while_the_thread_runs(started, task)
         go.set()
         with pytest.raises(asyncio.CancelledError):
@@ -129,6 +136,29 @@ async def test_a_caller_cancelled_twice_waits_for_its_read_to_end(client_fd: int
         assert ended == ["copied"]
     finally:
         go.set()
+        await fetcher.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_hangs_up_stops_its_read_and_gets_no_answer(
+        client_fd: int) -> None:
+    reader = ThreadedReads()
+    closes = Closes()
+    fetcher = fetcher_with(reader, closes)
+    try:
+        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        into = os.dup(client_fd)
+        task = asyncio.create_task(fetcher.copy_into("waits", into, gone=gone))
+        async with asyncio.timeout(10):
+            while not reader.read_on:
+                await asyncio.sleep(0.01)
+        gone.set_result(None)
+        async with asyncio.timeout(10):  # at once, not after the grace: the read stops
+            with pytest.raises(ConnectionError, match="hung up"):
+                await task
+        assert reader.cancelled == ["waits"]
+        assert closes.closed == [into]
+    finally:
         await fetcher.aclose()
 
 
@@ -153,7 +183,7 @@ async def test_a_write_stuck_in_the_kernel_holds_a_cancelled_caller_only_for_the
     closes = Closes()
     fetcher = fetcher_with(ThreadedReads(stuck), closes)
     try:
-        task = asyncio.create_task(fetcher.copy_into("k", client_fd))
+        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
         await asyncio.to_thread(started.wait, 30)
         task.cancel()
         async with asyncio.timeout(10):  # returns after the grace, the write still stuck
@@ -172,9 +202,12 @@ async def test_a_write_stuck_in_the_kernel_holds_a_cancelled_caller_only_for_the
 
 
 @pytest.mark.asyncio
-async def test_a_fetch_cancelled_before_its_read_began_returns(client_fd: int) -> None:
+async def test_a_fetch_cancelled_before_its_read_began_returns_at_once(
+        client_fd: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancelled while the reading loop was busy, the read is cancelled before its first
-    step: its coroutine never runs, so only the task's end can tell the caller."""
+    step: its coroutine never runs, so only the task's end can tell the caller, and it does
+    so at once (not after the grace), its duplicate closed."""
+    monkeypatch.setattr(fetcher_module, "CANCEL_GRACE_S", 60.0)
     held, go = threading.Event(), threading.Event()
 
     def hold_the_loop(fd: int) -> int:
@@ -182,38 +215,49 @@ async def test_a_fetch_cancelled_before_its_read_began_returns(client_fd: int) -
         go.wait(30)
         return 0
 
-    fetcher = fetcher_with(ThreadedReads(hold_the_loop))
+    closes = Closes()
+    fetcher = fetcher_with(ThreadedReads(hold_the_loop), closes)
     try:
-        holding = asyncio.create_task(fetcher.copy_into("on-the-loop", client_fd))
+        holding = asyncio.create_task(fetcher.copy_into("on-the-loop", os.dup(client_fd)))
         await asyncio.to_thread(held.wait, 30)
-        queued = asyncio.create_task(fetcher.copy_into("queued", client_fd))
+        into = os.dup(client_fd)
+        queued = asyncio.create_task(fetcher.copy_into("queued", into))
         await asyncio.sleep(0)  # the request is on its way to the busy loop
         queued.cancel()
         go.set()
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(10):
             with pytest.raises(asyncio.CancelledError):
                 await queued
             assert await holding == (0, "crc64nvme:0")
+        assert into in closes.closed
     finally:
         go.set()
         await fetcher.aclose()
 
 
 @pytest.mark.asyncio
-async def test_a_read_that_reaches_the_loop_as_it_stops_gets_a_transient_error(client_fd: int) -> None:
+async def test_a_read_that_reaches_the_loop_as_it_stops_gets_a_transient_error(
+        client_fd: int) -> None:
     """Its task is created in the loop's last turn and never steps: the loop's end cancels
     it, which is not the caller's cancel, so the caller hears "stopping", neither a
     cancellation it never asked for nor nothing at all."""
     fetcher = fetcher_with(ThreadedReads(lambda fd: 1))
-    gate = threading.Event()
+    inside, gate = threading.Event(), threading.Event()
     try:
-        await fetcher.copy_into("k", client_fd)
-        loop = fetcher._loop
-        assert loop is not None
-        loop.call_soon_threadsafe(gate.wait, 30)  # holds the loop's thread in one callback
-        loop.call_soon_threadsafe(loop.stop)  # then stop and the read run in one turn
-        read = asyncio.create_task(fetcher.copy_into("k", client_fd))
-        await asyncio.sleep(0)  # the read is sent: it queued its start behind the stop
+        await fetcher.copy_into("k", os.dup(client_fd))
+        intake = fetcher._intake
+        assert intake is not None
+        loop = intake.loop
+
+        def hold_then_stop() -> None:  # the read's start is queued meanwhile, then the stop
+            inside.set()
+            gate.wait(30)
+            loop.call_soon(loop.stop)
+
+        loop.call_soon_threadsafe(hold_then_stop)
+        await asyncio.to_thread(inside.wait, 30)
+        read = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
+        await asyncio.sleep(0)  # the read is taken in: its start queued behind the held turn
         gate.set()
         async with asyncio.timeout(30):
             with pytest.raises(BackendError, match="stopping") as raised:
@@ -225,17 +269,21 @@ async def test_a_read_that_reaches_the_loop_as_it_stops_gets_a_transient_error(c
 
 
 @pytest.mark.asyncio
-async def test_closing_stops_the_thread_and_a_later_fetch_gets_a_transient_error(client_fd: int) -> None:
+async def test_closing_stops_the_thread_and_a_later_fetch_gets_a_transient_error(
+        client_fd: int) -> None:
     reader = ThreadedReads(lambda fd: 1)
-    fetcher = fetcher_with(reader)
-    await fetcher.copy_into("k", client_fd)
+    closes = Closes()
+    fetcher = fetcher_with(reader, closes)
+    await fetcher.copy_into("k", os.dup(client_fd))
     thread = fetcher.thread
     assert thread is not None and thread.is_alive()
     await fetcher.aclose()
     assert not thread.is_alive()
     assert reader.closed == 1
+    late = os.dup(client_fd)
     with pytest.raises(BackendError, match="stopping") as raised:
-        await fetcher.copy_into("k", client_fd)
+        await fetcher.copy_into("k", late)
     assert raised.value.transient
+    assert closes.closed[-1] == late  # refused, and its duplicate closed all the same
     await fetcher.aclose()  # twice is harmless
     assert reader.closed == 1
