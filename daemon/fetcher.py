@@ -33,6 +33,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ckptdrain.daemon import checksums
@@ -45,9 +46,9 @@ log = logging.getLogger("ckptdrain.fetcher")
 
 T = TypeVar("T")
 
-# How long closing waits for the reading loop: its backend's clean-up, then its tasks and
-# threads (the thread is joined for longer than the two together). Past it the thread is
-# left to the process's exit (it is a daemon thread).
+# How long closing waits for the reading loop: its backend's clean-up, then its tasks (the
+# thread is joined for longer than the two together). Past it the thread is left to the
+# process's exit (it is a daemon thread).
 CLOSE_TIMEOUT_S = 10.0
 # How long a cancelled fetch waits for its read to end (see above).
 CANCEL_GRACE_S = 5.0
@@ -59,8 +60,9 @@ class _Intake:
     every read queued is run and ended before the loop closes, and none is dropped unrun
     with its caller waiting for good."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, writers: ThreadPoolExecutor) -> None:
         self.loop = loop
+        self.writers = writers
         self._lock = threading.Lock()
         self._open = True
 
@@ -124,13 +126,19 @@ class Fetcher:
                     loop = asyncio.new_event_loop()
                 except OSError as exc:  # out of file descriptors
                     raise _cannot_start(exc) from None
-                intake = _Intake(loop)
+                # Its own pool for the writes into clients' files, shut without waiting at
+                # close: the stdlib's shutdown_default_executor joins its threads, so a
+                # write stuck in the kernel would hold the loop's thread, past any timeout.
+                writers = ThreadPoolExecutor(thread_name_prefix="ckptdrain-fetch-w")
+                loop.set_default_executor(writers)
+                intake = _Intake(loop, writers)
                 thread = threading.Thread(target=_serve, args=(intake,), name="ckptdrain-fetch",
                                           daemon=True)
                 try:
                     thread.start()
                 except RuntimeError as exc:  # out of threads
                     loop.close()
+                    writers.shutdown(wait=False)
                     raise _cannot_start(exc) from None
                 self._intake, self._thread = intake, thread
             if self._reader is None:
@@ -228,10 +236,10 @@ class Fetcher:
                     await self._there(intake, reader.aclose, grace_s=1.0)
         except Exception as exc:  # closing goes on: the loop must stop
             log_event(log, logging.WARNING, "fetch_close_failed", error=str(exc) or repr(exc))
-        intake.submit(functools.partial(_finish_soon, intake.loop))
-        # The thread ends when its loop has stopped and closed (at most two close timeouts:
-        # its tasks and threads, then what was still queued): joined in a thread, so a stuck
-        # write into a client's file cannot hold the daemon's loop here.
+        intake.submit(functools.partial(_finish_soon, intake))
+        # The thread ends when its loop has stopped and closed (at most a close timeout for
+        # its tasks, then a second for what was still queued): joined in a thread, so a
+        # stuck write into a client's file cannot hold the daemon's loop here.
         join_s = 3 * CLOSE_TIMEOUT_S
         await asyncio.to_thread(thread.join, join_s)
         if thread.is_alive():
@@ -271,16 +279,18 @@ def _serve(intake: _Intake) -> None:
         for task in left:
             task.cancel()
         if left:
-            loop.run_until_complete(asyncio.wait(left, timeout=CLOSE_TIMEOUT_S))
+            # A task made in the last turn ends at once; one stuck on a write has had
+            # _finish's timeout already.
+            loop.run_until_complete(asyncio.wait(left, timeout=1.0))
     finally:
         intake.shut()
         loop.close()
 
 
-def _finish_soon(loop: asyncio.AbstractEventLoop) -> None:
+def _finish_soon(intake: _Intake) -> None:
     """On the reading loop: :func:`_finish` as a task of its own (created here, so that a
     loop closed meanwhile leaves no coroutine behind that never ran)."""
-    task = loop.create_task(_finish(loop))
+    task = intake.loop.create_task(_finish(intake))
     _finishing.add(task)
     task.add_done_callback(_finishing.discard)
 
@@ -289,20 +299,22 @@ def _finish_soon(loop: asyncio.AbstractEventLoop) -> None:
 _finishing: set[asyncio.Task[None]] = set()
 
 
-async def _finish(loop: asyncio.AbstractEventLoop) -> None:
-    """On the reading loop: end what is left on it, its async generators (a read's stream
-    broken off) and its default executor's threads (the writes into clients' files)
-    included, then stop it."""
+async def _finish(intake: _Intake) -> None:
+    """On the reading loop: end what is left on it and its async generators (a read's
+    stream broken off), shut its writers' pool without waiting (a write stuck in the kernel
+    keeps its thread, left to the process's exit), then stop it."""
     me = asyncio.current_task()
     left = [t for t in asyncio.all_tasks() if t is not me]
     for task in left:
         task.cancel()
     try:
-        async with asyncio.timeout(CLOSE_TIMEOUT_S):
-            await asyncio.gather(*left, return_exceptions=True)
-            await loop.shutdown_asyncgens()
-            await loop.shutdown_default_executor()
-    except TimeoutError:
-        pass
+        # asyncio.wait, never gather under a timeout: a read stuck on a write into a
+        # client's file does not end when cancelled (it waits for the write, threads.outlast),
+        # and a gather cancelled by its timeout waits for it all the same.
+        if left:
+            await asyncio.wait(left, timeout=CLOSE_TIMEOUT_S)
+        generators = asyncio.ensure_future(intake.loop.shutdown_asyncgens())
+        await asyncio.wait([generators], timeout=CLOSE_TIMEOUT_S)
     finally:
-        loop.stop()
+        intake.writers.shutdown(wait=False)
+        intake.loop.stop()

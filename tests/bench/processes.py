@@ -113,9 +113,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
     socket -> file; ``ckptdrain-pipe_*``: a client's pipe -> file),
     ``io`` (``ckptdrain-io_*``: copies, fsyncs), ``journal`` (SQLite's
     thread), ``drain`` (``posix-dest_*`` and the default executor's ``asyncio_*`` or
-    ``uvloop_*``: reading and hashing staged shards; on the fetch loop, writing readers'
-    files), ``fetch`` (``ckptdrain-fetch``: the event loop reading the destination for
-    clients' fetches), ``other`` (every other thread still
+    ``uvloop_*``: reading and hashing staged shards), ``fetch`` (``ckptdrain-fetch``: the
+    event loop reading the destination for clients' fetches; ``ckptdrain-fetch-w_*``: its
+    writes into the readers' files), ``other`` (every other thread still
     alive), and ``all`` (the process total)."""
     out = dict.fromkeys(THREAD_KINDS, 0.0)
     try:

@@ -213,8 +213,8 @@ def _fetch_row(ctx: Context, section: Section, runs: int, uri: str, endpoint: di
         limit=("<=", LOOP_LIMIT_S_PER_GB),
         bound=(f"{count} readers at once, {total / statistics.median(walls) / 1e6:.0f} MB/s; "
                f"CPU per GB: the daemon {statistics.median(daemon_cpu) / gb:.2f} s, of which its "
-               f"fetch thread (the event loop that reads the objects for clients) "
-               f"{statistics.median(fetch_cpu) / gb:.2f} s (threads write the readers' files); "
+               f"fetch threads (the event loop that reads the objects for clients, and the "
+               f"threads writing the readers' files) {statistics.median(fetch_cpu) / gb:.2f} s; "
                f"its upload workers {statistics.median(workers_cpu) / gb:.2f} s")))
 
 

@@ -202,6 +202,43 @@ async def test_a_write_stuck_in_the_kernel_holds_a_cancelled_caller_only_for_the
 
 
 @pytest.mark.asyncio
+async def test_closing_is_not_held_by_a_write_stuck_in_the_kernel(
+        client_fd: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found re-testing with a frozen filesystem: the daemon's stop still waited for the
+    fetch thread's full join, and the thread outlived it. Closing cancelled the reads in a
+    gather under a timeout, and a gather cancelled by its timeout waits for a read stuck on a
+    write all the same. The loop must stop and its thread end with the write still stuck."""
+    monkeypatch.setattr(fetcher_module, "CANCEL_GRACE_S", 0.1)
+    monkeypatch.setattr(fetcher_module, "CLOSE_TIMEOUT_S", 2.0)
+    started, thawed = threading.Event(), threading.Event()
+    wrote_into: list[int] = []
+
+    def stuck(into: int) -> int:  # a pwrite into a frozen filesystem
+        wrote_into.append(into)
+        started.set()
+        thawed.wait(60)
+        return 0
+
+    fetcher = fetcher_with(ThreadedReads(stuck))
+    try:
+        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
+        await asyncio.to_thread(started.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        thread = fetcher.thread
+        assert thread is not None
+        async with asyncio.timeout(30):
+            await fetcher.aclose()  # joins the thread for 3 close timeouts at most
+        assert not thread.is_alive()
+        assert not thawed.is_set()  # the write is still stuck
+    finally:
+        thawed.set()
+        for fd in wrote_into:  # the duplicate stays with a write stuck past the close
+            os.close(fd)
+
+
+@pytest.mark.asyncio
 async def test_a_fetch_cancelled_before_its_read_began_returns_at_once(
         client_fd: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancelled while the reading loop was busy, the read is cancelled before its first
