@@ -255,8 +255,9 @@ class S3Reads(S3Client, Backend):
 # A range read back is written to the file this much at a time: a small batch, likelier to be
 # in the CPU's cache still when the write copies it into the page cache. Restoring 1 GiB from
 # SeaweedFS with 8 MiB took 3.9-4.3 CPU s in the kernel and 340 MB of resident memory here,
-# with 1 MiB 1.3-3.7 s and 115 MB (docs/benchmarks.md).
-RANGE_WRITE_BYTES = 1 << 20
+# with 1 MiB 1.3-3.7 s and 115 MB. Restoring 4 GiB, 256 KiB took 2.7-4.6 s of system CPU
+# against 4.4-6.8 s with 1 MiB, and 64 KiB gained nothing more (docs/benchmarks.md).
+RANGE_WRITE_BYTES = 256 << 10
 # A batch is written early once it holds this many pieces (a server sending tiny chunks): one
 # pwritev takes at most IOV_MAX (1024) buffers.
 MAX_PIECES = 256
