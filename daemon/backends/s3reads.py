@@ -162,16 +162,17 @@ class S3Reads(S3Client, Backend):
         spent most of its time on (``owned`` is unused: the ranges are checksummed from the
         buffers they arrive in)."""
         del owned
-        if algo != checksums.ALGO or (expected_size is not None
-                                      and expected_size <= self._part_size):
-            return await super().copy_into(key, out_fd, algo=algo, progress=progress)
         full = self._key(key)
-        head = await self._head(key, full)
-        if head is None:
-            raise S3Failure(f"{key} does not exist at {self.uri}; it was never written or has "
-                            "been deleted", transient=False, kind="not_found", code="NoSuchKey")
-        size = int(head.get("ContentLength") or 0)
-        if size <= self._part_size:
+        head = None
+        if algo == checksums.ALGO and (expected_size is None
+                                       or expected_size > self._part_size):
+            head = await self._head(key, full)
+            if head is None:
+                raise S3Failure(f"{key} does not exist at {self.uri}; it was never written or "
+                                "has been deleted", transient=False, kind="not_found",
+                                code="NoSuchKey")
+        size = 0 if head is None else int(head.get("ContentLength") or 0)
+        if head is None or size <= self._part_size:  # one stream: no HEAD asked, or small
             return await super().copy_into(key, out_fd, algo=algo, progress=progress)
         etag = str(head.get("ETag") or "")
         ranges = [(offset, min(self._part_size, size - offset))

@@ -40,6 +40,15 @@ JOB = "fetched"
 MiB = 1 << 20
 
 
+def daemon_config(tmp_path: Path, socket: Path, bucket: str, endpoint: str,
+                  **destination: Any) -> Config:
+    """A daemon of node-a on ``bucket`` at ``endpoint``, without a metrics listener."""
+    return Config(node_id="node-a", socket=socket, staging_dir=tmp_path / "staging",
+                  destination=DestinationConfig(uri=f"s3://{bucket}/ckpt", endpoint_url=endpoint,
+                                                **destination),
+                  metrics=MetricsConfig(listen=""))
+
+
 def client_side(socket: Path, out: Path, shards: dict[str, bytes]) -> dict[str, Any]:
     """Save ``shards`` as step 1, wait for its commit, fetch each back from the destination.
     Blocking: runs in a thread while the daemon serves on the test's loop."""
@@ -91,11 +100,8 @@ async def test_a_fetch_from_s3_reads_on_the_fetch_thread_not_the_daemons_loop(
         return await original(self, key, out_fd, **kw)
 
     monkeypatch.setattr(S3Reads, "copy_into", recording)
-    destination = DestinationConfig(uri=f"s3://{s3_bucket}/ckpt",
-                                    endpoint_url=seaweedfs.endpoint_url)
-    config = Config(node_id="node-a", socket=short_tmp / "f.sock",
-                    staging_dir=tmp_path / "staging", destination=destination,
-                    metrics=MetricsConfig(listen=""))
+    config = daemon_config(tmp_path, short_tmp / "f.sock", s3_bucket, seaweedfs.endpoint_url)
+    destination = config.destination
     rng = random.Random(5)
     # One shard read as parallel ranges (above the part size), one as a stream.
     shards = {"big.bin": rng.randbytes(int(destination.part_size_bytes) * 2 + 123),
@@ -117,11 +123,8 @@ async def test_a_shard_gone_from_s3_gets_a_destination_error_and_the_daemon_serv
         seaweedfs: SeaweedFS, s3_bucket: str, tmp_path: Path, short_tmp: Path) -> None:
     """A failure on the fetch loop comes back as the typed error it was, for that request
     alone: the next fetch, and the daemon, go on."""
-    destination = DestinationConfig(uri=f"s3://{s3_bucket}/ckpt",
-                                    endpoint_url=seaweedfs.endpoint_url)
-    config = Config(node_id="node-a", socket=short_tmp / "g.sock",
-                    staging_dir=tmp_path / "staging", destination=destination,
-                    metrics=MetricsConfig(listen=""))
+    config = daemon_config(tmp_path, short_tmp / "g.sock", s3_bucket, seaweedfs.endpoint_url)
+    destination = config.destination
     shards = {"kept.bin": b"k" * MiB, "gone.bin": b"g" * MiB}
     out = tmp_path / "out"
     out.mkdir()
@@ -186,11 +189,8 @@ async def test_a_reader_killed_mid_fetch_stops_its_read_from_the_destination(
 
     monkeypatch.setattr(S3Reads, "copy_into", recording)
     async with FaultProxy("127.0.0.1", seaweedfs.ports["s3"], stall_s=120.0) as proxy:
-        destination = DestinationConfig(uri=f"s3://{s3_bucket}/ckpt",
-                                        endpoint_url=proxy.endpoint_url, read_timeout_s=300)
-        config = Config(node_id="node-a", socket=short_tmp / "h.sock",
-                        staging_dir=tmp_path / "staging", destination=destination,
-                        metrics=MetricsConfig(listen=""))
+        config = daemon_config(tmp_path, short_tmp / "h.sock", s3_bucket,
+                               proxy.endpoint_url, read_timeout_s=300)
         out = tmp_path / "out"
         out.mkdir()
 
