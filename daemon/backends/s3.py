@@ -49,8 +49,14 @@ from ckptdrain.daemon.backends.s3parts import (
     part_plan,
     same_etag,
 )
+from ckptdrain.daemon.backends.s3proof import (
+    LISTING_MIN,
+    LISTING_SLACK,
+    CreatedObjects,
+    listing_prefix,
+)
 from ckptdrain.daemon.backends.s3reads import S3Reads
-from ckptdrain.daemon.backends.s3senders import BATCH_AT_ONCE, Whole
+from ckptdrain.daemon.backends.s3senders import BATCH_AT_ONCE, Put, Whole
 from ckptdrain.daemon.threads import settled
 
 # Keys in one batch of the commit's HEADs (one message to an upload worker; its answer, about
@@ -86,6 +92,8 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
     def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
                  writes_on_loop: bool = False) -> None:
         super().__init__(config, node_id, workers=workers, writes_on_loop=writes_on_loop)
+        # What single PutObjects created, for the commit's proof by listing (s3proof.py).
+        self.created = CreatedObjects()
 
     async def put_file(
         self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None,
@@ -117,15 +125,17 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
             await flow.pace(size)
         metadata = self._metadata(None)  # the sender adds the checksum it computes
         checksum: str | None = None
-        crc: list[int] = []
+        sent: list[Put] = []
 
         async def create() -> None:
             async with self.bodies:
-                crc.append(await self.parts.put(Whole(key, full, size, metadata, True), fd))
+                sent.append(await self.parts.put(Whole(key, full, size, metadata, True), fd))
 
         for _ in range(_CREATE_ROUNDS):
             if await self._create(f"uploading {key}", create):
-                return checksums.combine([(crc[-1], size)])
+                checksum = checksums.combine([(sent[-1].crc, size)])
+                self.created.remember(key, size, checksum, sent[-1].etag)
+                return checksum
             # Refused: the sender's checksum went with its error; the page cache has the bytes.
             checksum = checksum or await self._hash_staged(fd, size)
             head = await self._head(key, full)
@@ -136,7 +146,7 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
             # A leftover no manifest names: replaced by an object with our checksum.
             async with self.bodies:
                 replaced = await self.parts.put(Whole(key, full, size, metadata, False), fd)
-            if checksums.combine([(replaced, size)]) != checksum:
+            if checksums.combine([(replaced.crc, size)]) != checksum:
                 raise S3Failure(f"the staged copy of {key} changed while it was drained; it "
                                 "will be sent again", transient=True, kind="integrity")
             await check_replaced(self, key, size, checksum)
@@ -258,30 +268,47 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
 
     async def stat_many(self, keys: Sequence[str], *,
                         concurrency: int = 32) -> builtins.list[ObjectInfo | None]:
-        """:meth:`stat` of every key, in order, as batches of HEADs: with upload workers one
-        message per :data:`STAT_BATCH` keys (the daemon's loop paid a hand-over per shard),
-        about ``concurrency`` HEADs in flight in all (at least one batch's
+        """:meth:`stat` of every key, in order. The objects this backend created are proved
+        from one listing of their directory when it shows them unchanged (s3proof.py); the
+        rest as batches of HEADs: with upload workers one message per :data:`STAT_BATCH`
+        keys (the daemon's loop paid a hand-over per shard), about ``concurrency`` HEADs in
+        flight in all (at least one batch's
         :data:`~ckptdrain.daemon.backends.s3senders.BATCH_AT_ONCE`)."""
         from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports base
 
         found: builtins.list[ObjectInfo | None] = [None] * len(keys)
+        await self._prove_by_listing(list(keys), found)
+        headed = [i for i, info in enumerate(found) if info is None]
 
         async def batch(start: int) -> None:
-            chunk = keys[start:start + STAT_BATCH]
+            chunk = headed[start:start + STAT_BATCH]
             answers = await self.parts.call_many(
                 "checking", "head_object",
-                [{"Bucket": self.bucket, "Key": self._key(k), "ChecksumMode": "ENABLED"}
-                 for k in chunk])
-            for i, (key, answer) in enumerate(zip(chunk, answers, strict=True)):
+                [{"Bucket": self.bucket, "Key": self._key(keys[i]), "ChecksumMode": "ENABLED"}
+                 for i in chunk])
+            for i, answer in zip(chunk, answers, strict=True):
                 if isinstance(answer, S3Failure):
                     if not absent(answer):
                         raise answer
                 else:
-                    found[start + i] = self._info(key, answer)
+                    found[i] = self._info(keys[i], answer)
 
-        await for_each_bounded(range(0, len(keys), STAT_BATCH), batch,
+        await for_each_bounded(range(0, len(headed), STAT_BATCH), batch,
                                max(1, concurrency // BATCH_AT_ONCE))
         return found
+
+    async def _prove_by_listing(self, keys: builtins.list[str],
+                                found: builtins.list[ObjectInfo | None]) -> None:
+        """Fill ``found`` for the keys one listing proves (s3proof.py); leave the rest None."""
+        known = self.created.known(keys)
+        within = listing_prefix([keys[i] for i in known])
+        if len(known) < LISTING_MIN or within is None:
+            return
+        listed = await self.sizes_and_etags(within, limit=len(keys) + LISTING_SLACK)
+        if listed is None:
+            return
+        for i in known:
+            found[i] = self.created.proved(keys[i], listed.get(keys[i]))
 
     async def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
         """Write a small object. With ``exclusive``, ``If-None-Match: *``: False when the key

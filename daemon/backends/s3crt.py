@@ -167,16 +167,18 @@ class CrtEngine:
             self._frozen = key
 
     async def put(self, what: str, full: str, fd: int, size: int, crc: int,
-                  metadata: dict[str, str], exclusive: bool) -> None:
+                  metadata: dict[str, str], exclusive: bool) -> str:
         """PutObject ``size`` bytes of ``fd`` (all of it) under ``full``, declaring its
-        CRC64NVME ``crc`` (the server refuses a body that does not match it)."""
+        CRC64NVME ``crc`` (the server refuses a body that does not match it); the object's
+        ETag ("" when the answer had none)."""
         headers = [("Host", self._host), ("Content-Length", str(size)),
                    ("Content-Type", "binary/octet-stream"),
                    ("x-amz-checksum-crc64nvme", crc64_header(crc))]
         headers += [(f"x-amz-meta-{name}", value) for name, value in metadata.items()]
         if exclusive:
             headers.append(("If-None-Match", "*"))
-        await self._send(what, "PutObject", "PUT", full, headers, fd, size)
+        answer = await self._send(what, "PutObject", "PUT", full, headers, fd, size)
+        return next((value for name, value in answer if name.lower() == "etag"), "")
 
     async def head(self, what: str, full: str) -> dict[str, Any]:
         """HeadObject with its stored checksum, as botocore's answer (ContentLength,

@@ -46,6 +46,7 @@ from ckptdrain.daemon.backends.s3senders import (
     InProcessSender,
     Part,
     PartSender,
+    Put,
     Sent,
     Whole,
     from_message,
@@ -213,13 +214,13 @@ class WorkerSenders(PartSender):
             return Sent(str(reply["etag"]), int(reply["crc"]),
                         uploaded=bool(reply["uploaded"]))
 
-    async def put(self, whole: Whole, fd: int) -> int:
+    async def put(self, whole: Whole, fd: int) -> Put:
         reply, fds = await self._request(
             {"op": "put", "key": whole.key, "full": whole.full, "size": whole.size,
              "metadata": whole.metadata, "exclusive": whole.exclusive}, [fd], whole.key)
         close_all(fds)
         with malformed(whole.key):
-            return int(reply["crc"])
+            return Put(int(reply["crc"]), str(reply.get("etag") or ""))
 
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
                    body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 from ckptdrain.daemon import checksums
@@ -61,8 +61,31 @@ class S3Reads(S3Client, Backend):
         return data
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
-        full_prefix = self._full_prefix(prefix)
         found: builtins.list[ObjectInfo] = []
+        async for key, item in self._listed(prefix):
+            modified = item.get("LastModified")
+            found.append(ObjectInfo(
+                key=key, size=int(item["Size"]),
+                modified=modified.timestamp() if modified is not None else None,
+            ))
+        found.sort(key=lambda info: info.key)
+        return found
+
+    async def sizes_and_etags(self, prefix: str, *,
+                              limit: int) -> dict[str, tuple[int, str]] | None:
+        """Every key under ``prefix`` with its size and ETag (the commit's proof,
+        s3proof.py); None once more than ``limit`` keys are found, without reading on."""
+        found: dict[str, tuple[int, str]] = {}
+        async with contextlib.aclosing(self._listed(prefix)) as listed:
+            async for key, item in listed:
+                if len(found) == limit:
+                    return None
+                found[key] = (int(item["Size"]), str(item.get("ETag") or ""))
+        return found
+
+    async def _listed(self, prefix: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """(key, ListObjectsV2 entry) of every object under ``prefix``, page by page."""
+        full_prefix = self._full_prefix(prefix)
         token: str | None = None
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
@@ -74,16 +97,10 @@ class S3Reads(S3Client, Backend):
                 full_key = str(item["Key"])
                 if full_key.endswith("/"):
                     continue  # a "directory" marker some stores list
-                modified = item.get("LastModified")
-                found.append(ObjectInfo(
-                    key=self._strip_root(full_key), size=int(item["Size"]),
-                    modified=modified.timestamp() if modified is not None else None,
-                ))
+                yield self._strip_root(full_key), item
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 break
-        found.sort(key=lambda info: info.key)
-        return found
 
     async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
         """The object's bytes in chunks of ``chunk_bytes`` (the last shorter). A stream cut

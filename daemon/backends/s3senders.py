@@ -69,6 +69,15 @@ class Sent:
     uploaded: bool  # False: a kept part, checksummed and found unchanged
 
 
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A whole object's PutObject, answered: the CRC64NVME of its bytes, and the ETag the
+    server gave the object ("" when the answer carried none)."""
+
+    crc: int
+    etag: str
+
+
 class PartSender(abc.ABC):
     """Who moves shard bodies to S3: :class:`InProcessSender` or :class:`WorkerSenders`."""
 
@@ -77,8 +86,8 @@ class PartSender(abc.ABC):
         """Send ``part`` of the file ``fd`` (the caller keeps owning ``fd``)."""
 
     @abc.abstractmethod
-    async def put(self, whole: Whole, fd: int) -> int:
-        """PutObject ``whole`` from the file ``fd``; returns the CRC64NVME of its bytes."""
+    async def put(self, whole: Whole, fd: int) -> Put:
+        """PutObject ``whole`` from the file ``fd``: the CRC64NVME of its bytes and its ETag."""
 
     @abc.abstractmethod
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
@@ -242,30 +251,31 @@ async def send_in_process(client: S3Client, part: Part, fd: int) -> Sent:
         client.buffers.release(buf, reuse=reuse)
 
 
-async def put_in_process(client: S3Client, whole: Whole, fd: int) -> int:
+async def put_in_process(client: S3Client, whole: Whole, fd: int) -> Put:
     """Checksum and PutObject a whole object from this process (from the file in a worker)."""
     crc: int | None = None
     if client.crt is not None and await client.crt.available():
         whole_file: bool
         crc, whole_file = await in_thread(_checksum_whole, fd, whole.size)
         if whole_file:  # the runtime sends the whole file: only when it is the whole object
-            await client.crt.put(f"uploading {whole.key}", whole.full, fd, whole.size, crc,
-                                 _metadata(whole, crc), whole.exclusive)
-            return crc
+            etag = await client.crt.put(f"uploading {whole.key}", whole.full, fd, whole.size,
+                                        crc, _metadata(whole, crc), whole.exclusive)
+            return Put(crc, etag)
     if client.file_bodies:
         if crc is None:  # not read above already
             crc = await in_thread(checksum_range, fd, 0, whole.size)
-        await client._call(f"uploading {whole.key}", "put_object",
-                           **_put_params(client, whole, FileBody(fd, 0, whole.size), crc))
-        return crc
+        answer = await client._call(
+            f"uploading {whole.key}", "put_object",
+            **_put_params(client, whole, FileBody(fd, 0, whole.size), crc))
+        return Put(crc, str(answer.get("ETag") or ""))
     buf = await client.buffers.acquire(whole.size)
     reuse = False
     try:
         read_crc = await client._read(fd, buf, 0)
         reuse = True
-        await client._call(f"uploading {whole.key}", "put_object",
-                           **_put_params(client, whole, buf, read_crc))
-        return read_crc
+        answer = await client._call(f"uploading {whole.key}", "put_object",
+                                    **_put_params(client, whole, buf, read_crc))
+        return Put(read_crc, str(answer.get("ETag") or ""))
     finally:
         client.buffers.release(buf, reuse=reuse)
 
@@ -300,7 +310,7 @@ class InProcessSender(PartSender):
     async def send(self, part: Part, fd: int) -> Sent:
         return await send_in_process(self._client, part, fd)
 
-    async def put(self, whole: Whole, fd: int) -> int:
+    async def put(self, whole: Whole, fd: int) -> Put:
         return await put_in_process(self._client, whole, fd)
 
     async def call(self, what: str, operation: str, params: dict[str, Any], *,

@@ -149,7 +149,8 @@ async def _work(client: S3Client, request: _Request) -> dict[str, Any]:
     if body.get("op") == "put":
         whole = Whole(key=str(body["key"]), full=str(body["full"]), size=int(body["size"]),
                       metadata=dict(body["metadata"]), exclusive=bool(body["exclusive"]))
-        return {"crc": await put_in_process(client, whole, request.fd)}
+        put = await put_in_process(client, whole, request.fd)
+        return {"crc": put.crc, "etag": put.etag}
     part = Part(key=str(body["key"]), full=str(body["full"]),
                 upload_id=str(body["upload_id"]), number=int(body["number"]),
                 offset=int(body["offset"]), length=int(body["length"]),
