@@ -240,6 +240,10 @@ class DestinationConfig(BaseModel):
     # Who sends single-request uploads and the commit's HEADs: botocore, or the AWS common
     # runtime's S3 client (backends/s3crt.py). Everything else is botocore's either way.
     engine: Literal["aiobotocore", "crt"] = "aiobotocore"
+    # The commit proves the shards this daemon created from one listing of their directory
+    # (size and ETag) instead of a HEAD each. Off for a store whose listings may still show
+    # an object after it was deleted or overwritten (backends/s3proof.py).
+    prove_by_listing: bool = True
     checksum: Literal["when_required", "when_supported"] = "when_required"
     retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
     max_attempts: int = Field(default=5, ge=1, le=100)

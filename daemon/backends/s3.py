@@ -50,10 +50,10 @@ from ckptdrain.daemon.backends.s3parts import (
     same_etag,
 )
 from ckptdrain.daemon.backends.s3proof import (
-    LISTING_MIN,
     LISTING_SLACK,
     CreatedObjects,
     listing_prefix,
+    worth_listing,
 )
 from ckptdrain.daemon.backends.s3reads import S3Reads
 from ckptdrain.daemon.backends.s3senders import BATCH_AT_ONCE, Put, Whole
@@ -94,6 +94,7 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         super().__init__(config, node_id, workers=workers, writes_on_loop=writes_on_loop)
         # What single PutObjects created, for the commit's proof by listing (s3proof.py).
         self.created = CreatedObjects()
+        self.prove_by_listing = bool(config.prove_by_listing)
 
     async def put_file(
         self, key: str, fd: int, size: int, *, upload_log: UploadLog | None = None,
@@ -300,9 +301,11 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
     async def _prove_by_listing(self, keys: builtins.list[str],
                                 found: builtins.list[ObjectInfo | None]) -> None:
         """Fill ``found`` for the keys one listing proves (s3proof.py); leave the rest None."""
+        if not self.prove_by_listing:
+            return
         known = self.created.known(keys)
         within = listing_prefix([keys[i] for i in known])
-        if len(known) < LISTING_MIN or within is None:
+        if not worth_listing(len(known), len(keys)) or within is None:
             return
         listed = await self.sizes_and_etags(within, limit=len(keys) + LISTING_SLACK)
         if listed is None:

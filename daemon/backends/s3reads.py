@@ -19,6 +19,7 @@ from ckptdrain.daemon.backends.base import Backend, ObjectInfo
 from ckptdrain.daemon.backends.posixfs import writes_in_parallel
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
+from ckptdrain.daemon.backends.s3proof import Listed
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.threads import settled
 
@@ -71,16 +72,17 @@ class S3Reads(S3Client, Backend):
         found.sort(key=lambda info: info.key)
         return found
 
-    async def sizes_and_etags(self, prefix: str, *,
-                              limit: int) -> dict[str, tuple[int, str]] | None:
-        """Every key under ``prefix`` with its size and ETag (the commit's proof,
+    async def sizes_and_etags(self, prefix: str, *, limit: int) -> dict[str, Listed] | None:
+        """Every key under ``prefix`` with its size, ETag and time (the commit's proof,
         s3proof.py); None once more than ``limit`` keys are found, without reading on."""
-        found: dict[str, tuple[int, str]] = {}
+        found: dict[str, Listed] = {}
         async with contextlib.aclosing(self._listed(prefix)) as listed:
             async for key, item in listed:
                 if len(found) == limit:
                     return None
-                found[key] = (int(item["Size"]), str(item.get("ETag") or ""))
+                modified = item.get("LastModified")
+                found[key] = Listed(int(item["Size"]), str(item.get("ETag") or ""),
+                                    modified.timestamp() if modified is not None else None)
         return found
 
     async def _listed(self, prefix: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:

@@ -14,6 +14,7 @@ import pytest
 from ckptdrain.daemon.backends import s3 as s3_module
 from ckptdrain.daemon.backends.base import ObjectInfo
 from ckptdrain.daemon.backends.s3 import S3Backend
+from ckptdrain.daemon.backends.s3proof import LISTED_PER_HEAD, LISTING_MIN, Listed
 from tests.integration.faultproxy import FaultProxy
 from tests.integration.seaweedfs import SeaweedFS
 from tests.integration.test_s3_backend import NODE, PREFIX, dest_config
@@ -72,6 +73,10 @@ async def test_shards_this_backend_created_are_proved_by_one_listing_not_a_head_
         by_head = await fresh.stat_many(asked)
         assert _sent(proxy) == (0, _names(asked))
         assert _checksums(by_head) == _checksums(found)
+        for listed, headed in zip(found[:-1], by_head[:-1], strict=True):
+            assert listed is not None and headed is not None
+            assert listed.modified is not None and headed.modified is not None
+            assert abs(listed.modified - headed.modified) <= 1.0
     finally:
         await backend.aclose()
         await fresh.aclose()
@@ -112,7 +117,7 @@ async def test_a_listing_whose_etags_differ_from_the_puts_costs_heads_not_a_wron
         async def other_spelling(prefix: str, *, limit: int) -> Any:
             found = await listing(prefix, limit=limit)
             assert found is not None
-            return {k: (size, "W/" + etag) for k, (size, etag) in found.items()}
+            return {k: Listed(v.size, "W/" + v.etag, v.modified) for k, v in found.items()}
 
         monkeypatch.setattr(backend, "sizes_and_etags", other_spelling)
         _sent(proxy)
@@ -147,7 +152,7 @@ async def test_few_remembered_shards_are_asked_with_heads_without_a_listing(
         seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy) -> None:
     backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
     try:
-        keys, shards = await _put(backend, staged, s3_module.LISTING_MIN - 1, seed=500)
+        keys, shards = await _put(backend, staged, LISTING_MIN - 1, seed=500)
         _sent(proxy)
         found = await backend.stat_many(keys)
         assert _sent(proxy) == (0, _names(keys))
@@ -155,3 +160,35 @@ async def test_few_remembered_shards_are_asked_with_heads_without_a_listing(
     finally:
         await backend.aclose()
 
+
+
+async def test_a_node_that_created_few_of_many_shards_asks_with_heads_without_a_listing(
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy) -> None:
+    # A multi-node commit: most shards were drained by other nodes, and listing the whole
+    # generation to spare a few HEADs would cost more than it saves.
+    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
+    try:
+        keys, shards = await _put(backend, staged, 10, seed=600)
+        others = [f"{GEN}other/s{i}.bin" for i in range(10 * LISTED_PER_HEAD)]
+        _sent(proxy)
+        found = await backend.stat_many([*keys, *others])
+        assert _sent(proxy) == (0, _names([*keys, *others]))
+        assert _checksums(found) == [*((s.size, s.checksum) for s in shards),
+                                     *[None] * len(others)]
+    finally:
+        await backend.aclose()
+
+
+async def test_prove_by_listing_off_keeps_a_head_per_shard(
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy) -> None:
+    # For a store whose listings may show an object after it was deleted or overwritten.
+    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url, prove_by_listing=False),
+                        NODE)
+    try:
+        keys, shards = await _put(backend, staged, 20, seed=700)
+        _sent(proxy)
+        found = await backend.stat_many(keys)
+        assert _sent(proxy) == (0, _names(keys))
+        assert _checksums(found) == [(s.size, s.checksum) for s in shards]
+    finally:
+        await backend.aclose()
