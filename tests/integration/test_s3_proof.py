@@ -55,12 +55,12 @@ def _checksums(infos: Sequence[ObjectInfo | None]) -> list[tuple[int, str | None
 @pytest.mark.parametrize("workers", [0, 1])
 async def test_shards_this_backend_created_are_proved_by_one_listing_not_a_head_each(
         seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy,
-        engine: str, workers: int) -> None:
+        backends: Any, engine: str, workers: int) -> None:
     # The drain of 256 x 1 MiB to SeaweedFS spent about a fifth of its CPU on the commit's
     # HEAD of every shard; each PutObject had already answered the object's ETag.
     backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url, engine=engine), NODE,
                         workers=workers)
-    fresh = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
+    fresh = backends(dest_config(s3_bucket, proxy.endpoint_url))
     try:
         await backend.start()
         keys, shards = await _put(backend, staged, 20, seed=100)
@@ -79,116 +79,96 @@ async def test_shards_this_backend_created_are_proved_by_one_listing_not_a_head_
             assert abs(listed.modified - headed.modified) <= 1.0
     finally:
         await backend.aclose()
-        await fresh.aclose()
 
 
 async def test_a_shard_replaced_or_deleted_after_it_was_created_is_asked_with_a_head(
-        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy) -> None:
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy, backends: Any) -> None:
     # Another attempt at the step may replace an uncommitted shard (other bytes, same size)
     # or a sweep delete it: the listing shows another ETag or no key, and the HEAD decides.
-    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
-    try:
-        keys, shards = await _put(backend, staged, 12, seed=200)
-        other = staged(shards[3].size, seed=299)
-        raw = seaweedfs.client()
-        raw.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/{keys[3]}", Body=other.data,
-                       Metadata={"ckptdrain-checksum": other.checksum})
-        raw.delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/{keys[5]}")
-        _sent(proxy)
-        found = await backend.stat_many(keys)
-        assert _sent(proxy) == (1, ["s3.bin", "s5.bin"])
-        expected = [(s.size, s.checksum) for s in shards]
-        expected[3] = (other.size, other.checksum)
-        expected[5] = None
-        assert _checksums(found) == expected
-    finally:
-        await backend.aclose()
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url))
+    keys, shards = await _put(backend, staged, 12, seed=200)
+    other = staged(shards[3].size, seed=299)
+    raw = seaweedfs.client()
+    raw.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/{keys[3]}", Body=other.data,
+                   Metadata={"ckptdrain-checksum": other.checksum})
+    raw.delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/{keys[5]}")
+    _sent(proxy)
+    found = await backend.stat_many(keys)
+    assert _sent(proxy) == (1, ["s3.bin", "s5.bin"])
+    expected = [(s.size, s.checksum) for s in shards]
+    expected[3] = (other.size, other.checksum)
+    expected[5] = None
+    assert _checksums(found) == expected
 
 
 async def test_a_listing_whose_etags_differ_from_the_puts_costs_heads_not_a_wrong_answer(
-        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy,
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy, backends: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A store that spells ETags one way in PutObject's answer and another in its listing.
-    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
-    try:
-        keys, shards = await _put(backend, staged, 10, seed=300)
-        listing = backend.sizes_and_etags
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url))
+    keys, shards = await _put(backend, staged, 10, seed=300)
+    listing = backend.sizes_and_etags
 
-        async def other_spelling(prefix: str, *, limit: int) -> Any:
-            found = await listing(prefix, limit=limit)
-            assert found is not None
-            return {k: Listed(v.size, "W/" + v.etag, v.modified) for k, v in found.items()}
+    async def other_spelling(prefix: str, *, limit: int) -> Any:
+        found = await listing(prefix, limit=limit)
+        assert found is not None
+        return {k: Listed(v.size, "W/" + v.etag, v.modified) for k, v in found.items()}
 
-        monkeypatch.setattr(backend, "sizes_and_etags", other_spelling)
-        _sent(proxy)
-        found = await backend.stat_many(keys)
-        assert _sent(proxy) == (1, _names(keys))
-        assert _checksums(found) == [(s.size, s.checksum) for s in shards]
-    finally:
-        await backend.aclose()
+    monkeypatch.setattr(backend, "sizes_and_etags", other_spelling)
+    _sent(proxy)
+    found = await backend.stat_many(keys)
+    assert _sent(proxy) == (1, _names(keys))
+    assert _checksums(found) == [(s.size, s.checksum) for s in shards]
 
 
 async def test_a_listing_that_finds_far_more_objects_than_asked_is_given_up_for_heads(
-        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy,
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy, backends: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The proof lists the directory the shards share; one holding many other objects is not
     # walked to its end.
     monkeypatch.setattr(s3_module, "LISTING_SLACK", 3)
-    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url))
     backend.list_page_size = 4
-    try:
-        keys, shards = await _put(backend, staged, 8, seed=400)
-        _, _others = await _put(backend, staged, 8, seed=450, under=GEN + "other/")
-        _sent(proxy)
-        found = await backend.stat_many(keys)
-        # Pages of 4 keys: given up on the third page (more than 8 + 3), before the fourth.
-        assert _sent(proxy) == (3, _names(keys))
-        assert _checksums(found) == [(s.size, s.checksum) for s in shards]
-    finally:
-        await backend.aclose()
+    keys, shards = await _put(backend, staged, 8, seed=400)
+    await _put(backend, staged, 8, seed=450, under=GEN + "other/")
+    _sent(proxy)
+    found = await backend.stat_many(keys)
+    # Pages of 4 keys: given up on the third page (more than 8 + 3), before the fourth.
+    assert _sent(proxy) == (3, _names(keys))
+    assert _checksums(found) == [(s.size, s.checksum) for s in shards]
 
 
 async def test_few_remembered_shards_are_asked_with_heads_without_a_listing(
-        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy) -> None:
-    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
-    try:
-        keys, shards = await _put(backend, staged, LISTING_MIN - 1, seed=500)
-        _sent(proxy)
-        found = await backend.stat_many(keys)
-        assert _sent(proxy) == (0, _names(keys))
-        assert _checksums(found) == [(s.size, s.checksum) for s in shards]
-    finally:
-        await backend.aclose()
-
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy, backends: Any) -> None:
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url))
+    keys, shards = await _put(backend, staged, LISTING_MIN - 1, seed=500)
+    _sent(proxy)
+    found = await backend.stat_many(keys)
+    assert _sent(proxy) == (0, _names(keys))
+    assert _checksums(found) == [(s.size, s.checksum) for s in shards]
 
 
 async def test_a_node_that_created_few_of_many_shards_asks_with_heads_without_a_listing(
-        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy) -> None:
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy, backends: Any) -> None:
     # A multi-node commit: most shards were drained by other nodes, and listing the whole
     # generation to spare a few HEADs would cost more than it saves.
-    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url), NODE)
-    try:
-        keys, shards = await _put(backend, staged, 10, seed=600)
-        others = [f"{GEN}other/s{i}.bin" for i in range(10 * LISTED_PER_HEAD)]
-        _sent(proxy)
-        found = await backend.stat_many([*keys, *others])
-        assert _sent(proxy) == (0, _names([*keys, *others]))
-        assert _checksums(found) == [*((s.size, s.checksum) for s in shards),
-                                     *[None] * len(others)]
-    finally:
-        await backend.aclose()
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url))
+    keys, shards = await _put(backend, staged, 10, seed=600)
+    others = [f"{GEN}other/s{i}.bin" for i in range(10 * LISTED_PER_HEAD)]
+    _sent(proxy)
+    found = await backend.stat_many([*keys, *others])
+    assert _sent(proxy) == (0, _names([*keys, *others]))
+    assert _checksums(found) == [*((s.size, s.checksum) for s in shards),
+                                 *[None] * len(others)]
 
 
 async def test_prove_by_listing_off_keeps_a_head_per_shard(
-        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy) -> None:
+        seaweedfs: SeaweedFS, s3_bucket: str, staged: Any, proxy: FaultProxy,
+        backends: Any) -> None:
     # For a store whose listings may show an object after it was deleted or overwritten.
-    backend = S3Backend(dest_config(s3_bucket, proxy.endpoint_url, prove_by_listing=False),
-                        NODE)
-    try:
-        keys, shards = await _put(backend, staged, 20, seed=700)
-        _sent(proxy)
-        found = await backend.stat_many(keys)
-        assert _sent(proxy) == (0, _names(keys))
-        assert _checksums(found) == [(s.size, s.checksum) for s in shards]
-    finally:
-        await backend.aclose()
+    backend = backends(dest_config(s3_bucket, proxy.endpoint_url, prove_by_listing=False))
+    keys, shards = await _put(backend, staged, 20, seed=700)
+    _sent(proxy)
+    found = await backend.stat_many(keys)
+    assert _sent(proxy) == (0, _names(keys))
+    assert _checksums(found) == [(s.size, s.checksum) for s in shards]
