@@ -35,6 +35,8 @@ from typing import Any
 ACCESS_KEY = "ckptdrain-test"
 SECRET_KEY = "ckptdrain-test-secret"
 REGION = "us-east-1"
+# Who started a server: its work directory is swept once that process is gone.
+OWNER_FILE = "owner.pid"
 
 _PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3",
                "s3_grpc")
@@ -70,6 +72,36 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in held:
             s.close()
+
+
+def sweep_orphaned_workdirs(root: Path = Path("/tmp")) -> list[Path]:
+    """Remove the work directories (``root/weed-*``) of servers whose owner died without
+    :meth:`SeaweedFS.stop`: pytest killed by a CI timeout, a probe script killed or crashed.
+    weed itself dies with its owner (``_die_with_parent``), but its data stays, several GB
+    after a benchmark, and a few such runs fill the disk. Each directory names its owner's
+    PID in ``owner.pid``; one without it (older, or being created this instant) or whose
+    owner lives is left alone. Returns what it removed."""
+    removed = []
+    for workdir in root.glob("weed-*"):
+        try:
+            owner = int((workdir / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if owner == os.getpid() or _alive(owner):
+            continue
+        shutil.rmtree(workdir, ignore_errors=True)
+        removed.append(workdir)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _die_with_parent() -> None:
@@ -142,8 +174,10 @@ class SeaweedFS:
         raise RuntimeError(f"SeaweedFS could not bind its ports: {last}")
 
     def _start_once(self) -> None:
+        sweep_orphaned_workdirs()
         # Short path: weed's Unix sockets must fit in sun_path (108 bytes).
         self.workdir = Path(tempfile.mkdtemp(prefix="weed-", dir="/tmp"))
+        (self.workdir / OWNER_FILE).write_text(str(os.getpid()))
         (self.workdir / "data").mkdir()
         self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
         log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115 - the child owns it
