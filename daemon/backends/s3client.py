@@ -294,7 +294,6 @@ class S3Client:
 
     @staticmethod
     def _info_of(key: str, head: dict[str, Any]) -> ObjectInfo:
-        modified = head.get("LastModified")
         recorded = head.get("Metadata", {}).get(CHECKSUM_METADATA_KEY)
         try:
             checksum = None if recorded is None else ":".join(parse_checksum(str(recorded)))
@@ -304,8 +303,13 @@ class S3Client:
             checksum = stored_checksum(head)
         return ObjectInfo(
             key=key, size=int(head.get("ContentLength") or 0),
-            modified=modified.timestamp() if modified is not None else None, checksum=checksum,
+            modified=unix_time(head.get("LastModified")), checksum=checksum,
         )
+
+
+def unix_time(last_modified: Any) -> float | None:
+    """An answer's ``LastModified`` (a datetime) as Unix time; None when it has none."""
+    return None if last_modified is None else float(last_modified.timestamp())
 
 
 def stored_checksum(head: dict[str, Any]) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any, cast
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, ObjectInfo
 from ckptdrain.daemon.backends.posixfs import writes_in_parallel
-from ckptdrain.daemon.backends.s3client import S3Client
+from ckptdrain.daemon.backends.s3client import S3Client, unix_time
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.backends.s3proof import Listed
 from ckptdrain.daemon.logs import log_event
@@ -64,11 +64,8 @@ class S3Reads(S3Client, Backend):
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         found: builtins.list[ObjectInfo] = []
         async for key, item in self._listed(prefix):
-            modified = item.get("LastModified")
-            found.append(ObjectInfo(
-                key=key, size=int(item["Size"]),
-                modified=modified.timestamp() if modified is not None else None,
-            ))
+            found.append(ObjectInfo(key=key, size=int(item["Size"]),
+                                    modified=unix_time(item.get("LastModified"))))
         found.sort(key=lambda info: info.key)
         return found
 
@@ -80,9 +77,8 @@ class S3Reads(S3Client, Backend):
             async for key, item in listed:
                 if len(found) == limit:
                     return None
-                modified = item.get("LastModified")
                 found[key] = Listed(int(item["Size"]), str(item.get("ETag") or ""),
-                                    modified.timestamp() if modified is not None else None)
+                                    unix_time(item.get("LastModified")))
         return found
 
     async def _listed(self, prefix: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
