@@ -73,6 +73,12 @@ def step_arg(text: str) -> int:
     return int(text)
 
 
+def readers_arg(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) > 64:
+        raise argparse.ArgumentTypeError(f"takes a number of processes from 0 to 64, not {text!r}")
+    return int(text)
+
+
 def generation_arg(text: str) -> str:
     if text != "latest" and not (text.isascii() and text.isdigit()):
         raise argparse.ArgumentTypeError(f"takes a step number or 'latest', not {text!r}")
@@ -95,7 +101,19 @@ def _backend(ns: argparse.Namespace, dest: str) -> Any:
                             f"{destination.root_path}); check DEST")
     node = os.uname().nodename.replace("/", "_")
     # This process's loop serves the command alone: a restore writes on it (open_backend).
-    return open_backend(destination, node, writes_on_loop=True)
+    return open_backend(destination, node, writes_on_loop=True, readers=_readers(ns))
+
+
+def _readers(ns: argparse.Namespace) -> int:
+    """``restore --readers``, with -1 resolved: a quarter of the cores, at most 8, and none
+    below two. One process's event loop reads about 1 GB/s from S3 at most; each reader costs
+    about 0.3 CPU s to start and splits the stream into smaller reads, so on a machine of a
+    few cores (where the S3 server or the network is the bound) it only adds CPU."""
+    readers = int(getattr(ns, "readers", 0))
+    if readers >= 0:
+        return readers
+    quarter = min(8, (os.cpu_count() or 1) // 4)
+    return quarter if quarter >= 2 else 0
 
 
 async def _with_backend(ns: argparse.Namespace, dest: str,
@@ -358,6 +376,10 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
             p.add_argument("--socket", type=Path, help="this node's daemon, for the local fast path")
             p.add_argument("--no-local", action="store_true",
                            help="read everything from DEST, not from this node's local copies")
+            p.add_argument("--readers", type=readers_arg, default=-1, metavar="N",
+                           help="processes that read S3 objects of 256 MiB or more, in ranges "
+                                "(default: a quarter of the cores, at most 8, none below 2; "
+                                "0: this process alone)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("gc", help="apply retention: delete old and abandoned generations at a destination")

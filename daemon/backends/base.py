@@ -296,13 +296,14 @@ def _hash_and_write(digest: Any, fd: int, chunk: bytes, at: int) -> None:
 
 
 def open_backend(config: DestinationConfig, node_id: str, *, workers: int = 0,
-                 writes_on_loop: bool = False) -> Backend:
+                 writes_on_loop: bool = False, readers: int = 0) -> Backend:
     """The backend for ``config.uri`` (``file://`` or ``s3://``), acting for ``node_id``
     (temp names and upload metadata carry it, so sweeps know whose leftovers they see).
     ``workers``: processes that send S3 parts (0: the caller's own event loop).
     ``writes_on_loop``: an S3 restore writes what it reads into its file on the event loop's
     thread; for a process whose loop serves that alone (the ``ckptdrain`` command), never the
-    daemon."""
+    daemon. ``readers``: processes that read a large S3 object's ranges for a restore (0: the
+    caller's own event loop)."""
     uri = config.uri
     if uri.startswith("file://"):
         from ckptdrain.daemon.backends.posix import PosixBackend
@@ -311,7 +312,8 @@ def open_backend(config: DestinationConfig, node_id: str, *, workers: int = 0,
     if uri.startswith("s3://"):
         from ckptdrain.daemon.backends.s3 import S3Backend
 
-        return S3Backend(config, node_id, workers=workers, writes_on_loop=writes_on_loop)
+        return S3Backend(config, node_id, workers=workers, writes_on_loop=writes_on_loop,
+                         readers=readers)
     if uri.startswith("memory://"):
         from ckptdrain.daemon.backends.memory import MemoryBackend
 

@@ -90,8 +90,9 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
     validates_checksums = True
 
     def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
-                 writes_on_loop: bool = False) -> None:
-        super().__init__(config, node_id, workers=workers, writes_on_loop=writes_on_loop)
+                 writes_on_loop: bool = False, readers: int = 0) -> None:
+        super().__init__(config, node_id, workers=workers, writes_on_loop=writes_on_loop,
+                         readers=readers)
         # What single PutObjects created, for the commit's proof by listing (s3proof.py).
         self.created = CreatedObjects()
         self.prove_by_listing = bool(config.prove_by_listing)

@@ -32,7 +32,7 @@ from ckptdrain.daemon.backends.s3parts import (
     BufferPool,
     read_part,
 )
-from ckptdrain.daemon.backends.s3pool import open_sender
+from ckptdrain.daemon.backends.s3pool import WorkerSenders, open_sender
 from ckptdrain.daemon.checksums import from_s3_header
 from ckptdrain.daemon.threads import settled
 
@@ -79,7 +79,8 @@ class S3Client:
     """``s3://bucket/prefix``; keys are stored as ``prefix/key``. The base of S3Backend."""
 
     def __init__(self, config: DestinationConfig, node_id: str, *, workers: int = 0,
-                 file_bodies: bool = False, writes_on_loop: bool = False) -> None:
+                 file_bodies: bool = False, writes_on_loop: bool = False,
+                 readers: int = 0) -> None:
         self.uri = config.uri
         # Restore's ranges written into their file by the event loop's own thread (see
         # S3Reads.copy_into): only for a process whose loop serves nothing else.
@@ -124,6 +125,10 @@ class S3Client:
         # Who sends multipart parts: this loop, or ``workers`` processes (s3senders.py, s3pool.py).
         self._workers = workers
         self.parts = open_sender(self, config, node_id, workers)
+        # Processes that read a large object's ranges for a restore (s3ranges.READERS_FROM),
+        # started at the first such object: ``ckptdrain restore`` has them, the daemon not.
+        self.readers = (None if readers == 0
+                        else WorkerSenders(self, config, node_id, readers))
         # destination.engine = "crt": single PutObjects and the commit's HEADs go through
         # the AWS common runtime (s3crt.py), wherever bodies are sent from.
         self.crt = CrtEngine(self, config) if config.engine == "crt" else None
@@ -210,6 +215,8 @@ class S3Client:
 
     async def aclose(self) -> None:
         await self.parts.aclose()
+        if self.readers is not None:
+            await self.readers.aclose()
         if self.crt is not None:
             await self.crt.aclose()
         async with self._client_lock:

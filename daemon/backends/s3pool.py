@@ -39,6 +39,7 @@ from ckptdrain.daemon.backends.s3messages import (
     send_message,
 )
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
+from ckptdrain.daemon.backends.s3ranges import Range
 from ckptdrain.daemon.backends.s3senders import (
     BATCH_AT_ONCE,
     BATCHED_OPERATIONS,
@@ -221,6 +222,22 @@ class WorkerSenders(PartSender):
         close_all(fds)
         with malformed(whole.key):
             return Put(int(reply["crc"]), str(reply.get("etag") or ""))
+
+    async def fetch(self, rng: Range, fd: int, *, on_loop: bool) -> int:
+        request = {"op": "range", "key": rng.key, "full": rng.full, "offset": rng.offset,
+                   "length": rng.length, "etag": rng.etag, "on_loop": on_loop}
+        what = f"reading {rng.key} at byte {rng.offset}"
+        try:
+            reply, fds = await self._request(request, [fd], what)
+        except S3Failure as exc:
+            # A range is read again by a fresh reader when its own died: the same bytes
+            # written at the same offset (a read, like _RESENT_WHEN_LOST).
+            if exc.code != WORKER_LOST:
+                raise
+            reply, fds = await self._request(request, [fd], what)
+        close_all(fds)
+        with malformed(what):
+            return int(reply["crc"])
 
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
                    body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:

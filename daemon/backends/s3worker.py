@@ -6,8 +6,9 @@ SOCK_SEQPACKET socket ``FD``: each carries the staged file's fd and names a mult
 whole object (PutObject), and is answered with the ETag and CRC64NVME, or with the error; or
 it is one of the daemon's small requests (s3senders.SMALL_OPERATIONS: HEAD, create, complete,
 abort, listings, small objects written, read and deleted), answered with botocore's answer as
-JSON and, for a read, the object's bytes in a memfd. It exits when the daemon closes the socket
-or dies
+JSON and, for a read, the object's bytes in a memfd; or, for ``ckptdrain restore --readers``,
+a range of an object to read into the file whose fd it carries (s3ranges.py), answered with
+the range's CRC64NVME. It exits when the daemon closes the socket or dies
 (PR_SET_PDEATHSIG), so a ``kill -9`` of the daemon leaves no worker behind. A failure of one
 part is that part's answer; nothing a part does ends the worker.
 """
@@ -42,6 +43,7 @@ from ckptdrain.daemon.backends.s3messages import (
     receive_ready,
     send_message,
 )
+from ckptdrain.daemon.backends.s3ranges import Range, fetch_range, writer
 from ckptdrain.daemon.backends.s3senders import (
     SMALL_OPERATIONS,
     Part,
@@ -145,7 +147,12 @@ async def _work(client: S3Client, request: _Request) -> dict[str, Any]:
     if body.get("op") == "call":
         return await _call(client, request)
     if request.fd is None:
-        raise ValueError("a body request came without the staged file's descriptor")
+        raise ValueError("a body request came without its file's descriptor")
+    if body.get("op") == "range":
+        rng = Range(key=str(body["key"]), full=str(body["full"]), offset=int(body["offset"]),
+                    length=int(body["length"]), etag=str(body["etag"]))
+        crc = await fetch_range(client, rng, writer(request.fd, on_loop=bool(body["on_loop"])))
+        return {"crc": crc}
     if body.get("op") == "put":
         whole = Whole(key=str(body["key"]), full=str(body["full"]), size=int(body["size"]),
                       metadata=dict(body["metadata"]), exclusive=bool(body["exclusive"]))

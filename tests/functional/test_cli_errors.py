@@ -111,6 +111,14 @@ def test_restore_target_checks(node: DaemonProcess, tmp_path: Path) -> None:
     assert (full / "theirs.txt").read_text() == "keep" and (full / "a" / "b" / "w.bin").exists()
 
 
+@pytest.mark.parametrize("readers", ["-1", "65", "two", ""])
+def test_a_bad_readers_count_is_a_usage_error(node: DaemonProcess, readers: str,
+                                              tmp_path: Path) -> None:
+    one_sentence(cli(node, "restore", node.dest_uri, "--job", JOB, "--to", str(tmp_path / "r"),
+                     f"--readers={readers}"), 2, "--readers", "0 to 64")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_bare_path_or_a_bad_uri_as_dest(node: DaemonProcess) -> None:
     line = one_sentence(cli(node, "ls", str(node.dest)), 2, "is a path", f"file://{node.dest}")
     assert "pydantic" not in line

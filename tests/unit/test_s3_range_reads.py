@@ -19,7 +19,7 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.streams import StreamReader
 
 from ckptdrain.daemon import checksums, cli_destination
-from ckptdrain.daemon.backends import s3reads
+from ckptdrain.daemon.backends import s3ranges
 from ckptdrain.daemon.backends.base import BackendError, open_backend
 from ckptdrain.daemon.config import DestinationConfig
 
@@ -110,15 +110,15 @@ async def _restored(tmp_path: Path, *, answer: str = "range", max_concurrency: i
 @pytest.mark.asyncio
 async def test_ranges_are_written_from_the_chunks_as_they_arrived(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(s3reads, "MAX_PIECES", 8)
+    monkeypatch.setattr(s3ranges, "MAX_PIECES", 8)
     batches: list[list[Any]] = []
-    real_write_at = s3reads._write_at
+    real_write_at = s3ranges.write_at
 
     def recording(fd: int, pieces: list[bytes], offset: int, crc: int) -> int:
         batches.append(list(pieces))
         return real_write_at(fd, pieces, offset, crc)
 
-    monkeypatch.setattr(s3reads, "_write_at", recording)
+    monkeypatch.setattr(s3ranges, "write_at", recording)
     got, written, ranges = await _restored(tmp_path)
     assert got == (len(DATA), checksums.of_bytes(DATA))
     assert written == DATA
@@ -128,7 +128,7 @@ async def test_ranges_are_written_from_the_chunks_as_they_arrived(
     # MAX_PIECES to a pwritev and about RANGE_WRITE_BYTES to a batch.
     assert all(type(p) is bytes for batch in batches for p in batch)
     assert max(len(batch) for batch in batches) == 8
-    assert all(sum(map(len, batch)) < s3reads.RANGE_WRITE_BYTES + 300_000 for batch in batches)
+    assert all(sum(map(len, batch)) < s3ranges.RANGE_WRITE_BYTES + 300_000 for batch in batches)
     assert sum(1 for batch in batches for p in batch if len(p) == 7) >= TRICKLED // 2
 
 
@@ -141,12 +141,12 @@ def test_a_batch_is_written_in_order_with_the_checksum_of_its_bytes(tmp_path: Pa
     path.write_bytes(head)
     fd = os.open(path, os.O_WRONLY)
     try:
-        crc = s3reads._write_at(fd, pieces, len(head), checksums.crc64nvme_int(head))
+        crc = s3ranges.write_at(fd, pieces, len(head), checksums.crc64nvme_int(head))
     finally:
         os.close(fd)
     assert path.read_bytes() == head + joined
     assert crc == checksums.crc64nvme_int(head + joined)
-    assert os.sysconf("SC_IOV_MAX") >= s3reads.MAX_PIECES
+    assert os.sysconf("SC_IOV_MAX") >= s3ranges.MAX_PIECES
 
 
 @pytest.mark.asyncio
@@ -164,7 +164,7 @@ async def test_chunks_waiting_together_are_handed_over_one_by_one_never_joined()
     class Body:
         raw_stream = SimpleNamespace(content=content)
 
-    next_piece = s3reads._piece_reader(Body())
+    next_piece = s3ranges.piece_reader(Body())
     got = [await next_piece() for _ in range(len(fed) + 1)]
     assert got == [*fed, b""]
     assert all(g is f for g, f in zip(got, fed, strict=False))
@@ -176,7 +176,7 @@ async def test_a_body_that_is_not_aiohttps_is_read_a_batch_at_a_time() -> None:
 
     class Body:
         def __init__(self) -> None:
-            self.left = 3 * s3reads.RANGE_WRITE_BYTES + 5
+            self.left = 3 * s3ranges.RANGE_WRITE_BYTES + 5
 
         async def read(self, n: int) -> bytes:
             sizes.append(n)
@@ -184,10 +184,10 @@ async def test_a_body_that_is_not_aiohttps_is_read_a_batch_at_a_time() -> None:
             self.left -= take
             return b"x" * take
 
-    next_piece = s3reads._piece_reader(Body())
+    next_piece = s3ranges.piece_reader(Body())
     got = [len(await next_piece()) for _ in range(5)]
-    assert got == [s3reads.RANGE_WRITE_BYTES] * 3 + [5, 0]
-    assert set(sizes) == {s3reads.RANGE_WRITE_BYTES}
+    assert got == [s3ranges.RANGE_WRITE_BYTES] * 3 + [5, 0]
+    assert set(sizes) == {s3ranges.RANGE_WRITE_BYTES}
 
 
 @pytest.mark.asyncio
@@ -214,13 +214,13 @@ async def test_one_file_is_written_by_one_thread_at_a_time_on_a_local_filesystem
     a network filesystem's client (Lustre, NFS) takes them at once. The first write holds
     its thread until another write into the file starts (or 2 s pass): any write that may
     run beside it does."""
-    monkeypatch.setattr(s3reads, "writes_in_parallel", lambda fd: network_filesystem)
+    monkeypatch.setattr(s3ranges, "writes_in_parallel", lambda fd: network_filesystem)
     guard = threading.Lock()
     writing = 0
     most = 0
     second = threading.Event()
     calls = 0
-    real_write_at = s3reads._write_at
+    real_write_at = s3ranges.write_at
 
     def recording(fd: int, pieces: list[bytes], offset: int, crc: int) -> int:
         nonlocal writing, most, calls
@@ -239,7 +239,7 @@ async def test_one_file_is_written_by_one_thread_at_a_time_on_a_local_filesystem
             with guard:
                 writing -= 1
 
-    monkeypatch.setattr(s3reads, "_write_at", recording)
+    monkeypatch.setattr(s3ranges, "write_at", recording)
     got, written, ranges = await _restored(tmp_path, max_concurrency=3)
     assert got == (len(DATA), checksums.of_bytes(DATA))
     assert written == DATA
@@ -255,13 +255,13 @@ async def test_the_commands_restore_writes_on_its_loop_the_daemons_in_threads(
     for the GIL): 0.3 user CPU s less per 4 GiB here. Only a process whose loop serves nothing
     else (the ``ckptdrain`` command) writes there; the daemon's loop never does."""
     threads: set[int] = set()
-    real_write_at = s3reads._write_at
+    real_write_at = s3ranges.write_at
 
     def recording(fd: int, pieces: list[bytes], offset: int, crc: int) -> int:
         threads.add(threading.get_ident())
         return real_write_at(fd, pieces, offset, crc)
 
-    monkeypatch.setattr(s3reads, "_write_at", recording)
+    monkeypatch.setattr(s3ranges, "write_at", recording)
     got, written, _ = await _restored(tmp_path, max_concurrency=3,
                                       writes_on_loop=writes_on_loop)
     assert got == (len(DATA), checksums.of_bytes(DATA))
@@ -288,3 +288,22 @@ async def test_an_object_replaced_mid_read_says_so_and_is_worth_reading_again(
         await _restored(tmp_path, answer="replaced", max_attempts=1)
     assert caught.value.transient
     assert "was replaced at s3://bucket/prefix while it was read" in str(caught.value)
+
+
+@pytest.mark.parametrize(("readers", "cores", "expected"), [
+    (None, 2, 0), (None, 7, 0), (None, 8, 2), (None, 20, 5), (None, 128, 8),
+    (0, 64, 0), (3, 2, 3)])
+def test_restore_starts_readers_by_the_cores_or_as_told(
+        monkeypatch: pytest.MonkeyPatch, readers: int | None, cores: int, expected: int) -> None:
+    """A quarter of the cores, at most 8, none below two (on a few cores a reader only adds
+    CPU); ``--readers N`` wins."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    ns = SimpleNamespace(config=None, readers=-1 if readers is None else readers)
+    backend = cli_destination._backend(ns, "s3://bucket/prefix")
+    try:
+        if expected == 0:
+            assert backend.readers is None
+        else:
+            assert backend.readers._count == expected
+    finally:
+        asyncio.run(backend.aclose())

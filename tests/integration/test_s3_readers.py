@@ -1,0 +1,187 @@
+"""Restore's reader processes: a large S3 object's ranges read by ``readers`` processes, each
+with its own event loop and S3 client (one process's loop reads about 1 GB/s from S3 at most),
+against a real SeaweedFS. The restoring process only asks HEADs, hands each reader the file
+and a range, and combines the ranges' checksums."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from ckptdrain.daemon.backends import s3reads
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.s3 import S3Backend
+from ckptdrain.daemon.config import DestinationConfig
+from tests.integration.faultproxy import FaultProxy
+from tests.integration.seaweedfs import SeaweedFS
+from tests.integration.test_s3_backend import dest_config
+
+MiB = 1 << 20
+KEY = "job/00000000000000000001/big.bin"
+SIZE = 37 * MiB + 5  # five 8 MiB ranges, the last one short
+pytestmark = [
+    pytest.mark.s3, pytest.mark.asyncio,
+    # The objects are uploaded from pooled bytearrays in this process (as test_s3_backend).
+    pytest.mark.filterwarnings(
+        "ignore:Sending a large body directly with raw bytes:ResourceWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _small_objects_use_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Readers take objects of READERS_FROM (256 MiB) or more; a test's 37 MiB object stands
+    # for one (decided in this process, which hands out the ranges).
+    monkeypatch.setattr(s3reads, "READERS_FROM", 16 * MiB)
+
+
+@pytest_asyncio.fixture
+async def with_readers() -> AsyncIterator[Callable[[DestinationConfig], S3Backend]]:
+    made: list[S3Backend] = []
+
+    def make(config: DestinationConfig) -> S3Backend:
+        backend = S3Backend(config, "gpu0", readers=2)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        await backend.aclose()
+
+
+def _range_gets_of_this_process(backend: S3Backend) -> list[str]:
+    """Records the ranged GETs this process's own client sends."""
+    sent: list[str] = []
+    own_call = backend._call
+
+    async def recording(what: str, operation: str, **params: Any) -> Any:
+        if operation == "get_object" and "Range" in params:
+            sent.append(params["Range"])
+        return await own_call(what, operation, **params)
+
+    backend._call = recording  # type: ignore[method-assign]
+    return sent
+
+
+def _reader_pids(backend: S3Backend) -> list[int]:
+    assert backend.readers is not None
+    return [w.proc.pid for w in backend.readers._workers if w is not None and w.alive]
+
+
+async def _copy(backend: S3Backend, out: Path,
+                progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        return await backend.copy_into(KEY, fd, progress=progress)
+    finally:
+        os.close(fd)
+
+
+async def test_a_large_objects_ranges_are_read_by_the_reader_processes(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path) -> None:
+    config = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    shard = staged(SIZE, seed=61)
+    small = staged(9 * MiB, seed=62)
+    assert await backends(config).put_file(KEY, shard.fd, SIZE) == shard.checksum
+    small_key = "job/00000000000000000001/small.bin"
+    assert await backends(config).put_file(small_key, small.fd, small.size) == small.checksum
+    backend = with_readers(config)
+    own_gets = _range_gets_of_this_process(backend)
+
+    # Below READERS_FROM: read by this process, and no reader is started for it.
+    fd = os.open(tmp_path / "small", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert await backend.copy_into(small_key, fd) == (small.size, small.checksum)
+    finally:
+        os.close(fd)
+    assert len(own_gets) == 2
+    assert _reader_pids(backend) == []
+
+    own_gets.clear()
+    progress: list[int] = []
+    assert await _copy(backend, tmp_path / "big", progress.append) == (SIZE, shard.checksum)
+    assert (tmp_path / "big").read_bytes() == shard.data
+    assert own_gets == []  # every range came from a reader
+    assert sum(progress) == SIZE
+    pids = _reader_pids(backend)
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+async def test_a_range_whose_reader_dies_is_read_again_by_a_fresh_one(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        proxy: FaultProxy) -> None:
+    shard = staged(SIZE, seed=63)
+    direct = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    assert await backends(direct).put_file(KEY, shard.fd, SIZE) == shard.checksum
+    backend = with_readers(dest_config(s3_bucket, proxy.endpoint_url))
+    # One ranged GET hangs at the proxy: its reader is killed while it waits.
+    proxy.inject("stall", match=lambda r: r.method == "GET")
+    copy = asyncio.ensure_future(_copy(backend, tmp_path / "big"))
+    async with asyncio.timeout(30):
+        while not proxy.faults("stall"):
+            await asyncio.sleep(0.02)
+    first = _reader_pids(backend)
+    assert len(first) == 2
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    async with asyncio.timeout(60):
+        assert await copy == (SIZE, shard.checksum)
+    assert (tmp_path / "big").read_bytes() == shard.data
+    again = _reader_pids(backend)
+    assert again and not set(again) & set(first)
+
+
+async def test_a_readers_failure_comes_back_typed_with_what_to_do(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The object changed since its HEAD (another ETag now): every range pinned to the old
+    # ETag is refused, and the reader's answer is the same typed failure an in-process
+    # read raises.
+    config = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    shard = staged(SIZE, seed=64)
+    assert await backends(config).put_file(KEY, shard.fd, SIZE) == shard.checksum
+    backend = with_readers(config)
+    own_head = backend._head
+
+    async def stale_head(key: str, full: str) -> Any:
+        head = await own_head(key, full)
+        return {**head, "ETag": '"0123456789abcdef0123456789abcdef-5"'}
+
+    monkeypatch.setattr(backend, "_head", stale_head)
+    with pytest.raises(BackendError) as caught:
+        await _copy(backend, tmp_path / "big")
+    assert caught.value.kind == "conflict" and caught.value.transient
+    assert "was replaced" in str(caught.value) and "read it again" in str(caught.value)
+    assert len(_reader_pids(backend)) == 2  # a failed range ends no reader
+
+
+async def test_a_cancelled_copy_leaves_no_range_in_flight(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        proxy: FaultProxy) -> None:
+    shard = staged(SIZE, seed=65)
+    direct = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    assert await backends(direct).put_file(KEY, shard.fd, SIZE) == shard.checksum
+    backend = with_readers(dest_config(s3_bucket, proxy.endpoint_url))
+    proxy.inject("stall", match=lambda r: r.method == "GET")
+    copy = asyncio.ensure_future(_copy(backend, tmp_path / "big"))
+    async with asyncio.timeout(30):
+        while not proxy.faults("stall"):
+            await asyncio.sleep(0.02)
+    copy.cancel()
+    async with asyncio.timeout(30):
+        with pytest.raises(asyncio.CancelledError):
+            await copy
+    # Each reader gave its range up and said so before the copy returned: nothing is still
+    # being written into the file.
+    assert backend.readers is not None
+    assert all(not w.pending for w in backend.readers._workers if w is not None)
