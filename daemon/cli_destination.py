@@ -112,7 +112,7 @@ def _readers(ns: argparse.Namespace) -> int:
     readers = int(getattr(ns, "readers", 0))
     if readers >= 0:
         return readers
-    quarter = min(8, (os.cpu_count() or 1) // 4)
+    quarter = min(8, len(os.sched_getaffinity(0)) // 4)  # the cores this process may use
     return quarter if quarter >= 2 else 0
 
 

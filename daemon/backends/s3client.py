@@ -127,8 +127,9 @@ class S3Client:
         self.parts = open_sender(self, config, node_id, workers)
         # Processes that read a large object's ranges for a restore (s3ranges.READERS_FROM),
         # started at the first such object: ``ckptdrain restore`` has them, the daemon not.
-        self.readers = (None if readers == 0
-                        else WorkerSenders(self, config, node_id, readers))
+        # No more of them than ranges in flight (max_concurrency): the rest would sit idle.
+        self.readers = (None if readers == 0 else WorkerSenders(
+            self, config, node_id, min(readers, self._concurrency), role="reader"))
         # destination.engine = "crt": single PutObjects and the commit's HEADs go through
         # the AWS common runtime (s3crt.py), wherever bodies are sent from.
         self.crt = CrtEngine(self, config) if config.engine == "crt" else None
@@ -214,9 +215,11 @@ class S3Client:
                 await self.crt.start()
 
     async def aclose(self) -> None:
-        await self.parts.aclose()
-        if self.readers is not None:
-            await self.readers.aclose()
+        try:
+            await self.parts.aclose()
+        finally:
+            if self.readers is not None:
+                await self.readers.aclose()
         if self.crt is not None:
             await self.crt.aclose()
         async with self._client_lock:

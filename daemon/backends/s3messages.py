@@ -157,7 +157,8 @@ def failure_message(exc: BaseException) -> dict[str, Any]:
         return {"message": str(exc), "transient": exc.transient, "kind": exc.kind,
                 "code": exc.code, "status": exc.status}
     if isinstance(exc, OSError):
-        return {"message": str(exc), "oserror": exc.errno or 0}
+        # The errno is sent apart: OSError(errno, message) puts "[Errno N]" in front again.
+        return {"message": exc.strerror or str(exc), "oserror": exc.errno or 0}
     return {"message": f"{type(exc).__name__}: {exc}", "transient": True, "kind": "io",
             "internal": True}
 

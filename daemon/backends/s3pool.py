@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 
 # How long a stopping pool waits for a worker to exit after its socket closed, then kills it.
 STOP_TIMEOUT_S = 5.0
+# A range read by a reader gets this much more time to answer per byte (its bound grows with
+# its length: a 5 GiB part over a slow link is not a stuck worker).
+MIN_RANGE_BYTES_PER_S = 1 << 20
 # The code of the failure a request gets when its worker died or could not be reached.
 WORKER_LOST = "ckptdrain.WorkerLost"
 # Requests that only read, sent once more when their worker is lost (writes are the drain's to
@@ -75,12 +78,18 @@ _RESENT_WHEN_LOST = frozenset({"head_object", "get_object", "list_objects_v2", "
 
 
 class _Worker:
-    """One worker process and its socket; answers are matched to requests by id."""
+    """One worker process and its socket; answers are matched to requests by id. ``role``:
+    "upload" (the daemon's drain) or "reader" (``ckptdrain restore --readers``). A worker
+    found lost is killed and its process put in ``dying``, for whoever must know it has
+    exited before doing its work again."""
 
-    def __init__(self, index: int, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
+    def __init__(self, index: int, proc: asyncio.subprocess.Process, sock: socket.socket,
+                 role: str, dying: list[asyncio.subprocess.Process]) -> None:
         self.index = index
         self.proc = proc
         self.sock = sock
+        self.role = role
+        self._dying = dying
         # Each answer comes with the fds its message carried, owned by whoever awaits it.
         self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
         self.alive = True
@@ -121,7 +130,8 @@ class _Worker:
     def _started(self, figures: Any) -> None:
         if not isinstance(figures, dict):
             return
-        log_event(log, logging.INFO, "s3_worker_ready", worker=self.index, pid=self.proc.pid,
+        log_event(log, logging.INFO, "s3_worker_ready", role=self.role, worker=self.index,
+                  pid=self.proc.pid,
                   seconds=round(time.monotonic() - self.spawned, 3),
                   cpu_s=figures.get("cpu_s"), main_thread_cpu_s=figures.get("main_thread_cpu_s"))
 
@@ -135,10 +145,13 @@ class _Worker:
         self.sock.close()
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        log_event(log, logging.WARNING, "s3_worker_lost", worker=self.index, why=why,
-                  in_flight=len(self.pending), action="parts in flight are sent again")
-        failure = S3Failure(f"the S3 upload worker {self.index} stopped ({why}); it is "
-                            "started again for the next request", transient=True, kind="io",
+        self._dying.append(self.proc)
+        log_event(log, logging.WARNING, "s3_worker_lost", role=self.role, worker=self.index,
+                  why=why, in_flight=len(self.pending),
+                  action=("parts in flight are sent again" if self.role == "upload"
+                          else "ranges in flight are read again, once"))
+        failure = S3Failure(f"the S3 {self.role} worker {self.index} stopped ({why}); a new "
+                            "one is started for the next request", transient=True, kind="io",
                             code=WORKER_LOST)
         for future in self.pending.values():
             if not future.done():
@@ -147,11 +160,15 @@ class _Worker:
 
 
 class WorkerSenders(PartSender):
-    """Parts sent by ``count`` worker processes, each request to the least busy one."""
+    """Parts sent (``role`` "upload") or ranges read (``role`` "reader") by ``count`` worker
+    processes, each request to the least busy one."""
 
     def __init__(self, client: S3Client, config: DestinationConfig, node_id: str,
-                 count: int) -> None:
+                 count: int, *, role: str = "upload") -> None:
         self._client = client
+        self._role = role
+        # Processes of workers found lost and killed, not yet seen to exit (_reap).
+        self._dying: list[asyncio.subprocess.Process] = []
         self._config = config
         self._node_id = node_id
         self._count = count
@@ -166,6 +183,11 @@ class WorkerSenders(PartSender):
 
     async def start(self) -> None:
         await self._worker()
+
+    @property
+    def running(self) -> bool:
+        """Whether the workers were started (they are, at the first request)."""
+        return any(w is not None for w in self._workers)
 
     async def _worker(self) -> _Worker:
         async with self._start_lock:
@@ -182,7 +204,7 @@ class WorkerSenders(PartSender):
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "ckptdrain.daemon.backends.s3worker",
-                str(theirs.fileno()), str(index), pass_fds=(theirs.fileno(),),
+                str(theirs.fileno()), str(index), self._role, pass_fds=(theirs.fileno(),),
                 # botocore signs with the AWS CRT when awscrt is installed, and that signer
                 # copies every body into a BytesIO (and refuses a streamed one) even when the
                 # payload is not signed; its classic signer only signs the headers.
@@ -195,13 +217,14 @@ class WorkerSenders(PartSender):
         finally:
             theirs.close()
         ours.setblocking(False)
-        worker = _Worker(index, proc, ours)
+        worker = _Worker(index, proc, ours, self._role, self._dying)
         try:
             await send_message(ours, {"config": self._config.model_dump(mode="json"),
                                       "node_id": self._node_id}, timeout_s=10.0)
         except (OSError, TimeoutError) as exc:
             worker.lost(f"it did not take its configuration ({exc})")
-        log_event(log, logging.INFO, "s3_worker_started", worker=index, pid=proc.pid)
+        log_event(log, logging.INFO, "s3_worker_started", role=self._role, worker=index,
+                  pid=proc.pid)
         return worker
 
     async def send(self, part: Part, fd: int) -> Sent:
@@ -227,17 +250,32 @@ class WorkerSenders(PartSender):
         request = {"op": "range", "key": rng.key, "full": rng.full, "offset": rng.offset,
                    "length": rng.length, "etag": rng.etag, "on_loop": on_loop}
         what = f"reading {rng.key} at byte {rng.offset}"
-        try:
-            reply, fds = await self._request(request, [fd], what)
-        except S3Failure as exc:
-            # A range is read again by a fresh reader when its own died: the same bytes
-            # written at the same offset (a read, like _RESENT_WHEN_LOST).
-            if exc.code != WORKER_LOST:
-                raise
-            reply, fds = await self._request(request, [fd], what)
+        # A range's answer comes when all of it is read: its bound grows with its length.
+        timeout_s = self._answer_timeout_s + rng.length / MIN_RANGE_BYTES_PER_S
+        # A range is read again by a fresh reader when its own died: the same bytes (of the
+        # same ETag) written at the same offset, once the dead one has exited, so that no
+        # write of its lands after this one's. Each loss is another worker's (a lost one is
+        # replaced), and readers killed together may fail it as many times.
+        for attempt in itertools.count(1):
+            try:
+                reply, fds = await self._request(request, [fd], what, timeout_s)
+                break
+            except S3Failure as exc:
+                if exc.code != WORKER_LOST or attempt > self._count:
+                    raise
+                await self._reap(exc)
         close_all(fds)
         with malformed(what):
             return int(reply["crc"])
+
+    async def _reap(self, failure: S3Failure) -> None:
+        """Wait until every worker found lost has exited (killed, it may still be finishing a
+        write in the kernel); ``failure`` if one has not within STOP_TIMEOUT_S."""
+        for proc in list(self._dying):
+            if not await _exited(proc, STOP_TIMEOUT_S):
+                raise failure
+            with contextlib.suppress(ValueError):
+                self._dying.remove(proc)
 
     async def call(self, what: str, operation: str, params: dict[str, Any], *,
                    body: bytes | None = None, read_max: int | None = None) -> dict[str, Any]:
@@ -327,8 +365,8 @@ class WorkerSenders(PartSender):
         except (OSError, TimeoutError) as exc:
             worker.pending.pop(request_id, None)
             worker.lost(f"a request could not be sent ({exc})")
-            raise S3Failure(f"the S3 upload worker {worker.index} could not be reached for "
-                            f"{what}; it is started again for the next request",
+            raise S3Failure(f"the S3 {self._role} worker {worker.index} could not be reached "
+                            f"for {what}; a new one is started for the next request",
                             transient=True, kind="io", code=WORKER_LOST) from exc
         except BaseException:
             # Cancelled while the socket was full: nothing was sent, so nothing to give up.
@@ -341,8 +379,11 @@ class WorkerSenders(PartSender):
             worker.lost(f"{what} got no answer in {answer_timeout_s:g} s")
             if answer.done() and not answer.cancelled():
                 answer.exception()  # retrieved: the timeout is what the caller sees
-            raise S3Failure(f"{what} got no answer from its upload worker; it will be sent "
-                            "again", transient=True, kind="timeout") from None
+            again = ("it will be sent again" if self._role == "upload"
+                     else "that worker was replaced")
+            raise S3Failure(f"{what} got no answer from its S3 {self._role} worker in "
+                            f"{answer_timeout_s:g} s; {again}", transient=True,
+                            kind="timeout") from None
         except asyncio.CancelledError:
             # Given up as a task this frame owns and outlasts: a second cancel (a drain's
             # timeout, then the shutdown) must not cut the give-up short, or a late answer's
@@ -407,7 +448,7 @@ class WorkerSenders(PartSender):
         except (OSError, TimeoutError):
             pass
         if not answer.done():
-            worker.lost("a cancelled part did not stop")
+            worker.lost("a cancelled request did not stop")
         if answer.done() and not answer.cancelled():
             answer.exception()  # retrieved: the cancellation is what the caller sees
 
@@ -422,20 +463,34 @@ class WorkerSenders(PartSender):
                 with contextlib.suppress(ValueError, OSError):
                     asyncio.get_running_loop().remove_reader(worker.sock.fileno())
                 worker.sock.close()  # the worker sees EOF and exits
-            closed = S3Failure("the S3 backend closed while the part was sent",
-                               transient=True, kind="io")
+            closed = S3Failure(f"the S3 backend closed while its {self._role} worker had "
+                               "the request", transient=True, kind="io")
             for future in worker.pending.values():
                 if not future.done():
                     future.set_exception(closed)
             worker.pending.clear()
-        for worker in workers:
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT_S):
-                    await worker.proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    worker.proc.kill()
-                await worker.proc.wait()
+        # Waited for together, each killed after STOP_TIMEOUT_S and given as long again to
+        # exit (one stuck in the kernel, writing to a hung network filesystem, is left).
+        await asyncio.gather(*(_stopped(w.proc) for w in workers))
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await proc.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _stopped(proc: asyncio.subprocess.Process) -> None:
+    if await _exited(proc, STOP_TIMEOUT_S):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    if not await _exited(proc, STOP_TIMEOUT_S):
+        log_event(log, logging.WARNING, "s3_worker_left", pid=proc.pid,
+                  why="killed, it did not exit (stuck in the kernel)")
 
 
 def open_sender(client: S3Client, config: DestinationConfig, node_id: str,

@@ -188,7 +188,11 @@ class S3Reads(S3Client, Backend):
         crcs: dict[int, int] = {}
         # A large object's ranges go to reader processes where the caller has them (the
         # ``ckptdrain restore`` command): one process's loop reads about 1 GB/s at most.
-        readers = self.readers if size >= READERS_FROM else None
+        # Once started, they take every ranged object; only where the object's ETag pins
+        # each range to one version of it (a range read again after its reader died writes
+        # the same bytes).
+        readers = (self.readers if self.readers is not None and etag
+                   and (size >= READERS_FROM or self.readers.running) else None)
         write = writer(out_fd, on_loop=self.writes_on_loop)
 
         async def fetch(rng: Range) -> None:

@@ -256,9 +256,11 @@ def main(argv: list[str]) -> int:
     # closes their sockets); a worker that outlives it dies of PR_SET_PDEATHSIG.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The drain yields to the daemon's hand-offs (filecopy.yield_to_handoffs says why).
-    with contextlib.suppress(OSError):
-        os.nice(DRAIN_NICE)
+    # The drain yields to the daemon's hand-offs (filecopy.yield_to_handoffs says why); a
+    # restore's reader is what a job waits on, and does not.
+    if (argv[3] if len(argv) > 3 else "upload") != "reader":
+        with contextlib.suppress(OSError):
+            os.nice(DRAIN_NICE)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"s3worker[{argv[2] if len(argv) > 2 else '?'}] %(message)s")
     sock = socket.socket(fileno=int(argv[1]))

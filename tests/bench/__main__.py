@@ -120,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     with workdir(ns.workdir) as work, shm_dir() as shm:
         description = machine.describe(work, shm)
+        if not ns.quick:
+            say("touching free memory once (a fresh VM backs it on first touch)")
+            description.append(machine.touch_memory())
         for bench in chosen:
             section = Section(name=bench.name, title=bench.title, what=bench.what)
             sections.append(section)

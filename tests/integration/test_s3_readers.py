@@ -69,6 +69,11 @@ def _range_gets_of_this_process(backend: S3Backend) -> list[str]:
     return sent
 
 
+def _nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rpartition(b")")[2].split()[16])
+
+
 def _reader_pids(backend: S3Backend) -> list[int]:
     assert backend.readers is not None
     return [w.proc.pid for w in backend.readers._workers if w is not None and w.alive]
@@ -112,6 +117,17 @@ async def test_a_large_objects_ranges_are_read_by_the_reader_processes(
     assert sum(progress) == SIZE
     pids = _reader_pids(backend)
     assert len(pids) == 2 and os.getpid() not in pids
+    # A restore is what a job waits on: its readers do not yield as the drain's workers do.
+    assert {_nice(pid) for pid in pids} == {_nice(os.getpid())}
+
+    # Once started, the readers take every ranged object, the smaller ones too.
+    fd = os.open(tmp_path / "small-again", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert await backend.copy_into(small_key, fd) == (small.size, small.checksum)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "small-again").read_bytes() == small.data
+    assert own_gets == []
 
 
 async def test_a_range_whose_reader_dies_is_read_again_by_a_fresh_one(
@@ -128,15 +144,19 @@ async def test_a_range_whose_reader_dies_is_read_again_by_a_fresh_one(
     async with asyncio.timeout(30):
         while not proxy.faults("stall"):
             await asyncio.sleep(0.02)
-    first = _reader_pids(backend)
+    assert backend.readers is not None
+    first = [w.proc for w in backend.readers._workers if w is not None]
     assert len(first) == 2
-    for pid in first:
-        os.kill(pid, signal.SIGKILL)
+    for proc in first:
+        os.kill(proc.pid, signal.SIGKILL)
     async with asyncio.timeout(60):
         assert await copy == (SIZE, shard.checksum)
     assert (tmp_path / "big").read_bytes() == shard.data
+    # The ranges were read again only once the killed readers had exited: none of their
+    # writes can land after the copy returned.
+    assert all(proc.returncode is not None for proc in first)
     again = _reader_pids(backend)
-    assert again and not set(again) & set(first)
+    assert again and not set(again) & {proc.pid for proc in first}
 
 
 async def test_a_readers_failure_comes_back_typed_with_what_to_do(

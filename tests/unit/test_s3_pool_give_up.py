@@ -66,7 +66,7 @@ class _Scripted(WorkerSenders):
         theirs.setblocking(False)
         self.ends.append(theirs)
         proc = cast(asyncio.subprocess.Process, _Process(10_000 + len(self.ends)))
-        worker = _Worker(index, proc, ours)
+        worker = _Worker(index, proc, ours, "upload", self._dying)
         self.started.append(worker)
         return worker
 
@@ -224,7 +224,7 @@ async def test_a_write_whose_worker_dies_fails_as_transient_and_is_not_sent_agai
     with pytest.raises(S3Failure) as failed:
         await writing
     assert failed.value.transient and failed.value.code == WORKER_LOST
-    assert "started again for the next request" in str(failed.value)
+    assert "a new one is started for the next request" in str(failed.value)
     assert len(pool.ends) == 1, "a write was sent again by the pool"
 
 

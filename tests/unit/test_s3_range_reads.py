@@ -297,7 +297,7 @@ def test_restore_starts_readers_by_the_cores_or_as_told(
         monkeypatch: pytest.MonkeyPatch, readers: int | None, cores: int, expected: int) -> None:
     """A quarter of the cores, at most 8, none below two (on a few cores a reader only adds
     CPU); ``--readers N`` wins."""
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     ns = SimpleNamespace(config=None, readers=-1 if readers is None else readers)
     backend = cli_destination._backend(ns, "s3://bucket/prefix")
     try:
