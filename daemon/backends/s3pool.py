@@ -174,6 +174,7 @@ class WorkerSenders(PartSender):
         self._count = count
         self._workers: list[_Worker | None] = [None] * count
         self._ids = itertools.count(1)
+        self._lanes = itertools.count()
         self._start_lock = asyncio.Lock()
         self._closed = False
         # Longest wait for one part's answer: botocore's own retries are bounded by these, so a
@@ -189,7 +190,9 @@ class WorkerSenders(PartSender):
         """Whether the workers were started (they are, at the first request)."""
         return any(w is not None for w in self._workers)
 
-    async def _worker(self) -> _Worker:
+    async def _worker(self, lane: int | None = None) -> _Worker:
+        """The worker in slot ``lane`` (modulo the count), or else the least busy; every dead
+        one started again first."""
         async with self._start_lock:
             if self._closed:
                 raise S3Failure("the S3 backend is closed", transient=False, kind="io")
@@ -197,7 +200,13 @@ class WorkerSenders(PartSender):
                 if worker is None or not worker.alive:
                     self._workers[i] = await self._start(i)
             alive = [w for w in self._workers if w is not None]
+        if lane is not None:
+            return alive[lane % len(alive)]
         return min(alive, key=lambda w: len(w.pending))
+
+    def next_lane(self) -> int:
+        """A lane for one more file's ranges (:meth:`fetch`), the workers taken in turn."""
+        return next(self._lanes)
 
     async def _start(self, index: int) -> _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -246,7 +255,8 @@ class WorkerSenders(PartSender):
         with malformed(whole.key):
             return Put(int(reply["crc"]), str(reply.get("etag") or ""))
 
-    async def fetch(self, rng: Range, fd: int, *, on_loop: bool) -> int:
+    async def fetch(self, rng: Range, fd: int, *, on_loop: bool,
+                    lane: int | None = None) -> int:
         request = {"op": "range", "key": rng.key, "full": rng.full, "offset": rng.offset,
                    "length": rng.length, "etag": rng.etag, "on_loop": on_loop}
         what = f"reading {rng.key} at byte {rng.offset}"
@@ -258,7 +268,7 @@ class WorkerSenders(PartSender):
         # replaced), and readers killed together may fail it as many times.
         for attempt in itertools.count(1):
             try:
-                reply, fds = await self._request(request, [fd], what, timeout_s)
+                reply, fds = await self._request(request, [fd], what, timeout_s, lane)
                 break
             except S3Failure as exc:
                 if exc.code != WORKER_LOST or attempt > self._count:
@@ -349,12 +359,13 @@ class WorkerSenders(PartSender):
         return answer
 
     async def _request(self, body: dict[str, Any], fds: list[int], what: str,
-                       timeout_s: float | None = None) -> tuple[dict[str, Any], list[int]]:
+                       timeout_s: float | None = None,
+                       lane: int | None = None) -> tuple[dict[str, Any], list[int]]:
         """Send one request with ``fds`` (the caller keeps owning them); its answer (within
         ``timeout_s``, one request's bound by default) and the fds that came with it, owned
         by the caller from then on."""
         answer_timeout_s = self._answer_timeout_s if timeout_s is None else timeout_s
-        worker = await self._worker()
+        worker = await self._worker(lane)
         request_id = next(self._ids)
         answer: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
             asyncio.get_running_loop().create_future())

@@ -106,9 +106,11 @@ class PartSender(abc.ABC):
         shard."""
 
     @abc.abstractmethod
-    async def fetch(self, rng: Range, fd: int, *, on_loop: bool) -> int:
+    async def fetch(self, rng: Range, fd: int, *, on_loop: bool,
+                    lane: int | None = None) -> int:
         """Read ``rng`` into the file ``fd`` at its offset (the caller keeps owning ``fd``):
-        its CRC64NVME. ``on_loop``: written by the reading loop's own thread (s3ranges)."""
+        its CRC64NVME. ``on_loop``: written by the reading loop's own thread (s3ranges).
+        ``lane``: ranges given the same lane go to the same worker process."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Start what the sender runs before the first shard needs it."""
@@ -327,5 +329,6 @@ class InProcessSender(PartSender):
                         params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
         return await call_each(self._client, what, operation, params)
 
-    async def fetch(self, rng: Range, fd: int, *, on_loop: bool) -> int:
+    async def fetch(self, rng: Range, fd: int, *, on_loop: bool,
+                    lane: int | None = None) -> int:
         return await fetch_range(self._client, rng, writer(fd, on_loop=on_loop))

@@ -6,6 +6,7 @@ and a range, and combines the ranges' checksums."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -205,3 +206,56 @@ async def test_a_cancelled_copy_leaves_no_range_in_flight(
     # being written into the file.
     assert backend.readers is not None
     assert all(not w.pending for w in backend.readers._workers if w is not None)
+
+
+@pytest.mark.parametrize("network_filesystem", [False, True])
+async def test_on_a_local_filesystem_one_reader_writes_each_file(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, network_filesystem: bool) -> None:
+    """Two processes writing one file on a local filesystem take its inode's lock in turn and
+    spin for it (8% of a restore's samples with two readers): there the files are spread over
+    the readers, all of a file's ranges to one. A network filesystem's client takes writes to
+    one file at once: its ranges go to whichever reader is least busy."""
+    monkeypatch.setattr(s3reads, "writes_in_parallel", lambda fd: network_filesystem)
+    config = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    shards = {f"job/00000000000000000001/s{i}.bin": staged(SIZE + i, seed=70 + i)
+              for i in range(2)}
+    for key, shard in shards.items():
+        assert await backends(config).put_file(key, shard.fd, shard.size) == shard.checksum
+    backend = with_readers(config)
+    assert backend.readers is not None
+    key_of: contextvars.ContextVar[str] = contextvars.ContextVar("key")
+    by_key: dict[str, set[int]] = {key: set() for key in shards}  # the readers that wrote
+    lanes: dict[str, set[int | None]] = {key: set() for key in shards}  # the lanes asked
+    real_fetch, real_worker = backend.readers.fetch, backend.readers._worker
+
+    async def fetch(rng: Any, fd: int, **kwargs: Any) -> int:
+        key_of.set(rng.key)
+        return await real_fetch(rng, fd, **kwargs)
+
+    async def worker(lane: int | None = None) -> Any:
+        lanes[key_of.get()].add(lane)
+        chosen = await real_worker(lane)
+        by_key[key_of.get()].add(chosen.index)
+        return chosen
+
+    monkeypatch.setattr(backend.readers, "fetch", fetch)
+    monkeypatch.setattr(backend.readers, "_worker", worker)
+
+    async def copy(key: str) -> tuple[int, str]:
+        fd = os.open(tmp_path / key.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            return await backend.copy_into(key, fd)
+        finally:
+            os.close(fd)
+
+    got = await asyncio.gather(*(copy(key) for key in shards))
+    assert got == [(s.size, s.checksum) for s in shards.values()]
+    for key, shard in shards.items():
+        assert (tmp_path / key.rsplit("/", 1)[1]).read_bytes() == shard.data
+    if network_filesystem:  # each range to the least busy reader: no lane asked
+        assert all(asked == {None} for asked in lanes.values())
+    else:
+        assert sorted(len(workers) for workers in by_key.values()) == [1, 1]
+        assert set.union(*by_key.values()) == {0, 1}  # the files taken in turn
