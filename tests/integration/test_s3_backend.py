@@ -92,6 +92,24 @@ def uploads(seaweedfs: SeaweedFS, bucket: str, prefix: str = "") -> list[dict[st
     return result
 
 
+async def copied_at_once(backend: S3Backend, shards: dict[str, Any], into: Path) -> None:
+    """``copy_into`` of every key of ``shards`` at once, each into a new file of ``into`` named
+    as the key's last part: each returns its staged shard's size and checksum and the file
+    holds its bytes."""
+
+    async def copy(key: str) -> tuple[int, str]:
+        fd = os.open(into / key.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            return await backend.copy_into(key, fd)
+        finally:
+            os.close(fd)
+
+    got = await asyncio.gather(*(copy(key) for key in shards))
+    assert got == [(s.size, s.checksum) for s in shards.values()]
+    for key, shard in shards.items():
+        assert (into / key.rsplit("/", 1)[1]).read_bytes() == shard.data
+
+
 async def read_all(backend: S3Backend, key: str, chunk_bytes: int = 8 << 20) -> bytes:
     return b"".join([chunk async for chunk in backend.read_chunks(key, chunk_bytes=chunk_bytes)])
 
@@ -703,18 +721,7 @@ async def test_objects_copied_at_once_share_max_concurrency_ranges(
         return answer
 
     backend._call = counting
-
-    async def copy(key: str) -> tuple[int, str]:
-        fd = os.open(tmp_path / key.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            return await backend.copy_into(key, fd)
-        finally:
-            os.close(fd)
-
-    got = await asyncio.gather(*(copy(key) for key in shards))
-    assert got == [(s.size, s.checksum) for s in shards.values()]
-    for key, shard in shards.items():
-        assert (tmp_path / key.rsplit("/", 1)[1]).read_bytes() == shard.data
+    await copied_at_once(backend, shards, tmp_path)
     # Counted from request to answer; the body is then read under the same slot.
     assert 0 < peak <= 2
 

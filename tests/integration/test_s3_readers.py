@@ -22,7 +22,7 @@ from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.config import DestinationConfig
 from tests.integration.faultproxy import FaultProxy
 from tests.integration.seaweedfs import SeaweedFS
-from tests.integration.test_s3_backend import dest_config
+from tests.integration.test_s3_backend import copied_at_once, dest_config
 
 MiB = 1 << 20
 KEY = "job/00000000000000000001/big.bin"
@@ -89,6 +89,23 @@ async def _copy(backend: S3Backend, out: Path,
         os.close(fd)
 
 
+async def _a_copy_with_a_stalled_range(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        proxy: FaultProxy, shard: Any) -> tuple[S3Backend, asyncio.Future[tuple[int, str]]]:
+    """``shard`` written to KEY, and a copy of it under way through ``proxy`` by a backend
+    with readers, one of whose ranged GETs hangs at the proxy now."""
+    direct = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    assert await backends(direct).put_file(KEY, shard.fd, shard.size) == shard.checksum
+    backend = with_readers(dest_config(s3_bucket, proxy.endpoint_url))
+    proxy.inject("stall", match=lambda r: r.method == "GET")
+    copy = asyncio.ensure_future(_copy(backend, tmp_path / "big"))
+    async with asyncio.timeout(30):
+        while not proxy.faults("stall"):
+            await asyncio.sleep(0.02)
+    return backend, copy
+
+
 async def test_a_large_objects_ranges_are_read_by_the_reader_processes(
         seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
         with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path) -> None:
@@ -136,15 +153,9 @@ async def test_a_range_whose_reader_dies_is_read_again_by_a_fresh_one(
         with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
         proxy: FaultProxy) -> None:
     shard = staged(SIZE, seed=63)
-    direct = dest_config(s3_bucket, seaweedfs.endpoint_url)
-    assert await backends(direct).put_file(KEY, shard.fd, SIZE) == shard.checksum
-    backend = with_readers(dest_config(s3_bucket, proxy.endpoint_url))
     # One ranged GET hangs at the proxy: its reader is killed while it waits.
-    proxy.inject("stall", match=lambda r: r.method == "GET")
-    copy = asyncio.ensure_future(_copy(backend, tmp_path / "big"))
-    async with asyncio.timeout(30):
-        while not proxy.faults("stall"):
-            await asyncio.sleep(0.02)
+    backend, copy = await _a_copy_with_a_stalled_range(
+        seaweedfs, s3_bucket, backends, with_readers, tmp_path, proxy, shard)
     assert backend.readers is not None
     first = [w.proc for w in backend.readers._workers if w is not None]
     assert len(first) == 2
@@ -189,15 +200,8 @@ async def test_a_cancelled_copy_leaves_no_range_in_flight(
         seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
         with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
         proxy: FaultProxy) -> None:
-    shard = staged(SIZE, seed=65)
-    direct = dest_config(s3_bucket, seaweedfs.endpoint_url)
-    assert await backends(direct).put_file(KEY, shard.fd, SIZE) == shard.checksum
-    backend = with_readers(dest_config(s3_bucket, proxy.endpoint_url))
-    proxy.inject("stall", match=lambda r: r.method == "GET")
-    copy = asyncio.ensure_future(_copy(backend, tmp_path / "big"))
-    async with asyncio.timeout(30):
-        while not proxy.faults("stall"):
-            await asyncio.sleep(0.02)
+    backend, copy = await _a_copy_with_a_stalled_range(
+        seaweedfs, s3_bucket, backends, with_readers, tmp_path, proxy, staged(SIZE, seed=65))
     copy.cancel()
     async with asyncio.timeout(30):
         with pytest.raises(asyncio.CancelledError):
@@ -242,18 +246,7 @@ async def test_on_a_local_filesystem_one_reader_writes_each_file(
 
     monkeypatch.setattr(backend.readers, "fetch", fetch)
     monkeypatch.setattr(backend.readers, "_worker", worker)
-
-    async def copy(key: str) -> tuple[int, str]:
-        fd = os.open(tmp_path / key.rsplit("/", 1)[1], os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            return await backend.copy_into(key, fd)
-        finally:
-            os.close(fd)
-
-    got = await asyncio.gather(*(copy(key) for key in shards))
-    assert got == [(s.size, s.checksum) for s in shards.values()]
-    for key, shard in shards.items():
-        assert (tmp_path / key.rsplit("/", 1)[1]).read_bytes() == shard.data
+    await copied_at_once(backend, shards, tmp_path)
     if network_filesystem:  # each range to the least busy reader: no lane asked
         assert all(asked == {None} for asked in lanes.values())
     else:
