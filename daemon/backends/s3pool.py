@@ -149,7 +149,7 @@ class _Worker:
         log_event(log, logging.WARNING, "s3_worker_lost", role=self.role, worker=self.index,
                   why=why, in_flight=len(self.pending),
                   action=("parts in flight are sent again" if self.role == "upload"
-                          else "ranges in flight are read again, once"))
+                          else "ranges in flight are read again"))
         failure = S3Failure(f"the S3 {self.role} worker {self.index} stopped ({why}); a new "
                             "one is started for the next request", transient=True, kind="io",
                             code=WORKER_LOST)
@@ -212,7 +212,10 @@ class WorkerSenders(PartSender):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ckptdrain.daemon.backends.s3worker",
+                # -P: `python -m` would put the working directory first on sys.path, and a
+                # restore run in a directory others can write (/tmp, a shared project) would
+                # import their `secrets.py` or `queue.py` into its readers, as its own user.
+                sys.executable, "-P", "-m", "ckptdrain.daemon.backends.s3worker",
                 str(theirs.fileno()), str(index), self._role, pass_fds=(theirs.fileno(),),
                 # botocore signs with the AWS CRT when awscrt is installed, and that signer
                 # copies every body into a BytesIO (and refuses a streamed one) even when the

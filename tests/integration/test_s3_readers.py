@@ -252,3 +252,28 @@ async def test_on_a_local_filesystem_one_reader_writes_each_file(
     else:
         assert sorted(len(workers) for workers in by_key.values()) == [1, 1]
         assert set.union(*by_key.values()) == {0, 1}  # the files taken in turn
+
+
+async def test_readers_import_nothing_from_the_working_directory(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found attacking the readers: started with `python -m`, a reader put the working
+    directory first on sys.path, so a restore run in a directory another user can write
+    imported their `secrets.py` (run as the restoring user, silently), and a user's own
+    `queue.py` broke every reader. Readers start with -P."""
+    config = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    shard = staged(SIZE, seed=66)
+    assert await backends(config).put_file(KEY, shard.fd, SIZE) == shard.checksum
+    planted = tmp_path / "shared"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    for name in ("secrets", "queue", "random"):
+        (planted / f"{name}.py").write_text(
+            f"open({str(marker)!r}, 'a').write('{name} ')\\nraise ImportError('planted')\\n")
+    monkeypatch.chdir(planted)
+    backend = with_readers(config)
+    assert await _copy(backend, tmp_path / "big") == (SIZE, shard.checksum)
+    assert (tmp_path / "big").read_bytes() == shard.data
+    assert len(_reader_pids(backend)) == 2
+    assert not marker.exists()
