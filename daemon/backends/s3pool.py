@@ -1,6 +1,8 @@
-"""The S3 upload worker pool: ``drain.workers`` processes (s3worker.py) that send shard bodies
-and every small request the daemon makes (s3senders.SMALL_OPERATIONS); the messages they
-exchange are s3messages.py.
+"""The S3 worker pools: the daemon's ``drain.workers`` upload processes (s3worker.py) that
+send shard bodies and every small request the daemon makes (s3senders.SMALL_OPERATIONS), and
+``ckptdrain restore --readers``, processes of the same program that read ranges into the
+restored file (:meth:`WorkerSenders.fetch`). The messages they exchange are s3messages.py; each
+process, its socket and its end are s3procs.py.
 
 A request to a worker carries a duplicate of the staged file's fd (SCM_RIGHTS), so the daemon
 may close its own fd at any time; the worker closes its copy when the part is done. Each worker
@@ -20,7 +22,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.backends.base import BackendError
@@ -35,10 +36,16 @@ from ckptdrain.daemon.backends.s3messages import (
     malformed,
     memfd_of,
     read_memfd,
-    receive_ready,
     send_message,
 )
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
+from ckptdrain.daemon.backends.s3procs import (
+    STOP_TIMEOUT_S,
+    WORKER_LOST,
+    WorkerProcess,
+    exited,
+    stopped,
+)
 from ckptdrain.daemon.backends.s3ranges import Range
 from ckptdrain.daemon.backends.s3senders import (
     BATCH_AT_ONCE,
@@ -61,102 +68,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long a stopping pool waits for a worker to exit after its socket closed, then kills it.
-STOP_TIMEOUT_S = 5.0
 # A range read by a reader gets this much more time to answer per byte (its bound grows with
 # its length: a 5 GiB part over a slow link is not a stuck worker).
 MIN_RANGE_BYTES_PER_S = 1 << 20
-# The code of the failure a request gets when its worker died or could not be reached.
-WORKER_LOST = "ckptdrain.WorkerLost"
 # Requests that only read, sent once more when their worker is lost (writes are the drain's to
 # retry: it knows whether a create-once write landed).
 _RESENT_WHEN_LOST = frozenset({"head_object", "get_object", "list_objects_v2", "list_parts",
                                "list_multipart_uploads"})
-
-
-# -- worker processes ------------------------------------------------------------------------
-
-
-class _Worker:
-    """One worker process and its socket; answers are matched to requests by id. ``role``:
-    "upload" (the daemon's drain) or "reader" (``ckptdrain restore --readers``). A worker
-    found lost is killed and its process put in ``dying``, for whoever must know it has
-    exited before doing its work again."""
-
-    def __init__(self, index: int, proc: asyncio.subprocess.Process, sock: socket.socket,
-                 role: str, dying: list[asyncio.subprocess.Process]) -> None:
-        self.index = index
-        self.proc = proc
-        self.sock = sock
-        self.role = role
-        self._dying = dying
-        # Each answer comes with the fds its message carried, owned by whoever awaits it.
-        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
-        self.alive = True
-        self.spawned = time.monotonic()
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
-
-    def _readable(self) -> None:
-        # A reader callback, not a task: it only matches answers to the futures awaiting them.
-        while self.alive:
-            try:
-                got = receive_ready(self.sock)
-            except BlockingIOError:
-                return
-            except (OSError, ValueError) as exc:
-                self.lost(f"its socket failed ({exc})")
-                return
-            if got is None:
-                self.lost("it exited")
-                return
-            answer, fds = got
-            if "started" in answer:
-                close_all(fds)
-                self._started(answer["started"])
-                continue
-            request_id = answer.get("id")
-            if not isinstance(request_id, int):
-                # A worker that answers nobody's request is broken: what it has in flight
-                # fails as transient (sent again to a fresh one) rather than wait it out.
-                close_all(fds)
-                self.lost(f"it sent an answer without a request id ({request_id!r:.40})")
-                return
-            future = self.pending.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_result((answer, fds))
-            else:
-                close_all(fds)  # nobody waits for it any more: never leak what arrives
-
-    def _started(self, figures: Any) -> None:
-        if not isinstance(figures, dict):
-            return
-        log_event(log, logging.INFO, "s3_worker_ready", role=self.role, worker=self.index,
-                  pid=self.proc.pid,
-                  seconds=round(time.monotonic() - self.spawned, 3),
-                  cpu_s=figures.get("cpu_s"), main_thread_cpu_s=figures.get("main_thread_cpu_s"))
-
-    def lost(self, why: str) -> None:
-        """The worker is gone: what it had in flight fails as transient (the drain retries)."""
-        if not self.alive:
-            return
-        self.alive = False
-        with contextlib.suppress(ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
-        self.sock.close()
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self._dying.append(self.proc)
-        log_event(log, logging.WARNING, "s3_worker_lost", role=self.role, worker=self.index,
-                  why=why, in_flight=len(self.pending),
-                  action=("parts in flight are sent again" if self.role == "upload"
-                          else "ranges in flight are read again"))
-        failure = S3Failure(f"the S3 {self.role} worker {self.index} stopped ({why}); a new "
-                            "one is started for the next request", transient=True, kind="io",
-                            code=WORKER_LOST)
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(failure)
-        self.pending.clear()
 
 
 class WorkerSenders(PartSender):
@@ -172,7 +90,7 @@ class WorkerSenders(PartSender):
         self._config = config
         self._node_id = node_id
         self._count = count
-        self._workers: list[_Worker | None] = [None] * count
+        self._workers: list[WorkerProcess | None] = [None] * count
         self._ids = itertools.count(1)
         self._lanes = itertools.count()
         self._start_lock = asyncio.Lock()
@@ -190,7 +108,7 @@ class WorkerSenders(PartSender):
         """Whether the workers were started (they are, at the first request)."""
         return any(w is not None for w in self._workers)
 
-    async def _worker(self, lane: int | None = None) -> _Worker:
+    async def _worker(self, lane: int | None = None) -> WorkerProcess:
         """The worker in slot ``lane`` (modulo the count), or else the least busy; every dead
         one started again first."""
         async with self._start_lock:
@@ -208,7 +126,7 @@ class WorkerSenders(PartSender):
         """A lane for one more file's ranges (:meth:`fetch`), the workers taken in turn."""
         return next(self._lanes)
 
-    async def _start(self, index: int) -> _Worker:
+    async def _start(self, index: int) -> WorkerProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -229,7 +147,7 @@ class WorkerSenders(PartSender):
         finally:
             theirs.close()
         ours.setblocking(False)
-        worker = _Worker(index, proc, ours, self._role, self._dying)
+        worker = WorkerProcess(index, proc, ours, self._role, self._dying)
         try:
             await send_message(ours, {"config": self._config.model_dump(mode="json"),
                                       "node_id": self._node_id}, timeout_s=10.0)
@@ -285,7 +203,7 @@ class WorkerSenders(PartSender):
         """Wait until every worker found lost has exited (killed, it may still be finishing a
         write in the kernel); ``failure`` if one has not within STOP_TIMEOUT_S."""
         for proc in list(self._dying):
-            if not await _exited(proc, STOP_TIMEOUT_S):
+            if not await exited(proc, STOP_TIMEOUT_S):
                 raise failure
             with contextlib.suppress(ValueError):
                 self._dying.remove(proc)
@@ -417,7 +335,7 @@ class WorkerSenders(PartSender):
             raise failure
         return reply, got
 
-    async def _give_up(self, worker: _Worker, request_id: int,
+    async def _give_up(self, worker: WorkerProcess, request_id: int,
                        answer: asyncio.Future[tuple[dict[str, Any], list[int]]],
                        body: dict[str, Any]) -> None:
         """A cancelled request: stop the worker's work on it, close what its answer carried,
@@ -450,7 +368,7 @@ class WorkerSenders(PartSender):
             log_event(log, logging.WARNING, "s3_upload_left", key=params["Key"],
                       upload_id=upload_id, error=str(exc) or type(exc).__name__)
 
-    async def _cancel(self, worker: _Worker, request_id: int,
+    async def _cancel(self, worker: WorkerProcess, request_id: int,
                       answer: asyncio.Future[tuple[dict[str, Any], list[int]]]) -> None:
         """Tell the worker to give the part up and wait until it has: the caller aborts the
         upload next, and a part landing after the abort would be left on the server."""
@@ -485,26 +403,7 @@ class WorkerSenders(PartSender):
             worker.pending.clear()
         # Waited for together, each killed after STOP_TIMEOUT_S and given as long again to
         # exit (one stuck in the kernel, writing to a hung network filesystem, is left).
-        await asyncio.gather(*(_stopped(w.proc) for w in workers))
-
-
-async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
-    try:
-        async with asyncio.timeout(timeout_s):
-            await proc.wait()
-    except TimeoutError:
-        return False
-    return True
-
-
-async def _stopped(proc: asyncio.subprocess.Process) -> None:
-    if await _exited(proc, STOP_TIMEOUT_S):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    if not await _exited(proc, STOP_TIMEOUT_S):
-        log_event(log, logging.WARNING, "s3_worker_left", pid=proc.pid,
-                  why="killed, it did not exit (stuck in the kernel)")
+        await asyncio.gather(*(stopped(w.proc) for w in workers))
 
 
 def open_sender(client: S3Client, config: DestinationConfig, node_id: str,

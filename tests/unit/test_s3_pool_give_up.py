@@ -26,7 +26,8 @@ import pytest_asyncio
 
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure
-from ckptdrain.daemon.backends.s3pool import WORKER_LOST, WorkerSenders, _Worker
+from ckptdrain.daemon.backends.s3pool import WORKER_LOST, WorkerSenders
+from ckptdrain.daemon.backends.s3procs import WorkerProcess
 from ckptdrain.daemon.backends.s3senders import BATCH_AT_ONCE, Part
 from ckptdrain.daemon.config import DestinationConfig
 
@@ -58,15 +59,15 @@ class _Scripted(WorkerSenders):
         client = cast(S3Client, SimpleNamespace(cleanup_timeout_s=5.0))
         super().__init__(client, CONFIG, "n", 1)
         self.ends: list[socket.socket] = []
-        self.started: list[_Worker] = []  # every worker, to count those killed
+        self.started: list[WorkerProcess] = []  # every worker, to count those killed
 
-    async def _start(self, index: int) -> _Worker:
+    async def _start(self, index: int) -> WorkerProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         theirs.setblocking(False)
         self.ends.append(theirs)
         proc = cast(asyncio.subprocess.Process, _Process(10_000 + len(self.ends)))
-        worker = _Worker(index, proc, ours, "upload", self._dying)
+        worker = WorkerProcess(index, proc, ours, "upload", self._dying)
         self.started.append(worker)
         return worker
 

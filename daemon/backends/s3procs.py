@@ -1,0 +1,128 @@
+"""The processes of an S3 worker pool (s3pool.WorkerSenders): each one's socket, the answers
+it owes matched to their requests, what happens when it is lost, and how it is stopped. The
+program they run is s3worker.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import Any
+
+from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.backends.s3messages import close_all, receive_ready
+from ckptdrain.daemon.logs import log_event
+
+log = logging.getLogger("ckptdrain.daemon.backends.s3pool")
+
+# How long a stopping pool waits for a worker to exit after its socket closed, then kills it.
+STOP_TIMEOUT_S = 5.0
+# The code of the failure a request gets when its worker died or could not be reached.
+WORKER_LOST = "ckptdrain.WorkerLost"
+
+
+class WorkerProcess:
+    """One worker process and its socket; answers are matched to requests by id. ``role``:
+    "upload" (the daemon's drain) or "reader" (``ckptdrain restore --readers``). A worker
+    found lost is killed and its process put in ``dying``, for whoever must know it has
+    exited before doing its work again."""
+
+    def __init__(self, index: int, proc: asyncio.subprocess.Process, sock: socket.socket,
+                 role: str, dying: list[asyncio.subprocess.Process]) -> None:
+        self.index = index
+        self.proc = proc
+        self.sock = sock
+        self.role = role
+        self._dying = dying
+        # Each answer comes with the fds its message carried, owned by whoever awaits it.
+        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
+        self.alive = True
+        self.spawned = time.monotonic()
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        # A reader callback, not a task: it only matches answers to the futures awaiting them.
+        while self.alive:
+            try:
+                got = receive_ready(self.sock)
+            except BlockingIOError:
+                return
+            except (OSError, ValueError) as exc:
+                self.lost(f"its socket failed ({exc})")
+                return
+            if got is None:
+                self.lost("it exited")
+                return
+            answer, fds = got
+            if "started" in answer:
+                close_all(fds)
+                self._started(answer["started"])
+                continue
+            request_id = answer.get("id")
+            if not isinstance(request_id, int):
+                # A worker that answers nobody's request is broken: what it has in flight
+                # fails as transient (sent again to a fresh one) rather than wait it out.
+                close_all(fds)
+                self.lost(f"it sent an answer without a request id ({request_id!r:.40})")
+                return
+            future = self.pending.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_result((answer, fds))
+            else:
+                close_all(fds)  # nobody waits for it any more: never leak what arrives
+
+    def _started(self, figures: Any) -> None:
+        if not isinstance(figures, dict):
+            return
+        log_event(log, logging.INFO, "s3_worker_ready", role=self.role, worker=self.index,
+                  pid=self.proc.pid,
+                  seconds=round(time.monotonic() - self.spawned, 3),
+                  cpu_s=figures.get("cpu_s"), main_thread_cpu_s=figures.get("main_thread_cpu_s"))
+
+    def lost(self, why: str) -> None:
+        """The worker is gone: what it had in flight fails as transient (the drain retries)."""
+        if not self.alive:
+            return
+        self.alive = False
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        # Those seen to exit are dropped first: a daemon that loses a worker now and then
+        # does not keep each one's process for its lifetime.
+        self._dying[:] = [p for p in self._dying if p.returncode is None]
+        self._dying.append(self.proc)
+        log_event(log, logging.WARNING, "s3_worker_lost", role=self.role, worker=self.index,
+                  why=why, in_flight=len(self.pending),
+                  action=("parts in flight are sent again" if self.role == "upload"
+                          else "ranges in flight are read again"))
+        failure = S3Failure(f"the S3 {self.role} worker {self.index} stopped ({why}); a new "
+                            "one is started for the next request", transient=True, kind="io",
+                            code=WORKER_LOST)
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(failure)
+        self.pending.clear()
+
+
+async def exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await proc.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+async def stopped(proc: asyncio.subprocess.Process) -> None:
+    if await exited(proc, STOP_TIMEOUT_S):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    if not await exited(proc, STOP_TIMEOUT_S):
+        log_event(log, logging.WARNING, "s3_worker_left", pid=proc.pid,
+                  why="killed, it did not exit (stuck in the kernel)")
