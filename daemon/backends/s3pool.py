@@ -68,6 +68,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long a cancelled range waits for its reader to say it gave the range up, before the
+# reader is killed (an upload worker's part waits READ_DRAIN_TIMEOUT_S: its read thread).
+READER_CANCEL_TIMEOUT_S = 5.0
 # A range read by a reader gets this much more time to answer per byte (its bound grows with
 # its length: a 5 GiB part over a slow link is not a stuck worker).
 MIN_RANGE_BYTES_PER_S = 1 << 20
@@ -374,9 +377,12 @@ class WorkerSenders(PartSender):
         upload next, and a part landing after the abort would be left on the server."""
         if answer.done():
             return
+        # A reader gives a range up at its next chunk; one that does not answer within
+        # seconds is stopped or stuck, and a restore's Ctrl-C must not wait a minute for it.
+        wait_s = READ_DRAIN_TIMEOUT_S if self._role == "upload" else READER_CANCEL_TIMEOUT_S
         try:
             await send_message(worker.sock, {"cancel": request_id}, timeout_s=5.0)
-            await asyncio.wait([answer], timeout=READ_DRAIN_TIMEOUT_S)
+            await asyncio.wait([answer], timeout=wait_s)
         except (OSError, TimeoutError):
             pass
         if not answer.done():

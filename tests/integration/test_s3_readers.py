@@ -6,6 +6,7 @@ and a range, and combines the ranges' checksums."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import os
 import signal
@@ -277,3 +278,31 @@ async def test_readers_import_nothing_from_the_working_directory(
     assert (tmp_path / "big").read_bytes() == shard.data
     assert len(_reader_pids(backend)) == 2
     assert not marker.exists()
+
+
+async def test_a_cancelled_copy_does_not_wait_long_for_a_stopped_reader(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        proxy: FaultProxy) -> None:
+    """Found attacking the readers: with a reader stopped (SIGSTOP), a restore's Ctrl-C
+    waited 60 s for it to answer the cancel, as an upload worker's part does for its read
+    thread. A reader that does not answer within seconds is killed."""
+    backend, copy = await _a_copy_with_a_stalled_range(
+        seaweedfs, s3_bucket, backends, with_readers, tmp_path, proxy, staged(SIZE, seed=67))
+    assert backend.readers is not None
+    stopped = [w.proc for w in backend.readers._workers if w is not None]
+    holding = [w.proc for w in backend.readers._workers if w is not None and w.pending]
+    assert holding
+    for proc in stopped:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        copy.cancel()
+        async with asyncio.timeout(30):
+            with pytest.raises(asyncio.CancelledError):
+                await copy
+            for proc in holding:  # killed, not waited for
+                assert await proc.wait() == -signal.SIGKILL
+    finally:
+        for proc in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
