@@ -181,6 +181,9 @@ class WorkerSenders(PartSender):
 
     async def fetch(self, rng: Range, fd: int, *, on_loop: bool,
                     lane: int | None = None) -> int:
+        """Have a reader read ``rng`` into the file ``fd`` at its offset (the caller keeps
+        owning ``fd``): its CRC64NVME. ``on_loop``: written by the reader's loop thread
+        (s3ranges.writer). ``lane``: ranges given the same lane go to the same reader."""
         request = {"op": "range", "key": rng.key, "full": rng.full, "offset": rng.offset,
                    "length": rng.length, "etag": rng.etag, "on_loop": on_loop}
         what = f"reading {rng.key} at byte {rng.offset}"

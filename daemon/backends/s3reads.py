@@ -120,7 +120,7 @@ class S3Reads(S3Client, Backend):
                                     "written or has been deleted", transient=False,
                                     kind="not_found", code=exc.code) from exc
                 if exc.code == "PreconditionFailed" and etag is not None:
-                    raise self._replaced(key, exc) from exc
+                    raise replaced(self.uri, key, exc) from exc
                 raise
             etag = str(answer.get("ETag") or "") or None
             try:
@@ -151,9 +151,6 @@ class S3Reads(S3Client, Backend):
                 resumes += 1
                 log_event(log, logging.INFO, "s3_read_resumed", key=key, offset=offset,
                           error=str(exc))
-
-    def _replaced(self, key: str, exc: S3Failure) -> S3Failure:
-        return replaced(self.uri, key, exc)
 
     async def copy_into(
         self, key: str, out_fd: int, *, algo: str = checksums.ALGO,
@@ -194,19 +191,22 @@ class S3Reads(S3Client, Backend):
         # the same bytes).
         readers = (self.readers if self.readers is not None and etag
                    and (size >= READERS_FROM or self.readers.running) else None)
-        write = writer(out_fd, on_loop=self.writes_on_loop)
-        # One reader writes one file: two processes writing one file on a local filesystem
-        # take its inode's lock in turn and spin for it (8% of a restore's samples in perf
-        # with two readers); the files of a restore are spread over the readers instead.
-        lane = None if readers is None or writes_in_parallel(out_fd) else readers.next_lane()
+        if readers is None:
+            write = writer(out_fd, on_loop=self.writes_on_loop)
 
-        async def fetch(rng: Range) -> None:
-            async with self.ranges:
-                if readers is None:
+            async def fetch(rng: Range) -> None:
+                async with self.ranges:
                     crcs[rng.offset] = await fetch_range(self, rng, write, progress)
-                    return
-                crcs[rng.offset] = await readers.fetch(rng, out_fd, lane=lane,
-                                                       on_loop=self.writes_on_loop)
+        else:
+            # One reader writes one file: two processes writing one file on a local
+            # filesystem take its inode's lock in turn and spin for it (8% of a restore's
+            # samples in perf with two readers); the files are spread over the readers.
+            lane = None if writes_in_parallel(out_fd) else readers.next_lane()
+
+            async def fetch(rng: Range) -> None:
+                async with self.ranges:
+                    crcs[rng.offset] = await readers.fetch(rng, out_fd, lane=lane,
+                                                           on_loop=self.writes_on_loop)
                 if progress is not None:
                     progress(rng.length)
 

@@ -25,7 +25,6 @@ from ckptdrain.daemon.backends.s3parts import (
     CHECKSUM_METADATA_KEY,
     crc64_header,
 )
-from ckptdrain.daemon.backends.s3ranges import Range, fetch_range, writer
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.backends.s3client import S3Client
@@ -104,13 +103,6 @@ class PartSender(abc.ABC):
         shard): each one's answer, or the S3Failure it got, in order. An upload worker takes
         them as one message, so the daemon's loop pays one hand-over per batch, not per
         shard."""
-
-    @abc.abstractmethod
-    async def fetch(self, rng: Range, fd: int, *, on_loop: bool,
-                    lane: int | None = None) -> int:
-        """Read ``rng`` into the file ``fd`` at its offset (the caller keeps owning ``fd``):
-        its CRC64NVME. ``on_loop``: written by the reading loop's own thread (s3ranges).
-        ``lane``: ranges given the same lane go to the same worker process."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Start what the sender runs before the first shard needs it."""
@@ -328,7 +320,3 @@ class InProcessSender(PartSender):
     async def call_many(self, what: str, operation: str,
                         params: list[dict[str, Any]]) -> list[dict[str, Any] | S3Failure]:
         return await call_each(self._client, what, operation, params)
-
-    async def fetch(self, rng: Range, fd: int, *, on_loop: bool,
-                    lane: int | None = None) -> int:
-        return await fetch_range(self._client, rng, writer(fd, on_loop=on_loop))

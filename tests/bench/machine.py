@@ -35,20 +35,11 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _mem_total_gib() -> float:
+def _meminfo_bytes(key: str) -> int:
+    """A ``kB`` line of /proc/meminfo (``MemTotal``, ``MemAvailable``) in bytes; 0 if none."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / (1 << 20)
-    except OSError:
-        pass
-    return 0.0
-
-
-def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -63,7 +54,7 @@ def touch_memory() -> str:
     used since boot took about 3 s, later ones 0.55 s. Without this, whichever benchmark
     side first needed new memory (a fresh memfd, a restore's page cache) paid that, and the
     first runs of a fresh machine read several times slower than the rest."""
-    size = min(TOUCH_MAX_BYTES, int(_mem_available() * 0.6)) // GiB * GiB
+    size = min(TOUCH_MAX_BYTES, int(_meminfo_bytes("MemAvailable") * 0.6)) // GiB * GiB
     chunk = b"\1" * (16 << 20)
     started = time.perf_counter()
     maps = []
@@ -108,7 +99,7 @@ def describe(work: Path, shm: Path | None) -> list[str]:
     lines = [
         f"Date: {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}; ckptdrain at "
         f"{commit}{' with uncommitted changes' if dirty not in ('', 'unavailable') else ''}",
-        f"CPU: {cpus} cores usable, {_cpu_model()}; RAM {_mem_total_gib():.0f} GiB; "
+        f"CPU: {cpus} cores usable, {_cpu_model()}; RAM {_meminfo_bytes('MemTotal') / GiB:.0f} GiB; "
         f"load average at start {load} (a shared machine: other work may run meanwhile)",
         f"Kernel {platform.release()}; Python {sys.version.split()[0]}",
         f"Staging disk (work directory): {filesystem_of(work)}",

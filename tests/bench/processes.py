@@ -389,9 +389,7 @@ def run_sampled(argv: Sequence[str], *, timeout_s: float,
         try:
             while proc.poll() is None:
                 seen.update(thread_times(proc.pid))
-                if time.perf_counter() > deadline:
-                    _kill_pid(proc.pid)
-                    proc.wait()
+                if time.perf_counter() > deadline:  # killed below
                     raise BenchError(f"{argv[0]} did not finish within {timeout_s} s")
                 time.sleep(0.02)
         finally:
