@@ -28,7 +28,7 @@ from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd, writable
 from ckptdrain.daemon.errors import DaemonError, RequestError
 from ckptdrain.daemon.ledger import GenerationRecord
-from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -47,6 +47,18 @@ log = logging.getLogger("ckptdrain.connection")
 ACK_STRENGTH = {"memory": 0, "local": 1}
 # Requests that are not hand-offs: a stop does not wait for them.
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
+# A client's own errors (malformed frames, refused requests, hang-ups) log through one bucket
+# per uid: the first CLIENT_LOG_BURST lines, then one a second, each line saying how many
+# were held back (the metric counts them all). One looping or hostile client otherwise
+# wrote about 1000 lines a second, and journald's per-unit rate limit drops the daemon's
+# own lines along with the flood.
+CLIENT_LOG_BURST = 20
+CLIENT_LOG_INTERVAL_S = 1.0
+
+
+def client_log() -> OncePerCause:
+    """The daemon's one bucket for clients' errors (see CLIENT_LOG_BURST)."""
+    return OncePerCause(CLIENT_LOG_INTERVAL_S, burst=CLIENT_LOG_BURST)
 
 
 class ClientHandler:
@@ -74,14 +86,14 @@ class ClientHandler:
         try:
             await self._serve()
         except IdleTimeout as exc:
-            log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc))
+            self._client_error("client_dropped", reason=str(exc))
             # Said before hanging up, so the client's next request reads why.
             await self._last_word(wire.TIMEOUT, f"the daemon closed this connection: {exc}; "
                                   f"{exc.hint}")
         except (ConnectionError, TimeoutError) as exc:
-            log_event(log, logging.INFO, "client_dropped", uid=self.uid, reason=str(exc) or type(exc).__name__)
+            self._client_error("client_dropped", reason=str(exc) or type(exc).__name__)
         except ProtocolError as exc:
-            log_event(log, logging.INFO, "client_protocol_error", uid=self.uid, code=exc.code, error=exc.message)
+            self._client_error("client_protocol_error", code=exc.code, error=exc.message)
             await self._last_word(exc.code, exc.message)
         except Exception:
             # The boundary. Nothing this client did may end the daemon.
@@ -96,6 +108,11 @@ class ClientHandler:
                 log.exception("could not abort the rank of a closed connection (uid %s)", self.uid)
             finally:
                 self.channel.close()
+
+    def _client_error(self, event: str, **fields: Any) -> None:
+        self.d.metrics.client_error(event)
+        self.d.client_log.log_event(log, logging.INFO, event, cause=f"uid {self.uid}",
+                                    uid=self.uid, **fields)
 
     async def _last_word(self, code: str, message: str) -> None:
         with contextlib.suppress(Exception):
@@ -152,8 +169,8 @@ class ClientHandler:
             if isinstance(event, wire.Rejected):
                 # A whole frame with a bad field: refused, and the conversation goes on.
                 self.channel.drop_frame_fds()
-                log_event(log, logging.INFO, "request_refused", uid=self.uid, kind=event.kind,
-                          code=event.code, error=event.message)
+                self._client_error("request_refused", kind=event.kind, code=event.code,
+                                   error=event.message)
                 await self.channel.sendall(self.conn.send_error(event.code, event.message))
                 self._drop_unclaimed_fds()
                 continue

@@ -288,14 +288,16 @@ def setup_logging(
 
 @dataclass
 class _Cause:
-    last_logged: float
-    pending: int = 0  # suppressed since last_logged
+    stamp: float  # when ``tokens`` was last brought up to date
+    tokens: float  # occurrences that may log now, at most the burst
+    pending: int = 0  # suppressed since the last one logged
     reported: int = 0  # suppressed before the most recent logged occurrence
 
 
 class OncePerCause:
-    """Rate-limit log lines per cause: the first occurrence logs, then at most one per
-    ``interval_s``; each logged line can report how many were suppressed before it.
+    """Rate-limit log lines per cause: the first ``burst`` occurrences log, then at most one
+    per ``interval_s`` (a token bucket per cause); each logged line can report how many were
+    suppressed before it.
 
     ``clock`` is injectable so tests never sleep; ``max_causes`` bounds the memory held (the
     least recently seen cause is forgotten first, and simply logs again when it recurs).
@@ -305,30 +307,38 @@ class OncePerCause:
         self,
         interval_s: float = 60.0,
         *,
+        burst: int = 1,
         clock: Callable[[], float] = time.monotonic,
         max_causes: int = 1024,
     ) -> None:
         if interval_s < 0:
             raise ValueError(f"interval_s must be >= 0 (got {interval_s})")
+        if burst < 1:
+            raise ValueError(f"burst must be >= 1 (got {burst})")
         if max_causes < 1:
             raise ValueError(f"max_causes must be >= 1 (got {max_causes})")
         self.interval_s = interval_s
+        self.burst = burst
         self._clock = clock
         self._max_causes = max_causes
         self._causes: OrderedDict[str, _Cause] = OrderedDict()
 
     def should_log(self, cause_key: str) -> bool:
-        """True for the first occurrence of ``cause_key`` and then once per interval."""
+        """True for the first ``burst`` occurrences of ``cause_key``, then once per interval."""
         now = self._clock()
         state = self._causes.get(cause_key)
         if state is None:
             while len(self._causes) >= self._max_causes:
                 self._causes.popitem(last=False)
-            self._causes[cause_key] = _Cause(last_logged=now)
+            self._causes[cause_key] = _Cause(stamp=now, tokens=self.burst - 1)
             return True
         self._causes.move_to_end(cause_key)
-        if now - state.last_logged >= self.interval_s:
-            state.reported, state.pending, state.last_logged = state.pending, 0, now
+        refill = self.burst if self.interval_s == 0 else (now - state.stamp) / self.interval_s
+        state.tokens, state.stamp = min(self.burst, state.tokens + refill), now
+        # The tolerance: a refill summed from several calls may land a hair below 1.
+        if state.tokens >= 1 - 1e-9:
+            state.tokens = max(0.0, state.tokens - 1)
+            state.reported, state.pending = state.pending, 0
             return True
         state.pending += 1
         return False

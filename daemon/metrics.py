@@ -88,6 +88,8 @@ BACKPRESSURE_LIMITS = (
 DRAIN_ERROR_KINDS = ("io", "timeout", "throttled", "auth", "integrity", "conflict", "full",
                      "not_found", "unsafe", "staging")
 INTERNAL_ERROR_WHERE = ("connection", "drain", "commit", "background")
+# What a client got wrong (its own doing, not the daemon's): the log events of the same name.
+CLIENT_ERROR_EVENTS = ("client_dropped", "client_protocol_error", "request_refused")
 OTHER = "other"
 
 # Hand-off stalls are what training sees: from a memfd hand-off (about a millisecond) to a
@@ -307,6 +309,17 @@ class Metrics:
         )
         for where in INTERNAL_ERROR_WHERE:
             self._internal_errors.labels(where)  # 0 until it happens, so rate() sees it start
+        self._client_errors = Counter(
+            "ckptdrain_client_errors_total",
+            "Clients' own errors, by event: client_dropped (hung up mid-request or timed "
+            "out), client_protocol_error (a malformed frame: connection closed), "
+            "request_refused (a frame with a bad field). Counted even when their log lines "
+            "are held back.",
+            ["event"],
+            registry=reg,
+        )
+        for event in CLIENT_ERROR_EVENTS:
+            self._client_errors.labels(event)
         self._aborted_uploads = Counter(
             "ckptdrain_multipart_uploads_aborted_total",
             "S3 multipart uploads aborted (interrupted, failed, or orphaned at start-up).",
@@ -398,6 +411,10 @@ class Metrics:
     def internal_error(self, where: str) -> None:
         """An unexpected exception was caught at a failure boundary (a bug: it is logged)."""
         self._internal_errors.labels(_bounded(where, INTERNAL_ERROR_WHERE)).inc()
+
+    def client_error(self, event: str) -> None:
+        """A client's own error (one of CLIENT_ERROR_EVENTS), logged or held back."""
+        self._client_errors.labels(_bounded(event, CLIENT_ERROR_EVENTS)).inc()
 
     def upload_aborted(self, n: int = 1) -> None:
         """``n`` multipart uploads aborted."""

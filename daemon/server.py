@@ -31,7 +31,7 @@ from ckptdrain.daemon.backends.base import BackendError, open_backend
 from ckptdrain.daemon.budget import Budget
 from ckptdrain.daemon.commit import Committer, StepUnusable
 from ckptdrain.daemon.config import Config
-from ckptdrain.daemon.connection import ClientHandler
+from ckptdrain.daemon.connection import ClientHandler, client_log
 from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane, io_threads
 from ckptdrain.daemon.errors import RequestError, StartupError
@@ -90,6 +90,7 @@ class Daemon:
         self.acknowledge = GroupCommit(self.journal, before=self.staging.fsync_dir)
         self.ledger = Ledger(self.journal, acknowledge=self.acknowledge)
         self.metrics = Metrics(config.node_id, __version__)
+        self.client_log = client_log()
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)

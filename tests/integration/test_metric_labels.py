@@ -33,6 +33,7 @@ BOUNDED: dict[str, dict[str, tuple[str, ...]]] = {
     "ckptdrain_drain_errors_total": {"kind": M.DRAIN_ERROR_KINDS},
     "ckptdrain_generation_phase_duration_seconds_bucket": {"phase": M.PHASES},
     "ckptdrain_internal_errors_total": {"where": M.INTERNAL_ERROR_WHERE},
+    "ckptdrain_client_errors_total": {"event": M.CLIENT_ERROR_EVENTS},
     "ckptdrain_queue_shards": {"state": M.SHARD_STATES},
     "ckptdrain_staged_bytes": {"tier": M.TIERS},
 }
@@ -42,6 +43,7 @@ DASHBOARD_SPLITS = {
     "ckptdrain_backpressure_events_total": "limit",
     "ckptdrain_generations_failed_total": "reason",
     "ckptdrain_drain_errors_total": "kind",
+    "ckptdrain_client_errors_total": "event",
     "ckptdrain_generation_phase_duration_seconds": "phase",
     "ckptdrain_queue_shards": "state",
     "ckptdrain_staged_bytes": "tier",

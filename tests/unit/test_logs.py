@@ -272,3 +272,20 @@ def test_once_per_cause_logs_suppressed_count(restore_logging: None) -> None:
         "<4>level=warning event=drain_error kind=throttled",
         "<4>level=warning event=drain_error kind=throttled suppressed=99",
     ]
+
+
+def test_once_per_cause_with_a_burst_then_one_per_interval() -> None:
+    clock = FakeClock()
+    bucket = OncePerCause(1.0, burst=3, clock=clock)
+    assert [bucket.should_log("uid 7") for _ in range(5)] == [True, True, True, False, False]
+    assert bucket.should_log("uid 8")  # another uid has its own bucket
+    clock.now += 0.5
+    assert not bucket.should_log("uid 7")
+    clock.now += 0.5
+    assert bucket.should_log("uid 7")
+    assert bucket.suppressed("uid 7") == 3
+    assert not bucket.should_log("uid 7")
+    clock.now += 10  # refills up to the burst, no further
+    assert [bucket.should_log("uid 7") for _ in range(4)] == [True, True, True, False]
+    with pytest.raises(ValueError):
+        OncePerCause(burst=0)
