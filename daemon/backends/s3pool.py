@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -130,7 +131,10 @@ class WorkerSenders(PartSender):
         return next(self._lanes)
 
     async def _start(self, index: int) -> WorkerProcess:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as exc:
+            raise self._cannot_start(exc) from None
         try:
             proc = await asyncio.create_subprocess_exec(
                 # -P: `python -m` would put the working directory first on sys.path, and a
@@ -144,8 +148,10 @@ class WorkerSenders(PartSender):
                 env={**os.environ, "BOTO_DISABLE_CRT": "true"},
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             )
-        except BaseException:
+        except BaseException as exc:
             ours.close()
+            if isinstance(exc, OSError):
+                raise self._cannot_start(exc) from None
             raise
         finally:
             theirs.close()
@@ -159,6 +165,17 @@ class WorkerSenders(PartSender):
         log_event(log, logging.INFO, "s3_worker_started", role=self._role, worker=index,
                   pid=proc.pid)
         return worker
+
+    def _cannot_start(self, exc: OSError) -> S3Failure:
+        """Why a worker could not start, and what to do: an fd limit is the usual cause."""
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            fix = "raise the open-files limit (ulimit -n, or LimitNOFILE= in the unit)"
+        else:
+            fix = "see the error"
+        if self._role == "reader":
+            fix += ", or restore with --readers 0"
+        return S3Failure(f"could not start an S3 {self._role} process: "
+                         f"{exc.strerror or exc}; {fix}", transient=True, kind="io")
 
     async def send(self, part: Part, fd: int) -> Sent:
         reply, fds = await self._request(

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -195,6 +197,32 @@ async def test_a_readers_failure_comes_back_typed_with_what_to_do(
     assert caught.value.kind == "conflict" and caught.value.transient
     assert "was replaced" in str(caught.value) and "read it again" in str(caught.value)
     assert len(_reader_pids(backend)) == 2  # a failed range ends no reader
+
+
+async def test_a_reader_that_cannot_start_says_why_and_what_to_do(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # At the open-files limit (found with RLIMIT_NOFILE in the mid-30s): the command said
+    # only "Too many open files", not that a reader was being started nor what to do.
+    config = dest_config(s3_bucket, seaweedfs.endpoint_url)
+    shard = staged(SIZE, seed=66)
+    assert await backends(config).put_file(KEY, shard.fd, SIZE) == shard.checksum
+    backend = with_readers(config)
+    real = socket.socketpair
+
+    def at_the_limit(*args: Any, **kwargs: Any) -> Any:
+        if socket.SOCK_SEQPACKET in args:  # the reader's channel, and nothing else here
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "socketpair", at_the_limit)
+    with pytest.raises(BackendError) as caught:
+        await _copy(backend, tmp_path / "big")
+    message = str(caught.value)
+    assert "could not start an S3 reader process: Too many open files" in message
+    assert "ulimit -n" in message and "--readers 0" in message
+    assert caught.value.transient and caught.value.kind == "io"
 
 
 async def test_a_cancelled_copy_leaves_no_range_in_flight(
