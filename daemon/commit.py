@@ -55,6 +55,7 @@ from ckptdrain.daemon.latest import (
     raise_latest,
 )
 from ckptdrain.daemon.manifestcache import Committed, ManifestCache
+from ckptdrain.daemon.owners import DestinationOwners
 from ckptdrain.daemon.tombstone import is_tombstone
 
 # Re-exported: the LATEST helpers lived here first (latest.py now).
@@ -132,6 +133,8 @@ class Committer:
         # One per job this committer has raised LATEST for: a handful per daemon.
         self._latest_locks: dict[str, asyncio.Lock] = {}
         self.manifests = ManifestCache()
+        # Who owns each job at the destination (owners.py): asked before a begin or a commit.
+        self.owners = DestinationOwners(self)
 
     async def record_part(self, part: PartRecord) -> None:
         """Write (or overwrite) this node's part record for the part's generation."""

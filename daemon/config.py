@@ -481,6 +481,9 @@ class AccessConfig(BaseModel):
     socket_group: str = ""
     allowed_uids: list[int] = Field(default_factory=list)
     allowed_gids: list[int] = Field(default_factory=list)
+    # A job's owner is also the uid its newest committed generation names at the destination
+    # (owners.py); off only where one user's uid differs between clusters sharing it.
+    check_destination_owner: bool = True
 
     @field_validator("socket_mode", mode="before")
     @classmethod

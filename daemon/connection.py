@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError, parse_checksum
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog, checksums, maintenance, payloads, reads, waits
+from ckptdrain.daemon import catalog, checksums, maintenance, owners, payloads, reads, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
@@ -302,6 +302,7 @@ class ClientHandler:
         raise RequestError(wire.BAD_REQUEST, f"{kind!r} is not a request a client may send")
 
     async def _latest(self, job: str) -> dict[str, Any]:
+        await self.check_destination_owner(job)
         try:
             step = await catalog.latest(self.d.backend, job)
         except (BackendError, ManifestError, OSError) as exc:
@@ -316,6 +317,19 @@ class ClientHandler:
         if not self.peer.may_see(self.d.ledger.jobs.get(job)):
             raise RequestError(wire.PERMISSION_DENIED, f"job {job!r} belongs to another user; "
                                f"uid {self.uid} may not see it")
+
+    async def check_destination_owner(self, job: str) -> None:
+        """A job this node does not track is read for a peer only when its commits at the
+        destination name no other owner (owners.py): the daemon reads with its own rights."""
+        d = self.d
+        if job in d.ledger.jobs or self.peer.operator or not d.config.access.check_destination_owner:
+            return
+        try:
+            owner = await d.committer.owners.someone_else(job, self.uid)
+        except (BackendError, ManifestError, OSError) as exc:
+            raise destination_error(job, None, exc) from None
+        if owner is not None:
+            raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, self.uid))
 
     def check_job_owner(self, job: str) -> None:
         owner = self.d.ledger.jobs.get(job)

@@ -116,16 +116,20 @@ class Expiry:
             d.metrics.forget_job(job)
         return len(empty)
 
-    async def make_room_for(self, job: str) -> None:
-        """Before ``job`` is tracked: keep the jobs tracked within limits.max_jobs."""
+    async def make_room_for(self, job: str, uid: int) -> None:
+        """Before ``uid``'s ``job`` is tracked: keep the jobs tracked within limits.max_jobs.
+        The idle jobs forgotten first are ``uid``'s own, least recently used first: a user
+        who begins job after job (and aborts them) pushes out their own, not another user's
+        (forgotten, a job's node-local state and copies go)."""
         d = self.d
         cap = d.config.limits.max_jobs
         if job in d.ledger.jobs or len(d.ledger.jobs) < cap:
             self.touch(job)
             return
         busy = self.busy_jobs()
-        idle_first = sorted((name for name in d.ledger.jobs if name not in busy),
-                            key=lambda name: self.seen.get(name, 0.0))
+        owners = d.ledger.jobs
+        idle_first = sorted((name for name in owners if name not in busy),
+                            key=lambda name: (owners[name] != uid, self.seen.get(name, 0.0)))
         await self.forget_jobs(idle_first[: len(d.ledger.jobs) - cap + 1])
         if len(d.ledger.jobs) >= cap:
             d.metrics.backpressure("rejected", "max_jobs")

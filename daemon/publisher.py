@@ -298,12 +298,24 @@ class Publisher:
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
 
     async def _try_publish(self, gen: GenerationRecord) -> None:
+        owner = self.ledger.jobs.get(gen.job)
         try:
+            if owner is not None and self.config.access.check_destination_owner:
+                theirs = await self._with_retries(
+                    lambda: self.committer.owners.someone_else(gen.job, owner))
+                if theirs is not None:
+                    await self.end(gen, f"job {gen.job!r} at the destination belongs to uid "
+                                   f"{theirs} (its newest committed generation), not to uid "
+                                   f"{owner} who saved this step; nothing was published: "
+                                   "save under another job name", kind="conflict")
+                    return
             result = await self._with_retries(lambda: self.committer.try_publish(
                 gen.job, gen.step, gen.world_size, gen.attempt))
         except BackendError as exc:
             await self.end(gen, f"commit failed: {exc}", kind="drain")
             return
+        if result.committed:
+            self.committer.owners.remember(gen.job, owner)
         if result.outcome is CommitOutcome.PUBLISHED:
             # This node's create made the manifest: retention runs here, also when the
             # generation ended here meanwhile (cancelled, expired).

@@ -107,6 +107,7 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
 
     d = h.d
     h.check_job_owner(job)
+    await h.check_destination_owner(job)
     try:
         committed = await d.committer.committed_shards(job, step)
         if committed is None:

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptdrain.client import wire
-from ckptdrain.daemon import __version__, maintenance, startup
+from ckptdrain.client.manifest import ManifestError
+from ckptdrain.daemon import __version__, maintenance, owners, startup
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.admission import Admission
@@ -297,8 +298,10 @@ class Daemon:
             if gen is not None:
                 self.expiry.touch(job)
                 return gen
+            if job not in self.ledger.jobs:
+                await self._refuse_if_owned_elsewhere(job, uid)
             self.admission.check_uid_generations(self.ledger.jobs.get(job, uid))
-            await self.expiry.make_room_for(job)
+            await self.expiry.make_room_for(job, uid)
             slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
             try:
                 gen = await self.ledger.open_generation(job, step, world_size, ack, uid, attempt)
@@ -307,6 +310,22 @@ class Daemon:
                 raise
             self.admission.hold_generation(gen, slot)
             return gen
+
+    async def _refuse_if_owned_elsewhere(self, job: str, uid: int) -> None:
+        """Refuse a job this node does not track whose commits at the destination name
+        another owner (owners.py). The commit checks again: when the destination cannot
+        answer now, the begin goes on."""
+        if not self.config.access.check_destination_owner:
+            return
+        try:
+            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+                owner = await self.committer.owners.someone_else(job, uid)
+        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
+            log_event(log, logging.WARNING, "owner_check_failed", job=job, uid=uid,
+                      error=str(exc) or type(exc).__name__)
+            return
+        if owner is not None:
+            raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, uid))
 
     async def _refuse_if_committed(self, job: str, step: int) -> None:
         """Refuse a step another node already committed: nothing may overwrite it."""

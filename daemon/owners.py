@@ -1,0 +1,91 @@
+"""Who owns a job at the destination: the uid its newest committed generation names.
+
+A node knows a job's owner (the uid that began it there) only while it tracks the job: the
+owner is forgotten with the job (``limits.max_jobs``, ``forget_after_s``), a node that never
+ran the job never knew it, and a user on another node may pick the same name. Without more, a
+second uid could begin such a job, read its checkpoints through the daemon, commit steps above
+the owner's (a restart would load them) and have retention delete the owner's generations.
+
+The destination outlives all of that: each part record names its owner (``owner_uid``), and
+all the records of one commit agree. So before a uid begins or reads a job this node does not
+track, and before any node commits a generation, the owner of the job's newest committed
+generation is read there (one lookup per job, remembered); a job that names another uid is
+refused. Root and the daemon's own uid act for any owner.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from ckptdrain.client.manifest import ManifestError, part_key
+from ckptdrain.daemon import catalog
+from ckptdrain.daemon.latest import parse_part
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.commit import Committer
+
+# Jobs whose owner is remembered: each lookup costs a few destination reads.
+MAX_REMEMBERED = 4096
+
+
+def operator(uid: int) -> bool:
+    """Root or the daemon's own uid: may act on every job."""
+    return uid in (0, os.getuid())
+
+
+def refusal(job: str, uid: int) -> str:
+    return (f"job {job!r} belongs to another user (its newest committed generation at the "
+            f"destination says so); uid {uid} may not use it: choose another job name")
+
+
+class DestinationOwners:
+    def __init__(self, committer: Committer) -> None:
+        self._committer = committer
+        self._known: OrderedDict[str, int] = OrderedDict()
+
+    def remember(self, job: str, uid: int | None) -> None:
+        """``uid`` committed ``job``: it owns it at the destination now."""
+        if uid is None:
+            return
+        self._known[job] = uid
+        self._known.move_to_end(job)
+        while len(self._known) > MAX_REMEMBERED:
+            self._known.popitem(last=False)
+
+    async def owner(self, job: str) -> int | None:
+        """The uid the newest committed generation of ``job`` names; None when the job has
+        none, or its records predate owners. Raises BackendError when the destination fails.
+        Only a found owner is remembered: a job with no commit yet may get one any time."""
+        known = self._known.get(job)
+        if known is not None:
+            self._known.move_to_end(job)
+            return known
+        backend = self._committer.backend
+        step = await catalog.latest(backend, job)
+        if step is None:
+            return None
+        manifest = await self._committer.committed(job, step)
+        if manifest is None:
+            return None  # removed since (retention): nobody to ask
+        for node in sorted(manifest.nodes):
+            data = await backend.get_bytes(part_key(job, step, node))
+            if data is None:
+                continue
+            try:
+                part = await parse_part(data)
+            except ManifestError:
+                continue
+            if part.owner_uid is not None:
+                self.remember(job, part.owner_uid)
+                return part.owner_uid
+        return None
+
+    async def someone_else(self, job: str, uid: int) -> int | None:
+        """The owner of ``job`` at the destination when it is neither ``uid`` nor one that
+        ``uid`` may act for; None when ``uid`` may write it."""
+        if operator(uid):
+            return None
+        owner = await self.owner(job)
+        return owner if owner is not None and owner != uid else None

@@ -1,0 +1,189 @@
+"""A second uid cannot take over a job the node no longer tracks.
+
+Found attacking the daemon as a second user: with the default ``limits.max_jobs`` (1000), a
+user who began and aborted 1000 jobs of their own (2-4 s) made the node forget another user's
+idle committed job, and its owner with it. The second user could then read the job's newest
+step and its shards through the daemon (``latest``, ``fetch`` from the destination, read with
+the daemon's rights), commit steps above the owner's (``LATEST`` moved to theirs), and their
+retention deleted the owner's committed generations. The same held on any node that never ran
+the job (a fresh node, another node of the cluster).
+
+Now the owner is also read from the destination (the part records of the job's newest commit
+name it): a job the node does not track is refused to another uid at ``begin``, ``latest`` and
+``fetch``; every commit checks it again; and making room under ``limits.max_jobs`` forgets the
+asking user's own idle jobs first.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.client import Client, GenerationFailed, PermissionDenied
+from tests.conftest import DaemonProcess
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="dropping to another uid needs root (CI runs as root)")
+VICTIM = 65533
+HOSTILE = 65534
+ACCESS = {"CKPTDRAIN_ACCESS__SOCKET_MODE": "0666",
+          "CKPTDRAIN_ACCESS__ALLOWED_UIDS": f"[{VICTIM}, {HOSTILE}]"}
+
+
+def start_as(uid: int, fn: Callable[[], str]) -> tuple[int, int]:
+    """``fn()`` in a forked child running as ``uid`` (the kernel reports that uid to the
+    daemon); returns (pid, fd to read its answer from) at once."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                out = fn()
+            except PermissionDenied as exc:
+                out = f"DENIED {exc}"
+            except GenerationFailed as exc:
+                out = f"FAILED {exc}"
+            except BaseException:
+                out = "ERROR " + traceback.format_exc()
+            os.write(w, out.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+def answer(child: tuple[int, int]) -> str:
+    pid, r = child
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def run_as(uid: int, fn: Callable[[], str]) -> str:
+    return answer(start_as(uid, fn))
+
+
+def save(d: DaemonProcess, job: str, step: int, data: bytes) -> str:
+    with Client(d.socket_path, timeout_s=20) as c:
+        with c.generation(job, step, rank=0, world_size=1) as gen:
+            gen.put("w.bin", data)
+        c.wait(job, step, timeout_s=30)
+    return "SAVED"
+
+
+def latest(d: DaemonProcess, job: str) -> str:
+    return f"LATEST {Client(d.socket_path, timeout_s=20).latest(job)}"
+
+
+def fetch(d: DaemonProcess, job: str, step: int, into: Path) -> str:
+    fd = os.open(into, os.O_WRONLY | os.O_TRUNC)
+    try:
+        Client(d.socket_path, timeout_s=20).fetch_from_destination(job, step, "w.bin", fd)
+    finally:
+        os.close(fd)
+    return "FETCHED"
+
+
+def begin_and_abort(d: DaemonProcess, jobs: list[str]) -> str:
+    with Client(d.socket_path, timeout_s=20) as c:
+        for job in jobs:
+            with c.generation(job, 1, rank=0, world_size=1) as gen:
+                gen.abort("evicting")
+    return "ABORTED"
+
+
+def open_to_all(*daemons: DaemonProcess) -> None:
+    for d in daemons:
+        os.chmod(d.socket_path.parent, 0o755)
+
+
+def writable_by_all(d: DaemonProcess) -> Path:
+    """An empty file the other users may write, for a fetch to fill."""
+    into = d.socket_path.parent / "stolen.bin"
+    into.touch()
+    os.chmod(into, 0o666)
+    return into
+
+
+def test_a_user_filling_max_jobs_forgets_their_own_jobs_not_another_users(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_JOBS="4", **ACCESS)
+    open_to_all(d)
+    assert run_as(VICTIM, lambda: save(d, "llama", 1, b"victim-data")) == "SAVED"
+    # Twice the cap of the hostile's own jobs, begun and aborted.
+    out = run_as(HOSTILE, lambda: begin_and_abort(d, [f"h{i}" for i in range(8)]))
+    assert out == "ABORTED", out
+    owners = {g["job"]: g.get("uid") for g in d.client().status()["generations"]}
+    assert owners.get("llama") == VICTIM, owners  # still tracked, with its owner
+    into = writable_by_all(d)
+    for attempt in (lambda: latest(d, "llama"), lambda: fetch(d, "llama", 1, into),
+                    lambda: save(d, "llama", 2, b"poison")):
+        out = run_as(HOSTILE, attempt)
+        assert out.startswith("DENIED") and "belongs to another user" in out, out
+    assert into.read_bytes() == b""
+    assert Client(d.socket_path).latest("llama") == 1
+
+
+def test_a_node_that_never_ran_a_job_refuses_it_to_another_user(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    open_to_all(node_a)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    # Another node, on the same destination: it never knew the job or its owner (so also a
+    # node that forgot it after forget_after_s, or lost its journal).
+    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
+    open_to_all(node_a, node_b)
+    into = writable_by_all(node_b)
+    for attempt in (lambda: latest(node_b, "llama"), lambda: fetch(node_b, "llama", 1, into),
+                    lambda: save(node_b, "llama", 2, b"poison")):
+        out = run_as(HOSTILE, attempt)
+        assert out.startswith("DENIED") and "belongs to another user" in out, out
+        assert "65533" not in out  # the other user is not named
+    assert into.read_bytes() == b""
+    # The owner itself, and root, are served there.
+    assert run_as(VICTIM, lambda: latest(node_b, "llama")) == "LATEST 1"
+    assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
+    assert node_b.client().latest("llama") == 2
+
+
+def test_a_commit_is_refused_when_the_job_has_become_another_users(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # The begin's check found no owner (the job had no commit yet; a destination that did
+    # not answer at the begin goes the same way): the commit checks again.
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
+    open_to_all(node_a, node_b)
+    go = node_b.socket_path.parent / "go"  # the hostile child only looks for it
+
+    def hostile() -> str:
+        with Client(node_b.socket_path, timeout_s=20) as c:
+            with c.generation("llama", 9, rank=0, world_size=1) as gen:
+                gen.put("w.bin", b"poison")
+                deadline = time.monotonic() + 60
+                while not go.exists():  # sealed only once the owner has committed
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+            c.wait("llama", 9, timeout_s=30)
+        return "COMMITTED"
+
+    child = start_as(HOSTILE, hostile)
+    deadline = time.monotonic() + 30
+    while not any(g["job"] == "llama" for g in node_b.client().status()["generations"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    go.touch()
+    out = answer(child)
+    assert out.startswith("FAILED") and "belongs to uid 65533" in out, out
+    assert node_a.client().latest("llama") == 1
+    assert not (node_a.dest / "llama" / f"{9:020d}" / "MANIFEST.json").exists()
