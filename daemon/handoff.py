@@ -153,7 +153,7 @@ class Handoffs:
             receiving = True
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
             room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, h.uid)
-            yielding.enter_context(d.scheduler.handoff())
+            yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
             # files of a batch one after the other, their directory once.

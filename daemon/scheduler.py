@@ -17,7 +17,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptdrain.client.manifest import generation_prefix, shard_key
@@ -31,6 +31,7 @@ from ckptdrain.daemon.publisher import Publisher
 from ckptdrain.daemon.ratelimit import TokenBucket
 from ckptdrain.daemon.reads import identity
 from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
+from ckptdrain.daemon.yielding import HandoffYield
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
@@ -81,11 +82,7 @@ class Scheduler:
         self._error_log = OncePerCause(60.0)
         self._pacer_changed = asyncio.Event()
         self.pacer = TokenBucket(config.drain.max_bandwidth_bytes_per_s)
-        # Hand-offs in flight (handoff()); set while there are none.
-        self._handoffs = 0
-        self._handoffs_clear = asyncio.Event()
-        self._handoffs_clear.set()
-        self.yielded = 0  # drain ranges that waited for hand-offs (status, tests)
+        self.yielding = HandoffYield()  # hand-offs in flight, which pace() waits for
         # Copies in flight, by shard id, each in a cancel scope: ending its generation cancels
         # just that copy (an S3 upload then waits for its in-flight parts and aborts itself).
         self._inflight: dict[int, asyncio.Timeout] = {}
@@ -200,19 +197,6 @@ class Scheduler:
                 # Given up half-way (its generation ended): staged again, so a retry sends it.
                 await self.ledger.apply(shard, ShardEvent.DRAIN_GAVE_UP, persist=False)
 
-    @contextlib.contextmanager
-    def handoff(self) -> Iterator[None]:
-        """Around a hand-off a rank waits on: while any is in flight, :meth:`pace` holds new
-        drain ranges back (``drain.yield_to_handoffs_s``)."""
-        self._handoffs += 1
-        self._handoffs_clear.clear()
-        try:
-            yield
-        finally:
-            self._handoffs -= 1
-            if self._handoffs == 0:
-                self._handoffs_clear.set()
-
     async def _drain_batch(self, gen: GenerationRecord, shards: list[ShardRecord]) -> None:
         """Copy many small shards of ``gen`` in one backend call (one thread job, shared
         fsyncs on POSIX), journal them drained together (the journal batches the rows), and
@@ -296,14 +280,9 @@ class Scheduler:
     async def pace(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more may be sent (``drain.max_bandwidth_bytes_per_s``); the
         backends call it as bytes move (per part, per copied range), so a large shard is paced
-        as evenly as many small ones. While hand-offs are in flight it first waits for them to
-        end, up to ``drain.yield_to_handoffs_s``."""
-        wait_s = self.config.drain.yield_to_handoffs_s
-        if self._handoffs and wait_s > 0:
-            self.yielded += 1
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await self._handoffs_clear.wait()
+        as evenly as many small ones. While hand-offs that move are in flight it first waits
+        for them to end, up to ``drain.yield_to_handoffs_s`` (yielding.py)."""
+        await self.yielding.wait(self.config.drain.yield_to_handoffs_s)
         delay = self.pacer.reserve(nbytes, time.monotonic())
         if delay:
             # A reload that changes the rate wakes the wait early (set_bandwidth).

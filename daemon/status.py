@@ -100,7 +100,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         "staging_free_inodes": free_inodes,
         "drain_rate_bytes_per_s": round(d.scheduler.drain_rate_bytes_per_s(), 1),
         # Drain ranges and parts that waited for hand-offs in flight (drain.yield_to_handoffs_s).
-        "drain_yields": d.scheduler.yielded,
+        "drain_yields": d.scheduler.yielding.yielded,
         "blocked_handoffs": a.waiting,
         "oldest_undrained_age_s": oldest,
         # What blocked hand-offs wait for: hand-offs waiting per limit.
