@@ -28,7 +28,7 @@ from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd, writable
 from ckptdrain.daemon.errors import DaemonError, RequestError
 from ckptdrain.daemon.ledger import GenerationRecord
-from ckptdrain.daemon.logs import OncePerCause, log_event
+from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -47,18 +47,6 @@ log = logging.getLogger("ckptdrain.connection")
 ACK_STRENGTH = {"memory": 0, "local": 1}
 # Requests that are not hand-offs: a stop does not wait for them.
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
-# A client's own errors (malformed frames, refused requests, hang-ups) log through one bucket
-# per uid: the first CLIENT_LOG_BURST lines, then one a second, each line saying how many
-# were held back (the metric counts them all). One looping or hostile client otherwise
-# wrote about 1000 lines a second, and journald's per-unit rate limit drops the daemon's
-# own lines along with the flood.
-CLIENT_LOG_BURST = 20
-CLIENT_LOG_INTERVAL_S = 1.0
-
-
-def client_log() -> OncePerCause:
-    """The daemon's one bucket for clients' errors (see CLIENT_LOG_BURST)."""
-    return OncePerCause(CLIENT_LOG_INTERVAL_S, burst=CLIENT_LOG_BURST)
 
 
 class ClientHandler:

@@ -36,6 +36,7 @@ __all__ = [
     "OncePerCause",
     "format_fields",
     "log_event",
+    "per_user",
     "setup_logging",
 ]
 
@@ -284,6 +285,20 @@ def setup_logging(
     _installed = handler
     for name in _CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(max(levelno, logging.INFO))
+
+
+# What a user's own doing logs (a client's malformed frames, refused requests and hang-ups; a
+# generation its job aborted) goes through one bucket per uid: the first USER_LOG_BURST lines,
+# then one a second, each saying how many were held back. One looping or hostile client
+# otherwise wrote about 1000 lines a second, and journald's per-unit rate limit then drops
+# the daemon's own lines along with the flood.
+USER_LOG_BURST = 20
+USER_LOG_INTERVAL_S = 1.0
+
+
+def per_user() -> OncePerCause:
+    """A bucket for lines a user's own doing causes (see USER_LOG_BURST), keyed by uid."""
+    return OncePerCause(USER_LOG_INTERVAL_S, burst=USER_LOG_BURST)
 
 
 @dataclass

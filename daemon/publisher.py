@@ -39,7 +39,8 @@ from ckptdrain.daemon.commit import CommitOutcome, Committer, parse_latest
 from ckptdrain.daemon.latest import PART_ENTRY_BYTES, off_loop_if_large, parse_part
 from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecord
 from ckptdrain.daemon.locks import KeyedLocks
-from ckptdrain.daemon.logs import OncePerCause, log_event
+from ckptdrain.daemon.logs import OncePerCause, log_event, per_user
+from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
 from ckptdrain.daemon.state import GenerationEvent, GenerationState, RankEvent, RankState
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class Publisher:
         self._missing: dict[GenKey, list[int]] = {}
         # An unreachable destination fails every poll alike: one line per cause a minute.
         self._error_log = OncePerCause(60.0)
+        self._user_log = per_user()
 
     def poke(self) -> None:
         """Poll the generations waiting on other nodes now, not at the next interval."""
@@ -169,8 +171,17 @@ class Publisher:
                 if state is _G.FAILED:
                     self.submit(f"failure-record {gen.job} {gen.step}",
                                 lambda: self._record_failure(gen))
-                log_event(log, logging.ERROR if state is _G.FAILED else logging.WARNING,
-                          f"generation_{state}", job=gen.job, step=gen.step, reason=reason)
+                if kind in FAILURE_REASONS_USER:
+                    # The job's own doing (it aborted, or a new attempt replaced it): a
+                    # warning, and per owner bounded (a user beginning and aborting jobs in a
+                    # loop wrote about 330 lines a second, 1000-character reasons included).
+                    owner = self.ledger.jobs.get(gen.job)
+                    self._user_log.log_event(log, logging.WARNING, f"generation_{state}",
+                                             cause=f"uid {owner}", job=gen.job, step=gen.step,
+                                             reason=reason)
+                else:
+                    log_event(log, logging.ERROR if state is _G.FAILED else logging.WARNING,
+                              f"generation_{state}", job=gen.job, step=gen.step, reason=reason)
 
     # -- advance: part record, coverage, publish ----------------------------------------------
     async def advance(self, gen: GenerationRecord) -> None:
@@ -427,6 +438,10 @@ class Publisher:
             failed = [r for r in gen.ranks if r not in recorded]
             if not failed:
                 return  # it failed at the commit itself; the other nodes see the same
+            if len(gen.ranks) >= gen.world_size:
+                # Every rank began here: no other node waits on this generation, and the
+                # destination is spared a record per aborted generation.
+                return
             part = await self._part(gen, recorded, failed, gen.error or "failed on this node")
             key = part_key(gen.job, gen.step, part.node)
             try:

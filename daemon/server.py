@@ -24,7 +24,7 @@ from typing import Any
 
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError
-from ckptdrain.daemon import __version__, maintenance, owners, startup
+from ckptdrain.daemon import __version__, logs, maintenance, owners, startup
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.admission import Admission
@@ -32,7 +32,7 @@ from ckptdrain.daemon.backends.base import BackendError, open_backend
 from ckptdrain.daemon.budget import Budget
 from ckptdrain.daemon.commit import Committer, StepUnusable
 from ckptdrain.daemon.config import Config
-from ckptdrain.daemon.connection import ClientHandler, client_log
+from ckptdrain.daemon.connection import ClientHandler
 from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane, io_threads
 from ckptdrain.daemon.errors import RequestError, StartupError
@@ -91,7 +91,7 @@ class Daemon:
         self.acknowledge = GroupCommit(self.journal, before=self.staging.fsync_dir)
         self.ledger = Ledger(self.journal, acknowledge=self.acknowledge)
         self.metrics = Metrics(config.node_id, __version__)
-        self.client_log = client_log()
+        self.client_log = logs.per_user()  # clients' errors, per uid
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)

@@ -4,7 +4,7 @@ Found with the ``hostile`` benchmark's fuzzers: one process sending malformed fr
 daemon write about 1000 log lines a second (175 KB/s), one per frame. Under systemd, journald
 rate-limits a unit as a whole (10000 lines in 30 s by default) and then drops its lines, the
 daemon's own warnings with the flood. Now a client's errors log through one bucket per uid
-(the first ``CLIENT_LOG_BURST`` lines, then one a second, each saying how many were held back),
+(the first ``USER_LOG_BURST`` lines, then one a second, each saying how many were held back),
 and ``ckptdrain_client_errors_total`` counts every one of them.
 """
 
@@ -18,7 +18,7 @@ import time
 import urllib.request
 
 from ckptdrain.client import wire
-from ckptdrain.daemon.connection import CLIENT_LOG_BURST, CLIENT_LOG_INTERVAL_S
+from ckptdrain.daemon.logs import USER_LOG_BURST, USER_LOG_INTERVAL_S
 from tests.conftest import DaemonProcess
 
 EVENTS = ("client_protocol_error", "request_refused", "client_dropped")
@@ -85,7 +85,7 @@ def test_a_flood_of_malformed_frames_is_counted_but_not_all_logged(daemon: Daemo
     assert refused == 100
     lines = _logged(daemon)
     # The burst, then one a second: the code before logged all 400.
-    allowed = CLIENT_LOG_BURST + int(elapsed / CLIENT_LOG_INTERVAL_S) + 1
+    allowed = USER_LOG_BURST + int(elapsed / USER_LOG_INTERVAL_S) + 1
     assert 0 < len(lines) <= allowed, (len(lines), allowed)
 
     # The next line logged says how many were held back since the last one.
@@ -102,3 +102,24 @@ def test_a_flood_of_malformed_frames_is_counted_but_not_all_logged(daemon: Daemo
     with daemon.client().generation("after-flood", 1) as gen:
         gen.put("a.bin", b"x" * 1000)
     daemon.client().wait("after-flood", 1, timeout_s=30)
+
+
+def test_a_user_beginning_and_aborting_jobs_in_a_loop_floods_neither_log_nor_destination(
+        daemon: DaemonProcess) -> None:
+    # Found attacking the daemon as a second user: each begin + abort wrote an error line
+    # (with the client's 1000-character reason) and a failure record at the destination, for
+    # a generation no other node waited on: about 330 lines a second, and 4350 files in
+    # one run.
+    started = time.monotonic()
+    with daemon.client() as c:
+        for i in range(200):
+            with c.generation(f"churn-{i}", 1, rank=0, world_size=1) as gen:
+                gen.abort("x" * 1000)
+    elapsed = time.monotonic() - started
+    failed = [line for line in daemon.log().splitlines() if "event=generation_failed " in line]
+    assert 0 < len(failed) <= USER_LOG_BURST + int(elapsed / USER_LOG_INTERVAL_S) + 1
+    assert all("level=warning" in line for line in failed), failed[:2]
+    assert not [p for p in daemon.dest.rglob("*") if p.is_file()]
+    statuses = {g["state"] for g in daemon.client().status()["generations"]
+                if g["job"].startswith("churn-")}
+    assert statuses == {"failed"}

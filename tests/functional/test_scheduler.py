@@ -186,10 +186,11 @@ async def test_a_paced_drain_cancelled_as_its_wait_ends_is_cancelled() -> None:
     from types import SimpleNamespace
 
     from ckptdrain.daemon.ratelimit import TokenBucket
+    from ckptdrain.daemon.yielding import HandoffYield
 
     cancelled_pending = 0
     for turns in range(8):
-        drain = SimpleNamespace(config=Config(), _handoffs=0, yielded=0,
+        drain = SimpleNamespace(config=Config(), yielding=HandoffYield(),
                                 pacer=TokenBucket(1), _pacer_changed=asyncio.Event())
         paced = asyncio.create_task(Scheduler.pace(drain, 10**9))  # type: ignore[arg-type]
         await asyncio.sleep(0)

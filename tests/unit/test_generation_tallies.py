@@ -238,6 +238,7 @@ def _daemon(ledger: Ledger) -> SimpleNamespace:
         metrics_address=None, staging_free=(0, 0), copies=SimpleNamespace(kept_bytes=0),
         admission=SimpleNamespace(staged=budget, memory=budget, shards=budget, waiting=0,
                                   slots_waiting=0),
-        scheduler=SimpleNamespace(drain_rate_bytes_per_s=lambda: 0.0, yielded=0),
+        scheduler=SimpleNamespace(drain_rate_bytes_per_s=lambda: 0.0,
+                                  yielding=SimpleNamespace(yielded=0)),
         dataplane=SimpleNamespace(threads=1, busy=0, stuck=0), draining=0,
         journal=SimpleNamespace(open_uploads={}), metrics=metrics)
