@@ -185,7 +185,8 @@ class Listener:
                                      cause="peercred", error=str(exc))
             return None
         if not access.allowed(peer, self._access()):
-            self._refusals.log_event(log, logging.WARNING, "client_refused", cause="not_allowed",
+            self._refusals.log_event(log, logging.WARNING, "client_refused",
+                                     cause=f"not_allowed {peer.uid}",
                                      uid=peer.uid, reason="not in [access] allowed_uids / allowed_gids")
             refuse(conn, wire.PERMISSION_DENIED, access.refusal(peer))
             return None
@@ -198,8 +199,10 @@ class Listener:
         else:
             return peer
         self._metrics.backpressure("rejected", limit)
-        self._refusals.log_event(log, logging.INFO, "client_refused", cause=limit, uid=peer.uid,
-                                 reason=limit)
+        # One cause per limit and uid: a user knocking at their own cap does not hide that
+        # another user met one.
+        self._refusals.log_event(log, logging.INFO, "client_refused", cause=f"{limit} {peer.uid}",
+                                 uid=peer.uid, reason=limit)
         refuse(conn, wire.BACKPRESSURE, f"backpressure: the daemon already serves {value} "
                f"{what} (limits.{limit}); close idle connections or retry in a moment",
                {"limit": limit, "limit_value": value, "retry_after_s": 1.0})

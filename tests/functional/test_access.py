@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import Client, GenerationFailed, PermissionDenied
+from ckptdrain.client import Backpressure, Client, GenerationFailed, PermissionDenied
 from tests.conftest import DaemonProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -137,3 +137,33 @@ def test_a_backpressure_error_names_no_other_users_shards(make_daemon) -> None: 
 
         out = run_as(fill)
     assert "backpressure" in out and "root-secret" not in out, out
+
+
+def test_one_users_refusals_do_not_hide_anothers(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the daemon as a second user: refusals at a limit were logged once a
+    # minute per limit, whoever met it, so a user knocking at their own max_clients_per_uid
+    # hid that another user met it too.
+    second = OTHER_UID - 1
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}, {second}]",
+                                   CKPTDRAIN_LIMITS__MAX_CLIENTS_PER_UID="1")
+    open_to_all(d)
+
+    def over_the_cap() -> str:
+        held = Client(d.socket_path, timeout_s=20)
+        held.status()  # one connection, kept in the client's pool
+        try:
+            Client(d.socket_path, timeout_s=20).status()
+        except Backpressure as exc:
+            return f"REFUSED {exc}"
+        finally:
+            held.close()
+        return "SERVED"
+
+    for uid in (OTHER_UID, OTHER_UID, second):
+        out = run_as(over_the_cap, uid=uid, gid=uid)
+        assert out.startswith("REFUSED") and "max_clients_per_uid" in out, out
+    refused = [line for line in d.log().splitlines() if "event=client_refused" in line]
+    assert any(f"uid={OTHER_UID}" in line for line in refused), refused
+    assert any(f"uid={second}" in line for line in refused), refused
+    assert len(refused) == 2, refused  # the first user's second refusal is held back
