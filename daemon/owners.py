@@ -19,9 +19,8 @@ import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from ckptdrain.client.manifest import ManifestError, part_key
-from ckptdrain.daemon import catalog
-from ckptdrain.daemon.latest import parse_part
+from ckptdrain.client.manifest import Manifest, ManifestError, part_key
+from ckptdrain.daemon.latest import newest_committed, parse_part, read_latest
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.commit import Committer
@@ -63,12 +62,15 @@ class DestinationOwners:
             self._known.move_to_end(job)
             return known
         backend = self._committer.backend
-        step = await catalog.latest(backend, job)
-        if step is None:
-            return None
-        manifest = await self._committer.committed(job, step)
-        if manifest is None:
-            return None  # removed since (retention): nobody to ask
+        # catalog.latest's steps, with the manifests read through the committer's cache (a
+        # large one is parsed once, not once to find the step and again for its nodes).
+        hinted = await read_latest(backend, job)
+        floor = hinted if hinted is not None and await self._committed(job, hinted) else None
+        newer = await newest_committed(backend, job, above=-1 if floor is None else floor)
+        step = newer if newer is not None else floor
+        manifest = None if step is None else await self._committed(job, step)
+        if step is None or manifest is None:
+            return None  # no commit (or removed since by retention): nobody to ask
         for node in sorted(manifest.nodes):
             data = await backend.get_bytes(part_key(job, step, node))
             if data is None:
@@ -81,6 +83,13 @@ class DestinationOwners:
                 self.remember(job, part.owner_uid)
                 return part.owner_uid
         return None
+
+    async def _committed(self, job: str, step: int) -> Manifest | None:
+        """The manifest of a commit, None for a damaged one (catalog.latest skips it too)."""
+        try:
+            return await self._committer.committed(job, step)
+        except ManifestError:
+            return None
 
     async def someone_else(self, job: str, uid: int) -> int | None:
         """The owner of ``job`` at the destination when it is neither ``uid`` nor one that

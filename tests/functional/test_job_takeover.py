@@ -187,3 +187,15 @@ def test_a_commit_is_refused_when_the_job_has_become_another_users(
     assert out.startswith("FAILED") and "belongs to uid 65533" in out, out
     assert node_a.client().latest("llama") == 1
     assert not (node_a.dest / "llama" / f"{9:020d}" / "MANIFEST.json").exists()
+
+
+def test_a_damaged_newest_manifest_does_not_stop_the_jobs_commits(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # The owner lookup reads the newest commit's manifest: a damaged one is skipped, as
+    # catalog.latest skips it, instead of failing every later commit of the job.
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
+    open_to_all(node_a, node_b)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    (node_a.dest / "llama" / f"{1:020d}" / "MANIFEST.json").write_bytes(b"{not json")
+    assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
+    assert node_b.client().latest("llama") == 2
