@@ -240,6 +240,8 @@ class ClientHandler:
             await self.abort_rank(gen, rank, f"the client aborted: {f['reason']}")
             return {}
         if kind in ("wait", "latest"):
+            # A node that does not track the job still answers from the destination.
+            await self.check_destination_owner(f["job"])
             self.check_job_visible(f["job"])
         if kind == "wait":
             # A waiter that hangs up ends its wait: it must not keep its slot till the timeout.
@@ -290,7 +292,6 @@ class ClientHandler:
         raise RequestError(wire.BAD_REQUEST, f"{kind!r} is not a request a client may send")
 
     async def _latest(self, job: str) -> dict[str, Any]:
-        await self.check_destination_owner(job)
         try:
             step = await catalog.latest(self.d.backend, job)
         except (BackendError, ManifestError, OSError) as exc:
@@ -306,11 +307,28 @@ class ClientHandler:
             raise RequestError(wire.PERMISSION_DENIED, f"job {job!r} belongs to another user; "
                                f"uid {self.uid} may not see it")
 
-    async def check_destination_owner(self, job: str) -> None:
-        """A job this node does not track is read for a peer only when its commits at the
-        destination name no other owner (owners.py): the daemon reads with its own rights."""
+    async def settle_owner(self, job: str, *, reading: bool) -> None:
+        """Before the ledger's owner of ``job`` is trusted: settled with the destination if
+        it was recorded without its word (Daemon.settle_owner). A write goes on when the
+        destination cannot answer now (the commit checks); a read fails."""
         d = self.d
-        if job in d.ledger.jobs or self.peer.operator or not d.config.access.check_destination_owner:
+        if self.peer.operator or not d.config.access.check_destination_owner:
+            return
+        try:
+            await d.settle_owner(job)
+        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
+            if reading:
+                raise destination_error(job, None, exc) from None
+
+    async def check_destination_owner(self, job: str) -> None:
+        """A job this node does not track (or tracks unverified) is read for a peer only when
+        its commits at the destination name no other owner (owners.py): the daemon reads
+        with its own rights."""
+        d = self.d
+        if self.peer.operator or not d.config.access.check_destination_owner:
+            return
+        await self.settle_owner(job, reading=True)
+        if job in d.ledger.jobs:
             return
         try:
             owner = await d.committer.owners.someone_else(job, self.uid)
@@ -382,6 +400,7 @@ class ClientHandler:
             raise RequestError(wire.BAD_REQUEST, f"world_size {world_size} is over this daemon's "
                                f"limits.max_world_size ({max_world_size}); ask the operator to "
                                "raise it")
+        await self.settle_owner(job, reading=False)
         self.check_job_owner(job)
         effective: str = self.d.config.ack
         if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:

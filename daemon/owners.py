@@ -43,6 +43,10 @@ class DestinationOwners:
     def __init__(self, committer: Committer) -> None:
         self._committer = committer
         self._known: OrderedDict[str, int] = OrderedDict()
+        # Jobs this node tracks whose owner it recorded without the destination's word (a
+        # begin whose lookup failed goes on): every use asks again until one answers
+        # (Daemon.settle_owner). At most the jobs the node tracks (limits.max_jobs).
+        self.unverified: set[str] = set()
 
     def remember(self, job: str, uid: int | None) -> None:
         """``uid`` committed ``job``: it owns it at the destination now."""

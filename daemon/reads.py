@@ -106,8 +106,8 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
     from ckptdrain.daemon.connection import destination_error
 
     d = h.d
-    h.check_job_owner(job)
     await h.check_destination_owner(job)
+    h.check_job_owner(job)
     try:
         committed = await d.committer.committed_shards(job, step)
         if committed is None:

@@ -298,8 +298,9 @@ class Daemon:
             if gen is not None:
                 self.expiry.touch(job)
                 return gen
+            verified = True
             if job not in self.ledger.jobs:
-                await self._refuse_if_owned_elsewhere(job, uid)
+                verified = await self._refuse_if_owned_elsewhere(job, uid)
             self.admission.check_uid_generations(self.ledger.jobs.get(job, uid))
             await self.expiry.make_room_for(job, uid)
             slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
@@ -309,23 +310,48 @@ class Daemon:
                 slot.release()
                 raise
             self.admission.hold_generation(gen, slot)
+            if not verified and self.ledger.jobs.get(job) == uid:
+                self.committer.owners.unverified.add(job)
             return gen
 
-    async def _refuse_if_owned_elsewhere(self, job: str, uid: int) -> None:
+    async def _refuse_if_owned_elsewhere(self, job: str, uid: int) -> bool:
         """Refuse a job this node does not track whose commits at the destination name
-        another owner (owners.py). The commit checks again: when the destination cannot
-        answer now, the begin goes on."""
+        another owner (owners.py). When the destination cannot answer now, the begin goes
+        on unverified (False): every later use of the job asks again (settle_owner), and
+        the commit checks too."""
         if not self.config.access.check_destination_owner:
-            return
+            return True
         try:
             async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
                 owner = await self.committer.owners.someone_else(job, uid)
         except (BackendError, ManifestError, OSError, TimeoutError) as exc:
             log_event(log, logging.WARNING, "owner_check_failed", job=job, uid=uid,
                       error=str(exc) or type(exc).__name__)
-            return
+            return False
         if owner is not None:
             raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, uid))
+        return True
+
+    async def settle_owner(self, job: str) -> None:
+        """For a job whose owner here is unverified (owners.unverified): ask the destination.
+        When it names nobody or the recorded owner, the record stands. When it names another
+        uid, the record was a squat made while the destination could not answer: the
+        recorded owner's generations of the job end (conflict) and the node forgets the job,
+        so its owner begins it afresh. Raises what the destination raises."""
+        found = self.committer.owners
+        if job not in found.unverified:
+            return
+        async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+            owner = await found.owner(job)
+        recorded = self.ledger.jobs.get(job)
+        if owner is not None and recorded is not None and owner != recorded \
+                and not owners.operator(recorded):
+            for gen in [g for g in self.ledger.generations.values()
+                        if g.job == job and not g.terminal]:
+                await self.fail(gen, f"job {job!r} belongs to another user at the "
+                                "destination; save under another job name", kind="conflict")
+            await self.expiry.forget_jobs([job])
+        found.unverified.discard(job)
 
     async def _refuse_if_committed(self, job: str, step: int) -> None:
         """Refuse a step another node already committed: nothing may overwrite it."""

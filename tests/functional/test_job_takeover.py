@@ -199,3 +199,54 @@ def test_a_damaged_newest_manifest_does_not_stop_the_jobs_commits(make_daemon) -
     (node_a.dest / "llama" / f"{1:020d}" / "MANIFEST.json").write_bytes(b"{not json")
     assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
     assert node_b.client().latest("llama") == 2
+
+
+def wait_for_step(d: DaemonProcess, job: str, step: int) -> str:
+    return f"WAITED {Client(d.socket_path, timeout_s=20).wait(job, step, timeout_s=5)}"
+
+
+def test_a_begin_the_destination_could_not_check_grants_nothing(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the fix: when the owner lookup failed at the begin (the begin goes on,
+    # so a save survives a destination blip), the node recorded the second uid as the job's
+    # owner and then served it the owner's newest step and shards, and refused the owner.
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
+    open_to_all(node_a, node_b)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    record = node_a.dest / "llama" / f"{1:020d}" / "_parts" / "node-a.json"
+    kept = record.read_bytes()
+    with open(record, "r+b") as f:  # sparse, over the limit of a read: node b cannot tell
+        f.truncate(65 << 20)       # the owner now
+
+    def squat() -> str:
+        with Client(node_b.socket_path, timeout_s=20) as c:
+            with c.generation("llama", 7, rank=0, world_size=1) as gen:
+                gen.put("w.bin", b"poison")
+        return "BEGUN"
+
+    assert run_as(HOSTILE, squat) == "BEGUN"
+    assert "event=owner_check_failed" in node_b.log()
+    record.write_bytes(kept)
+    into = writable_by_all(node_b)
+    for attempt in (lambda: latest(node_b, "llama"), lambda: fetch(node_b, "llama", 1, into),
+                    lambda: wait_for_step(node_b, "llama", 1)):
+        out = run_as(HOSTILE, attempt)
+        assert out.startswith("DENIED") and "belongs to another user" in out, out
+    assert into.read_bytes() == b""
+    # The owner is served on node b again, and the squatter's step never commits.
+    assert run_as(VICTIM, lambda: latest(node_b, "llama")) == "LATEST 1"
+    assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
+    assert node_a.client().latest("llama") == 2
+    assert not (node_a.dest / "llama" / f"{7:020d}" / "MANIFEST.json").exists()
+
+
+def test_wait_tells_another_user_nothing_of_a_job_the_node_does_not_track(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the fix: `latest` was refused, but `wait` on each step answered
+    # whether it was committed.
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
+    open_to_all(node_a, node_b)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    out = run_as(HOSTILE, lambda: wait_for_step(node_b, "llama", 1))
+    assert out.startswith("DENIED") and "belongs to another user" in out, out
+    assert run_as(VICTIM, lambda: wait_for_step(node_b, "llama", 1)).startswith("WAITED")
