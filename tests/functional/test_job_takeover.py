@@ -219,9 +219,9 @@ def test_a_begin_the_destination_could_not_check_grants_nothing(make_daemon) -> 
         f.truncate(65 << 20)       # the owner now
 
     def squat() -> str:
-        with Client(node_b.socket_path, timeout_s=20) as c:
-            with c.generation("llama", 7, rank=0, world_size=1) as gen:
-                gen.put("w.bin", b"poison")
+        with Client(node_b.socket_path, timeout_s=20) as c, \
+                c.generation("llama", 7, rank=0, world_size=1) as gen:
+            gen.put("w.bin", b"poison")
         return "BEGUN"
 
     assert run_as(HOSTILE, squat) == "BEGUN"
