@@ -237,6 +237,8 @@ class Publisher:
             if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False  # ended meanwhile: its failure record says so, not this one
             try:
+                if await self.ended_if_foreign(gen):
+                    return False
                 await self._with_retries(lambda: self.committer.record_part(part))
             except BackendError as exc:
                 await self.end(gen, f"could not write this node's part record: {exc}",
@@ -308,18 +310,31 @@ class Publisher:
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
 
+    async def ended_if_foreign(self, gen: GenerationRecord, *, again: bool = False) -> bool:
+        """End ``gen`` (conflict) when the destination names another owner of its job than
+        this node's (owners.py): nothing of it may be written there. Asked before its first
+        write (a shard, a part record) and, with ``again``, at its commit. A destination error
+        is raised (BackendError) after the usual retries."""
+        owner = self.ledger.jobs.get(gen.job)
+        if (owner is None or not self.config.access.check_destination_owner
+                or (gen.owner_checked and not again)):
+            return False
+        theirs = await self._with_retries(
+            lambda: self.committer.owners.someone_else(gen.job, owner))
+        if theirs is None:
+            gen.owner_checked = True
+            return False
+        await self.end(gen, f"job {gen.job!r} at the destination belongs to uid {theirs} (its "
+                       f"newest committed generation), not to uid {owner} who saved this step; "
+                       "nothing was written there: save under another job name",
+                       kind="conflict")
+        return True
+
     async def _try_publish(self, gen: GenerationRecord) -> None:
         owner = self.ledger.jobs.get(gen.job)
         try:
-            if owner is not None and self.config.access.check_destination_owner:
-                theirs = await self._with_retries(
-                    lambda: self.committer.owners.someone_else(gen.job, owner))
-                if theirs is not None:
-                    await self.end(gen, f"job {gen.job!r} at the destination belongs to uid "
-                                   f"{theirs} (its newest committed generation), not to uid "
-                                   f"{owner} who saved this step; nothing was published: "
-                                   "save under another job name", kind="conflict")
-                    return
+            if await self.ended_if_foreign(gen, again=True):
+                return
             result = await self._with_retries(lambda: self.committer.try_publish(
                 gen.job, gen.step, gen.world_size, gen.attempt))
         except BackendError as exc:
@@ -442,6 +457,13 @@ class Publisher:
                 # Every rank began here: no other node waits on this generation, and the
                 # destination is spared a record per aborted generation.
                 return
+            owner = self.ledger.jobs.get(gen.job)
+            if owner is not None and self.config.access.check_destination_owner:
+                try:
+                    if await self.committer.owners.someone_else(gen.job, owner) is not None:
+                        return  # another user's job: none of this node's business there
+                except (BackendError, ManifestError):
+                    pass  # cannot tell now: the record below is retried as before
             part = await self._part(gen, recorded, failed, gen.error or "failed on this node")
             key = part_key(gen.job, gen.step, part.node)
             try:

@@ -108,6 +108,8 @@ class GenerationRecord:
         default_factory=collections.Counter)
     open_shards: dict[int, ShardRecord] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The destination named no other owner of the job before the first write (owners.py).
+    owner_checked: bool = False
 
     @property
     def key(self) -> GenKey:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ckptdrain.client.manifest import generation_prefix, shard_key
+from ckptdrain.client.manifest import ManifestError, generation_prefix, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.drainqueue import FairQueue
@@ -171,6 +171,8 @@ class Scheduler:
             # The failure boundary of a drain: whatever goes wrong fails this generation and
             # the worker takes the next shard; nothing reaches the TaskGroup.
             try:
+                if await self._foreign(gen):
+                    continue
                 if len(batch) == 1:
                     await self._drain(gen, shard)
                 else:
@@ -184,7 +186,20 @@ class Scheduler:
                          f"{exc}); the daemon log has the traceback", kind="internal")
 
     async def _drain_deferred(self, gen: GenerationRecord, shard: ShardRecord) -> bool:
+        if await self._foreign(gen):
+            return False
         return await self._drain(gen, shard, then_advance=False)
+
+    async def _foreign(self, gen: GenerationRecord) -> bool:
+        """Whether ``gen`` ended because its job belongs to another user at the destination
+        (asked once, before its first shard is written there); a destination that cannot
+        answer fails the generation as a failed drain would."""
+        try:
+            return await self.publisher.ended_if_foreign(gen)
+        except (BackendError, ManifestError) as exc:
+            await self.publisher.end(gen, f"could not read the job's owner at the "
+                                     f"destination: {exc}", kind="drain")
+            return True
 
     async def _drain(self, gen: GenerationRecord, shard: ShardRecord, *, then_advance: bool = True) -> bool:
         """Copy one shard to the destination; True when it drained."""

@@ -250,3 +250,49 @@ def test_wait_tells_another_user_nothing_of_a_job_the_node_does_not_track(make_d
     out = run_as(HOSTILE, lambda: wait_for_step(node_b, "llama", 1))
     assert out.startswith("DENIED") and "belongs to another user" in out, out
     assert run_as(VICTIM, lambda: wait_for_step(node_b, "llama", 1)).startswith("WAITED")
+
+
+def test_nothing_is_written_into_another_users_job(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the fix: a second uid whose begin went on unverified wrote into the
+    # owner's job at the destination: an aborted rank's failure record (its world_size
+    # then failed the owner's commit of that step) and, sealed, its shards.
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
+    open_to_all(node_a, node_b)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    record = node_a.dest / "llama" / f"{1:020d}" / "_parts" / "node-a.json"
+    kept = record.read_bytes()
+    with open(record, "r+b") as f:  # node b cannot tell the owner while this lasts
+        f.truncate(65 << 20)
+    go = node_b.socket_path.parent / "go"
+
+    def squat() -> str:
+        with Client(node_b.socket_path, timeout_s=20) as c:
+            aborting = c.generation("llama", 3, rank=1, world_size=2)
+            sealing = c.generation("llama", 4, rank=0, world_size=1)
+            with aborting as gen3, sealing as gen4:  # both begun unverified
+                deadline = time.monotonic() + 60
+                while not go.exists():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                gen4.put("w.bin", b"poison")
+                gen3.abort("gone")
+        return "DONE"
+
+    child = start_as(HOSTILE, squat)
+    deadline = time.monotonic() + 30
+    while {g["step"] for g in node_b.client().status()["generations"]} != {3, 4}:
+        assert time.monotonic() < deadline, node_b.log()[-2000:]
+        time.sleep(0.02)
+    assert "event=owner_check_failed" in node_b.log()
+    record.write_bytes(kept)  # the destination answers again
+    go.touch()
+    out = answer(child)  # step 4 ended before its seal: its shard was the first write
+    assert out.startswith("FAILED") and "belongs to uid 65533" in out, out
+    for step, why in ((3, "the client aborted"), (4, "belongs to uid 65533")):
+        with pytest.raises(GenerationFailed, match=why):
+            node_b.client().wait("llama", step, timeout_s=30)
+    # Nothing of the squatter's reached the owner's job, and the owner saves both steps.
+    for step in (3, 4):
+        assert not (node_a.dest / "llama" / f"{step:020d}").exists()
+        assert run_as(VICTIM, lambda step=step: save(node_a, "llama", step, b"mine")) == "SAVED"
