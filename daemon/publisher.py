@@ -460,10 +460,17 @@ class Publisher:
             owner = self.ledger.jobs.get(gen.job)
             if owner is not None and self.config.access.check_destination_owner:
                 try:
-                    if await self.committer.owners.someone_else(gen.job, owner) is not None:
-                        return  # another user's job: none of this node's business there
-                except (BackendError, ManifestError):
-                    pass  # cannot tell now: the record below is retried as before
+                    theirs = await self._with_retries(
+                        lambda: self.committer.owners.someone_else(gen.job, owner))
+                except (BackendError, ManifestError) as exc:
+                    # Cannot tell whose job it is: nothing is written into what may be
+                    # another user's (the other nodes end it after commit_wait_s).
+                    log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
+                              step=gen.step, error=str(exc),
+                              action="the other nodes end it after drain.commit_wait_s")
+                    return
+                if theirs is not None:
+                    return  # another user's job: nothing of this node's goes there
             part = await self._part(gen, recorded, failed, gen.error or "failed on this node")
             key = part_key(gen.job, gen.step, part.node)
             try:

@@ -211,6 +211,12 @@ class Daemon:
                     # First, so that what recovery queues (aborts of failed uploads) runs.
                     supervisor = tg.create_task(self.supervisor.run(), name="supervisor")
                     await recover(self)
+                    if self.config.access.check_destination_owner:
+                        # Whether the journal's owners were checked at the destination is not
+                        # journalled: each is asked again at its job's next use (settle_owner).
+                        self.committer.owners.unverified.update(
+                            job for job, uid in self.ledger.jobs.items()
+                            if not owners.operator(uid))
                     # Leftovers of this node's interrupted writes go before any new drain starts.
                     await sweep_once(self, timeout_s=60.0)
                     if self.config.metrics.listen:
@@ -293,19 +299,28 @@ class Daemon:
             if (gen is not None and gen.attempt != attempt
                     and gen.state is not GenerationState.COMMITTED):
                 # A restarted job saving this step again: the new attempt replaces the old.
+                self._check_owner_now(job, uid)
                 await self.replace_generation(gen, attempt)
                 gen = self.ledger.get(job, step)
             if gen is not None:
+                self._check_owner_now(job, uid)
                 self.expiry.touch(job)
                 return gen
-            verified = True
+            verified, owner = True, uid
             if job not in self.ledger.jobs:
-                verified = await self._refuse_if_owned_elsewhere(job, uid)
-            self.admission.check_uid_generations(self.ledger.jobs.get(job, uid))
-            await self.expiry.make_room_for(job, uid)
+                if owners.operator(uid):
+                    # Root saving a user's job saves it for its owner: the part records name
+                    # the owner, who keeps the job (a record naming root took it from them).
+                    owner = await self._owner_for_operator(job, uid)
+                else:
+                    verified = await self._refuse_if_owned_elsewhere(job, uid)
+            self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
+            await self.expiry.make_room_for(job, owner)
             slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
             try:
-                gen = await self.ledger.open_generation(job, step, world_size, ack, uid, attempt)
+                self._check_owner_now(job, uid)
+                gen = await self.ledger.open_generation(job, step, world_size, ack, owner,
+                                                        attempt)
             except BaseException:
                 slot.release()
                 raise
@@ -313,6 +328,29 @@ class Daemon:
             if not verified and self.ledger.jobs.get(job) == uid:
                 self.committer.owners.unverified.add(job)
             return gen
+
+    def _check_owner_now(self, job: str, uid: int) -> None:
+        """Right before a generation of ``job`` is joined, replaced or opened for ``uid``, with
+        no await between: the job is ``uid``'s here, or untracked, or ``uid`` acts for any
+        owner. The connection checked before the begin's awaits, and another user's begin
+        may have claimed the job since (found racing begins: the second uid's generations
+        opened under the first one's ownership and committed as theirs)."""
+        recorded = self.ledger.jobs.get(job)
+        if recorded is not None and recorded != uid and not owners.operator(uid):
+            raise RequestError(wire.PERMISSION_DENIED, f"job {job!r} belongs to another user; "
+                               f"uid {uid} may not write it")
+
+    async def _owner_for_operator(self, job: str, uid: int) -> int:
+        """Whom root's save of a job this node does not track is for: the owner the
+        destination names, else root itself (also when the destination cannot answer)."""
+        if not self.config.access.check_destination_owner:
+            return uid
+        try:
+            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+                found = await self.committer.owners.owner(job)
+        except (BackendError, ManifestError, OSError, TimeoutError):
+            return uid
+        return uid if found is None else found
 
     async def _refuse_if_owned_elsewhere(self, job: str, uid: int) -> bool:
         """Refuse a job this node does not track whose commits at the destination name
