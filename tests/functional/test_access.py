@@ -4,7 +4,6 @@ count), what each user sees, and a socket group given by number."""
 from __future__ import annotations
 
 import os
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from ckptdrain.client import Backpressure, Client, GenerationFailed, PermissionDenied
 from tests.conftest import DaemonProcess
+from tests.functional import otheruser
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="dropping to another uid needs root (CI runs as root)")
@@ -21,30 +21,8 @@ SITE_GID = 4242
 
 def run_as(fn: Callable[[], str], uid: int = OTHER_UID, gid: int = OTHER_UID,
            groups: tuple[int, ...] = ()) -> str:
-    """``fn()`` in a forked child running as ``uid``/``gid`` with supplementary ``groups``
-    (a real other user: the kernel reports it to the daemon). Returns what it returned."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        try:
-            os.close(r)
-            os.setgroups(list(groups))
-            os.setgid(gid)
-            os.setuid(uid)
-            try:
-                out = fn()
-            except PermissionDenied as exc:
-                out = f"DENIED {exc}"
-            except BaseException:
-                out = "ERROR " + traceback.format_exc()
-            os.write(w, out.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    os.waitpid(pid, 0)
-    return out
+    """``fn()`` in a forked child running as ``uid``/``gid`` with supplementary ``groups``."""
+    return otheruser.run_as(uid, fn, gid=gid, groups=groups)
 
 
 def open_to_all(d: DaemonProcess) -> None:

@@ -15,11 +15,11 @@ import pytest
 from ckptdrain.client import (
     DuplicateShard,
     InvalidName,
-    PermissionDenied,
     SizeMismatch,
     wire,
 )
 from tests.conftest import DaemonProcess
+from tests.functional import otheruser
 
 
 class RawClient:
@@ -253,36 +253,15 @@ def test_idle_client_times_out(make_daemon) -> None:  # type: ignore[no-untyped-
 
 
 def as_other_user(socket_path: Path, job: str, uid: int = 65534) -> str:
-    """Hand off a shard from a forked child that dropped to ``uid`` (a real other user: the
-    kernel reports its credentials to the daemon). Returns what the child saw."""
+    """Hand off a shard as ``uid`` (otheruser.run_as). Returns what the child saw."""
     from ckptdrain.client import Client
 
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                with Client(socket_path, timeout_s=20).generation(job, 1) as gen:
-                    gen.put("w", b"secret")
-                msg = "ALLOWED"
-            except PermissionDenied as exc:
-                msg = f"DENIED {exc}"
-            except BaseException as exc:
-                msg = f"ERROR {type(exc).__name__}: {exc}"
-            os.write(w, msg.encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    os.waitpid(pid, 0)
-    return out
+    def hand_off() -> str:
+        with Client(socket_path, timeout_s=20).generation(job, 1) as gen:
+            gen.put("w", b"secret")
+        return "ALLOWED"
+
+    return otheruser.run_as(uid, hand_off)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")

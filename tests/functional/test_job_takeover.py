@@ -19,14 +19,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from ckptdrain.client import Client, GenerationFailed, PermissionDenied
 from tests.conftest import DaemonProcess
+from tests.functional.otheruser import answer, run_as, start_as
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="dropping to another uid needs root (CI runs as root)")
@@ -34,44 +33,6 @@ VICTIM = 65533
 HOSTILE = 65534
 ACCESS = {"CKPTDRAIN_ACCESS__SOCKET_MODE": "0666",
           "CKPTDRAIN_ACCESS__ALLOWED_UIDS": f"[{VICTIM}, {HOSTILE}]"}
-
-
-def start_as(uid: int, fn: Callable[[], str]) -> tuple[int, int]:
-    """``fn()`` in a forked child running as ``uid`` (the kernel reports that uid to the
-    daemon); returns (pid, fd to read its answer from) at once."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                out = fn()
-            except PermissionDenied as exc:
-                out = f"DENIED {exc}"
-            except GenerationFailed as exc:
-                out = f"FAILED {exc}"
-            except BaseException:
-                out = "ERROR " + traceback.format_exc()
-            os.write(w, out.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    return pid, r
-
-
-def answer(child: tuple[int, int]) -> str:
-    pid, r = child
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    os.waitpid(pid, 0)
-    return out
-
-
-def run_as(uid: int, fn: Callable[[], str]) -> str:
-    return answer(start_as(uid, fn))
 
 
 def save(d: DaemonProcess, job: str, step: int, data: bytes) -> str:
@@ -116,6 +77,16 @@ def writable_by_all(d: DaemonProcess) -> Path:
     return into
 
 
+def victims_job_on_two_nodes(make_daemon) -> tuple[DaemonProcess, DaemonProcess]:  # type: ignore[no-untyped-def]
+    """Nodes a and b on one destination, open to both users; the victim committed step 1 of
+    "llama" through node a (node b never ran it)."""
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
+    open_to_all(node_a, node_b)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    return node_a, node_b
+
+
 def test_a_user_filling_max_jobs_forgets_their_own_jobs_not_another_users(
         make_daemon) -> None:  # type: ignore[no-untyped-def]
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_JOBS="4", **ACCESS)
@@ -137,13 +108,9 @@ def test_a_user_filling_max_jobs_forgets_their_own_jobs_not_another_users(
 
 def test_a_node_that_never_ran_a_job_refuses_it_to_another_user(
         make_daemon) -> None:  # type: ignore[no-untyped-def]
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    open_to_all(node_a)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
-    # Another node, on the same destination: it never knew the job or its owner (so also a
-    # node that forgot it after forget_after_s, or lost its journal).
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
+    # Node b, on the same destination, never knew the job or its owner (so also a node that
+    # forgot it after forget_after_s, or lost its journal).
+    _, node_b = victims_job_on_two_nodes(make_daemon)
     into = writable_by_all(node_b)
     for attempt in (lambda: latest(node_b, "llama"), lambda: fetch(node_b, "llama", 1, into),
                     lambda: save(node_b, "llama", 2, b"poison")):
@@ -193,10 +160,7 @@ def test_a_commit_is_refused_when_the_job_has_become_another_users(
 def test_a_damaged_newest_manifest_does_not_stop_the_jobs_commits(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # The owner lookup reads the newest commit's manifest: a damaged one is skipped, as
     # catalog.latest skips it, instead of failing every later commit of the job.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    node_a, node_b = victims_job_on_two_nodes(make_daemon)
     (node_a.dest / "llama" / f"{1:020d}" / "MANIFEST.json").write_bytes(b"{not json")
     assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
     assert node_b.client().latest("llama") == 2
@@ -206,14 +170,21 @@ def wait_for_step(d: DaemonProcess, job: str, step: int) -> str:
     return f"WAITED {Client(d.socket_path, timeout_s=20).wait(job, step, timeout_s=5)}"
 
 
+def assert_reads_refused(d: DaemonProcess) -> None:
+    """The hostile user's `latest`, fetch and `wait` of the victim's job on ``d`` are refused."""
+    into = writable_by_all(d)
+    for attempt in (lambda: latest(d, "llama"), lambda: fetch(d, "llama", 1, into),
+                    lambda: wait_for_step(d, "llama", 1)):
+        out = run_as(HOSTILE, attempt)
+        assert out.startswith("DENIED") and "belongs to another user" in out, out
+    assert into.read_bytes() == b""
+
+
 def test_a_begin_the_destination_could_not_check_grants_nothing(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the fix: when the owner lookup failed at the begin (the begin goes on,
     # so a save survives a destination blip), the node recorded the second uid as the job's
     # owner and then served it the owner's newest step and shards, and refused the owner.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    node_a, node_b = victims_job_on_two_nodes(make_daemon)
     record = node_a.dest / "llama" / f"{1:020d}" / "_parts" / "node-a.json"
     kept = record.read_bytes()
     with open(record, "r+b") as f:  # sparse, over the limit of a read: node b cannot tell
@@ -228,12 +199,7 @@ def test_a_begin_the_destination_could_not_check_grants_nothing(make_daemon) -> 
     assert run_as(HOSTILE, squat) == "BEGUN"
     assert "event=owner_check_failed" in node_b.log()
     record.write_bytes(kept)
-    into = writable_by_all(node_b)
-    for attempt in (lambda: latest(node_b, "llama"), lambda: fetch(node_b, "llama", 1, into),
-                    lambda: wait_for_step(node_b, "llama", 1)):
-        out = run_as(HOSTILE, attempt)
-        assert out.startswith("DENIED") and "belongs to another user" in out, out
-    assert into.read_bytes() == b""
+    assert_reads_refused(node_b)
     # The owner is served on node b again, and the squatter's step never commits.
     assert run_as(VICTIM, lambda: latest(node_b, "llama")) == "LATEST 1"
     assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
@@ -244,10 +210,7 @@ def test_a_begin_the_destination_could_not_check_grants_nothing(make_daemon) -> 
 def test_wait_tells_another_user_nothing_of_a_job_the_node_does_not_track(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the fix: `latest` was refused, but `wait` on each step answered
     # whether it was committed.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    _, node_b = victims_job_on_two_nodes(make_daemon)
     out = run_as(HOSTILE, lambda: wait_for_step(node_b, "llama", 1))
     assert out.startswith("DENIED") and "belongs to another user" in out, out
     assert run_as(VICTIM, lambda: wait_for_step(node_b, "llama", 1)).startswith("WAITED")
@@ -257,10 +220,7 @@ def test_nothing_is_written_into_another_users_job(make_daemon) -> None:  # type
     # Found attacking the fix: a second uid whose begin went on unverified wrote into the
     # owner's job at the destination: an aborted rank's failure record (its world_size
     # then failed the owner's commit of that step) and, sealed, its shards.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    node_a, node_b = victims_job_on_two_nodes(make_daemon)
     record = node_a.dest / "llama" / f"{1:020d}" / "_parts" / "node-a.json"
     kept = record.read_bytes()
     with open(record, "r+b") as f:  # node b cannot tell the owner while this lasts
@@ -299,6 +259,15 @@ def test_nothing_is_written_into_another_users_job(make_daemon) -> None:  # type
         assert run_as(VICTIM, lambda step=step: save(node_a, "llama", step, b"mine")) == "SAVED"
 
 
+def begin_and_abort_rank(d: DaemonProcess, step: int, *, rank: int = 0,
+                         world_size: int = 1) -> str:
+    """Begin a rank of step ``step`` of "llama" and abort it."""
+    with Client(d.socket_path, timeout_s=20) as c, \
+            c.generation("llama", step, rank=rank, world_size=world_size) as gen:
+        gen.abort("gone")
+    return "ABORTED"
+
+
 def _unreadable_owner(dest: Path) -> tuple[Path, bytes]:
     """Make node lookups of llama's owner fail (its record over a read's limit); returns
     what to write back."""
@@ -315,10 +284,7 @@ def test_a_begin_racing_the_owners_begin_is_refused(make_daemon) -> None:  # typ
     # for its owner (whose begin landed meanwhile) before the second uid's opened: its
     # generations opened under the owner's name, committed, moved LATEST, and retention
     # deleted the owner's steps.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    node_a, node_b = victims_job_on_two_nodes(make_daemon)
     board = node_b.socket_path.parent / "board"  # the hostile child counts its tries here
     board.mkdir()
     os.chmod(board, 0o777)
@@ -375,49 +341,27 @@ def test_a_begin_the_destination_could_not_check_grants_nothing_after_a_restart(
         make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the fix: the mark that a job's owner was never checked lived in memory
     # only, and after a restart the journal's owner (the squatter) was trusted.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    node_a, node_b = victims_job_on_two_nodes(make_daemon)
     record, kept = _unreadable_owner(node_a.dest)
 
-    def squat() -> str:
-        with Client(node_b.socket_path, timeout_s=20) as c, \
-                c.generation("llama", 7, rank=0, world_size=1) as gen:
-            gen.abort("begun, nothing more")
-        return "BEGUN"
-
-    assert run_as(HOSTILE, squat) == "BEGUN"
+    assert run_as(HOSTILE, lambda: begin_and_abort_rank(node_b, 7)) == "ABORTED"
     assert "event=owner_check_failed" in node_b.log()
     node_b.stop()
     record.write_bytes(kept)
     node_b.start()
     open_to_all(node_b)
-    into = writable_by_all(node_b)
-    for attempt in (lambda: latest(node_b, "llama"), lambda: fetch(node_b, "llama", 1, into),
-                    lambda: wait_for_step(node_b, "llama", 1)):
-        out = run_as(HOSTILE, attempt)
-        assert out.startswith("DENIED") and "belongs to another user" in out, out
-    assert into.read_bytes() == b""
+    assert_reads_refused(node_b)
     assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
 
 
 def test_no_failure_record_when_the_owner_cannot_be_read(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the fix: with the owner lookup failing, an aborted rank's failure
     # record went into the owner's job anyway, and its world_size failed their commit of it.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    node_a, node_b = victims_job_on_two_nodes(make_daemon)
     record, kept = _unreadable_owner(node_a.dest)
 
-    def squat() -> str:
-        with Client(node_b.socket_path, timeout_s=20) as c, \
-                c.generation("llama", 3, rank=1, world_size=2) as gen:
-            gen.abort("gone")
-        return "DONE"
-
-    assert run_as(HOSTILE, squat) == "DONE"
+    assert run_as(HOSTILE, lambda: begin_and_abort_rank(node_b, 3, rank=1, world_size=2)) \
+        == "ABORTED"
     deadline = time.monotonic() + 60
     while "event=failure_record_failed" not in node_b.log():
         assert time.monotonic() < deadline, node_b.log()[-2000:]
@@ -431,10 +375,7 @@ def test_root_saving_a_users_job_saves_it_for_its_owner(make_daemon) -> None:  #
     # Found attacking the fix: root's save of a user's job on a node that did not track it
     # named root as the owner in its part record, and the user was refused their own job
     # on every node that did not know them as its owner.
-    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
-    node_b: DaemonProcess = make_daemon("node-b", **ACCESS)
-    open_to_all(node_a, node_b)
-    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    _, node_b = victims_job_on_two_nodes(make_daemon)
     assert save(node_b, "llama", 2, b"restored by root") == "SAVED"
     node_c: DaemonProcess = make_daemon("node-c", **ACCESS)
     open_to_all(node_c)
