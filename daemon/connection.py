@@ -309,13 +309,13 @@ class ClientHandler:
 
     async def settle_owner(self, job: str, *, reading: bool) -> None:
         """Before the ledger's owner of ``job`` is trusted: settled with the destination if
-        it was recorded without its word (Daemon.settle_owner). A write goes on when the
+        it was recorded without its word (owners.settle). A write goes on when the
         destination cannot answer now (the commit checks); a read fails."""
         d = self.d
         if self.peer.operator or not d.config.access.check_destination_owner:
             return
         try:
-            await d.settle_owner(job)
+            await owners.settle(d, job)
         except (BackendError, ManifestError, OSError, TimeoutError) as exc:
             if reading:
                 raise destination_error(job, None, exc) from None

@@ -15,15 +15,24 @@ refused. Root and the daemon's own uid act for any owner.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from ckptdrain.client import wire
 from ckptdrain.client.manifest import Manifest, ManifestError, part_key
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.latest import newest_committed, parse_part, read_latest
+from ckptdrain.daemon.logs import log_event
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.commit import Committer
+    from ckptdrain.daemon.server import Daemon
+
+log = logging.getLogger("ckptdrain.owners")
 
 # Jobs whose owner is remembered: each lookup costs a few destination reads.
 MAX_REMEMBERED = 4096
@@ -45,7 +54,7 @@ class DestinationOwners:
         self._known: OrderedDict[str, int] = OrderedDict()
         # Jobs this node tracks whose owner it recorded without the destination's word (a
         # begin whose lookup failed goes on): every use asks again until one answers
-        # (Daemon.settle_owner). At most the jobs the node tracks (limits.max_jobs).
+        # (settle). At most the jobs the node tracks (limits.max_jobs).
         self.unverified: set[str] = set()
 
     def remember(self, job: str, uid: int | None) -> None:
@@ -102,3 +111,73 @@ class DestinationOwners:
             return None
         owner = await self.owner(job)
         return owner if owner is not None and owner != uid else None
+
+
+# -- the daemon's checks ----------------------------------------------------------------------
+# How long a begin waits for the destination to name a job's owner before it goes on.
+LOOKUP_TIMEOUT_S = 5.0
+
+
+def check_now(d: Daemon, job: str, uid: int) -> None:
+    """Right before a generation of ``job`` is joined, replaced or opened for ``uid``, with no
+    await between: the job is ``uid``'s here, or untracked, or ``uid`` acts for any owner. The
+    connection checked before the begin's awaits, and another user's begin may have claimed
+    the job since (found racing begins: the second uid's generations opened under the first
+    one's ownership and committed as theirs)."""
+    recorded = d.ledger.jobs.get(job)
+    if recorded is not None and recorded != uid and not operator(uid):
+        raise RequestError(wire.PERMISSION_DENIED, f"job {job!r} belongs to another user; "
+                           f"uid {uid} may not write it")
+
+
+async def for_operator(d: Daemon, job: str, uid: int) -> int:
+    """Whom root's save of a job the node does not track is for: the owner the destination
+    names (the part records name them, and they keep the job), else root itself (also when
+    the destination cannot answer)."""
+    if not d.config.access.check_destination_owner:
+        return uid
+    try:
+        async with asyncio.timeout(LOOKUP_TIMEOUT_S):
+            found = await d.committer.owners.owner(job)
+    except (BackendError, ManifestError, OSError, TimeoutError):
+        return uid
+    return uid if found is None else found
+
+
+async def refuse_if_elsewhere(d: Daemon, job: str, uid: int) -> bool:
+    """Refuse a job the node does not track whose commits at the destination name another
+    owner. When the destination cannot answer now, the begin goes on unverified (False):
+    every later use of the job asks again (:func:`settle`), and every write checks too."""
+    if not d.config.access.check_destination_owner:
+        return True
+    try:
+        async with asyncio.timeout(LOOKUP_TIMEOUT_S):
+            owner = await d.committer.owners.someone_else(job, uid)
+    except (BackendError, ManifestError, OSError, TimeoutError) as exc:
+        log_event(log, logging.WARNING, "owner_check_failed", job=job, uid=uid,
+                  error=str(exc) or type(exc).__name__)
+        return False
+    if owner is not None:
+        raise RequestError(wire.PERMISSION_DENIED, refusal(job, uid))
+    return True
+
+
+async def settle(d: Daemon, job: str) -> None:
+    """For a job whose owner here is unverified: ask the destination. When it names nobody or
+    the recorded owner, the record stands. When it names another uid, the record was a squat
+    made while the destination could not answer: the recorded owner's generations of the job
+    end (conflict) and the node forgets the job, so its owner begins it afresh. Raises what
+    the destination raises."""
+    found = d.committer.owners
+    if job not in found.unverified:
+        return
+    async with asyncio.timeout(LOOKUP_TIMEOUT_S):
+        owner = await found.owner(job)
+    recorded = d.ledger.jobs.get(job)
+    if owner is not None and recorded is not None and owner != recorded \
+            and not operator(recorded):
+        for gen in [g for g in d.ledger.generations.values() if g.job == job and not g.terminal]:
+            await d.fail(gen, f"job {job!r} belongs to another user at the destination; save "
+                         "under another job name", kind="conflict")
+        await d.expiry.forget_jobs([job])
+    found.unverified.discard(job)

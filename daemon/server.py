@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError
 from ckptdrain.daemon import __version__, logs, maintenance, owners, startup
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer
@@ -213,7 +212,7 @@ class Daemon:
                     await recover(self)
                     if self.config.access.check_destination_owner:
                         # Whether the journal's owners were checked at the destination is not
-                        # journalled: each is asked again at its job's next use (settle_owner).
+                        # journalled: each is asked again at its job's next use (owners.settle).
                         self.committer.owners.unverified.update(
                             job for job, uid in self.ledger.jobs.items()
                             if not owners.operator(uid))
@@ -299,11 +298,11 @@ class Daemon:
             if (gen is not None and gen.attempt != attempt
                     and gen.state is not GenerationState.COMMITTED):
                 # A restarted job saving this step again: the new attempt replaces the old.
-                self._check_owner_now(job, uid)
+                owners.check_now(self, job, uid)
                 await self.replace_generation(gen, attempt)
                 gen = self.ledger.get(job, step)
             if gen is not None:
-                self._check_owner_now(job, uid)
+                owners.check_now(self, job, uid)
                 self.expiry.touch(job)
                 return gen
             verified, owner = True, uid
@@ -311,14 +310,14 @@ class Daemon:
                 if owners.operator(uid):
                     # Root saving a user's job saves it for its owner: the part records name
                     # the owner, who keeps the job (a record naming root took it from them).
-                    owner = await self._owner_for_operator(job, uid)
+                    owner = await owners.for_operator(self, job, uid)
                 else:
-                    verified = await self._refuse_if_owned_elsewhere(job, uid)
+                    verified = await owners.refuse_if_elsewhere(self, job, uid)
             self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
             await self.expiry.make_room_for(job, owner)
             slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
             try:
-                self._check_owner_now(job, uid)
+                owners.check_now(self, job, uid)
                 gen = await self.ledger.open_generation(job, step, world_size, ack, owner,
                                                         attempt)
             except BaseException:
@@ -328,68 +327,6 @@ class Daemon:
             if not verified and self.ledger.jobs.get(job) == uid:
                 self.committer.owners.unverified.add(job)
             return gen
-
-    def _check_owner_now(self, job: str, uid: int) -> None:
-        """Right before a generation of ``job`` is joined, replaced or opened for ``uid``, with
-        no await between: the job is ``uid``'s here, or untracked, or ``uid`` acts for any
-        owner. The connection checked before the begin's awaits, and another user's begin
-        may have claimed the job since (found racing begins: the second uid's generations
-        opened under the first one's ownership and committed as theirs)."""
-        recorded = self.ledger.jobs.get(job)
-        if recorded is not None and recorded != uid and not owners.operator(uid):
-            raise RequestError(wire.PERMISSION_DENIED, f"job {job!r} belongs to another user; "
-                               f"uid {uid} may not write it")
-
-    async def _owner_for_operator(self, job: str, uid: int) -> int:
-        """Whom root's save of a job this node does not track is for: the owner the
-        destination names, else root itself (also when the destination cannot answer)."""
-        if not self.config.access.check_destination_owner:
-            return uid
-        try:
-            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-                found = await self.committer.owners.owner(job)
-        except (BackendError, ManifestError, OSError, TimeoutError):
-            return uid
-        return uid if found is None else found
-
-    async def _refuse_if_owned_elsewhere(self, job: str, uid: int) -> bool:
-        """Refuse a job this node does not track whose commits at the destination name
-        another owner (owners.py). When the destination cannot answer now, the begin goes
-        on unverified (False): every later use of the job asks again (settle_owner), and
-        the commit checks too."""
-        if not self.config.access.check_destination_owner:
-            return True
-        try:
-            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-                owner = await self.committer.owners.someone_else(job, uid)
-        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
-            log_event(log, logging.WARNING, "owner_check_failed", job=job, uid=uid,
-                      error=str(exc) or type(exc).__name__)
-            return False
-        if owner is not None:
-            raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, uid))
-        return True
-
-    async def settle_owner(self, job: str) -> None:
-        """For a job whose owner here is unverified (owners.unverified): ask the destination.
-        When it names nobody or the recorded owner, the record stands. When it names another
-        uid, the record was a squat made while the destination could not answer: the
-        recorded owner's generations of the job end (conflict) and the node forgets the job,
-        so its owner begins it afresh. Raises what the destination raises."""
-        found = self.committer.owners
-        if job not in found.unverified:
-            return
-        async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-            owner = await found.owner(job)
-        recorded = self.ledger.jobs.get(job)
-        if owner is not None and recorded is not None and owner != recorded \
-                and not owners.operator(recorded):
-            for gen in [g for g in self.ledger.generations.values()
-                        if g.job == job and not g.terminal]:
-                await self.fail(gen, f"job {job!r} belongs to another user at the "
-                                "destination; save under another job name", kind="conflict")
-            await self.expiry.forget_jobs([job])
-        found.unverified.discard(job)
 
     async def _refuse_if_committed(self, job: str, step: int) -> None:
         """Refuse a step another node already committed: nothing may overwrite it."""
