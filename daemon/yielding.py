@@ -10,6 +10,12 @@ again and again), or trickled its bytes, held every job's drain on the node to o
 per wait: a 256 MiB shard took 32 s to drain instead of 0.13 s. Such a hand-off needs neither
 the disk nor the cores. A hand-off between its bytes (staging the file, fsyncing, journalling)
 always counts: that is the daemon's own disk work.
+
+And the drain yields at most half the time: after a wait that ran its whole
+``yield_to_handoffs_s``, it yields to nothing for as long. A hand-off that keeps moving at
+the floor's rate, from one connection (found attacking the fix: 5 MiB/s in 64 KiB chunks held
+a 256 MiB shard's drain for 32 s instead of 0.35 s), or a long burst of real hand-offs, can
+then at most halve the drain's pace; a rank's usual hand-off ends well within one wait.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class HandoffYield:
         self._clear = asyncio.Event()
         self._clear.set()
         self.yielded = 0  # drain ranges that waited for hand-offs (status, tests)
+        self._free_until = 0.0  # no yield before this (monotonic): the drain's half
 
     @contextlib.contextmanager
     def handoff(self, watched: Transfer | None = None) -> Iterator[None]:
@@ -73,12 +80,14 @@ class HandoffYield:
     async def wait(self, limit_s: float) -> None:
         """Up to ``limit_s`` while a hand-off worth yielding to is in flight."""
         now = time.monotonic()
-        if limit_s <= 0 or not self._active or not self.moving(now):
+        if limit_s <= 0 or now < self._free_until or not self._active or not self.moving(now):
             return
         self.yielded += 1
-        deadline = now + limit_s
+        started, deadline = now, now + limit_s
         while self._active and now < deadline and self.moving(now):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(POLL_S, deadline - now)):
                     await self._clear.wait()
             now = time.monotonic()
+        if now >= deadline:
+            self._free_until = now + (now - started)

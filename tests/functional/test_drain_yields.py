@@ -93,3 +93,36 @@ def test_a_hand_off_that_sends_nothing_holds_no_drain_back(make_daemon: Any) -> 
         stalled = [g for g in d.client().status()["generations"] if g["job"] == "stalled"]
         assert stalled and stalled[0]["state"] not in ("failed", "committed"), stalled
     assert (d.dest / "backlog" / f"{1:020d}" / "big.bin").stat().st_size == 96 * MiB
+
+
+def test_a_hand_off_that_keeps_moving_holds_the_drain_back_half_the_time_at_most(
+        make_daemon: Any) -> None:
+    # Found attacking the fix: one connection sending 5 MiB/s (over the rate the drain
+    # yields to) in 64 KiB chunks held every job's drain to one 16 MiB range per 2 s wait:
+    # a 256 MiB shard took 32 s to commit instead of 0.35 s. Now after a whole wait the
+    # drain yields to nothing for as long. Here a 96 MiB backlog (six ranges) drains beside
+    # such a hand-off: before, all six ranges waited.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__YIELD_TO_HANDOFFS_S="2")
+    size, chunk = 512 * MiB, 64 * 1024
+    with RawClient(d.socket_path) as raw:
+        raw.hello_begin(job="steady", step=1)
+        reply = raw.call("put", job="steady", step=1, rank=0, path="w.bin", size=size)
+        assert reply.kind == "ok" and reply.fields.get("ready") is True
+        raw.sock.sendall(wire.encode_message("data", {}, payload_len=size))
+        stop = threading.Event()
+
+        def send() -> None:  # 5 MiB/s until stopped
+            while not stop.is_set():
+                raw.sock.sendall(b"x" * chunk)
+                time.sleep(chunk / (5 * MiB))
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            _backlog(d, "backlog")
+            d.client().wait("backlog", 1, timeout_s=120)
+            yields = d.client().status()["drain_yields"]
+        finally:
+            stop.set()
+            sender.join(30)
+    assert 1 <= yields <= 3, yields
