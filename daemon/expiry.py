@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ckptdrain.client import wire
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.owners import operator
 from ckptdrain.daemon.state import GenerationState
 
 if TYPE_CHECKING:
@@ -121,14 +122,28 @@ class Expiry:
         """Before ``uid``'s ``job`` is tracked: keep the jobs tracked within limits.max_jobs.
         The idle jobs forgotten first are ``uid``'s own, least recently used first: a user
         who begins job after job (and aborts them) pushes out their own, not another user's
-        (forgotten, a job's node-local state and copies go)."""
+        (forgotten, a job's node-local state and copies go). And one user keeps at most half
+        of them busy (a generation in flight): busy jobs are never forgotten, and a user
+        holding all of them open kept every other user's new job off the node."""
         d = self.d
         cap = d.config.limits.max_jobs
-        if job in d.ledger.jobs or len(d.ledger.jobs) < cap:
+        if job in d.ledger.jobs:
             self.touch(job)
             return
         busy = self.busy_jobs()
         owners = d.ledger.jobs
+        share = max(1, cap // 2)
+        held = sum(1 for name in busy if owners.get(name) == uid)
+        if held >= share and not operator(uid):
+            d.metrics.backpressure("rejected", "max_jobs")
+            raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already has {held} "
+                               "jobs with generations in flight on this node, half of "
+                               f"limits.max_jobs ({cap}); let them commit first",
+                               {"limit": "max_jobs", "limit_value": cap, "current": held,
+                                "retry_after_s": 60.0})
+        if len(owners) < cap:
+            self.touch(job)
+            return
         idle_first = sorted((name for name in owners if name not in busy),
                             key=lambda name: (owners[name] != uid, self.seen.get(name, 0.0)))
         await self.forget_jobs(idle_first[: len(d.ledger.jobs) - cap + 1])

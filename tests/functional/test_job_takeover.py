@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import Client, GenerationFailed, PermissionDenied
+from ckptdrain.client import Backpressure, Client, GenerationFailed, PermissionDenied
 from tests.conftest import DaemonProcess
 from tests.functional.otheruser import answer, run_as, start_as
 
@@ -381,3 +381,46 @@ def test_root_saving_a_users_job_saves_it_for_its_owner(make_daemon) -> None:  #
     open_to_all(node_c)
     assert run_as(VICTIM, lambda: latest(node_c, "llama")) == "LATEST 2"
     assert run_as(VICTIM, lambda: save(node_c, "llama", 3, b"victim-3")) == "SAVED"
+
+
+def test_one_user_keeps_at_most_half_of_max_jobs_busy(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the fix: with limits.max_jobs at 8, a user holding 8 jobs of their own
+    # open (a generation in flight each) pushed another user's idle job out and kept every
+    # new job of theirs off the node ("backpressure: ... max_jobs").
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_JOBS="4", **ACCESS)
+    open_to_all(d)
+    assert run_as(VICTIM, lambda: save(d, "llama", 1, b"victim-data")) == "SAVED"
+    go = d.socket_path.parent / "go"
+
+    def hold() -> str:
+        with Client(d.socket_path, timeout_s=20) as c:
+            held = [c.generation(f"h{i}", 1, rank=0, world_size=1) for i in range(2)]
+            for gen in held:
+                gen.__enter__()
+            refused = []
+            for name in ("h2", "h3"):  # as many as the whole of max_jobs
+                try:
+                    more = c.generation(name, 1, rank=0, world_size=1)
+                    more.__enter__()
+                    held.append(more)
+                except Backpressure as exc:
+                    refused.append(str(exc))
+            deadline = time.monotonic() + 60
+            while not go.exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            for gen in held:
+                gen.abort("done")
+        return f"REFUSED {len(refused)}: {refused[:1]}"
+
+    child = start_as(HOSTILE, hold)
+    deadline = time.monotonic() + 30
+    while len([g for g in d.client().status()["generations"] if g["job"].startswith("h")]) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # The victim's idle job is still there, and a new job of theirs gets in.
+    assert run_as(VICTIM, lambda: save(d, "llama", 2, b"victim-2")) == "SAVED"
+    assert run_as(VICTIM, lambda: save(d, "mistral", 1, b"victim-3")) == "SAVED"
+    go.touch()
+    out = answer(child)
+    assert out.startswith("REFUSED 2:") and "half of limits.max_jobs" in out, out
