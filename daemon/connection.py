@@ -331,8 +331,9 @@ class ClientHandler:
         if job in d.ledger.jobs:
             return
         try:
-            owner = await d.committer.owners.someone_else(job, self.uid)
-        except (BackendError, ManifestError, OSError) as exc:
+            async with asyncio.timeout(owners.LOOKUP_TIMEOUT_S):
+                owner = await d.committer.owners.someone_else(job, self.uid)
+        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
             raise destination_error(job, None, exc) from None
         if owner is not None:
             raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, self.uid))

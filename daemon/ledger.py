@@ -300,6 +300,11 @@ class Ledger:
         replaced by a newer attempt)."""
         return self.generations.get(gen.key) is gen
 
+    async def give_job(self, job: str, uid: int) -> None:
+        """``job`` is ``uid``'s from now on (root saved it for them: owners.adopt)."""
+        self.jobs[job] = uid
+        await self.journal.write(j.forget_job(job), j.claim_job(job, uid))
+
     async def forget_jobs(self, jobs: list[str]) -> None:
         """Forget who owns ``jobs`` (they hold nothing here any more)."""
         for job in jobs:

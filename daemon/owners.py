@@ -30,6 +30,7 @@ from ckptdrain.daemon.logs import log_event
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.commit import Committer
+    from ckptdrain.daemon.ledger import Ledger
     from ckptdrain.daemon.server import Daemon
 
 log = logging.getLogger("ckptdrain.owners")
@@ -130,18 +131,33 @@ def check_now(d: Daemon, job: str, uid: int) -> None:
                            f"uid {uid} may not write it")
 
 
-async def for_operator(d: Daemon, job: str, uid: int) -> int:
-    """Whom root's save of a job the node does not track is for: the owner the destination
-    names (the part records name them, and they keep the job), else root itself (also when
-    the destination cannot answer)."""
+async def for_operator(d: Daemon, job: str, uid: int) -> tuple[int, bool]:
+    """Whom root's save of a job the node does not track is for, and whether the destination
+    said: the owner it names (the part records name them, and they keep the job), else root
+    itself. When it cannot answer now, root for now, unverified: :func:`adopt` asks again
+    before the first write."""
     if not d.config.access.check_destination_owner:
-        return uid
+        return uid, True
     try:
         async with asyncio.timeout(LOOKUP_TIMEOUT_S):
             found = await d.committer.owners.owner(job)
     except (BackendError, ManifestError, OSError, TimeoutError):
-        return uid
-    return uid if found is None else found
+        return uid, False
+    return (uid if found is None else found), True
+
+
+async def adopt(ledger: Ledger, owners: DestinationOwners, job: str) -> None:
+    """Before root's first write to a job it began unverified: if the destination names a
+    user as the owner, the job is theirs (found reviewing the fix: root's save while the
+    lookup failed named root in its part record and took the job from its owner). Raises
+    what the destination raises."""
+    recorded = ledger.jobs.get(job)
+    if recorded is None or not operator(recorded) or job not in owners.unverified:
+        return
+    found = await owners.owner(job)
+    if found is not None and not operator(found):
+        await ledger.give_job(job, found)
+    owners.unverified.discard(job)
 
 
 async def refuse_if_elsewhere(d: Daemon, job: str, uid: int) -> bool:
@@ -171,13 +187,18 @@ async def settle(d: Daemon, job: str) -> None:
     found = d.committer.owners
     if job not in found.unverified:
         return
+    recorded = d.ledger.jobs.get(job)
+    if recorded is not None and operator(recorded):
+        async with asyncio.timeout(LOOKUP_TIMEOUT_S):
+            await adopt(d.ledger, found, job)
+        return
     async with asyncio.timeout(LOOKUP_TIMEOUT_S):
         owner = await found.owner(job)
-    recorded = d.ledger.jobs.get(job)
-    if owner is not None and recorded is not None and owner != recorded \
-            and not operator(recorded):
+    if owner is not None and recorded is not None and owner != recorded:
         for gen in [g for g in d.ledger.generations.values() if g.job == job and not g.terminal]:
             await d.fail(gen, f"job {job!r} belongs to another user at the destination; save "
                          "under another job name", kind="conflict")
         await d.expiry.forget_jobs([job])
+        if job in d.ledger.jobs:
+            return  # something of it is still held (a begin waiting for a slot): ask again
     found.unverified.discard(job)

@@ -34,6 +34,7 @@ from ckptdrain.client.manifest import (
     missing_ranks,
     part_key,
 )
+from ckptdrain.daemon import owners
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import CommitOutcome, Committer, parse_latest
 from ckptdrain.daemon.latest import PART_ENTRY_BYTES, off_loop_if_large, parse_part
@@ -231,14 +232,20 @@ class Publisher:
                                        fields)
 
     async def _record_part(self, gen: GenerationRecord, ready: list[int]) -> bool:
+        try:
+            # First: the record names the job's owner, which this may settle (owners.adopt).
+            if await self.ended_if_foreign(gen):
+                return False
+        except BackendError as exc:
+            await self.end(gen, f"could not read the job's owner at the destination: {exc}",
+                           kind="drain")
+            return False
         part = await self._part(gen, [r for r, st in gen.ranks.items()
                                 if st is RankState.RECORDED or r in ready])
         async with self._part_locks.hold(gen.key):
             if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False  # ended meanwhile: its failure record says so, not this one
             try:
-                if await self.ended_if_foreign(gen):
-                    return False
                 await self._with_retries(lambda: self.committer.record_part(part))
             except BackendError as exc:
                 await self.end(gen, f"could not write this node's part record: {exc}",
@@ -315,9 +322,12 @@ class Publisher:
         this node's (owners.py): nothing of it may be written there. Asked before its first
         write (a shard, a part record) and, with ``again``, at its commit. A destination error
         is raised (BackendError) after the usual retries."""
+        if not self.config.access.check_destination_owner or (gen.owner_checked and not again):
+            return False
+        await self._with_retries(
+            lambda: owners.adopt(self.ledger, self.committer.owners, gen.job))
         owner = self.ledger.jobs.get(gen.job)
-        if (owner is None or not self.config.access.check_destination_owner
-                or (gen.owner_checked and not again)):
+        if owner is None:
             return False
         theirs = await self._with_retries(
             lambda: self.committer.owners.someone_else(gen.job, owner))
@@ -331,7 +341,6 @@ class Publisher:
         return True
 
     async def _try_publish(self, gen: GenerationRecord) -> None:
-        owner = self.ledger.jobs.get(gen.job)
         try:
             if await self.ended_if_foreign(gen, again=True):
                 return
@@ -341,7 +350,7 @@ class Publisher:
             await self.end(gen, f"commit failed: {exc}", kind="drain")
             return
         if result.committed:
-            self.committer.owners.remember(gen.job, owner)
+            self.committer.owners.remember(gen.job, self.ledger.jobs.get(gen.job))
         if result.outcome is CommitOutcome.PUBLISHED:
             # This node's create made the manifest: retention runs here, also when the
             # generation ended here meanwhile (cancelled, expired).

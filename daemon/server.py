@@ -310,7 +310,7 @@ class Daemon:
                 if owners.operator(uid):
                     # Root saving a user's job saves it for its owner: the part records name
                     # the owner, who keeps the job (a record naming root took it from them).
-                    owner = await owners.for_operator(self, job, uid)
+                    owner, verified = await owners.for_operator(self, job, uid)
                 else:
                     verified = await owners.refuse_if_elsewhere(self, job, uid)
             self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
@@ -324,7 +324,7 @@ class Daemon:
                 slot.release()
                 raise
             self.admission.hold_generation(gen, slot)
-            if not verified and self.ledger.jobs.get(job) == uid:
+            if not verified and self.ledger.jobs.get(job) == owner:
                 self.committer.owners.unverified.add(job)
             return gen
 

@@ -424,3 +424,70 @@ def test_one_user_keeps_at_most_half_of_max_jobs_busy(make_daemon) -> None:  # t
     go.touch()
     out = answer(child)
     assert out.startswith("REFUSED 2:") and "half of limits.max_jobs" in out, out
+
+
+def test_root_saving_a_job_it_cannot_check_still_saves_it_for_its_owner(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found reviewing the fix: root's begin, when the owner could not be read, recorded root
+    # as the owner, and its part record took the job from its owner everywhere.
+    node_a, node_b = victims_job_on_two_nodes(make_daemon)
+    record, kept = _unreadable_owner(node_a.dest)
+    with Client(node_b.socket_path, timeout_s=20) as c:
+        gen = c.generation("llama", 2, rank=0, world_size=1)
+        with gen as g:  # begun while the owner cannot be read
+            record.write_bytes(kept)  # ... and read again before anything is written
+            g.put("w.bin", b"restored by root")
+        c.wait("llama", 2, timeout_s=30)
+    node_c: DaemonProcess = make_daemon("node-c", **ACCESS)
+    open_to_all(node_c)
+    assert run_as(VICTIM, lambda: latest(node_c, "llama")) == "LATEST 2"
+
+
+def test_a_squat_with_a_begin_still_waiting_is_asked_about_again(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found reviewing the fix: when the node could not forget the squatted job (a begin of
+    # it still waited for a slot), the job was marked settled anyway, and the squatter kept
+    # it: the owner was refused on that node.
+    node_a: DaemonProcess = make_daemon("node-a", **ACCESS)
+    node_b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT="1",
+                                        **ACCESS)
+    open_to_all(node_a, node_b)
+    assert run_as(VICTIM, lambda: save(node_a, "llama", 1, b"victim-data")) == "SAVED"
+    record, kept = _unreadable_owner(node_a.dest)
+    go = node_b.socket_path.parent / "go"
+
+    def squat() -> str:
+        with Client(node_b.socket_path, timeout_s=60) as c1, \
+                c1.generation("llama", 7, rank=0, world_size=1):
+            waited: list[str] = []
+
+            def second() -> None:  # waits for step 7's slot
+                try:
+                    with Client(node_b.socket_path, timeout_s=60) as c2, \
+                            c2.generation("llama", 8, rank=0, world_size=1) as g8:
+                        g8.abort("done")
+                except Exception as exc:  # reported below
+                    waited.append(type(exc).__name__)
+
+            t = threading.Thread(target=second)
+            t.start()
+            deadline = time.monotonic() + 60
+            while not go.exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        t.join(60)
+        return f"DONE {waited}"
+
+    child = start_as(HOSTILE, squat)
+    deadline = time.monotonic() + 30
+    while "max_generations_in_flight" not in node_b.client().status()["blocked_by_limit"]:
+        assert time.monotonic() < deadline, node_b.log()[-2000:]
+        time.sleep(0.02)
+    record.write_bytes(kept)
+    # This first use ends step 7, which lets the waiting begin of step 8 open: the job is
+    # still the squatter's here for now, and stays marked to be asked about again.
+    first = run_as(VICTIM, lambda: latest(node_b, "llama"))
+    assert first in ("LATEST 1", "DENIED job 'llama' belongs to another user; uid 65533 may "
+                     "not see it"), first
+    go.touch()
+    answer(child)
+    assert run_as(VICTIM, lambda: latest(node_b, "llama")) == "LATEST 1"
+    assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
