@@ -71,6 +71,14 @@ async def recover(d: Daemon) -> None:
                    "stopped")
             await d.fail(gen, f"{why}; save this generation again", kind="interrupted")
             continue
+        failed = [s for s in gen.shards.values() if s.state is ShardState.FAILED]
+        if failed:
+            # Failing a shard and its generation are two journal writes too: a crash between
+            # them left a generation that waited for good on a shard that never drains
+            # (chaos seed 39036). It fails now as it would have; `retry` resends the copy.
+            await d.fail(gen, failed[0].error or f"shard {failed[0].path!r} could not drain",
+                         kind="drain")
+            continue
         for shard in gen.shards.values():
             if shard.state is ShardState.STAGED:
                 if not shard.local_copy:

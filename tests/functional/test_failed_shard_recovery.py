@@ -1,0 +1,42 @@
+"""A crash between a shard's failure and its generation's: the restarted daemon ends the
+generation (the client's `wait` says so and `retry` commits it), instead of leaving it open
+for good on a shard that never drains. Found by the chaos trial CHAOS_SEED=39036 (S3, EIO
+injected into reads of staged copies), which failed about half its runs."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import GenerationFailed
+from tests.conftest import DaemonProcess
+
+
+def test_a_failed_shard_in_an_open_generation_fails_it_at_restart(make_daemon: Any,
+                                                                   tmp_path: Path) -> None:
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where the destination's parent should be")
+    d: DaemonProcess = make_daemon(dest=f"file://{blocker}/dest",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="1")
+    with d.client() as c:
+        with c.generation("job", 1, rank=0, world_size=1) as gen:
+            gen.put("w.bin", b"x" * 4096)
+        with pytest.raises(GenerationFailed):
+            c.wait("job", 1, timeout_s=60)
+    d.stop()
+    # The crash window: the shard's failure journalled, the generation's not.
+    with sqlite3.connect(d.staging / "journal.sqlite3") as db:
+        assert db.execute("SELECT state FROM shards WHERE job = 'job'").fetchall() == [("failed",)]
+        db.execute("UPDATE generations SET state = 'open', error = '' WHERE job = 'job'")
+    blocker.unlink()
+    blocker.mkdir()
+    d.start()
+    with d.client() as c:
+        with pytest.raises(GenerationFailed, match="Not a directory"):
+            c.wait("job", 1, timeout_s=30)
+        c.retry("job", 1)
+        c.wait("job", 1, timeout_s=60)
+    assert (blocker / "dest" / "job" / f"{1:020d}" / "w.bin").read_bytes() == b"x" * 4096
