@@ -25,6 +25,11 @@ _GID = struct.Struct("=I")
 _NGROUPS_MAX = 65536
 
 
+def is_operator(uid: int) -> bool:
+    """Root or the daemon's own uid: may see and act on every job."""
+    return uid in (0, os.getuid())
+
+
 @dataclass(frozen=True, slots=True)
 class Peer:
     pid: int
@@ -35,7 +40,7 @@ class Peer:
     @property
     def operator(self) -> bool:
         """Root or the daemon's own uid: may see and act on every job."""
-        return self.uid in (0, os.getuid())
+        return is_operator(self.uid)
 
     def may_see(self, owner: int | None) -> bool:
         """Whether this peer may see a job owned by ``owner`` (None: not known here)."""

@@ -19,9 +19,9 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
+from ckptdrain.daemon.access import is_operator
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.owners import operator
 from ckptdrain.daemon.state import GenerationState
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class Expiry:
         owners = d.ledger.jobs
         share = max(1, cap // 2)
         held = sum(1 for name in busy if owners.get(name) == uid)
-        if held >= share and not operator(uid):
+        if held >= share and not is_operator(uid):
             d.metrics.backpressure("rejected", "max_jobs")
             raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already has {held} "
                                "jobs with generations in flight on this node, half of "

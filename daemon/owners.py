@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import Manifest, ManifestError, part_key
+from ckptdrain.daemon.access import is_operator as operator
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.latest import newest_committed, parse_part, read_latest
@@ -37,11 +37,6 @@ log = logging.getLogger("ckptdrain.owners")
 
 # Jobs whose owner is remembered: each lookup costs a few destination reads.
 MAX_REMEMBERED = 4096
-
-
-def operator(uid: int) -> bool:
-    """Root or the daemon's own uid: may act on every job."""
-    return uid in (0, os.getuid())
 
 
 def refusal(job: str, uid: int) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from ckptdrain.client import wire
 from ckptdrain.daemon import __version__, logs, maintenance, owners, startup
 from ckptdrain.daemon import status as status_view
-from ckptdrain.daemon.access import Peer
+from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
 from ckptdrain.daemon.backends.base import BackendError, open_backend
 from ckptdrain.daemon.budget import Budget
@@ -215,7 +215,7 @@ class Daemon:
                         # journalled: each is asked again at its job's next use (owners.settle).
                         self.committer.owners.unverified.update(
                             job for job, uid in self.ledger.jobs.items()
-                            if not owners.operator(uid))
+                            if not is_operator(uid))
                     # Leftovers of this node's interrupted writes go before any new drain starts.
                     await sweep_once(self, timeout_s=60.0)
                     if self.config.metrics.listen:
@@ -307,7 +307,7 @@ class Daemon:
                 return gen
             verified, owner = True, uid
             if job not in self.ledger.jobs:
-                if owners.operator(uid):
+                if is_operator(uid):
                     # Root saving a user's job saves it for its owner: the part records name
                     # the owner, who keeps the job (a record naming root took it from them).
                     owner, verified = await owners.for_operator(self, job, uid)
