@@ -339,8 +339,10 @@ class ClientHandler:
             raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, self.uid))
 
     def check_job_owner(self, job: str) -> None:
+        """Writes to a job: its owner's, or an operator's (root or the daemon's uid, who act
+        for the owner)."""
         owner = self.d.ledger.jobs.get(job)
-        if owner is not None and owner != self.uid and self.uid != 0:
+        if owner is not None and owner != self.uid and not self.peer.operator:
             raise RequestError(wire.PERMISSION_DENIED,
                                f"job {job!r} belongs to {self._owner_name(owner)}; uid "
                                f"{self.uid} may not write it")

@@ -3,6 +3,7 @@ count), what each user sees, and a socket group given by number."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="dropping to another uid needs root (CI runs as root)")
 OTHER_UID = 65534
 SITE_GID = 4242
+SERVICE_UID = 4301  # a daemon run as its own service user
 
 
 def run_as(fn: Callable[[], str], uid: int = OTHER_UID, gid: int = OTHER_UID,
@@ -145,3 +147,47 @@ def test_one_users_refusals_do_not_hide_anothers(make_daemon) -> None:  # type: 
     assert any(f"uid={OTHER_UID}" in line for line in refused), refused
     assert any(f"uid={second}" in line for line in refused), refused
     assert len(refused) == 2, refused  # the first user's second refusal is held back
+
+
+def test_the_daemons_own_uid_acts_for_any_owner(short_tmp: Path) -> None:
+    # As documented (root and the daemon's own uid act for any owner), but a begin or an
+    # abort_generation from the daemon's uid (a unit's User=) of a user's job was refused:
+    # the write check let only uid 0 through.
+    svc = short_tmp / "svc"
+    svc.mkdir()
+    os.chown(svc, SERVICE_UID, SERVICE_UID)
+    os.chmod(short_tmp, 0o755)
+    d = DaemonProcess(root=svc, socket_path=svc / "d.sock", dest_uri=f"file://{svc / 'dest'}",
+                      overrides={"CKPTDRAIN_ACCESS__SOCKET_MODE": "0666",
+                                 "CKPTDRAIN_ACCESS__ALLOWED_UIDS": f"[{OTHER_UID}]"})
+    log = svc / "daemon.log"
+    pid = otheruser.serve_as(SERVICE_UID, d.env(), log, d.socket_path)
+    try:
+        def user_saves(step: int) -> str:
+            c = Client(d.socket_path, timeout_s=20)
+            with c.generation("theirs", step) as gen:
+                gen.put("w", b"the user's bytes")
+            c.wait("theirs", step, timeout_s=30)
+            return "COMMITTED"
+
+        def service_acts() -> str:
+            c = Client(d.socket_path, timeout_s=20)
+            with c.generation("theirs", 2) as gen:
+                gen.put("w", b"saved by the operator")
+            c.wait("theirs", 2, timeout_s=30)
+            try:
+                with c.generation("theirs", 3) as gen:
+                    gen.put("w", b"to be aborted", deferred=True)
+                    c.abort_generation("theirs", 3, reason="operator")
+            except GenerationFailed as exc:
+                return "ACTED" if "aborted by an operator" in str(exc) else f"FAILED {exc}"
+            return "NOT ABORTED"
+
+        assert run_as(lambda: user_saves(1)) == "COMMITTED"
+        assert run_as(service_acts, uid=SERVICE_UID, gid=SERVICE_UID) == "ACTED"
+        # The job is still the user's: the operator's save was made for its owner.
+        assert run_as(lambda: user_saves(4)) == "COMMITTED"
+        parts = list((svc / "dest" / "theirs" / f"{2:020d}" / "_parts").iterdir())
+        assert parts and all(json.loads(p.read_text())["owner_uid"] == OTHER_UID for p in parts)
+    finally:
+        assert otheruser.stop(pid) == 0, log.read_text()
