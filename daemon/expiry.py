@@ -124,34 +124,51 @@ class Expiry:
         who begins job after job (and aborts them) pushes out their own, not another user's
         (forgotten, a job's node-local state and copies go). And one user keeps at most half
         of them busy (a generation in flight): busy jobs are never forgotten, and a user
-        holding all of them open kept every other user's new job off the node."""
+        holding all of them open kept every other user's new job off the node. The caller
+        checks again with :meth:`check_room` right before it tracks the job."""
         d = self.d
         cap = d.config.limits.max_jobs
         if job in d.ledger.jobs:
             self.touch(job)
             return
-        busy = self.busy_jobs()
+        self._check_share(uid)
         owners = d.ledger.jobs
+        # Again after each round of forgetting: begins at the same moment choose from the
+        # same idle jobs, and one that found its choice forgotten by another chooses again.
+        while len(owners) >= cap:
+            busy = self.busy_jobs()
+            idle_first = sorted((name for name in owners if name not in busy),
+                                key=lambda name: (owners[name] != uid, self.seen.get(name, 0.0)))
+            if not idle_first or not await self.forget_jobs(idle_first[: len(owners) - cap + 1]):
+                break
+        self.check_room(job, uid)
+        self.touch(job)
+
+    def check_room(self, job: str, uid: int) -> None:
+        """Whether ``uid`` may have ``job`` tracked now; synchronous, so that a check made right
+        before the job is tracked holds for it (begins at the same moment were each checked
+        against the jobs busy before any of them opened, and together passed the limits)."""
+        if job in self.d.ledger.jobs:
+            return
+        self._check_share(uid)
+        cap = self.d.config.limits.max_jobs
+        if len(self.d.ledger.jobs) >= cap:
+            self.d.metrics.backpressure("rejected", "max_jobs")
+            raise RequestError(wire.BACKPRESSURE, f"backpressure: this node already tracks "
+                               f"{len(self.d.ledger.jobs)} jobs with generations on it, the most "
+                               f"limits.max_jobs allows ({cap}); let them commit or raise the "
+                               "limit", {"limit": "max_jobs", "limit_value": cap,
+                                         "retry_after_s": 60.0})
+
+    def _check_share(self, uid: int) -> None:
+        cap = self.d.config.limits.max_jobs
         share = max(1, cap // 2)
-        held = sum(1 for name in busy if owners.get(name) == uid)
+        owners = self.d.ledger.jobs
+        held = sum(1 for name in self.busy_jobs() if owners.get(name) == uid)
         if held >= share and not is_operator(uid):
-            d.metrics.backpressure("rejected", "max_jobs")
+            self.d.metrics.backpressure("rejected", "max_jobs")
             raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already has {held} "
                                "jobs with generations in flight on this node, half of "
                                f"limits.max_jobs ({cap}); let them commit first",
                                {"limit": "max_jobs", "limit_value": cap, "current": held,
                                 "retry_after_s": 60.0})
-        if len(owners) < cap:
-            self.touch(job)
-            return
-        idle_first = sorted((name for name in owners if name not in busy),
-                            key=lambda name: (owners[name] != uid, self.seen.get(name, 0.0)))
-        await self.forget_jobs(idle_first[: len(d.ledger.jobs) - cap + 1])
-        if len(d.ledger.jobs) >= cap:
-            d.metrics.backpressure("rejected", "max_jobs")
-            raise RequestError(wire.BACKPRESSURE, f"backpressure: this node already tracks "
-                               f"{len(d.ledger.jobs)} jobs with generations on it, the most "
-                               f"limits.max_jobs allows ({cap}); let them commit or raise the "
-                               "limit", {"limit": "max_jobs", "limit_value": cap,
-                                         "retry_after_s": 60.0})
-        self.touch(job)

@@ -317,7 +317,11 @@ class Daemon:
             await self.expiry.make_room_for(job, owner)
             slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
             try:
+                # Checked again with nothing awaited before the job and its generation are
+                # tracked: other begins may have opened while this one waited.
                 owners.check_now(self, job, uid)
+                self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
+                self.expiry.check_room(job, owner)
                 gen = await self.ledger.open_generation(job, step, world_size, ack, owner,
                                                         attempt)
             except BaseException:
