@@ -262,6 +262,10 @@ def _load_json(data: bytes, what: str) -> object:
         return json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        # Arrays nested a few thousand deep exhaust the decoder's stack: what a hostile
+        # writer at the destination leaves; every reader must skip it, not crash on it.
+        raise ManifestError(f"{what} is not valid JSON: nested too deeply") from None
 
 
 def _check_version(obj: dict[str, Any], kind: str, what: str) -> None:
@@ -681,6 +685,16 @@ def build_manifest(parts: Sequence[PartRecord], committed_at: float) -> Manifest
                     f"shard path {shard.path!r} was written by nodes {other!r} and {part.node!r}"
                 )
             shards.append(shard)
+    for shard in shards:
+        # Ranks on different nodes: each node refuses such a pair among its own shards only.
+        # Committed, the generation could never be restored to a filesystem.
+        for parent in _parents(shard.path):
+            if parent in owner_of_path:
+                raise ManifestError(
+                    f"shard {parent!r} (node {owner_of_path[parent]!r}) and shard "
+                    f"{shard.path!r} (node {shard.node!r}) cannot both exist: one is a "
+                    "directory of the other; rename one of them"
+                )
     missing = missing_ranks(parts, first.world_size)
     if missing:
         raise ManifestError(f"ranks {_ranges(missing)} have no part record yet")
@@ -698,6 +712,12 @@ def build_manifest(parts: Sequence[PartRecord], committed_at: float) -> Manifest
         nodes=tuple(sorted(nodes)),
         clocks=clocks,
     )
+
+
+def _parents(path: str) -> list[str]:
+    """``a/b/c`` -> ``["a", "a/b"]``."""
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def same_contents(a: Manifest, b: Manifest) -> bool:

@@ -398,6 +398,14 @@ class Committer:
                                 manifest_key(job, step), latest_key(job), exc)
                     return
                 await asyncio.sleep(LATEST_RETRY_S * 2 ** attempt)
+            except Exception:
+                # The commit's boundary: past the manifest nothing may fail the generation
+                # (a hostile manifest above it once made the newest-commit scan raise, and the
+                # committed step was reported failed).
+                log.exception("%s is committed but %s could not be raised to it; readers "
+                              "find it by listing until a later commit raises it",
+                              manifest_key(job, step), latest_key(job))
+                return
 
     async def _raise_latest(self, job: str, step: int) -> None:
         """Point LATEST at ``step`` unless it already names a newer generation.

@@ -791,7 +791,7 @@ def _from_env(text: str, annotation: Any) -> Any:
         if stripped.startswith("["):
             try:
                 return json.loads(stripped)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return text
         items = [item.strip() for item in stripped.split(",") if item.strip()]
         (item_type,) = typing.get_args(annotation) or (str,)

@@ -41,6 +41,6 @@ def is_tombstone(data: bytes) -> bool:
         return False
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(obj, dict) and obj.get("kind") == TOMBSTONE_KIND

@@ -207,3 +207,23 @@ def test_json_output_schemas(node: DaemonProcess, tmp_path: Path) -> None:
         for key, kind in {"job": str, "step": int, "state": str, "ranks": (list, dict),
                           "shards": dict, "bytes": dict}.items():
             assert isinstance(gen[key], kind), (key, gen.get(key))
+
+
+def test_a_manifest_nested_too_deeply_is_skipped(node: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking the read side: a MANIFEST.json of arrays nested 100,000 deep made
+    # ls, verify, restore and gc print a RecursionError traceback.
+    hostile = node.dest / JOB / f"{7:020d}"
+    hostile.mkdir()
+    try:
+        (hostile / "MANIFEST.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+        out = cli(node, "ls", node.dest_uri, "--job", JOB)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert "7" not in out.stdout.split() and "2" in out.stdout.split(), out.stdout
+        out = cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "7",
+                  "--to", str(tmp_path / "r"))
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "nested too deeply" in out.stderr  # the warning naming what was skipped
+        assert out.stderr.strip().splitlines()[-1].startswith("ckptdrain: generation 7 of "), \
+            out.stderr
+    finally:
+        shutil.rmtree(hostile)

@@ -459,3 +459,51 @@ async def test_a_latest_that_cannot_be_written_never_fails_a_commit_on_any_node(
     assert await gpu1.get_bytes(latest_key(JOB)) is None
     await gpu1.aclose()
     await gpu2.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_hostile_manifest_above_does_not_fail_a_commit(
+    node_backend: NodeFactory, tmp_path: Path
+) -> None:
+    # Found attacking the read side: a MANIFEST.json of arrays nested 100,000 deep in a newer
+    # generation made the newest-commit scan after the publish raise RecursionError; the
+    # committed step was reported failed, and later served as the newest checkpoint.
+    committer = await drain_and_record(node_backend, tmp_path, "gpu1", (0, 1, 2, 3))
+    await committer.backend.put_bytes(manifest_key(JOB, STEP + 5), b"[" * 100_000 + b"]" * 100_000)
+    assert (await committer.try_publish(JOB, STEP, 4)).outcome is CommitOutcome.PUBLISHED
+    assert await committer.backend.get_bytes(latest_key(JOB)) == f"{STEP}\n".encode()
+
+
+@pytest.mark.asyncio
+async def test_nothing_after_the_manifest_fails_a_commit(tmp_path: Path) -> None:
+    # The boundary past the commit point: an unexpected error raising LATEST is logged, and
+    # the generation stays published.
+    backend = MemoryBackend("gpu1")
+    committer = Committer(backend, "gpu1")
+    await committer.record_part(await drain(backend, tmp_path, "gpu1", (0,), world_size=1))
+    backend.inject("get_bytes", RuntimeError("unexpected"), key_contains="LATEST")
+    result = await committer.try_publish(JOB, STEP, 1)
+    assert result.outcome is CommitOutcome.PUBLISHED
+    assert await backend.get_bytes(manifest_key(JOB, STEP)) is not None
+
+
+@pytest.mark.asyncio
+async def test_a_file_and_a_directory_of_one_name_from_two_nodes_do_not_commit(
+    tmp_path: Path,
+) -> None:
+    # Found attacking the read side: rank 0 on one node wrote "model/rank0.pt", rank 1 on
+    # another "model/rank0.pt/rank1.pt". Each node refuses such a pair among its own shards
+    # only, so the generation committed on S3 (keys, not directories) and no restore could
+    # ever write it.
+    store = MemoryStore()
+    committers = []
+    for node, rank, directory in (("gpu1", 0, "model"), ("gpu2", 1, "model/rank0.pt")):
+        backend = MemoryBackend(node, store=store)
+        committer = Committer(backend, node)
+        await committer.record_part(await drain(backend, tmp_path, node, (rank,),
+                                                world_size=2, directory=directory))
+        committers.append(committer)
+    result = await committers[1].try_publish(JOB, STEP, 2)
+    assert result.outcome is CommitOutcome.CONFLICT
+    assert "cannot both exist" in result.reason
+    assert manifest_key(JOB, STEP) not in store.objects

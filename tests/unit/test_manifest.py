@@ -226,7 +226,8 @@ def test_part_record_shards_are_validated(shard_changes: dict[str, object], matc
 
 
 def test_garbage_is_a_manifest_error() -> None:
-    for data in (b"", b"{", b"\xff\xfe", b"[]", b"null"):
+    # Nested 100,000 deep: the decoder's RecursionError (found attacking the read side).
+    for data in (b"", b"{", b"\xff\xfe", b"[]", b"null", b"[" * 100_000 + b"]" * 100_000):
         with pytest.raises(ManifestError):
             PartRecord.from_json(data)
         with pytest.raises(ManifestError):
