@@ -235,7 +235,8 @@ async def verify(
             if info is None:
                 report.bad.append((shard.path, "missing at the destination"))
                 return
-            if info.checksum is not None and info.checksum.partition(":")[0] == shard.algo:
+            if (info.validated and info.checksum is not None
+                    and info.checksum.partition(":")[0] == shard.algo):
                 report.stored += 1
                 if info.size != shard.size:
                     report.bad.append(

@@ -62,6 +62,10 @@ class ObjectInfo:
     # "crc64nvme:<hex>" (or an older "sha256:<hex>") of the bytes, as the destination recorded it when the object was created
     # (only ``stat`` fills it; None: not recorded, e.g. an object an older version wrote).
     checksum: str | None = field(default=None, compare=False)
+    # Whether the destination computed ``checksum`` from the bytes it received and checks it
+    # (S3's full-object CRC64NVME), rather than keeping what a writer told it (metadata any
+    # client may set): only such a checksum stands in for reading the bytes.
+    validated: bool = field(default=False, compare=False)
 
 
 class Flow(Protocol):

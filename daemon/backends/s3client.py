@@ -304,16 +304,22 @@ class S3Client:
 
     @staticmethod
     def _info_of(key: str, head: dict[str, Any]) -> ObjectInfo:
-        recorded = head.get("Metadata", {}).get(CHECKSUM_METADATA_KEY)
-        try:
-            checksum = None if recorded is None else ":".join(parse_checksum(str(recorded)))
-        except ManifestError:
-            checksum = None  # not one we wrote: as good as none
+        # The server's own checksum first: the metadata is what the writer said, and any
+        # client may write an object with a copied checksum in it (found attacking verify).
+        # The metadata stands in only where the server stored none (a server without
+        # CRC64NVME; an object written with sha256 by an older version).
+        checksum = stored_checksum(head)
+        validated = checksum is not None
         if checksum is None:
-            checksum = stored_checksum(head)
+            recorded = head.get("Metadata", {}).get(CHECKSUM_METADATA_KEY)
+            try:
+                checksum = None if recorded is None else ":".join(parse_checksum(str(recorded)))
+            except ManifestError:
+                checksum = None  # not one we wrote: as good as none
         return ObjectInfo(
             key=key, size=int(head.get("ContentLength") or 0),
             modified=unix_time(head.get("LastModified")), checksum=checksum,
+            validated=validated,
         )
 
 

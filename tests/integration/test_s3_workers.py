@@ -179,8 +179,19 @@ def test_verify_compares_stored_checksums_and_read_rereads_the_bytes(
     full = subprocess.run([*base, "--read"], env=env, capture_output=True, text=True, timeout=120)
     assert full.returncode == 0, full.stderr
     assert "by the checksum the destination stored" not in full.stdout
-    # Other bytes of the same size put over a shard (without our checksum): both catch it.
     key = f"{PREFIX}/verifyjob/{3:020d}/b.bin"
+    # Found attacking the read side: other bytes put over a shard with the shard's own
+    # checksum copied into their metadata (which any client may write and the server never
+    # checks) passed verify. Only the checksum the server computed counts as stored.
+    s3 = seaweedfs.client()
+    metadata = s3.head_object(Bucket=s3_bucket, Key=key)["Metadata"]
+    assert metadata, "a single PutObject carries the shard's checksum in its metadata"
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=os.urandom(1000), Metadata=metadata,
+                  ChecksumAlgorithm="CRC64NVME")
+    forged = subprocess.run(base, env=env, capture_output=True, text=True, timeout=120)
+    assert forged.returncode == 1, forged.stdout
+    assert "BAD b.bin: stored checksum" in forged.stderr, forged.stderr
+    # Other bytes of the same size put over a shard (without our checksum): both catch it.
     seaweedfs.client().put_object(Bucket=s3_bucket, Key=key, Body=os.urandom(1000))
     for args in (base, [*base, "--read"]):
         bad = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
