@@ -4,9 +4,11 @@
 generation of ``job`` (or ``step=``). Every file (``.metadata`` and the ``.distcp`` data
 files) comes from this node's local copy when the daemon holds one and has just checked it
 against the manifest: the daemon passes a read-only fd of it, and nothing is copied through
-the socket. Otherwise the file is read from the destination: directly for a ``file://``
-destination, or fetched by the daemon into memory for one this process cannot read (S3), so
-the client needs nothing beyond the standard library and torch.
+the socket. Otherwise the daemon fetches the file from the destination into memory of ours,
+checking it against the manifest as it copies, for ``file://`` as for S3: a file read
+straight from the destination would be loaded unchecked (tampered bytes loaded silently; a
+FIFO planted in its place hung the load). The client needs nothing beyond the standard
+library and torch.
 
 It is torch's ``FileSystemReader`` with where files come from replaced, so loads resharded to
 another world size work as they do with ``FileSystemReader``. The client never hashes: the
@@ -41,7 +43,6 @@ class _GenerationFiles(FileSystemBase):
 
     def __init__(self, client: Client, job: str, step: int, root: str) -> None:
         self.client, self.job, self.step, self.root = client, job, step, root
-        self.local_root = None if "://" in root else root
         self.sources: dict[str, str] = {}  # file name -> where it was read from
 
     def _name(self, path: str | os.PathLike[str]) -> str:
@@ -70,9 +71,7 @@ class _GenerationFiles(FileSystemBase):
         return fd
 
     def _from_destination(self, name: str) -> int:
-        if self.local_root is not None:
-            return os.open(os.path.join(self.local_root, name), os.O_RDONLY | os.O_CLOEXEC)
-        # A destination only the daemon reaches: it copies the object into memory of ours.
+        # The daemon copies the file into memory of ours and checks it as it copies.
         fd = os.memfd_create(f"ckptdrain-read-{name}", os.MFD_CLOEXEC)
         try:
             self.client.fetch_from_destination(self.job, self.step, name, fd)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptdrain.client import NotFound
 from ckptdrain.client.dcp import DrainReader, DrainWriter
@@ -227,3 +228,28 @@ def test_targets_of_other_dtypes_and_layouts_load_as_with_file_system_reader(
     assert ours["w"].dtype == torch.float64
     assert torch.equal(ours["w"], saved_state(6)["w"].double())
     assert torch.equal(ours["t"], saved_state(6)["t"])
+
+
+def test_a_damaged_destination_file_is_never_loaded(make_daemon: Any) -> None:
+    # Found attacking the read side: with no local copy, DrainReader opened a file:// shard
+    # straight from the destination: bytes changed there loaded without a word, and a FIFO
+    # planted in the shard's place hung the load for good.
+    daemon: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="false")
+    save(daemon, 3, seed=3)
+    shard = generation_dir(daemon.dest, JOB, 3) / "__0_0.distcp"
+    good = shard.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0xFF
+    shard.write_bytes(bytes(flipped))
+    # DCP wraps a rank's error; the daemon's refusal is inside.
+    with pytest.raises(CheckpointException, match="does not match its manifest"):
+        load(daemon)
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(CheckpointException, match="not a regular file"):
+        load(daemon)
+    shard.unlink()
+    shard.write_bytes(good)
+    loaded, sources = load(daemon)
+    assert compare(saved_state(3), loaded) == 7
+    assert set(sources.values()) == {"destination"}
