@@ -73,7 +73,11 @@ class Admission:
         return True
 
     def hold_generation(self, gen: GenerationRecord, slot: Reservation) -> None:
-        if gen in self._held:
+        """``gen`` takes ``slot`` over until it ends (release_generation, from Ledger.ended).
+        A generation that already ended gives it back at once: an abort landing while its
+        begin waited on the journal ended it before it held the slot, and nothing would ever
+        have freed it (the job refused every begin until a restart)."""
+        if gen in self._held or gen.terminal:
             slot.release()
             return
         self._held[gen] = slot

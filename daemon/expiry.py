@@ -133,14 +133,20 @@ class Expiry:
             return
         self._check_share(uid)
         owners = d.ledger.jobs
-        # Again after each round of forgetting: begins at the same moment choose from the
-        # same idle jobs, and one that found its choice forgotten by another chooses again.
+        # Again after each round of forgetting, with the next idle jobs: begins at the same
+        # moment choose from the same idle jobs, and one that found its choice forgotten by
+        # another chooses again; a job that cannot be forgotten yet (it still holds a slot)
+        # does not stop the others being forgotten.
+        tried: set[str] = set()
         while len(owners) >= cap:
             busy = self.busy_jobs()
-            idle_first = sorted((name for name in owners if name not in busy),
+            idle_first = sorted((name for name in owners if name not in busy and name not in tried),
                                 key=lambda name: (owners[name] != uid, self.seen.get(name, 0.0)))
-            if not idle_first or not await self.forget_jobs(idle_first[: len(owners) - cap + 1]):
+            if not idle_first:
                 break
+            chosen = idle_first[: len(owners) - cap + 1]
+            tried.update(chosen)
+            await self.forget_jobs(chosen)
         self.check_room(job, uid)
         self.touch(job)
 
