@@ -438,13 +438,7 @@ class ClientHandler:
                 "bytes": sum(s.size for s in shards)}
 
     async def abort_rank(self, gen: GenerationRecord, rank: int, reason: str) -> None:
-        if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED):
-            await self.d.ledger.apply((gen, rank), RankEvent.ABORTED)
-        if not gen.terminal:
-            await self.d.fail(gen, f"rank {rank}: {reason}", kind="aborted")
-            for shard in gen.shards.values():
-                if shard.state is not ShardState.DISCARDED:
-                    await self.d.ledger.apply(shard, ShardEvent.DISCARDED)
+        await self.d.give_up(gen, f"rank {rank}: {reason}", ranks=(rank,))
 
     async def fetch(self, job: str, step: int, path: str, out_fd: int) -> dict[str, Any]:
         """Restore's fast path: copy this node's local copy of a committed shard into the

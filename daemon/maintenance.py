@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.state import GenerationEvent, RankState, ShardState
+from ckptdrain.daemon.state import RankState, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.access import Peer
@@ -92,7 +92,7 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
         raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is already "
                            f"{gen.state}; nothing to abort")
     why = f"aborted by an operator (uid {uid})" + (f": {reason}" if reason else "")
-    await d.fail(gen, why, kind="aborted", event=GenerationEvent.FAILED)
+    await d.give_up(gen, why)
     log_event(log, logging.WARNING, "generation_aborted", job=job, step=step, uid=uid,
               reason=reason)
     return {"job": job, "step": step, "state": str(gen.state)}

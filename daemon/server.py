@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckptdrain.client import wire
@@ -52,6 +52,8 @@ from ckptdrain.daemon.staging import Staging
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
+    RankEvent,
+    RankState,
     ShardEvent,
     ShardState,
 )
@@ -373,6 +375,24 @@ class Daemon:
             for shard in gen.shards.values():
                 if shard.state is ShardState.DRAINED:
                     self.copies.discard(shard)
+
+    async def give_up(self, gen: GenerationRecord, reason: str,
+                      ranks: Iterable[int] | None = None) -> None:
+        """End ``gen`` for good (a rank's or an operator's abort): ``ranks`` (default: every
+        one still open or sealed here) are aborted, which no ``retry`` can undo, so every
+        shard it staged goes back now, also when it had already ended. Aborting the ranks
+        first is what makes that hold: an operator's abort once ended the generation with its
+        rank still open, it looked retryable, and its undrained shards were kept for a retry
+        that could never come."""
+        chosen = list(gen.ranks) if ranks is None else list(ranks)
+        for rank in chosen:
+            if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED):
+                await self.ledger.apply((gen, rank), RankEvent.ABORTED)
+        if not gen.terminal:
+            await self.fail(gen, reason, kind="aborted", event=GenerationEvent.FAILED)
+        for shard in gen.shards.values():
+            if shard.state is not ShardState.DISCARDED:
+                await self.ledger.apply(shard, ShardEvent.DISCARDED)
 
     async def replace_generation(self, gen: GenerationRecord, attempt: str) -> None:
         """A new attempt at an uncommitted step: end the old attempt on this node, drop what it

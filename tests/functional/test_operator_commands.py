@@ -129,6 +129,31 @@ def test_abort_a_generation(make_daemon: Any) -> None:
     assert cli(d, "abort", "bad job", "6").returncode == 2
 
 
+def test_an_aborted_generation_gives_back_what_it_staged_at_once(make_daemon: Any) -> None:
+    # Found in a long run with operator aborts: the abort ended the generation while its rank
+    # was still open, so it still looked retryable and its undrained shards were kept for a
+    # retry; the rank's abort that followed made it unretryable, and nothing gave them back.
+    # They stayed staged (the oldest-undrained age climbed, paging for nothing) until the
+    # generation was forgotten, days later. Now an operator's abort gives the generation up.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    c = d.client()
+    rank = c.generation("job", 5, rank=0, world_size=1)
+    rank.__enter__()
+    for i in range(3):
+        rank.put(f"w{i}", os.urandom(300_000))
+    assert c.status()["staged_bytes"] >= 900_000
+    assert cli(d, "abort", "job", "5").returncode == 0
+    status = c.status()
+    assert status["staged_bytes"] == 0 and status["queued_shards"] == 0, status
+    assert not status["oldest_undrained_age_s"], status  # nothing left to page about
+    with pytest.raises(GenerationFailed, match="cannot be retried"):
+        c.retry("job", 5)
+    with pytest.raises(GenerationFailed):
+        rank.__exit__(None, None, None)
+    assert c.status()["staged_bytes"] == 0
+    assert not list((d.staging / "shards").glob("*.data"))
+
+
 def test_status_shows_the_owning_uid(daemon: DaemonProcess) -> None:
     with daemon.client().generation("owned", 1) as gen:
         gen.put("w", b"x")
