@@ -12,9 +12,11 @@ import argparse
 import errno
 import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
 from ckptdrain.client import DrainError
@@ -128,12 +130,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "here (`pip install ckptdrain` is the client only); install them with "
                   "`pip install 'ckptdrain[daemon]'`, or install the ckptdrain Debian package",
                   EXIT_CONFIG)
+        if ns.command != "serve":  # the daemon stops on SIGTERM in its own way
+            signal.signal(signal.SIGTERM, _terminate_as_interrupt)
         return _run(ns)
     except BrokenPipeError:
         _quiet_broken_pipe()
         return EXIT_OK
     except KeyboardInterrupt:
+        if _TERMINATED:
+            _fail("terminated", 128 + signal.SIGTERM)
         _fail("interrupted", 130)
+
+
+_TERMINATED: list[int] = []
+
+
+def _terminate_as_interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (``kill``, ``timeout``, a batch system's time limit) ends a command the way
+    Ctrl-C does, cleaning up behind it: killed outright, a restore left complete-looking
+    partial files behind (found attacking the read side)."""
+    _TERMINATED.append(signum)
+    on_interrupt = signal.getsignal(signal.SIGINT)
+    if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
+        # asyncio's own: cancels the command's task, whose cleanup then runs, and raises
+        # KeyboardInterrupt once it has.
+        on_interrupt(signal.SIGINT, frame)
+        return
+    # Not in an event loop, or SIGINT ignored (a background job of a script): the loop's
+    # runner cancels every task as this unwinds through it.
+    raise KeyboardInterrupt
 
 
 def _run(ns: argparse.Namespace) -> int:

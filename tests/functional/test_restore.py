@@ -4,7 +4,9 @@ without the manifest's checksums: a corrupted local copy is detected and fetched
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from tests.conftest import CKPTDRAIN, DaemonProcess
@@ -55,3 +57,31 @@ def test_restore_with_a_progress_bar_and_without_a_daemon(daemon: DaemonProcess,
     assert out.returncode == 0, out.stderr
     assert "100.0%" in out.stderr and "[" in out.stderr
     assert (tmp_path / "r" / "w.bin").stat().st_size == 2 << 20
+
+
+def test_a_terminated_restore_leaves_nothing_behind(daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking the read side: Ctrl-C cleaned up, but SIGTERM (kill, timeout, a batch
+    # system's time limit) killed the command outright and left the target holding temp
+    # partials beside complete-looking files. Now SIGTERM ends it as Ctrl-C does (exit 143).
+    with daemon.client().generation("rj", 2) as gen:
+        for i in range(8):
+            gen.put(f"s{i}.bin", os.urandom(32 << 20))
+    daemon.client().wait("rj", 2, timeout_s=60)
+    for attempt in range(5):  # a restore that ends before it is caught is tried again
+        to = tmp_path / f"t{attempt}"
+        proc = subprocess.Popen([CKPTDRAIN, "restore", daemon.dest_uri, "--job", "rj",
+                                 "--to", str(to), "--no-local"], env=daemon.env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while proc.poll() is None and not (to.is_dir() and any(to.glob(".*.ckptdrain-tmp"))):
+            time.sleep(0.001)
+        if proc.poll() is not None:
+            proc.communicate()
+            continue
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        if proc.returncode == 0:
+            continue  # it had finished meanwhile
+        assert proc.returncode == 143 and err.strip().endswith("ckptdrain: terminated"), err
+        assert not to.exists() or not any(to.iterdir()), sorted(to.rglob("*"))
+        return
+    raise AssertionError("no restore was caught mid-way in 5 tries")
