@@ -248,12 +248,14 @@ async def verify(
         digest = checksums.for_checksum(shard.checksum)
         size = 0
         try:
-            async for chunk in backend.read_chunks(key):
-                size += len(chunk)
-                report.bytes += len(chunk)
-                if size > shard.size:
-                    break  # already wrong; no need to read a runaway object to its end
-                await _hash(digest, chunk)
+            # Closed on every way out: a read broken off lets its connection go at once.
+            async with contextlib.aclosing(backend.read_chunks(key)) as chunks:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    report.bytes += len(chunk)
+                    if size > shard.size:
+                        break  # already wrong; no need to read a runaway object to its end
+                    await _hash(digest, chunk)
         except BackendError as exc:
             if exc.kind != "integrity":
                 raise
@@ -304,7 +306,8 @@ async def restore(
                                    concurrency, progress, local, made)
     except BaseException:
         # A failed restore leaves the target as it found it: no half checkpoint, no empty
-        # directories (files it replaced under --overwrite are not brought back). Every
+        # directories (files it replaced under --overwrite are not brought back, and an
+        # earlier restore's MANIFEST.json there is gone, so the mix is no checkpoint). Every
         # thread call is settled before this runs, so none creates a file after it.
         await _settled(made.undo)
         raise
@@ -318,6 +321,11 @@ async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concur
     # in to_dir that would carry a write elsewhere.
     targets = {shard.path: _inside(root, shard.path) for shard in manifest.shards}
     written = local_files = local_rejected = 0
+    # Under --overwrite the target may hold an earlier restore: its MANIFEST.json goes before
+    # any file is replaced, so a restore that fails half-way leaves no directory claiming to
+    # be a whole checkpoint (found attacking restore: the old manifest stayed, describing
+    # files some of which were already another generation's).
+    await _settled(_unlink, root / "MANIFEST.json")
 
     async def fetch(shard: ShardEntry) -> None:
         nonlocal written, local_files, local_rejected

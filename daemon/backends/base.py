@@ -12,9 +12,10 @@ import abc
 import asyncio
 import builtins
 import concurrent.futures
+import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -212,7 +213,7 @@ class Backend(abc.ABC):
         the generation directories of ``<job>/`` in one request, without listing shards."""
 
     @abc.abstractmethod
-    def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
+    def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncGenerator[bytes, None]:
         """The object's bytes in order, for verify and restore."""
 
     async def copy_into(
@@ -229,18 +230,24 @@ class Backend(abc.ABC):
         fd, which the client could truncate under the mapping (see filecopy.checksum_into).
         ``expected_size``: the size the manifest lists, when the caller has one; a backend may
         plan the read by it instead of asking the destination first (the caller compares what
-        came back with the manifest anyway)."""
-        del owned, expected_size  # the chunks are checksummed as they arrive, in order
+        came back with the manifest anyway), and stops as soon as the object is known to differ
+        from it: a runaway object is not read to its end into the caller's disk (found
+        attacking restore: 48 MiB written for a shard the manifest lists as 1 byte)."""
+        del owned  # the chunks are checksummed as they arrive, in order
         digest = checksums.new(algo)
         size = 0
         loop = asyncio.get_running_loop()
-        async for chunk in self.read_chunks(key):
-            # Waited for even when cancelled: no thread may write to out_fd once we return.
-            await settled(loop.run_in_executor(None, _hash_and_write, digest, out_fd, chunk,
-                                               size))
-            size += len(chunk)
-            if progress is not None:
-                progress(len(chunk))
+        # Closed on every way out: a read given up early lets its connection go at once.
+        async with contextlib.aclosing(self.read_chunks(key)) as chunks:
+            async for chunk in chunks:
+                if expected_size is not None and size + len(chunk) > expected_size:
+                    return size + len(chunk), ""  # longer than the manifest says: wrong
+                # Waited for even when cancelled: no thread may write to out_fd once we return.
+                await settled(loop.run_in_executor(None, _hash_and_write, digest, out_fd,
+                                                   chunk, size))
+                size += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
         return size, digest.value()
 
     @abc.abstractmethod

@@ -17,7 +17,7 @@ import builtins
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from ckptdrain.daemon import checksums
@@ -307,7 +307,7 @@ class MemoryBackend(Backend):
         }
         return sorted(names)
 
-    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
+    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncGenerator[bytes, None]:
         self._enter("read_chunks", key)
         await self._gate("read_chunks", key)
         data = self.store.objects.get(key)

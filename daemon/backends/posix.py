@@ -25,7 +25,7 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -448,7 +448,7 @@ class PosixBackend(Backend):
             f"listing {prefix or '/'}", list_dirs, self.fs, self._parts(base) if base else []
         )
 
-    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
+    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncGenerator[bytes, None]:
         fd = await self._run(f"opening {key}", open_existing, self.fs, self._parts(key))
         # The fd is closed however the iteration ends (exhausted, broken off, cancelled).
         try:
@@ -465,18 +465,19 @@ class PosixBackend(Backend):
         progress: Callable[[int], None] | None = None, owned: bool = False,
         expected_size: int | None = None,
     ) -> tuple[int, str]:
-        del expected_size  # the open file says its size, at no extra cost
         # One thread job per file, copied by the kernel and checksummed from the page cache:
         # no event-loop hop and no user-space write loop.
         return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key), out_fd,
-                               algo, progress, owned)
+                               algo, progress, owned, expected_size)
 
     def _copy_into_sync(self, parts: builtins.list[str], out_fd: int, algo: str,
                         progress: Callable[[int], None] | None, owned: bool,
-                        stop: threading.Event) -> tuple[int, str]:
+                        expected_size: int | None, stop: threading.Event) -> tuple[int, str]:
         src = open_existing(self.fs, parts, stop)
         try:
             size = os.fstat(src).st_size
+            if expected_size is not None and size != expected_size:
+                return size, ""  # the caller reports the size; nothing copied for nothing
             # A restore is not fsynced (it is repeatable): no write-behind to wait on. The
             # checksum maps what was written when that is the caller's own file, never the
             # destination's file or a client's, which others may truncate (checksum_into).

@@ -9,7 +9,7 @@ import asyncio
 import builtins
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from ckptdrain.daemon import checksums
@@ -98,7 +98,7 @@ class S3Reads(S3Client, Backend):
             if not page.get("IsTruncated") or not token:
                 break
 
-    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncIterator[bytes]:
+    async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncGenerator[bytes, None]:
         """The object's bytes in chunks of ``chunk_bytes`` (the last shorter). A stream cut
         mid-way is resumed with a ranged GET pinned to the same ETag, up to max_attempts."""
         full = self._key(key)
@@ -178,8 +178,11 @@ class S3Reads(S3Client, Backend):
                                 "has been deleted", transient=False, kind="not_found",
                                 code="NoSuchKey")
         size = 0 if head is None else int(head.get("ContentLength") or 0)
+        if head is not None and expected_size is not None and size != expected_size:
+            return size, ""  # the caller reports the size; nothing read for nothing
         if head is None or size <= self._part_size:  # one stream: no HEAD asked, or small
-            return await super().copy_into(key, out_fd, algo=algo, progress=progress)
+            return await super().copy_into(key, out_fd, algo=algo, progress=progress,
+                                           expected_size=expected_size)
         etag = str(head.get("ETag") or "")
         ranges = [Range(key, full, offset, min(self._part_size, size - offset), etag)
                   for offset in range(0, size, self._part_size)]

@@ -295,3 +295,39 @@ async def test_a_streamed_copy_writes_at_offsets_from_zero_not_at_the_files_posi
         os.close(fd)
     assert size == len(data)
     assert target.read_bytes() == data
+
+
+@pytest.mark.asyncio
+async def test_restore_reads_no_further_than_the_manifest_says(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    # Found attacking restore: an object far longer than its shard was read to its end into
+    # the target's temp file (48 MiB for a shard listed as 1 byte) before the size was
+    # compared: a full disk for nothing.
+    backend, corrupt = dest
+    await commit(backend, tmp_path, 100)
+    corrupt(shard_key(JOB, 100, "model/rank0.pt"),
+            shard_bytes(100, "model/rank0.pt") + b"x" * (8 << 20))
+    moved: list[int] = []
+    with pytest.raises(catalog.RestoreError, match="longer than"):
+        await catalog.restore(backend, JOB, 100, tmp_path / "restored", progress=moved.append)
+    assert sum(moved) <= len(shard_bytes(100, "model/rank0.pt")), sum(moved)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_restore_over_an_earlier_one_leaves_no_manifest(
+    dest: tuple[Backend, Corrupt], tmp_path: Path
+) -> None:
+    # Found attacking restore: restoring over an earlier restore (--overwrite) and failing
+    # half-way left the earlier MANIFEST.json beside files that were partly the new
+    # generation's: a directory that looked like a whole checkpoint and was none.
+    backend, corrupt = dest
+    await commit(backend, tmp_path, 100, PATHS)
+    await commit(backend, tmp_path, 200, PATHS)
+    into = tmp_path / "restored"
+    await catalog.restore(backend, JOB, 100, into)
+    assert (into / "MANIFEST.json").exists()
+    corrupt(shard_key(JOB, 200, PATHS[-1]), b"damaged")
+    with pytest.raises(catalog.RestoreError):
+        await catalog.restore(backend, JOB, 200, into, concurrency=1)
+    assert not (into / "MANIFEST.json").exists()
