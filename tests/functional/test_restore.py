@@ -78,7 +78,7 @@ def test_a_terminated_restore_leaves_nothing_behind(daemon: DaemonProcess, tmp_p
             proc.communicate()
             continue
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
         if proc.returncode == 0:
             continue  # it had finished meanwhile
         assert proc.returncode == 143 and err.strip().endswith("ckptdrain: terminated"), err
