@@ -31,7 +31,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
-from ckptdrain.daemon.latest import newest_committed, parse_manifest, read_latest
+from ckptdrain.daemon.latest import manifest_bytes, newest_committed, parse_manifest, read_latest
 from ckptdrain.daemon.threads import outlast, settled
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ async def read_manifest(backend: Backend, job: str, step: int) -> Manifest | Non
     """The generation's manifest, or None when it is absent or damaged (logged): either way
     the generation is not one a restart may use."""
     key = manifest_key(job, step)
-    data = await backend.get_bytes(key)
+    data = await manifest_bytes(backend, job, step)
     if data is None:
         return None
     try:

@@ -49,6 +49,7 @@ from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import (
     PART_ENTRY_BYTES,
+    manifest_bytes,
     off_loop_if_large,
     parse_latest,
     parse_manifest,
@@ -255,7 +256,7 @@ class Committer:
         return await self.manifests.get(job, step, lambda: self._read_committed(job, step))
 
     async def _read_committed(self, job: str, step: int) -> Manifest | None:
-        data = await self.backend.get_bytes(manifest_key(job, step))
+        data = await manifest_bytes(self.backend, job, step)
         if data is None or is_tombstone(data):
             return None
         return await parse_manifest(data)

@@ -94,6 +94,26 @@ async def raise_latest(backend: Backend, job: str, step: int) -> None:
     )
 
 
+# What a MANIFEST.json key may hold that is no commit at all, beside invalid JSON: a symbolic
+# link planted there ("unsafe") or an object over the small-object limit ("integrity"). Readers
+# skip it as they skip invalid JSON (found attacking the read side: one such key in one
+# generation failed `ls`, `verify` and `restore` of the whole job, and every save of it).
+NOT_A_COMMIT = frozenset({"integrity", "unsafe"})
+
+
+async def manifest_bytes(backend: Backend, job: str, step: int) -> bytes | None:
+    """What ``job`` step ``step``'s MANIFEST.json key holds; None when nothing, or when it
+    holds what no commit can be (logged). Raises what the destination raises otherwise."""
+    key = manifest_key(job, step)
+    try:
+        return await backend.get_bytes(key)
+    except BackendError as exc:
+        if exc.kind not in NOT_A_COMMIT:
+            raise
+        log.warning("ignoring %s: %s", key, exc)
+        return None
+
+
 async def newest_committed(backend: Backend, job: str, above: int) -> int | None:
     """The newest step of ``job`` above ``above`` with a valid manifest, or None.
 
@@ -110,7 +130,7 @@ async def newest_committed(backend: Backend, job: str, above: int) -> int | None
         reverse=True,
     )
     for step in steps:
-        data = await backend.get_bytes(manifest_key(job, step))
+        data = await manifest_bytes(backend, job, step)
         if data is None or is_tombstone(data):
             continue
         try:

@@ -56,7 +56,7 @@ from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.keptmanifests import KeptManifests
-from ckptdrain.daemon.latest import parse_manifest, raise_latest, read_latest
+from ckptdrain.daemon.latest import NOT_A_COMMIT, parse_manifest, raise_latest, read_latest
 from ckptdrain.daemon.retention_plan import (
     GenerationKeys,
     RetentionPlan,
@@ -255,7 +255,17 @@ async def _survey(
             present[step] = True
             valid.append(step)
             continue
-        data = await backend.get_bytes(manifest_key(job, step))
+        try:
+            data = await backend.get_bytes(manifest_key(job, step))
+        except BackendError as exc:
+            if exc.kind not in NOT_A_COMMIT:
+                raise
+            # A link or an oversized object at the key: unreadable, as invalid JSON is (it
+            # failed every retention run of the job).
+            present[step] = True
+            unreadable[step] = str(exc)
+            log.warning("retention: %s: %s", manifest_key(job, step), exc)
+            continue
         present[step] = data is not None
         if data is None:
             continue  # uncommitted (or removed since the listing by another node's run)

@@ -16,7 +16,9 @@ asking user's own idle jobs first.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from ckptdrain.client import Backpressure, Client, GenerationFailed, PermissionDenied
-from tests.conftest import DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess
 from tests.functional.otheruser import answer, run_as, start_as
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -164,6 +166,33 @@ def test_a_damaged_newest_manifest_does_not_stop_the_jobs_commits(make_daemon) -
     (node_a.dest / "llama" / f"{1:020d}" / "MANIFEST.json").write_bytes(b"{not json")
     assert run_as(VICTIM, lambda: save(node_b, "llama", 2, b"victim-2")) == "SAVED"
     assert node_b.client().latest("llama") == 2
+
+
+def test_a_manifest_that_is_a_link_or_too_large_is_no_commit(make_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the read side: a MANIFEST.json planted as a symbolic link, or one over
+    # the 64 MiB small-object limit, in a newer generation failed `ls --job`, `verify` and
+    # `restore` of the job, and every later save of it ("could not read the job's owner").
+    # Both are skipped now, as invalid JSON is.
+    d: DaemonProcess = make_daemon()
+    save(d, "llama", 1, b"step one")
+    linked = d.dest / "llama" / f"{5:020d}"
+    linked.mkdir()
+    (linked / "MANIFEST.json").symlink_to(d.dest / "llama" / f"{1:020d}" / "MANIFEST.json")
+    huge = d.dest / "llama" / f"{6:020d}"
+    huge.mkdir()
+    with open(huge / "MANIFEST.json", "wb") as f:
+        f.truncate(65 << 20)  # sparse: over the limit without writing it
+    env = d.env()
+    listed = subprocess.run([CKPTDRAIN, "ls", d.dest_uri, "--job", "llama", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert [g["generation"] for g in json.loads(listed.stdout)] == [1]
+    restored = subprocess.run([CKPTDRAIN, "restore", d.dest_uri, "--job", "llama", "--to",
+                               str(tmp_path / "r"), "--no-local"], env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert restored.returncode == 0 and "generation 1 " in restored.stdout, restored.stderr
+    assert save(d, "llama", 7, b"step seven") == "SAVED"
+    assert d.client().latest("llama") == 7
 
 
 def wait_for_step(d: DaemonProcess, job: str, step: int) -> str:
