@@ -49,7 +49,6 @@ from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import (
     PART_ENTRY_BYTES,
-    manifest_bytes,
     off_loop_if_large,
     parse_latest,
     parse_manifest,
@@ -256,7 +255,9 @@ class Committer:
         return await self.manifests.get(job, step, lambda: self._read_committed(job, step))
 
     async def _read_committed(self, job: str, step: int) -> Manifest | None:
-        data = await manifest_bytes(self.backend, job, step)
+        # The raw key, not latest.manifest_bytes: for the step asked about, a link or an
+        # oversized object there is an error to report (a wait on it must not just time out).
+        data = await self.backend.get_bytes(manifest_key(job, step))
         if data is None or is_tombstone(data):
             return None
         return await parse_manifest(data)

@@ -116,25 +116,26 @@ def link_in(dir_fd: int, src: str, dst: str) -> None:
 
 
 def _make_root(directory: Path) -> None:
-    """``mkdir -p`` of the (trusted) root that makes each new directory entry durable: a file
-    fsynced into a directory whose own entry was never fsynced can vanish after a power cut."""
-    missing: list[Path] = []
-    probe = directory
-    while not probe.is_dir():
-        missing.append(probe)
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue  # another writer made it; its creator makes it durable
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """``mkdir`` of the (trusted) root, made durable (a file fsynced into a directory whose own
+    entry was never fsynced can vanish after a power cut). Only the root itself is made: when
+    its parent is missing too, the filesystem it belongs on is most likely not mounted
+    (``/lustre`` left an empty directory), and ``mkdir -p`` would have drained checkpoints
+    onto the node's own disk, committed where no other node or restart looks."""
+    parent = directory.parent
+    if not os.path.lexists(parent):  # (a parent that is a file: mkdir says so itself)
+        raise BackendError(
+            f"the destination root {directory} does not exist, and neither does {parent}: is "
+            "its filesystem mounted? (a new destination: create the root once, mkdir -p)",
+            transient=True)
+    try:
+        directory.mkdir()
+    except FileExistsError:
+        return  # another writer made it; its creator makes it durable
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Beneath:

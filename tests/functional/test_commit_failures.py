@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +93,24 @@ def test_a_failed_part_record_is_logged_once(daemon: DaemonProcess) -> None:
     wait_for(lambda: "event=generation_failed" in daemon.log(), 10, "the failure log line")
     lines = [line for line in daemon.log().splitlines() if "blocked-log" in line and "level=error" in line]
     assert sum("event=generation_failed" in line for line in lines) == 1, lines
+
+
+def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # Found in a long run that renamed the destination away: a missing root was made again
+    # with mkdir -p, and for file:///lustre/proj/ckpt with Lustre not mounted (/lustre an
+    # empty directory) that drains checkpoints onto the node's own disk and commits them
+    # where no other node or restart looks. Only the root itself is made now.
+    mount_point = tmp_path / "lustre"
+    mount_point.mkdir()
+    d: DaemonProcess = make_daemon(dest=f"file://{mount_point}/proj/ckpt",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="2")
+    with d.client().generation("job", 1) as g:
+        g.put("w.bin", b"w" * 4096)
+    with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
+        d.client().wait("job", 1, timeout_s=30)
+    assert list(mount_point.iterdir()) == []
+    (mount_point / "proj").mkdir()  # mounted: the root's parent is there, the root is made
+    d.client().retry("job", 1)
+    d.client().wait("job", 1, timeout_s=30)
+    assert (mount_point / "proj" / "ckpt" / "job" / f"{1:020d}" / "MANIFEST.json").exists()
