@@ -492,8 +492,15 @@ class ClientHandler:
             slot = await d.admission.slots(job).reserve(1, block=False, timeout_s=0)
         except (BudgetFull, TooLarge) as exc:
             raise d.admission.backpressure_error(exc, job) from None
+        try:
+            await d.ledger.apply(gen, GenerationEvent.RETRIED, error="")
+        except BaseException:
+            slot.release()
+            raise
+        # Held once it is open again: hold_generation gives an ended generation's slot back
+        # at once (an abort may have ended it meanwhile), and held before, it let the retried
+        # generation run with no slot at all.
         d.admission.hold_generation(gen, slot)
-        await d.ledger.apply(gen, GenerationEvent.RETRIED, error="")
         requeued = 0
         for shard in gen.shards.values():
             if shard.state is ShardState.FAILED:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.state import RankState, ShardState
+from ckptdrain.daemon.state import GenerationState, RankState, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.access import Peer
@@ -88,11 +88,15 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
     if gen is None:
         raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}; "
                            "`ckptdrain status` lists what it holds")
-    if gen.terminal:
+    # A failed generation that `retry` could still bring back holds its undrained copies for
+    # it: giving it up lets them go (they stayed until it was forgotten, a day later).
+    if gen.terminal and (gen.state is not GenerationState.FAILED or gen.why_not_retryable()):
         raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is already "
                            f"{gen.state}; nothing to abort")
     why = f"aborted by an operator (uid {uid})" + (f": {reason}" if reason else "")
-    await d.give_up(gen, why)
+    if not await d.give_up(gen, why):
+        raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} committed while "
+                           "the abort waited for its commit to finish; nothing to abort")
     log_event(log, logging.WARNING, "generation_aborted", job=job, step=step, uid=uid,
               reason=reason)
     return {"job": job, "step": step, "state": str(gen.state)}

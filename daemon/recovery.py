@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.state import RankEvent, RankState, ShardEvent, ShardState
+from ckptdrain.daemon.state import (
+    GenerationState,
+    RankEvent,
+    RankState,
+    ShardEvent,
+    ShardState,
+)
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
@@ -40,7 +46,16 @@ async def recover(d: Daemon) -> None:
         # below for a rank open at the crash): a crash between them leaves an aborted rank
         # in a generation that is not failed, which would wait for good for that rank.
         aborted = [r for r, st in gen.ranks.items() if st is RankState.ABORTED]
+        # Ended for good (cancelled, or failed with nothing a retry could save): what it staged
+        # goes now. Giving a generation up is several journal writes, and a kill between them
+        # left its shards staged across every restart (found racing aborts with kill -9).
+        given_up = gen.state is GenerationState.CANCELLED or (
+            gen.state is GenerationState.FAILED and bool(gen.why_not_retryable()))
         for shard in gen.shards.values():
+            if given_up and shard.state is not ShardState.DISCARDED:
+                await d.ledger.apply(shard, ShardEvent.DISCARDED)
+                shard.local_copy = False
+                continue
             if shard.state in (ShardState.STAGED, ShardState.FAILED, ShardState.DRAINED):
                 # A drained copy with keep_local_copy off was on its way out (dropped, its
                 # unlink not done when the daemon stopped): the sweep below removes it.

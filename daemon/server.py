@@ -377,22 +377,34 @@ class Daemon:
                     self.copies.discard(shard)
 
     async def give_up(self, gen: GenerationRecord, reason: str,
-                      ranks: Iterable[int] | None = None) -> None:
+                      ranks: Iterable[int] | None = None) -> bool:
         """End ``gen`` for good (a rank's or an operator's abort): ``ranks`` (default: every
-        one still open or sealed here) are aborted, which no ``retry`` can undo, so every
-        shard it staged goes back now, also when it had already ended. Aborting the ranks
-        first is what makes that hold: an operator's abort once ended the generation with its
-        rank still open, it looked retryable, and its undrained shards were kept for a retry
-        that could never come."""
-        chosen = list(gen.ranks) if ranks is None else list(ranks)
-        for rank in chosen:
-            if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED):
-                await self.ledger.apply((gen, rank), RankEvent.ABORTED)
-        if not gen.terminal:
-            await self.fail(gen, reason, kind="aborted", event=GenerationEvent.FAILED)
-        for shard in gen.shards.values():
-            if shard.state is not ShardState.DISCARDED:
-                await self.ledger.apply(shard, ShardEvent.DISCARDED)
+        one begun here, recorded ones too) are aborted, which no ``retry`` can undo, so every
+        shard it staged goes back now, also when it had already ended. False, and nothing
+        done, when it committed first.
+
+        Under the generation's lock, so never in the middle of this node's own commit of it
+        (found racing aborts: a manifest written while the abort failed the generation left
+        it committed and reported failed; ranks aborted under a part-record write failed the
+        commit with an internal error). Aborting the ranks is what makes it final: an abort
+        that left a rank open, or recorded, left the generation retryable (its shards kept for
+        a retry that could never come) or let another node commit it from this node's part
+        record."""
+        async with gen.lock:
+            if gen.state is GenerationState.COMMITTED:
+                return False
+            chosen = list(gen.ranks) if ranks is None else list(ranks)
+            for rank in chosen:
+                if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED,
+                                           RankState.RECORDED):
+                    await self.ledger.apply((gen, rank), RankEvent.ABORTED)
+            if not gen.terminal:
+                await self.fail(gen, reason, kind="aborted", event=GenerationEvent.FAILED)
+            for shard in gen.shards.values():
+                if shard.state is not ShardState.DISCARDED:
+                    await self.ledger.apply(shard, ShardEvent.DISCARDED)
+            self.copies.discard_generation(gen)
+        return True
 
     async def replace_generation(self, gen: GenerationRecord, attempt: str) -> None:
         """A new attempt at an uncommitted step: end the old attempt on this node, drop what it

@@ -104,6 +104,9 @@ TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     (_R.SEALED, _RE.RECORDED): _R.RECORDED,
     # Sealed but not yet recorded: its generation can still fail under it.
     (_R.SEALED, _RE.ABORTED): _R.ABORTED,
+    # Recorded, and then given up on an operator's word (`ckptdrain abort`): this node's part
+    # record is rewritten with the rank aborted, so no node commits the generation.
+    (_R.RECORDED, _RE.ABORTED): _R.ABORTED,
 
     (_G.OPEN, _GE.RECORDED): _G.RECORDED,
     # Only a RECORDED generation publishes, but a rank may begin (REOPENED) while the publish
@@ -159,7 +162,8 @@ INITIAL_RANK: Final = _R.OPEN
 INITIAL_GENERATION: Final = _G.OPEN
 
 # Ended: the daemon moves it no further. A failed generation keeps its local copies, and only
-# an operator's `ckptdrain retry` (GenerationEvent.RETRIED) reopens it.
+# an operator's `ckptdrain retry` (GenerationEvent.RETRIED) reopens it; only an operator's
+# `ckptdrain abort` aborts a recorded rank.
 TERMINAL_SHARD: Final = frozenset({_S.DISCARDED})
 TERMINAL_RANK: Final = frozenset({_R.RECORDED, _R.ABORTED})
 TERMINAL_GENERATION: Final = frozenset({_G.COMMITTED, _G.FAILED, _G.CANCELLED})

@@ -5,13 +5,14 @@ injected into reads of staged copies), which failed about half its runs."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptdrain.client import GenerationFailed
+from ckptdrain.client import DrainError, GenerationFailed
 from tests.conftest import DaemonProcess
 
 
@@ -40,3 +41,36 @@ def test_a_failed_shard_in_an_open_generation_fails_it_at_restart(make_daemon: A
         c.retry("job", 1)
         c.wait("job", 1, timeout_s=60)
     assert (blocker / "dest" / "job" / f"{1:020d}" / "w.bin").read_bytes() == b"x" * 4096
+
+
+def test_a_generation_given_up_before_a_crash_gives_its_shards_back_at_restart(
+        make_daemon: Any) -> None:
+    # Found racing aborts with kill -9: giving a generation up is several journal writes (the
+    # rank aborted, the generation failed, each shard discarded), and a kill between them left
+    # its shards staged on a generation no retry could save, across every restart after (the
+    # oldest-undrained age climbing from 5 s to 66 s over 15 restarts). Recovery discards
+    # them now.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    c = d.client()
+    rank = c.generation("job", 4, rank=0, world_size=1)
+    rank.__enter__()
+    rank.put("a.bin", b"a" * 300_000)
+    rank.put("b.bin", b"b" * 200_000)
+    d.kill()
+    with contextlib.suppress(DrainError):
+        rank.__exit__(None, None, None)  # its connection went with the daemon
+    c.close()
+    # The crash window: the rank aborted and the generation failed, the shards not yet.
+    with sqlite3.connect(d.staging / "journal.sqlite3") as db:
+        db.execute("UPDATE ranks SET state = 'aborted' WHERE job = 'job'")
+        db.execute("UPDATE generations SET state = 'failed', error = 'aborted by an operator' "
+                   "WHERE job = 'job'")
+        assert db.execute("SELECT state FROM shards WHERE job = 'job'").fetchall() == \
+            [("staged",), ("staged",)]
+    d.start()
+    status = d.client().status()
+    assert status["staged_bytes"] == 0 and status["queued_shards"] == 0, status
+    assert not status["oldest_undrained_age_s"], status
+    with pytest.raises(GenerationFailed, match="cannot be retried"):
+        d.client().retry("job", 4)
+    assert not list((d.staging / "shards").glob("*.data"))

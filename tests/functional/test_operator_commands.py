@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import Backpressure, GenerationFailed, NodeDraining
+from ckptdrain.client import Backpressure, DrainError, GenerationFailed, NodeDraining
 from ckptdrain.daemon.config import load_config
 from tests.conftest import CKPTDRAIN, DaemonProcess
 
@@ -162,3 +162,100 @@ def test_status_shows_the_owning_uid(daemon: DaemonProcess) -> None:
     assert gen["uid"] == os.getuid()
     text = cli(daemon, "status").stdout
     assert "UID" in text and f" {os.getuid()} " in text
+
+
+def test_an_abort_racing_the_commit_never_contradicts_the_manifest(make_daemon: Any) -> None:
+    # Found racing aborts with commits: an abort that landed while the manifest was written
+    # answered "failed" and `wait` said failed, yet the manifest existed (19 of 100 steps);
+    # one that landed while the part record was written failed the commit as an internal
+    # error (IllegalTransition), which pages. The abort now waits for this node's commit
+    # step to finish: the step either committed (the abort says so) or failed as aborted.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LOG_LEVEL="info")
+    c, operator = d.client(timeout_s=30), d.client(timeout_s=30)
+    for step in range(1, 81):
+        with c.generation("raced", step, rank=0, world_size=1) as gen:
+            gen.put("a.bin", b"x" * 4096)
+        time.sleep((step % 9) * 0.003)
+        try:
+            operator.abort_generation("raced", step, reason="raced")
+            aborted = True
+        except DrainError:
+            aborted = False  # committed first
+        manifest = d.dest / "raced" / f"{step:020d}" / "MANIFEST.json"
+        if aborted:
+            with pytest.raises(GenerationFailed, match="aborted by an operator"):
+                c.wait("raced", step, timeout_s=15)
+            assert not manifest.exists(), f"step {step}: aborted, yet committed"
+        else:
+            assert c.wait("raced", step, timeout_s=15)["committed"]
+            assert manifest.exists()
+    assert "commit_crashed" not in d.log() and "unexpectedly" not in d.log()
+
+
+def test_an_abort_after_this_node_recorded_keeps_other_nodes_from_committing(
+        make_daemon: Any) -> None:
+    # Found racing aborts: node a had recorded its rank (part record written) when the
+    # operator aborted the step there; the rank was left recorded, no failure record was
+    # written, and node b committed the step from node a's record while node a said failed.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    with a.client().generation("two", 7, rank=0, world_size=2) as gen:
+        gen.put("r0.bin", b"a" * 4096)
+    deadline = time.monotonic() + 30
+    while next(g for g in a.client().status()["generations"] if g["step"] == 7)["state"] != \
+            "recorded":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert cli(a, "abort", "two", "7").returncode == 0
+    with b.client().generation("two", 7, rank=1, world_size=2) as gen:
+        gen.put("r1.bin", b"b" * 4096)
+    for node in (a, b):
+        with pytest.raises(GenerationFailed, match="aborted"):
+            node.client().wait("two", 7, timeout_s=30)
+    assert not (a.dest / "two" / f"{7:020d}" / "MANIFEST.json").exists()
+
+
+def test_a_retried_generation_holds_its_slot(make_daemon: Any) -> None:
+    # Found racing aborts and retries: `retry` handed the slot over while the generation was
+    # still failed, and the slot of an ended generation is given back at once, so the retried
+    # generation ran with none and max_generations_in_flight = 1 let a second step begin.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT="1",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="1",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="1",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="200000")
+    c = d.client(timeout_s=30)
+    blocker = d.dest / "job" / f"{1:020d}"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory")  # step 1 cannot drain
+    with c.generation("job", 1) as gen:
+        gen.put("a.bin", b"a" * (1 << 20))
+    with pytest.raises(GenerationFailed):
+        c.wait("job", 1, timeout_s=30)
+    blocker.unlink()
+    c.retry("job", 1)  # 1 MiB at 200 kB/s: in flight for about 5 s
+    with pytest.raises(Backpressure, match="max_generations_in_flight"), \
+            c.generation("job", 2) as gen:
+        gen.put("b.bin", b"b")
+    assert c.wait("job", 1, timeout_s=60)["committed"]
+
+
+def test_a_failed_generation_can_be_given_up(make_daemon: Any) -> None:
+    # Found racing aborts: a generation that failed to drain kept its undrained copy for a
+    # retry, and `ckptdrain abort` refused it ("already failed"), so nothing let the copy go
+    # before the generation was forgotten (a day) while the oldest-undrained age climbed.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__RETRY_BUDGET_S="1")
+    c = d.client()
+    blocker = d.dest / "job" / f"{1:020d}"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory")
+    with c.generation("job", 1) as gen:
+        gen.put("a.bin", os.urandom(300_000))
+    with pytest.raises(GenerationFailed):
+        c.wait("job", 1, timeout_s=30)
+    assert c.status()["staged_bytes"] >= 300_000
+    out = cli(d, "abort", "job", "1")
+    assert out.returncode == 0, out.stderr
+    status = c.status()
+    assert status["staged_bytes"] == 0 and not status["oldest_undrained_age_s"], status
+    again = cli(d, "abort", "job", "1")
+    assert again.returncode == 1 and "nothing to abort" in again.stderr
