@@ -12,11 +12,9 @@ import argparse
 import errno
 import importlib.util
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import NoReturn
 
 from ckptdrain.client import DrainError
@@ -28,6 +26,7 @@ from ckptdrain.daemon.cli_destination import (
     EXIT_USAGE,
     CommandFailed,
 )
+from ckptdrain.daemon.cli_stop import Stopped
 from ckptdrain.daemon.errors import DaemonError, StartupError
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "CommandFailed", "main"]
@@ -130,35 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "here (`pip install ckptdrain` is the client only); install them with "
                   "`pip install 'ckptdrain[daemon]'`, or install the ckptdrain Debian package",
                   EXIT_CONFIG)
-        if ns.command != "serve":  # the daemon stops on SIGTERM in its own way
-            signal.signal(signal.SIGTERM, _terminate_as_interrupt)
         return _run(ns)
     except BrokenPipeError:
         _quiet_broken_pipe()
         return EXIT_OK
-    except KeyboardInterrupt:
-        if _TERMINATED:
-            _fail("terminated", 128 + signal.SIGTERM)
+    except KeyboardInterrupt:  # before the command's event loop runs (cli_stop.py after)
         _fail("interrupted", 130)
-
-
-_TERMINATED: list[int] = []
-
-
-def _terminate_as_interrupt(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM (``kill``, ``timeout``, a batch system's time limit) ends a command the way
-    Ctrl-C does, cleaning up behind it: killed outright, a restore left complete-looking
-    partial files behind (found attacking the read side)."""
-    _TERMINATED.append(signum)
-    on_interrupt = signal.getsignal(signal.SIGINT)
-    if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
-        # asyncio's own: cancels the command's task, whose cleanup then runs, and raises
-        # KeyboardInterrupt once it has.
-        on_interrupt(signal.SIGINT, frame)
-        return
-    # Not in an event loop, or SIGINT ignored (a background job of a script): the loop's
-    # runner cancels every task as this unwinds through it.
-    raise KeyboardInterrupt
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -173,6 +149,8 @@ def _run(ns: argparse.Namespace) -> int:
     except StartupError as exc:
         _fail(f"cannot start: {exc}", EXIT_CONFIG)
     except CommandFailed as exc:
+        _fail(str(exc), exc.code)
+    except Stopped as exc:
         _fail(str(exc), exc.code)
     except DrainError as exc:
         _fail(exc.message)

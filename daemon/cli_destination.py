@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckptdrain.client import Client, DrainError
+from ckptdrain.daemon.cli_stop import stoppable
 from ckptdrain.daemon.errors import DaemonError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
@@ -131,11 +132,13 @@ async def _with_backend(ns: argparse.Namespace, dest: str,
 
 def run_on(ns: argparse.Namespace, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
     # uvloop, as the daemon: restore's many concurrent ranged GETs cost less CPU per byte.
+    # A signal stops it once it has cleaned up behind it (cli_stop.py).
+    main = stoppable(_with_backend(ns, ns.dest, fn))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(_with_backend(ns, ns.dest, fn))
-    return uvloop.run(_with_backend(ns, ns.dest, fn))
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 # -- ls ---------------------------------------------------------------------------------------

@@ -147,6 +147,11 @@ class WorkerSenders(PartSender):
                 # payload is not signed; its classic signer only signs the headers.
                 env={**os.environ, "BOTO_DISABLE_CRT": "true"},
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                # A session (so a process group) of its own: a terminal's Ctrl-C reaches the
+                # command only, which stops its workers in order; signalled too, a worker still
+                # importing printed a KeyboardInterrupt traceback (PR_SET_PDEATHSIG covers a
+                # kill -9 of the command). uvloop takes no process_group.
+                start_new_session=True,
             )
         except BaseException as exc:
             ours.close()

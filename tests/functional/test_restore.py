@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import CKPTDRAIN, DaemonProcess
 
 
@@ -59,29 +61,50 @@ def test_restore_with_a_progress_bar_and_without_a_daemon(daemon: DaemonProcess,
     assert (tmp_path / "r" / "w.bin").stat().st_size == 2 << 20
 
 
-def test_a_terminated_restore_leaves_nothing_behind(daemon: DaemonProcess, tmp_path: Path) -> None:
+STOPS = [  # (signals sent, SIGINT ignored as in a script's background job, exit, last words)
+    ((signal.SIGTERM,), False, 143, "terminated"),
+    ((signal.SIGHUP,), False, 129, "hung up"),
+    ((signal.SIGINT, signal.SIGINT), False, 130, "interrupted"),
+    ((signal.SIGTERM, signal.SIGTERM), True, 143, "terminated"),
+]
+
+
+@pytest.mark.parametrize(("signals", "int_ignored", "code", "said"), STOPS)
+def test_a_stopped_restore_leaves_nothing_behind(daemon: DaemonProcess, tmp_path: Path,
+                                                 signals: tuple[int, ...], int_ignored: bool,
+                                                 code: int, said: str) -> None:
     # Found attacking the read side: Ctrl-C cleaned up, but SIGTERM (kill, timeout, a batch
-    # system's time limit) killed the command outright and left the target holding temp
-    # partials beside complete-looking files. Now SIGTERM ends it as Ctrl-C does (exit 143).
+    # system's time limit) and SIGHUP (a closed ssh session) killed the command outright and
+    # left temp partials beside complete-looking files. Then, attacking that fix: with SIGINT
+    # ignored (a script's background job) a SIGTERM could hang the command for good, and a
+    # second signal cancelled its cleanup. Each now ends it once it has cleaned up.
     with daemon.client().generation("rj", 2) as gen:
         for i in range(8):
             gen.put(f"s{i}.bin", os.urandom(32 << 20))
     daemon.client().wait("rj", 2, timeout_s=60)
+
+    def ignore_int() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     for attempt in range(5):  # a restore that ends before it is caught is tried again
         to = tmp_path / f"t{attempt}"
         proc = subprocess.Popen([CKPTDRAIN, "restore", daemon.dest_uri, "--job", "rj",
                                  "--to", str(to), "--no-local"], env=daemon.env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=ignore_int if int_ignored else None)
         while proc.poll() is None and not (to.is_dir() and any(to.glob(".*.ckptdrain-tmp"))):
             time.sleep(0.001)
         if proc.poll() is not None:
             proc.communicate()
             continue
-        proc.send_signal(signal.SIGTERM)
+        for signum in signals:
+            proc.send_signal(signum)
+            time.sleep(0.002)
         _, err = proc.communicate(timeout=60)
         if proc.returncode == 0:
             continue  # it had finished meanwhile
-        assert proc.returncode == 143 and err.strip().endswith("ckptdrain: terminated"), err
+        assert proc.returncode == code and err.strip().endswith(f"ckptdrain: {said}"), err
+        assert "Traceback" not in err, err
         assert not to.exists() or not any(to.iterdir()), sorted(to.rglob("*"))
         return
     raise AssertionError("no restore was caught mid-way in 5 tries")

@@ -162,6 +162,10 @@ def test_a_stopped_daemon_stops_its_workers(
     save(d, "stopjob", 1, {"model.bin": os.urandom(20 * MiB)})
     pids = workers_of(d.pid)
     assert len(pids) == 2
+    # Each in a process group of its own: a terminal's Ctrl-C to a command's group reached its
+    # workers too, and one still importing printed a KeyboardInterrupt traceback (found
+    # attacking restore --readers); the command stops them itself.
+    assert all(os.getpgid(pid) == pid for pid in pids), [(p, os.getpgid(p)) for p in pids]
     assert d.stop() == 0
     wait_for(lambda: alive_workers(pids) == [], timeout_s=30)
 
