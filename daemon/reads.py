@@ -139,7 +139,10 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
         raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file passed: "
                            f"{exc.strerror or exc}") from None
     if (size, checksum) != (entry.size, entry.checksum):
+        # A size that differs is known before the bytes are read: there is no checksum then.
+        found = (f"{size} bytes, {checksum}" if size == entry.size
+                 else f"{size} bytes where the manifest lists {entry.size}")
         raise RequestError(wire.DESTINATION, f"{path!r} of step {step} of job {job!r} at the "
-                           f"destination does not match its manifest ({size} bytes, {checksum}); "
+                           f"destination does not match its manifest ({found}); "
                            "run `ckptdrain verify` on it")
     return {"path": path, "size": size, "checksum": checksum}

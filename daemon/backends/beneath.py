@@ -127,6 +127,11 @@ def _make_root(directory: Path) -> None:
             f"the destination root {directory} does not exist, and neither does {parent}: is "
             "its filesystem mounted? (a new destination: create the root once, mkdir -p)",
             transient=True)
+    if directory.is_symlink() and not directory.exists():
+        raise BackendError(  # a link to a filesystem that is not mounted: the same wait
+            f"the destination root {directory} is a symbolic link to "
+            f"{os.readlink(directory)}, which does not exist: is its filesystem mounted?",
+            transient=True)
     try:
         directory.mkdir()
     except FileExistsError:

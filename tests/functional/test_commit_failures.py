@@ -95,22 +95,31 @@ def test_a_failed_part_record_is_logged_once(daemon: DaemonProcess) -> None:
     assert sum("event=generation_failed" in line for line in lines) == 1, lines
 
 
+@pytest.mark.parametrize("through_a_link", [False, True])
 def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
-        make_daemon: Any, tmp_path: Path) -> None:
+        make_daemon: Any, tmp_path: Path, through_a_link: bool) -> None:
     # Found in a long run that renamed the destination away: a missing root was made again
     # with mkdir -p, and for file:///lustre/proj/ckpt with Lustre not mounted (/lustre an
     # empty directory) that drains checkpoints onto the node's own disk and commits them
-    # where no other node or restart looks. Only the root itself is made now.
+    # where no other node or restart looks. Only the root itself is made now. A root that
+    # is a link into the unmounted filesystem failed at once instead of waiting the same way
+    # (found attacking that fix).
     mount_point = tmp_path / "lustre"
     mount_point.mkdir()
-    d: DaemonProcess = make_daemon(dest=f"file://{mount_point}/proj/ckpt",
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="2")
+    root = mount_point / "proj" / "ckpt"
+    if through_a_link:
+        (tmp_path / "ckpt").symlink_to(root)
+        root = tmp_path / "ckpt"
+    d: DaemonProcess = make_daemon(dest=f"file://{root}", CKPTDRAIN_DRAIN__RETRY_BUDGET_S="2")
     with d.client().generation("job", 1) as g:
         g.put("w.bin", b"w" * 4096)
     with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
         d.client().wait("job", 1, timeout_s=30)
     assert list(mount_point.iterdir()) == []
+    assert "transient=true" in d.log()  # retried as the wait for a mount, not failed at once
     (mount_point / "proj").mkdir()  # mounted: the root's parent is there, the root is made
+    if through_a_link:
+        (mount_point / "proj" / "ckpt").mkdir()
     d.client().retry("job", 1)
     d.client().wait("job", 1, timeout_s=30)
     assert (mount_point / "proj" / "ckpt" / "job" / f"{1:020d}" / "MANIFEST.json").exists()

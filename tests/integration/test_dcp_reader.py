@@ -249,6 +249,9 @@ def test_a_damaged_destination_file_is_never_loaded(make_daemon: Any) -> None:
     with pytest.raises(CheckpointException, match="not a regular file"):
         load(daemon)
     shard.unlink()
+    shard.write_bytes(good + b"longer")  # told by its size, before a byte is read
+    with pytest.raises(CheckpointException, match="bytes where the manifest lists"):
+        load(daemon)
     shard.write_bytes(good)
     loaded, sources = load(daemon)
     assert compare(saved_state(3), loaded) == 7
