@@ -62,3 +62,7 @@ async def stoppable(coro: Coroutine[Any, Any, T]) -> T:
     finally:
         for signum in installed:
             loop.remove_signal_handler(signum)
+            if caught:
+                # The command is ending: a second Ctrl-C during the interpreter's shutdown
+                # (joining the executor's threads) printed a KeyboardInterrupt traceback.
+                signal.signal(signum, signal.SIG_IGN)

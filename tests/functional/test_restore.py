@@ -83,15 +83,18 @@ def test_a_stopped_restore_leaves_nothing_behind(daemon: DaemonProcess, tmp_path
             gen.put(f"s{i}.bin", os.urandom(32 << 20))
     daemon.client().wait("rj", 2, timeout_s=60)
 
-    def ignore_int() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    def dispositions() -> None:
+        # What the command starts with, whatever this run inherited (`nohup` ignores SIGHUP,
+        # a shell's background job SIGINT, and the command keeps what it started ignoring).
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if int_ignored else signal.default_int_handler)
 
     for attempt in range(5):  # a restore that ends before it is caught is tried again
         to = tmp_path / f"t{attempt}"
         proc = subprocess.Popen([CKPTDRAIN, "restore", daemon.dest_uri, "--job", "rj",
                                  "--to", str(to), "--no-local"], env=daemon.env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=ignore_int if int_ignored else None)
+                                preexec_fn=dispositions)
         while proc.poll() is None and not (to.is_dir() and any(to.glob(".*.ckptdrain-tmp"))):
             time.sleep(0.001)
         if proc.poll() is not None:
