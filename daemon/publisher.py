@@ -251,8 +251,15 @@ class Publisher:
                 await self.end(gen, f"could not write this node's part record: {exc}",
                                kind="drain")
                 return False
+        if gen.terminal:
+            # Ended (an abort) while the record was written: its failure record, written
+            # after this one under the same part lock, is the one that stands.
+            return False
         for r in ready:
-            await self.ledger.apply((gen, r), RankEvent.RECORDED)
+            # A rank an abort took meanwhile stays aborted (applying RECORDED to it failed
+            # the commit as an internal error).
+            if gen.ranks.get(r) is RankState.SEALED:
+                await self.ledger.apply((gen, r), RankEvent.RECORDED)
         # The drained clock is also where drain.commit_wait_s counts from (journalled with
         # the RECORDED state right after this).
         gen.staged_at, gen.drained_at = part.clocks["staged"], part.clocks["drained"]
@@ -344,6 +351,17 @@ class Publisher:
         try:
             if await self.ended_if_foreign(gen, again=True):
                 return
+        except BackendError as exc:
+            await self.end(gen, f"commit failed: {exc}", kind="drain")
+            return
+        # The commit point, from the manifest's create to the COMMITTED it leads to: an abort
+        # (Daemon.give_up) waits for it, or it for the abort.
+        async with gen.commit_point:
+            if not gen.terminal:
+                await self._publish(gen)
+
+    async def _publish(self, gen: GenerationRecord) -> None:
+        try:
             result = await self._with_retries(lambda: self.committer.try_publish(
                 gen.job, gen.step, gen.world_size, gen.attempt))
         except BackendError as exc:

@@ -108,6 +108,10 @@ class GenerationRecord:
         default_factory=collections.Counter)
     open_shards: dict[int, ShardRecord] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Held around the manifest's create only, and by an abort (Daemon.give_up): an abort never
+    # lands in the middle of the commit point, and waits for nothing longer (`lock` is held
+    # across paced drains of deferred shards and part-record retries).
+    commit_point: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The destination named no other owner of the job before the first write (owners.py).
     owner_checked: bool = False
 

@@ -383,14 +383,15 @@ class Daemon:
         shard it staged goes back now, also when it had already ended. False, and nothing
         done, when it committed first.
 
-        Under the generation's lock, so never in the middle of this node's own commit of it
-        (found racing aborts: a manifest written while the abort failed the generation left
-        it committed and reported failed; ranks aborted under a part-record write failed the
-        commit with an internal error). Aborting the ranks is what makes it final: an abort
-        that left a rank open, or recorded, left the generation retryable (its shards kept for
-        a retry that could never come) or let another node commit it from this node's part
-        record."""
-        async with gen.lock:
+        Holding the generation's commit point, so never in the middle of this node's manifest
+        create (found racing aborts: a manifest written while the abort failed the generation
+        left it committed and reported failed), and waiting for nothing longer: holding the
+        whole commit's lock instead made an abort wait out a paced drain of deferred shards
+        or a part record's retries (and the step then committed). Aborting the ranks is what
+        makes it final: an abort that left a rank open, or recorded, left the generation
+        retryable (its shards kept for a retry that could never come) or let another node
+        commit it from this node's part record."""
+        async with gen.commit_point:
             if gen.state is GenerationState.COMMITTED:
                 return False
             chosen = list(gen.ranks) if ranks is None else list(ranks)

@@ -259,3 +259,44 @@ def test_a_failed_generation_can_be_given_up(make_daemon: Any) -> None:
     assert status["staged_bytes"] == 0 and not status["oldest_undrained_age_s"], status
     again = cli(d, "abort", "job", "1")
     assert again.returncode == 1 and "nothing to abort" in again.stderr
+
+
+def test_an_abort_does_not_wait_out_a_paced_drain(make_daemon: Any) -> None:
+    # Found attacking the fix above: an abort that waited for the whole commit's lock waited
+    # out a paced drain of deferred shards (done under that lock), timed out after 30 s, and
+    # the step then committed. Only the manifest's create is exclusive with an abort now.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="20000")
+    c = d.client(timeout_s=30)
+    with c.generation("job", 1) as gen:
+        gen.put("a.bin", os.urandom(1 << 20), deferred=True)  # about 50 s at 20 kB/s
+    deadline = time.monotonic() + 30
+    while next(g for g in c.status()["generations"] if g["step"] == 1)["state"] != "recorded":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    out = cli(d, "abort", "job", "1", "--reason", "stuck")
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(GenerationFailed, match="aborted by an operator"):
+        c.wait("job", 1, timeout_s=30)
+    assert not (d.dest / "job" / f"{1:020d}" / "MANIFEST.json").exists()
+    assert c.status()["staged_bytes"] == 0
+
+
+def test_a_ranks_abort_does_not_wait_out_part_record_retries(make_daemon: Any,
+                                                              tmp_path: Path) -> None:
+    # Found attacking the fix above: a rank whose training code raised waited for the
+    # other rank's part record, retried against a destination that was not mounted, for the
+    # whole retry budget (34-38 s of 60), and the step then failed as a drain error (paging)
+    # instead of as aborted.
+    mount_point = tmp_path / "lustre"
+    mount_point.mkdir()
+    d: DaemonProcess = make_daemon(dest=f"file://{mount_point}/proj/ckpt",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="60")
+    c = d.client(timeout_s=120)
+    with c.generation("job", 1, rank=0, world_size=2) as gen:
+        gen.put("a.bin", b"a" * 4096, deferred=True)  # sealed: its part record is retried
+    with pytest.raises(RuntimeError, match="training crashed"), \
+            c.generation("job", 1, rank=1, world_size=2) as gen:
+        gen.put("b.bin", b"b" * 100)
+        raise RuntimeError("training crashed")
+    with pytest.raises(GenerationFailed, match="the client aborted: RuntimeError"):
+        c.wait("job", 1, timeout_s=30)
