@@ -146,7 +146,13 @@ async def sweep_once(d: Daemon, *, timeout_s: float) -> None:
 
 
 async def sweep_forever(d: Daemon) -> None:
+    """Leftovers of interrupted writes (this node's and, after their grace, other nodes'),
+    first at start-up, in the background: awaited before the socket was served, a destination
+    that answered nothing kept every hand-off out for the sweep's minute (found attacking an
+    S3 outage). A sweep passes over what this process is writing (the backends' live temps
+    and uploads), so drains may start before it."""
     interval = max(60.0, d.config.destination.orphan_grace_s / 4)
+    await sweep_once(d, timeout_s=60.0)
     while True:
         await asyncio.sleep(interval)
         await sweep_once(d, timeout_s=interval)

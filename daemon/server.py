@@ -45,7 +45,7 @@ from ckptdrain.daemon.listener import Listener, bind
 from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics
-from ckptdrain.daemon.recovery import recover, sweep_forever, sweep_once
+from ckptdrain.daemon.recovery import recover, sweep_forever
 from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
 from ckptdrain.daemon.staging import Staging
@@ -218,8 +218,6 @@ class Daemon:
                         self.committer.owners.unverified.update(
                             job for job, uid in self.ledger.jobs.items()
                             if not is_operator(uid))
-                    # Leftovers of this node's interrupted writes go before any new drain starts.
-                    await sweep_once(self, timeout_s=60.0)
                     if self.config.metrics.listen:
                         self.metrics_address = await self.metrics.serve(
                             self.config.metrics.host, self.config.metrics.port)
@@ -250,6 +248,7 @@ class Daemon:
                                              name="listener")
                     await self._stop.wait()
                     self.stopping = True
+                    self.backend.stopping = True
                     self.notifier.stopping("finishing in-flight hand-offs")
                     log_event(log, logging.INFO, "stopping",
                               connections=len(self._listener.connections))
@@ -293,10 +292,17 @@ class Daemon:
         begin at once all join the same generation."""
         async with self._begin_locks.hold((job, step)):
             gen = self.ledger.get(job, step)
+            looked_up: tuple[int, bool] | None = None
             if gen is None or (gen.attempt != attempt
                                and gen.state is not GenerationState.COMMITTED):
                 maintenance.refuse_new_generation(self, job, step)
-                await self._refuse_if_committed(job, step)
+                if gen is None and job not in self.ledger.jobs:
+                    # Both ask the destination, each within its own timeout: one after the
+                    # other, a destination that answered nothing held a new job's begin for
+                    # both (10 s, found attacking an S3 outage).
+                    looked_up = await self._check_new_job(job, step, uid)
+                else:
+                    await self._refuse_if_committed(job, step)
             if (gen is not None and gen.attempt != attempt
                     and gen.state is not GenerationState.COMMITTED):
                 # A restarted job saving this step again: the new attempt replaces the old.
@@ -309,12 +315,7 @@ class Daemon:
                 return gen
             verified, owner = True, uid
             if job not in self.ledger.jobs:
-                if is_operator(uid):
-                    # Root saving a user's job saves it for its owner: the part records name
-                    # the owner, who keeps the job (a record naming root took it from them).
-                    owner, verified = await owners.for_operator(self, job, uid)
-                else:
-                    verified = await owners.refuse_if_elsewhere(self, job, uid)
+                owner, verified = looked_up or await self._job_owner(job, uid)
             self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
             await self.expiry.make_room_for(job, owner)
             slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
@@ -333,6 +334,26 @@ class Daemon:
             if not verified and self.ledger.jobs.get(job) == owner:
                 self.committer.owners.unverified.add(job)
             return gen
+
+    async def _check_new_job(self, job: str, step: int, uid: int) -> tuple[int, bool]:
+        """:meth:`_refuse_if_committed` and :meth:`_job_owner` at once, for a job this node
+        does not track: (owner, verified)."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._refuse_if_committed(job, step))
+                looked_up = tg.create_task(self._job_owner(job, uid))
+        except* RequestError as refused:
+            raise refused.exceptions[0] from None
+        return looked_up.result()
+
+    async def _job_owner(self, job: str, uid: int) -> tuple[int, bool]:
+        """Whose a job this node does not track is to be, and whether the destination said so
+        (owners.py); raises the refusal of another user's job."""
+        if is_operator(uid):
+            # Root saving a user's job saves it for its owner: the part records name the
+            # owner, who keeps the job (a record naming root took it from them).
+            return await owners.for_operator(self, job, uid)
+        return uid, await owners.refuse_if_elsewhere(self, job, uid)
 
     async def _refuse_if_committed(self, job: str, step: int) -> None:
         """Refuse a step another node already committed: nothing may overwrite it."""

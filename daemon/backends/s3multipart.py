@@ -3,8 +3,9 @@ interrupted upload from its journal, completing it (create-once with ``If-None-M
 and aborting uploads that can no longer complete, including those a dead process left.
 
 A multipart upload is resumable through the :class:`UploadLog` journal, and it is aborted where
-it is created when it can no longer complete: on a permanent failure, on cancellation, or on
-any failure when there is no journal to resume it from. The abort waits for in-flight parts
+it is created when it can no longer complete: on a permanent failure, on cancellation (but for
+the daemon's own stop, which leaves a journalled upload to the next start), or on any failure
+when there is no journal to resume it from. The abort waits for in-flight parts
 first and then checks that nothing is left, because a part that lands after an abort keeps its
 bytes (and its bill).
 
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 class MultipartUploads(S3Client):
     """Multipart uploads, resumption, aborts and the orphan sweep (a base of S3Backend)."""
+
+    stopping: bool  # Backend.stopping, of the S3Backend this is a base of
 
     async def _upload(
         self, key: str, full: str, fd: int, size: int, upload_log: UploadLog | None,
@@ -84,6 +87,12 @@ class MultipartUploads(S3Client):
             # With a journal, a transient failure leaves the upload for the next attempt to
             # resume (ListParts); without one nothing could, so it is aborted like the rest.
             resumable = exc.transient and upload_log is not None
+            raise
+        except asyncio.CancelledError:
+            # Cancelled by the daemon stopping, not by an abort: the journalled upload is the
+            # next start's to resume (a graceful restart had aborted it, and every part was
+            # sent again; a kill -9 kept it).
+            resumable = self.stopping and upload_log is not None
             raise
         finally:
             self._live_uploads.discard(upload_id)

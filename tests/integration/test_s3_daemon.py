@@ -133,10 +133,15 @@ def test_unreachable_past_retry_budget_fails_and_leaves_no_upload(make_daemon: A
     d.client().wait("gone", 1, timeout_s=120)
 
 
-def test_kill_mid_multipart_resumes(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str,
-                                    proxy: ThreadedProxy) -> None:
+@pytest.mark.parametrize("how", ["kill -9", "SIGTERM"])
+def test_a_restart_mid_multipart_resumes(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str,
+                                         proxy: ThreadedProxy, how: str) -> None:
+    # SIGTERM: found attacking an S3 outage. A graceful stop cancelled the upload, and the
+    # cancellation aborted it, so a restart (an upgrade) sent every part again; a kill -9
+    # kept it. A stopping daemon leaves a journalled upload to the next start now.
     d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
-                  CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1")
+                  CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1",
+                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="16MiB")
     data = os.urandom(1 << 20) * 96  # 12 parts of 8 MiB
     with d.client().generation("resume", 1) as gen:
         gen.put("big.bin", data)
@@ -148,15 +153,37 @@ def test_kill_mid_multipart_resumes(make_daemon: Any, seaweedfs: SeaweedFS, s3_b
     while parts_sent() < 5:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    d.kill()
+    if how == "kill -9":
+        d.kill()
+    else:
+        assert d.stop() == 0
     before = parts_sent()
-    assert uploads(seaweedfs, s3_bucket), "the upload should be in progress when killed"
+    assert uploads(seaweedfs, s3_bucket), "the upload should still be there after the stop"
     d.start()
     d.client().wait("resume", 1, timeout_s=180)
     resent = parts_sent() - before
     assert resent < 12, f"{resent} parts sent after the restart: the upload did not resume"
     assert get(seaweedfs, s3_bucket, f"resume/{1:020d}/big.bin") == data
     assert uploads(seaweedfs, s3_bucket) == []
+
+
+def test_a_restart_while_the_destination_answers_nothing_serves_at_once(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    # Found attacking an S3 outage: the start-up's orphan sweep was awaited before the socket
+    # was served, and with the destination answering nothing every hand-off was refused
+    # ("no socket there") for the sweep's 60 s. It runs in the background now.
+    blackhole = ThreadedProxy(seaweedfs.endpoint_url, seed=11, stall_s=120)
+    try:
+        d = s3_daemon(make_daemon, "node-a", s3_bucket, blackhole.endpoint_url)
+        blackhole.do(lambda: blackhole.proxy.set_rates(stall=1.0))
+        assert d.stop() == 0
+        d.start(timeout_s=30)
+        with d.client().generation("blip", 1) as gen:
+            gen.put("w.bin", b"w" * 4096)  # safe on the node; drained once it answers
+        blackhole.do(lambda: blackhole.proxy.set_rates(stall=0.0))
+        d.client().wait("blip", 1, timeout_s=240)
+    finally:
+        blackhole.close()
 
 
 def test_foreign_orphans_swept_after_grace(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
