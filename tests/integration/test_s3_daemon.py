@@ -17,7 +17,7 @@ import pytest
 from ckptdrain.client import GenerationFailed
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.checksums import of_bytes
-from tests.conftest import CKPTDRAIN, DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 from tests.integration.faultproxy import ThreadedProxy
 from tests.integration.seaweedfs import SeaweedFS
 
@@ -197,6 +197,8 @@ def test_foreign_orphans_swept_after_grace(make_daemon: Any, seaweedfs: SeaweedF
                                        Metadata={"ckptdrain-node": "busy-node"})["UploadId"]
     d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
                   CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S="6")
+    # The start-up sweep runs in the background, once the socket is served.
+    wait_for(lambda: "event=orphans_swept" in d.log(), timeout_s=30)
     left = {u["UploadId"] for u in uploads(seaweedfs, s3_bucket)}
     assert old not in left and fresh in left
     assert d.client().status()["node_id"] == "node-a"
