@@ -688,7 +688,7 @@ def build_manifest(parts: Sequence[PartRecord], committed_at: float) -> Manifest
     for shard in shards:
         # Ranks on different nodes: each node refuses such a pair among its own shards only.
         # Committed, the generation could never be restored to a filesystem.
-        for parent in _parents(shard.path):
+        for parent in parents(shard.path):
             if parent in owner_of_path:
                 raise ManifestError(
                     f"shard {parent!r} (node {owner_of_path[parent]!r}) and shard "
@@ -714,8 +714,8 @@ def build_manifest(parts: Sequence[PartRecord], committed_at: float) -> Manifest
     )
 
 
-def _parents(path: str) -> list[str]:
-    """``a/b/c`` -> ``["a", "a/b"]``."""
+def parents(path: str) -> list[str]:
+    """The directories a shard path lies in: ``a/b/c`` -> ``["a", "a/b"]``."""
     parts = path.split("/")
     return ["/".join(parts[:i]) for i in range(1, len(parts))]
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, overload
 
+from ckptdrain.client.manifest import parents
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.records import (
@@ -23,7 +24,6 @@ from ckptdrain.daemon.records import (
     GenKey,
     ShardRecord,
     cap_error,
-    parents,
 )
 from ckptdrain.daemon.state import (
     INITIAL_RANK,

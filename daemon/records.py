@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptdrain.client.manifest import parents
 from ckptdrain.daemon.state import (
     INITIAL_GENERATION,
     TERMINAL_GENERATION,
@@ -227,8 +228,3 @@ class GenerationRecord:
             counts[str(st)] = counts.get(str(st), 0) + 1
         return {"count_by_state": counts}
 
-
-def parents(path: str) -> list[str]:
-    """``a/b/c`` -> ``["a", "a/b"]``."""
-    parts = path.split("/")
-    return ["/".join(parts[:i]) for i in range(1, len(parts))]

@@ -422,11 +422,15 @@ class Daemon:
                     await self.ledger.apply((gen, rank), RankEvent.ABORTED)
             if not gen.terminal:
                 await self.fail(gen, reason, kind="aborted", event=GenerationEvent.FAILED)
-            for shard in gen.shards.values():
-                if shard.state is not ShardState.DISCARDED:
-                    await self.ledger.apply(shard, ShardEvent.DISCARDED)
+            await self._discard_shards(gen)
             self.copies.discard_generation(gen)
         return True
+
+    async def _discard_shards(self, gen: GenerationRecord, *, persist: bool = True) -> None:
+        """Every shard of ``gen`` not yet discarded is (it will never drain)."""
+        for shard in gen.shards.values():
+            if shard.state is not ShardState.DISCARDED:
+                await self.ledger.apply(shard, ShardEvent.DISCARDED, persist=persist)
 
     async def replace_generation(self, gen: GenerationRecord, attempt: str) -> None:
         """A new attempt at an uncommitted step: end the old attempt on this node, drop what it
@@ -441,10 +445,8 @@ class Daemon:
                 if shard.state is ShardState.FAILED:
                     await self.scheduler.abort_upload(shard)
             self.copies.discard_generation(gen)
-        for shard in gen.shards.values():
-            if shard.state is not ShardState.DISCARDED:
-                # Still queued, perhaps: a worker must never take it for the new attempt's.
-                await self.ledger.apply(shard, ShardEvent.DISCARDED, persist=False)
+        # Still queued, perhaps: a worker must never take it for the new attempt's.
+        await self._discard_shards(gen, persist=False)
         log_event(log, logging.INFO, "generation_replaced", job=gen.job, step=gen.step,
                   old_attempt=gen.attempt, attempt=attempt)
         await self.ledger.forget(gen)
@@ -466,9 +468,7 @@ class Daemon:
             await self.fail(victim, f"superseded by step {step}: {budget.name} was full and "
                                     "on_full = \"supersede\" keeps the newest checkpoint",
                             kind="superseded", event=GenerationEvent.CANCELLED)
-            for shard in victim.shards.values():
-                if shard.state is not ShardState.DISCARDED:
-                    await self.ledger.apply(shard, ShardEvent.DISCARDED)
+            await self._discard_shards(victim)
         return True
 
     def _published(self, gen: GenerationRecord) -> None:
