@@ -27,7 +27,7 @@ from ckptdrain.daemon.cli_destination import (
     CommandFailed,
 )
 from ckptdrain.daemon.cli_stop import Stopped
-from ckptdrain.daemon.errors import DaemonError, StartupError
+from ckptdrain.daemon.errors import ConfigError, DaemonError, StartupError
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "CommandFailed", "main"]
 
@@ -138,8 +138,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from ckptdrain.daemon.config import ConfigError
-
     try:
         code = int(ns.fn(ns))
         sys.stdout.flush()

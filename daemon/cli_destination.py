@@ -46,13 +46,13 @@ def print_json(doc: Any) -> None:
 
 # -- argument types: a bad value is a usage error (exit 2) with one sentence, never a traceback --
 def dest_arg(text: str) -> str:
-    from ckptdrain.daemon.config import _split_uri
+    from ckptdrain.daemon.uris import split_uri
 
     if text.startswith("/"):
         raise argparse.ArgumentTypeError(
             f"{text!r} is a path, not a destination URI; write file://{text}")
     try:
-        _split_uri(text)
+        split_uri(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
@@ -88,6 +88,22 @@ def generation_arg(text: str) -> str:
 
 # -- the destination ------------------------------------------------------------------------------
 def _backend(ns: argparse.Namespace, dest: str) -> Any:
+    from ckptdrain.daemon.uris import split_uri
+
+    node = os.uname().nodename.replace("/", "_")
+    scheme, location, _ = split_uri(dest)  # checked by dest_arg already
+    if scheme == "file":
+        # A typo'd path must not read as an empty destination ("no generations", exit 0).
+        if not Path(location).is_dir():
+            raise CommandFailed(f"destination {dest} does not exist (no directory "
+                                f"{location}); check DEST")
+        if not (ns.config or os.environ.get("CKPTDRAIN_CONFIG")):
+            # Nothing configurable changes how a directory is read: with no configuration
+            # named (as for the socket, cli_node.socket_path), none is loaded. A restore from
+            # Lustre then starts in a third of the time and works while the config is broken.
+            from ckptdrain.daemon.backends.posix import PosixBackend, ReadSettings
+
+            return PosixBackend(ReadSettings(dest, Path(location)), node)
     from ckptdrain.daemon.backends import open_backend
     from ckptdrain.daemon.config import DestinationConfig, load_config
 
@@ -96,11 +112,6 @@ def _backend(ns: argparse.Namespace, dest: str) -> Any:
         destination = DestinationConfig.model_validate({**base.model_dump(), "uri": dest})
     except ValueError as exc:
         raise CommandFailed(f"bad destination {dest!r}: {exc}", EXIT_USAGE) from None
-    if destination.scheme == "file" and not destination.root_path.is_dir():
-        # A typo'd path must not read as an empty destination ("no generations", exit 0).
-        raise CommandFailed(f"destination {dest} does not exist (no directory "
-                            f"{destination.root_path}); check DEST")
-    node = os.uname().nodename.replace("/", "_")
     # This process's loop serves the command alone: a restore writes on it (open_backend).
     return open_backend(destination, node, writes_on_loop=True, readers=_readers(ns))
 

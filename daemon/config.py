@@ -25,7 +25,7 @@ from decimal import Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from socket import gethostname
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -39,7 +39,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ckptdrain.client.names import MAX_WORLD_SIZE
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.errors import ConfigError
+from ckptdrain.daemon.uris import split_uri
 
 __all__ = [
     "ENV_IGNORED",
@@ -72,16 +73,6 @@ TiB = 1 << 40
 
 # sun_path is 108 bytes on Linux, one of which is the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107
-
-
-class ConfigError(DaemonError):
-    """The configuration is wrong. ``key`` is the dotted key (``limits.max_staged_bytes``), the
-    file path or the environment variable at fault; ``reason`` says what is wrong and the fix."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +250,7 @@ class DestinationConfig(BaseModel):
     @field_validator("uri")
     @classmethod
     def _check_uri(cls, uri: str) -> str:
-        _split_uri(uri)
+        split_uri(uri)
         return uri
 
     @field_validator("endpoint_url")
@@ -286,12 +277,12 @@ class DestinationConfig(BaseModel):
     @property
     def scheme(self) -> str:
         """``"file"``, ``"s3"`` or ``"memory"``."""
-        return _split_uri(self.uri)[0]
+        return split_uri(self.uri)[0]
 
     @property
     def root_path(self) -> Path:
         """The destination directory of a ``file://`` URI."""
-        scheme, location, _ = _split_uri(self.uri)
+        scheme, location, _ = split_uri(self.uri)
         if scheme != "file":
             raise ValueError(f"{self.uri} is not a file:// destination")
         return Path(location)
@@ -299,7 +290,7 @@ class DestinationConfig(BaseModel):
     @property
     def bucket(self) -> str:
         """The bucket of an ``s3://`` URI."""
-        scheme, location, _ = _split_uri(self.uri)
+        scheme, location, _ = split_uri(self.uri)
         if scheme != "s3":
             raise ValueError(f"{self.uri} is not an s3:// destination")
         return location
@@ -308,49 +299,10 @@ class DestinationConfig(BaseModel):
     def prefix(self) -> str:
         """The key prefix of an ``s3://`` URI without leading or trailing ``/`` ("" for none):
         object keys are ``f"{prefix}/{key}"``, or ``key`` when the prefix is empty."""
-        scheme, _, prefix = _split_uri(self.uri)
+        scheme, _, prefix = split_uri(self.uri)
         if scheme != "s3":
             raise ValueError(f"{self.uri} is not an s3:// destination")
         return prefix
-
-
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9!_.*'()=+,;:@ -]+$")
-
-
-def _split_uri(uri: str) -> tuple[str, str, str]:
-    """(scheme, root path or bucket or name, s3 prefix); ValueError says how to fix the URI."""
-    example = 'write e.g. "file:///lustre/proj/ckpt" or "s3://bucket/prefix"'
-    parts = urlsplit(uri)
-    if parts.query or parts.fragment:
-        raise ValueError(f"{_show(uri)} has a query or fragment; {example}")
-    if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise ValueError(f"{_show(uri)} is not an absolute file:// URI; {example}")
-        path = unquote(parts.path)
-        if "\x00" in path or any(seg == ".." for seg in path.split("/")):
-            raise ValueError(f"{_show(uri)} must not contain \"..\" or NUL; {example}")
-        return "file", os.path.normpath(path), ""
-    if parts.scheme == "s3":
-        bucket = parts.netloc
-        if not _BUCKET_RE.match(bucket) or ".." in bucket:
-            raise ValueError(
-                f"{_show(uri)} does not name a valid bucket (3-63 characters of a-z 0-9 . -); "
-                f"{example}"
-            )
-        prefix = parts.path.strip("/")
-        segments = prefix.split("/") if prefix else []
-        for seg in segments:
-            if not seg or seg in (".", "..") or not _PREFIX_SEGMENT_RE.match(seg):
-                raise ValueError(
-                    f"{_show(uri)} has an unsafe prefix segment {seg!r}; {example}"
-                )
-        return "s3", bucket, prefix
-    if parts.scheme == "memory":
-        if not parts.netloc and not parts.path:
-            raise ValueError(f"{_show(uri)} needs a name, e.g. \"memory://test\"")
-        return "memory", parts.netloc + parts.path, ""
-    raise ValueError(f"{_show(uri)} is not a supported destination; {example}")
 
 
 class DrainConfig(BaseModel):

@@ -24,6 +24,18 @@ class RequestError(DaemonError):
         self.details = details or {}
 
 
+class ConfigError(DaemonError):
+    """The configuration is wrong. ``key`` is the dotted key (``limits.max_staged_bytes``), the
+    file path or the environment variable at fault; ``reason`` says what is wrong and the fix.
+    (Here, not in config.py, so that catching it loads no pydantic: cli.py catches it for
+    every command, and most never load the configuration.)"""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
 class StartupError(DaemonError):
     """The environment does not let the daemon start; ``key`` is the config key to look at."""
 

@@ -27,8 +27,9 @@ import stat
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from ckptdrain.daemon.backends.base import (
     Backend,
@@ -86,12 +87,9 @@ from ckptdrain.daemon.filecopy import (
 )
 from ckptdrain.daemon.threads import settled
 
-if TYPE_CHECKING:
-    from ckptdrain.daemon.config import DestinationConfig
-
 # Re-exported: the names tests and older imports know this module by.
-__all__ = ["COPY_RANGE_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "UnsafePath",
-           "backend_error", "temp_name"]
+__all__ = ["COPY_RANGE_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "ReadSettings",
+           "UnsafePath", "backend_error", "temp_name"]
 
 _T = TypeVar("_T")
 
@@ -103,6 +101,37 @@ _CREATE_ROUNDS = 3
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+class Settings(Protocol):
+    """What the POSIX backend takes from its destination's configuration
+    (config.DestinationConfig has it all)."""
+
+    @property
+    def uri(self) -> str: ...
+    @property
+    def root_path(self) -> Path: ...
+    @property
+    def stripe_count(self) -> int: ...
+    @property
+    def stripe_size_bytes(self) -> int: ...
+    @property
+    def max_concurrency(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSettings:
+    """A ``file://`` destination to read (``ckptdrain ls``, ``verify``, ``restore``): nothing
+    in the configuration changes how a directory is read, so those commands need not load it
+    (pydantic and its models were two thirds of their start-up). Reading creates no directory
+    there: striping is left to the filesystem (0)."""
+
+    uri: str
+    root_path: Path
+    stripe_count: int = 0
+    stripe_size_bytes: int = 0
+    # Threads: a restore copies 8 shards at once (catalog.restore), a verify 4.
+    max_concurrency: int = 8
+
+
 class PosixBackend(Backend):
     """A directory tree; keys are relative paths under ``config.root_path``."""
 
@@ -110,7 +139,7 @@ class PosixBackend(Backend):
     batch_shard_bytes = SMALL_SHARD_BYTES
     batch_bytes = BATCH_BYTES
 
-    def __init__(self, config: DestinationConfig, node_id: str) -> None:
+    def __init__(self, config: Settings, node_id: str) -> None:
         self.uri = config.uri
         self.root = Path(config.root_path)
         self.node_id = node_id
