@@ -27,6 +27,7 @@ from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd, writable
 from ckptdrain.daemon.errors import DaemonError, RequestError
+from ckptdrain.daemon.journal import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import (
@@ -182,7 +183,8 @@ class ClientHandler:
             self.busy = msg.kind not in _NOT_BUSY
             try:
                 reply = await self._dispatch(msg)
-            except RequestError as exc:
+            except (RequestError, JournalFull) as caught:
+                exc = caught if isinstance(caught, RequestError) else self._journal_full(caught)
                 await self.channel.sendall(self.conn.send_error(exc.code, exc.message, exc.details or None))
                 if self.conn.payload_remaining or self.conn.awaiting_data is not None:
                     # Failed part-way through a shard's bytes: the rest of them are still on
@@ -201,6 +203,13 @@ class ClientHandler:
                 await self.channel.send_with_fd(self.conn.send("ok", reply), fd)
             finally:
                 os.close(fd)
+
+    def _journal_full(self, exc: JournalFull) -> RequestError:
+        """Nothing new is journalled while the staging filesystem is full (Journal.write): a
+        begin or a hand-off is refused as backpressure on the disk, as a full staging disk is."""
+        self.d.metrics.backpressure("rejected", "staging_filesystem")
+        return RequestError(wire.BACKPRESSURE, str(exc),
+                            {"limit": "staging_filesystem", "retry_after_s": 5.0})
 
     def _drop_unclaimed_fds(self) -> None:
         """Fds passed on frames that take none are closed once the request is done. Only when

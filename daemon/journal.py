@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -21,8 +22,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.logs import log_event
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# While the journal's disk is full, a record of what already happened is tried again this
+# often (doubling from the first), until it is written or the daemon stops.
+FULL_RETRY_FIRST_S = 0.05
+FULL_RETRY_MAX_S = 1.0
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -98,6 +106,7 @@ class _Write:
     statements: tuple[tuple[str, tuple[Any, ...]], ...]
     before: tuple[Callable[[], None], ...]
     done: asyncio.Future[None]
+    new: bool  # it records something new (see Journal.write)
 
 
 def _settle(batch: list[_Write], outcomes: list[BaseException | None]) -> None:
@@ -114,6 +123,20 @@ class JournalError(DaemonError):
     """The journal cannot be opened or written: the daemon cannot promise durability."""
 
 
+class JournalFull(JournalError):
+    """The journal's filesystem has no room for a new record: nothing new (a generation, a
+    rank, a shard's acknowledgement) is taken until it has. A hand-off gets backpressure."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"the journal {path} cannot grow: its filesystem is full; free space "
+                         "there (the staging filesystem, staging_dir) and try again")
+
+
+def _is_full(exc: BaseException) -> bool:
+    return (isinstance(exc, sqlite3.Error)
+            and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL)
+
+
 class Journal:
     """Async facade over one SQLite connection owned by one thread."""
 
@@ -125,6 +148,11 @@ class Journal:
         self._queue: list[_Write] = []
         self._queue_lock = threading.Lock()
         self._flush_scheduled = False
+        # Set by the journal's thread while its disk is full and records wait for room: a new
+        # record is refused at once meanwhile (write(new=True)) instead of queueing behind.
+        self.full = False
+        # Set when the journal closes: records still waiting for room give up then.
+        self._closing = threading.Event()
         # Counted for tests and benchmarks: write() batches, and SQLite transactions committed
         # (each one fsync of the write-ahead log).
         self.batches = 0
@@ -168,6 +196,7 @@ class Journal:
         self._db = db
 
     async def close(self) -> None:
+        self._closing.set()
         if self._db is not None:
             await self._run(self._db.close)
             self._db = None
@@ -184,14 +213,18 @@ class Journal:
         try:
             for sql, params in statements:
                 db.execute(sql, params)
+            db.execute("COMMIT")  # where a full disk shows: the write-ahead log grows here
         except BaseException:
-            db.execute("ROLLBACK")
+            # SQLite may have rolled back already (a full disk does); a transaction left open
+            # would fail every later BEGIN ("within a transaction").
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
         self.transactions += 1
 
     async def write(self, *statements: tuple[str, tuple[Any, ...]],
-                    before: Sequence[Callable[[], None]] = ()) -> None:
+                    before: Sequence[Callable[[], None]] = (), new: bool = False) -> None:
         """Apply ``statements`` in one durable transaction; the ``before`` calls run (in the
         journal's thread) ahead of it, and must all succeed for the statements to be written
         (the fsyncs that make what the rows describe durable).
@@ -203,10 +236,21 @@ class Journal:
         acknowledgements fsyncs all its staged files, then their directory once. A write that
         cannot be committed with the batch (its own statement failed) is retried alone, so it
         fails only itself. Whoever awaits may be cancelled; the write still happens, in its
-        turn."""
+        turn.
+
+        A full disk fails no record of what already happened (a shard drained, a generation
+        ended): the ledger has moved in memory, and a daemon whose journal lags behind what
+        it did can lose acknowledged work at its next start (found with the staging disk
+        filled by another user: a drained shard's staged copy was removed while its row still
+        said staged). Such a write waits for room, tried again until it is written or the
+        journal closes. ``new`` marks a record that starts something (a generation, a rank,
+        a shard's acknowledgement): it fails with :class:`JournalFull` instead, at once while
+        others wait, and its caller takes back what it added."""
+        if new and self.full:
+            raise JournalFull(self.path)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._queue_lock:
-            self._queue.append(_Write(statements, tuple(before), done))
+            self._queue.append(_Write(statements, tuple(before), done, new))
             if self._flush_scheduled:
                 submit = False
             else:
@@ -247,6 +291,8 @@ class Journal:
             self.batches += 1
             return outcomes
         except Exception as exc:
+            if _is_full(exc):
+                return self._wait_for_room(batch, todo, outcomes)
             if len(todo) == 1:
                 outcomes[todo[0]] = exc
                 return outcomes
@@ -255,6 +301,47 @@ class Journal:
                 self._tx(batch[i].statements)
             except Exception as exc:
                 outcomes[i] = exc
+        return outcomes
+
+    def _wait_for_room(self, batch: list[_Write], todo: list[int],
+                       outcomes: list[BaseException | None]) -> list[BaseException | None]:
+        """The disk is full: refuse the batch's new records, and write the rest once it has
+        room (see :meth:`write`), trying again with a growing pause; the journal closing ends
+        the wait. Each record is written on its own, as a failed batch's are."""
+        for i in todo:
+            if batch[i].new:
+                outcomes[i] = JournalFull(self.path)
+        waiting = [i for i in todo if not batch[i].new]
+        if not waiting:
+            return outcomes
+        self.full = True
+        log_event(log, logging.ERROR, "journal_full", path=str(self.path), waiting=len(waiting),
+                  action="free space on the staging filesystem (staging_dir): records of "
+                  "what the daemon did wait for room, and new hand-offs are refused until then")
+        pause = FULL_RETRY_FIRST_S
+        try:
+            while waiting:
+                i = waiting[0]
+                try:
+                    self._tx(batch[i].statements)
+                except Exception as exc:
+                    if not _is_full(exc):
+                        outcomes[i] = exc
+                    elif self._closing.wait(pause):
+                        for k in waiting:
+                            outcomes[k] = JournalError(
+                                f"the journal {self.path} stayed full until the daemon stopped; "
+                                "this record was not written (the next start goes by the last "
+                                "one that was)")
+                        return outcomes
+                    else:
+                        pause = min(pause * 2, FULL_RETRY_MAX_S)
+                        continue
+                waiting.pop(0)
+                pause = FULL_RETRY_FIRST_S
+        finally:
+            self.full = False
+        log_event(log, logging.INFO, "journal_writable", path=str(self.path))
         return outcomes
 
     async def compact(self) -> None:
@@ -444,7 +531,7 @@ class GroupCommit:
         self.before()
 
     async def __call__(self, *statements: tuple[str, tuple[Any, ...]],
-                       before: Sequence[Callable[[], None]] = ()) -> None:
+                       before: Sequence[Callable[[], None]] = (), new: bool = False) -> None:
         """Journal ``statements`` once ``before`` (this hand-off's own fsyncs) and the
         shared directory fsync are done."""
-        await self.journal.write(*statements, before=(*before, self._before))
+        await self.journal.write(*statements, before=(*before, self._before), new=new)

@@ -130,7 +130,7 @@ class Ledger:
             self.jobs[job] = uid
             statements.insert(0, j.claim_job(job, uid))
         try:
-            await self.journal.write(*statements)
+            await self.journal.write(*statements, new=True)
         except BaseException:
             self.generations.pop(gen.key, None)
             raise
@@ -161,7 +161,7 @@ class Ledger:
             gen.handoff_at = shard.handed_at
             statements.append(j.put_generation(gen.row()))
         try:
-            await self._acknowledge(*statements, before=before)
+            await self._acknowledge(*statements, before=before, new=True)
         except BaseException:
             gen.shards.pop(shard.path, None)
             gen.count(shard, -1)
@@ -175,7 +175,8 @@ class Ledger:
                                     f"already began ({gen.ranks[rank]})")
         gen.ranks[rank] = INITIAL_RANK
         try:
-            await self._journal(gen, j.put_rank(gen.job, gen.step, rank, str(INITIAL_RANK)))
+            await self._journal(gen, j.put_rank(gen.job, gen.step, rank, str(INITIAL_RANK)),
+                                new=True)
         except BaseException:
             # Not begun after all: an open rank nobody hands off would hold the generation
             # back for good.
@@ -214,9 +215,10 @@ class Ledger:
 
     async def _apply_shard(self, shard: ShardRecord, event: ShardEvent, persist: bool,
                            fields: dict[str, Any]) -> ShardState:
+        undo = self._shard_undo(shard, event, fields)
         new, statement = self._move_shard(shard, event, persist, fields)
         if statement is not None:
-            await self.journal.write(statement)
+            await self._written([statement], [undo])
         return new
 
     async def apply_shards(self, changes: list[tuple[ShardRecord, dict[str, Any]]],
@@ -227,10 +229,50 @@ class Ledger:
         for shard, fields in changes:
             transition(shard.state, event)
             _check_fields(shard, fields)
+        undos = [self._shard_undo(shard, event, fields) for shard, fields in changes]
         statements = [st for shard, fields in changes
                       if (st := self._move_shard(shard, event, True, fields)[1]) is not None]
         if statements:
+            await self._written(statements, undos)
+
+    def _shard_undo(self, shard: ShardRecord, event: ShardEvent,
+                    fields: dict[str, Any]) -> Callable[[], None]:
+        """What puts ``shard`` back as it is now (its state, and the ``fields`` about to be
+        set) once ``event`` has moved it, unless something moved it again meanwhile."""
+        state = shard.state
+        old = {name: getattr(shard, name) for name in fields}
+        moved_to = transition(state, event)
+
+        def undo() -> None:
+            if shard.state is not moved_to:
+                return  # moved on since: what moved it wrote its own row
+            gen = self.generations.get((shard.job, shard.step))
+            counted = gen is not None and gen.shards.get(shard.path) is shard
+            if gen is not None and counted:
+                gen.count(shard, -1)
+            shard.state = state
+            for name, value in old.items():
+                setattr(shard, name, value)
+            if gen is not None and counted:
+                gen.count(shard, +1)
+
+        return undo
+
+    async def _written(self, statements: list[tuple[str, tuple[Any, ...]]],
+                       undos: list[Callable[[], None]]) -> None:
+        """Journal ``statements``, the records of moves already made in memory; when the
+        write fails, the moves are taken back, so that memory never runs ahead of what the
+        next start will find (a shard counted drained whose row still says staged had its
+        staged copy removed: acknowledged work lost at the restart). A full disk does not
+        fail it: Journal.write waits for room."""
+        try:
             await self.journal.write(*statements)
+        except asyncio.CancelledError:
+            raise  # the write still happens, in its turn (Journal.write)
+        except BaseException:
+            for undo in reversed(undos):
+                undo()
+            raise
 
     def _move_shard(self, shard: ShardRecord, event: ShardEvent, persist: bool,
                     fields: dict[str, Any]) -> tuple[ShardState, tuple[str, tuple[Any, ...]] | None]:
@@ -265,7 +307,14 @@ class Ledger:
             raise IllegalTransition(f"RankEvent.{event.name}: rank {rank} of step {gen.step} "
                                     f"of job {gen.job!r} never began on this node")
         new = gen.ranks[rank] = transition(current, event)
-        await self._journal(gen, j.put_rank(gen.job, gen.step, rank, str(new)))
+        try:
+            await self._journal(gen, j.put_rank(gen.job, gen.step, rank, str(new)))
+        except asyncio.CancelledError:
+            raise  # the write still happens, in its turn (Journal.write)
+        except BaseException:
+            if gen.ranks.get(rank) is new:  # taken back as _written does, unless moved since
+                gen.ranks[rank] = current
+            raise
         return new
 
     async def _apply_generation(self, gen: GenerationRecord, event: GenerationEvent,
@@ -289,11 +338,12 @@ class Ledger:
         await self._journal(gen, j.put_generation(gen.row()))
         self._notify()
 
-    async def _journal(self, gen: GenerationRecord, statement: tuple[str, tuple[Any, ...]]) -> None:
+    async def _journal(self, gen: GenerationRecord, statement: tuple[str, tuple[Any, ...]], *,
+                       new: bool = False) -> None:
         # Rows are keyed by (job, step): a forgotten generation's late change (its old
         # connection leaving, say) must not land on a new attempt's rows at the same step.
         if self.current(gen):
-            await self.journal.write(statement)
+            await self.journal.write(statement, new=new)
 
     def current(self, gen: GenerationRecord) -> bool:
         """Whether ``gen`` is the attempt this node holds at its step (not forgotten or

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -174,17 +173,6 @@ def test_drain_bandwidth_cap_is_respected(make_daemon: Any) -> None:
     m = Manifest.from_json((d.dest / "paced" / f"{1:020d}" / "MANIFEST.json").read_bytes())
     measured = total / (m.clocks["drained"] - m.clocks["handoff"])
     assert abs(measured - rate) / rate < 0.15, f"drained at {measured / 1e6:.1f} MB/s, cap 20 MB/s"
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Any:
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_staging_disk_that_fills(make_daemon: Any, small_tmpfs: Path) -> None:

@@ -1,0 +1,98 @@
+"""The journal's filesystem fills (another user fills the staging disk): what the daemon did
+is recorded once there is room again, new work is refused as backpressure, and nothing
+acknowledged is lost across a restart.
+
+Found attacking the staging side: a drain whose ``drained`` record could not be written (SQLite
+"database or disk is full") failed its generation as an internal error, its staged copy was
+removed because memory already counted the shard drained, and the restart then found the
+journal's ``staged`` row with no file: the acknowledged step could never commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import Backpressure
+from tests.conftest import DaemonProcess, wait_for
+
+MiB = 1 << 20
+
+
+def fill(mnt: Path) -> Path:
+    """Write a file until the filesystem has no byte left; returns it."""
+    filler = mnt / "someone-else"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (bytes(MiB), bytes(4096), bytes(1)):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _staged_data(d: DaemonProcess, mnt: Path) -> list[str]:
+    return [n for n in os.listdir(mnt / "staging" / "shards") if n.endswith(".data")]
+
+
+@pytest.mark.parametrize("then", ["room", "kill -9, room, restart"])
+def test_a_drain_recorded_while_the_journal_is_full_waits_for_room(
+    make_daemon: Any, small_tmpfs: Path, then: str
+) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="2MiB")
+    c = d.client(timeout_s=30)
+    data = os.urandom(8 * MiB)
+    with c.generation("j", 1) as gen:
+        gen.put("a", data)  # acknowledged: on the staging disk, journalled
+    filler = fill(small_tmpfs)
+    drained = d.dest / "j" / f"{1:020d}" / "a"
+    wait_for(drained.exists, timeout_s=60)  # the bytes reached the destination ...
+    wait_for(lambda: "event=journal_full" in d.log(), timeout_s=60)  # ... its record cannot
+    # Nothing was given up meanwhile: the step is not failed, its staged copy is kept.
+    (step,) = [g for g in c.status()["generations"] if g["job"] == "j"]
+    assert step["state"] not in ("failed", "cancelled"), step
+    assert len(_staged_data(d, small_tmpfs)) == 1
+    assert "drain_crashed" not in d.log() and "internal" not in step.get("error", "")
+    if then == "room":
+        filler.unlink()
+    else:
+        d.kill()
+        filler.unlink()
+        d.start()
+    c = d.client(timeout_s=30)
+    c.wait("j", 1, timeout_s=120)
+    assert drained.read_bytes() == data
+    assert c.latest("j") == 1
+    if then == "room":
+        assert "event=journal_writable" in d.log()
+
+
+def test_new_work_while_the_journal_is_full_is_backpressure(
+    make_daemon: Any, small_tmpfs: Path
+) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"))
+    c = d.client(timeout_s=30)
+    with c.generation("j", 1) as gen:
+        gen.put("a", b"before")
+    c.wait("j", 1, timeout_s=60)
+    filler = fill(small_tmpfs)
+    # A new step records a new generation: refused as the full disk it is, not an internal
+    # error, and the daemon goes on answering.
+    with pytest.raises(Backpressure, match="full") as info:
+        with c.generation("j", 2) as gen:
+            gen.put("a", b"during")
+    assert info.value.details["limit"] == "staging_filesystem"
+    assert c.status()["generations"] is not None
+    assert "request_crashed" not in d.log() and "Traceback" not in d.log()
+    filler.unlink()
+    with c.generation("j", 3) as gen:
+        gen.put("a", b"after")
+    c.wait("j", 3, timeout_s=60)
+    assert (d.dest / "j" / f"{3:020d}" / "a").read_bytes() == b"after"
