@@ -14,11 +14,7 @@ import pytest
 from ckptdrain.client import Backpressure, wire
 from ckptdrain.client import client as client_module
 from tests.conftest import DaemonProcess
-from tests.functional import test_backpressure
-from tests.functional.test_bad_input import RawClient, error_in, frame
 from tests.functional.test_slots import _rate_limited, read_all
-
-small_tmpfs = test_backpressure.small_tmpfs  # a fixture: a 64 MiB tmpfs, for a disk that fills
 
 
 def _put_bytes(raw: RawClient, path: str, data: bytes, **who: Any) -> Any:

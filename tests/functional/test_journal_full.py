@@ -85,9 +85,8 @@ def test_new_work_while_the_journal_is_full_is_backpressure(
     filler = fill(small_tmpfs)
     # A new step records a new generation: refused as the full disk it is, not an internal
     # error, and the daemon goes on answering.
-    with pytest.raises(Backpressure, match="full") as info:
-        with c.generation("j", 2) as gen:
-            gen.put("a", b"during")
+    with pytest.raises(Backpressure, match="full") as info, c.generation("j", 2) as gen:
+        gen.put("a", b"during")
     assert info.value.details["limit"] == "staging_filesystem"
     assert c.status()["generations"] is not None
     assert "request_crashed" not in d.log() and "Traceback" not in d.log()
