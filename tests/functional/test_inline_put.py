@@ -14,6 +14,7 @@ import pytest
 from ckptdrain.client import Backpressure, wire
 from ckptdrain.client import client as client_module
 from tests.conftest import DaemonProcess
+from tests.functional.test_bad_input import RawClient, error_in, frame
 from tests.functional.test_slots import _rate_limited, read_all
 
 
