@@ -104,8 +104,13 @@ class Admission:
 
     # -- admission ----------------------------------------------------------------------------
     def charge(self, reservation: Reservation, uid: int) -> Reservation:
-        """Count ``reservation`` against ``uid``'s share until it is released."""
-        amount = reservation.amount
+        """Count ``reservation`` against ``uid``'s share until it is released, or until its
+        shard drains (Reservation.settle: a kept local copy is not the uid's to carry)."""
+        reservation.then = self._take_share(uid, reservation.amount)
+        return reservation
+
+    def _take_share(self, uid: int, amount: int) -> Callable[[], None]:
+        """Count ``amount`` against ``uid``'s share now; returns what gives it back."""
         self.uid_bytes[uid] = self.uid_bytes.get(uid, 0) + amount
 
         def give_back() -> None:
@@ -115,8 +120,7 @@ class Admission:
             else:
                 self.uid_bytes.pop(uid, None)
 
-        reservation.then = give_back
-        return reservation
+        return give_back
 
     def check_uid_share(self, uid: int, amount: int) -> None:
         cap = self.config.limits.max_reserved_bytes_per_uid
@@ -150,8 +154,18 @@ class Admission:
         Bytes are charged to ``uid``'s share (limits.max_reserved_bytes_per_uid)."""
         if uid is None:
             return await self._admit(budget, amount, job, step)
+        # The share is taken with the check, before any wait for room: checked now and charged
+        # once admitted, puts queued behind a full budget all passed the check and together
+        # held three times the cap (found attacking the per-uid limit).
         self.check_uid_share(uid, amount)
-        return self.charge(await self._admit(budget, amount, job, step), uid)
+        give_back = self._take_share(uid, amount)
+        try:
+            room = await self._admit(budget, amount, job, step)
+        except BaseException:
+            give_back()
+            raise
+        room.then = give_back
+        return room
 
     async def _admit(self, budget: Budget, amount: int, job: str, step: int) -> Reservation:
         limits = self.config.limits

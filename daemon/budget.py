@@ -168,8 +168,14 @@ class Reservation:
             raise AccountingError(f"{self.budget.name}: reservation of {self.amount} released twice")
         self.released = True
         self.budget.release(self.amount)
-        if self.then is not None:
-            self.then()
+        self.settle()
+
+    def settle(self) -> None:
+        """Give back the other accounting now, and keep the room (a drained shard's local
+        copy stays inside the budget, but no longer counts against its uid's share)."""
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"

@@ -69,10 +69,14 @@ class LocalCopies:
             self._slot[shard] = slot
 
     def recovered(self, shard: ShardRecord) -> None:
-        """Recovery found ``shard``'s file: held against the limits whatever they are now."""
-        self._room[shard] = self.admission.staged.adopt(shard.size)
+        """Recovery found ``shard``'s file: held against the limits whatever they are now,
+        its uid's share included while it is not drained (as at the hand-off that staged it)."""
+        room = self._room[shard] = self.admission.staged.adopt(shard.size)
         if shard.state in (ShardState.STAGED, ShardState.FAILED):
             self._slot[shard] = self.admission.shards.adopt(1)
+            owner = self.ledger.jobs.get(shard.job)
+            if owner is not None:
+                self.admission.charge(room, owner)
 
     @property
     def kept_bytes(self) -> int:
@@ -90,6 +94,12 @@ class LocalCopies:
         slot = self._slot.pop(shard, None)
         if slot is not None:
             slot.release()
+        room = self._room.get(shard)
+        if room is not None:
+            # limits.max_reserved_bytes_per_uid bounds what a uid holds until drained: a kept
+            # copy counted against it refused every later save of a uid whose checkpoint was
+            # over half its share, for good (found attacking the per-uid limit).
+            room.settle()
         if not self.keep_after_drain:
             # Its room goes back once the file is gone; a hand-off waiting for room gets it
             # without the gathering wait.

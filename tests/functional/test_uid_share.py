@@ -1,0 +1,96 @@
+"""limits.max_reserved_bytes_per_uid: what one uid's shards may hold on this node until they
+drain, and nothing more, in whatever order its hand-offs, drains and restarts come.
+
+Each case was found attacking the per-uid limit: a kept local copy counted against the share
+for good; puts queued behind a full budget passed the check together and took three times it;
+and a restart forgot what its recovered shards held.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from ckptdrain.client import Backpressure, Client
+from tests.conftest import DaemonProcess, wait_for
+from tests.functional.otheruser import answer, start_as
+
+MiB = 1 << 20
+OTHER_UID = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs a client as another uid (root)")
+
+
+def ended(child: tuple[int, int]) -> bool:
+    """Whether a child of start_as has exited (not reaped: answer() does that)."""
+    with open(f"/proc/{child[0]}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "Z"
+
+
+def test_a_kept_local_copy_is_not_held_against_its_uids_share(make_daemon: Any) -> None:
+    # A checkpoint over half the share: its drained copy, kept for a fast restore
+    # (keep_local_copy), refused every later save of the job until a restart.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="256MiB",
+                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="128MiB")
+    c = d.client(timeout_s=60)
+    data = os.urandom(80 * MiB)
+    for step in (1, 2, 3):
+        with c.generation("big", step) as gen:
+            gen.put("model.pt", data)
+        c.wait("big", step, timeout_s=120)
+    assert c.status()["kept_copy_bytes"] > 0  # kept: inside max_staged_bytes, not the share
+
+
+def test_a_restart_holds_recovered_shards_against_their_uids_share(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    c = d.client(timeout_s=30)
+    with c.generation("j", 1) as gen:
+        gen.put("a", os.urandom(30 * MiB))  # staged, not drained (the drain is held)
+    with pytest.raises(Backpressure), c.generation("j", 2) as gen:
+        gen.put("a", os.urandom(30 * MiB))
+    d.kill()
+    d.start()
+    c = d.client(timeout_s=30)
+    with pytest.raises(Backpressure) as info, c.generation("j", 3) as gen:
+        gen.put("a", os.urandom(30 * MiB))
+    assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
+    assert info.value.details["current"] == 30 * MiB
+
+
+@needs_root
+def test_puts_queued_for_room_take_no_more_than_the_uids_share(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="100MiB",
+                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="60MiB",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1",
+                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
+    os.chmod(d.socket_path.parent, 0o755)
+    c = d.client(timeout_s=60)
+    filler = c.generation("filler", 1, world_size=2)
+    filler.__enter__()
+    filler.put("x", os.urandom(50 * MiB), deferred=True)  # root's: held until aborted
+
+    def put(job: int) -> str:
+        try:
+            with Client(d.socket_path, timeout_s=90).generation(f"theirs-{job}", 1) as gen:
+                gen.put("shard", os.urandom(30 * MiB))
+        except Backpressure as exc:
+            return f"REFUSED {exc.details['limit']}"
+        return "OK"
+
+    # The first fits at once; the second waits for max_staged_bytes, and so would the third
+    # if the second's bytes did not count against the share until it was let in.
+    children = []
+    for j, then in enumerate((lambda: c.status()["staged_bytes"] == 80 * MiB,
+                              lambda: c.status()["blocked_handoffs"] == 1,
+                              lambda: c.status()["blocked_handoffs"] == 2 or ended(children[2]))):
+        children.append(start_as(OTHER_UID, lambda j=j: put(j)))  # type: ignore[misc]
+        wait_for(then, timeout_s=30)
+    filler.abort("making room")
+    filler.__exit__(None, None, None)
+    answers = sorted(answer(child) for child in children)
+    assert answers.count("OK") * 30 * MiB <= 60 * MiB, answers
+    assert answers == ["OK", "OK", "REFUSED max_reserved_bytes_per_uid"], answers
