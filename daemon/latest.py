@@ -115,10 +115,16 @@ async def manifest_bytes(backend: Backend, job: str, step: int) -> bytes | None:
 
 
 async def newest_committed(backend: Backend, job: str, above: int) -> int | None:
-    """The newest step of ``job`` above ``above`` with a valid manifest, or None.
+    """The newest step of ``job`` above ``above`` with a valid manifest, or None."""
+    found = await committed_above(backend, job, above, enough=1)
+    return found[0] if found else None
+
+
+async def committed_above(backend: Backend, job: str, above: int, *, enough: int) -> list[int]:
+    """Up to ``enough`` steps of ``job`` above ``above`` with a valid manifest, newest first.
 
     One listing of the job's generation directories (not of their shards), then a manifest
-    read per directory, newest first, until one is valid: directories above the newest
+    read per directory, newest first, until ``enough`` are valid: directories above the newest
     commit are usually just the generations in flight.
     """
     steps = sorted(
@@ -129,6 +135,7 @@ async def newest_committed(backend: Backend, job: str, above: int) -> int | None
         ),
         reverse=True,
     )
+    found: list[int] = []
     for step in steps:
         data = await manifest_bytes(backend, job, step)
         if data is None or is_tombstone(data):
@@ -138,8 +145,10 @@ async def newest_committed(backend: Backend, job: str, above: int) -> int | None
         except ManifestError:
             continue  # damaged: not a commit a restart may use (catalog logs it)
         if (manifest.job, manifest.generation) == (job, step):
-            return step
-    return None
+            found.append(step)
+            if len(found) >= enough:
+                break
+    return found
 
 
 async def off_loop_if_large(nbytes: int, fn: Callable[..., _T], *args: object) -> _T:

@@ -40,6 +40,7 @@ from ckptdrain.daemon.fetcher import Fetcher
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.keptmanifests import KeptManifests
+from ckptdrain.daemon.latest import committed_above
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
 from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
@@ -356,20 +357,36 @@ class Daemon:
         return uid, await owners.refuse_if_elsewhere(self, job, uid)
 
     async def _refuse_if_committed(self, job: str, step: int) -> None:
-        """Refuse a step another node already committed: nothing may overwrite it."""
+        """Refuse a step another node already committed: nothing may overwrite it. Refuse
+        too a step with ``retention.keep_last`` committed steps above it: retention would
+        remove it as soon as it committed (found attacking retention: a job rolled back to an
+        older step was told its save was committed, and a second later it was gone)."""
+        keep = self.config.retention.keep_last
+        unknown: BaseException | None = None
         try:
-            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-                committed = await self.committer.is_committed(job, step)
-        except StepUnusable as exc:
-            raise RequestError(wire.COMMITTED, str(exc)) from None
-        except (BackendError, OSError, TimeoutError) as exc:
+            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S), asyncio.TaskGroup() as tg:
+                committed = tg.create_task(self.committer.is_committed(job, step))
+                newer = tg.create_task(committed_above(self.backend, job, step, enough=keep))
+        except* StepUnusable as unusable:
+            raise RequestError(wire.COMMITTED, str(unusable.exceptions[0])) from None
+        except* (BackendError, OSError, TimeoutError) as failed:
+            unknown = failed.exceptions[0]
+        if unknown is not None:
             # Cannot tell now; the create-once shard writes still protect a committed step.
             log_event(log, logging.WARNING, "committed_check_failed", job=job, step=step,
-                      error=str(exc) or type(exc).__name__)
+                      error=str(unknown) or type(unknown).__name__)
             return
-        if committed:
+        if committed.result():
             raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is committed; save a "
                                "new step")
+        above = newer.result()
+        if len(above) >= keep:
+            raise RequestError(
+                wire.BAD_REQUEST,
+                f"step {step} of job {job!r} is older than its {keep} newest committed steps "
+                f"({', '.join(map(str, above))}): retention.keep_last = {keep} would remove it "
+                "as soon as it committed, and a restart resumes from the newest step anyway; "
+                f"save it as a step above {above[0]}, or under a new job name")
 
     async def fail(self, gen: GenerationRecord, reason: str, *, kind: str,
                    event: GenerationEvent = GenerationEvent.FAILED) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import GenerationFailed, Timeout
+from ckptdrain.client import GenerationFailed, RejectedInput, Timeout
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.checksums import of_bytes
-from tests.conftest import CKPTDRAIN, DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 
 
 def gen_dir(d: DaemonProcess, job: str, step: int) -> Path:
@@ -161,6 +161,27 @@ def test_retention_runs_after_each_commit(make_daemon) -> None:  # type: ignore[
     assert c.latest("kept") == 4
     steps = [g["step"] for g in c.status()["generations"]]
     assert steps == [3, 4] or steps == [2, 3, 4]  # forgotten once retention removed them
+
+
+def test_a_step_retention_would_remove_at_once_is_refused(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking retention: a job rolled back and saved step 25 below its committed 30
+    # and 40 (keep_last 2); `wait` said committed, and retention removed it a second later.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LAST="2")
+    c = d.client()
+    for step in (10, 20, 30, 40):
+        with c.generation("roll", step) as gen:
+            gen.put("w.bin", os.urandom(1000))
+        c.wait("roll", step, timeout_s=30)
+    with pytest.raises(RejectedInput, match="above 40") as info, c.generation("roll", 25):
+        pass
+    assert info.value.code == "bad_request"
+    # One committed step above it: the newest two are then 40 and 35, and it stays.
+    with c.generation("roll", 35) as gen:
+        gen.put("w.bin", b"kept")
+    c.wait("roll", 35, timeout_s=30)
+    wait_for(lambda: sorted(p.name for p in (d.dest / "roll").iterdir() if p.is_dir())
+             == [f"{35:020d}", f"{40:020d}"], timeout_s=30)
+    assert (d.dest / "roll" / f"{35:020d}" / "w.bin").read_bytes() == b"kept"
 
 
 def test_two_nodes_one_retention_run_per_commit_and_both_forget_older(make_daemon) -> None:  # type: ignore[no-untyped-def]
