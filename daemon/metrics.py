@@ -112,6 +112,13 @@ PHASE_BUCKETS_S = (
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
 REQUEST_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
+# Scrapes in flight at once; another connection is closed unread. Prometheus sends one
+# at a time; without a cap, anyone who can reach the port held an fd per idle connection.
+MAX_CONNECTIONS = 16
+# A rendered exposition is served again to scrapes within this long of it. With 1,000 jobs one
+# render is ~1 MB of text and ~75 ms of CPU: four scrape loops rendering it each time took
+# most of a core from the daemon (found attacking /metrics).
+RENDER_FRESH_S = 1.0
 
 
 class MetricsServerError(DaemonError, RuntimeError):
@@ -374,6 +381,10 @@ class Metrics:
 
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        # The last exposition and when it was rendered, and the render in progress: scrapes
+        # that come while one runs share it.
+        self._rendered: tuple[float, bytes] | None = None
+        self._rendering: asyncio.Future[bytes] | None = None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -494,6 +505,27 @@ class Metrics:
         """The Prometheus text format (0.0.4) of every metric."""
         return prometheus_client.generate_latest(self.registry)
 
+    async def rendered(self) -> bytes:
+        """:meth:`exposition` for a scrape: rendered in a worker thread, never on the event
+        loop (prometheus_client's metrics take their own locks, and the state gauges read a
+        snapshot replaced whole), once for every scrape that comes while it runs, and served
+        again for :data:`RENDER_FRESH_S`."""
+        loop = asyncio.get_running_loop()
+        if self._rendered is not None and loop.time() - self._rendered[0] < RENDER_FRESH_S:
+            return self._rendered[1]
+        if self._rendering is None:
+            started = loop.time()
+            future = self._rendering = loop.run_in_executor(None, self.exposition)
+
+            def done(f: asyncio.Future[bytes]) -> None:
+                self._rendering = None
+                if not f.cancelled() and f.exception() is None:
+                    self._rendered = (started, f.result())
+
+            future.add_done_callback(done)
+        # Shielded: one scrape that gives up does not cancel the render the others wait for.
+        return await asyncio.shield(self._rendering)
+
     async def serve(self, host: str, port: int) -> tuple[str, int]:
         """Serve ``GET /metrics`` and ``GET /healthz`` on ``host:port`` (0: any free port).
 
@@ -541,6 +573,9 @@ class Metrics:
         # asyncio.start_server creates this task; owning it here lets aclose() end it.
         task = asyncio.current_task()
         assert task is not None
+        if len(self._connections) >= MAX_CONNECTIONS:
+            writer.transport.abort()  # not even read: a flood of connections costs one accept each
+            return
         self._connections[task] = writer
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
@@ -569,7 +604,7 @@ class Metrics:
         if method not in ("GET", "HEAD"):
             await _respond(writer, 405, b"only GET\n", "text/plain")
         elif path == "/metrics":
-            body = self.exposition()
+            body = await self.rendered()
             await _respond(
                 writer,
                 200,

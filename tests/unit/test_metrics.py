@@ -4,7 +4,10 @@ endpoint over a real socket."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -355,3 +358,88 @@ async def test_serve_twice_or_on_a_busy_port_is_a_clear_error() -> None:
     finally:
         await m.aclose()
         await other.aclose()
+
+
+# Found attacking /metrics: the exposition (1 MB and ~75 ms with 1,000 jobs) was rendered on
+# the daemon's event loop for every scrape, so four scrape loops held a one-shard hand-off
+# for 1.5 s; and idle connections were held without a cap.
+
+@pytest.mark.asyncio
+async def test_a_scrape_is_rendered_off_the_event_loop(
+    served: tuple[Metrics, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m, port = served
+    threads: list[int] = []
+    render = m.exposition
+
+    def recorded() -> bytes:
+        threads.append(threading.get_ident())
+        return render()
+
+    monkeypatch.setattr(m, "exposition", recorded)
+    status, _, body = await http(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert status == 200 and b"ckptdrain_build_info" in body
+    assert threads and threading.get_ident() not in threads
+
+
+@pytest.mark.asyncio
+async def test_scrapes_at_once_share_one_render(
+    served: tuple[Metrics, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m, port = served
+    calls: list[float] = []
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow() -> bytes:
+        calls.append(time.monotonic())
+        started.set()
+        assert release.wait(10)
+        return b"rendered once\n"
+
+    monkeypatch.setattr(m, "exposition", slow)
+    first = asyncio.create_task(http(port, b"GET /metrics HTTP/1.1\r\n\r\n"))
+    await asyncio.to_thread(started.wait, 10)
+    others = [asyncio.create_task(http(port, b"GET /metrics HTTP/1.1\r\n\r\n")) for _ in range(5)]
+    async with asyncio.timeout(10):
+        while len(m._connections) < 6:  # all in, the render still held
+            await asyncio.sleep(0.01)
+    release.set()
+    answers = await asyncio.gather(first, *others)
+    assert [(status, body) for status, _, body in answers] == [(200, b"rendered once\n")] * 6
+    assert len(calls) == 1
+    # Within RENDER_FRESH_S a scrape is answered from that render, after it a new one runs.
+    assert (await http(port, b"GET /metrics HTTP/1.1\r\n\r\n"))[2] == b"rendered once\n"
+    assert len(calls) == 1
+    monkeypatch.setattr(metrics_module, "RENDER_FRESH_S", 0.0)
+    await http(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert len(calls) == 2
+
+
+@pytest.mark.asyncio
+async def test_connections_past_the_cap_are_closed_unread(served: tuple[Metrics, int]) -> None:
+    _, port = served
+    idle = [await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(metrics_module.MAX_CONNECTIONS)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        async with asyncio.timeout(10):
+            with contextlib.suppress(ConnectionError):
+                assert await reader.read() == b""  # turned away, not queued
+        writer.close()
+    finally:
+        for _, w in idle:
+            w.close()
+    # The idle ones gone, scrapes are served again.
+    async def served_again() -> bool:
+        return (await http(port, b"GET /healthz HTTP/1.1\r\n\r\n"))[0] == 200
+
+    async with asyncio.timeout(10):
+        while True:
+            with contextlib.suppress(ConnectionError, IndexError, ValueError):
+                if await served_again():
+                    break
+            await asyncio.sleep(0.05)
