@@ -38,6 +38,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ckptdrain.client.manifest import MAX_NODE_BYTES
 from ckptdrain.client.names import MAX_WORLD_SIZE
 from ckptdrain.daemon.errors import ConfigError
 from ckptdrain.daemon.uris import split_uri
@@ -210,7 +211,7 @@ class LimitsConfig(BaseModel):
     io_threads: int = Field(default=0, ge=0, le=1024)
     # One blocking step of a hand-off (copying from a client's fd, an fsync) that takes
     # longer fails that hand-off; its thread is counted as stuck until the call returns.
-    io_timeout_s: float = Field(default=600.0, gt=0)
+    io_timeout_s: float = Field(default=600.0, ge=1.0)  # less failed start-up itself (exit 1)
     # Offer clients a pipe for a put's bytes (one copy instead of two). A client can hold its
     # pipe's kernel lock and so wedge the thread that reads it (given up on, counted as
     # stuck, and it keeps a stopping daemon's process from exiting until the client lets
@@ -473,7 +474,9 @@ class AccessConfig(BaseModel):
         return int(text[2:] if text.lower().startswith("0o") else text, 8)
 
 
-_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+# As long as a manifest takes (client/manifest.py): a longer one passed `config check`, and
+# `serve` then died with a traceback writing its first record.
+_NODE_ID_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NODE_BYTES - 1}}}$")
 
 
 class Config(BaseModel):
@@ -500,7 +503,7 @@ class Config(BaseModel):
         if not _NODE_ID_RE.match(node_id):
             raise ValueError(
                 f"{_show(node_id)} is not a valid node id (letters, digits, '.', '_', '-', "
-                "starting with a letter or digit, at most 253); set node_id explicitly"
+                f"starting with a letter or digit, at most {MAX_NODE_BYTES}); set node_id explicitly"
             )
         return node_id
 
@@ -538,10 +541,14 @@ class Config(BaseModel):
         return self.staging_dir / "journal.sqlite3"
 
     def with_limits_from(self, other: Config) -> Config:
-        """This config with ``limits`` and ``log_level`` taken from ``other`` (SIGHUP reload:
-        everything else needs a restart, so a reload never changes it)."""
+        """This config with ``limits`` (but ``io_threads`` and ``io_timeout_s``) and
+        ``log_level`` taken from ``other`` (SIGHUP reload: everything else needs a restart, so
+        a reload never changes it)."""
         merged = self.model_dump()
-        merged["limits"] = other.limits.model_dump()
+        # Except the data plane's size and timeout, fixed when it was built (a restart).
+        merged["limits"] = {**other.limits.model_dump(),
+                            "io_threads": self.limits.io_threads,
+                            "io_timeout_s": self.limits.io_timeout_s}
         merged["log_level"] = other.log_level
         return _validate(merged, sources={})
 

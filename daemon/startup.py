@@ -194,6 +194,9 @@ def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, S
 
 # Keys a SIGHUP applies; any other key that changed is named as needing a restart.
 RELOADABLE = ("limits.", "log_level", "drain.max_bandwidth_bytes_per_s")
+# Limits the data plane is built with at start-up: a reload keeps them (Config.with_limits_from)
+# and names them as needing a restart (it said "reloaded" and changed nothing).
+RESTART_LIMITS = ("limits.io_threads", "limits.io_timeout_s")
 
 
 def changed_keys(old: Config, new: Config) -> list[str]:
@@ -213,5 +216,5 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def needs_restart(keys: list[str]) -> list[str]:
-    return [k for k in keys if not any(k == r or (r.endswith(".") and k.startswith(r))
-                                       for r in RELOADABLE)]
+    return [k for k in keys if k in RESTART_LIMITS
+            or not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RELOADABLE)]

@@ -183,6 +183,18 @@ def test_unusable_hostname_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "set node_id explicitly" in err.reason
 
 
+def test_a_node_id_is_no_longer_than_a_manifest_takes() -> None:
+    # Found attacking the config: 129-253 characters passed `config check`, and `serve` then
+    # died with a ManifestError traceback (exit 1) writing its first record.
+    from ckptdrain.client.manifest import MAX_NODE_BYTES, validate_node_id
+
+    longest = "n" * MAX_NODE_BYTES
+    config = load_config(env={**BASE_ENV, "CKPTDRAIN_NODE_ID": longest})
+    assert validate_node_id(config.node_id) == longest
+    err = error_of(env={"CKPTDRAIN_NODE_ID": longest + "n"})
+    assert err.key == "node_id" and f"at most {MAX_NODE_BYTES}" in err.reason
+
+
 def test_embedded_default_is_plain_data() -> None:
     data = embedded_default({"HOME": "/h"})
     assert set(data) == {"socket", "staging_dir", "destination", "metrics"}
@@ -549,6 +561,27 @@ def test_with_limits_from_takes_limits_and_log_level_only(tmp_path: Path) -> Non
     assert merged.node_id == "a"
     assert merged.destination == old.destination
     assert old.limits.max_clients == 5  # the original is unchanged
+
+
+def test_a_reload_keeps_the_data_planes_limits_and_says_they_need_a_restart() -> None:
+    # Found attacking reload: io_threads and io_timeout_s size the data plane once, at
+    # start-up; a SIGHUP logged "reloaded" with no needs_restart and changed nothing.
+    from ckptdrain.daemon.startup import changed_keys, needs_restart
+
+    old = Config()
+    new = Config(limits=LimitsConfig(io_threads=16, io_timeout_s=5.0, max_clients=9))
+    merged = old.with_limits_from(new)
+    assert (merged.limits.io_threads, merged.limits.io_timeout_s) == (
+        old.limits.io_threads, old.limits.io_timeout_s)
+    assert merged.limits.max_clients == 9
+    assert needs_restart(changed_keys(old, new)) == ["limits.io_threads", "limits.io_timeout_s"]
+
+
+def test_an_io_timeout_below_a_second_is_a_config_error() -> None:
+    # 1e-9 passed `config check`, and `serve` then failed its own start-up's first blocking
+    # call as stuck I/O (exit 1, not 78).
+    err = error_of(env={"CKPTDRAIN_LIMITS__IO_TIMEOUT_S": "1e-9"})
+    assert err.key == "limits.io_timeout_s"
 
 
 def test_with_limits_from_revalidates_cross_checks() -> None:
