@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon import __version__
 from ckptdrain.daemon.metrics import Snapshot
-from ckptdrain.daemon.state import ShardState
+from ckptdrain.daemon.state import GenerationState, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.access import Peer
+    from ckptdrain.daemon.records import GenerationRecord
     from ckptdrain.daemon.server import Daemon
 
 
@@ -65,12 +67,9 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
                 break
         shown_bytes = _size(shown)
     shown.sort(key=lambda s: (s["job"], s["step"]))
-    oldest: dict[str, float] = {}
     now = time.time()
-    for g in gens:
-        since = g.oldest_undrained_since()
-        if since is not None:
-            oldest[g.job] = max(oldest.get(g.job, 0.0), round(now - since, 3))
+    oldest = {job: round(now - since, 3)
+              for job, since in oldest_undrained(gens).items() if since is not None}
     if len(oldest) > MAX_STATUS_JOBS:
         oldest = dict(sorted(oldest.items(), key=lambda kv: -kv[1])[:MAX_STATUS_JOBS])
     free_bytes, free_inodes = d.staging_free
@@ -180,16 +179,35 @@ def _uploads(d: Daemon, gens: list[Any]) -> dict[str, Any]:
     return {"uploads_open": found[:MAX_STATUS_UPLOADS], "uploads_open_count": len(found)}
 
 
-def refresh_snapshot(d: Daemon) -> None:
-    shards_by_state: dict[str, int] = {}
+def oldest_undrained(gens: Iterable[GenerationRecord]) -> dict[str, float | None]:
+    """Job -> when its oldest shard not yet at the destination was staged (None: none).
+
+    A failed generation older than a step its job has committed since is left out: no retry
+    can make it the newest, and counting it kept CkptdrainOldestUndrainedTooOld firing on a
+    node that drained fine, until the generation was forgotten up to a day later (found
+    attacking the metrics). ``status`` still lists it, and its own age, as failed."""
+    gens = list(gens)
+    newest: dict[str, int] = {}
+    for g in gens:
+        if g.state is GenerationState.COMMITTED and g.step > newest.get(g.job, -1):
+            newest[g.job] = g.step
     oldest: dict[str, float | None] = {}
-    in_flight: dict[str, int] = {}
-    for g in d.ledger.generations.values():
+    for g in gens:
         oldest.setdefault(g.job, None)
+        if g.state is GenerationState.FAILED and g.step < newest.get(g.job, -1):
+            continue
         since = g.oldest_undrained_since()
         if since is not None:
-            cur = oldest[g.job]
-            oldest[g.job] = since if cur is None else min(cur, since)
+            current = oldest[g.job]
+            oldest[g.job] = since if current is None else min(current, since)
+    return oldest
+
+
+def refresh_snapshot(d: Daemon) -> None:
+    shards_by_state: dict[str, int] = {}
+    oldest = oldest_undrained(d.ledger.generations.values())
+    in_flight: dict[str, int] = {}
+    for g in d.ledger.generations.values():
         if not g.terminal:
             in_flight[g.job] = in_flight.get(g.job, 0) + 1
         for st, n in g.by_state.items():

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import DrainError
+from ckptdrain.client import DrainError, GenerationFailed
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 from tests.integration.test_promtool import Prometheus, free_port, prometheus_process
 
@@ -188,3 +188,30 @@ def test_a_large_shard_is_paced_and_reported_while_it_drains(make_daemon: Any) -
     wait_for(lambda: value(scrape(d), "ckptdrain_drained_bytes_total", job="paced-one") == size,
              timeout_s=10)
     assert d.client().status()["shards_draining"] == []
+
+
+def test_a_failed_step_a_newer_commit_replaced_stops_counting_as_undrained(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    # Found attacking the metrics: step 1 failed while the destination was not mounted; once
+    # it was, steps 2 and 3 committed, and the oldest-undrained age kept climbing from step 1
+    # (CkptdrainOldestUndrainedTooOld firing on a healthy node) until it was forgotten.
+    mount = tmp_path / "mnt"  # absent: writes wait, "is its filesystem mounted?"
+    d: DaemonProcess = make_daemon(dest=f"file://{mount}/dest",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
+    c = d.client()
+    with c.generation("job", 1) as gen:
+        gen.put("a", b"x" * 100)
+    with pytest.raises(GenerationFailed):
+        c.wait("job", 1, timeout_s=60)
+    assert c.status()["oldest_undrained_age_s"]["job"] > 0  # failed, not at the destination
+    mount.mkdir()
+    for step in (2, 3):
+        with c.generation("job", step) as gen:
+            gen.put("a", b"y" * 100)
+        c.wait("job", step, timeout_s=60)
+    assert "job" not in c.status()["oldest_undrained_age_s"]
+    wait_for(lambda: value(scrape(d), "ckptdrain_oldest_undrained_age_seconds", job="job") == 0,
+             timeout_s=10)
+    assert [g["state"] for g in c.status()["generations"] if g["step"] == 1] == ["failed"]
+
