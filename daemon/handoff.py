@@ -14,6 +14,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import logging
 import os
 import stat
 import threading
@@ -26,6 +27,7 @@ from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
 from ckptdrain.daemon.dataplane import kernel_copy
 from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
+from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.staging import StagingFull
 from ckptdrain.daemon.state import ShardEvent, ShardState
 
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from ckptdrain.daemon.connection import ClientHandler
     from ckptdrain.daemon.server import Daemon
 
+log = logging.getLogger(__name__)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -332,6 +335,7 @@ class Handoffs:
         tmp_fd: int | None = None
         src_fd: int | None = fd
         created = False
+        promised = 0
         try:
             slot = await self._reserve_while_open(gen, d.admission.shards, 1,
                                                   limits.block_timeout_s)
@@ -345,9 +349,10 @@ class Handoffs:
             owner = d.ledger.jobs.get(gen.job)
             if owner is not None:
                 d.admission.charge(room, owner)
-            if gen.terminal or shard.state is not ShardState.HELD:
+            if not await self._disk_room_while_open(gen, shard, limits.block_timeout_s):
                 return
-            d.staging.check_room(shard.size, await d.dataplane.call(d.staging.room))
+            d.staging.pending_bytes += shard.size  # counted by concurrent hand-offs' checks
+            promised = shard.size
             tmp_fd = await d.dataplane.call(d.staging.open_tmp, name)
             created = True
             src, dst = src_fd, tmp_fd
@@ -373,6 +378,34 @@ class Handoffs:
             await d.fail(gen, f"could not write the memory hand-off {shard.path!r} to local "
                               f"storage: {exc}", kind="drain")
         finally:
+            d.staging.pending_bytes -= promised
             _close(src_fd, tmp_fd)
             self._give_back(name if created else None, room, slot)
             memory.release()
+
+    async def _disk_room_while_open(self, gen: GenerationRecord, shard: ShardRecord,
+                                    timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the staging filesystem to have room for ``shard``, as
+        a wait for max_staged_bytes does; False when its generation ended meanwhile, and
+        StagingFull once the wait is over. The memory hand-off is already acknowledged: a
+        moment's shortage (another user's file, written and removed) failed it at once, for
+        good, though it waited on the budget (found attacking the staging disk)."""
+        d = self.d
+        deadline = time.monotonic() + timeout_s
+        pause = 0.05
+        while True:
+            if gen.terminal or shard.state is not ShardState.HELD:
+                return False
+            try:
+                d.staging.check_room(shard.size, await d.dataplane.call(d.staging.room))
+                return True
+            except StagingFull as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                if pause == 0.05:
+                    log_event(log, logging.WARNING, "memory_handoff_waits_for_disk", job=gen.job,
+                              step=gen.step, path=shard.path, error=str(exc),
+                              action="free space on the staging filesystem; the hand-off waits "
+                              "up to limits.block_timeout_s, then its generation fails")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)

@@ -44,7 +44,10 @@ CHECKSUM_XATTR = "user.ckptdrain.checksum"
 _NO_XATTR_ERRNOS = frozenset(
     {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EPERM, errno.EACCES, errno.ENODATA}
 )
-_TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE})
+# EMFILE/ENFILE: this process or the node ran out of file descriptors, which passes once
+# others close (a same-node user's idle connections, found attacking the daemon).
+_TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT,
+                               errno.ESTALE, errno.EMFILE, errno.ENFILE})
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _AUTH_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)

@@ -1,6 +1,6 @@
-"""The journal's filesystem fills (another user fills the staging disk): what the daemon did
-is recorded once there is room again, new work is refused as backpressure, and nothing
-acknowledged is lost across a restart.
+"""The staging filesystem fills (another user fills the disk): what the daemon did is
+recorded once there is room again, new work is refused as backpressure, an acknowledged
+memory hand-off waits for room, and nothing acknowledged is lost across a restart.
 
 Found attacking the staging side: a drain whose ``drained`` record could not be written (SQLite
 "database or disk is full") failed its generation as an internal error, its staged copy was
@@ -95,3 +95,26 @@ def test_new_work_while_the_journal_is_full_is_backpressure(
         gen.put("a", b"after")
     c.wait("j", 3, timeout_s=60)
     assert (d.dest / "j" / f"{3:020d}" / "a").read_bytes() == b"after"
+
+
+def test_a_memory_handoff_waits_out_a_moment_without_disk_room(
+    make_daemon: Any, small_tmpfs: Path
+) -> None:
+    # Found attacking the staging disk: another user's file filled it for a few seconds just
+    # as an acknowledged ack=memory shard was to be written there; the generation failed at
+    # once (a paging drain failure, and no retry: its bytes were only in RAM), though a full
+    # max_staged_bytes is waited out for limits.block_timeout_s.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
+                                   CKPTDRAIN_ACK="memory",
+                                   CKPTDRAIN_LIMITS__MAX_MEMORY_BYTES="256MiB",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60")
+    c = d.client(timeout_s=30)
+    other = small_tmpfs / "someone-else"
+    other.write_bytes(os.urandom(50 * MiB))
+    data = os.urandom(20 * MiB)
+    with c.generation("mem", 1) as gen:
+        gen.put("a", data)  # acknowledged in RAM
+    wait_for(lambda: "event=memory_handoff_waits_for_disk" in d.log(), timeout_s=30)
+    other.unlink()
+    c.wait("mem", 1, timeout_s=60)
+    assert (d.dest / "mem" / f"{1:020d}" / "a").read_bytes() == data
