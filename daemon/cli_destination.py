@@ -97,7 +97,7 @@ def _backend(ns: argparse.Namespace, dest: str) -> Any:
         if not Path(location).is_dir():
             raise CommandFailed(f"destination {dest} does not exist (no directory "
                                 f"{location}); check DEST")
-        if not (ns.config or os.environ.get("CKPTDRAIN_CONFIG")):
+        if not _configuration_named(ns):
             # Nothing configurable changes how a directory is read: with no configuration
             # named (as for the socket, cli_node.socket_path), none is loaded. A restore from
             # Lustre then starts in a third of the time and works while the config is broken.
@@ -114,6 +114,16 @@ def _backend(ns: argparse.Namespace, dest: str) -> Any:
         raise CommandFailed(f"bad destination {dest!r}: {exc}", EXIT_USAGE) from None
     # This process's loop serves the command alone: a restore writes on it (open_backend).
     return open_backend(destination, node, writes_on_loop=True, readers=_readers(ns))
+
+
+def _configuration_named(ns: argparse.Namespace) -> bool:
+    """Whether the operator named a configuration: a file (``--config``, ``$CKPTDRAIN_CONFIG``)
+    or a section key in the environment (``CKPTDRAIN_<SECTION>__<KEY>``, whose misspelling
+    is an error to report). Top-level names (``CKPTDRAIN_SOCKET``, set for training clients)
+    change nothing a destination command does."""
+    return bool(ns.config or os.environ.get("CKPTDRAIN_CONFIG") or any(
+        name.startswith("CKPTDRAIN_") and "__" in name and not name.startswith("CKPTDRAIN_TEST_")
+        for name in os.environ))
 
 
 def _readers(ns: argparse.Namespace) -> int:

@@ -88,7 +88,7 @@ def test_reading_a_file_destination_loads_no_configuration(command: str, tmp_pat
         assert (tmp_path / "out" / "MANIFEST.json").is_file()
 
 
-@pytest.mark.parametrize("named", ["--config", "CKPTDRAIN_CONFIG"])
+@pytest.mark.parametrize("named", ["--config", "CKPTDRAIN_CONFIG", "a section key"])
 def test_a_configuration_named_for_a_file_destination_is_still_checked(
     named: str, tmp_path: Path
 ) -> None:
@@ -101,9 +101,11 @@ def test_a_configuration_named_for_a_file_destination_is_still_checked(
     argv = [sys.executable, "-m", "ckptdrain.daemon.cli", "ls", uri]
     if named == "--config":
         argv += ["--config", str(bad)]
-    else:
+    elif named == "CKPTDRAIN_CONFIG":
         env["CKPTDRAIN_CONFIG"] = str(bad)
+    else:
+        env["CKPTDRAIN_LIMITS__MAX_STAGD_BYTES"] = "1"  # a typo is an error, as for any command
     out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path,
                          timeout=60)
     assert out.returncode == 78, out
-    assert "max_staged_bytes" in out.stderr and "Traceback" not in out.stderr
+    assert "MAX_STAGED_BYTES" in out.stderr.upper() and "Traceback" not in out.stderr

@@ -38,7 +38,7 @@ class RecordingJournal:
     def __init__(self) -> None:
         self.writes: list[tuple[Any, ...]] = []
 
-    async def write(self, *statements: Any, before: Any = ()) -> None:
+    async def write(self, *statements: Any, before: Any = (), new: bool = False) -> None:
         self.writes.append(statements)
 
 
@@ -134,7 +134,7 @@ async def test_the_tallies_match_a_recount_after_every_move_and_after_a_replay(
 @pytest.mark.asyncio
 async def test_a_refused_or_duplicate_shard_leaves_the_tallies_as_they_were() -> None:
     class FailingJournal(RecordingJournal):
-        async def write(self, *statements: Any, before: Any = ()) -> None:
+        async def write(self, *statements: Any, before: Any = (), new: bool = False) -> None:
             raise OSError("the journal's disk is full")
 
     ledger = Ledger(FailingJournal())  # type: ignore[arg-type]

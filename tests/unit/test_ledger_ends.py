@@ -25,7 +25,7 @@ class HeldJournal:
         self.release = asyncio.Event()
         self.writes: list[tuple[Any, ...]] = []
 
-    async def write(self, *statements: Any) -> None:
+    async def write(self, *statements: Any, new: bool = False) -> None:
         self.writes.append(statements)
         await self.release.wait()
 
