@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import logging
 import os
 import threading
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.filecopy import copy_and_checksum, hash_file, start_writeback
+from ckptdrain.daemon.logs import log_event
 
 TMP = ".tmp"
 DATA = ".data"
@@ -25,6 +27,8 @@ DATA = ".data"
 # and the rest of the node never hit ENOSPC because of us: 64 MiB, or 5% of a small disk.
 FREE_SPACE_RESERVE_BYTES = 64 << 20
 FREE_SPACE_RESERVE_FRACTION = 0.05
+
+log = logging.getLogger(__name__)
 
 
 class StagingFull(DaemonError, OSError):
@@ -51,6 +55,26 @@ class Staging:
         self.dir.mkdir(exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
 
+    def _statvfs(self) -> os.statvfs_result:
+        """statvfs of the shards directory. Every hand-off and the daemon's refresh sample it
+        first, so this is where a shards directory removed under a running daemon (a tmp
+        cleaner, an operator's rm) is made again: every later hand-off failed as an internal
+        error until a restart (found attacking the staging side)."""
+        try:
+            return os.statvfs(self.dir)
+        except FileNotFoundError:
+            self._remake_dir()
+            return os.statvfs(self.dir)
+
+    def _remake_dir(self) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.dir, 0o700)  # not the root: a missing staging_dir is not ours to make
+        os.chmod(self.dir, 0o700)
+        log_event(log, logging.WARNING, "staging_dir_recreated", path=self._dir,
+                  action="something removed the staging directory under the running daemon; "
+                  "the shards staged there are lost (their generations fail); keep tmp "
+                  "cleaners and people out of staging_dir")
+
     def new_name(self) -> str:
         """A name no staged file of this node had or will have: 16 random hex digits drawn
         once per process, then a counter (uuid4 per hand-off was a getrandom call on the event
@@ -65,16 +89,16 @@ class Staging:
 
     def free(self) -> tuple[int, int]:
         """(free bytes, free inodes) on the staging filesystem, as an unprivileged user sees them."""
-        st = os.statvfs(self.dir)
+        st = self._statvfs()
         return st.f_bavail * st.f_frsize, st.f_favail
 
     def reserve_bytes(self) -> int:
-        st = os.statvfs(self.dir)
+        st = self._statvfs()
         return min(FREE_SPACE_RESERVE_BYTES, int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
 
     def room(self) -> tuple[int, int, int]:
         """(free bytes, free inodes, reserve): one statvfs (blocking: run in the data plane)."""
-        st = os.statvfs(self.dir)
+        st = self._statvfs()
         reserve = min(FREE_SPACE_RESERVE_BYTES,
                       int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
         return st.f_bavail * st.f_frsize, st.f_favail, reserve

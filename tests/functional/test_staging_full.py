@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,16 @@ def test_a_memory_handoff_waits_out_a_moment_without_disk_room(
     other.unlink()
     c.wait("mem", 1, timeout_s=60)
     assert (d.dest / "mem" / f"{1:020d}" / "a").read_bytes() == data
+
+
+def test_a_staging_directory_removed_under_the_daemon_is_made_again(daemon: DaemonProcess) -> None:
+    # Found attacking the staging side: every hand-off after an `rm -rf` of the shards
+    # directory failed as an internal error until a restart.
+    c = daemon.client(timeout_s=30)
+    shutil.rmtree(daemon.staging / "shards")
+    with c.generation("j", 1) as gen:
+        gen.put("a", b"after the rm")
+    c.wait("j", 1, timeout_s=60)
+    assert (daemon.dest / "j" / f"{1:020d}" / "a").read_bytes() == b"after the rm"
+    assert "event=staging_dir_recreated" in daemon.log()
+    assert os.stat(daemon.staging / "shards").st_mode & 0o777 == 0o700
