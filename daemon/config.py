@@ -211,7 +211,7 @@ class LimitsConfig(BaseModel):
     io_threads: int = Field(default=0, ge=0, le=1024)
     # One blocking step of a hand-off (copying from a client's fd, an fsync) that takes
     # longer fails that hand-off; its thread is counted as stuck until the call returns.
-    io_timeout_s: float = Field(default=600.0, ge=1.0)  # less failed start-up itself (exit 1)
+    io_timeout_s: float = Field(default=600.0, ge=0.1)  # less failed start-up itself (exit 1)
     # Offer clients a pipe for a put's bytes (one copy instead of two). A client can hold its
     # pipe's kernel lock and so wedge the thread that reads it (given up on, counted as
     # stuck, and it keeps a stopping daemon's process from exiting until the client lets

@@ -577,7 +577,7 @@ def test_a_reload_keeps_the_data_planes_limits_and_says_they_need_a_restart() ->
     assert needs_restart(changed_keys(old, new)) == ["limits.io_threads", "limits.io_timeout_s"]
 
 
-def test_an_io_timeout_below_a_second_is_a_config_error() -> None:
+def test_an_io_timeout_below_a_tenth_of_a_second_is_a_config_error() -> None:
     # 1e-9 passed `config check`, and `serve` then failed its own start-up's first blocking
     # call as stuck I/O (exit 1, not 78).
     err = error_of(env={"CKPTDRAIN_LIMITS__IO_TIMEOUT_S": "1e-9"})
