@@ -97,7 +97,7 @@ def _backend(ns: argparse.Namespace, dest: str) -> Any:
         if not Path(location).is_dir():
             raise CommandFailed(f"destination {dest} does not exist (no directory "
                                 f"{location}); check DEST")
-        if not _configuration_named(ns):
+        if ns.command in ("ls", "verify", "restore") and not _configuration_named(ns):
             # Nothing configurable changes how a directory is read: with no configuration
             # named (as for the socket, cli_node.socket_path), none is loaded. A restore from
             # Lustre then starts in a third of the time and works while the config is broken.

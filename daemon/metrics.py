@@ -112,9 +112,11 @@ PHASE_BUCKETS_S = (
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
 REQUEST_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
-# Scrapes in flight at once; another connection is closed unread. Prometheus sends one
-# at a time; without a cap, anyone who can reach the port held an fd per idle connection.
-MAX_CONNECTIONS = 16
+# Connections served at once. Without a cap, anyone who can reach the port held an fd per
+# idle connection; at the cap, the one that has waited longest without sending its request
+# goes to let a new one in (idle connections holding every slot shut out every scrape and
+# /healthz: found attacking the cap). Only when all are being answered is a new one closed.
+MAX_CONNECTIONS = 64
 # A rendered exposition is served again to scrapes within this long of it. With 1,000 jobs one
 # render is ~1 MB of text and ~75 ms of CPU: four scrape loops rendering it each time took
 # most of a core from the daemon (found attacking /metrics).
@@ -381,6 +383,8 @@ class Metrics:
 
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        # Those still waiting for their request head, by when they came.
+        self._unasked: dict[asyncio.Task[None], float] = {}
         # The last exposition and when it was rendered, and the render in progress: scrapes
         # that come while one runs share it.
         self._rendered: tuple[float, bytes] | None = None
@@ -573,10 +577,11 @@ class Metrics:
         # asyncio.start_server creates this task; owning it here lets aclose() end it.
         task = asyncio.current_task()
         assert task is not None
-        if len(self._connections) >= MAX_CONNECTIONS:
+        if len(self._connections) >= MAX_CONNECTIONS and not self._evict_unasked():
             writer.transport.abort()  # not even read: a flood of connections costs one accept each
             return
         self._connections[task] = writer
+        self._unasked[task] = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
                 try:
@@ -587,13 +592,25 @@ class Metrics:
             pass  # a client that is slow or goes away (or aclose() aborted) gets nothing more
         finally:
             self._connections.pop(task, None)
+            self._unasked.pop(task, None)
             writer.close()
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
                     await writer.wait_closed()
 
+    def _evict_unasked(self) -> bool:
+        """Close the connection that has waited longest without sending its request; False
+        when every connection has sent one (they are being answered)."""
+        if not self._unasked:
+            return False
+        oldest = min(self._unasked, key=self._unasked.__getitem__)
+        del self._unasked[oldest]
+        self._connections[oldest].transport.abort()  # its task ends on its own
+        return True
+
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
+        self._unasked.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
         parts = request_line.split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -602,7 +619,7 @@ class Metrics:
         method, target, _ = parts
         path = target.split("?", 1)[0]
         if method not in ("GET", "HEAD"):
-            await _respond(writer, 405, b"only GET\n", "text/plain")
+            await _respond(writer, 405, b"only GET and HEAD\n", "text/plain")
         elif path == "/metrics":
             body = await self.rendered()
             await _respond(

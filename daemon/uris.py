@@ -25,6 +25,11 @@ _PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9!_.*'()=+,;:@ -]+$")
 def split_uri(uri: str) -> tuple[str, str, str]:
     """(scheme, root path or bucket or name, s3 prefix); ValueError says how to fix the URI."""
     example = 'write e.g. "file:///lustre/proj/ckpt" or "s3://bucket/prefix"'
+    if not uri.startswith(("file://", "s3://", "memory://")):
+        # urlsplit takes "FILE:///p" and "file:/p" too, which the backends (matched on the
+        # text) then refused with a traceback (found attacking the URI checks).
+        raise ValueError(f"{_quoted(uri)} is not a supported destination (the scheme in lower "
+                         f"case, then \"://\"); {example}")
     parts = urlsplit(uri)
     if parts.query or parts.fragment:
         raise ValueError(f"{_quoted(uri)} has a query or fragment; {example}")

@@ -321,6 +321,11 @@ def test_config_is_frozen() -> None:
         ('staging_dir = "staging"', "staging_dir", "relative"),
         ('[destination]\nuri = "file://relative/path"', "destination.uri", "not an absolute"),
         ('[destination]\nuri = "ftp://host/x"', "destination.uri", "not a supported"),
+        # Found attacking the URI checks: these passed `config check`, and `serve` (or a
+        # destination command) then died with a traceback in the backend's own match.
+        ('[destination]\nuri = "FILE:///p"', "destination.uri", "lower case"),
+        ('[destination]\nuri = "file:/p"', "destination.uri", "not a supported"),
+        ('[destination]\nuri = "S3://bucket"', "destination.uri", "not a supported"),
         ('[destination]\nuri = "s3://B/x"', "destination.uri", "valid bucket"),
         ('[destination]\nuri = "s3://bucket/a/../b"', "destination.uri", "unsafe prefix"),
         ('[destination]\nuri = "file:///a/../b"', "destination.uri", ".."),
