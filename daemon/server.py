@@ -22,14 +22,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ckptdrain.client import wire
 from ckptdrain.daemon import __version__, logs, maintenance, owners, startup
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
-from ckptdrain.daemon.backends.base import BackendError, open_backend
+from ckptdrain.daemon.backends.base import open_backend
+from ckptdrain.daemon.beginchecks import BeginChecks
 from ckptdrain.daemon.budget import Budget
-from ckptdrain.daemon.commit import Committer, StepUnusable
+from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import Config
 from ckptdrain.daemon.connection import ClientHandler
 from ckptdrain.daemon.copies import LocalCopies
@@ -40,7 +40,6 @@ from ckptdrain.daemon.fetcher import Fetcher
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.keptmanifests import KeptManifests
-from ckptdrain.daemon.latest import committed_above
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
 from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
@@ -68,9 +67,6 @@ log = logging.getLogger("ckptdrain.server")
 # Hand-offs in flight get this long to finish on SIGTERM, then held memfds the same again to
 # reach local storage: both well inside the unit's TimeoutStopSec (120 s).
 STOP_GRACE_S = 10.0
-# How long `begin` asks the destination whether the step is already committed. Past it the
-# hand-off goes on: shard writes are create-once, so a committed step is safe either way.
-COMMITTED_CHECK_TIMEOUT_S = 5.0
 # Starting the S3 upload workers (a process spawn each) must not hold up start-up for long.
 BACKEND_START_TIMEOUT_S = 10.0
 # Retention runs of one job start at least this far apart: a job committing every few
@@ -118,6 +114,7 @@ class Daemon:
             upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
         self.handoffs = Handoffs(self)
+        self.begin_checks = BeginChecks(self)
         self.expiry = Expiry(self)
         self.started_at = time.time()
         self.staging_free: tuple[int, int] = (0, 0)
@@ -301,9 +298,9 @@ class Daemon:
                     # Both ask the destination, each within its own timeout: one after the
                     # other, a destination that answered nothing held a new job's begin for
                     # both (10 s, found attacking an S3 outage).
-                    looked_up = await self._check_new_job(job, step, uid)
+                    looked_up = await self.begin_checks.new_job(job, step, uid)
                 else:
-                    await self._refuse_if_committed(job, step)
+                    await self.begin_checks.refuse_if_committed(job, step)
             if (gen is not None and gen.attempt != attempt
                     and gen.state is not GenerationState.COMMITTED):
                 # A restarted job saving this step again: the new attempt replaces the old.
@@ -316,7 +313,7 @@ class Daemon:
                 return gen
             verified, owner = True, uid
             if job not in self.ledger.jobs:
-                owner, verified = looked_up or await self._job_owner(job, uid)
+                owner, verified = looked_up or await self.begin_checks.job_owner(job, uid)
             self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
             await self.expiry.make_room_for(job, owner)
             slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
@@ -335,58 +332,6 @@ class Daemon:
             if not verified and self.ledger.jobs.get(job) == owner:
                 self.committer.owners.unverified.add(job)
             return gen
-
-    async def _check_new_job(self, job: str, step: int, uid: int) -> tuple[int, bool]:
-        """:meth:`_refuse_if_committed` and :meth:`_job_owner` at once, for a job this node
-        does not track: (owner, verified)."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._refuse_if_committed(job, step))
-                looked_up = tg.create_task(self._job_owner(job, uid))
-        except* RequestError as refused:
-            raise refused.exceptions[0] from None
-        return looked_up.result()
-
-    async def _job_owner(self, job: str, uid: int) -> tuple[int, bool]:
-        """Whose a job this node does not track is to be, and whether the destination said so
-        (owners.py); raises the refusal of another user's job."""
-        if is_operator(uid):
-            # Root saving a user's job saves it for its owner: the part records name the
-            # owner, who keeps the job (a record naming root took it from them).
-            return await owners.for_operator(self, job, uid)
-        return uid, await owners.refuse_if_elsewhere(self, job, uid)
-
-    async def _refuse_if_committed(self, job: str, step: int) -> None:
-        """Refuse a step another node already committed: nothing may overwrite it. Refuse
-        too a step with ``retention.keep_last`` committed steps above it: retention would
-        remove it as soon as it committed (found attacking retention: a job rolled back to an
-        older step was told its save was committed, and a second later it was gone)."""
-        keep = self.config.retention.keep_last
-        unknown: BaseException | None = None
-        try:
-            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S), asyncio.TaskGroup() as tg:
-                committed = tg.create_task(self.committer.is_committed(job, step))
-                newer = tg.create_task(committed_above(self.backend, job, step, enough=keep))
-        except* StepUnusable as unusable:
-            raise RequestError(wire.COMMITTED, str(unusable.exceptions[0])) from None
-        except* (BackendError, OSError, TimeoutError) as failed:
-            unknown = failed.exceptions[0]
-        if unknown is not None:
-            # Cannot tell now; the create-once shard writes still protect a committed step.
-            log_event(log, logging.WARNING, "committed_check_failed", job=job, step=step,
-                      error=str(unknown) or type(unknown).__name__)
-            return
-        if committed.result():
-            raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is committed; save a "
-                               "new step")
-        above = newer.result()
-        if len(above) >= keep:
-            raise RequestError(
-                wire.BAD_REQUEST,
-                f"step {step} of job {job!r} is older than its {keep} newest committed steps "
-                f"({', '.join(map(str, above))}): retention.keep_last = {keep} would remove it "
-                "as soon as it committed, and a restart resumes from the newest step anyway; "
-                f"save it as a step above {above[0]}, or under a new job name")
 
     async def fail(self, gen: GenerationRecord, reason: str, *, kind: str,
                    event: GenerationEvent = GenerationEvent.FAILED) -> None:

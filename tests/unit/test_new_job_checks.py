@@ -1,17 +1,18 @@
 """A new job's begin asks the destination two things (is the step committed, whose is the
 job) at once: one after the other, a destination that answered nothing held the begin for both
-timeouts (10 s, found attacking an S3 outage). Daemon._check_new_job with its two checks
+timeouts (10 s, found attacking an S3 outage). BeginChecks.new_job with its two checks
 replaced by fakes that record when they start and wait for each other."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from ckptdrain.client import wire
+from ckptdrain.daemon.beginchecks import BeginChecks
 from ckptdrain.daemon.errors import RequestError
-from ckptdrain.daemon.server import Daemon
 
 
 class _Checks:
@@ -37,22 +38,78 @@ class _Checks:
         return uid, True
 
 
-def daemon_with(checks: _Checks) -> Daemon:
-    d = Daemon.__new__(Daemon)
-    d._refuse_if_committed = checks.committed  # type: ignore[method-assign]
-    d._job_owner = checks.owner  # type: ignore[method-assign]
+def daemon_with(checks: _Checks) -> BeginChecks:
+    d = BeginChecks.__new__(BeginChecks)
+    d.refuse_if_committed = checks.committed  # type: ignore[method-assign]
+    d.job_owner = checks.owner  # type: ignore[method-assign]
     return d
 
 
 @pytest.mark.asyncio
 async def test_both_checks_run_at_once() -> None:
     checks = _Checks()
-    assert await daemon_with(checks)._check_new_job("job", 1, 1000) == (1000, True)
+    assert await daemon_with(checks).new_job("job", 1, 1000) == (1000, True)
     assert sorted(checks.started) == ["committed", "owner"]
 
 
 @pytest.mark.asyncio
 async def test_a_refusal_is_raised_as_itself() -> None:
     with pytest.raises(RequestError) as refused:
-        await daemon_with(_Checks(refuse=True))._check_new_job("job", 1, 1000)
+        await daemon_with(_Checks(refuse=True)).new_job("job", 1, 1000)
     assert refused.value.code == wire.COMMITTED
+
+
+# Found attacking the rollback refusal: the begin listed every generation directory above the
+# step and read each one's manifest, in the same timeout as the committed check. With 20,000
+# uncommitted directories above (retention leaves those alone) every begin took 1-3 s, and
+# past the timeout the committed check was given up with it: a committed step was accepted.
+
+class _Destination:
+    """What BeginChecks reads: LATEST, the listing; records the listings, and can hang them."""
+
+    def __init__(self, latest: int, hang_listing: bool = False) -> None:
+        self.latest = latest
+        self.hang_listing = hang_listing
+        self.listings: list[str] = []
+
+    async def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        assert key.endswith("/LATEST"), key
+        return str(self.latest).encode()
+
+    async def list_dirs(self, prefix: str) -> list[str]:
+        self.listings.append(prefix)
+        if self.hang_listing:
+            await asyncio.Event().wait()
+        return []
+
+
+class _Committer:
+    def __init__(self, committed: bool) -> None:
+        self.committed = committed
+
+    async def is_committed(self, job: str, step: int) -> bool:
+        for _ in range(5):  # a round trip: the other question gets going meanwhile
+            await asyncio.sleep(0)
+        return self.committed
+
+
+def checks_on(destination: _Destination, committed: bool) -> BeginChecks:
+    daemon = SimpleNamespace(backend=destination, committer=_Committer(committed),
+                             config=SimpleNamespace(retention=SimpleNamespace(keep_last=2)))
+    return BeginChecks(daemon)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_new_newest_step_lists_nothing() -> None:
+    destination = _Destination(latest=41)
+    await checks_on(destination, committed=False).refuse_if_committed("job", 42)
+    assert destination.listings == []
+
+
+@pytest.mark.asyncio
+async def test_a_slow_listing_does_not_take_the_committed_check_with_it() -> None:
+    destination = _Destination(latest=50, hang_listing=True)
+    with pytest.raises(RequestError) as refused:
+        await checks_on(destination, committed=True).refuse_if_committed("job", 10)
+    assert refused.value.code == wire.COMMITTED
+    assert destination.listings == ["job/"]  # it was looking, and was not waited for

@@ -1,0 +1,113 @@
+"""What a ``begin`` of a generation this node does not hold asks the destination first: is
+the step committed already (nothing may overwrite it), would retention remove it as soon as
+it committed (a job rolled back below its newest steps), and, for a job this node does not
+track, whose the job is. Each question within its own timeout, and asked at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ckptdrain.client import wire
+from ckptdrain.client.manifest import ManifestError
+from ckptdrain.daemon import owners
+from ckptdrain.daemon.access import is_operator
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.commit import StepUnusable
+from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.latest import committed_above, read_latest
+from ckptdrain.daemon.logs import log_event
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.server import Daemon
+
+log = logging.getLogger("ckptdrain.server")
+
+# How long `begin` asks the destination each question. Past it the hand-off goes on: shard
+# writes are create-once, so a committed step is safe either way.
+COMMITTED_CHECK_TIMEOUT_S = 5.0
+
+
+class BeginChecks:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    async def new_job(self, job: str, step: int, uid: int) -> tuple[int, bool]:
+        """:meth:`refuse_if_committed` and :meth:`job_owner` at once, for a job this node
+        does not track: (owner, verified)."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.refuse_if_committed(job, step))
+                looked_up = tg.create_task(self.job_owner(job, uid))
+        except* RequestError as refused:
+            raise refused.exceptions[0] from None
+        return looked_up.result()
+
+    async def job_owner(self, job: str, uid: int) -> tuple[int, bool]:
+        """Whose a job this node does not track is to be, and whether the destination said so
+        (owners.py); raises the refusal of another user's job."""
+        if is_operator(uid):
+            # Root saving a user's job saves it for its owner: the part records name the
+            # owner, who keeps the job (a record naming root took it from them).
+            return await owners.for_operator(self.d, job, uid)
+        return uid, await owners.refuse_if_elsewhere(self.d, job, uid)
+
+    async def refuse_if_committed(self, job: str, step: int) -> None:
+        """Refuse a step another node already committed: nothing may overwrite it. Refuse
+        too a step with ``retention.keep_last`` committed steps above it: retention would
+        remove it as soon as it committed (found attacking retention: a job rolled back to an
+        older step was told its save was committed, and a second later it was gone). The two
+        questions are asked at once, and the second never holds up or cancels the first."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                newer = tg.create_task(self._committed_above(job, step))
+                if await self._committed(job, step):
+                    # Raised here, the TaskGroup cancels the other question at once.
+                    raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is "
+                                       "committed; save a new step")
+        except* RequestError as refused:
+            raise refused.exceptions[0] from None
+        keep = self.d.config.retention.keep_last
+        above = newer.result()
+        if len(above) >= keep:
+            raise RequestError(
+                wire.BAD_REQUEST,
+                f"step {step} of job {job!r} is older than its {keep} newest committed steps "
+                f"({', '.join(map(str, above))}): retention.keep_last = {keep} would remove it "
+                "as soon as it committed, and a restart resumes from the newest step anyway; "
+                f"save it as a step above {above[0]}, or under a new job name")
+
+    async def _committed(self, job: str, step: int) -> bool:
+        """Whether ``step`` is committed; False when the destination cannot say in time (the
+        create-once shard writes still protect a committed step). RequestError for a step no
+        attempt can use (damaged or tombstoned)."""
+        try:
+            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+                return await self.d.committer.is_committed(job, step)
+        except StepUnusable as exc:
+            raise RequestError(wire.COMMITTED, str(exc)) from None
+        except (BackendError, OSError, TimeoutError) as exc:
+            log_event(log, logging.WARNING, "committed_check_failed", job=job, step=step,
+                      error=str(exc) or type(exc).__name__)
+            return False
+
+    async def _committed_above(self, job: str, step: int) -> list[int]:
+        """Up to ``retention.keep_last`` committed steps of ``job`` above ``step``. Looked for
+        only when the job's LATEST names a step above it: a save of a new newest step costs
+        one read, not a listing (uncommitted directories above the newest commit, which
+        retention leaves alone, made every begin read each one: 1-3 s with 20,000, and past
+        the timeout the committed check went with it). Best effort: none found when the
+        destination cannot say in time."""
+        try:
+            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+                latest = await read_latest(self.d.backend, job)
+                if latest is None or latest <= step:
+                    return []
+                return await committed_above(self.d.backend, job, step,
+                                             enough=self.d.config.retention.keep_last)
+        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
+            log_event(log, logging.WARNING, "rollback_check_failed", job=job, step=step,
+                      error=str(exc) or type(exc).__name__)
+            return []
