@@ -377,6 +377,16 @@ class Handoffs:
         except (BudgetFull, TooLarge, OSError, StuckIO) as exc:
             await d.fail(gen, f"could not write the memory hand-off {shard.path!r} to local "
                               f"storage: {exc}", kind="drain")
+        except Exception as exc:
+            # The failure boundary of an acknowledged memory hand-off, as of a drain: its
+            # bytes are lost with it, so the generation fails (a journal write that failed
+            # here left it open for good, holding its slot: found attacking a full disk).
+            log_event(log, logging.ERROR, "memory_handoff_crashed", job=gen.job, step=gen.step,
+                      path=shard.path, exc_info=True)
+            d.metrics.internal_error("background")
+            await d.fail(gen, f"writing the memory hand-off {shard.path!r} to local storage "
+                              f"failed unexpectedly ({type(exc).__name__}: {exc}); the daemon "
+                              "log has the traceback", kind="internal")
         finally:
             d.staging.pending_bytes -= promised
             _close(src_fd, tmp_fd)
