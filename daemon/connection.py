@@ -515,6 +515,7 @@ class ClientHandler:
             if shard.state is ShardState.FAILED:
                 await d.ledger.apply(shard, ShardEvent.RETRIED, error="")
             if shard.state is ShardState.STAGED:
+                d.copies.retried(shard)
                 d.scheduler.enqueue(gen, shard)
                 requeued += 1
         d.spawn_advance(gen)

@@ -70,13 +70,32 @@ class LocalCopies:
 
     def recovered(self, shard: ShardRecord) -> None:
         """Recovery found ``shard``'s file: held against the limits whatever they are now,
-        its uid's share included while it is not drained (as at the hand-off that staged it)."""
+        its uid's share included while it is to drain (as at the hand-off that staged it)."""
         room = self._room[shard] = self.admission.staged.adopt(shard.size)
         if shard.state in (ShardState.STAGED, ShardState.FAILED):
             self._slot[shard] = self.admission.shards.adopt(1)
+            gen = self.ledger.get(shard.job, shard.step)
             owner = self.ledger.jobs.get(shard.job)
-            if owner is not None:
+            if owner is not None and gen is not None and not gen.terminal:
                 self.admission.charge(room, owner)
+
+    def kept_for_retry(self, gen: GenerationRecord) -> None:
+        """``gen`` failed and keeps its undrained copies for ``ckptdrain retry``: inside
+        max_staged_bytes still, but no longer against its uid's share. They wait for an
+        operator, not for a drain, and held against it they refused every later save of the
+        job (found attacking the per-uid limit)."""
+        for shard in gen.shards.values():
+            room = self._room.get(shard)
+            if room is not None:
+                room.settle()
+
+    def retried(self, shard: ShardRecord) -> None:
+        """Its failed generation is retried: the shard counts against its uid's share again
+        until it drains (an operator's retry is not refused for the share)."""
+        room = self._room.get(shard)
+        owner = self.ledger.jobs.get(shard.job)
+        if room is not None and room.then is None and owner is not None:
+            self.admission.charge(room, owner)
 
     @property
     def kept_bytes(self) -> int:

@@ -28,7 +28,7 @@ from ckptdrain.daemon.dataplane import kernel_copy
 from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.staging import StagingFull
+from ckptdrain.daemon.staging import Staging, StagingFull
 from ckptdrain.daemon.state import ShardEvent, ShardState
 
 if TYPE_CHECKING:
@@ -37,6 +37,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _copy_held(staging: Staging, src: int, dst: int, size: int, name: str) -> OSError | None:
+    """A held memfd's bytes into its staged file, fsynced and renamed into place (blocking: the
+    data plane's). An OSError (the disk full) comes back as the result, so that the caller
+    still owns ``src`` and may try again: any close of the memfd in this process would drop
+    the record lock that keeps the client's pool from reusing it meanwhile."""
+    try:
+        kernel_copy(src, dst, size)
+        staging.finish(dst, name)
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _close(*fds: int | None) -> None:
@@ -155,7 +168,10 @@ class Handoffs:
             gen.reserve_path(path)
             receiving = True
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
-            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, h.uid)
+            # Charged to the job's owner, as a restart's recovery charges it (root saving a
+            # user's job saves it for them; found attacking the per-uid limit).
+            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step,
+                                           d.ledger.jobs.get(gen.job, h.uid))
             yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
@@ -260,7 +276,8 @@ class Handoffs:
             # Reserved across every await below: a concurrent duplicate is refused.
             gen.reserve_path(path)
             receiving = True
-            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step, h.uid)
+            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step,
+                                             d.ledger.jobs.get(gen.job, h.uid))
             h.still_open(gen, rank)
             try:
                 # Marks the memfd busy for the client's pool until we close it (memfd.py).
@@ -332,10 +349,9 @@ class Handoffs:
         name = shard.staged_name
         slot: Reservation | None = None
         room: Reservation | None = None
-        tmp_fd: int | None = None
-        src_fd: int | None = fd
         created = False
         promised = 0
+        fd_ours = True
         try:
             slot = await self._reserve_while_open(gen, d.admission.shards, 1,
                                                   limits.block_timeout_s)
@@ -348,20 +364,44 @@ class Handoffs:
                 return
             owner = d.ledger.jobs.get(gen.job)
             if owner is not None:
+                # The uid's share moves from the RAM to the staged room, with nothing awaited
+                # between: charged both while it was written, it went over the cap (found
+                # attacking the per-uid limit).
+                memory.settle()
                 d.admission.charge(room, owner)
-            if not await self._disk_room_while_open(gen, shard, limits.block_timeout_s):
-                return
-            d.staging.pending_bytes += shard.size  # counted by concurrent hand-offs' checks
-            promised = shard.size
-            tmp_fd = await d.dataplane.call(d.staging.open_tmp, name)
-            created = True
-            src, dst = src_fd, tmp_fd
-            src_fd = tmp_fd = None
-            await d.dataplane.call(kernel_copy, src, dst, shard.size,
-                                   cleanup=lambda: _close(src, dst))
-            await d.dataplane.call(functools.partial(d.staging.finish, dst, name),
-                                   cleanup=lambda: _close(src, dst))
-            _close(src, dst)
+            # A staging filesystem short of room is waited out, before the copy and during
+            # it, up to block_timeout_s: the hand-off is acknowledged and its bytes are only
+            # in RAM (found attacking the staging disk: another user's file, written as the
+            # copy ran and removed 2 s later, failed the generation for good).
+            deadline = time.monotonic() + limits.block_timeout_s
+            while True:
+                if not await self._disk_room_while_open(gen, shard,
+                                                        deadline - time.monotonic()):
+                    return
+                d.staging.pending_bytes += shard.size  # counted by concurrent hand-offs
+                promised = shard.size
+                try:
+                    created = True
+                    dst = await d.dataplane.call(d.staging.open_tmp, name)
+                    try:
+                        failed = await d.dataplane.call(
+                            _copy_held, d.staging, fd, dst, shard.size, name,
+                            cleanup=functools.partial(_close, fd, dst))
+                    except BaseException:
+                        fd_ours = False  # closed by the data plane once its thread returns
+                        raise
+                    _close(dst)
+                finally:
+                    d.staging.pending_bytes -= promised
+                    promised = 0
+                if failed is None:
+                    break
+                if failed.errno not in _DISK_FULL or time.monotonic() >= deadline:
+                    raise failed
+                await d.dataplane.call(d.staging.discard, name)
+                created = False
+            _close(fd)  # on local storage: the client's pool may reuse the memfd now
+            fd_ours = False
             if shard.deferred:
                 shard.checksum = await d.dataplane.call(d.staging.checksum, name)
             if gen.terminal or shard.state is not ShardState.HELD:
@@ -389,7 +429,8 @@ class Handoffs:
                               "log has the traceback", kind="internal")
         finally:
             d.staging.pending_bytes -= promised
-            _close(src_fd, tmp_fd)
+            if fd_ours:
+                _close(fd)
             self._give_back(name if created else None, room, slot)
             memory.release()
 

@@ -126,13 +126,20 @@ class Ledger:
                                created_at=time.time(), attempt=attempt)
         self.generations[gen.key] = gen
         statements = [j.put_generation(gen.row())]
-        if job not in self.jobs:
+        claimed = job not in self.jobs
+        if claimed:
             self.jobs[job] = uid
             statements.insert(0, j.claim_job(job, uid))
         try:
             await self.journal.write(*statements, new=True)
         except BaseException:
             self.generations.pop(gen.key, None)
+            if claimed and self.jobs.get(job) == uid and not any(
+                    key[0] == job for key in self.generations):
+                # Nobody's job after all: a begin refused for a full journal left it claimed
+                # by the refused uid, and every other uid's begin of it was denied until a
+                # restart (found attacking a full disk).
+                del self.jobs[job]
             raise
         self._notify()
         return gen

@@ -358,6 +358,7 @@ class Daemon:
             for shard in gen.shards.values():
                 if shard.state is ShardState.DRAINED:
                     self.copies.discard(shard)
+            self.copies.kept_for_retry(gen)
 
     async def give_up(self, gen: GenerationRecord, reason: str,
                       ranks: Iterable[int] | None = None) -> bool:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptdrain.client import Backpressure
+from tests.chaos.killer import STRACE, ChaosDaemon, Injection
 from tests.conftest import DaemonProcess, wait_for
 
 MiB = 1 << 20
@@ -132,3 +135,77 @@ def test_a_staging_directory_removed_under_the_daemon_is_made_again(daemon: Daem
     assert (daemon.dest / "j" / f"{1:020d}" / "a").read_bytes() == b"after the rm"
     assert "event=staging_dir_recreated" in daemon.log()
     assert os.stat(daemon.staging / "shards").st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(STRACE is None, reason="strace is not installed: run `make system-deps`")
+def test_a_memory_handoff_waits_out_a_disk_filled_during_its_copy(
+    tmp_path: Path, short_tmp: Path, small_tmpfs: Path
+) -> None:
+    # Found attacking the fix above: the wait covered the moment before the copy only; a
+    # disk filled while the memfd was copied (ENOSPC from the copy itself) still failed the
+    # acknowledged generation for good. Each copy is held back a second here, and the disk is
+    # filled as soon as the staged temp file exists.
+    d = ChaosDaemon(root=tmp_path / "d", socket_path=short_tmp / "mc.sock",
+                    dest_uri=f"file://{tmp_path / 'dest'}",
+                    overrides={"CKPTDRAIN_STAGING_DIR": str(small_tmpfs / "staging"),
+                               "CKPTDRAIN_ACK": "memory",
+                               "CKPTDRAIN_LIMITS__MAX_MEMORY_BYTES": "256MiB",
+                               "CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S": "60"},
+                    injection=Injection("copy_file_range", persistent=True,
+                                        delay_enter_us=1_000_000))
+    shards = small_tmpfs / "staging" / "shards"
+    filled: list[Path] = []
+
+    def fill_during_the_copy() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not filled:
+            if any(name.endswith(".tmp") for name in os.listdir(shards)):
+                filled.append(fill(small_tmpfs))
+
+    try:
+        d.start()
+        filler = threading.Thread(target=fill_during_the_copy)
+        filler.start()
+        data = os.urandom(20 * MiB)
+        with d.client(timeout_s=30).generation("mem", 1) as gen:
+            gen.put("a", data)  # acknowledged in RAM
+        filler.join(30)
+        assert filled, "the staged temp file never showed"
+        wait_for(lambda: "event=memory_handoff_waits_for_disk" in d.log(), timeout_s=30)
+        filled[0].unlink()
+        d.client(timeout_s=30).wait("mem", 1, timeout_s=120)
+        assert (tmp_path / "dest" / "mem" / f"{1:020d}" / "a").read_bytes() == data
+    finally:
+        d.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs clients as other uids (root)")
+def test_a_begin_refused_for_a_full_journal_claims_no_job(
+    make_daemon: Any, small_tmpfs: Path
+) -> None:
+    # Found attacking a full disk: the refused begin left its new job claimed by its uid in
+    # memory, so another uid's begin of that job was denied ("belongs to another user")
+    # until a restart, though nothing of it was ever journalled.
+    from ckptdrain.client import Client, PermissionDenied
+    from tests.functional.otheruser import run_as
+
+    first, second = 65534, 65533
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
+                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{first}, {second}]")
+    os.chmod(d.socket_path.parent, 0o755)
+
+    def begin() -> str:
+        try:
+            with Client(d.socket_path, timeout_s=30).generation("shared", 1) as gen:
+                gen.put("a", b"mine")
+        except Backpressure as exc:
+            return f"BACKPRESSURE {exc.details['limit']}"
+        except PermissionDenied as exc:
+            return f"DENIED {exc}"
+        return "OK"
+
+    filler = fill(small_tmpfs)
+    assert run_as(first, begin) == "BACKPRESSURE staging_filesystem"
+    filler.unlink()
+    assert run_as(second, begin) == "OK"

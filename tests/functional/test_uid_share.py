@@ -9,11 +9,12 @@ and a restart forgot what its recovered shards held.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptdrain.client import Backpressure, Client
+from ckptdrain.client import Backpressure, Client, GenerationFailed
 from tests.conftest import DaemonProcess, wait_for
 from tests.functional.otheruser import answer, start_as
 
@@ -94,3 +95,91 @@ def test_puts_queued_for_room_take_no_more_than_the_uids_share(make_daemon: Any)
     answers = sorted(answer(child) for child in children)
     assert answers.count("OK") * 30 * MiB <= 60 * MiB, answers
     assert answers == ["OK", "OK", "REFUSED max_reserved_bytes_per_uid"], answers
+
+
+def test_a_failed_generations_copies_kept_for_retry_do_not_hold_the_share(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    # Found attacking the share: step 1 failed while the destination was unmounted; its
+    # copies, kept for `retry`, held 60 of the uid's 100 MiB, and every later save was refused
+    # ("wait for its shards to drain", which they never would) until it was aborted.
+    mount = tmp_path / "mnt"
+    d: DaemonProcess = make_daemon(dest=f"file://{mount}/dest",
+                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="100MiB",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
+    c = d.client(timeout_s=60)
+    with c.generation("j", 1) as gen:
+        gen.put("a", os.urandom(60 * MiB))
+    with pytest.raises(GenerationFailed):
+        c.wait("j", 1, timeout_s=60)
+    mount.mkdir()
+    for step in (2, 3):
+        with c.generation("j", step) as gen:
+            gen.put("a", os.urandom(60 * MiB))
+        c.wait("j", step, timeout_s=120)
+    d.kill()  # and a restart does not charge them again
+    d.start()
+    c = d.client(timeout_s=60)
+    with c.generation("j", 4) as gen:
+        gen.put("a", os.urandom(60 * MiB))
+    c.wait("j", 4, timeout_s=120)
+    c.retry("j", 1)  # the kept copy still drains
+    c.wait("j", 1, timeout_s=120)
+
+
+def test_a_memory_handoff_is_charged_once_while_it_is_written(
+    make_daemon: Any, small_tmpfs: Path
+) -> None:
+    # Found attacking the share: the RAM and then the staged room were both charged while an
+    # acknowledged memfd waited for disk room and was written: 25 MiB counted as 50.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
+                                   CKPTDRAIN_ACK="memory",
+                                   CKPTDRAIN_LIMITS__MAX_MEMORY_BYTES="256MiB",
+                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60")
+    c = d.client(timeout_s=60)
+    other = small_tmpfs / "someone-else"
+    other.write_bytes(os.urandom(45 * MiB))  # no room to write it to staging yet
+    first = os.urandom(25 * MiB)
+    with c.generation("mem", 1) as gen:
+        gen.put("a", first)
+    wait_for(lambda: "event=memory_handoff_waits_for_disk" in d.log(), timeout_s=30)
+    with c.generation("mem2", 1) as gen:
+        gen.put("b", os.urandom(10 * MiB))  # 25 + 10 MiB: within the 40 MiB share
+    other.unlink()
+    c.wait("mem", 1, timeout_s=120)
+    c.wait("mem2", 1, timeout_s=120)
+
+
+@needs_root
+def test_an_operators_handoff_counts_against_the_jobs_owner(make_daemon: Any) -> None:
+    # Found attacking the share: root saving into a user's job was charged to root at the
+    # hand-off, and to the user after a restart (recovery goes by the job's owner).
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1",
+                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
+    os.chmod(d.socket_path.parent, 0o755)
+
+    def begin_theirs() -> str:
+        with Client(d.socket_path, timeout_s=30).generation("theirs", 1) as gen:
+            gen.put("tiny", b"x")
+        return "OK"
+
+    assert answer(start_as(OTHER_UID, begin_theirs)) == "OK"  # the job is theirs
+
+    def their_second_job(step: int) -> str:
+        try:
+            with Client(d.socket_path, timeout_s=30).generation("theirs-too", step) as gen:
+                gen.put("b", os.urandom(20 * MiB))
+        except Backpressure as exc:
+            return f"REFUSED {exc.details['current']}"
+        return "OK"
+
+    with d.client(timeout_s=30).generation("theirs", 2) as gen:
+        gen.put("big", os.urandom(30 * MiB))  # root, saving it for them
+    for step in (1, 2):  # before a restart, and after it
+        assert (answer(start_as(OTHER_UID, lambda: their_second_job(step)))  # noqa: B023
+                == f"REFUSED {30 * MiB + 1}")
+        d.kill()
+        d.start()
