@@ -17,7 +17,7 @@ from ckptdrain.daemon.access import is_operator
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import StepUnusable
 from ckptdrain.daemon.errors import RequestError
-from ckptdrain.daemon.latest import committed_above, read_latest
+from ckptdrain.daemon.latest import committed_above
 from ckptdrain.daemon.logs import log_event
 
 if TYPE_CHECKING:
@@ -28,6 +28,9 @@ log = logging.getLogger("ckptdrain.server")
 # How long `begin` asks the destination each question. Past it the hand-off goes on: shard
 # writes are create-once, so a committed step is safe either way.
 COMMITTED_CHECK_TIMEOUT_S = 5.0
+# The rollback check reads the manifests of at most keep_last + this many of the newest
+# directories above a step: generations in flight, and the odd abandoned one.
+UNCOMMITTED_ABOVE = 8
 
 
 class BeginChecks:
@@ -94,19 +97,19 @@ class BeginChecks:
             return False
 
     async def _committed_above(self, job: str, step: int) -> list[int]:
-        """Up to ``retention.keep_last`` committed steps of ``job`` above ``step``. Looked for
-        only when the job's LATEST names a step above it: a save of a new newest step costs
-        one read, not a listing (uncommitted directories above the newest commit, which
-        retention leaves alone, made every begin read each one: 1-3 s with 20,000, and past
-        the timeout the committed check went with it). Best effort: none found when the
+        """Up to ``retention.keep_last`` committed steps of ``job`` above ``step``, from one
+        listing of the job's generation directories and a manifest read for at most
+        :data:`UNCOMMITTED_ABOVE` more of them than that, newest first (none in the usual
+        begin of a new newest step). Uncommitted directories above the newest commit, which
+        retention leaves alone, made every begin read each one (1-3 s with 20,000), and past
+        the timeout the committed check went with it; LATEST, a hint that can be missing or
+        behind, is not the answer (found attacking both). Best effort: none found when the
         destination cannot say in time."""
+        keep = self.d.config.retention.keep_last
         try:
             async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-                latest = await read_latest(self.d.backend, job)
-                if latest is None or latest <= step:
-                    return []
-                return await committed_above(self.d.backend, job, step,
-                                             enough=self.d.config.retention.keep_last)
+                return await committed_above(self.d.backend, job, step, enough=keep,
+                                             look_at=keep + UNCOMMITTED_ABOVE)
         except (BackendError, ManifestError, OSError, TimeoutError) as exc:
             log_event(log, logging.WARNING, "rollback_check_failed", job=job, step=step,
                       error=str(exc) or type(exc).__name__)

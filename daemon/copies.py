@@ -94,7 +94,12 @@ class LocalCopies:
         until it drains (an operator's retry is not refused for the share)."""
         room = self._room.get(shard)
         owner = self.ledger.jobs.get(shard.job)
-        if room is not None and room.then is None and owner is not None:
+        gen = self.ledger.get(shard.job, shard.step)
+        # Not once it failed again: a retry's loop awaits a journal write per shard, and a
+        # shard it had queued could fail the generation meanwhile (kept_for_retry had run),
+        # leaving the rest charged for good (found attacking retry).
+        if (room is not None and room.then is None and owner is not None
+                and gen is not None and not gen.terminal):
             self.admission.charge(room, owner)
 
     @property

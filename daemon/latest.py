@@ -120,12 +120,14 @@ async def newest_committed(backend: Backend, job: str, above: int) -> int | None
     return found[0] if found else None
 
 
-async def committed_above(backend: Backend, job: str, above: int, *, enough: int) -> list[int]:
+async def committed_above(backend: Backend, job: str, above: int, *, enough: int,
+                          look_at: int | None = None) -> list[int]:
     """Up to ``enough`` steps of ``job`` above ``above`` with a valid manifest, newest first.
 
     One listing of the job's generation directories (not of their shards), then a manifest
     read per directory, newest first, until ``enough`` are valid: directories above the newest
-    commit are usually just the generations in flight.
+    commit are usually just the generations in flight. ``look_at`` bounds the directories
+    read (the newest ones): a best effort for a question asked on every begin.
     """
     steps = sorted(
         (
@@ -136,7 +138,7 @@ async def committed_above(backend: Backend, job: str, above: int, *, enough: int
         reverse=True,
     )
     found: list[int] = []
-    for step in steps:
+    for step in steps[:look_at]:
         data = await manifest_bytes(backend, job, step)
         if data is None or is_tombstone(data):
             continue

@@ -175,6 +175,17 @@ def test_a_step_retention_would_remove_at_once_is_refused(make_daemon) -> None: 
     with pytest.raises(RejectedInput, match="above 40") as info, c.generation("roll", 25):
         pass
     assert info.value.code == "bad_request"
+    # LATEST is a hint that can be missing or behind (found attacking the refusal, which
+    # had trusted it): refused all the same.
+    latest = d.dest / "roll" / "LATEST"
+    for hint in (None, b"not-a-step", b"20"):
+        if hint is None:
+            latest.unlink()
+        else:
+            latest.write_bytes(hint)
+        with pytest.raises(RejectedInput, match="above 40"), c.generation("roll", 26):
+            pass
+    latest.write_bytes(b"40")
     # One committed step above it: the newest two are then 40 and 35, and it stays.
     with c.generation("roll", 35) as gen:
         gen.put("w.bin", b"kept")

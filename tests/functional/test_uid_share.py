@@ -8,13 +8,15 @@ and a restart forgot what its recovered shards held.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptdrain.client import Backpressure, Client, GenerationFailed
+from ckptdrain.client import Backpressure, Client, DrainError, GenerationFailed
 from tests.conftest import DaemonProcess, wait_for
 from tests.functional.otheruser import answer, start_as
 
@@ -183,3 +185,47 @@ def test_an_operators_handoff_counts_against_the_jobs_owner(make_daemon: Any) ->
                 == f"REFUSED {30 * MiB + 1}")
         d.kill()
         d.start()
+
+
+def test_a_retry_that_fails_again_leaves_nothing_charged(make_daemon: Any) -> None:
+    # Found attacking retry: a retry's loop re-queues one failed shard after another, a
+    # journal write each; the first ones drained, failed and failed the generation again
+    # meanwhile, and the loop went on charging the rest to the uid's share, for good.
+    ranks = 16
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="64MiB",
+                                   CKPTDRAIN_DESTINATION__MAX_CONCURRENCY=str(ranks))
+    blocker = d.dest / "j" / f"{1:020d}"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory: every drain of step 1 fails at once, for good")
+    c = d.client(timeout_s=60)
+    gens = [c.generation("j", 1, rank=rank, world_size=ranks) for rank in range(ranks)]
+    for gen in gens:
+        gen.__enter__()
+    together = threading.Barrier(ranks)
+
+    def hand_off(rank: int) -> None:
+        together.wait()
+        with contextlib.suppress(DrainError):  # the generation may fail before this rank seals
+            gens[rank].put(f"r{rank}", os.urandom(2 * MiB))
+            gens[rank].seal()
+
+    threads = [threading.Thread(target=hand_off, args=(rank,)) for rank in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        with pytest.raises(GenerationFailed):
+            c.wait("j", 1, timeout_s=60)
+        for probe in range(3):
+            c.retry("j", 1)
+            with pytest.raises(GenerationFailed):
+                c.wait("j", 1, timeout_s=60)
+            with c.generation("probe", probe) as gen:  # the whole share: nothing else charged
+                gen.put("all", os.urandom(64 * MiB))
+            c.wait("probe", probe, timeout_s=60)  # drained: the next probe has it again
+    finally:
+        # Only now: a rank whose connection goes unsealed is aborted, and no retry then.
+        for gen in gens:
+            with contextlib.suppress(DrainError):
+                gen.__exit__(None, None, None)

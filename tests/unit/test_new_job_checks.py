@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from ckptdrain.client import wire
-from ckptdrain.daemon.beginchecks import BeginChecks
+from ckptdrain.daemon.beginchecks import UNCOMMITTED_ABOVE, BeginChecks
 from ckptdrain.daemon.errors import RequestError
 
 
@@ -65,22 +65,24 @@ async def test_a_refusal_is_raised_as_itself() -> None:
 # past the timeout the committed check was given up with it: a committed step was accepted.
 
 class _Destination:
-    """What BeginChecks reads: LATEST, the listing; records the listings, and can hang them."""
+    """What BeginChecks reads: the listing and manifest keys (all uncommitted here); records
+    what it was asked, and can hang the listing."""
 
-    def __init__(self, latest: int, hang_listing: bool = False) -> None:
-        self.latest = latest
+    def __init__(self, steps_above: int = 0, hang_listing: bool = False) -> None:
+        self.dirs = [f"{step:020d}" for step in range(100, 100 + steps_above)]
         self.hang_listing = hang_listing
         self.listings: list[str] = []
+        self.reads: list[str] = []
 
     async def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes | None:
-        assert key.endswith("/LATEST"), key
-        return str(self.latest).encode()
+        self.reads.append(key)
+        return None
 
     async def list_dirs(self, prefix: str) -> list[str]:
         self.listings.append(prefix)
         if self.hang_listing:
             await asyncio.Event().wait()
-        return []
+        return self.dirs
 
 
 class _Committer:
@@ -100,15 +102,17 @@ def checks_on(destination: _Destination, committed: bool) -> BeginChecks:
 
 
 @pytest.mark.asyncio
-async def test_a_new_newest_step_lists_nothing() -> None:
-    destination = _Destination(latest=41)
+async def test_many_uncommitted_directories_above_cost_a_bounded_number_of_reads() -> None:
+    destination = _Destination(steps_above=20_000)
     await checks_on(destination, committed=False).refuse_if_committed("job", 42)
-    assert destination.listings == []
+    assert destination.listings == ["job/"]
+    assert len(destination.reads) == 2 + UNCOMMITTED_ABOVE  # keep_last + the bound
+    assert destination.reads[0].startswith(f"job/{100 + 20_000 - 1:020d}/")  # newest first
 
 
 @pytest.mark.asyncio
 async def test_a_slow_listing_does_not_take_the_committed_check_with_it() -> None:
-    destination = _Destination(latest=50, hang_listing=True)
+    destination = _Destination(hang_listing=True)
     with pytest.raises(RequestError) as refused:
         await checks_on(destination, committed=True).refuse_if_committed("job", 10)
     assert refused.value.code == wire.COMMITTED
