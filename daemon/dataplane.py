@@ -117,15 +117,19 @@ class DataPlane:
 
     async def call(self, fn: Callable[..., T], *args: object,
                    cleanup: Callable[[], None] | None = None,
-                   cancel: threading.Event | None = None) -> T:
+                   cancel: threading.Event | None = None,
+                   abandoned: Callable[[T], None] | None = None) -> T:
         """Run ``fn(*args)`` in the pool, within ``io_timeout_s``.
 
         Ownership rule: when ``cleanup`` is given and the call raises, for whatever reason,
         ``cleanup`` has run or will run once the thread returns: the caller must not release
         what it handed over. Without ``cleanup``, or when the call returns, the caller owns
         its resources as before. ``cancel`` is set when the call is given up on, for work
-        that can stop part-way (a long copy stops at its next chunk)."""
-        return await self._run(self._pool, fn, args, self.timeout_s, cancel, cleanup)
+        that can stop part-way (a long copy stops at its next chunk). ``abandoned`` releases
+        what such a call returns once its thread does (an fd it opened after the caller
+        stopped waiting: nobody else holds it)."""
+        return await self._run(self._pool, fn, args, self.timeout_s, cancel, cleanup,
+                               abandoned=abandoned)
 
     async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event,
                    stalled: Callable[[], bool], pipe: bool = False, owner: object = None,
@@ -146,7 +150,8 @@ class DataPlane:
                    args: tuple[object, ...], limit: float | None, cancel: threading.Event | None,
                    cleanup: Callable[[], None] | None,
                    stalled: Callable[[], bool] | None = None, owner: object = None,
-                   running: Callable[[], bool] | None = None) -> T:
+                   running: Callable[[], bool] | None = None,
+                   abandoned: Callable[[T], None] | None = None) -> T:
         loop = asyncio.get_running_loop()
         self.busy += 1
         future = loop.run_in_executor(pool, fn, *args)
@@ -177,8 +182,8 @@ class DataPlane:
                         if self.stuck_owners[owner] <= 0:
                             del self.stuck_owners[owner]
                     self.busy -= 1
-                    if not done.cancelled():
-                        done.exception()  # retrieved: the hand-off already failed
+                    if not done.cancelled() and done.exception() is None and abandoned:
+                        abandoned(done.result())  # what it made has nobody else
                     if cleanup is not None:
                         cleanup()
 

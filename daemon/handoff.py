@@ -131,6 +131,12 @@ class Handoffs:
                 pass  # the supervisor's try logs what is wrong, once
         self._give_back(name)
 
+    def _abandoned_tmp(self, fd: int, name: str) -> None:
+        """A temp file whose open the data plane gave up on, opened after all: closed, and
+        unlinked (they leaked until a restart's sweep; found reading the give-up path)."""
+        _close(fd)
+        self._give_back(name)
+
     def _give_back(self, unlink: str | None, *held: Reservation | None) -> None:
         """A hand-off that did not become a shard: its temp file goes (in the data plane)
         and what it still holds is released."""
@@ -188,7 +194,9 @@ class Handoffs:
             else:
                 # One data-plane call samples the room and creates the temp file: the sample
                 # is checked on the loop (pending_bytes), and a refusal unlinks the empty file.
-                opened, disk = await d.dataplane.call(d.staging.open_tmp_sampling, name)
+                opened, disk = await d.dataplane.call(
+                    d.staging.open_tmp_sampling, name,
+                    abandoned=lambda late: self._abandoned_tmp(late[0], name))
                 tmp_fd, created = opened, True
                 promised = self._reserve_disk(size, disk)
                 # All of a data frame that came with what was buffered, not written yet.
@@ -382,7 +390,9 @@ class Handoffs:
                 promised = shard.size
                 try:
                     created = True
-                    dst = await d.dataplane.call(d.staging.open_tmp, name)
+                    dst = await d.dataplane.call(
+                        d.staging.open_tmp, name,
+                        abandoned=functools.partial(self._abandoned_tmp, name=name))
                     try:
                         failed = await d.dataplane.call(
                             _copy_held, d.staging, fd, dst, shard.size, name,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +112,43 @@ async def test_a_call_past_its_timeout_is_stuck_until_it_returns_and_then_cleane
         while plane.stuck:
             await asyncio.sleep(0.01)
         assert cleaned == [True] and plane.busy == 0
+    finally:
+        gate.set()
+        plane.close()
+
+
+@pytest.mark.asyncio
+async def test_what_a_call_given_up_on_makes_later_is_released(tmp_path: Path) -> None:
+    # Found reading the give-up path: a staged temp file's open that outlived io_timeout_s
+    # still opened the file once its thread got going, and nobody closed that fd.
+    import threading
+
+    plane = DataPlane(2, 0.05, pumps=2)
+    gate = threading.Event()
+    released: list[int] = []
+
+    def slow_open() -> int:
+        assert gate.wait(10.0)
+        return os.open(tmp_path / "late.tmp", os.O_WRONLY | os.O_CREAT, 0o600)
+
+    def release(fd: int) -> None:
+        released.append(fd)
+        os.close(fd)
+
+    try:
+        with pytest.raises(StuckIO):
+            await plane.call(slow_open, abandoned=release)
+        gate.set()
+        while plane.stuck:
+            await asyncio.sleep(0.01)
+        assert len(released) == 1
+        with pytest.raises(OSError):
+            os.fstat(released[0])  # closed
+        # A call that returns in time hands its result to the caller, not to ``abandoned``.
+        fd = await plane.call(os.open, str(tmp_path / "kept.tmp"), os.O_WRONLY | os.O_CREAT,
+                              0o600, abandoned=release)
+        os.close(fd)
+        assert len(released) == 1
     finally:
         gate.set()
         plane.close()
