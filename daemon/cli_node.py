@@ -190,7 +190,10 @@ def cmd_drain(ns: argparse.Namespace) -> int:
         raise CommandFailed(f"--timeout must be a positive number of seconds, not {ns.timeout}",
                             EXIT_USAGE)
     deadline = None if ns.timeout is None else time.monotonic() + ns.timeout
-    with Client(socket_path(ns), timeout_s=30) as client:
+    # No request may take longer than the whole wait: a daemon that answers nothing (stopped,
+    # wedged) made `--timeout 3` take the client's 10 s connect timeout (found attacking it).
+    limit = 30.0 if ns.timeout is None else min(30.0, ns.timeout)
+    with Client(socket_path(ns), timeout_s=limit, connect_timeout_s=min(10.0, limit)) as client:
         report = client.drain()
         while ns.wait and not report["done"]:
             if deadline is not None and time.monotonic() >= deadline:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 import tomllib
@@ -105,6 +106,22 @@ def test_drain_wait_gives_up_at_its_timeout_saying_what_is_left(make_daemon: Any
     [line] = out.stderr.splitlines()
     assert "still draining after 2 s" in line and "1 shard(s) (1.0 MiB) not yet drained" in line
     assert cli(d, "drain", "--timeout", "0").returncode == 2
+
+
+def test_drain_wait_against_a_daemon_that_answers_nothing_ends_at_its_timeout(
+    make_daemon: Any
+) -> None:
+    # Found attacking the CLI: against a stopped daemon, `--timeout 3` took the client's
+    # 10 s connect timeout.
+    d: DaemonProcess = make_daemon()
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        out = subprocess.run([CKPTDRAIN, "drain", "--wait", "--timeout", "1"], env=d.env(),
+                             capture_output=True, text=True, timeout=7, check=False)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
 
 
 # -- abort ----------------------------------------------------------------------------------------
