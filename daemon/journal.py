@@ -264,11 +264,14 @@ class Journal:
         with self._queue_lock:
             batch, self._queue = self._queue, []
             self._flush_scheduled = False
-        outcomes = self._commit_batch(batch)
+        if not batch:
+            return  # refused while the disk was full (_wait_for_room)
+        outcomes = self._commit_batch(batch, loop)
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody awaits any more
             loop.call_soon_threadsafe(_settle, batch, outcomes)
 
-    def _commit_batch(self, batch: list[_Write]) -> list[BaseException | None]:
+    def _commit_batch(self, batch: list[_Write],
+                      loop: asyncio.AbstractEventLoop) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(batch)
         ran: dict[Callable[[], None], BaseException | None] = {}
         for k in range(max(len(w.before) for w in batch)):
@@ -292,29 +295,44 @@ class Journal:
             return outcomes
         except Exception as exc:
             if _is_full(exc):
-                return self._wait_for_room(batch, todo, outcomes)
+                return self._wait_for_room(batch, todo, outcomes, loop)
             if len(todo) == 1:
                 outcomes[todo[0]] = exc
                 return outcomes
+        full: list[int] = []
         for i in todo:  # isolate the write that failed the batch: each on its own
             try:
                 self._tx(batch[i].statements)
             except Exception as exc:
-                outcomes[i] = exc
-        return outcomes
+                if _is_full(exc):
+                    full.append(i)
+                else:
+                    outcomes[i] = exc
+        return self._wait_for_room(batch, full, outcomes, loop) if full else outcomes
 
     def _wait_for_room(self, batch: list[_Write], todo: list[int],
-                       outcomes: list[BaseException | None]) -> list[BaseException | None]:
-        """The disk is full: refuse the batch's new records, and write the rest once it has
-        room (see :meth:`write`), trying again with a growing pause; the journal closing ends
-        the wait. Each record is written on its own, as a failed batch's are."""
+                       outcomes: list[BaseException | None],
+                       loop: asyncio.AbstractEventLoop) -> list[BaseException | None]:
+        """The disk is full: refuse the new records, this batch's and those queued behind it,
+        now (their callers hold slots and room, and must hear at once), and write the rest
+        once it has room (see :meth:`write`), trying again with a growing pause; the journal
+        closing ends the wait. Each record is written on its own, as a failed batch's are."""
+        self.full = True  # from here write(new=True) refuses without queueing
+        refused = [batch[i] for i in todo if batch[i].new]
+        with self._queue_lock:
+            refused += [w for w in self._queue if w.new]
+            self._queue = [w for w in self._queue if not w.new]
+        if refused:
+            errors: list[BaseException | None] = [JournalFull(self.path) for _ in refused]
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody awaits
+                loop.call_soon_threadsafe(_settle, refused, errors)
         for i in todo:
             if batch[i].new:
-                outcomes[i] = JournalFull(self.path)
+                outcomes[i] = JournalFull(self.path)  # settled above; _settle skips it
         waiting = [i for i in todo if not batch[i].new]
         if not waiting:
+            self.full = False
             return outcomes
-        self.full = True
         log_event(log, logging.ERROR, "journal_full", path=str(self.path), waiting=len(waiting),
                   action="free space on the staging filesystem (staging_dir): records of "
                   "what the daemon did wait for room, and new hand-offs are refused until then")

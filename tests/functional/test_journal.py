@@ -4,6 +4,7 @@ ledger's state changes as the journal records them."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,66 @@ async def test_a_drained_batch_is_journalled_in_one_write_or_not_at_all(tmp_path
     assert {p: (s.state, s.checksum) for p, s in gen2.shards.items()} == {
         **{f"s{i}": (ShardState.DRAINED, f"c{i}") for i in range(1, 5)},
         "s5": (ShardState.STAGED, "")}
+
+
+# A full disk, injected: SQLite's own "database or disk is full" from the transaction, for as
+# long as the test says. Runs without root (the tmpfs tests in test_staging_full.py need it).
+
+class _FullDisk:
+    def __init__(self, journal: Journal) -> None:
+        self.full = True
+        self.refused = 0
+        self._tx = journal._tx
+        journal._tx = self.tx  # type: ignore[method-assign]
+
+    def tx(self, statements: object) -> None:
+        if self.full:
+            self.refused += 1
+            error = sqlite3.OperationalError("database or disk is full")
+            error.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
+            raise error
+        self._tx(statements)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_full_disk_refuses_new_records_at_once_and_keeps_the_rest_waiting(
+    tmp_path: Path
+) -> None:
+    # Found reviewing the first version: a new record in the batch that met the full disk
+    # was refused only once room came back (its begin hung meanwhile, holding its slot), and
+    # new records queued behind that batch waited, then were written.
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    disk = _FullDisk(journal)
+    try:
+        happened = asyncio.ensure_future(journal.write(j.put_shard(shard_row(1))))
+        new_in_batch = asyncio.ensure_future(journal.write(j.put_shard(shard_row(2)), new=True))
+        with pytest.raises(j.JournalFull):
+            await asyncio.wait_for(new_in_batch, timeout=10)
+        assert journal.full and not happened.done()  # refused while the other still waits
+        with pytest.raises(j.JournalFull):
+            await journal.write(j.put_shard(shard_row(3)), new=True)  # refused without queueing
+        disk.full = False
+        await asyncio.wait_for(happened, timeout=10)
+        assert not journal.full
+        await journal.write(j.put_shard(shard_row(4)), new=True)  # room again: taken
+        snap = await journal.load()
+        assert sorted(row["id"] for row in snap.shards) == [1, 4]
+    finally:
+        disk.full = False
+        await journal.close()
+
+
+@pytest.mark.asyncio
+async def test_a_record_waiting_for_room_gives_up_when_the_journal_closes(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    disk = _FullDisk(journal)
+    waiting = asyncio.ensure_future(journal.write(j.put_shard(shard_row(1))))
+    while not journal.full:
+        await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(journal.close())
+    with pytest.raises(j.JournalError, match="stayed full until the daemon stopped"):
+        await asyncio.wait_for(waiting, timeout=10)
+    await asyncio.wait_for(closing, timeout=10)
+    assert disk.refused >= 2
