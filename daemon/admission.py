@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
-from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
+from ckptdrain.daemon.budget import AccountingError, Budget, BudgetFull, Reservation, TooLarge
 from ckptdrain.daemon.errors import RequestError
 
 if TYPE_CHECKING:
@@ -106,6 +106,10 @@ class Admission:
     def charge(self, reservation: Reservation, uid: int) -> Reservation:
         """Count ``reservation`` against ``uid``'s share until it is released, or until its
         shard drains (Reservation.settle: a kept local copy is not the uid's to carry)."""
+        if reservation.then is not None:
+            # Charged twice, the first charge would never be given back (a uid refused for
+            # good): a bug to find, as a double release is.
+            raise AccountingError(f"{reservation!r} is already charged to a uid's share")
         reservation.then = self._take_share(uid, reservation.amount)
         return reservation
 

@@ -44,8 +44,8 @@ class BeginChecks:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.refuse_if_committed(job, step))
                 looked_up = tg.create_task(self.job_owner(job, uid))
-        except* RequestError as refused:
-            raise refused.exceptions[0] from None
+        except BaseExceptionGroup as group:
+            raise _one_of(group) from None
         return looked_up.result()
 
     async def job_owner(self, job: str, uid: int) -> tuple[int, bool]:
@@ -70,8 +70,8 @@ class BeginChecks:
                     # Raised here, the TaskGroup cancels the other question at once.
                     raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is "
                                        "committed; save a new step")
-        except* RequestError as refused:
-            raise refused.exceptions[0] from None
+        except BaseExceptionGroup as group:
+            raise _one_of(group) from None
         keep = self.d.config.retention.keep_last
         above = newer.result()
         if len(above) >= keep:
@@ -114,3 +114,14 @@ class BeginChecks:
             log_event(log, logging.WARNING, "rollback_check_failed", job=job, step=step,
                       error=str(exc) or type(exc).__name__)
             return []
+
+
+def _one_of(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """What a failed TaskGroup of the begin's questions raises as itself: a refusal first (a
+    refusal and another error together had come out as a group, and the refusal was lost),
+    else the first error (an unexpected one came out as "unhandled errors in a TaskGroup")."""
+    refusals = group.subgroup(RequestError)
+    found: BaseException = refusals if refusals is not None else group
+    while isinstance(found, BaseExceptionGroup):
+        found = found.exceptions[0]
+    return found

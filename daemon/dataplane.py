@@ -164,6 +164,9 @@ class DataPlane:
                 cancel.set()
             if future.done():
                 self.busy -= 1
+                if (abandoned is not None and not future.cancelled()
+                        and future.exception() is None):
+                    abandoned(future.result())  # done, but its caller stopped waiting
                 if cleanup is not None:
                     cleanup()
             else:

@@ -382,6 +382,7 @@ class Handoffs:
             # in RAM (found attacking the staging disk: another user's file, written as the
             # copy ran and removed 2 s later, failed the generation for good).
             deadline = time.monotonic() + limits.block_timeout_s
+            pause = 0.05
             while True:
                 if not await self._disk_room_while_open(gen, shard,
                                                         deadline - time.monotonic()):
@@ -410,6 +411,9 @@ class Handoffs:
                     raise failed
                 await d.dataplane.call(d.staging.discard, name)
                 created = False
+                # A quota (EDQUOT) does not show in statvfs: never copy again at once.
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 1.0)
             _close(fd)  # on local storage: the client's pool may reuse the memfd now
             fd_ours = False
             if shard.deferred:

@@ -51,6 +51,8 @@ class Ledger:
         self._acknowledge = acknowledge or journal.write
         self.generations: dict[GenKey, GenerationRecord] = {}
         self.jobs: dict[str, int] = {}
+        # Jobs claimed in memory by a begin whose journal write has not succeeded yet.
+        self._unjournalled_claims: set[str] = set()
         self._next_shard_id = 1
         # Every shard of every generation held, by id: what `status` finds an open upload's
         # shard by (O(open uploads), not a walk of every shard). Kept where shards are added
@@ -126,21 +128,27 @@ class Ledger:
                                created_at=time.time(), attempt=attempt)
         self.generations[gen.key] = gen
         statements = [j.put_generation(gen.row())]
-        claimed = job not in self.jobs
-        if claimed:
+        if job not in self.jobs:
             self.jobs[job] = uid
-            statements.insert(0, j.claim_job(job, uid))
+            self._unjournalled_claims.add(job)
+        if job in self._unjournalled_claims:
+            # Every begin of the job carries the claim until one is written (the row is
+            # INSERT OR IGNORE): whichever of concurrent begins is journalled, the job has
+            # its owner at the next start.
+            statements.insert(0, j.claim_job(job, self.jobs[job]))
         try:
             await self.journal.write(*statements, new=True)
         except BaseException:
             self.generations.pop(gen.key, None)
-            if claimed and self.jobs.get(job) == uid and not any(
+            if job in self._unjournalled_claims and not any(
                     key[0] == job for key in self.generations):
                 # Nobody's job after all: a begin refused for a full journal left it claimed
                 # by the refused uid, and every other uid's begin of it was denied until a
-                # restart (found attacking a full disk).
-                del self.jobs[job]
+                # restart (found attacking a full disk, then reviewing concurrent begins).
+                self.jobs.pop(job, None)
+                self._unjournalled_claims.discard(job)
             raise
+        self._unjournalled_claims.discard(job)
         self._notify()
         return gen
 

@@ -605,7 +605,8 @@ class Metrics:
             return False
         oldest = min(self._unasked, key=self._unasked.__getitem__)
         del self._unasked[oldest]
-        self._connections[oldest].transport.abort()  # its task ends on its own
+        # Out of the count now, so the next arrival does not evict another in the meantime.
+        self._connections.pop(oldest).transport.abort()  # its task ends on its own
         return True
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -152,3 +152,38 @@ async def test_what_a_call_given_up_on_makes_later_is_released(tmp_path: Path) -
     finally:
         gate.set()
         plane.close()
+
+
+@pytest.mark.asyncio
+async def test_what_a_call_returns_as_its_caller_is_cancelled_is_released(tmp_path: Path) -> None:
+    # Found reviewing the above: a caller cancelled after the thread had returned (its
+    # result posted, the caller not yet resumed) took the path that only ran ``cleanup``.
+    import threading
+    import time
+
+    plane = DataPlane(2, 10.0, pumps=2)
+    returning = threading.Event()
+    released: list[int] = []
+
+    def quick_open() -> int:
+        fd = os.open(tmp_path / "quick.tmp", os.O_WRONLY | os.O_CREAT, 0o600)
+        returning.set()
+        return fd
+
+    def release(fd: int) -> None:
+        released.append(fd)
+        os.close(fd)
+
+    try:
+        caller = asyncio.ensure_future(plane.call(quick_open, abandoned=release))
+        await asyncio.sleep(0)  # submitted
+        # Held off the loop until the thread has returned and posted its result, so the
+        # caller is cancelled with the call already done.
+        assert returning.wait(10)
+        time.sleep(0.2)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert len(released) == 1
+    finally:
+        plane.close()

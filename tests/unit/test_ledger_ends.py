@@ -9,10 +9,12 @@ max_generations_in_flight full, by the generation that had just ended."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ckptdrain.daemon.journal import JournalFull
 from ckptdrain.daemon.ledger import Ledger
 from ckptdrain.daemon.records import GenerationRecord
 from ckptdrain.daemon.state import GenerationEvent, GenerationState
@@ -52,3 +54,48 @@ async def test_what_a_generation_held_is_freed_before_its_end_is_journalled(
     async with asyncio.timeout(10):
         await applying
     assert ended == [gen]
+
+
+class _RefusingJournal:
+    """Holds each write until told how it ends: None (written) or the error to raise."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[Any, ...]] = []
+        self.outcomes: list[asyncio.Future[BaseException | None]] = []
+
+    async def write(self, *statements: Any, new: bool = False) -> None:
+        self.writes.append(statements)
+        outcome: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self.outcomes.append(outcome)
+        error = await outcome
+        if error is not None:
+            raise error
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("second", ["refused", "written"])
+async def test_concurrent_begins_of_a_new_job_leave_its_owner_as_the_journal_has_it(
+        second: str) -> None:
+    # Found reviewing the claim's undo: of two begins of a new job refused together (a full
+    # journal), the first saw the second's generation and kept the claim, the second had not
+    # claimed it: the job stayed claimed in memory with nothing journalled.
+    journal = _RefusingJournal()
+    ledger = Ledger(journal)  # type: ignore[arg-type]
+    first = asyncio.ensure_future(ledger.open_generation("job", 1, 1, "local", 1000))
+    other = asyncio.ensure_future(ledger.open_generation("job", 2, 1, "local", 1000))
+    while len(journal.outcomes) < 2:
+        await asyncio.sleep(0)
+    # Both carry the claim: whichever is written, the job has its owner at the next start.
+    assert all(statements[0][0].startswith("INSERT OR IGNORE INTO jobs")
+               for statements in journal.writes)
+    journal.outcomes[0].set_result(JournalFull(Path("journal")))
+    with pytest.raises(JournalFull):
+        await first
+    journal.outcomes[1].set_result(JournalFull(Path("journal")) if second == "refused" else None)
+    if second == "refused":
+        with pytest.raises(JournalFull):
+            await other
+        assert ledger.jobs == {}
+    else:
+        await other
+        assert ledger.jobs == {"job": 1000}

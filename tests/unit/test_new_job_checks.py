@@ -117,3 +117,19 @@ async def test_a_slow_listing_does_not_take_the_committed_check_with_it() -> Non
         await checks_on(destination, committed=True).refuse_if_committed("job", 10)
     assert refused.value.code == wire.COMMITTED
     assert destination.listings == ["job/"]  # it was looking, and was not waited for
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_error_is_raised_as_itself() -> None:
+    # Found reviewing the checks: anything but a refusal came out as "unhandled errors in a
+    # TaskGroup", and a refusal raised beside another error was lost in the group.
+    class Broken(_Checks):
+        async def owner(self, job: str, uid: int) -> tuple[int, bool]:
+            await self._step("owner")
+            raise KeyError("the owner lookup broke")
+
+    with pytest.raises(KeyError, match="owner lookup broke"):
+        await daemon_with(Broken()).new_job("job", 1, 1000)
+    with pytest.raises(RequestError) as refused:
+        await daemon_with(Broken(refuse=True)).new_job("job", 1, 1000)
+    assert refused.value.code == wire.COMMITTED
