@@ -17,7 +17,7 @@ from ckptdrain.daemon.access import is_operator
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import StepUnusable
 from ckptdrain.daemon.errors import RequestError
-from ckptdrain.daemon.latest import committed_above
+from ckptdrain.daemon.latest import committed_above, read_latest
 from ckptdrain.daemon.logs import log_event
 
 if TYPE_CHECKING:
@@ -98,9 +98,9 @@ class BeginChecks:
 
     async def _committed_above(self, job: str, step: int) -> list[int]:
         """Up to ``retention.keep_last`` committed steps of ``job`` above ``step``, from one
-        listing of the job's generation directories and a manifest read for at most
-        :data:`UNCOMMITTED_ABOVE` more of them than that, newest first (none in the usual
-        begin of a new newest step). Uncommitted directories above the newest commit, which
+        listing of the job's generation directories and a manifest read each, newest first
+        (none in the usual begin of a new newest step), for at most :data:`UNCOMMITTED_ABOVE`
+        more of them than that unless LATEST names a step above. Uncommitted directories above the newest commit, which
         retention leaves alone, made every begin read each one (1-3 s with 20,000), and past
         the timeout the committed check went with it; LATEST, a hint that can be missing or
         behind, is not the answer (found attacking both). Best effort: none found when the
@@ -108,8 +108,15 @@ class BeginChecks:
         keep = self.d.config.retention.keep_last
         try:
             async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-                return await committed_above(self.d.backend, job, step, enough=keep,
-                                             look_at=keep + UNCOMMITTED_ABOVE)
+                # LATEST above the step says a rollback: then every directory above is read
+                # (a bound there let a crashed run's nine uncommitted saves hide the commits
+                # behind them, found attacking it). Otherwise the bound holds, LATEST being
+                # only a hint that may be missing or behind.
+                latest = await read_latest(self.d.backend, job)
+                rollback = latest is not None and latest > step
+                return await committed_above(
+                    self.d.backend, job, step, enough=keep,
+                    look_at=None if rollback else keep + UNCOMMITTED_ABOVE)
         except (BackendError, ManifestError, OSError, TimeoutError) as exc:
             log_event(log, logging.WARNING, "rollback_check_failed", job=job, step=step,
                       error=str(exc) or type(exc).__name__)

@@ -195,6 +195,24 @@ def test_a_step_retention_would_remove_at_once_is_refused(make_daemon) -> None: 
     assert (d.dest / "roll" / f"{35:020d}" / "w.bin").read_bytes() == b"kept"
 
 
+def test_a_rollback_is_refused_behind_many_uncommitted_directories(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the bounded check: nine directories of saves that never committed
+    # above the newest commit (retention leaves those alone) used up the reads, and step 15
+    # was taken, reported committed, and removed a second later.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LAST="2")
+    c = d.client()
+    for step in (10, 20, 30):
+        with c.generation("roll", step) as gen:
+            gen.put("w.bin", b"x")
+        c.wait("roll", step, timeout_s=30)
+    for step in range(31, 51):  # a crashed run's partial saves
+        partial = d.dest / "roll" / f"{step:020d}"
+        partial.mkdir()
+        (partial / "w.bin").write_bytes(b"never committed")
+    with pytest.raises(RejectedInput, match="above 30"), c.generation("roll", 15):
+        pass
+
+
 def test_two_nodes_one_retention_run_per_commit_and_both_forget_older(make_daemon) -> None:  # type: ignore[no-untyped-def]
     """Retention runs on the node that published each manifest; the other node still forgets
     the older committed generations it holds, so neither node's journal grows with the job."""
