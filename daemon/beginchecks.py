@@ -97,29 +97,39 @@ class BeginChecks:
             return False
 
     async def _committed_above(self, job: str, step: int) -> list[int]:
-        """Up to ``retention.keep_last`` committed steps of ``job`` above ``step``, from one
-        listing of the job's generation directories and a manifest read each, newest first
-        (none in the usual begin of a new newest step), for at most :data:`UNCOMMITTED_ABOVE`
-        more of them than that unless LATEST names a step above. Uncommitted directories above the newest commit, which
-        retention leaves alone, made every begin read each one (1-3 s with 20,000), and past
-        the timeout the committed check went with it; LATEST, a hint that can be missing or
-        behind, is not the answer (found attacking both). Best effort: none found when the
+        """Up to ``retention.keep_last`` committed steps of ``job`` above ``step``: one listing
+        of the job's generation directories, then a manifest read each, newest first (none in
+        the usual begin of a new newest step). Found attacking it, round after round: reading
+        every directory on every begin cost 1-3 s with 20,000 uncommitted ones above (which
+        retention leaves alone) and, past the timeout, took the committed check with it;
+        trusting LATEST refused nothing when it was missing or behind; and a bound on the
+        reads let uncommitted directories hide the commits behind them. So the reads are
+        bounded (:data:`UNCOMMITTED_ABOVE` more than ``keep_last``) only when LATEST names a
+        step at or below this one; and when LATEST names one above and the count does not
+        finish in time, the begin is refused. Otherwise best effort: none found when the
         destination cannot say in time."""
         keep = self.d.config.retention.keep_last
+        latest: int | None = None
         try:
             async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-                # LATEST above the step says a rollback: then every directory above is read
-                # (a bound there let a crashed run's nine uncommitted saves hide the commits
-                # behind them, found attacking it). Otherwise the bound holds, LATEST being
-                # only a hint that may be missing or behind.
                 latest = await read_latest(self.d.backend, job)
-                rollback = latest is not None and latest > step
+                unbounded = latest is None or latest > step  # a rollback, or nothing known
                 return await committed_above(
                     self.d.backend, job, step, enough=keep,
-                    look_at=None if rollback else keep + UNCOMMITTED_ABOVE)
+                    look_at=None if unbounded else keep + UNCOMMITTED_ABOVE)
         except (BackendError, ManifestError, OSError, TimeoutError) as exc:
             log_event(log, logging.WARNING, "rollback_check_failed", job=job, step=step,
                       error=str(exc) or type(exc).__name__)
+            if latest is not None and latest > step:
+                # A commit above it is known and the rest could not be counted in time:
+                # refused rather than committed and then removed (found attacking it with
+                # 150,000 uncommitted directories above). A restart resumes from the newest.
+                raise RequestError(
+                    wire.BAD_REQUEST,
+                    f"step {step} of job {job!r} is below its newest committed step {latest}, "
+                    f"and whether retention.keep_last = {keep} would remove it as soon as it "
+                    f"committed could not be told ({exc or type(exc).__name__}); save it as a "
+                    f"step above {latest}, or under a new job name") from None
             return []
 
 

@@ -246,10 +246,13 @@ class Journal:
         journal closes. ``new`` marks a record that starts something (a generation, a rank,
         a shard's acknowledgement): it fails with :class:`JournalFull` instead, at once while
         others wait, and its caller takes back what it added."""
-        if new and self.full:
-            raise JournalFull(self.path)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._queue_lock:
+            # Under the lock the journal's thread takes to set ``full`` and clear the queue
+            # of new records: checked outside it, a new record could slip in behind the
+            # waiting ones and wait with them (found attacking it: 2 in 600 tries).
+            if new and self.full:
+                raise JournalFull(self.path)
             self._queue.append(_Write(statements, tuple(before), done, new))
             if self._flush_scheduled:
                 submit = False
@@ -299,16 +302,17 @@ class Journal:
             if len(todo) == 1:
                 outcomes[todo[0]] = exc
                 return outcomes
-        full: list[int] = []
-        for i in todo:  # isolate the write that failed the batch: each on its own
+        for k, i in enumerate(todo):  # isolate the write that failed the batch: each alone
             try:
                 self._tx(batch[i].statements)
             except Exception as exc:
                 if _is_full(exc):
-                    full.append(i)
-                else:
-                    outcomes[i] = exc
-        return self._wait_for_room(batch, full, outcomes, loop) if full else outcomes
+                    # This one and every one after it wait, in order: a later write made
+                    # durable before an earlier one waiting for room broke the queue's order
+                    # (found attacking it).
+                    return self._wait_for_room(batch, todo[k:], outcomes, loop)
+                outcomes[i] = exc
+        return outcomes
 
     def _wait_for_room(self, batch: list[_Write], todo: list[int],
                        outcomes: list[BaseException | None],
@@ -317,9 +321,9 @@ class Journal:
         now (their callers hold slots and room, and must hear at once), and write the rest
         once it has room (see :meth:`write`), trying again with a growing pause; the journal
         closing ends the wait. Each record is written on its own, as a failed batch's are."""
-        self.full = True  # from here write(new=True) refuses without queueing
         refused = [batch[i] for i in todo if batch[i].new]
         with self._queue_lock:
+            self.full = True  # from here write(new=True) refuses without queueing
             refused += [w for w in self._queue if w.new]
             self._queue = [w for w in self._queue if not w.new]
         if refused:

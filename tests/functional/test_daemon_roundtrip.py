@@ -209,8 +209,14 @@ def test_a_rollback_is_refused_behind_many_uncommitted_directories(make_daemon) 
         partial = d.dest / "roll" / f"{step:020d}"
         partial.mkdir()
         (partial / "w.bin").write_bytes(b"never committed")
-    with pytest.raises(RejectedInput, match="above 30"), c.generation("roll", 15):
-        pass
+    latest = d.dest / "roll" / "LATEST"
+    for hint in (b"30", None, b"xx"):  # ... whatever LATEST says, or if it is gone
+        if hint is None:
+            latest.unlink()
+        else:
+            latest.write_bytes(hint)
+        with pytest.raises(RejectedInput, match="above 30"), c.generation("roll", 15):
+            pass
 
 
 def test_two_nodes_one_retention_run_per_commit_and_both_forget_older(make_daemon) -> None:  # type: ignore[no-untyped-def]

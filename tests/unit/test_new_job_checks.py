@@ -68,14 +68,18 @@ class _Destination:
     """What BeginChecks reads: the listing and manifest keys (all uncommitted here); records
     what it was asked, and can hang the listing."""
 
-    def __init__(self, steps_above: int = 0, hang_listing: bool = False) -> None:
+    def __init__(self, steps_above: int = 0, hang_listing: bool = False,
+                 latest: int | None = None) -> None:
         self.dirs = [f"{step:020d}" for step in range(100, 100 + steps_above)]
         self.hang_listing = hang_listing
+        self.latest = latest
         self.listings: list[str] = []
         self.reads: list[str] = []
 
     async def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes | None:
         self.reads.append(key)
+        if key.endswith("/LATEST") and self.latest is not None:
+            return str(self.latest).encode()
         return None
 
     async def list_dirs(self, prefix: str) -> list[str]:
@@ -103,7 +107,7 @@ def checks_on(destination: _Destination, committed: bool) -> BeginChecks:
 
 @pytest.mark.asyncio
 async def test_many_uncommitted_directories_above_cost_a_bounded_number_of_reads() -> None:
-    destination = _Destination(steps_above=20_000)
+    destination = _Destination(steps_above=20_000, latest=41)  # LATEST: nothing above 42
     await checks_on(destination, committed=False).refuse_if_committed("job", 42)
     assert destination.listings == ["job/"]
     manifests = [key for key in destination.reads if key.endswith("/MANIFEST.json")]
@@ -134,3 +138,18 @@ async def test_an_unexpected_error_is_raised_as_itself() -> None:
     with pytest.raises(RequestError) as refused:
         await daemon_with(Broken(refuse=True)).new_job("job", 1, 1000)
     assert refused.value.code == wire.COMMITTED
+
+
+@pytest.mark.asyncio
+async def test_a_rollback_the_count_cannot_finish_for_is_refused() -> None:
+    # Found attacking the check: with 150,000 uncommitted directories above, reading them ran
+    # out the timeout, and a step below LATEST was taken, reported committed and removed.
+    class Slow(_Destination):
+        async def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes | None:
+            if key.endswith("/LATEST"):
+                return b"50"
+            raise TimeoutError  # as the check's own timeout would
+    with pytest.raises(RequestError, match="below its newest committed step 50") as refused:
+        await checks_on(Slow(steps_above=3), committed=False).refuse_if_committed("job", 10)
+    assert refused.value.code == wire.BAD_REQUEST
+
