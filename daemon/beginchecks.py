@@ -28,8 +28,9 @@ log = logging.getLogger("ckptdrain.server")
 # How long `begin` asks the destination each question. Past it the hand-off goes on: shard
 # writes are create-once, so a committed step is safe either way.
 COMMITTED_CHECK_TIMEOUT_S = 5.0
-# The rollback check reads the manifests of at most keep_last + this many of the newest
-# directories above a step: generations in flight, and the odd abandoned one.
+# When LATEST names no step above the one begun (the usual new newest step), the rollback
+# check reads the manifests of at most keep_last + this many of the newest directories above
+# it: generations in flight, and the odd abandoned one.
 UNCOMMITTED_ABOVE = 8
 
 
@@ -62,7 +63,8 @@ class BeginChecks:
         too a step with ``retention.keep_last`` committed steps above it: retention would
         remove it as soon as it committed (found attacking retention: a job rolled back to an
         older step was told its save was committed, and a second later it was gone). The two
-        questions are asked at once, and the second never holds up or cancels the first."""
+        questions are asked at once; the second timing out or failing never loses the
+        first's answer, and a committed step is refused without waiting for the second."""
         try:
             async with asyncio.TaskGroup() as tg:
                 newer = tg.create_task(self._committed_above(job, step))
