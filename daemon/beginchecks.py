@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
@@ -32,6 +33,14 @@ COMMITTED_CHECK_TIMEOUT_S = 5.0
 # check reads the manifests of at most keep_last + this many of the newest directories above
 # it: generations in flight, and the odd abandoned one.
 UNCOMMITTED_ABOVE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class _Uncounted:
+    """The committed steps above a step below LATEST could not be counted: why."""
+
+    latest: int
+    why: str
 
 
 class BeginChecks:
@@ -76,6 +85,14 @@ class BeginChecks:
             raise _one_of(group) from None
         keep = self.d.config.retention.keep_last
         above = newer.result()
+        if isinstance(above, _Uncounted):
+            # Raised here, after the committed answer: a committed step is told so.
+            raise RequestError(
+                wire.BAD_REQUEST,
+                f"step {step} of job {job!r} is below its newest committed step "
+                f"{above.latest}, and whether retention.keep_last = {keep} would remove it as "
+                f"soon as it committed could not be told ({above.why}); save it as a step "
+                f"above {above.latest}, or under a new job name")
         if len(above) >= keep:
             raise RequestError(
                 wire.BAD_REQUEST,
@@ -98,7 +115,7 @@ class BeginChecks:
                       error=str(exc) or type(exc).__name__)
             return False
 
-    async def _committed_above(self, job: str, step: int) -> list[int]:
+    async def _committed_above(self, job: str, step: int) -> list[int] | _Uncounted:
         """Up to ``retention.keep_last`` committed steps of ``job`` above ``step``: one listing
         of the job's generation directories, then a manifest read each, newest first (none in
         the usual begin of a new newest step). Found attacking it, round after round: reading
@@ -126,12 +143,7 @@ class BeginChecks:
                 # A commit above it is known and the rest could not be counted in time:
                 # refused rather than committed and then removed (found attacking it with
                 # 150,000 uncommitted directories above). A restart resumes from the newest.
-                raise RequestError(
-                    wire.BAD_REQUEST,
-                    f"step {step} of job {job!r} is below its newest committed step {latest}, "
-                    f"and whether retention.keep_last = {keep} would remove it as soon as it "
-                    f"committed could not be told ({exc or type(exc).__name__}); save it as a "
-                    f"step above {latest}, or under a new job name") from None
+                return _Uncounted(latest, str(exc) or type(exc).__name__)
             return []
 
 

@@ -153,3 +153,20 @@ async def test_a_rollback_the_count_cannot_finish_for_is_refused() -> None:
         await checks_on(Slow(steps_above=3), committed=False).refuse_if_committed("job", 10)
     assert refused.value.code == wire.BAD_REQUEST
 
+
+@pytest.mark.asyncio
+async def test_a_committed_step_is_told_so_when_the_count_fails() -> None:
+    # Found attacking the refusal above: raised inside the checks' TaskGroup, it cancelled
+    # the committed check, and a committed step was answered bad_request, not committed.
+    class NoListing(_Destination):
+        async def list_dirs(self, prefix: str) -> list[str]:
+            raise TimeoutError  # a listing refused (no s3:ListBucket) or too slow
+
+    destination = NoListing(latest=50)
+    with pytest.raises(RequestError) as refused:
+        await checks_on(destination, committed=True).refuse_if_committed("job", 40)
+    assert refused.value.code == wire.COMMITTED
+    with pytest.raises(RequestError, match=r"could not be told \(TimeoutError\)") as other:
+        await checks_on(destination, committed=False).refuse_if_committed("job", 40)
+    assert other.value.code == wire.BAD_REQUEST
+
