@@ -74,10 +74,7 @@ class LocalCopies:
         room = self._room[shard] = self.admission.staged.adopt(shard.size)
         if shard.state in (ShardState.STAGED, ShardState.FAILED):
             self._slot[shard] = self.admission.shards.adopt(1)
-            gen = self.ledger.get(shard.job, shard.step)
-            owner = self.ledger.jobs.get(shard.job)
-            if owner is not None and gen is not None and not gen.terminal:
-                self.admission.charge(room, owner)
+            self._charge_while_open(shard, room)
 
     def kept_for_retry(self, gen: GenerationRecord) -> None:
         """``gen`` failed and keeps its undrained copies for ``ckptdrain retry``: inside
@@ -93,13 +90,17 @@ class LocalCopies:
         """Its failed generation is retried: the shard counts against its uid's share again
         until it drains (an operator's retry is not refused for the share)."""
         room = self._room.get(shard)
-        owner = self.ledger.jobs.get(shard.job)
+        if room is not None and room.then is None:
+            self._charge_while_open(shard, room)
+
+    def _charge_while_open(self, shard: ShardRecord, room: Reservation) -> None:
+        """Charge ``room`` to the share of ``shard``'s job's owner, if its generation is still
+        open: not once it failed (again), since a retry's loop awaits a journal write per
+        shard and a shard it had queued could fail the generation meanwhile, after
+        kept_for_retry ran, leaving the rest charged for good (found attacking retry)."""
         gen = self.ledger.get(shard.job, shard.step)
-        # Not once it failed again: a retry's loop awaits a journal write per shard, and a
-        # shard it had queued could fail the generation meanwhile (kept_for_retry had run),
-        # leaving the rest charged for good (found attacking retry).
-        if (room is not None and room.then is None and owner is not None
-                and gen is not None and not gen.terminal):
+        owner = self.ledger.jobs.get(shard.job)
+        if owner is not None and gen is not None and not gen.terminal:
             self.admission.charge(room, owner)
 
     @property
