@@ -264,17 +264,28 @@ def traced(pid: int) -> bool:
 
 
 def test_a_blocking_call_past_io_timeout_fails_the_hand_off_and_is_counted(make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Stands in for a client fd on a hung mount: with a timeout far below what copying a
-    large file takes, the copy outlives it. The hand-off gets a typed error naming the limit,
-    the thread is shown as stuck until it returns, and the daemon keeps serving."""
+    """Stands in for a client fd on a hung mount: strace holds each kernel copy back 3 s, far
+    past the 0.5 s timeout. The hand-off gets a typed error naming the limit, the thread is
+    shown as stuck until it returns, and the daemon keeps serving. (It copied a 16 GiB sparse
+    file before, which needed 16 GiB free for staging and failed on a fuller disk.)"""
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__IO_TIMEOUT_S="0.5")
     big = tmp_path / "big.bin"
-    with open(big, "wb") as f:  # sparse: costs no disk to make, seconds to copy
-        f.truncate(16 << 30)
+    big.write_bytes(os.urandom(1 << 20))
     c = d.client()
-    with pytest.raises(DrainError, match="io_timeout_s"), c.generation("hung", 1) as gen:
-        gen.put_file("big.bin", big)
-    status = c.status()
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(d.pid),
+         "-e", "trace=copy_file_range,sendfile",
+         "-e", "inject=copy_file_range,sendfile:delay_enter=3000000"], stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: traced(d.pid))
+        with pytest.raises(DrainError, match="io_timeout_s"), c.generation("hung", 1) as gen:
+            gen.put_file("big.bin", big)
+        status = c.status()
+        assert status["io_threads"]["stuck"] >= 1
+    finally:
+        tracer.terminate()
+        tracer.wait(10)
+    wait_for(lambda: not traced(d.pid))
     assert status["io_threads"]["size"] >= 4
     wait_for(lambda: c.status()["io_threads"]["stuck"] == 0)
     assert d.proc is not None and d.proc.poll() is None
