@@ -195,3 +195,33 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.decode().strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def traced(pid: int) -> bool:
+    """Whether every thread of ``pid`` has a tracer attached (strace -f -p attaches them all)."""
+    def tracer(tid: str) -> int:
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                if line.startswith("TracerPid:"):
+                    return int(line.split()[1])
+        return 1
+    return all(tracer(t) for t in os.listdir(f"/proc/{pid}/task"))
+
+
+@contextlib.contextmanager
+def strace_attached(pid: int, *options: str, log: Path | None = None) -> Iterator[None]:
+    """``strace -f -p pid`` with ``options`` (``-e inject=...``) for the block's duration,
+    attached to a daemon already running, so its start-up's syscalls are not tampered with
+    (a delay on every unlink cost a daemon's start 9 s), and detached at the end."""
+    if shutil.which("strace") is None:
+        pytest.fail("strace is required (make system-deps)")
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-qq", "-o", str(log or "/dev/null"), "-p", str(pid), *options],
+        stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: traced(pid))
+        yield
+    finally:
+        tracer.terminate()
+        tracer.wait(10)
+    wait_for(lambda: not traced(pid))

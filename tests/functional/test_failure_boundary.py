@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import DestinationError, DrainError, wire
-from tests.conftest import DaemonProcess, wait_for
+from tests.conftest import DaemonProcess, strace_attached, wait_for
 from tests.functional.test_bad_input import RawClient
 
 MiB = 1 << 20
@@ -237,30 +237,11 @@ def test_the_same_path_twice_through_the_memory_hand_off_is_refused(make_daemon)
 def test_eio_in_the_memory_hand_off_journal_commit_ends_that_request_only(make_daemon) -> None:  # type: ignore[no-untyped-def]
     d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory")
     c = d.client()
-    tracer = subprocess.Popen(
-        ["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(d.pid), "-e", "trace=fsync",
-         "-e", "inject=fsync:error=EIO"], stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: traced(d.pid))
+    with strace_attached(d.pid, "-e", "trace=fsync", "-e", "inject=fsync:error=EIO"):
         with pytest.raises(DrainError) as caught, c.generation("eio", 1) as gen:
             gen.put("m", b"z" * 4096)
         assert caught.value.code in ("internal", "generation_failed"), caught.value
-    finally:
-        tracer.terminate()
-        tracer.wait(10)
-    wait_for(lambda: not traced(d.pid))
     still_serves(d)
-
-
-def traced(pid: int) -> bool:
-    """Whether every thread of ``pid`` has a tracer attached (strace -f -p attaches them all)."""
-    tasks = os.listdir(f"/proc/{pid}/task")
-    def tracer(tid: str) -> int:
-        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-            if line.startswith("TracerPid:"):
-                return int(line.split()[1])
-        return 0
-    return all(tracer(t) for t in tasks)
 
 
 def test_a_blocking_call_past_io_timeout_fails_the_hand_off_and_is_counted(make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -272,20 +253,12 @@ def test_a_blocking_call_past_io_timeout_fails_the_hand_off_and_is_counted(make_
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(1 << 20))
     c = d.client()
-    tracer = subprocess.Popen(
-        ["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(d.pid),
-         "-e", "trace=copy_file_range,sendfile",
-         "-e", "inject=copy_file_range,sendfile:delay_enter=3000000"], stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: traced(d.pid))
+    with strace_attached(d.pid, "-e", "trace=copy_file_range,sendfile",
+                         "-e", "inject=copy_file_range,sendfile:delay_enter=3000000"):
         with pytest.raises(DrainError, match="io_timeout_s"), c.generation("hung", 1) as gen:
             gen.put_file("big.bin", big)
         status = c.status()
         assert status["io_threads"]["stuck"] >= 1
-    finally:
-        tracer.terminate()
-        tracer.wait(10)
-    wait_for(lambda: not traced(d.pid))
     assert status["io_threads"]["size"] >= 4
     wait_for(lambda: c.status()["io_threads"]["stuck"] == 0)
     assert d.proc is not None and d.proc.poll() is None
