@@ -13,6 +13,7 @@ import asyncio
 import builtins
 import contextlib
 import errno
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,7 +22,10 @@ from typing import TYPE_CHECKING, Any, cast
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.posixfs import writes_in_parallel
 from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.threads import settled
+
+log = logging.getLogger("ckptdrain.daemon.backends.s3")
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.backends.s3client import S3Client
@@ -96,17 +100,47 @@ def writer(out_fd: int, *, on_loop: bool) -> Writer:
 async def fetch_range(client: S3Client, rng: Range, write: Writer,
                       progress: Callable[[int], None] | None = None) -> int:
     """GET ``rng`` and write it with ``write`` at its offset: its CRC64NVME. ``progress`` is
-    called with each batch's size once written."""
-    what = f"reading {rng.key} at byte {rng.offset}"
+    called with each batch's size once written. An answer cut short (a reset, a timeout
+    mid-body) is read on from the first byte not yet written, still pinned to the ETag, up
+    to ``max_attempts`` times in all: one reset anywhere failed a whole restore of tens of GB
+    (found attacking with a proxy that resets a range once)."""
+    done = _Done()
+    resumes = 0
+    while True:
+        try:
+            await _read_on(client, rng, write, progress, done)
+            return done.crc
+        except S3Failure as exc:
+            # A conflict (the object replaced) or a permanent error is not read again here.
+            if (not exc.transient or exc.kind == "conflict"
+                    or resumes + 1 >= client._max_attempts):
+                raise
+            resumes += 1
+            log_event(log, logging.INFO, "s3_read_resumed", key=rng.key,
+                      offset=rng.offset + done.written, error=str(exc))
+
+
+@dataclass(slots=True)
+class _Done:
+    """What a range's reads have written so far, and its CRC64NVME."""
+
+    written: int = 0
+    crc: int = 0
+
+
+async def _read_on(client: S3Client, rng: Range, write: Writer,
+                   progress: Callable[[int], None] | None, done: _Done) -> None:
+    """One GET of what of ``rng`` is not written yet, written on as it arrives."""
+    start = rng.offset + done.written
+    what = f"reading {rng.key} at byte {start}"
     try:
         answer = await client._call(what, "get_object", Bucket=client.bucket, Key=rng.full,
-                                    Range=f"bytes={rng.offset}-{rng.offset + rng.length - 1}",
+                                    Range=f"bytes={start}-{rng.offset + rng.length - 1}",
                                     IfMatch=rng.etag)
     except S3Failure as exc:
         if exc.code == "PreconditionFailed":
             raise replaced(client.uri, rng.key, exc) from exc
         raise
-    crc, written = 0, 0
     # The network's chunks as they arrived, written RANGE_WRITE_BYTES at a time with one
     # pwritev: letting aiohttp join them and then gathering them into a buffer copied every
     # byte twice more on the event loop's thread.
@@ -119,27 +153,27 @@ async def fetch_range(client: S3Client, rng: Range, write: Writer,
                 piece = await next_piece()
             if not piece:
                 break
-            if written + held + len(piece) > rng.length:
+            if done.written + held + len(piece) > rng.length:
                 raise S3Failure(f"{what} at {client.uri}: more than the {rng.length} bytes of "
                                 "the range came back; the server sent a wrong answer, retry",
                                 transient=True, kind="io")
             pieces.append(piece)
             held += len(piece)
             if held >= RANGE_WRITE_BYTES or len(pieces) >= MAX_PIECES:
-                crc = await write(pieces, rng.offset + written, crc)
-                written, batch, held, pieces = written + held, held, 0, []
+                done.crc = await write(pieces, rng.offset + done.written, done.crc)
+                done.written += held
                 if progress is not None:
-                    progress(batch)
+                    progress(held)
+                held, pieces = 0, []
         if pieces:
-            crc = await write(pieces, rng.offset + written, crc)
-            written += held
+            done.crc = await write(pieces, rng.offset + done.written, done.crc)
+            done.written += held
             if progress is not None:
                 progress(held)
-    if written != rng.length:
-        raise S3Failure(f"{what} at {client.uri}: {written} bytes came back for a range of "
+    if done.written != rng.length:
+        raise S3Failure(f"{what} at {client.uri}: {done.written} bytes came back for a range of "
                         f"{rng.length}; the answer was cut short, retry", transient=True,
                         kind="io")
-    return crc
 
 
 def piece_reader(body: Any) -> Callable[[], Awaitable[bytes]]:
