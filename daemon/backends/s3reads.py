@@ -31,6 +31,7 @@ class S3Reads(S3Client, Backend):
         full_prefix = self._full_prefix(prefix)
         names: set[str] = set()
         token: str | None = None
+        seen: set[str] = set()
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
                                       "Delimiter": "/", "MaxKeys": self.list_page_size}
@@ -41,8 +42,8 @@ class S3Reads(S3Client, Backend):
                 name = str(common["Prefix"])[len(full_prefix):].rstrip("/")
                 if name:
                     names.add(name)
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
+            token = self._next_page(page, token, seen, prefix)
+            if token is None:
                 break
         return sorted(names)
 
@@ -83,6 +84,7 @@ class S3Reads(S3Client, Backend):
         """(key, ListObjectsV2 entry) of every object under ``prefix``, page by page."""
         full_prefix = self._full_prefix(prefix)
         token: str | None = None
+        seen: set[str] = set()
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
                                       "MaxKeys": self.list_page_size}
@@ -94,9 +96,27 @@ class S3Reads(S3Client, Backend):
                 if full_key.endswith("/"):
                     continue  # a "directory" marker some stores list
                 yield self._strip_root(full_key), item
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
+            token = self._next_page(page, token, seen, prefix)
+            if token is None:
                 break
+
+    def _next_page(self, page: dict[str, Any], token: str | None, seen: set[str],
+                   prefix: str) -> str | None:
+        """The continuation token of a listing's next page, None after its last. A token
+        given before fails the listing (transient): a server answering "truncated" with the
+        same token every time held a commit's listing, and ``ls``, in a loop for good, about
+        600 requests a second (found attacking a misbehaving server)."""
+        following = page.get("NextContinuationToken")
+        if not page.get("IsTruncated") or not following:
+            return None
+        following = str(following)
+        if following == token or following in seen:
+            raise S3Failure(
+                f"listing {prefix or '/'} at {self.uri} did not advance (the server gave the "
+                "same continuation token again); its paging is broken: check the endpoint, "
+                "and retry", transient=True, kind="io")
+        seen.add(following)
+        return following
 
     async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncGenerator[bytes, None]:
         """The object's bytes in chunks of ``chunk_bytes`` (the last shorter). A stream cut

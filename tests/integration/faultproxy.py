@@ -19,6 +19,8 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
 - ``corrupt``: the request is forwarded with one byte of its body flipped (a server that checks
   the body's checksum must refuse it);
 - ``truncate``: the answer is relayed up to half its body, then the connection is reset.
+- ``stuck_listing``: a ListObjectsV2 answered with an empty page that says more follow, with
+  the same continuation token every time (a server whose paging never advances).
 
 Faults come first from the scripted queue (``inject``), then at random from ``set_rates`` with
 a seeded generator. ``unreachable`` resets every connection, old and new (the request head is
@@ -38,7 +40,7 @@ from types import TracebackType
 from typing import Any
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
-          "delete_denied")
+          "delete_denied", "stuck_listing")
 # Faults applied to a request that is still forwarded to the server.
 _FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate"})
 _MAX_HEAD = 64 * 1024
@@ -400,6 +402,16 @@ def _fault_response(fault: str, target: str) -> bytes:
             b'<?xml version="1.0" encoding="UTF-8"?>\n<DeleteResult><Error>'
             b"<Key>denied/key</Key><Code>AccessDenied</Code><Message>Access Denied</Message>"
             b"</Error></DeleteResult>"
+        )
+        return (
+            "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nx-amz-request-id: faultproxy\r\n\r\n"
+        ).encode() + body
+    if fault == "stuck_listing":
+        body = (
+            b'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult>'
+            b"<IsTruncated>true</IsTruncated><KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys>"
+            b"<NextContinuationToken>same-token</NextContinuationToken></ListBucketResult>"
         )
         return (
             "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"

@@ -105,6 +105,27 @@ def test_commits_through_twenty_percent_faults(make_daemon: Any, seaweedfs: Seaw
     assert uploads(seaweedfs, s3_bucket) == []
 
 
+def test_a_listing_that_never_advances_ends_the_generation_at_commit_wait_s(
+        make_daemon: Any, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found attacking a misbehaving server: a part-record listing answered "truncated" with
+    # the same token every time held the commit in that loop for good (the generation never
+    # ended, past commit_wait_s, and the workers sent ~640 requests a second). The listing
+    # now fails when a token comes back, and the commit's wait ends the generation.
+    proxy.do(lambda: proxy.proxy.inject(
+        "stuck_listing", times=1_000_000,
+        match=lambda r: r.method == "GET" and "list-type=2" in r.target and "_parts" in r.target))
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DRAIN__COMMIT_WAIT_S="3")
+    with d.client().generation("paged", 1) as gen:
+        gen.put("a.bin", os.urandom(1 << 20))
+    with pytest.raises(GenerationFailed, match="commit_wait_s"):
+        d.client().wait("paged", 1, timeout_s=60)
+    listed = proxy.do(lambda: len(proxy.proxy.faults("stuck_listing")))
+    assert 0 < listed < 200, listed  # tried again at the commit's pace, not in a tight loop
+    assert "did not advance" in d.log()
+    assert d.proc is not None and d.proc.poll() is None
+
+
 def test_unreachable_past_retry_budget_fails_and_leaves_no_upload(make_daemon: Any, seaweedfs: SeaweedFS,
                                                                   s3_bucket: str, proxy: ThreadedProxy) -> None:
     d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
