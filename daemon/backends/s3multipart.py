@@ -202,6 +202,17 @@ class MultipartUploads(S3Client):
                              **params)
             return True
         except S3Failure as exc:
+            if exc.code == "InvalidPart":
+                # An ETag the server answered for a part is not the part's: a corrupted
+                # answer, or a gateway rewriting ETags. Not another writer (the conflict it
+                # was classed as failed the generation for good, found attacking): the next
+                # attempt resumes the upload, and ListParts shows which parts to send again.
+                raise S3Failure(
+                    f"completing the upload of {key} at {self.uri}: the server did not take "
+                    "a part's ETag as the one it answered for that part (a corrupted answer, "
+                    "or a proxy or gateway rewriting ETags); the part is sent again. If this "
+                    "repeats, check what stands between this node and the endpoint",
+                    transient=True, kind="io", code=exc.code, status=exc.status) from exc
             taken = exc.code == "PreconditionFailed" or exc.status == 412
             if exc.code != "NoSuchUpload" and not taken:
                 raise

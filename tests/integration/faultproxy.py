@@ -19,6 +19,8 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
 - ``corrupt``: the request is forwarded with one byte of its body flipped (a server that checks
   the body's checksum must refuse it);
 - ``truncate``: the answer is relayed up to half its body, then the connection is reset.
+- ``wrong_etag``: the request is forwarded and done, and its answer relayed with another
+  ETag (a corrupted answer, or a gateway that rewrites ETags);
 - ``stuck_listing``: a ListObjectsV2 answered with an empty page that says more follow, with
   the same continuation token every time (a server whose paging never advances).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import socket
 import struct
 from collections.abc import Callable
@@ -40,9 +43,9 @@ from types import TracebackType
 from typing import Any
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
-          "delete_denied", "stuck_listing")
+          "delete_denied", "stuck_listing", "wrong_etag")
 # Faults applied to a request that is still forwarded to the server.
-_FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate"})
+_FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag"})
 _MAX_HEAD = 64 * 1024
 _RELAY_CHUNK = 1 << 20
 
@@ -253,7 +256,8 @@ class FaultProxy:
                     await _relay_response(up_reader, writer, method, truncate=True)
                     _reset(writer)
                     return
-                keep = await _relay_response(up_reader, writer, method)
+                keep = await _relay_response(up_reader, writer, method,
+                                             wrong_etag=request.fault == "wrong_etag")
                 if not keep:
                     return
         except (OSError, asyncio.IncompleteReadError, ValueError):
@@ -347,10 +351,12 @@ async def _discard(reader: asyncio.StreamReader, length: int) -> None:
 
 
 async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter | None,
-                          method: str, *, truncate: bool = False) -> bool:
+                          method: str, *, truncate: bool = False,
+                          wrong_etag: bool = False) -> bool:
     """Relay one response (after any 1xx interim ones) to ``client`` (None: read and drop
     it); True if the connection stays open. With ``truncate``, stop half-way through a
-    ``Content-Length`` body (the caller then resets both connections)."""
+    ``Content-Length`` body (the caller then resets both connections); with ``wrong_etag``,
+    its ETag header says another ETag."""
 
     def out(data: bytes) -> None:
         if client is not None:
@@ -360,8 +366,11 @@ async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter
         head = await _read_head(up)
         if head is None:
             raise asyncio.IncompleteReadError(b"", None)
-        out(head.raw)
         status = int(head.first_line.split(" ")[1])
+        if wrong_etag and not 100 <= status < 200:
+            out(re.sub(rb"(?im)^(etag:)[^\r\n]*", rb'\1 "' + b"0" * 32 + rb'"', head.raw))
+        else:
+            out(head.raw)
         if not 100 <= status < 200:
             break
     keep = head.headers.get("connection", "").lower() != "close"

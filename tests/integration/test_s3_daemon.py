@@ -190,6 +190,26 @@ def test_a_restart_mid_multipart_resumes(make_daemon: Any, seaweedfs: SeaweedFS,
     assert uploads(seaweedfs, s3_bucket) == []
 
 
+def test_a_part_answered_with_a_wrong_etag_is_sent_again(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found attacking a misbehaving server: one UploadPart answered with a wrong ETag made the
+    # Complete fail with InvalidPart, classed as another writer's conflict, and the generation
+    # failed for good, told "another writer got there first". It is resumed now: the part
+    # whose ETag ListParts does not confirm is sent again.
+    proxy.do(lambda: proxy.proxy.inject("wrong_etag", match=lambda r: r.is_upload_part))
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url)
+    data = os.urandom(23 << 20)  # 3 parts of 8 MiB
+    with d.client().generation("etag", 1) as gen:
+        gen.put("big.bin", data)
+    d.client().wait("etag", 1, timeout_s=120)
+    assert get(seaweedfs, s3_bucket, f"etag/{1:020d}/big.bin") == data
+    assert proxy.do(lambda: len(proxy.proxy.faults("wrong_etag"))) == 1
+    parts = proxy.do(lambda: sum(1 for r in proxy.proxy.requests if r.is_upload_part))
+    assert parts == 3 + 1, parts  # the one with the wrong ETag, once more
+    assert uploads(seaweedfs, s3_bucket) == []
+    assert "InvalidPart" in d.log() or "rewriting ETags" in d.log()
+
+
 def test_a_restart_while_the_destination_answers_nothing_serves_at_once(
         make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
     # Found attacking an S3 outage: the start-up's orphan sweep was awaited before the socket
