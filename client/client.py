@@ -408,6 +408,7 @@ class Generation:
         self.ack = ack
         self.attempt = attempt if attempt is not None else default_attempt()
         self._channel: _Channel | None = None
+        self._pid = 0  # the process that began it: only it may use its connection
         self._state = "new"  # new -> open -> sealed | aborted
         # The boundary in force, as the daemon answered begin (never weaker than asked).
         self.effective_ack: str | None = None
@@ -441,6 +442,7 @@ class Generation:
             channel.close()
             raise
         self._channel = channel
+        self._pid = os.getpid()
         self._state = "open"
         ack = reply.get("ack")
         self.effective_ack = ack if isinstance(ack, str) else None
@@ -471,6 +473,15 @@ class Generation:
                 self._channel.close()
 
     def _open_channel(self) -> _Channel:
+        if self._pid and self._pid != os.getpid():
+            # A forked process writing on its parent's connection would interleave frames
+            # with the parent's and read the parent's replies.
+            raise RejectedInput(
+                f"generation {self.job}/{self.step} rank {self.rank} was begun by process "
+                f"{self._pid}, and this is process {os.getpid()} (forked from it): a forked "
+                "process cannot hand off into its parent's generation; hand the shards to "
+                "the parent, or begin a generation (another rank) of its own"
+            )
         if self._state != "open" or self._channel is None:
             if self._state == "new":
                 raise RejectedInput(
@@ -616,6 +627,18 @@ class Generation:
         )
 
 
+# Every Client alive in this process, for _after_fork_in_child.
+_LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_LIVE_CLIENTS):
+        client._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _close_channels(channels: list[_Channel], lock: threading.Lock) -> None:
     with lock:
         idle = list(channels)
@@ -656,6 +679,25 @@ class Client:
         self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
         self._memfd_finalizer = weakref.finalize(self, self._memfds.close)
         self._closed = False
+        _LIVE_CLIENTS.add(self)
+
+    def _forget_inherited(self) -> None:
+        """In a child just forked (a DataLoader worker): let go of the parent's idle
+        connections and memfds. Shared, one connection's replies went to whichever process
+        read first (a `latest` answered with another job's step, a `wait` answered by another
+        call's reply), and both processes filled the same pooled memfd, so a committed shard
+        held the other's bytes (found attacking from the training side). Only this process's
+        copies of the descriptors are closed; the parent's stay as they are. Runs while the
+        child has one thread, so nothing here can race or find a lock held at the fork."""
+        self._finalizer.detach()
+        self._memfd_finalizer.detach()
+        inherited, self._idle = self._idle, []
+        self._lock = threading.Lock()
+        for channel in inherited:
+            channel.close()
+        self._memfds = self._memfds.forked()
+        self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
+        self._memfd_finalizer = weakref.finalize(self, self._memfds.close)
 
     def __enter__(self) -> Client:
         return self

@@ -59,6 +59,15 @@ class MemfdPool:
             while len(self._fds) > self.max_fds:
                 os.close(self._fds.pop(0))
 
+    def forked(self) -> MemfdPool:
+        """In a child just forked: an empty pool like this one, this process's copies of the
+        parent's memfds closed (the parent keeps and reuses them; two processes filling one
+        memfd would mix their shards' bytes)."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+        return MemfdPool(self.max_fds)
+
     def discard(self, fd: int) -> None:
         os.close(fd)
 
