@@ -600,6 +600,13 @@ class Generation:
                 raise RejectedInput(
                     f"shard {path!r} must be a regular file or memfd; {file!r} is not"
                 )
+            if info.st_size == 0 and _reads_bytes(fd):
+                # /proc files say 0 bytes and hold more: handed off, they committed empty.
+                raise RejectedInput(
+                    f"shard {path!r}: {file!r} says it holds 0 bytes but has bytes to read "
+                    "(a /proc or /sys file, whose size stat does not tell); copy it into a "
+                    "regular file, or put() its bytes"
+                )
             kind = "put_memfd" if _is_memfd(fd) else "put_fd"
             return channel.request(kind, self._shard_fields(path, info.st_size, deferred), fd=fd)
         finally:
@@ -645,6 +652,15 @@ def _close_channels(channels: list[_Channel], lock: threading.Lock) -> None:
         channels.clear()
     for channel in idle:
         channel.close()
+
+
+def _reads_bytes(fd: int) -> bool:
+    """Whether a read at the start of ``fd`` returns a byte (False where it cannot be read:
+    the daemon then says why)."""
+    try:
+        return bool(os.pread(fd, 1, 0))
+    except OSError:
+        return False
 
 
 def _is_memfd(fd: int) -> bool:

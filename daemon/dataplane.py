@@ -42,6 +42,11 @@ class Cancelled(DaemonError):
     """The pump was told to stop (its hand-off was cancelled)."""
 
 
+class SourceEnded(OSError):
+    """A client's file held fewer bytes than its size said when copied: truncated during the
+    hand-off, or a file whose size stat does not tell (/sys reports 4096 for a few bytes)."""
+
+
 class ClientIdle(DaemonError):
     """The client sent nothing for longer than its idle timeout mid-shard."""
 
@@ -275,5 +280,6 @@ def kernel_copy(src: int, dst: int, size: int, cancel: threading.Event | None = 
                 raise
             n = os.sendfile(dst, src, offset, want)
         if n == 0:
-            raise OSError(errno.EIO, f"source file ended at {offset} of {size} bytes")
+            raise SourceEnded(errno.EIO, f"the file ended at byte {offset} of the {size} its "
+                              "size said")
         offset += n

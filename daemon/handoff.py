@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.daemon import payloads
 from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
-from ckptdrain.daemon.dataplane import kernel_copy
+from ckptdrain.daemon.dataplane import SourceEnded, kernel_copy
 from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
@@ -248,6 +248,12 @@ class Handoffs:
                 d.scheduler.enqueue(gen, shard)
         except ConnectionError:
             raise  # the client left or misbehaved on the socket: its connection ends, no reply
+        except SourceEnded as exc:
+            # The caller's file, not the daemon, was at fault (it was an internal error).
+            raise RequestError(
+                wire.SIZE_MISMATCH, f"could not stage {path!r}: {exc.strerror}: the file was "
+                "truncated while it was handed off, or its size is not what stat says (a /proc "
+                "or /sys file); hand off a file that is not written meanwhile") from None
         except OSError as exc:
             if exc.errno in _DISK_FULL:
                 d.metrics.backpressure("rejected", "staging_filesystem")

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import InvalidName, RejectedInput, wire
+from ckptdrain.client import InvalidName, RejectedInput, SizeMismatch, wire
 from tests.conftest import DaemonProcess
 from tests.functional.test_bad_input import RawClient
 from tests.functional.test_failure_boundary import memfd_with, still_serves
@@ -324,3 +324,34 @@ def test_a_fetch_into_a_file_opened_to_append_is_refused(
         os.close(fd)
     assert target.read_bytes() == b""
     still_serves(daemon)
+
+
+def test_a_proc_file_is_refused_not_committed_empty(daemon: DaemonProcess) -> None:
+    # Found attacking from the training side: /proc files say 0 bytes and hold more; handed
+    # off with put_file they were acknowledged and committed as empty shards.
+    c = daemon.client()
+    with c.generation("procfs", 1, rank=0, world_size=1) as gen:
+        with pytest.raises(RejectedInput, match="0 bytes but has bytes"):
+            gen.put_file("status", "/proc/self/status")
+        gen.put_file("empty", _empty_file(daemon))  # an empty file is still a shard
+    c.wait("procfs", 1, timeout_s=60)
+    assert (daemon.dest / "procfs" / f"{1:020d}" / "empty").read_bytes() == b""
+
+
+def test_a_file_shorter_than_its_size_is_a_size_mismatch_not_internal(daemon: DaemonProcess) -> None:
+    # Found attacking from the training side: a /sys file (4096 bytes by stat, a few read),
+    # or a file truncated while handed off, failed the hand-off as "internal" (a daemon bug).
+    source = Path("/sys/devices/system/cpu/online")
+    if not source.exists() or source.stat().st_size <= len(source.read_bytes()):
+        pytest.skip("no /sys file here whose size says more than it holds")
+    c = daemon.client()
+    with pytest.raises(SizeMismatch, match="size is not what stat says"), \
+            c.generation("sysfs", 1, rank=0, world_size=1) as gen:
+        gen.put_file("online", source)
+    still_serves(daemon)
+
+
+def _empty_file(daemon: DaemonProcess) -> Path:
+    empty = daemon.root / "empty.bin"
+    empty.write_bytes(b"")
+    return empty
