@@ -217,7 +217,10 @@ def test_a_restart_while_the_destination_answers_nothing_serves_at_once(
     # ("no socket there") for the sweep's 60 s. It runs in the background now.
     blackhole = ThreadedProxy(seaweedfs.endpoint_url, seed=11, stall_s=120)
     try:
-        d = s3_daemon(make_daemon, "node-a", s3_bucket, blackhole.endpoint_url)
+        # A request sent into the outage waits out its read timeout (120 s by default: this
+        # test took 127 s when the drain's PutObject went out before the outage ended).
+        d = s3_daemon(make_daemon, "node-a", s3_bucket, blackhole.endpoint_url,
+                      CKPTDRAIN_DESTINATION__READ_TIMEOUT_S="5")
         blackhole.do(lambda: blackhole.proxy.set_rates(stall=1.0))
         assert d.stop() == 0
         d.start(timeout_s=30)
