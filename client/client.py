@@ -579,18 +579,23 @@ class Generation:
         """
         names.validate_shard_path(path)
         channel = self._open_channel()
-        if isinstance(file, bool):
-            raise RejectedInput(f"shard file must be a path or an fd, not {file!r}")
-        if isinstance(file, int):
-            fd, owned = file, False
-        else:
+        if isinstance(file, int) and not isinstance(file, bool):
+            fd, owned = _checked_fd(file, "shard file"), False
+        elif isinstance(file, str | bytes | os.PathLike):
             try:
                 fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 raise RejectedInput(
                     f"cannot open shard file {os.fspath(file)!r}: {exc.strerror}"
                 ) from exc
+            except ValueError as exc:  # a NUL in the path
+                raise RejectedInput(f"cannot open shard file {file!r}: {exc}") from None
             owned = True
+        else:
+            raise RejectedInput(
+                f"shard file must be a path or an fd (an int), not {type(file).__name__}; "
+                "for an open file object pass its fileno()"
+            )
         try:
             try:
                 info = os.fstat(fd)
@@ -654,6 +659,14 @@ def _close_channels(channels: list[_Channel], lock: threading.Lock) -> None:
         channel.close()
 
 
+def _checked_fd(fd: object, what: str) -> int:
+    """``fd`` if it can be an open file descriptor; RejectedInput (not the TypeError,
+    OverflowError or lost connection sending it would raise) if not."""
+    if isinstance(fd, bool) or not isinstance(fd, int) or not 0 <= fd < 2**31:
+        raise RejectedInput(f"{what} must be an open file descriptor (an int), not {fd!r}")
+    return fd
+
+
 def _reads_bytes(fd: int) -> bool:
     """Whether a read at the start of ``fd`` returns a byte (False where it cannot be read:
     the daemon then says why)."""
@@ -682,9 +695,14 @@ class Client:
         timeout_s: float = 300.0,
         connect_timeout_s: float = 10.0,
     ) -> None:
-        self.socket_path = (
-            os.fspath(socket_path) if socket_path is not None else default_socket_path()
-        )
+        try:
+            self.socket_path = (
+                os.fspath(socket_path) if socket_path is not None else default_socket_path()
+            )
+        except TypeError:
+            raise RejectedInput(
+                f"socket_path must be a path (str or os.PathLike), not {socket_path!r}"
+            ) from None
         self.timeout_s = _check_timeout(timeout_s, "timeout_s")
         self.connect_timeout_s = _check_timeout(connect_timeout_s, "connect_timeout_s")
         self._lock = threading.Lock()
@@ -872,7 +890,10 @@ class Client:
         exactly the shard. Returns ``{"size", "checksum"}`` of what it wrote. Raises NotFound
         when this node holds no local copy. The caller checks the checksum against the
         manifest."""
+        names.validate_job(job)
+        names.validate_step(step)
         names.validate_shard_path(path)
+        fd = _checked_fd(fd, "fd")
         channel = self._open_channel()
         try:
             return channel.request("fetch", {"job": job, "step": step, "path": path}, fd=fd)
@@ -884,7 +905,10 @@ class Client:
         into ``fd`` (a regular file open for writing, without O_APPEND; emptied first, so the
         file becomes exactly the shard), checked against the manifest (for a destination this
         process cannot read itself, such as S3); returns ``{"size", "checksum"}``."""
+        names.validate_job(job)
+        names.validate_step(step)
         names.validate_shard_path(path)
+        fd = _checked_fd(fd, "fd")
         channel = self._open_channel()
         try:
             return channel.request(

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import InvalidName, RejectedInput, SizeMismatch, wire
+from ckptdrain.client import Client, InvalidName, RejectedInput, SizeMismatch, wire
 from tests.conftest import DaemonProcess
 from tests.functional.test_bad_input import RawClient
 from tests.functional.test_failure_boundary import memfd_with, still_serves
@@ -355,3 +355,31 @@ def _empty_file(daemon: DaemonProcess) -> Path:
     empty = daemon.root / "empty.bin"
     empty.write_bytes(b"")
     return empty
+
+
+def test_wrong_arguments_are_typed_refusals_not_raw_exceptions(daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking from the training side: these raised TypeError, ValueError,
+    # OverflowError, or a lost connection (DaemonUnavailable), and the fetch calls skipped
+    # the name checks the other calls make.
+    c = daemon.client()
+    source = tmp_path / "f.bin"
+    source.write_bytes(b"abc")
+    out = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with c.generation("args", 1, rank=0, world_size=1) as gen, open(source, "rb") as f:
+            for bad in (f, 3.5, 2**40, -1, "/tmp/a\x00b"):
+                with pytest.raises(RejectedInput):
+                    gen.put_file("a", bad)  # type: ignore[arg-type]
+            gen.put_file("a", f.fileno())  # what the refusal says to do
+        for fd in (-1, 2**40, "3"):
+            with pytest.raises(RejectedInput, match="file descriptor"):
+                c.fetch_local("args", 1, "a", fd)  # type: ignore[arg-type]
+        with pytest.raises(InvalidName):
+            c.fetch_local("../x", 1, "a", out)
+        with pytest.raises(RejectedInput):
+            c.fetch_from_destination("args", "1", "a", out)  # type: ignore[arg-type]
+        with pytest.raises(RejectedInput, match="socket_path"):
+            Client(5)  # type: ignore[arg-type]
+    finally:
+        os.close(out)
+    still_serves(daemon)
