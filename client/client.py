@@ -409,6 +409,9 @@ class Generation:
         self.attempt = attempt if attempt is not None else default_attempt()
         self._channel: _Channel | None = None
         self._pid = 0  # the process that began it: only it may use its connection
+        # One request at a time on its connection: threads putting at once interleaved their
+        # frames and broke it (found attacking from the training side).
+        self._lock = threading.RLock()
         self._state = "new"  # new -> open -> sealed | aborted
         # The boundary in force, as the daemon answered begin (never weaker than asked).
         self.effective_ack: str | None = None
@@ -518,38 +521,39 @@ class Generation:
         destination, and writes it just before the manifest: for a file whose presence makes
         the directory look complete to other readers (DCP's ``.metadata``).
         """
-        names.validate_shard_path(path)
-        channel = self._open_channel()
-        try:
-            view = memoryview(data)
-        except TypeError:
-            raise RejectedInput(
-                f"shard data must be bytes-like (bytes, bytearray, memoryview), "
-                f"not {type(data).__name__}"
-            ) from None
-        with view:
-            if not view.c_contiguous:
+        with self._lock:
+            names.validate_shard_path(path)
+            channel = self._open_channel()
+            try:
+                view = memoryview(data)
+            except TypeError:
                 raise RejectedInput(
-                    "shard data must be one contiguous buffer; copy it (e.g. bytes(...)) first"
-                )
-            with view.cast("B") as flat:
-                if self.effective_ack == "memory":
-                    return self._put_memory(channel, path, flat, deferred)
-                fields = self._shard_fields(path, flat.nbytes, deferred)
-                if flat.nbytes <= self._inline_bytes:
-                    # A small shard in one round trip: a refusal costs little of the wire.
-                    return channel.request("put_bytes", fields, payload=flat)
-                # Two round trips: the daemon admits the shard (or pushes back) before any of
-                # its bytes are on the wire, then takes them: through a pipe where it offers
-                # one (one copy, see pipes.py), else in one data frame.
-                ready = channel.request("put", fields)
-                pipe = pipes.PipeHandOff.start(flat) if ready.get("pipe") is True else None
-                if pipe is None:
-                    return channel.request("data", {}, payload=flat)
-                try:
-                    return channel.request("data_pipe", {}, pipe=pipe)
-                finally:
-                    pipe.close()
+                    f"shard data must be bytes-like (bytes, bytearray, memoryview), "
+                    f"not {type(data).__name__}"
+                ) from None
+            with view:
+                if not view.c_contiguous:
+                    raise RejectedInput(
+                        "shard data must be one contiguous buffer; copy it (e.g. bytes(...)) first"
+                    )
+                with view.cast("B") as flat:
+                    if self.effective_ack == "memory":
+                        return self._put_memory(channel, path, flat, deferred)
+                    fields = self._shard_fields(path, flat.nbytes, deferred)
+                    if flat.nbytes <= self._inline_bytes:
+                        # A small shard in one round trip: a refusal costs little of the wire.
+                        return channel.request("put_bytes", fields, payload=flat)
+                    # Two round trips: the daemon admits the shard (or pushes back) before any of
+                    # its bytes are on the wire, then takes them: through a pipe where it offers
+                    # one (one copy, see pipes.py), else in one data frame.
+                    ready = channel.request("put", fields)
+                    pipe = pipes.PipeHandOff.start(flat) if ready.get("pipe") is True else None
+                    if pipe is None:
+                        return channel.request("data", {}, payload=flat)
+                    try:
+                        return channel.request("data_pipe", {}, pipe=pipe)
+                    finally:
+                        pipe.close()
 
     def _put_memory(
         self, channel: _Channel, path: str, data: memoryview, deferred: bool
@@ -577,66 +581,69 @@ class Generation:
         The daemon reads through the fd, with this process's rights, never by path. A memfd
         is sent as ``put_memfd`` so an ``ack="memory"`` daemon can keep it as it is.
         """
-        names.validate_shard_path(path)
-        channel = self._open_channel()
-        if isinstance(file, int) and not isinstance(file, bool):
-            fd, owned = _checked_fd(file, "shard file"), False
-        elif isinstance(file, str | bytes | os.PathLike):
-            try:
-                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
+        with self._lock:
+            names.validate_shard_path(path)
+            channel = self._open_channel()
+            if isinstance(file, int) and not isinstance(file, bool):
+                fd, owned = _checked_fd(file, "shard file"), False
+            elif isinstance(file, str | bytes | os.PathLike):
+                try:
+                    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise RejectedInput(
+                        f"cannot open shard file {os.fspath(file)!r}: {exc.strerror}"
+                    ) from exc
+                except ValueError as exc:  # a NUL in the path
+                    raise RejectedInput(f"cannot open shard file {file!r}: {exc}") from None
+                owned = True
+            else:
                 raise RejectedInput(
-                    f"cannot open shard file {os.fspath(file)!r}: {exc.strerror}"
-                ) from exc
-            except ValueError as exc:  # a NUL in the path
-                raise RejectedInput(f"cannot open shard file {file!r}: {exc}") from None
-            owned = True
-        else:
-            raise RejectedInput(
-                f"shard file must be a path or an fd (an int), not {type(file).__name__}; "
-                "for an open file object pass its fileno()"
-            )
-        try:
-            try:
-                info = os.fstat(fd)
-            except OSError as exc:
-                raise RejectedInput(f"cannot stat shard fd {fd}: {exc.strerror}") from exc
-            if not stat.S_ISREG(info.st_mode):
-                raise RejectedInput(
-                    f"shard {path!r} must be a regular file or memfd; {file!r} is not"
+                    f"shard file must be a path or an fd (an int), not {type(file).__name__}; "
+                    "for an open file object pass its fileno()"
                 )
-            if info.st_size == 0 and _reads_bytes(fd):
-                # /proc files say 0 bytes and hold more: handed off, they committed empty.
-                raise RejectedInput(
-                    f"shard {path!r}: {file!r} says it holds 0 bytes but has bytes to read "
-                    "(a /proc or /sys file, whose size stat does not tell); copy it into a "
-                    "regular file, or put() its bytes"
-                )
-            kind = "put_memfd" if _is_memfd(fd) else "put_fd"
-            return channel.request(kind, self._shard_fields(path, info.st_size, deferred), fd=fd)
-        finally:
-            if owned:
-                os.close(fd)
+            try:
+                try:
+                    info = os.fstat(fd)
+                except OSError as exc:
+                    raise RejectedInput(f"cannot stat shard fd {fd}: {exc.strerror}") from exc
+                if not stat.S_ISREG(info.st_mode):
+                    raise RejectedInput(
+                        f"shard {path!r} must be a regular file or memfd; {file!r} is not"
+                    )
+                if info.st_size == 0 and _reads_bytes(fd):
+                    # /proc files say 0 bytes and hold more: handed off, they committed empty.
+                    raise RejectedInput(
+                        f"shard {path!r}: {file!r} says it holds 0 bytes but has bytes to read "
+                        "(a /proc or /sys file, whose size stat does not tell); copy it into a "
+                        "regular file, or put() its bytes"
+                    )
+                kind = "put_memfd" if _is_memfd(fd) else "put_fd"
+                return channel.request(kind, self._shard_fields(path, info.st_size, deferred), fd=fd)
+            finally:
+                if owned:
+                    os.close(fd)
 
     def seal(self) -> None:
         """Declare this rank's part complete (done by ``__exit__``; call it to see errors early)."""
-        channel = self._open_channel()
-        channel.request("seal", {"job": self.job, "step": self.step, "rank": self.rank})
-        self._state = "sealed"
+        with self._lock:
+            channel = self._open_channel()
+            channel.request("seal", {"job": self.job, "step": self.step, "rank": self.rank})
+            self._state = "sealed"
 
     def abort(self, reason: str) -> None:
         """Give up this rank's part; the daemon discards its shards and the generation fails."""
-        channel = self._open_channel()
-        self._state = "aborted"
-        channel.request(
-            "abort",
-            {
-                "job": self.job,
-                "step": self.step,
-                "rank": self.rank,
-                "reason": str(reason)[:_MAX_REASON_CHARS],
-            },
-        )
+        with self._lock:
+            channel = self._open_channel()
+            self._state = "aborted"
+            channel.request(
+                "abort",
+                {
+                    "job": self.job,
+                    "step": self.step,
+                    "rank": self.rank,
+                    "reason": str(reason)[:_MAX_REASON_CHARS],
+                },
+            )
 
 
 # Every Client alive in this process, for _after_fork_in_child.
