@@ -373,6 +373,15 @@ def _check_shards(
                 f"{what} shard {shard.path!r} names node {shard.node!r}, "
                 f"not one of {sorted(allowed_nodes)}"
             )
+    for shard in shards:
+        # What the write side refuses (a shard that is a directory of another) in a manifest
+        # written by something else: listed as committed, it could never be restored.
+        for parent in parents(shard.path):
+            if parent in seen:
+                raise ManifestError(
+                    f"{what} lists shard {parent!r} and shard {shard.path!r}: one is a "
+                    "directory of the other, so it cannot be restored to a filesystem"
+                )
 
 
 # --- part records ---------------------------------------------------------------------------

@@ -306,6 +306,19 @@ def test_manifest_refuses_duplicate_paths() -> None:
         Manifest.from_json(json.dumps(obj).encode())
 
 
+@pytest.mark.parametrize("under", ["x/y", "x/y/z"])
+def test_manifest_refuses_a_shard_that_is_a_directory_of_another(under: str) -> None:
+    # Found attacking: a manifest written behind the daemon's back listing `x` and `x/y` was
+    # listed committed by `ls`, and `restore` failed on a temp file's name.
+    obj = json.loads(two_node_manifest().to_json())
+    obj["shards"][0]["path"] = "x"
+    obj["shards"][1]["path"] = under
+    with pytest.raises(ManifestError, match="directory of the other"):
+        Manifest.from_json(json.dumps(obj).encode())
+    obj["shards"][1]["path"] = "xy/z"  # a name that only starts the same is no directory
+    assert Manifest.from_json(json.dumps(obj).encode()).shards
+
+
 def test_build_manifest_refuses_disagreeing_world_size() -> None:
     with pytest.raises(ManifestError, match="world_size"):
         build_manifest([part("a", (0, 1)), part("b", (2, 3), world_size=8)], 1.0)
