@@ -21,6 +21,7 @@ import stat
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +162,7 @@ class _Channel:
         self.broken: DrainError | None = None
         self.node_id = ""
         self._fds: list[int] = []  # fds that came with replies (`open`)
+        _LIVE_CHANNELS.add(self)
 
     @classmethod
     def open(cls, path: str, *, timeout_s: float, connect_timeout_s: float) -> _Channel:
@@ -192,6 +194,18 @@ class _Channel:
             channel.close()
             raise
         return channel
+
+    def forget_in_child(self) -> None:
+        """In a child just forked: close this process's copy of the socket (and of fds that
+        came with replies), so that the parent's end is the only one left. A copy kept open
+        by a long-lived child (a DataLoader worker) hid the parent's death from the daemon,
+        which kept a killed trainer's rank open and refused its restart (found attacking).
+        The parent's own connection is untouched: its socket stays open in the parent."""
+        self.broken = DaemonUnavailable(
+            "this connection belongs to the process this one was forked from")
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._drop_fds()
 
     @property
     def awaiting_data(self) -> bool:
@@ -410,8 +424,9 @@ class Generation:
         self._channel: _Channel | None = None
         self._pid = 0  # the process that began it: only it may use its connection
         # One request at a time on its connection: threads putting at once interleaved their
-        # frames and broke it (found attacking from the training side).
+        # frames and broke it (found attacking from the training side). See _turn.
         self._lock = threading.RLock()
+        self._holder: int | None = None
         self._state = "new"  # new -> open -> sealed | aborted
         # The boundary in force, as the daemon answered begin (never weaker than asked).
         self.effective_ack: str | None = None
@@ -475,16 +490,40 @@ class Generation:
             if self._channel is not None:
                 self._channel.close()
 
-    def _open_channel(self) -> _Channel:
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """This generation's connection for one request, in the process that began it and
+        once no other request is on it. The process is checked first: in a forked child the
+        lock may be held for good by a parent thread that does not exist there. A request
+        begun while this thread's own is under way (a signal handler calling abort during a
+        put) is refused: its frames would have gone out in the middle of the other's."""
         if self._pid and self._pid != os.getpid():
-            # A forked process writing on its parent's connection would interleave frames
-            # with the parent's and read the parent's replies.
             raise RejectedInput(
                 f"generation {self.job}/{self.step} rank {self.rank} was begun by process "
                 f"{self._pid}, and this is process {os.getpid()} (forked from it): a forked "
                 "process cannot hand off into its parent's generation; hand the shards to "
                 "the parent, or begin a generation (another rank) of its own"
             )
+        with self._lock:
+            if self._holder == threading.get_ident():
+                raise RejectedInput(
+                    f"a request of generation {self.job}/{self.step} rank {self.rank} is under "
+                    "way in this thread already (called from a signal handler?); raise an "
+                    "exception there instead, and the `with` block aborts the generation"
+                )
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise RejectedInput(
+            "a Generation belongs to the process that began it and cannot be pickled; pass "
+            "the Client (or its socket path) and begin a generation in the other process"
+        )
+
+    def _open_channel(self) -> _Channel:
         if self._state != "open" or self._channel is None:
             if self._state == "new":
                 raise RejectedInput(
@@ -521,7 +560,7 @@ class Generation:
         destination, and writes it just before the manifest: for a file whose presence makes
         the directory look complete to other readers (DCP's ``.metadata``).
         """
-        with self._lock:
+        with self._turn():
             names.validate_shard_path(path)
             channel = self._open_channel()
             try:
@@ -581,7 +620,7 @@ class Generation:
         The daemon reads through the fd, with this process's rights, never by path. A memfd
         is sent as ``put_memfd`` so an ``ack="memory"`` daemon can keep it as it is.
         """
-        with self._lock:
+        with self._turn():
             names.validate_shard_path(path)
             channel = self._open_channel()
             if isinstance(file, int) and not isinstance(file, bool):
@@ -625,14 +664,14 @@ class Generation:
 
     def seal(self) -> None:
         """Declare this rank's part complete (done by ``__exit__``; call it to see errors early)."""
-        with self._lock:
+        with self._turn():
             channel = self._open_channel()
             channel.request("seal", {"job": self.job, "step": self.step, "rank": self.rank})
             self._state = "sealed"
 
     def abort(self, reason: str) -> None:
         """Give up this rank's part; the daemon discards its shards and the generation fails."""
-        with self._lock:
+        with self._turn():
             channel = self._open_channel()
             self._state = "aborted"
             channel.request(
@@ -646,11 +685,16 @@ class Generation:
             )
 
 
-# Every Client alive in this process, for _after_fork_in_child.
+# Every Client and connection alive in this process, for _after_fork_in_child.
 _LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+_LIVE_CHANNELS: weakref.WeakSet[_Channel] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    """The child's copies of every connection are closed (pooled, a generation's, or one a
+    parent thread was using) and every client starts with empty pools."""
+    for channel in list(_LIVE_CHANNELS):
+        channel.forget_in_child()
     for client in list(_LIVE_CLIENTS):
         client._forget_inherited()
 
@@ -664,6 +708,10 @@ def _close_channels(channels: list[_Channel], lock: threading.Lock) -> None:
         channels.clear()
     for channel in idle:
         channel.close()
+
+
+def _client_for(socket_path: str, timeout_s: float, connect_timeout_s: float) -> Client:
+    return Client(socket_path, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
 
 
 def _checked_fd(fd: object, what: str) -> int:
@@ -722,6 +770,11 @@ class Client:
         self._closed = False
         _LIVE_CLIENTS.add(self)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A client for the same daemon, with none of this one's connections (a spawned
+        # DataLoader worker or a Pool gets its arguments pickled).
+        return (_client_for, (self.socket_path, self.timeout_s, self.connect_timeout_s))
+
     def _forget_inherited(self) -> None:
         """In a child just forked (a DataLoader worker): let go of the parent's idle
         connections and memfds. Shared, one connection's replies went to whichever process
@@ -732,10 +785,8 @@ class Client:
         child has one thread, so nothing here can race or find a lock held at the fork."""
         self._finalizer.detach()
         self._memfd_finalizer.detach()
-        inherited, self._idle = self._idle, []
+        self._idle = []  # their sockets were closed by _after_fork_in_child
         self._lock = threading.Lock()
-        for channel in inherited:
-            channel.close()
         self._memfds = self._memfds.forked()
         self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
         self._memfd_finalizer = weakref.finalize(self, self._memfds.close)

@@ -10,13 +10,22 @@ held the other process's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import Client, RejectedInput, Timeout
+from ckptdrain.client import Client, DrainError, GenerationFailed, RejectedInput, Timeout
 from tests.conftest import DaemonProcess
 
 
@@ -127,3 +136,102 @@ def test_a_client_made_in_the_child_works_as_any(make_daemon, ack: str) -> None:
     d: DaemonProcess = make_daemon(CKPTDRAIN_ACK=ack)
     got = in_child(lambda: committed(Client(d.socket_path), "fresh", 1))
     assert got == {"value": None}, got
+
+
+def test_a_child_forked_while_a_parent_thread_puts_is_refused_not_hung(daemon: DaemonProcess) -> None:
+    # Found attacking the fix above: the child waited for good on the generation's lock,
+    # held at the fork by a parent thread that does not exist in the child.
+    c = daemon.client()
+    data = os.urandom(16 << 20)
+    stop = threading.Event()
+    with c.generation("busy", 1, rank=0, world_size=1) as gen:
+        def keep_putting() -> None:
+            i = 0
+            while not stop.is_set():
+                gen.put(f"s{i}", data)
+                i += 1
+
+        putter = threading.Thread(target=keep_putting)
+        putter.start()
+        try:
+            time.sleep(0.2)  # the putter holds the generation's lock most of the time
+
+            def child() -> object:
+                signal.alarm(10)  # a hang ends the child (exit code != 0), not the test run
+                gen.put("child", b"x")
+                return "put"
+
+            got = in_child(child)
+        finally:
+            stop.set()
+            putter.join(60)
+        assert isinstance(got, dict) and got.get("raised") == RejectedInput.__name__, got
+    c.wait("busy", 1, timeout_s=60)
+
+
+def test_a_killed_trainer_is_aborted_though_its_forked_worker_lives(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking: the worker's copy of the generation's connection kept it open, so the
+    # daemon never saw the trainer die; the rank stayed open and its restart was refused.
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        from ckptdrain.client import Client
+        c = Client({str(daemon.socket_path)!r})
+        with c.generation("killed", 3, rank=0, world_size=1) as gen:
+            gen.put("a.bin", b"a" * 4096)
+            worker = os.fork()
+            if worker == 0:  # a DataLoader worker outliving the trainer for a while
+                time.sleep(30)
+                os._exit(0)
+            print(worker, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    out = tmp_path / "trainer.out"
+    with open(out, "wb") as stdout:  # a file: a pipe would be held open by the worker too
+        trainer = subprocess.Popen([sys.executable, str(script)], stdout=stdout)
+    assert trainer.wait(60) == -signal.SIGKILL
+    worker = int(out.read_text().split()[0])
+    try:
+        with pytest.raises(GenerationFailed):
+            daemon.client().wait("killed", 3, timeout_s=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_handler_calling_into_a_put_under_way_is_refused(daemon: DaemonProcess) -> None:
+    # Found attacking: a handler's abort() re-entered the per-generation lock and wrote its
+    # frame into the middle of the put's bytes; the call then hung until the daemon cut the
+    # "slow" client off (14-66 s), or longer.
+    c = daemon.client()
+    data = os.urandom(64 << 20)
+    with pytest.raises(DrainError) as caught, \
+            c.generation("signalled", 1, rank=0, world_size=1) as gen:
+        old = signal.signal(signal.SIGALRM, lambda *_: gen.abort("SIGALRM"))
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.005)
+            for i in range(50):  # one of them is under way when the timer fires
+                gen.put(f"s{i}", data)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    assert isinstance(caught.value, RejectedInput), caught.value
+    with pytest.raises(GenerationFailed):
+        c.wait("signalled", 1, timeout_s=30)
+
+
+def test_a_client_pickles_as_a_new_client_and_a_generation_refuses(daemon: DaemonProcess) -> None:
+    # Found attacking: both raised a raw TypeError (a lock cannot be pickled), what a spawned
+    # DataLoader worker or a Pool given the client would see.
+    c = daemon.client()
+    committed(c, "pickled", 1)
+    copy = pickle.loads(pickle.dumps(c))
+    assert copy is not c and copy.socket_path == c.socket_path
+    assert copy.latest("pickled") == 1
+    with c.generation("pickled", 2, rank=0, world_size=1) as gen:
+        with pytest.raises(RejectedInput, match="cannot be pickled"):
+            pickle.dumps(gen)
+        gen.put("a.bin", b"still fine")
+    c.wait("pickled", 2, timeout_s=60)
