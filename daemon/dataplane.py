@@ -42,7 +42,7 @@ class Cancelled(DaemonError):
     """The pump was told to stop (its hand-off was cancelled)."""
 
 
-class SourceEnded(OSError):
+class SourceEnded(DaemonError, OSError):
     """A client's file held fewer bytes than its size said when copied: truncated during the
     hand-off, or a file whose size stat does not tell (/sys reports 4096 for a few bytes)."""
 
