@@ -210,8 +210,9 @@ class MultipartUploads(S3Client):
                 raise S3Failure(
                     f"completing the upload of {key} at {self.uri}: the server did not take "
                     "a part's ETag as the one it answered for that part (a corrupted answer, "
-                    "or a proxy or gateway rewriting ETags); the part is sent again. If this "
-                    "repeats, check what stands between this node and the endpoint",
+                    "or a proxy or gateway rewriting ETags); the part is sent again while "
+                    "drain.retry_budget_s lasts. If this repeats, check what stands between "
+                    "this node and the endpoint",
                     transient=True, kind="io", code=exc.code, status=exc.status) from exc
             taken = exc.code == "PreconditionFailed" or exc.status == 412
             if exc.code != "NoSuchUpload" and not taken:

@@ -111,6 +111,11 @@ async def fetch_range(client: S3Client, rng: Range, write: Writer,
             await _read_on(client, rng, write, progress, done)
             return done.crc
         except S3Failure as exc:
+            if done.written == rng.length:
+                # Every byte came, and then the answer failed (a Content-Length that claimed
+                # more): there is nothing left to ask for, and the ask was an invalid range
+                # that failed the restore for good (found attacking the resume).
+                return done.crc
             # A conflict (the object replaced) or a permanent error is not read again here.
             if (not exc.transient or exc.kind == "conflict"
                     or resumes + 1 >= client._max_attempts):
@@ -141,16 +146,36 @@ async def _read_on(client: S3Client, rng: Range, write: Writer,
         if exc.code == "PreconditionFailed":
             raise replaced(client.uri, rng.key, exc) from exc
         raise
+    asked = f"bytes {start}-{rng.offset + rng.length - 1}/"
+    answered = str(answer.get("ContentRange") or "")
     # The network's chunks as they arrived, written RANGE_WRITE_BYTES at a time with one
     # pwritev: letting aiohttp join them and then gathering them into a buffer copied every
     # byte twice more on the event loop's thread.
     pieces: builtins.list[bytes] = []
     held = 0
     async with answer["Body"] as body:
+        if not answered.startswith(asked):
+            # Written where they were asked for, another range's bytes would only be caught by
+            # the object's checksum, and reported as a damaged shard (found attacking).
+            raise S3Failure(f"{what} at {client.uri}: the server answered the range "
+                            f"{answered or '(none: the whole object?)'} for {asked}...; it "
+                            "sent a wrong answer, retry", transient=True, kind="io")
         next_piece = piece_reader(body)
         while True:
-            with client._translating(what):
-                piece = await next_piece()
+            try:
+                with client._translating(what):
+                    piece = await next_piece()
+            except S3Failure:
+                # What arrived before the answer failed is the range's, in order: kept, so
+                # that reading on asks only for the rest (dropped, a range whose answer
+                # failed after its last byte was asked for again, and failed the same way,
+                # until max_attempts: found attacking the resume).
+                if pieces:
+                    done.crc = await write(pieces, rng.offset + done.written, done.crc)
+                    done.written += held
+                    if progress is not None:
+                        progress(held)
+                raise
             if not piece:
                 break
             if done.written + held + len(piece) > rng.length:

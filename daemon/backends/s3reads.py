@@ -30,20 +30,19 @@ class S3Reads(S3Client, Backend):
     async def list_dirs(self, prefix: str) -> builtins.list[str]:
         full_prefix = self._full_prefix(prefix)
         names: set[str] = set()
-        token: str | None = None
-        seen: set[str] = set()
+        paging = _Paging(f"listing {prefix or '/'} at {self.uri}")
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
                                       "Delimiter": "/", "MaxKeys": self.list_page_size}
-            if token:
-                params["ContinuationToken"] = token
+            if paging.token:
+                params["ContinuationToken"] = paging.token
             page = await self._small(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            before = len(names)
             for common in page.get("CommonPrefixes", []):
                 name = str(common["Prefix"])[len(full_prefix):].rstrip("/")
                 if name:
                     names.add(name)
-            token = self._next_page(page, token, seen, prefix)
-            if token is None:
+            if not paging.next(page, new=len(names) > before):
                 break
         return sorted(names)
 
@@ -83,40 +82,23 @@ class S3Reads(S3Client, Backend):
     async def _listed(self, prefix: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """(key, ListObjectsV2 entry) of every object under ``prefix``, page by page."""
         full_prefix = self._full_prefix(prefix)
-        token: str | None = None
-        seen: set[str] = set()
+        paging = _Paging(f"listing {prefix or '/'} at {self.uri}")
+        keys: set[str] = set()
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
                                       "MaxKeys": self.list_page_size}
-            if token:
-                params["ContinuationToken"] = token
+            if paging.token:
+                params["ContinuationToken"] = paging.token
             page = await self._small(f"listing {prefix or '/'}", "list_objects_v2", **params)
+            before = len(keys)
             for item in page.get("Contents", []):
                 full_key = str(item["Key"])
-                if full_key.endswith("/"):
-                    continue  # a "directory" marker some stores list
+                if full_key.endswith("/") or full_key in keys:
+                    continue  # a "directory" marker some stores list; a key listed again
+                keys.add(full_key)
                 yield self._strip_root(full_key), item
-            token = self._next_page(page, token, seen, prefix)
-            if token is None:
+            if not paging.next(page, new=len(keys) > before):
                 break
-
-    def _next_page(self, page: dict[str, Any], token: str | None, seen: set[str],
-                   prefix: str) -> str | None:
-        """The continuation token of a listing's next page, None after its last. A token
-        given before fails the listing (transient): a server answering "truncated" with the
-        same token every time held a commit's listing, and ``ls``, in a loop for good, about
-        600 requests a second (found attacking a misbehaving server)."""
-        following = page.get("NextContinuationToken")
-        if not page.get("IsTruncated") or not following:
-            return None
-        following = str(following)
-        if following == token or following in seen:
-            raise S3Failure(
-                f"listing {prefix or '/'} at {self.uri} did not advance (the server gave the "
-                "same continuation token again); its paging is broken: check the endpoint, "
-                "and retry", transient=True, kind="io")
-        seen.add(following)
-        return following
 
     async def read_chunks(self, key: str, *, chunk_bytes: int = 8 << 20) -> AsyncGenerator[bytes, None]:
         """The object's bytes in chunks of ``chunk_bytes`` (the last shorter). A stream cut
@@ -240,3 +222,43 @@ class S3Reads(S3Client, Backend):
         except BaseExceptionGroup as group:
             raise first_cause(group) from None
         return size, checksums.combine([(crcs[rng.offset], rng.length) for rng in ranges])
+
+
+class _Paging:
+    """Where a listing is in the server's pages, and whether it still gets anywhere.
+
+    Found attacking a misbehaving server: "truncated" answered with the same token every time
+    held a commit's listing, ``ls`` and ``restore`` in a loop for good (~600 requests a
+    second); so did fresh tokens over the same page, and "truncated" with no token passed
+    for the last page (``ls`` left generations out). A token given before, a truncated page
+    with no token, or STALL_PAGES truncated pages in a row that list nothing new fail the
+    listing as transient (empty truncated pages happen, rarely, on real stores).
+    """
+
+    STALL_PAGES = 16
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.token: str | None = None
+        self._seen: set[str] = set()
+        self._stalled = 0
+
+    def next(self, page: dict[str, Any], *, new: bool) -> bool:
+        """Whether another page follows ``page`` (``new``: it listed something not listed
+        before); its token is then :attr:`token`."""
+        if not page.get("IsTruncated"):
+            return False
+        following = str(page.get("NextContinuationToken") or "")
+        self._stalled = 0 if new else self._stalled + 1
+        if not following:
+            problem = "said more pages follow but gave no continuation token"
+        elif following in self._seen:
+            problem = "gave the same continuation token again"
+        elif self._stalled >= self.STALL_PAGES:
+            problem = f"answered {self._stalled} pages in a row that listed nothing new"
+        else:
+            self._seen.add(following)
+            self.token = following
+            return True
+        raise S3Failure(f"{self.what} did not advance (the server {problem}); its paging is "
+                        "broken: check the endpoint, and retry", transient=True, kind="io")

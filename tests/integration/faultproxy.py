@@ -22,7 +22,9 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
 - ``wrong_etag``: the request is forwarded and done, and its answer relayed with another
   ETag (a corrupted answer, or a gateway that rewrites ETags);
 - ``stuck_listing``: a ListObjectsV2 answered with an empty page that says more follow, with
-  the same continuation token every time (a server whose paging never advances).
+  the same continuation token every time (a server whose paging never advances);
+  ``endless_listing``: the same with a new token every time; ``tokenless_listing``: with no
+  token at all.
 
 Faults come first from the scripted queue (``inject``), then at random from ``set_rates`` with
 a seeded generator. ``unreachable`` resets every connection, old and new (the request head is
@@ -43,7 +45,7 @@ from types import TracebackType
 from typing import Any
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
-          "delete_denied", "stuck_listing", "wrong_etag")
+          "delete_denied", "stuck_listing", "endless_listing", "tokenless_listing", "wrong_etag")
 # Faults applied to a request that is still forwarded to the server.
 _FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag"})
 _MAX_HEAD = 64 * 1024
@@ -416,11 +418,14 @@ def _fault_response(fault: str, target: str) -> bytes:
             "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\nx-amz-request-id: faultproxy\r\n\r\n"
         ).encode() + body
-    if fault == "stuck_listing":
+    if fault in ("stuck_listing", "endless_listing", "tokenless_listing"):
+        token = {"stuck_listing": b"same-token", "tokenless_listing": b"",
+                 "endless_listing": random.randbytes(8).hex().encode()}[fault]
         body = (
             b'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult>'
             b"<IsTruncated>true</IsTruncated><KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys>"
-            b"<NextContinuationToken>same-token</NextContinuationToken></ListBucketResult>"
+            + (b"<NextContinuationToken>" + token + b"</NextContinuationToken>" if token else b"")
+            + b"</ListBucketResult>"
         )
         return (
             "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"

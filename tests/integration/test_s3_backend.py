@@ -887,14 +887,19 @@ async def test_a_range_cut_mid_body_fails_the_copy_as_transient(
 @pytest.mark.s3
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["list", "list_dirs"])
-async def test_a_listing_whose_token_comes_back_fails_as_transient(
-        s3_bucket: str, backends: Any, proxy: FaultProxy, how: str) -> None:
+@pytest.mark.parametrize(("fault", "pages"), [("stuck_listing", 2), ("endless_listing", 16),
+                                              ("tokenless_listing", 1)])
+async def test_a_listing_that_does_not_advance_fails_as_transient(
+        s3_bucket: str, backends: Any, proxy: FaultProxy, how: str, fault: str,
+        pages: int) -> None:
     # Found attacking a misbehaving server: "truncated" with the same token every time kept
-    # a listing (a commit's, `ls`, `verify`) in a loop for good, its pages piling up.
+    # a listing (a commit's, `ls`, `verify`) in a loop for good, its pages piling up; then,
+    # attacking that fix, so did a new token every time over pages listing nothing new, and
+    # "truncated" with no token passed for the last page (`ls` left generations out).
     via_proxy = backends(dest_config(s3_bucket, proxy.endpoint_url))
-    proxy.inject("stuck_listing", times=1_000,
+    proxy.inject(fault, times=1_000,
                  match=lambda r: r.method == "GET" and "list-type=2" in r.target)
     with pytest.raises(BackendError, match="did not advance") as caught:
         await getattr(via_proxy, how)("job/")
     assert caught.value.transient
-    assert len(proxy.faults("stuck_listing")) == 2  # the first page, and the one repeating it
+    assert len(proxy.faults(fault)) == pages

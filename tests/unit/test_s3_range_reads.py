@@ -31,8 +31,10 @@ TRICKLED = 300  # tiny writes that make up the start of the second range
 
 async def _server(answer: str = "range") -> tuple[web.AppRunner, int, list[str]]:
     """``answer``: "range" (what S3 does), "whole" (the whole object, as a server that
-    ignores Range), "short" (the range less its last 100 bytes), "replaced" (412: the ETag
-    the read is pinned to is no longer the object's)."""
+    ignores Range), "short" (the range less its last 100 bytes), "shifted" (the range's
+    length from 4096 bytes before where it was asked), "claims_more" (the range, whose
+    Content-Length said 10 bytes more, then the connection closed), "replaced" (412: the
+    ETag the read is pinned to is no longer the object's)."""
     ranges: list[str] = []
 
     async def head(request: web.Request) -> web.Response:
@@ -51,9 +53,14 @@ async def _server(answer: str = "range") -> tuple[web.AppRunner, int, list[str]]
                 b"</Message></Error>"))
         if answer == "short":
             end -= 100
+        if answer == "shifted" and start >= 4096:
+            start, end = start - 4096, end - 4096
+        claimed = end - start + 1 + (10 if answer == "claims_more" else 0)
         resp = web.StreamResponse(status=206, headers={
             "Content-Range": f"bytes {start}-{end}/{len(DATA)}", "ETag": '"e1"',
-            "Content-Length": str(end - start + 1)})
+            "Content-Length": str(claimed)})
+        if answer == "claims_more":
+            resp.force_close()  # the connection ends after the bytes, 10 short of the claim
         await resp.prepare(request)
         at = start
         if start == PART:
@@ -192,8 +199,11 @@ async def test_a_body_that_is_not_aiohttps_is_read_a_batch_at_a_time() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("answer", "message"), [
-    ("whole", "more than the 5242880 bytes of the range came back"),
-    ("short", "bytes came back for a range of"),
+    ("whole", "answered the range (none: the whole object?)"),
+    ("short", f"answered the range bytes 0-{PART - 101}/"),
+    # Found attacking the resume: written at the offset asked, another range's bytes were
+    # caught only by the object's checksum and reported as a damaged shard, for good.
+    ("shifted", f"answered the range bytes {PART - 4096}-"),
 ])
 async def test_a_wrong_sized_answer_fails_the_copy_as_transient(
         tmp_path: Path, answer: str, message: str) -> None:
@@ -202,6 +212,20 @@ async def test_a_wrong_sized_answer_fails_the_copy_as_transient(
     assert caught.value.transient
     assert message in str(caught.value)
     assert "s3://bucket/prefix" in str(caught.value)
+
+
+@pytest.mark.asyncio
+async def test_a_range_whose_answer_fails_after_its_last_byte_is_not_asked_again(
+        tmp_path: Path) -> None:
+    # Found attacking the resume: every byte came, then the answer failed (its Content-Length
+    # said more); reading on asked for a range starting after its end, which the server
+    # refused, and the restore failed for good.
+    got, data, ranges = await _restored(tmp_path, answer="claims_more")
+    assert data == DATA
+    assert got == (len(DATA), checksums.of_bytes(DATA))
+    for spec in ranges:
+        start, end = (int(x) for x in spec.removeprefix("bytes=").split("-"))
+        assert start <= end, ranges
 
 
 @pytest.mark.asyncio
