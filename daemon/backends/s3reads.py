@@ -124,9 +124,17 @@ class S3Reads(S3Client, Backend):
                 if exc.code == "PreconditionFailed" and etag is not None:
                     raise replaced(self.uri, key, exc) from exc
                 raise
+            resumed = etag is not None
             etag = str(answer.get("ETag") or "") or None
             try:
                 async with answer["Body"] as body:
+                    answered = str(answer.get("ContentRange") or "")
+                    if resumed and not answered.startswith(f"bytes {offset}-"):
+                        # Another range's bytes would pass for the rest of this object's
+                        # (s3ranges.py checks the same of a restore's ranges).
+                        raise S3Failure(f"{what} at {self.uri}: the server answered the range "
+                                        f"{answered or '(none)'} for bytes {offset}- ; it sent "
+                                        "a wrong answer, retry", transient=True, kind="io")
                     pieces: builtins.list[bytes] = []
                     held = 0
                     while True:
