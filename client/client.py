@@ -702,7 +702,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _close_channels(channels: list[_Channel], lock: threading.Lock) -> None:
+def _close_channels(channels: list[_Channel], lock: threading.RLock) -> None:
     with lock:
         idle = list(channels)
         channels.clear()
@@ -760,7 +760,9 @@ class Client:
             ) from None
         self.timeout_s = _check_timeout(timeout_s, "timeout_s")
         self.connect_timeout_s = _check_timeout(connect_timeout_s, "connect_timeout_s")
-        self._lock = threading.Lock()
+        # Held only to take or give back an idle connection. Re-entrant: a signal handler
+        # calling the client while this thread holds it would otherwise wait for good.
+        self._lock = threading.RLock()
         self._idle: list[_Channel] = []
         # A Client dropped without close() (Client().latest(job) is a fine one-liner) still
         # closes its pooled sockets when collected; the finalizer holds the list, not the Client.
@@ -786,7 +788,7 @@ class Client:
         self._finalizer.detach()
         self._memfd_finalizer.detach()
         self._idle = []  # their sockets were closed by _after_fork_in_child
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._memfds = self._memfds.forked()
         self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
         self._memfd_finalizer = weakref.finalize(self, self._memfds.close)

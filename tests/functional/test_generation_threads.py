@@ -41,3 +41,17 @@ def test_threads_putting_into_one_generation_all_commit(make_daemon, ack: str) -
     step = d.dest / "threads" / f"{1:020d}"
     for path, data in shards.items():
         assert (step / path).read_bytes() == data
+
+
+@pytest.mark.timeout(30)
+def test_a_call_from_a_signal_handler_while_the_pool_is_taken_completes(
+        daemon: DaemonProcess) -> None:
+    # A signal handler runs between two bytecodes of whatever the thread was doing, which may
+    # be the few lines where the client takes an idle connection out of its pool under the
+    # pool's lock; a plain lock made the handler's own call wait for good. Held here by hand,
+    # where a handler would find it held.
+    c = daemon.client()
+    assert c.latest("none") is None  # a connection in the pool
+    with c._lock:
+        assert c.latest("none") is None
+        assert c.status()["node_id"] == daemon.node_id
