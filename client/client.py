@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ckptdrain.client import names, pipes, wire
+from ckptdrain.client import forks, names, pipes, wire
 from ckptdrain.client.errors import (
     DaemonUnavailable,
     DrainError,
@@ -162,20 +162,21 @@ class _Channel:
         self.broken: DrainError | None = None
         self.node_id = ""
         self._fds: list[int] = []  # fds that came with replies (`open`)
-        _LIVE_CHANNELS.add(self)
+        forks.register(self)
 
     @classmethod
     def open(cls, path: str, *, timeout_s: float, connect_timeout_s: float) -> _Channel:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with forks.creating():  # a fork never falls between the socket and its registration
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            channel = cls(sock, path, timeout_s)
         try:
             sock.settimeout(connect_timeout_s)
             try:
                 sock.connect(path)
             except OSError as exc:
                 raise connect_error(path, exc) from exc
-            channel = cls(sock, path, timeout_s)
         except BaseException:
-            sock.close()
+            channel.close()
             raise
         try:
             welcome = channel.request(
@@ -195,12 +196,9 @@ class _Channel:
             raise
         return channel
 
-    def forget_in_child(self) -> None:
-        """In a child just forked: close this process's copy of the socket (and of fds that
-        came with replies), so that the parent's end is the only one left. A copy kept open
-        by a long-lived child (a DataLoader worker) hid the parent's death from the daemon,
-        which kept a killed trainer's rank open and refused its restart (found attacking).
-        The parent's own connection is untouched: its socket stays open in the parent."""
+    def _forget_in_child(self) -> None:
+        """In a child just forked (forks.py): close this process's copy of the socket (and of
+        fds that came with replies), so that the parent's end is the only one left."""
         self.broken = DaemonUnavailable(
             "this connection belongs to the process this one was forked from")
         with contextlib.suppress(OSError):
@@ -685,23 +683,6 @@ class Generation:
             )
 
 
-# Every Client and connection alive in this process, for _after_fork_in_child.
-_LIVE_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
-_LIVE_CHANNELS: weakref.WeakSet[_Channel] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """The child's copies of every connection are closed (pooled, a generation's, or one a
-    parent thread was using) and every client starts with empty pools."""
-    for channel in list(_LIVE_CHANNELS):
-        channel.forget_in_child()
-    for client in list(_LIVE_CLIENTS):
-        client._forget_inherited()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def _close_channels(channels: list[_Channel], lock: threading.RLock) -> None:
     with lock:
         idle = list(channels)
@@ -770,28 +751,21 @@ class Client:
         self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
         self._memfd_finalizer = weakref.finalize(self, self._memfds.close)
         self._closed = False
-        _LIVE_CLIENTS.add(self)
+        forks.register(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A client for the same daemon, with none of this one's connections (a spawned
         # DataLoader worker or a Pool gets its arguments pickled).
         return (_client_for, (self.socket_path, self.timeout_s, self.connect_timeout_s))
 
-    def _forget_inherited(self) -> None:
-        """In a child just forked (a DataLoader worker): let go of the parent's idle
-        connections and memfds. Shared, one connection's replies went to whichever process
-        read first (a `latest` answered with another job's step, a `wait` answered by another
-        call's reply), and both processes filled the same pooled memfd, so a committed shard
-        held the other's bytes (found attacking from the training side). Only this process's
-        copies of the descriptors are closed; the parent's stay as they are. Runs while the
-        child has one thread, so nothing here can race or find a lock held at the fork."""
+    def _forget_in_child(self) -> None:
+        """In a child just forked (forks.py): start with an empty pool. Its connections'
+        sockets and its memfds are closed as theirs; the lock is new (a parent thread may
+        hold the old one for good)."""
         self._finalizer.detach()
-        self._memfd_finalizer.detach()
-        self._idle = []  # their sockets were closed by _after_fork_in_child
+        self._idle = []
         self._lock = threading.RLock()
-        self._memfds = self._memfds.forked()
         self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
-        self._memfd_finalizer = weakref.finalize(self, self._memfds.close)
 
     def __enter__(self) -> Client:
         return self

@@ -9,10 +9,13 @@ the daemon closes its copy, so a failed non-blocking exclusive lock here means "
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import threading
+
+from ckptdrain.client import forks
 
 DEFAULT_MAX_FDS = 8
 
@@ -42,34 +45,50 @@ class MemfdPool:
 
     def __init__(self, max_fds: int = DEFAULT_MAX_FDS) -> None:
         self.max_fds = max_fds
-        self._fds: list[int] = []
-        self._lock = threading.Lock()
+        self._fds: list[int] = []  # idle
+        self._out: set[int] = set()  # acquired, not given back yet
+        # Re-entrant: a signal handler saving (ack=memory) while its thread was in here
+        # waited for good on a plain lock (found attacking).
+        self._lock = threading.RLock()
+        forks.register(self)
 
     def acquire(self) -> int:
         with self._lock:
-            for i, fd in enumerate(self._fds):
-                if not in_use_elsewhere(fd):
-                    return self._fds.pop(i)
-        return os.memfd_create("ckptdrain-shard", os.MFD_CLOEXEC)
+            for fd in list(self._fds):
+                # Checked again after the check: a signal handler run meanwhile (the lock is
+                # re-entrant) may have taken it.
+                if fd in self._fds and not in_use_elsewhere(fd) and fd in self._fds:
+                    self._fds.remove(fd)
+                    self._out.add(fd)
+                    return fd
+            with forks.creating():  # registered (in _out) before any fork can copy it
+                fd = os.memfd_create("ckptdrain-shard", os.MFD_CLOEXEC)
+                self._out.add(fd)
+            return fd
 
     def release(self, fd: int) -> None:
         """Keep ``fd`` for reuse (the daemon may still hold it: acquire checks)."""
         with self._lock:
+            self._out.discard(fd)
             self._fds.append(fd)
             while len(self._fds) > self.max_fds:
                 os.close(self._fds.pop(0))
 
-    def forked(self) -> MemfdPool:
-        """In a child just forked: an empty pool like this one, this process's copies of the
-        parent's memfds closed (the parent keeps and reuses them; two processes filling one
-        memfd would mix their shards' bytes)."""
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            os.close(fd)
-        return MemfdPool(self.max_fds)
-
     def discard(self, fd: int) -> None:
+        with self._lock:
+            self._out.discard(fd)
         os.close(fd)
+
+    def _forget_in_child(self) -> None:
+        """In a child just forked (client/forks.py): close this process's copies of the
+        parent's memfds, idle and in use (the parent keeps and reuses them; two processes
+        filling one memfd mixed their shards' bytes), and start empty."""
+        fds = [*self._fds, *self._out]
+        self._fds, self._out = [], set()
+        self._lock = threading.RLock()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
         with self._lock:

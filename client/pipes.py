@@ -14,6 +14,7 @@ raises SIGPIPE, which would otherwise end the process; elsewhere ``put`` sends `
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -22,6 +23,8 @@ import select
 import signal
 import time
 from collections.abc import Callable
+
+from ckptdrain.client import forks
 
 _SPLICE_F_NONBLOCK = 0x02
 # The pipe's capacity: how much of the shard is in flight at once (the Linux default for an
@@ -96,7 +99,9 @@ class PipeHandOff:
         self._view = view
         self._base = _address(view)
         self.sent = 0
-        self.read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        with forks.creating():  # a fork never falls between the pipe and its registration
+            self.read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            forks.register(self)
         try:
             # Past the user's pipe quota (/proc/sys/fs/pipe-user-pages-soft) the kernel
             # refuses, and a small pipe would move the shard a few pages per call: then
@@ -171,6 +176,16 @@ class PipeHandOff:
         if self._write_fd >= 0:
             os.close(self._write_fd)
             self._write_fd = -1
+
+    def _forget_in_child(self) -> None:
+        """In a child just forked (forks.py): close this process's copies of the pipe. A
+        write end kept by a long-lived child hid a killed parent from the daemon, which kept
+        the parent's rank open until the child exited (found attacking)."""
+        for fd in (self.read_fd, self._write_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.read_fd = self._write_fd = -1
 
     def close(self) -> None:
         self._close_write()

@@ -235,3 +235,51 @@ def test_a_client_pickles_as_a_new_client_and_a_generation_refuses(daemon: Daemo
             pickle.dumps(gen)
         gen.put("a.bin", b"still fine")
     c.wait("pickled", 2, timeout_s=60)
+
+
+def test_a_killed_trainer_is_aborted_though_a_worker_forked_mid_put_lives(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking the fix above: a worker forked while a trainer thread was putting
+    # through a pipe kept the pipe's write end, so the daemon waited on the pipe, and the
+    # killed trainer's rank stayed open, until the worker exited.
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, threading, time
+        from ckptdrain.client import Client
+        c = Client({str(daemon.socket_path)!r})
+        gen = c.generation("piped", 1, rank=0, world_size=1).__enter__()
+        data = bytearray(os.urandom(1 << 20)) * 384
+        threading.Thread(target=gen.put, args=("big.bin", data), daemon=True).start()
+        time.sleep(0.05)  # the put is under way
+        worker = os.fork()
+        if worker == 0:
+            time.sleep(30)
+            os._exit(0)
+        print(worker, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    out = tmp_path / "trainer.out"
+    with open(out, "wb") as stdout:
+        trainer = subprocess.Popen([sys.executable, str(script)], stdout=stdout)
+    assert trainer.wait(60) == -signal.SIGKILL
+    worker = int(out.read_text().split()[0])
+    try:
+        with pytest.raises(GenerationFailed):
+            daemon.client().wait("piped", 1, timeout_s=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
+def test_a_save_from_a_signal_handler_while_the_memfd_pool_is_taken_completes(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: a handler's emergency save (ack=memory) waited for good on the memfd
+    # pool's lock, taken by the thread it interrupted. Held here by hand, where a handler
+    # would find it held.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory")
+    c = d.client()
+    committed(c, "pooled", 1)
+    with c._memfds._lock:
+        committed(c, "pooled", 2)
+    assert (d.dest / "pooled" / f"{2:020d}" / "a.bin").read_bytes() == b"pooled"
