@@ -30,6 +30,7 @@ class S3Reads(S3Client, Backend):
     async def list_dirs(self, prefix: str) -> builtins.list[str]:
         full_prefix = self._full_prefix(prefix)
         names: set[str] = set()
+        files: set[str] = set()
         paging = _Paging(f"listing {prefix or '/'} at {self.uri}")
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix,
@@ -37,12 +38,15 @@ class S3Reads(S3Client, Backend):
             if paging.token:
                 params["ContinuationToken"] = paging.token
             page = await self._small(f"listing {prefix or '/'}", "list_objects_v2", **params)
-            before = len(names)
+            # Progress is any entry not listed before: a page may hold only objects directly
+            # under the prefix (no directories) and still advance.
+            before = len(names) + len(files)
             for common in page.get("CommonPrefixes", []):
                 name = str(common["Prefix"])[len(full_prefix):].rstrip("/")
                 if name:
                     names.add(name)
-            if not paging.next(page, new=len(names) > before):
+            files.update(str(item["Key"]) for item in page.get("Contents", []))
+            if not paging.next(page, new=len(names) + len(files) > before):
                 break
         return sorted(names)
 
@@ -93,10 +97,11 @@ class S3Reads(S3Client, Backend):
             before = len(keys)
             for item in page.get("Contents", []):
                 full_key = str(item["Key"])
-                if full_key.endswith("/") or full_key in keys:
-                    continue  # a "directory" marker some stores list; a key listed again
-                keys.add(full_key)
-                yield self._strip_root(full_key), item
+                if full_key in keys:
+                    continue  # listed again
+                keys.add(full_key)  # a "directory" marker too: it is progress, not a shard
+                if not full_key.endswith("/"):
+                    yield self._strip_root(full_key), item
             if not paging.next(page, new=len(keys) > before):
                 break
 
@@ -129,11 +134,13 @@ class S3Reads(S3Client, Backend):
             try:
                 async with answer["Body"] as body:
                     answered = str(answer.get("ContentRange") or "")
-                    if resumed and not answered.startswith(f"bytes {offset}-"):
-                        # Another range's bytes would pass for the rest of this object's
-                        # (s3ranges.py checks the same of a restore's ranges).
+                    # Another range's bytes would pass for the rest of this object's
+                    # (s3ranges.py checks the same of a restore's ranges); read again from
+                    # its start, the whole object is the right answer.
+                    if resumed and not (answered.startswith(f"bytes {offset}-")
+                                        or (offset == 0 and not answered)):
                         raise S3Failure(f"{what} at {self.uri}: the server answered the range "
-                                        f"{answered or '(none)'} for bytes {offset}- ; it sent "
+                                        f"{answered or '(none)'} for bytes {offset}-; it sent "
                                         "a wrong answer, retry", transient=True, kind="io")
                     pieces: builtins.list[bytes] = []
                     held = 0

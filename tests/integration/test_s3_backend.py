@@ -903,3 +903,24 @@ async def test_a_listing_that_does_not_advance_fails_as_transient(
         await getattr(via_proxy, how)("job/")
     assert caught.value.transient
     assert len(proxy.faults(fault)) == pages
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_runs_of_directory_markers_are_progress_not_broken_paging(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any) -> None:
+    # Found attacking the paging check: 40 empty "directory marker" objects (what a FUSE
+    # mount or a console's "folders" leave) in a row, at a page size of 1 or 2, were taken
+    # for pages that list nothing new, and `ls`/`verify` failed as if the server were broken.
+    s3 = seaweedfs.client()
+    for i in range(40):
+        s3.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/job/m{i:03d}/", Body=b"")
+    for i in range(20):  # objects right under the prefix: no directories on their pages
+        s3.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/job/f{i:03d}.bin", Body=b"f")
+    s3.put_object(Bucket=s3_bucket, Key=f"{PREFIX}/job/zz/a.bin", Body=b"z")
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    backend.list_page_size = 1
+    assert [info.key for info in await backend.list("job/")] == [
+        *(f"job/f{i:03d}.bin" for i in range(20)), "job/zz/a.bin"]
+    assert await backend.list_dirs("job/") == [*(f"m{i:03d}" for i in range(40)), "zz"]
+    assert await backend.list_dirs("") == ["job"]
