@@ -52,6 +52,13 @@ log = logging.getLogger("ckptdrain.publisher")
 
 _T = TypeVar("_T")
 _G = GenerationState
+
+# A poll's read of a generation's part records is bounded: a destination whose listing never
+# ends (new keys on every page) held the poller, past drain.commit_wait_s, and every other
+# generation it waits on with it (found attacking). As long as the commit's wait, between
+# these (a read of 1,000 nodes' records takes seconds).
+PART_READ_MIN_S = 5.0
+PART_READ_MAX_S = 60.0
 Work = Callable[[], Awaitable[None]]
 
 
@@ -288,12 +295,21 @@ class Publisher:
     async def _read_parts(self, gen: GenerationRecord) -> list[PartRecord] | None:
         """This attempt's part records; None when they cannot be read now (the poller asks
         again) or cannot be trusted (the generation has failed)."""
+        bound = min(PART_READ_MAX_S, max(PART_READ_MIN_S, self.config.drain.commit_wait_s))
         try:
             # The Committer's own reader: the records must count the same here as in
             # try_publish, which decides the commit.
-            parts, problem = await self.committer.read_parts(
-                gen.job, gen.step, gen.world_size, gen.attempt)
+            async with asyncio.timeout(bound) as reading:
+                parts, problem = await self.committer.read_parts(
+                    gen.job, gen.step, gen.world_size, gen.attempt)
         except Exception as caught:
+            if isinstance(caught, TimeoutError) and reading.expired():
+                self._error_log.log_event(
+                    log, logging.WARNING, "commit_poll_error", cause="parts:timeout",
+                    job=gen.job, step=gen.step, error="reading the part records at the "
+                    f"destination took more than {bound:g} s (a listing without end?); "
+                    "asked again at the next poll")
+                return None
             exc = destination_error(caught)
             if exc is None or not exc.transient:
                 raise (exc or caught) from None

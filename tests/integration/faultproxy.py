@@ -24,7 +24,8 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
 - ``stuck_listing``: a ListObjectsV2 answered with an empty page that says more follow, with
   the same continuation token every time (a server whose paging never advances);
   ``endless_listing``: the same with a new token every time; ``tokenless_listing``: with no
-  token at all.
+  token at all; ``growing_listing``: a new token and a new key under the prefix every time
+  (a listing without end).
 
 Faults come first from the scripted queue (``inject``), then at random from ``set_rates`` with
 a seeded generator. ``unreachable`` resets every connection, old and new (the request head is
@@ -39,13 +40,15 @@ import random
 import re
 import socket
 import struct
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
-          "delete_denied", "stuck_listing", "endless_listing", "tokenless_listing", "wrong_etag")
+          "delete_denied", "stuck_listing", "endless_listing", "tokenless_listing",
+          "growing_listing", "wrong_etag")
 # Faults applied to a request that is still forwarded to the server.
 _FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag"})
 _MAX_HEAD = 64 * 1024
@@ -418,12 +421,19 @@ def _fault_response(fault: str, target: str) -> bytes:
             "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\nx-amz-request-id: faultproxy\r\n\r\n"
         ).encode() + body
-    if fault in ("stuck_listing", "endless_listing", "tokenless_listing"):
-        token = {"stuck_listing": b"same-token", "tokenless_listing": b"",
-                 "endless_listing": random.randbytes(8).hex().encode()}[fault]
+    if fault in ("stuck_listing", "endless_listing", "tokenless_listing", "growing_listing"):
+        token = {"stuck_listing": b"same-token", "tokenless_listing": b""}.get(
+            fault, random.randbytes(8).hex().encode())
+        grown = b""
+        if fault == "growing_listing":
+            prefix = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query).get(
+                "prefix", [""])[0]
+            grown = (f"<Contents><Key>{prefix}grown-{token.decode()}.json</Key>"
+                     "<LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+                     '<ETag>"0"</ETag><Size>1</Size></Contents>').encode()
         body = (
             b'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult>'
-            b"<IsTruncated>true</IsTruncated><KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys>"
+            b"<IsTruncated>true</IsTruncated><MaxKeys>1000</MaxKeys>" + grown
             + (b"<NextContinuationToken>" + token + b"</NextContinuationToken>" if token else b"")
             + b"</ListBucketResult>"
         )

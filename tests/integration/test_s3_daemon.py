@@ -105,6 +105,24 @@ def test_commits_through_twenty_percent_faults(make_daemon: Any, seaweedfs: Seaw
     assert uploads(seaweedfs, s3_bucket) == []
 
 
+def test_a_listing_without_end_ends_the_generation_at_commit_wait_s(
+        make_daemon: Any, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found attacking the paging check: new keys on every page never looked stalled, and the
+    # commit's poll read them for good, past commit_wait_s (and held every other generation
+    # the poller waits on). A poll's read of the part records is bounded now.
+    proxy.do(lambda: proxy.proxy.inject(
+        "growing_listing", times=1_000_000,
+        match=lambda r: r.method == "GET" and "list-type=2" in r.target and "_parts" in r.target))
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DRAIN__COMMIT_WAIT_S="3")
+    with d.client().generation("grown", 1) as gen:
+        gen.put("a.bin", os.urandom(1 << 20))
+    with pytest.raises(GenerationFailed, match="commit_wait_s"):
+        d.client().wait("grown", 1, timeout_s=60)
+    assert "took more than 5 s" in d.log()
+    assert d.proc is not None and d.proc.poll() is None
+
+
 def test_a_listing_that_never_advances_ends_the_generation_at_commit_wait_s(
         make_daemon: Any, s3_bucket: str, proxy: ThreadedProxy) -> None:
     # Found attacking a misbehaving server: a part-record listing answered "truncated" with
