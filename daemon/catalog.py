@@ -442,32 +442,40 @@ async def _write_verified(
     shard: ShardEntry,
     progress: Callable[[int], None] | None,
 ) -> int:
-    tmp, fd = await _create_temp(target)
-    # The temp exists from here: renamed when verified, unlinked on every other way out.
-    done = False
-    try:
+    # A shard that does not match the manifest is read once more before the destination is
+    # blamed: bytes damaged on the way (a proxy, a resumed range) read right the second time,
+    # and "the shard at the destination is damaged" sent operators to an older checkpoint
+    # for nothing (found attacking). Twice the same way, it is the destination's.
+    for last in (False, True):
+        tmp, fd = await _create_temp(target)
+        # The temp exists from here: renamed when verified, unlinked on every other way out.
+        done = False
         try:
-            size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
-                                                     progress=progress, owned=True,
-                                                     expected_size=shard.size)
+            try:
+                size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
+                                                         progress=progress, owned=True,
+                                                         expected_size=shard.size)
+            finally:
+                os.close(fd)
+            problem = ""
+            if size != shard.size:
+                relation = "longer than" if size > shard.size else "shorter than"
+                problem = (f"{shard.path} is {relation} the {shard.size} bytes the manifest "
+                           f"lists ({size})")
+            elif checksum != shard.checksum:
+                problem = (f"{shard.path} does not match its checksum in the manifest "
+                           f"({checksum} != {shard.checksum})")
+            if problem and last:
+                raise RestoreError(f"{problem}, read twice; the shard at the destination is "
+                                   "damaged")
+            if problem:
+                continue
+            await _settled(os.replace, tmp, target)
+            done = True
         finally:
-            os.close(fd)
-        if size != shard.size:
-            relation = "longer than" if size > shard.size else "shorter than"
-            raise RestoreError(
-                f"{shard.path} is {relation} the {shard.size} bytes the manifest lists ({size}); "
-                "the shard at the destination is damaged"
-            )
-        if checksum != shard.checksum:
-            raise RestoreError(
-                f"{shard.path} does not match its checksum in the manifest ({checksum} != "
-                f"{shard.checksum}); the shard at the destination is damaged"
-            )
-        await _settled(os.replace, tmp, target)
-        done = True
-    finally:
-        if not done:
-            tmp.unlink(missing_ok=True)
+            if not done:
+                tmp.unlink(missing_ok=True)
+        break
     return size
 
 

@@ -223,7 +223,8 @@ def cmd_verify(ns: argparse.Namespace) -> int:
         first = report.bad[0] if report.bad else ("?", "unknown")
         raise CommandFailed(
             f"generation {step} of job {ns.job!r} failed verification: {len(report.bad)} bad shard(s), "
-            f"first {first[0]!r} ({first[1]}); restore an older generation"
+            f"first {first[0]!r} ({first[1]}); run verify again (bytes damaged on the way "
+            "read right a second time), and if it fails the same way restore an older generation"
         )
     if not ns.json:
         how = (f" ({report.stored} by the checksum the destination stored; --read re-reads "

@@ -230,12 +230,41 @@ async def test_restore_stops_on_a_damaged_shard_and_leaves_no_partial_file(
     corrupt(shard_key(JOB, 100, "optim/rank0.pt"), good[:-1] + b"\0")
     target = tmp_path / "restored"
 
-    with pytest.raises(catalog.RestoreError, match=r"optim/rank0\.pt does not match its checksum"):
+    with pytest.raises(catalog.RestoreError,
+                       match=r"optim/rank0\.pt does not match its checksum.*read twice"):
         await catalog.restore(backend, JOB, 100, target, concurrency=1)
 
     assert not (target / "optim/rank0.pt").exists()
     assert not (target / "MANIFEST.json").exists()
     assert not [n for _, _, files in os.walk(target) for n in files if n.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.asyncio
+async def test_a_shard_damaged_on_the_way_is_read_again_before_the_destination_is_blamed(
+    dest: tuple[Backend, Corrupt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found attacking: bytes damaged on the way (a resumed range's, a proxy's) failed the
+    # restore with "the shard at the destination is damaged", and an operator would go back
+    # to an older checkpoint for nothing. The shard is read once more first. The damage in
+    # transit is injected in the first read of one shard; the object itself is intact.
+    backend, _ = dest
+    await commit(backend, tmp_path, 100, PATHS)
+    real = type(backend).copy_into
+    reads: list[str] = []
+
+    async def damaged_once(self: Backend, key: str, fd: int, **kw: object) -> tuple[int, str]:
+        reads.append(key)
+        got = await real(self, key, fd, **kw)  # type: ignore[arg-type]
+        if key.endswith("optim/rank0.pt") and reads.count(key) == 1:
+            os.pwrite(fd, b"\0", 0)
+            return got[0], "crc64nvme:0000000000000000"
+        return got
+
+    monkeypatch.setattr(type(backend), "copy_into", damaged_once)
+    target = tmp_path / "restored"
+    await catalog.restore(backend, JOB, 100, target, concurrency=1)
+    assert (target / "optim/rank0.pt").read_bytes() == shard_bytes(100, "optim/rank0.pt")
+    assert sum(key.endswith("optim/rank0.pt") for key in reads) == 2
 
 
 @pytest.mark.asyncio
