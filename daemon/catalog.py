@@ -455,6 +455,12 @@ async def _write_verified(
                 size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
                                                          progress=progress, owned=True,
                                                          expected_size=shard.size)
+            except OSError as exc:
+                if exc.filename is not None or exc.errno is None:
+                    raise
+                # A write into the file without its name (pwritev): the target named, or
+                # a full disk said only "No space left on device" (found attacking).
+                raise OSError(exc.errno, exc.strerror, str(target)) from exc
             finally:
                 os.close(fd)
             problem = ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -77,6 +78,7 @@ from ckptdrain.daemon.backends.posixremove import (
 from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.checksums import ALGO
 from ckptdrain.daemon.directcopy import DIRECT_MIN_BYTES, direct_copy_and_checksum
+from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.filecopy import (
     COPY_RANGE_BYTES,
     PARALLEL_SEGMENTS,
@@ -130,6 +132,20 @@ class ReadSettings:
     stripe_size_bytes: int = 0
     # Threads: a restore copies 8 shards at once (catalog.restore), a verify 4.
     max_concurrency: int = 8
+
+
+# Only the file written to runs out of room: a read of the destination never does.
+_OUT_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class _OutFull(DaemonError):
+    """The caller's file (a restore's target, a reader's fd) is full: its own OSError, not
+    the destination's ("the destination is full" sent a restore's user to the wrong disk,
+    found attacking)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class PosixBackend(Backend):
@@ -496,8 +512,11 @@ class PosixBackend(Backend):
     ) -> tuple[int, str]:
         # One thread job per file, copied by the kernel and checksummed from the page cache:
         # no event-loop hop and no user-space write loop.
-        return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key), out_fd,
-                               algo, progress, owned, expected_size)
+        try:
+            return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key),
+                                   out_fd, algo, progress, owned, expected_size)
+        except _OutFull as exc:
+            raise exc.error from None
 
     def _copy_into_sync(self, parts: builtins.list[str], out_fd: int, algo: str,
                         progress: Callable[[int], None] | None, owned: bool,
@@ -510,9 +529,14 @@ class PosixBackend(Backend):
             # A restore is not fsynced (it is repeatable): no write-behind to wait on. The
             # checksum maps what was written when that is the caller's own file, never the
             # destination's file or a client's, which others may truncate (checksum_into).
-            checksum = copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
-                                         progress=progress, write_behind=False,
-                                         mapped=out_fd if owned else None)
+            try:
+                checksum = copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
+                                             progress=progress, write_behind=False,
+                                             mapped=out_fd if owned else None)
+            except OSError as exc:
+                if exc.errno in _OUT_FULL:
+                    raise _OutFull(exc) from exc
+                raise
             if os.preadv(src, [bytearray(1)], size):
                 raise BackendError(f"{'/'.join(parts)} grew while it was read",
                                    kind="integrity", transient=True)

@@ -227,3 +227,16 @@ def test_a_manifest_nested_too_deeply_is_skipped(node: DaemonProcess, tmp_path: 
             out.stderr
     finally:
         shutil.rmtree(hostile)
+
+
+def test_a_restore_onto_a_full_disk_names_the_file(make_daemon, small_tmpfs: Path) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: it said only "No space left on device; free space there and try
+    # again", naming neither the file nor where.
+    d: DaemonProcess = make_daemon()
+    with d.client().generation("full", 1) as gen:
+        gen.put("big.bin", os.urandom(80 << 20))  # more than the 64 MiB filesystem holds
+    d.client().wait("full", 1, timeout_s=60)
+    to = small_tmpfs / "restored"
+    one_sentence(cli(d, "restore", d.dest_uri, "--job", "full", "--generation", "1",
+                     "--to", str(to), "--no-local"), 1, str(to), "big.bin", "free space")
+    assert not to.exists() or not [p for p in to.rglob("*") if p.is_file()]
