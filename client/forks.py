@@ -30,7 +30,9 @@ class Inherited(Protocol):
 
 
 _owners: weakref.WeakSet[Inherited] = weakref.WeakSet()
-_lock = threading.Lock()
+# Re-entrant: a signal handler that saves (a new connection, a pipe) or forks while its
+# thread is inside creating() would otherwise wait on itself for good (found attacking).
+_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -56,7 +58,7 @@ def _after_in_parent() -> None:
 
 def _after_in_child() -> None:
     global _lock
-    _lock = threading.Lock()  # the parent's is held (by _before), and stays so here
+    _lock = threading.RLock()  # the parent's is held (by _before), and stays so here
     for owner in list(_owners):
         owner._forget_in_child()
 

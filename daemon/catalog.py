@@ -452,9 +452,10 @@ async def _write_verified(
         done = False
         try:
             try:
+                # The second read's bytes were counted by the first (no progress past 100%).
                 size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
-                                                         progress=progress, owned=True,
-                                                         expected_size=shard.size)
+                                                         progress=None if last else progress,
+                                                         owned=True, expected_size=shard.size)
             except OSError as exc:
                 if exc.filename is not None or exc.errno is None:
                     raise
@@ -473,7 +474,8 @@ async def _write_verified(
                            f"({checksum} != {shard.checksum})")
             if problem and last:
                 raise RestoreError(f"{problem}, read twice; the shard at the destination is "
-                                   "damaged")
+                                   "damaged: restore an older generation (`ckptdrain ls` "
+                                   "lists them)")
             if problem:
                 continue
             await _settled(os.replace, tmp, target)

@@ -262,9 +262,12 @@ async def test_a_shard_damaged_on_the_way_is_read_again_before_the_destination_i
 
     monkeypatch.setattr(type(backend), "copy_into", damaged_once)
     target = tmp_path / "restored"
-    await catalog.restore(backend, JOB, 100, target, concurrency=1)
+    progress: list[int] = []
+    report = await catalog.restore(backend, JOB, 100, target, concurrency=1,
+                                   progress=progress.append)
     assert (target / "optim/rank0.pt").read_bytes() == shard_bytes(100, "optim/rank0.pt")
     assert sum(key.endswith("optim/rank0.pt") for key in reads) == 2
+    assert sum(progress) == report.bytes  # the second read is not counted again
 
 
 @pytest.mark.asyncio

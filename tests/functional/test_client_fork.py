@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import Client, DrainError, GenerationFailed, RejectedInput, Timeout
+from ckptdrain.client import Client, DrainError, GenerationFailed, RejectedInput, Timeout, forks
 from tests.conftest import DaemonProcess
 
 
@@ -283,3 +283,16 @@ def test_a_save_from_a_signal_handler_while_the_memfd_pool_is_taken_completes(
     with c._memfds._lock:
         committed(c, "pooled", 2)
     assert (d.dest / "pooled" / f"{2:020d}" / "a.bin").read_bytes() == b"pooled"
+
+
+@pytest.mark.timeout(30)
+def test_a_save_or_a_fork_from_a_signal_handler_inside_the_fork_lock_completes(
+        daemon: DaemonProcess) -> None:
+    # Found attacking client/forks.py: a handler that saved (a new connection, a pipe) or
+    # forked while its thread was inside forks.creating() waited on itself for good. Held
+    # here by hand, where a handler would find it held.
+    c = daemon.client()
+    with forks.creating():
+        committed(c, "inside", 1)
+        got = in_child(lambda: c.latest("inside"))
+    assert got == {"value": 1}, got
