@@ -132,8 +132,10 @@ class PipeHandOff:
 
     def handed_over(self) -> None:
         """The frame carrying the read end is sent: the daemon has its own copy of it."""
-        os.close(self.read_fd)
-        self.read_fd = -1
+        # Forgotten before it is closed: a fork in between must not close in its child
+        # whatever took the number meanwhile (the same in the closes below).
+        fd, self.read_fd = self.read_fd, -1
+        os.close(fd)
 
     def finish(self, deadline: float, reply_fd: int) -> None:
         """Splice the rest in, waiting for room until ``deadline``; then close the write end.
@@ -174,8 +176,8 @@ class PipeHandOff:
 
     def _close_write(self) -> None:
         if self._write_fd >= 0:
-            os.close(self._write_fd)
-            self._write_fd = -1
+            fd, self._write_fd = self._write_fd, -1
+            os.close(fd)
 
     def _forget_in_child(self) -> None:
         """In a child just forked (forks.py): close this process's copies of the pipe. A
@@ -190,5 +192,5 @@ class PipeHandOff:
     def close(self) -> None:
         self._close_write()
         if self.read_fd >= 0:
-            os.close(self.read_fd)
-            self.read_fd = -1
+            fd, self.read_fd = self.read_fd, -1
+            os.close(fd)
