@@ -173,8 +173,7 @@ def test_a_killed_trainer_is_aborted_though_its_forked_worker_lives(
         daemon: DaemonProcess, tmp_path: Path) -> None:
     # Found attacking: the worker's copy of the generation's connection kept it open, so the
     # daemon never saw the trainer die; the rank stayed open and its restart was refused.
-    script = tmp_path / "trainer.py"
-    script.write_text(textwrap.dedent(f"""
+    aborted_though_its_worker_lives(daemon, tmp_path, "killed", 3, f"""
         import os, signal, sys, time
         from ckptdrain.client import Client
         c = Client({str(daemon.socket_path)!r})
@@ -186,7 +185,15 @@ def test_a_killed_trainer_is_aborted_though_its_forked_worker_lives(
                 os._exit(0)
             print(worker, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-    """))
+    """)
+
+
+def aborted_though_its_worker_lives(daemon: DaemonProcess, tmp_path: Path, job: str,
+                                    step: int, trainer_code: str) -> None:
+    """Run ``trainer_code`` (it prints its forked worker's pid, then kills itself) and check
+    that the daemon ends its generation while the worker lives."""
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(trainer_code))
     out = tmp_path / "trainer.out"
     with open(out, "wb") as stdout:  # a file: a pipe would be held open by the worker too
         trainer = subprocess.Popen([sys.executable, str(script)], stdout=stdout)
@@ -194,7 +201,7 @@ def test_a_killed_trainer_is_aborted_though_its_forked_worker_lives(
     worker = int(out.read_text().split()[0])
     try:
         with pytest.raises(GenerationFailed):
-            daemon.client().wait("killed", 3, timeout_s=10)
+            daemon.client().wait(job, step, timeout_s=10)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
@@ -242,8 +249,7 @@ def test_a_killed_trainer_is_aborted_though_a_worker_forked_mid_put_lives(
     # Found attacking the fix above: a worker forked while a trainer thread was putting
     # through a pipe kept the pipe's write end, so the daemon waited on the pipe, and the
     # killed trainer's rank stayed open, until the worker exited.
-    script = tmp_path / "trainer.py"
-    script.write_text(textwrap.dedent(f"""
+    aborted_though_its_worker_lives(daemon, tmp_path, "piped", 1, f"""
         import os, signal, threading, time
         from ckptdrain.client import Client
         c = Client({str(daemon.socket_path)!r})
@@ -257,18 +263,7 @@ def test_a_killed_trainer_is_aborted_though_a_worker_forked_mid_put_lives(
             os._exit(0)
         print(worker, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    """))
-    out = tmp_path / "trainer.out"
-    with open(out, "wb") as stdout:
-        trainer = subprocess.Popen([sys.executable, str(script)], stdout=stdout)
-    assert trainer.wait(60) == -signal.SIGKILL
-    worker = int(out.read_text().split()[0])
-    try:
-        with pytest.raises(GenerationFailed):
-            daemon.client().wait("piped", 1, timeout_s=10)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker, signal.SIGKILL)
+    """)
 
 
 @pytest.mark.timeout(30)

@@ -105,16 +105,22 @@ def test_commits_through_twenty_percent_faults(make_daemon: Any, seaweedfs: Seaw
     assert uploads(seaweedfs, s3_bucket) == []
 
 
+def daemon_behind_a_part_listing_fault(make_daemon: Any, s3_bucket: str, proxy: ThreadedProxy,
+                                       fault: str) -> DaemonProcess:
+    """A daemon (commit_wait_s = 3) whose every listing of part records gets ``fault``."""
+    proxy.do(lambda: proxy.proxy.inject(
+        fault, times=1_000_000,
+        match=lambda r: r.method == "GET" and "list-type=2" in r.target and "_parts" in r.target))
+    return s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                     CKPTDRAIN_DRAIN__COMMIT_WAIT_S="3")
+
+
 def test_a_listing_without_end_ends_the_generation_at_commit_wait_s(
         make_daemon: Any, s3_bucket: str, proxy: ThreadedProxy) -> None:
     # Found attacking the paging check: new keys on every page never looked stalled, and the
     # commit's poll read them for good, past commit_wait_s (and held every other generation
     # the poller waits on). A poll's read of the part records is bounded now.
-    proxy.do(lambda: proxy.proxy.inject(
-        "growing_listing", times=1_000_000,
-        match=lambda r: r.method == "GET" and "list-type=2" in r.target and "_parts" in r.target))
-    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
-                  CKPTDRAIN_DRAIN__COMMIT_WAIT_S="3")
+    d = daemon_behind_a_part_listing_fault(make_daemon, s3_bucket, proxy, "growing_listing")
     jobs = [f"grown{i}" for i in range(4)]
     for job in jobs:
         with d.client().generation(job, 1) as gen:
@@ -135,11 +141,7 @@ def test_a_listing_that_never_advances_ends_the_generation_at_commit_wait_s(
     # the same token every time held the commit in that loop for good (the generation never
     # ended, past commit_wait_s, and the workers sent ~640 requests a second). The listing
     # now fails when a token comes back, and the commit's wait ends the generation.
-    proxy.do(lambda: proxy.proxy.inject(
-        "stuck_listing", times=1_000_000,
-        match=lambda r: r.method == "GET" and "list-type=2" in r.target and "_parts" in r.target))
-    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
-                  CKPTDRAIN_DRAIN__COMMIT_WAIT_S="3")
+    d = daemon_behind_a_part_listing_fault(make_daemon, s3_bucket, proxy, "stuck_listing")
     with d.client().generation("paged", 1) as gen:
         gen.put("a.bin", os.urandom(1 << 20))
     with pytest.raises(GenerationFailed, match="commit_wait_s"):
