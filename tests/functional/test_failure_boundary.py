@@ -232,6 +232,9 @@ def test_the_same_path_twice_through_the_memory_hand_off_is_refused(make_daemon)
         for raw in clients:
             raw.close()
     assert d.proc is not None and d.proc.poll() is None
+    # Rank 0's memfd can never reach local storage (the one queued-shard slot is rank 3's,
+    # which drains at 1 B/s): a SIGTERM would wait out the 10 s stop grace for it.
+    d.kill()
 
 
 def test_eio_in_the_memory_hand_off_journal_commit_ends_that_request_only(make_daemon) -> None:  # type: ignore[no-untyped-def]
