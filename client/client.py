@@ -12,46 +12,32 @@ bytes is two requests (admission, then the data), each within ``timeout_s``.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import math
 import os
-import socket
 import stat
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import forks, names, pipes, wire
+from ckptdrain.client.channel import Channel, default_socket_path
 from ckptdrain.client.errors import (
     DaemonUnavailable,
     DrainError,
     GenerationFailed,
-    PermissionDenied,
     RejectedInput,
-    Timeout,
-    UnsupportedVersion,
-    error_for_code,
 )
 from ckptdrain.client.memfd import MemfdPool, fill
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-SYSTEM_SOCKET_PATH = "/run/ckptdrain.sock"
-# Replies are headers only (at most 64 KiB); one reused buffer per connection reads them.
-_RECV_BUFFER_BYTES = 64 * 1024
-# After the daemon closed on us mid-send, how long to look for the error reply that says why.
-_REFUSAL_GRACE_S = 5.0
 # wait() gives the daemon this long beyond the requested timeout to deliver its answer.
 _WAIT_MARGIN_S = 30.0
 _MAX_REASON_CHARS = wire.MAX_REASON_CHARS
-# Room for the fds a reply may carry (one, for `open`; more are closed unread).
-_ANC_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
-_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
 
 
 def default_rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -96,17 +82,6 @@ def _check_attempt(attempt: object) -> str:
     return attempt
 
 
-def default_socket_path() -> str:
-    """``$CKPTDRAIN_SOCKET``, else the system socket if it exists, else a per-user socket."""
-    configured = os.environ.get("CKPTDRAIN_SOCKET")
-    if configured:
-        return configured
-    if os.path.exists(SYSTEM_SOCKET_PATH):
-        return SYSTEM_SOCKET_PATH
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return f"{runtime_dir}/ckptdrain-{os.getuid()}.sock"
-
-
 # Socket timeouts past this only overflow the timers they end up in.
 _MAX_SOCKET_TIMEOUT_S = 10**9
 
@@ -119,279 +94,6 @@ def _check_timeout(value: object, what: str, limit: float = _MAX_SOCKET_TIMEOUT_
         shown = value if len(str(value)) <= 40 else f"{str(value)[:20]}..."
         raise RejectedInput(f"{what} is {shown}; use a finite number of seconds from 0 to {limit}")
     return float(value)
-
-
-def _hint(path: str) -> str:
-    return f"start it with `ckptdrain serve` or set CKPTDRAIN_SOCKET (tried {path})"
-
-
-def connect_error(path: str, exc: OSError) -> DrainError:
-    """The typed error for a failed connect() to the daemon's socket."""
-    if isinstance(exc, PermissionError):
-        return PermissionDenied(
-            f"not allowed to connect to the ckptdrain daemon socket at {path} ({exc.strerror}); "
-            "ask the operator to add your user or group to the socket's group or [access] "
-            "allowed_uids/allowed_gids"
-        )
-    if isinstance(exc, TimeoutError):
-        return Timeout(
-            f"the ckptdrain daemon at {path} did not accept a connection in time; "
-            "it may be overloaded or hung: check `ckptdrain status` and its logs"
-        )
-    if isinstance(exc, FileNotFoundError):
-        reason = "no socket there"
-    elif isinstance(exc, ConnectionRefusedError):
-        reason = "nothing is listening on it"
-    else:
-        reason = exc.strerror or str(exc)
-    return DaemonUnavailable(
-        f"cannot reach the ckptdrain daemon at {path}: {reason}; {_hint(path)}"
-    )
-
-
-class _Channel:
-    """One connection to the daemon after hello/welcome: sends requests, reads replies."""
-
-    def __init__(self, sock: socket.socket, path: str, timeout_s: float) -> None:
-        self._sock = sock
-        self.path = path
-        self.timeout_s = timeout_s
-        self._wire = wire.Connection(wire.Role.CLIENT)
-        self._buffer = bytearray(_RECV_BUFFER_BYTES)
-        self._view = memoryview(self._buffer)
-        self.broken: DrainError | None = None
-        self.node_id = ""
-        self._fds: list[int] = []  # fds that came with replies (`open`)
-        forks.register(self)
-
-    @classmethod
-    def open(cls, path: str, *, timeout_s: float, connect_timeout_s: float) -> _Channel:
-        with forks.creating():  # a fork never falls between the socket and its registration
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            channel = cls(sock, path, timeout_s)
-        try:
-            sock.settimeout(connect_timeout_s)
-            try:
-                sock.connect(path)
-            except OSError as exc:
-                raise connect_error(path, exc) from exc
-        except BaseException:
-            channel.close()
-            raise
-        try:
-            welcome = channel.request(
-                "hello",
-                {"version": wire.PROTOCOL_VERSION, "client": f"ckptdrain-python pid={os.getpid()}"},
-                timeout_s=connect_timeout_s,
-            )
-            version = welcome.get("version")
-            if version != wire.PROTOCOL_VERSION:
-                raise UnsupportedVersion(
-                    f"the ckptdrain daemon at {path} speaks protocol version {version}, this "
-                    f"client speaks {wire.PROTOCOL_VERSION}; install matching versions"
-                )
-            channel.node_id = str(welcome.get("node_id", ""))
-        except BaseException:
-            channel.close()
-            raise
-        return channel
-
-    def _forget_in_child(self) -> None:
-        """In a child just forked (forks.py): close this process's copy of the socket (and of
-        fds that came with replies), so that the parent's end is the only one left."""
-        self.broken = DaemonUnavailable(
-            "this connection belongs to the process this one was forked from")
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        self._drop_fds()
-
-    @property
-    def awaiting_data(self) -> bool:
-        return self._wire.awaiting_data is not None
-
-    def close(self) -> None:
-        if self.broken is None:
-            self.broken = DaemonUnavailable(f"connection to {self.path} was closed")
-        self._sock.close()
-        self._view.release()
-        self._drop_fds()
-
-    def _drop_fds(self) -> None:
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def request_fd(self, kind: str, fields: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """A request whose ``ok`` reply hands over one file descriptor (now the caller's)."""
-        self._drop_fds()
-        try:
-            reply = self.request(kind, fields)
-            if len(self._fds) != 1:
-                raise DrainError(
-                    f"the ckptdrain daemon answered {kind!r} with {len(self._fds)} file "
-                    "descriptors, not one; check that client and daemon versions match"
-                )
-            return reply, self._fds.pop()
-        finally:
-            self._drop_fds()
-
-    def is_reusable(self) -> bool:
-        """Whether an idle connection still looks open (the daemon drops idle clients)."""
-        if self.broken is not None:
-            return False
-        try:
-            # Non-blocking mode: with a timeout set, Python would first wait for readability.
-            self._sock.setblocking(False)
-            data = self._sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        # EOF, or bytes nobody asked for: either way the conversation is over.
-        del data
-        return False
-
-    def request(
-        self,
-        kind: str,
-        fields: dict[str, Any],
-        *,
-        payload: memoryview | None = None,
-        fd: int | None = None,
-        pipe: pipes.PipeHandOff | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[str, Any]:
-        """Send one request and return the fields of its ``ok`` (or ``welcome``) reply.
-
-        An ``error`` reply raises its typed error and leaves the connection usable; any other
-        failure raises and leaves it broken (``self.broken`` says why). With ``pipe`` (a
-        ``data_pipe``), its read end goes with the frame and the rest of the shard is spliced
-        in before the reply is read; the caller closes the pipe.
-        """
-        if self.broken is not None:
-            raise self.broken
-        limit_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit_s
-        try:
-            header = self._wire.send(kind, fields, len(payload) if payload is not None else 0)
-        except wire.ProtocolError as exc:
-            # Only this module sends, so this is a bug here or an interrupted put/data pair:
-            # either way the conversation cannot go on.
-            self.broken = DrainError(f"cannot send {kind!r} to the ckptdrain daemon: {exc.message}")
-            self._sock.close()
-            raise self.broken from exc
-        message: wire.Message
-        try:
-            try:
-                if pipe is None:
-                    self._send(header, payload, fd, deadline)
-                else:
-                    self._send(header, None, pipe.read_fd, deadline)
-                    pipe.handed_over()
-                    pipe.finish(deadline, self._sock.fileno())
-            except (BrokenPipeError, ConnectionResetError):
-                # The daemon may refuse a request and close without reading the rest of it
-                # (a shard it cannot stage): its reply is still readable and says why.
-                message = self._read_reply(min(deadline, time.monotonic() + _REFUSAL_GRACE_S))
-                self.broken = DaemonUnavailable(
-                    f"the ckptdrain daemon at {self.path} closed the connection during {kind!r}"
-                )
-                if message.kind == "error":
-                    raise self._error_from(message) from None
-                raise self.broken from None
-            message = self._read_reply(deadline)
-        except DrainError as exc:
-            if self.broken is None:
-                self.broken = exc
-            self._sock.close()
-            raise
-        except TimeoutError as exc:
-            self.broken = Timeout(
-                f"the ckptdrain daemon at {self.path} did not finish {kind!r} within "
-                f"{limit_s:g} s; it may be overloaded (see `ckptdrain status`) or the timeout "
-                "too short for the data"
-            )
-            self._sock.close()
-            raise self.broken from exc
-        except OSError as exc:
-            self.broken = DaemonUnavailable(
-                f"lost the connection to the ckptdrain daemon at {self.path} during {kind!r} "
-                f"({exc.strerror or exc}); {_hint(self.path)}"
-            )
-            self._sock.close()
-            raise self.broken from exc
-        except wire.ProtocolError as exc:
-            self.broken = DrainError(
-                f"the ckptdrain daemon at {self.path} sent an invalid reply to {kind!r} "
-                f"({exc.message}); check that client and daemon versions match"
-            )
-            self._sock.close()
-            raise self.broken from exc
-        except BaseException:
-            # Interrupted (KeyboardInterrupt...) mid-request: the stream is out of step.
-            self.broken = DaemonUnavailable(f"a request to {self.path} was interrupted")
-            self._sock.close()
-            raise
-        if message.kind == "error":
-            raise self._error_from(message)
-        # Typed here: `mypy client` cannot follow the editable install's ckptdrain.* mapping.
-        reply: dict[str, Any] = message.fields
-        return reply
-
-    def _error_from(self, message: wire.Message) -> DrainError:
-        fields = message.fields
-        return error_for_code(fields["code"], fields["message"], fields.get("details"))
-
-    def _settimeout(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("deadline passed")
-        self._sock.settimeout(remaining)
-
-    def _send(
-        self, header: bytes, payload: memoryview | None, fd: int | None, deadline: float
-    ) -> None:
-        self._settimeout(deadline)
-        if fd is None:
-            self._sock.sendall(header, _SEND_FLAGS)
-        else:
-            # The fd rides with the first byte of the frame, so the daemon receives it with the
-            # recvmsg() that starts this frame and pairs it with this message.
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-            sent = self._sock.sendmsg([header], rights, _SEND_FLAGS)
-            if sent < len(header):
-                self._settimeout(deadline)
-                self._sock.sendall(memoryview(header)[sent:], _SEND_FLAGS)
-        if payload is not None and len(payload):
-            # Straight from the caller's buffer: no copy of the shard on this side.
-            self._settimeout(deadline)
-            self._sock.sendall(payload, _SEND_FLAGS)
-
-    def _read_reply(self, deadline: float) -> wire.Message:
-        while True:
-            event = self._wire.next_event()
-            if event is wire.NEED_DATA:
-                self._settimeout(deadline)
-                try:
-                    n, anc, _flags, _ = self._sock.recvmsg_into([self._view], _ANC_BYTES)
-                except ConnectionResetError:
-                    n, anc = 0, []  # Linux reports a peer that closed with our bytes unread so.
-                for level, kind, data in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds = array.array("i")
-                        fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-                        self._fds.extend(fds)
-                self._wire.receive_data(self._view[:n])
-            elif isinstance(event, wire.Message):
-                return event
-            elif isinstance(event, wire.ConnectionClosed):
-                raise DaemonUnavailable(
-                    f"the ckptdrain daemon at {self.path} closed the connection without a "
-                    f"reply; it may be stopping or have refused this client; {_hint(self.path)}"
-                )
-            else:  # pragma: no cover - the server role never sends payloads (wire checks)
-                raise wire.ProtocolError(wire.BAD_REQUEST, f"unexpected {event!r}")
 
 
 class Generation:
@@ -419,7 +121,7 @@ class Generation:
         self.world_size = world_size
         self.ack = ack
         self.attempt = attempt if attempt is not None else default_attempt()
-        self._channel: _Channel | None = None
+        self._channel: Channel | None = None
         self._pid = 0  # the process that began it: only it may use its connection
         # One request at a time on its connection: threads putting at once interleaved their
         # frames and broke it (found attacking from the training side). See _turn.
@@ -521,7 +223,7 @@ class Generation:
             "the Client (or its socket path) and begin a generation in the other process"
         )
 
-    def _open_channel(self) -> _Channel:
+    def _open_channel(self) -> Channel:
         if self._state != "open" or self._channel is None:
             if self._state == "new":
                 raise RejectedInput(
@@ -593,7 +295,7 @@ class Generation:
                         pipe.close()
 
     def _put_memory(
-        self, channel: _Channel, path: str, data: memoryview, deferred: bool
+        self, channel: Channel, path: str, data: memoryview, deferred: bool
     ) -> dict[str, Any]:
         """ack=memory: copy into a pooled memfd and pass it; the daemon owns it from here."""
         pool = self._client._memfds
@@ -683,7 +385,7 @@ class Generation:
             )
 
 
-def _close_channels(channels: list[_Channel], lock: threading.RLock) -> None:
+def _close_channels(channels: list[Channel], lock: threading.RLock) -> None:
     with lock:
         idle = list(channels)
         channels.clear()
@@ -744,7 +446,7 @@ class Client:
         # Held only to take or give back an idle connection. Re-entrant: a signal handler
         # calling the client while this thread holds it would otherwise wait for good.
         self._lock = threading.RLock()
-        self._idle: list[_Channel] = []
+        self._idle: list[Channel] = []
         # A Client dropped without close() (Client().latest(job) is a fine one-liner) still
         # closes its pooled sockets when collected; the finalizer holds the list, not the Client.
         self._memfds = MemfdPool()
@@ -784,17 +486,17 @@ class Client:
         self._finalizer()
         self._memfd_finalizer()
 
-    def _open_channel(self) -> _Channel:
+    def _open_channel(self) -> Channel:
         if self._closed:
             raise RejectedInput("this ckptdrain Client is closed; create a new one")
-        return _Channel.open(
+        return Channel.open(
             self.socket_path, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s
         )
 
     def _call(
         self, kind: str, fields: dict[str, Any], timeout_s: float | None = None
     ) -> dict[str, Any]:
-        channel: _Channel | None = None
+        channel: Channel | None = None
         with self._lock:
             while self._idle and channel is None:
                 candidate = self._idle.pop()

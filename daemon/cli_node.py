@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ckptdrain.client import Client
-from ckptdrain.client.client import default_socket_path
+from ckptdrain.client.channel import default_socket_path
 from ckptdrain.daemon.cli_destination import EXIT_OK, EXIT_USAGE, CommandFailed, job_arg, step_arg
 from ckptdrain.daemon.cli_destination import human as _human
 

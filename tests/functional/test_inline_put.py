@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import Backpressure, wire
-from ckptdrain.client import client as client_module
+from ckptdrain.client import channel as channel_module
 from tests.conftest import DaemonProcess
 from tests.functional.test_bad_input import RawClient, error_in, frame
 from tests.functional.test_slots import _rate_limited, read_all
@@ -27,13 +27,13 @@ def _put_bytes(raw: RawClient, path: str, data: bytes, **who: Any) -> Any:
 def test_small_shards_go_in_one_round_trip_and_commit_byte_equal(
         daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[str] = []
-    request = client_module._Channel.request
+    request = channel_module.Channel.request
 
     def recording(self: Any, kind: str, *args: Any, **kwargs: Any) -> Any:
         sent.append(kind)
         return request(self, kind, *args, **kwargs)
 
-    monkeypatch.setattr(client_module._Channel, "request", recording)
+    monkeypatch.setattr(channel_module.Channel, "request", recording)
     shards = {"small.bin": os.urandom(64 << 10), "empty.bin": b"",
               "limit.bin": os.urandom(wire.INLINE_MAX_BYTES),
               "over.bin": os.urandom(wire.INLINE_MAX_BYTES + 1)}

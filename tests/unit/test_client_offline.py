@@ -33,7 +33,7 @@ from ckptdrain.client import (
     UnsupportedVersion,
     wire,
 )
-from ckptdrain.client import client as client_module
+from ckptdrain.client import channel as channel_module
 from ckptdrain.client.wire import Connection, Message, Role
 
 JOIN_TIMEOUT_S = 10.0
@@ -215,7 +215,7 @@ def client(daemon: FakeDaemon) -> Iterator[Client]:
 
 def test_default_socket_path_prefers_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTDRAIN_SOCKET", "/somewhere/ck.sock")
-    assert client_module.default_socket_path() == "/somewhere/ck.sock"
+    assert channel_module.default_socket_path() == "/somewhere/ck.sock"
     assert Client().socket_path == "/somewhere/ck.sock"
 
 
@@ -225,9 +225,9 @@ def test_default_socket_path_falls_back_to_a_per_user_socket(
 ) -> None:
     monkeypatch.delenv("CKPTDRAIN_SOCKET", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
-    assert client_module.default_socket_path() == f"/run/user/1234/ckptdrain-{os.getuid()}.sock"
+    assert channel_module.default_socket_path() == f"/run/user/1234/ckptdrain-{os.getuid()}.sock"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert client_module.default_socket_path() == f"/tmp/ckptdrain-{os.getuid()}.sock"
+    assert channel_module.default_socket_path() == f"/tmp/ckptdrain-{os.getuid()}.sock"
 
 
 def test_bad_input_fails_before_any_io(sockdir: str) -> None:
@@ -277,11 +277,11 @@ def test_socket_nobody_listens_on_is_daemon_unavailable(sockdir: str) -> None:
 
 
 def test_connect_errors_map_to_typed_errors() -> None:
-    denied = client_module.connect_error("/run/x.sock", PermissionError(13, "Permission denied"))
+    denied = channel_module.connect_error("/run/x.sock", PermissionError(13, "Permission denied"))
     assert isinstance(denied, PermissionDenied) and "/run/x.sock" in denied.message
-    late = client_module.connect_error("/run/x.sock", TimeoutError("timed out"))
+    late = channel_module.connect_error("/run/x.sock", TimeoutError("timed out"))
     assert isinstance(late, Timeout)
-    other = client_module.connect_error("/run/x.sock", OSError(99, "Cannot assign"))
+    other = channel_module.connect_error("/run/x.sock", OSError(99, "Cannot assign"))
     assert isinstance(other, DaemonUnavailable) and "Cannot assign" in other.message
 
 
