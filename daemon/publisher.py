@@ -58,7 +58,7 @@ _G = GenerationState
 # ends (new keys on every page) held the poller, past drain.commit_wait_s, and every other
 # generation it waits on with it (found attacking). As long as the commit's wait, between
 # these (a read of 1,000 nodes' records takes seconds).
-PART_READ_MIN_S = 5.0
+PART_READ_MIN_S = 2.0
 PART_READ_MAX_S = 60.0
 # Generations polled at once (each reads its part records at the destination).
 POLLS_AT_ONCE = 16
