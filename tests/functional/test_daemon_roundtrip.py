@@ -179,10 +179,7 @@ def test_a_step_retention_would_remove_at_once_is_refused(make_daemon) -> None: 
     # had trusted it): refused all the same.
     latest = d.dest / "roll" / "LATEST"
     for hint in (None, b"not-a-step", b"20"):
-        if hint is None:
-            latest.unlink()
-        else:
-            latest.write_bytes(hint)
+        _set_latest(latest, hint)
         with pytest.raises(RejectedInput, match="above 40"), c.generation("roll", 26):
             pass
     latest.write_bytes(b"40")
@@ -211,12 +208,17 @@ def test_a_rollback_is_refused_behind_many_uncommitted_directories(make_daemon) 
         (partial / "w.bin").write_bytes(b"never committed")
     latest = d.dest / "roll" / "LATEST"
     for hint in (b"30", None, b"xx"):  # ... whatever LATEST says, or if it is gone
-        if hint is None:
-            latest.unlink()
-        else:
-            latest.write_bytes(hint)
+        _set_latest(latest, hint)
         with pytest.raises(RejectedInput, match="above 30"), c.generation("roll", 15):
             pass
+
+
+def _set_latest(latest: Path, hint: bytes | None) -> None:
+    """LATEST as a hint that is wrong: ``hint``, or removed (None)."""
+    if hint is None:
+        latest.unlink()
+    else:
+        latest.write_bytes(hint)
 
 
 def test_two_nodes_one_retention_run_per_commit_and_both_forget_older(make_daemon) -> None:  # type: ignore[no-untyped-def]

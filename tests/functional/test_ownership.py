@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -99,8 +102,6 @@ async def test_a_stop_waits_for_critical_work_only() -> None:
 
 @pytest.mark.asyncio
 async def test_a_call_past_its_timeout_is_stuck_until_it_returns_and_then_cleaned_up() -> None:
-    import threading
-
     plane = DataPlane(2, 0.05, pumps=2)
     gate = threading.Event()
     cleaned: list[bool] = []
@@ -117,23 +118,28 @@ async def test_a_call_past_its_timeout_is_stuck_until_it_returns_and_then_cleane
         plane.close()
 
 
-@pytest.mark.asyncio
-async def test_what_a_call_given_up_on_makes_later_is_released(tmp_path: Path) -> None:
-    # Found reading the give-up path: a staged temp file's open that outlived io_timeout_s
-    # still opened the file once its thread got going, and nobody closed that fd.
-    import threading
-
-    plane = DataPlane(2, 0.05, pumps=2)
-    gate = threading.Event()
+def _closing_recorder() -> tuple[list[int], Callable[[int], None]]:
+    """An ``abandoned`` callback that closes each fd it is given, and the list of them."""
     released: list[int] = []
-
-    def slow_open() -> int:
-        assert gate.wait(10.0)
-        return os.open(tmp_path / "late.tmp", os.O_WRONLY | os.O_CREAT, 0o600)
 
     def release(fd: int) -> None:
         released.append(fd)
         os.close(fd)
+
+    return released, release
+
+
+@pytest.mark.asyncio
+async def test_what_a_call_given_up_on_makes_later_is_released(tmp_path: Path) -> None:
+    # Found reading the give-up path: a staged temp file's open that outlived io_timeout_s
+    # still opened the file once its thread got going, and nobody closed that fd.
+    plane = DataPlane(2, 0.05, pumps=2)
+    gate = threading.Event()
+    released, release = _closing_recorder()
+
+    def slow_open() -> int:
+        assert gate.wait(10.0)
+        return os.open(tmp_path / "late.tmp", os.O_WRONLY | os.O_CREAT, 0o600)
 
     try:
         with pytest.raises(StuckIO):
@@ -158,21 +164,14 @@ async def test_what_a_call_given_up_on_makes_later_is_released(tmp_path: Path) -
 async def test_what_a_call_returns_as_its_caller_is_cancelled_is_released(tmp_path: Path) -> None:
     # Found reviewing the above: a caller cancelled after the thread had returned (its
     # result posted, the caller not yet resumed) took the path that only ran ``cleanup``.
-    import threading
-    import time
-
     plane = DataPlane(2, 10.0, pumps=2)
     returning = threading.Event()
-    released: list[int] = []
+    released, release = _closing_recorder()
 
     def quick_open() -> int:
         fd = os.open(tmp_path / "quick.tmp", os.O_WRONLY | os.O_CREAT, 0o600)
         returning.set()
         return fd
-
-    def release(fd: int) -> None:
-        released.append(fd)
-        os.close(fd)
 
     try:
         caller = asyncio.ensure_future(plane.call(quick_open, abandoned=release))
