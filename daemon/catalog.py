@@ -445,46 +445,55 @@ async def _write_verified(
     # A shard that does not match the manifest is read once more before the destination is
     # blamed: bytes damaged on the way (a proxy, a resumed range) read right the second time,
     # and "the shard at the destination is damaged" sent operators to an older checkpoint
-    # for nothing (found attacking). Twice the same way, it is the destination's.
-    for last in (False, True):
-        tmp, fd = await _create_temp(target)
-        # The temp exists from here: renamed when verified, unlinked on every other way out.
-        done = False
-        try:
-            try:
-                # The second read's bytes were counted by the first (no progress past 100%).
-                size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
-                                                         progress=None if last else progress,
-                                                         owned=True, expected_size=shard.size)
-            except OSError as exc:
-                if exc.filename is not None or exc.errno is None:
-                    raise
-                # A write into the file without its name (pwritev): the target named, or
-                # a full disk said only "No space left on device" (found attacking).
-                raise OSError(exc.errno, exc.strerror, str(target)) from exc
-            finally:
-                os.close(fd)
-            problem = ""
-            if size != shard.size:
-                relation = "longer than" if size > shard.size else "shorter than"
-                problem = (f"{shard.path} is {relation} the {shard.size} bytes the manifest "
-                           f"lists ({size})")
-            elif checksum != shard.checksum:
-                problem = (f"{shard.path} does not match its checksum in the manifest "
-                           f"({checksum} != {shard.checksum})")
-            if problem and last:
-                raise RestoreError(f"{problem}, read twice; the shard at the destination is "
-                                   "damaged: restore an older generation (`ckptdrain ls` "
-                                   "lists them)")
-            if problem:
-                continue
-            await _settled(os.replace, tmp, target)
-            done = True
-        finally:
-            if not done:
-                tmp.unlink(missing_ok=True)
-        break
+    # for nothing (found attacking). Twice the same way, it is the destination's. The second
+    # read's bytes were counted by the first (no progress past 100%).
+    size, problem = await _write_checked(backend, key, target, shard, progress)
+    if problem:
+        size, problem = await _write_checked(backend, key, target, shard, None)
+    if problem:
+        raise RestoreError(f"{problem}, read twice; the shard at the destination is damaged: "
+                           "restore an older generation (`ckptdrain ls` lists them)")
     return size
+
+
+async def _write_checked(
+    backend: Backend,
+    key: str,
+    target: Path,
+    shard: ShardEntry,
+    progress: Callable[[int], None] | None,
+) -> tuple[int, str]:
+    """Copy ``key`` into a temp file beside ``target`` and rename it into place if it is the
+    shard the manifest lists: (its size, "") or (its size, what is wrong with it)."""
+    tmp, fd = await _create_temp(target)
+    # The temp exists from here: renamed when verified, unlinked on every other way out.
+    done = False
+    try:
+        try:
+            size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
+                                                     progress=progress, owned=True,
+                                                     expected_size=shard.size)
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            # A write into the file without its name (pwritev): the target named, or a full
+            # disk said only "No space left on device" (found attacking).
+            raise OSError(exc.errno, exc.strerror, str(target)) from exc
+        finally:
+            os.close(fd)
+        if size != shard.size:
+            relation = "longer than" if size > shard.size else "shorter than"
+            return size, (f"{shard.path} is {relation} the {shard.size} bytes the manifest "
+                          f"lists ({size})")
+        if checksum != shard.checksum:
+            return size, (f"{shard.path} does not match its checksum in the manifest "
+                          f"({checksum} != {shard.checksum})")
+        await _settled(os.replace, tmp, target)
+        done = True
+        return size, ""
+    finally:
+        if not done:
+            tmp.unlink(missing_ok=True)
 
 
 def _unlink(path: Path) -> None:
