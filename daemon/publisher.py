@@ -177,8 +177,7 @@ class Publisher:
             # The state changed in memory before the journal write: free what it held even if
             # that write failed.
             if gen.terminal:
-                self._missing.pop(gen.key, None)
-                self._unreadable.pop(gen.key, None)
+                self._forget_waiting(gen.key)
                 self.metrics.generation_failed(gen.job, kind)
                 self._on_terminal(gen)
                 self._on_ended(gen)
@@ -404,8 +403,7 @@ class Publisher:
             manifest = result.manifest
             committed_at = manifest.clocks.get("committed", time.time()) if manifest else time.time()
             await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=committed_at)
-            self._missing.pop(gen.key, None)
-            self._unreadable.pop(gen.key, None)
+            self._forget_waiting(gen.key)
             clocks = {
                 "started": gen.created_at,
                 "handoff": gen.handoff_at or gen.created_at,
@@ -454,6 +452,11 @@ class Publisher:
             # attacking: four waiting generations ended 6, 12, 18 and 24 s late).
             await for_each_bounded(waiting, functools.partial(self._poll_locked, newest),
                                    POLLS_AT_ONCE)
+
+    def _forget_waiting(self, key: GenKey) -> None:
+        """What the polls learned about a generation that has ended or committed."""
+        self._missing.pop(key, None)
+        self._unreadable.pop(key, None)
 
     async def _poll_locked(self, newest: dict[str, int], gen: GenerationRecord) -> None:
         # Locked: an advance is at work on it right now, and will settle it itself.

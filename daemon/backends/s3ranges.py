@@ -153,6 +153,16 @@ async def _read_on(client: S3Client, rng: Range, write: Writer,
     # byte twice more on the event loop's thread.
     pieces: builtins.list[bytes] = []
     held = 0
+
+    async def flush() -> None:
+        nonlocal pieces, held
+        if pieces:
+            done.crc = await write(pieces, rng.offset + done.written, done.crc)
+            done.written += held
+            if progress is not None:
+                progress(held)
+        pieces, held = [], 0
+
     async with answer["Body"] as body:
         if not answered.startswith(asked):
             # Written where they were asked for, another range's bytes would only be caught by
@@ -170,11 +180,7 @@ async def _read_on(client: S3Client, rng: Range, write: Writer,
                 # that reading on asks only for the rest (dropped, a range whose answer
                 # failed after its last byte was asked for again, and failed the same way,
                 # until max_attempts: found attacking the resume).
-                if pieces:
-                    done.crc = await write(pieces, rng.offset + done.written, done.crc)
-                    done.written += held
-                    if progress is not None:
-                        progress(held)
+                await flush()
                 raise
             if not piece:
                 break
@@ -185,16 +191,8 @@ async def _read_on(client: S3Client, rng: Range, write: Writer,
             pieces.append(piece)
             held += len(piece)
             if held >= RANGE_WRITE_BYTES or len(pieces) >= MAX_PIECES:
-                done.crc = await write(pieces, rng.offset + done.written, done.crc)
-                done.written += held
-                if progress is not None:
-                    progress(held)
-                held, pieces = 0, []
-        if pieces:
-            done.crc = await write(pieces, rng.offset + done.written, done.crc)
-            done.written += held
-            if progress is not None:
-                progress(held)
+                await flush()
+        await flush()
     if done.written != rng.length:
         raise S3Failure(f"{what} at {client.uri}: {done.written} bytes came back for a range of "
                         f"{rng.length}; the answer was cut short, retry", transient=True,
