@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from ckptdrain.client.errors import RejectedInput
 from ckptdrain.client.manifest import (
     TMP_SUFFIX,
     Manifest,
@@ -25,9 +26,10 @@ from ckptdrain.client.manifest import (
     ShardEntry,
     generation_prefix,
     manifest_key,
-    parse_manifest_key,
+    parse_generation_dir,
     shard_key,
 )
+from ckptdrain.client.names import validate_job
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
@@ -96,22 +98,40 @@ LocalSource = Callable[[ShardEntry, int], Awaitable[str | None]]
 
 
 async def list_jobs(backend: Backend) -> list[str]:
-    """Jobs with at least one committed manifest at the destination, sorted."""
-    # The Backend interface lists recursively, so this walks shard keys too; see docs/layout.md.
-    jobs = {
-        parsed[0]
-        for info in await backend.list("")
-        if (parsed := parse_manifest_key(info.key)) is not None
-    }
-    return sorted(jobs)
+    """Jobs with at least one generation holding a MANIFEST.json key, sorted.
+
+    By directory, never key by key: the job directories in one listing, then each job's
+    generation directories, and a ``stat`` of manifest keys newest first until one is there
+    (usually the newest or the one below, which is in flight). Listing every key walked every
+    shard of every generation: a million keys on a busy destination for a few job names."""
+    names = [name for name in await backend.list_dirs("") if _is_job(name)]
+    found: dict[str, bool] = {}
+
+    async def probe(job: str) -> None:
+        for step in await _manifest_steps(backend, job):
+            if await backend.stat(manifest_key(job, step), checksum=False) is not None:
+                found[job] = True
+                return
+
+    await for_each_bounded(names, probe, MANIFEST_READ_CONCURRENCY)
+    return sorted(found)
+
+
+def _is_job(name: str) -> bool:
+    try:
+        validate_job(name)
+    except RejectedInput:
+        return False
+    return True
 
 
 async def _manifest_steps(backend: Backend, job: str) -> list[int]:
-    """Steps of ``job`` that have a MANIFEST.json key, newest first (not yet parsed)."""
+    """Steps of ``job`` that have a generation directory, newest first: the ones whose
+    MANIFEST.json may exist (not read here)."""
     steps = [
-        parsed[1]
-        for info in await backend.list(f"{job}/")
-        if (parsed := parse_manifest_key(info.key)) is not None and parsed[0] == job
+        step
+        for name in await backend.list_dirs(f"{job}/")
+        if (step := parse_generation_dir(name)) is not None
     ]
     return sorted(steps, reverse=True)
 

@@ -93,6 +93,29 @@ PATHS = ("model/rank0.pt", "optim/rank0.pt", ".metadata")
 
 
 @pytest.mark.asyncio
+async def test_listing_jobs_and_generations_reads_directories_not_every_shard(
+    tmp_path: Path,
+) -> None:
+    # `ckptdrain ls` and `gc` listed every key under the destination (every shard of every
+    # generation) to find a few job names and manifest keys: a million keys on S3 is a
+    # thousand listing requests. They list directories now, and stat manifest keys.
+    backend = MemoryBackend("gpu1", store=MemoryStore())
+    await commit(backend, tmp_path, 100, PATHS)
+    await commit(backend, tmp_path, 300, PATHS)
+    await backend.put_bytes(shard_key(JOB, 400, "model/rank0.pt"), b"in flight")
+    await backend.put_bytes(shard_key("uncommitted", 5, "x"), b"x")
+    await backend.put_bytes("not a job/00000000000000000001/MANIFEST.json", b"{}")
+    backend.calls.clear()
+
+    assert await catalog.list_jobs(backend) == [JOB]
+    assert [g.step for g in await catalog.list_generations(backend, JOB)] == [300, 100]
+    assert backend.count("list") == 0
+    # What was asked: the directories, the manifests' presence and the manifests themselves.
+    assert {op for op, _ in backend.calls} == {"list_dirs", "stat", "get_bytes"}
+    assert all(key.endswith("MANIFEST.json") for op, key in backend.calls if op != "list_dirs")
+
+
+@pytest.mark.asyncio
 async def test_only_committed_generations_are_listed(
     dest: tuple[Backend, Corrupt], tmp_path: Path
 ) -> None:
