@@ -115,6 +115,8 @@ class CommitResult:
     manifest: Manifest | None
     missing_ranks: list[int] = field(default_factory=list)
     reason: str = ""
+    # INCOMPLETE: shards the part records list that the destination does not hold.
+    absent: tuple[ShardEntry, ...] = ()
 
     @property
     def committed(self) -> bool:
@@ -188,6 +190,7 @@ class Committer:
                 sorted({shard.rank for shard in absent}),
                 f"shards {_some(absent)} are listed in part records but missing at the "
                 "destination; their nodes must drain them again",
+                tuple(absent),
             )
 
         key = manifest_key(job, step)

@@ -76,6 +76,13 @@ class LocalCopies:
             self._slot[shard] = self.admission.shards.adopt(1)
             self._charge_while_open(shard, room)
 
+    def vanished(self, shard: ShardRecord) -> None:
+        """A drained shard went missing at the destination (failed, for ``retry`` to drain
+        again): while its copy exists it holds a queue slot again, as every undrained one
+        does (drained() gave it back)."""
+        if shard in self._room and shard not in self._slot:
+            self._slot[shard] = self.admission.shards.adopt(1)
+
     def kept_for_retry(self, gen: GenerationRecord) -> None:
         """``gen`` failed and keeps its undrained copies for ``ckptdrain retry``: inside
         max_staged_bytes still, but no longer against its uid's share. They wait for an

@@ -37,13 +37,20 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import owners
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.catalog import for_each_bounded
-from ckptdrain.daemon.commit import CommitOutcome, Committer, parse_latest
+from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer, parse_latest
 from ckptdrain.daemon.latest import PART_ENTRY_BYTES, off_loop_if_large, parse_part
 from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecord
 from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import OncePerCause, log_event, per_user
 from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
-from ckptdrain.daemon.state import GenerationEvent, GenerationState, RankEvent, RankState
+from ckptdrain.daemon.state import (
+    GenerationEvent,
+    GenerationState,
+    RankEvent,
+    RankState,
+    ShardEvent,
+    ShardState,
+)
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
@@ -82,6 +89,7 @@ class Publisher:
         on_terminal: Callable[[GenerationRecord], None],
         on_ended: Callable[[GenerationRecord], None],
         on_published: Callable[[GenerationRecord], None] = lambda gen: None,
+        on_vanished: Callable[[ShardRecord], None] = lambda shard: None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -93,6 +101,7 @@ class Publisher:
         # This node's create made the manifest: the daemon runs the job's retention (one node
         # per commit, not every node of the job).
         self._on_published = on_published
+        self._on_vanished = on_vanished  # the local copy holds a queue slot again
         self.destination = config.destination.scheme
         self._poll_now = asyncio.Event()
         # Work that outlives its caller (a failure record, aborting uploads), queued here and
@@ -101,8 +110,9 @@ class Publisher:
         self._part_locks = KeyedLocks()
         # Ranks with no part record at the last look, for the commit_wait_s message.
         self._missing: dict[GenKey, list[int]] = {}
-        # Why a generation's part records could not be read at its last poll (its expiry
-        # names that, not a manifest that never appeared).
+        # Why a generation could not commit at its last poll: its part records unreadable, or
+        # shards of other nodes missing at the destination (its expiry names that, not a
+        # manifest that never appeared).
         self._unreadable: dict[GenKey, str] = {}
         # An unreachable destination fails every poll alike: one line per cause a minute.
         self._error_log = OncePerCause(60.0)
@@ -420,6 +430,36 @@ class Publisher:
         elif result.outcome is CommitOutcome.CONFLICT:
             await self.end(gen, f"another manifest for this generation differs: {result.reason}",
                            kind="conflict")
+        elif result.absent:
+            await self._absent(gen, result)
+
+    async def _absent(self, gen: GenerationRecord, result: CommitResult) -> None:
+        """Shards the part records list are missing at the destination: deleted behind the
+        daemon's back after they drained (an operator freeing room, a cleanup script). This
+        node's own end the generation now, each failed so that `ckptdrain retry` drains its
+        kept copy again; waiting could only end at drain.commit_wait_s, saying the manifest
+        never appeared (found attacking: an hour's silent wait, and a retry that re-sent
+        only the shards that had failed before). Other nodes' are theirs to see: the reason
+        is kept for this generation's expiry."""
+        node = self.config.node_id
+        mine = [gen.shards[s.path] for s in result.absent
+                if s.node == node and s.path in gen.shards]
+        if not mine:
+            self._unreadable[gen.key] = result.reason
+            return
+        for shard in mine:
+            if shard.state is ShardState.DRAINED:
+                await self.ledger.apply(shard, ShardEvent.VANISHED,
+                                        error="missing at the destination after it drained")
+                self._on_vanished(shard)
+        names = ", ".join(repr(s.path) for s in mine[:5]) + (" ..." if len(mine) > 5 else "")
+        lost = [s for s in mine if not s.local_copy]
+        then = ("their local copies are gone too: save a new step" if lost else
+                f"`ckptdrain retry {gen.job} {gen.step}` drains them again from this node's "
+                "local copies")
+        await self.end(gen, f"{len(mine)} shard(s) drained from this node ({names}) are "
+                            "missing at the destination: something deleted them before the "
+                            f"commit; {then}", kind="drain")
 
     async def _end_older(self, job: str, step: int) -> None:
         """Step ``step`` of ``job`` committed: older steps still waiting here can never be the

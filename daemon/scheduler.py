@@ -58,6 +58,7 @@ class Scheduler:
         on_drained: Callable[[ShardRecord], None],
         on_terminal: Callable[[GenerationRecord], None],
         on_published: Callable[[GenerationRecord], None] = lambda gen: None,
+        on_vanished: Callable[[ShardRecord], None] = lambda shard: None,
         upload_log_for: Callable[[ShardRecord], UploadLog | None] | None = None,
     ) -> None:
         self.ledger = ledger
@@ -69,7 +70,7 @@ class Scheduler:
         self.publisher = Publisher(
             config=config, ledger=ledger, committer=committer, metrics=metrics,
             drain=self._drain_deferred, on_terminal=on_terminal, on_ended=self._discard_copies,
-            on_published=on_published,
+            on_published=on_published, on_vanished=on_vanished,
         )
         self.config = config
         self._queue = FairQueue()

@@ -111,6 +111,7 @@ class Daemon:
             config=config, ledger=self.ledger, staging=self.staging, backend=self.backend,
             committer=self.committer, metrics=self.metrics, on_drained=self.copies.drained,
             on_terminal=self._after_terminal, on_published=self._published,
+            on_vanished=self.copies.vanished,
             upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
         self.handoffs = Handoffs(self)

@@ -52,6 +52,7 @@ class ShardEvent(enum.Enum):
     DRAIN_FAILED = enum.auto()  # a permanent error, or the retry budget is spent
     DISCARDED = enum.auto()  # its generation was aborted, cancelled or replaced
     RETRIED = enum.auto()  # `ckptdrain retry`: the kept local copy is queued again
+    VANISHED = enum.auto()  # drained, then gone from the destination before the commit
 
 
 class RankEvent(enum.Enum):
@@ -97,6 +98,9 @@ TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     # A drained shard's local copy goes when a later rank of its generation aborts.
     (_S.DRAINED, _SE.DISCARDED): _S.DISCARDED,
     (_S.FAILED, _SE.RETRIED): _S.STAGED,
+    # Deleted at the destination behind the daemon's back before its generation committed:
+    # failed, so the generation ends saying so and `ckptdrain retry` drains the kept copy again.
+    (_S.DRAINED, _SE.VANISHED): _S.FAILED,
     (_S.FAILED, _SE.DISCARDED): _S.DISCARDED,
 
     (_R.OPEN, _RE.SEALED): _R.SEALED,

@@ -108,24 +108,33 @@ def backend_error(exc: OSError, what: str) -> BackendError:
     return BackendError(f"{what}: {exc.strerror or exc}", transient=code in _TRANSIENT_ERRNOS)
 
 
+# Before the node id in a temp name; node ids are letters, digits, '.', '_' and '-'.
+_OWNER = "~"
+
+
 def temp_name(final_name: str, node_id: str) -> str:
-    """``.<name>.<node>.<random>.ckptdrain-tmp``: hidden, unique, and saying whose it is, so
+    """``.<name>~<node>.<random>.ckptdrain-tmp``: hidden, unique, and saying whose it is, so
     a sweep can remove this node's leftovers at once and other nodes' only when old.
 
-    The name part is shortened to keep the whole within NAME_MAX: it is only there to help a
-    human, while the owner and suffix (which sweeps parse from the end) must survive.
+    The node follows the last ``~``, which no node id holds: with a ``.`` there (as before),
+    node ``gpu1`` read ``.w.bin.rack2.gpu1.<random>`` as its own, and its sweep removed node
+    ``rack2.gpu1``'s file while it was being written (found attacking). The name part is
+    shortened to keep the whole within NAME_MAX: it is only there to help a human, while the
+    owner and suffix (which sweeps parse from the end) must survive.
     """
-    tail = f".{node_id}.{secrets.token_hex(RANDOM_HEX // 2)}{TMP_SUFFIX}"
+    tail = f"{_OWNER}{node_id}.{secrets.token_hex(RANDOM_HEX // 2)}{TMP_SUFFIX}"
     budget = max(0, NAME_MAX - 1 - len(tail))
     return f".{final_name[:budget]}{tail}"
 
 
 def temp_owner_matches(name: str, node_id: str) -> bool:
+    """Whether temp ``name`` is ``node_id``'s. One named the older way (the node after a
+    ``.``) is nobody's: it goes once older than the grace, as another node's would."""
     stem = name[: -len(TMP_SUFFIX)]
     head, dot, rand = stem.rpartition(".")
     if not dot or len(rand) != RANDOM_HEX:
         return False
-    return head.endswith(f".{node_id}")
+    return _OWNER in head and head.rpartition(_OWNER)[2] == node_id
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:

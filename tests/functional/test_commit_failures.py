@@ -123,3 +123,31 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
     d.client().retry("job", 1)
     d.client().wait("job", 1, timeout_s=30)
     assert (mount_point / "proj" / "ckpt" / "job" / f"{1:020d}" / "MANIFEST.json").exists()
+
+
+def test_a_drained_shard_deleted_before_the_commit_fails_the_generation_at_once(
+    daemon: DaemonProcess,
+) -> None:
+    # Found attacking: an operator freeing room removed a drained shard of a generation still
+    # waiting for its commit. The daemon waited silently for drain.commit_wait_s (an hour by
+    # default), then said "the manifest never appeared", and `retry` re-sent only shards that
+    # had failed before, so it could never commit. Now the generation ends at its commit
+    # naming the shard, and `retry` drains it again from the kept local copy.
+    gen_dir = daemon.dest / "lost" / f"{1:020d}"
+    client = daemon.client()
+    with client.generation("lost", 1, rank=0, world_size=2) as g:
+        g.put("rank0.bin", b"0" * 50_000)
+    wait_for(lambda: (gen_dir / "rank0.bin").exists(), what="rank 0's shard drained")
+    (gen_dir / "rank0.bin").unlink()
+    with client.generation("lost", 1, rank=1, world_size=2) as g:
+        g.put("rank1.bin", b"1" * 50_000)
+    with pytest.raises(GenerationFailed, match=r"'rank0\.bin'.*missing at the destination.*"
+                                               r"ckptdrain retry lost 1"):
+        client.wait("lost", 1, timeout_s=60)  # not drain.commit_wait_s (3600 s)
+    assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log()
+
+    assert client.retry("lost", 1)["requeued"] == 1
+    client.wait("lost", 1, timeout_s=30)
+    assert (gen_dir / "rank0.bin").read_bytes() == b"0" * 50_000
+    assert (gen_dir / "MANIFEST.json").exists()
+    assert_serves_another_job(daemon, "other")

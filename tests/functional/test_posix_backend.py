@@ -483,8 +483,11 @@ async def test_sweep_removes_own_temps_and_old_temps_of_other_nodes(root: Path) 
     theirs_young = gen / temp_name("b.pt", "gpu2")
     theirs_old = gen / temp_name("c.pt", "gpu2")
     similar_node = gen / temp_name("d.pt", "x.gpu1x")
+    # Node ids may hold dots: "gpu1" once took "rack2.gpu1"'s temps for its own and removed
+    # them while they were being written (found attacking).
+    suffixed_node = gen / temp_name("e.pt", "rack2.gpu1")
     stripe_dir = root / "j" / temp_name("00000000000000000002", "gpu3")
-    for path in (mine, theirs_young, theirs_old, similar_node):
+    for path in (mine, theirs_young, theirs_old, similar_node, suffixed_node):
         path.write_bytes(b"partial")
     stripe_dir.mkdir()
     old = time.time() - 7200
@@ -499,6 +502,7 @@ async def test_sweep_removes_own_temps_and_old_temps_of_other_nodes(root: Path) 
     assert not stripe_dir.exists()
     assert theirs_young.exists()  # another node may still be writing it
     assert similar_node.exists()
+    assert suffixed_node.exists()
     assert (gen / "keep.pt").read_bytes() == b"data"
 
 
