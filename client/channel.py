@@ -8,6 +8,8 @@ import array
 import contextlib
 import os
 import socket
+import stat
+import struct
 import time
 from typing import Any
 
@@ -70,6 +72,38 @@ def connect_error(path: str, exc: OSError) -> DrainError:
     )
 
 
+def check_listener(sock: socket.socket, path: str) -> None:
+    """Refuse a daemon that another user could have put at ``path``.
+
+    Shard bytes and open descriptors of the caller's files (read-only for ``put_file``,
+    writable for a fetch) go to whoever listens on the socket. A listener is trusted when it
+    runs as root or as the caller, or when the socket's directory is writable by nobody but
+    root and the listener's user (a service's own runtime directory, ``/run``). Found
+    attacking: another user listening first at ``/tmp/ckptdrain-<uid>.sock`` (the default
+    with no ``XDG_RUNTIME_DIR``), where the sticky ``/tmp`` keeps the owner from removing it,
+    read a put_file's source and overwrote a fetch's target."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):  # not Linux: the kernel names no listener
+        return
+    uid = struct.unpack("3i", creds)[1]
+    if uid in (0, os.getuid()):
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        st = None if path.startswith("\0") else os.stat(directory)
+    except OSError:
+        st = None
+    if st is not None and st.st_uid in (0, uid) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return
+    raise DaemonUnavailable(
+        f"refusing the ckptdrain socket at {path}: it is served by uid {uid} (neither you nor "
+        f"root) from {directory}, which other users can write, so anyone could have put it "
+        "there. Set CKPTDRAIN_SOCKET to the node's daemon (a socket in a directory only its "
+        "user can write), or run your own with `ckptdrain serve`"
+    )
+
+
 class Channel:
     """One connection to the daemon after hello/welcome: sends requests, reads replies."""
 
@@ -96,6 +130,7 @@ class Channel:
                 sock.connect(path)
             except OSError as exc:
                 raise connect_error(path, exc) from exc
+            check_listener(sock, path)
         except BaseException:
             channel.close()
             raise

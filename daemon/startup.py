@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +92,18 @@ def socket_free(path: Path) -> None:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
+        uid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                   struct.calcsize("3i")))[1]
     except OSError:
         return
     finally:
         probe.close()
+    if st.st_uid != os.getuid() and uid != os.getuid():
+        # Someone else's process holds the path (clients refuse it: channel.check_listener).
+        raise StartupError("socket", f"{path} is held by a process of uid {uid}, not this "
+                           "daemon's user; in a directory other users can write (/tmp), anyone "
+                           "can take the path: set XDG_RUNTIME_DIR, or give this daemon a "
+                           "socket in a directory only its user can write")
     raise StartupError("socket", f"another daemon is already serving {path}; stop it, or give "
                        "this daemon its own socket and staging_dir")
 

@@ -10,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import Backpressure, Client, GenerationFailed, PermissionDenied
-from tests.conftest import DaemonProcess
+from ckptdrain.client import (
+    Backpressure,
+    Client,
+    DaemonUnavailable,
+    GenerationFailed,
+    PermissionDenied,
+)
+from tests.conftest import DaemonProcess, wait_for
 from tests.functional import otheruser
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -191,3 +197,62 @@ def test_the_daemons_own_uid_acts_for_any_owner(short_tmp: Path) -> None:
         assert parts and all(json.loads(p.read_text())["owner_uid"] == OTHER_UID for p in parts)
     finally:
         assert otheruser.stop(pid) == 0, log.read_text()
+
+
+def test_a_socket_another_user_put_in_a_shared_directory_is_refused(short_tmp: Path) -> None:
+    # Found attacking: with no XDG_RUNTIME_DIR the client's default is /tmp/ckptdrain-<uid>.sock.
+    # Another user listening there first (the sticky /tmp keeps the owner from removing it)
+    # was sent shard bytes and the descriptors of put_file's source and a fetch's target, and
+    # read one and overwrote the other. The client now asks the kernel who listens.
+    os.chmod(short_tmp, 0o755)
+    shared = short_tmp / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # as /tmp
+    path = shared / f"ckptdrain-{SERVICE_UID}.sock"
+
+    def squat() -> str:
+        import socket
+
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+        os.chmod(path, 0o777)
+        server.listen(1)
+        server.settimeout(20)
+        conn, _ = server.accept()
+        conn.settimeout(3)
+        got = b""
+        try:
+            while chunk := conn.recv(65536):
+                got += chunk
+        except TimeoutError:
+            pass
+        server.accept()[0].close()  # the victim's daemon, looking whether the path is free
+        return f"GOT {len(got)} bytes"
+
+    squatter = otheruser.start_as(OTHER_UID, squat)
+    wait_for(path.exists)  # the squatter listens
+
+    def victim() -> str:
+        try:
+            Client(path, timeout_s=5).status()
+        except DaemonUnavailable as exc:
+            return f"REFUSED {exc}"
+        return "CONNECTED"
+
+    said = run_as(victim, uid=SERVICE_UID, gid=SERVICE_UID)
+    assert said.startswith("REFUSED"), said
+    assert f"served by uid {OTHER_UID}" in said and "other users can write" in said
+
+    # Imported here: the child's uid may not read the library's files.
+    from ckptdrain.daemon.startup import StartupError, socket_free
+
+    def victims_daemon() -> str:
+        try:
+            socket_free(path)
+        except StartupError as exc:
+            return f"HELD {exc}"
+        return "FREE"
+
+    said = run_as(victims_daemon, uid=SERVICE_UID, gid=SERVICE_UID)
+    assert f"held by a process of uid {OTHER_UID}, not this daemon's user" in said, said
+    assert otheruser.answer(squatter) == "GOT 0 bytes"  # not even the hello
