@@ -130,7 +130,10 @@ def validate_shard_path(path: object) -> str:
             f"shard path {path!r} is reserved: ckptdrain reserves {PARTS_DIR + '/'!r} for its "
             "part records; rename the shard"
         )
-    if path == MANIFEST_NAME:
+    if components[0] == MANIFEST_NAME:
+        # Also as a directory: "MANIFEST.json/x" was taken, and its generation could never
+        # commit (the manifest's exclusive create found a directory), failing as a conflict
+        # that pages the operator (found attacking).
         raise InvalidName(
             f"shard path {path!r} is reserved for the generation manifest; rename the shard"
         )

@@ -217,8 +217,9 @@ class Committer:
             return CommitResult(
                 CommitOutcome.CONFLICT,
                 None,
-                reason=f"{key} existed at the exclusive create but is gone now; "
-                "something is deleting this generation (retention?)",
+                reason=f"{key} existed at the exclusive create but cannot be read as a file "
+                "now: something put a directory there, or is deleting this generation "
+                "(retention?); look at it, then `ckptdrain retry` or save a new step",
             )
         try:
             existing = await parse_manifest(existing_bytes)

@@ -74,6 +74,7 @@ BAD_PATHS = [
     ("a" * (names.MAX_COMPONENT_BYTES + 1), "component too long: 256 bytes"),
     ("/".join(["a" * 200] * 6), "over the limit"),
     ("MANIFEST.json", "reserved"),
+    ("MANIFEST.json/x", "reserved"),
     ("_parts/node1.json", "_parts/"),
     ("_parts", "_parts/"),
     ("x.ckptdrain-tmp", ".ckptdrain-tmp"),
