@@ -134,14 +134,17 @@ class ReadSettings:
     max_concurrency: int = 8
 
 
-# Only the file written to runs out of room: a read of the destination never does.
-_OUT_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# What only the file written to fails with: a read of the destination never runs out of room
+# (ENOSPC, EDQUOT, EFBIG), is never refused for a seal or an immutable or append-only file
+# (EPERM), and never meets a read-only filesystem (EROFS).
+_OUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EPERM, errno.EROFS})
 
 
-class _OutFull(DaemonError):
-    """The caller's file (a restore's target, a reader's fd) is full: its own OSError, not
-    the destination's ("the destination is full" sent a restore's user to the wrong disk,
-    found attacking)."""
+class _OutFailed(DaemonError):
+    """The caller's file (a restore's target, a reader's fd) refused the bytes: its own
+    OSError, not the destination's ("the destination is full" sent a restore's user to the
+    wrong disk; a reader's sealed memfd read as "permission denied ... check the
+    destination", found attacking)."""
 
     def __init__(self, error: OSError) -> None:
         super().__init__(str(error))
@@ -515,7 +518,7 @@ class PosixBackend(Backend):
         try:
             return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key),
                                    out_fd, algo, progress, owned, expected_size)
-        except _OutFull as exc:
+        except _OutFailed as exc:
             raise exc.error from None
 
     def _copy_into_sync(self, parts: builtins.list[str], out_fd: int, algo: str,
@@ -534,8 +537,8 @@ class PosixBackend(Backend):
                                              progress=progress, write_behind=False,
                                              mapped=out_fd if owned else None)
             except OSError as exc:
-                if exc.errno in _OUT_FULL:
-                    raise _OutFull(exc) from exc
+                if exc.errno in _OUT_ERRNOS:
+                    raise _OutFailed(exc) from exc
                 raise
             if os.preadv(src, [bytearray(1)], size):
                 raise BackendError(f"{'/'.join(parts)} grew while it was read",

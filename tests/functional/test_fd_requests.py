@@ -326,6 +326,28 @@ def test_a_fetch_into_a_file_opened_to_append_is_refused(
     still_serves(daemon)
 
 
+@pytest.mark.parametrize("source", ["local", "destination"])
+def test_a_fetch_into_a_sealed_memfd_is_the_callers_error(
+    daemon: DaemonProcess, source: str
+) -> None:
+    # Found attacking: from the destination, a reader's memfd sealed against writes failed
+    # as "permission denied ... let the daemon's user write there; check the destination",
+    # sending the operator after a destination that was fine.
+    c = daemon.client()
+    with c.generation("sealed", 1) as gen:
+        gen.put("w.bin", os.urandom(1 << 20))
+    c.wait("sealed", 1, timeout_s=30)
+    fd = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        fetch = c.fetch_local if source == "local" else c.fetch_from_destination
+        with pytest.raises(RejectedInput, match="file passed"):
+            fetch("sealed", 1, "w.bin", fd)
+    finally:
+        os.close(fd)
+    still_serves(daemon)
+
+
 def test_a_proc_file_is_refused_not_committed_empty(daemon: DaemonProcess) -> None:
     # Found attacking from the training side: /proc files say 0 bytes and hold more; handed
     # off with put_file they were acknowledged and committed as empty shards.
