@@ -38,8 +38,10 @@ class Admission:
         self.shards = Budget("max_queued_shards", limits.max_queued_shards)
         self.memory = Budget("max_memory_bytes", limits.max_memory_bytes)
         self._slots: dict[str, Budget] = {}
-        # Bytes each uid's hand-offs and shards hold on max_staged_bytes and max_memory_bytes.
+        # Bytes each uid's hand-offs and shards hold on max_staged_bytes and max_memory_bytes,
+        # and the max_queued_shards slots they hold (a uid's share of each, limits.*_per_uid).
         self.uid_bytes: dict[int, int] = {}
+        self.uid_shards: dict[int, int] = {}
         # One slot per generation in flight, owned by the generation until it ends.
         self._held: dict[GenerationRecord, Reservation] = {}
         # Frees room on max_staged_bytes by evicting kept local copies (set by the daemon).
@@ -110,33 +112,46 @@ class Admission:
             # Charged twice, the first charge would never be given back (a uid refused for
             # good): a bug to find, as a double release is.
             raise AccountingError(f"{reservation!r} is already charged to a uid's share")
-        reservation.then = self._take_share(uid, reservation.amount)
+        reservation.then = self._take_share(self._tally(reservation.budget), uid,
+                                            reservation.amount)
         return reservation
 
-    def _take_share(self, uid: int, amount: int) -> Callable[[], None]:
+    def _tally(self, budget: Budget) -> dict[int, int]:
+        return self.uid_shards if budget is self.shards else self.uid_bytes
+
+    @staticmethod
+    def _take_share(tally: dict[int, int], uid: int, amount: int) -> Callable[[], None]:
         """Count ``amount`` against ``uid``'s share now; returns what gives it back."""
-        self.uid_bytes[uid] = self.uid_bytes.get(uid, 0) + amount
+        tally[uid] = tally.get(uid, 0) + amount
 
         def give_back() -> None:
-            left = self.uid_bytes.get(uid, 0) - amount
+            left = tally.get(uid, 0) - amount
             if left > 0:
-                self.uid_bytes[uid] = left
+                tally[uid] = left
             else:
-                self.uid_bytes.pop(uid, None)
+                tally.pop(uid, None)
 
         return give_back
 
-    def check_uid_share(self, uid: int, amount: int) -> None:
-        cap = self.config.limits.max_reserved_bytes_per_uid
-        held = self.uid_bytes.get(uid, 0)
+    def check_uid_share(self, uid: int, amount: int, budget: Budget | None = None) -> None:
+        """Refuse at once what would take ``uid`` over its share of ``budget`` (default: the
+        bytes). The queue slots have a share of their own: empty shards pass any byte share,
+        and one user holding every max_queued_shards slot refused every other user's
+        hand-off (found attacking)."""
+        limits = self.config.limits
+        if budget is self.shards:
+            name, cap, what = "max_queued_shards_per_uid", limits.max_queued_shards_per_uid, "shards"
+        else:
+            name, cap, what = "max_reserved_bytes_per_uid", limits.max_reserved_bytes_per_uid, "bytes"
+        held = self._tally(budget or self.staged).get(uid, 0)
         if cap and held + amount > cap:
-            self.metrics.backpressure("rejected", "max_reserved_bytes_per_uid")
+            self.metrics.backpressure("rejected", name)
             raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already holds {held} "
-                               f"bytes on this node and asks for {amount} more, over "
-                               f"limits.max_reserved_bytes_per_uid ({cap}); wait for its "
-                               "shards to drain or checkpoint less often",
-                               {"limit": "max_reserved_bytes_per_uid", "limit_value": cap,
-                                "current": held, "requested": amount, "retry_after_s": 1.0})
+                               f"{what} on this node and asks for {amount} more, over "
+                               f"limits.{name} ({cap}); wait for its shards to drain or "
+                               "checkpoint less often",
+                               {"limit": name, "limit_value": cap, "current": held,
+                                "requested": amount, "retry_after_s": 1.0})
 
     def check_uid_generations(self, uid: int) -> None:
         cap = self.config.limits.max_generations_per_uid
@@ -155,14 +170,15 @@ class Admission:
     async def admit(self, budget: Budget, amount: int, job: str, step: int,
                     uid: int | None = None) -> Reservation:
         """Reserve ``amount`` of ``budget`` per limits.on_full, or raise the backpressure error.
-        Bytes are charged to ``uid``'s share (limits.max_reserved_bytes_per_uid)."""
+        Charged to ``uid``'s share of ``budget`` (limits.max_reserved_bytes_per_uid,
+        limits.max_queued_shards_per_uid)."""
         if uid is None:
             return await self._admit(budget, amount, job, step)
         # The share is taken with the check, before any wait for room: checked now and charged
         # once admitted, puts queued behind a full budget all passed the check and together
         # held three times the cap (found attacking the per-uid limit).
-        self.check_uid_share(uid, amount)
-        give_back = self._take_share(uid, amount)
+        self.check_uid_share(uid, amount, budget)
+        give_back = self._take_share(self._tally(budget), uid, amount)
         try:
             room = await self._admit(budget, amount, job, step)
         except BaseException:

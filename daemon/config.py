@@ -198,6 +198,7 @@ class LimitsConfig(BaseModel):
     max_generations_per_uid: int = Field(default=16, ge=1)
     max_jobs: int = Field(default=1000, ge=1)  # jobs tracked on this node at once
     max_reserved_bytes_per_uid: ByteSize = Field(default=0, ge=0)  # 0 = no per-uid cap
+    max_queued_shards_per_uid: int = Field(default=0, ge=0)  # 0 = no per-uid cap
     # A frame, or a shard's bytes, that arrives slower than this on average (after the
     # grace period) is cut off and what it reserved is freed: a trickle cannot hold room.
     client_min_bytes_per_s: ByteSize = Field(default=256 * KiB, ge=1)

@@ -73,8 +73,9 @@ class LocalCopies:
         its uid's share included while it is to drain (as at the hand-off that staged it)."""
         room = self._room[shard] = self.admission.staged.adopt(shard.size)
         if shard.state in (ShardState.STAGED, ShardState.FAILED):
-            self._slot[shard] = self.admission.shards.adopt(1)
+            slot = self._slot[shard] = self.admission.shards.adopt(1)
             self._charge_while_open(shard, room)
+            self._charge_while_open(shard, slot)
 
     def vanished(self, shard: ShardRecord) -> None:
         """A drained shard went missing at the destination (failed, for ``retry`` to drain
@@ -89,16 +90,16 @@ class LocalCopies:
         operator, not for a drain, and held against it they refused every later save of the
         job (found attacking the per-uid limit)."""
         for shard in gen.shards.values():
-            room = self._room.get(shard)
-            if room is not None:
-                room.settle()
+            for held in (self._room.get(shard), self._slot.get(shard)):
+                if held is not None:
+                    held.settle()
 
     def retried(self, shard: ShardRecord) -> None:
         """Its failed generation is retried: the shard counts against its uid's share again
         until it drains (an operator's retry is not refused for the share)."""
-        room = self._room.get(shard)
-        if room is not None and room.then is None:
-            self._charge_while_open(shard, room)
+        for held in (self._room.get(shard), self._slot.get(shard)):
+            if held is not None and held.then is None:
+                self._charge_while_open(shard, held)
 
     def _charge_while_open(self, shard: ShardRecord, room: Reservation) -> None:
         """Charge ``room`` to the share of ``shard``'s job's owner, if its generation is still

@@ -173,11 +173,11 @@ class Handoffs:
                 await self._check_source(src_fd, path, size, "descriptor")
             gen.reserve_path(path)
             receiving = True
-            slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step)
             # Charged to the job's owner, as a restart's recovery charges it (root saving a
             # user's job saves it for them; found attacking the per-uid limit).
-            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step,
-                                           d.ledger.jobs.get(gen.job, h.uid))
+            owner = d.ledger.jobs.get(gen.job, h.uid)
+            slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
+            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, owner)
             yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
@@ -286,12 +286,15 @@ class Handoffs:
         receiving = False
         try:
             self.check_new_shard(gen, path, size)
+            owner = d.ledger.jobs.get(gen.job, h.uid)
+            # Its queue slot is taken when it is staged (then charged to the owner); the
+            # owner's share of slots is asked now, while it can still be refused.
+            d.admission.check_uid_share(owner, 1, d.admission.shards)
             await self._check_source(fd, path, size, "memfd")
             # Reserved across every await below: a concurrent duplicate is refused.
             gen.reserve_path(path)
             receiving = True
-            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step,
-                                             d.ledger.jobs.get(gen.job, h.uid))
+            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step, owner)
             h.still_open(gen, rank)
             try:
                 # Marks the memfd busy for the client's pool until we close it (memfd.py).
@@ -383,6 +386,7 @@ class Handoffs:
                 # attacking the per-uid limit).
                 memory.settle()
                 d.admission.charge(room, owner)
+                d.admission.charge(slot, owner)
             # A staging filesystem short of room is waited out, before the copy and during
             # it, up to block_timeout_s: the hand-off is acknowledged and its bytes are only
             # in RAM (found attacking the staging disk: another user's file, written as the

@@ -82,6 +82,10 @@ BACKPRESSURE_LIMITS = (
     "max_generations_in_flight",
     "max_clients",
     "staging_filesystem",
+    # A uid's share (limits.*_per_uid): one user over it, not the node full.
+    "max_reserved_bytes_per_uid",
+    "max_queued_shards_per_uid",
+    "max_generations_per_uid",
 )
 # The kinds a backend reports (daemon/backends/base.py BackendError.kind), and ``staging``: a
 # staged copy that could not be read back to drain it.

@@ -229,3 +229,41 @@ def test_a_retry_that_fails_again_leaves_nothing_charged(make_daemon: Any) -> No
         for gen in gens:
             with contextlib.suppress(DrainError):
                 gen.__exit__(None, None, None)
+
+
+@needs_root
+def test_one_uid_cannot_hold_every_queue_slot(make_daemon: Any) -> None:
+    # Found attacking: empty shards pass any byte share. A user put 0-byte deferred shards
+    # into a generation whose second rank never came, held every max_queued_shards slot (for
+    # open_rank_idle_timeout_s, an hour), and every other user's hand-off was refused.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS="20",
+                                   CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS_PER_UID="10",
+                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="1MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
+                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
+    os.chmod(d.socket_path.parent, 0o755)
+    c = d.client(timeout_s=30)
+    hog = c.generation("hog", 1, world_size=2)
+    hog.__enter__()
+    held = 0
+    with pytest.raises(Backpressure) as info:
+        for i in range(20):
+            hog.put(f"empty-{i}", b"", deferred=True)
+            held += 1
+    assert held == 10
+    assert info.value.details["limit"] == "max_queued_shards_per_uid"
+
+    def victim() -> str:
+        with Client(d.socket_path, timeout_s=30).generation("victim", 1) as gen:
+            gen.put("w", b"the other user's bytes")
+        return "SAVED"
+
+    assert answer(start_as(OTHER_UID, victim)) == "SAVED"
+    hog.abort("done")
+    hog.__exit__(None, None, None)
+    wait_for(lambda: c.status()["queued_shards"] == 0)  # every slot and share given back
+    with c.generation("hog", 2) as gen:
+        for i in range(10):
+            gen.put(f"w-{i}", b"")
+    c.wait("hog", 2, timeout_s=30)
