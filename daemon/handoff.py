@@ -438,6 +438,14 @@ class Handoffs:
                 await d.scheduler.advance(gen)
             else:
                 d.scheduler.enqueue(gen, shard)
+        except SourceEnded as exc:
+            # The client cut its memfd short after the acknowledgement: its own doing, which
+            # fails its generation (the bytes are gone) but pages no operator, as a drain
+            # failure did (found attacking: any user could raise pages at will).
+            await d.fail(gen, f"the memfd of the memory hand-off {shard.path!r} was changed "
+                              f"after it was acknowledged ({exc.strerror}); under ack=memory a "
+                              "memfd passed with put_file is the daemon's until it is on local "
+                              "storage: use put() to reuse a buffer", kind="aborted")
         except (BudgetFull, TooLarge, OSError, StuckIO) as exc:
             await d.fail(gen, f"could not write the memory hand-off {shard.path!r} to local "
                               f"storage: {exc}", kind="drain")

@@ -68,7 +68,8 @@ PHASES = ("handoff", "staged", "drained", "committed")
 # Why a generation will never commit. The first five are the node's or the destination's
 # doing and page (CkptdrainGenerationFailed); the training job's own doing does not:
 # ``aborted`` (a rank aborted its part: an exception in the save, a bad shard path, a rank that
-# went away) and ``replaced`` (a restarted job saved the step again under a new attempt).
+# went away, an ack=memory memfd cut short after its acknowledgement) and ``replaced`` (a
+# restarted job saved the step again under a new attempt).
 FAILURE_REASONS_PAGING = ("drain", "conflict", "timeout", "interrupted", "internal",
                           "superseded")
 FAILURE_REASONS_USER = ("aborted", "replaced")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptdrain.client import GenerationFailed
 from ckptdrain.client.memfd import MemfdPool, in_use_elsewhere
 from tests.conftest import DaemonProcess
 
@@ -111,3 +112,32 @@ def test_daemon_crash_loses_unpersisted_memory_shards_visibly(make_daemon) -> No
     [gen] = d.client().status()["generations"]
     assert gen["state"] == "failed" and "ack=memory" in gen["error"]
     assert not shard_path(d, "lost", 1, "MANIFEST.json").exists()
+
+
+def test_a_memfd_cut_short_after_its_acknowledgement_fails_as_the_jobs_doing(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: a user truncating their own memfd after an ack=memory put_file failed
+    # the generation as a drain failure, which pages the operator: anyone could page at will.
+    from tests.integration.test_metric_labels import count, scrape
+
+    d = make_daemon(CKPTDRAIN_ACK="memory", CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS="1")
+    c = d.client(timeout_s=30)
+    holder = c.generation("holder", 1, rank=0, world_size=2)  # holds the one queue slot
+    holder.__enter__()
+    holder.put("x", b"x" * 100, deferred=True)
+    fd = os.memfd_create("cut", os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, os.urandom(1 << 20))
+        with c.generation("cut", 1) as gen:
+            gen.put_file("w.bin", fd)  # acknowledged: held in RAM, waiting for the slot
+            os.ftruncate(fd, 10)
+        holder.abort("free the slot")
+        holder.__exit__(None, None, None)
+        with pytest.raises(GenerationFailed, match="changed after it was acknowledged"):
+            c.wait("cut", 1, timeout_s=30)
+    finally:
+        os.close(fd)
+    text = scrape(d)
+    assert count(text, "ckptdrain_generations_failed_total", job="cut",
+                 reason="aborted") == 1
+    assert count(text, "ckptdrain_generations_failed_total", job="cut",
+                 reason="drain") == 0
