@@ -217,7 +217,12 @@ class Publisher:
     async def _advance(self, gen: GenerationRecord) -> None:
         if gen.terminal or not gen.ranks:
             return
-        if any(st is RankState.OPEN or (st is RankState.SEALED and not gen.rank_drained(r))
+        # A recorded rank waits too: a retry drains again a shard that went missing at the
+        # destination after its rank was recorded, and published before that copy ended, the
+        # generation failed again, for as long as the copy took longer than the publish
+        # (found attacking the retry).
+        if any(st is RankState.OPEN or (st in (RankState.SEALED, RankState.RECORDED)
+                                        and not gen.rank_drained(r))
                for r, st in gen.ranks.items()):
             return
         ready = [r for r, st in gen.ranks.items() if st is RankState.SEALED]

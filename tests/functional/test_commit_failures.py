@@ -126,17 +126,20 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
 
 
 def test_a_drained_shard_deleted_before_the_commit_fails_the_generation_at_once(
-    daemon: DaemonProcess,
+    make_daemon: Any,
 ) -> None:
     # Found attacking: an operator freeing room removed a drained shard of a generation still
     # waiting for its commit. The daemon waited silently for drain.commit_wait_s (an hour by
     # default), then said "the manifest never appeared", and `retry` re-sent only shards that
     # had failed before, so it could never commit. Now the generation ends at its commit
-    # naming the shard, and `retry` drains it again from the kept local copy.
+    # naming the shard, and `retry` drains it again from the kept local copy. The drain is
+    # paced so that copy takes a second or two: the retry published before it ended, and
+    # failed again (found attacking the fix).
+    daemon: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="400000")
     gen_dir = daemon.dest / "lost" / f"{1:020d}"
     client = daemon.client()
     with client.generation("lost", 1, rank=0, world_size=2) as g:
-        g.put("rank0.bin", b"0" * 50_000)
+        g.put("rank0.bin", b"0" * 600_000)
     wait_for(lambda: (gen_dir / "rank0.bin").exists(), what="rank 0's shard drained")
     (gen_dir / "rank0.bin").unlink()
     with client.generation("lost", 1, rank=1, world_size=2) as g:
@@ -148,6 +151,6 @@ def test_a_drained_shard_deleted_before_the_commit_fails_the_generation_at_once(
 
     assert client.retry("lost", 1)["requeued"] == 1
     client.wait("lost", 1, timeout_s=30)
-    assert (gen_dir / "rank0.bin").read_bytes() == b"0" * 50_000
+    assert (gen_dir / "rank0.bin").read_bytes() == b"0" * 600_000
     assert (gen_dir / "MANIFEST.json").exists()
     assert_serves_another_job(daemon, "other")
