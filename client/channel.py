@@ -77,11 +77,14 @@ def check_listener(sock: socket.socket, path: str) -> None:
 
     Shard bytes and open descriptors of the caller's files (read-only for ``put_file``,
     writable for a fetch) go to whoever listens on the socket. A listener is trusted when it
-    runs as root or as the caller, or when the socket's directory is writable by nobody but
-    root and the listener's user (a service's own runtime directory, ``/run``). Found
-    attacking: another user listening first at ``/tmp/ckptdrain-<uid>.sock`` (the default
-    with no ``XDG_RUNTIME_DIR``), where the sticky ``/tmp`` keeps the owner from removing it,
-    read a put_file's source and overwrote a fetch's target."""
+    runs as root or as the caller, or when only root could have given it the socket's
+    directory: that directory (links resolved) is the listener's or root's and no one else
+    may write it, and every directory above it is root's and no one else may write it (a
+    service's runtime directory under ``/run``). Found attacking: another user listening
+    first at ``/tmp/ckptdrain-<uid>.sock`` (the default with no ``XDG_RUNTIME_DIR``; the
+    sticky ``/tmp`` keeps the owner from removing it) read a put_file's source and overwrote
+    a fetch's target; then, with the directory alone checked, a directory or link of the
+    attacker's own in ``/tmp`` passed."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):  # not Linux: the kernel names no listener
@@ -89,19 +92,33 @@ def check_listener(sock: socket.socket, path: str) -> None:
     uid = struct.unpack("3i", creds)[1]
     if uid in (0, os.getuid()):
         return
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        st = None if path.startswith("\0") else os.stat(directory)
-    except OSError:
-        st = None
-    if st is not None and st.st_uid in (0, uid) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    directory = os.path.dirname(os.path.realpath(path)) if not path.startswith("\0") else ""
+    if directory and _only_root_could_give(directory, uid):
         return
     raise DaemonUnavailable(
         f"refusing the ckptdrain socket at {path}: it is served by uid {uid} (neither you nor "
-        f"root) from {directory}, which other users can write, so anyone could have put it "
-        "there. Set CKPTDRAIN_SOCKET to the node's daemon (a socket in a directory only its "
-        "user can write), or run your own with `ckptdrain serve`"
+        f"root) from {directory or 'the abstract namespace'}, which other users can write or "
+        "could have made, so anyone could have put it there. Set CKPTDRAIN_SOCKET to the "
+        "node's daemon (a socket in a directory under /run that only its user can write), "
+        "or run your own with `ckptdrain serve`"
     )
+
+
+def _only_root_could_give(directory: str, uid: int) -> bool:
+    """``directory`` (links resolved) is ``uid``'s or root's and no one else may write it,
+    and so is every directory above it, root's alone."""
+    owners: tuple[int, ...] = (0, uid)
+    while True:
+        try:
+            st = os.stat(directory)
+        except OSError:
+            return False
+        if st.st_uid not in owners or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return True
+        directory, owners = parent, (0,)
 
 
 class Channel:

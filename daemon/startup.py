@@ -101,9 +101,10 @@ def socket_free(path: Path) -> None:
     if st.st_uid != os.getuid() and uid != os.getuid():
         # Someone else's process holds the path (clients refuse it: channel.check_listener).
         raise StartupError("socket", f"{path} is held by a process of uid {uid}, not this "
-                           "daemon's user; in a directory other users can write (/tmp), anyone "
-                           "can take the path: set XDG_RUNTIME_DIR, or give this daemon a "
-                           "socket in a directory only its user can write")
+                           "daemon's user: stop it; and if it has no business there (in a "
+                           "directory other users can write, like /tmp, anyone may take the "
+                           "path first), give this daemon a socket in a directory only its "
+                           "user can write (XDG_RUNTIME_DIR, or `socket` in the config)")
     raise StartupError("socket", f"another daemon is already serving {path}; stop it, or give "
                        "this daemon its own socket and staging_dir")
 

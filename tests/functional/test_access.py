@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,25 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
 OTHER_UID = 65534
 SITE_GID = 4242
 SERVICE_UID = 4301  # a daemon run as its own service user
+
+
+@pytest.fixture
+def service_runtime_dir() -> Iterator[Callable[[], Path]]:
+    """Makes ``/run/<random>/svc``: root's, then the service user's, both 0755."""
+    made: list[Path] = []
+
+    def make() -> Path:
+        top = Path(tempfile.mkdtemp(prefix="ckptdrain-test-", dir="/run"))
+        made.append(top)
+        os.chmod(top, 0o755)
+        svc = top / "svc"
+        svc.mkdir(mode=0o755)
+        os.chown(svc, SERVICE_UID, SERVICE_UID)
+        return svc
+
+    yield make
+    for top in made:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def run_as(fn: Callable[[], str], uid: int = OTHER_UID, gid: int = OTHER_UID,
@@ -155,7 +176,9 @@ def test_one_users_refusals_do_not_hide_anothers(make_daemon) -> None:  # type: 
     assert len(refused) == 2, refused  # the first user's second refusal is held back
 
 
-def test_the_daemons_own_uid_acts_for_any_owner(short_tmp: Path) -> None:
+def test_the_daemons_own_uid_acts_for_any_owner(
+    short_tmp: Path, service_runtime_dir: Callable[[], Path]
+) -> None:
     # As documented (root and the daemon's own uid act for any owner), but a begin or an
     # abort_generation from the daemon's uid (a unit's User=) of a user's job was refused:
     # the write check let only uid 0 through.
@@ -163,7 +186,10 @@ def test_the_daemons_own_uid_acts_for_any_owner(short_tmp: Path) -> None:
     svc.mkdir()
     os.chown(svc, SERVICE_UID, SERVICE_UID)
     os.chmod(short_tmp, 0o755)
-    d = DaemonProcess(root=svc, socket_path=svc / "d.sock", dest_uri=f"file://{svc / 'dest'}",
+    # Its socket in a runtime directory of its own under /run, as systemd's RuntimeDirectory=
+    # makes it: clients trust another uid's socket only where root alone could have put it.
+    runtime = service_runtime_dir()
+    d = DaemonProcess(root=svc, socket_path=runtime / "d.sock", dest_uri=f"file://{svc / 'dest'}",
                       overrides={"CKPTDRAIN_ACCESS__SOCKET_MODE": "0666",
                                  "CKPTDRAIN_ACCESS__ALLOWED_UIDS": f"[{OTHER_UID}]"})
     log = svc / "daemon.log"
@@ -199,20 +225,32 @@ def test_the_daemons_own_uid_acts_for_any_owner(short_tmp: Path) -> None:
         assert otheruser.stop(pid) == 0, log.read_text()
 
 
-def test_a_socket_another_user_put_in_a_shared_directory_is_refused(short_tmp: Path) -> None:
+@pytest.mark.parametrize("layout", ["in_it", "own_dir", "link"])
+def test_a_socket_another_user_put_in_a_shared_directory_is_refused(
+    short_tmp: Path, layout: str
+) -> None:
     # Found attacking: with no XDG_RUNTIME_DIR the client's default is /tmp/ckptdrain-<uid>.sock.
     # Another user listening there first (the sticky /tmp keeps the owner from removing it)
     # was sent shard bytes and the descriptors of put_file's source and a fetch's target, and
-    # read one and overwrote the other. The client now asks the kernel who listens.
+    # read one and overwrote the other. The client now asks the kernel who listens. Attacking
+    # that: a directory of the attacker's own in /tmp (XDG_RUNTIME_DIR=/tmp/runtime-<uid>), or
+    # a link there to one, passed a check of the socket's directory alone.
     os.chmod(short_tmp, 0o755)
     shared = short_tmp / "shared"
     shared.mkdir()
     os.chmod(shared, 0o1777)  # as /tmp
-    path = shared / f"ckptdrain-{SERVICE_UID}.sock"
+    where = {"in_it": shared, "own_dir": shared / f"runtime-{SERVICE_UID}",
+             "link": shared / "ckd"}[layout]
+    path = where / f"ckptdrain-{SERVICE_UID}.sock"
 
     def squat() -> str:
         import socket
 
+        if layout == "own_dir":
+            where.mkdir(mode=0o755)
+        elif layout == "link":
+            (shared / ".mine").mkdir(mode=0o711)
+            where.symlink_to(shared / ".mine")
         server = socket.socket(socket.AF_UNIX)
         server.bind(str(path))
         os.chmod(path, 0o777)
