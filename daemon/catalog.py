@@ -107,11 +107,22 @@ async def list_jobs(backend: Backend) -> list[str]:
     names = [name for name in await backend.list_dirs("") if _is_job(name)]
     found: dict[str, bool] = {}
 
+    # One job that cannot be read (a directory the daemon's user may not list, a manifest
+    # key that is a link) is left out with a warning, as a listing of every key passed it
+    # by: it stopped `ls` and `gc` of every other job (found attacking).
     async def probe(job: str) -> None:
-        for step in await _manifest_steps(backend, job):
-            if await backend.stat(manifest_key(job, step), checksum=False) is not None:
-                found[job] = True
-                return
+        try:
+            steps = await _manifest_steps(backend, job)
+        except BackendError as exc:
+            log.warning("leaving out job %s: %s", job, exc)
+            return
+        for step in steps:
+            try:
+                if await backend.stat(manifest_key(job, step), checksum=False) is not None:
+                    found[job] = True
+                    return
+            except BackendError as exc:
+                log.warning("ignoring %s: %s", manifest_key(job, step), exc)
 
     await for_each_bounded(names, probe, MANIFEST_READ_CONCURRENCY)
     return sorted(found)
@@ -369,7 +380,11 @@ async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concur
     try:
         await for_each_bounded(manifest.shards, fetch, concurrency)
     except BackendError as exc:
-        raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}") from exc
+        # A shard missing or not a file at the destination is the generation's damage, as a
+        # checksum mismatch is: say what to do about it, as that one does.
+        hint = ("; the generation at the destination is damaged: restore an older generation "
+                "(`ckptdrain ls` lists them)" if exc.kind in ("integrity", "unsafe") else "")
+        raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}{hint}") from exc
     made.file(root / "MANIFEST.json")
     await _settled(_write_file, root / "MANIFEST.json", manifest.to_json())
     return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root,

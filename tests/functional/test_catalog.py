@@ -116,6 +116,32 @@ async def test_listing_jobs_and_generations_reads_directories_not_every_shard(
 
 
 @pytest.mark.asyncio
+async def test_a_job_that_cannot_be_read_is_left_out_not_every_job(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found attacking the listing by directory: one job whose directory could not be listed,
+    # or whose newest manifest key was a link, stopped `ls` and `gc` of every job.
+    root = tmp_path / "dest"
+    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), "gpu1")
+    await commit(backend, tmp_path, 100)
+    linked = root / manifest_key("linked", 7)
+    linked.parent.mkdir(parents=True)
+    linked.symlink_to(root / manifest_key(JOB, 100))
+    memory = MemoryBackend("gpu1", store=MemoryStore())
+    await commit(memory, tmp_path, 100)
+    await memory.put_bytes(manifest_key("locked", 3), b"{}")
+    memory.inject("list_dirs", BackendError("listing locked/: permission denied", kind="auth"),
+                  key_contains="locked/")
+    try:
+        assert await catalog.list_jobs(backend) == [JOB]
+        assert await catalog.list_jobs(memory) == [JOB]
+    finally:
+        await backend.aclose()
+    assert "linked/00000000000000000007/MANIFEST.json" in caplog.text
+    assert "leaving out job locked" in caplog.text
+
+
+@pytest.mark.asyncio
 async def test_only_committed_generations_are_listed(
     dest: tuple[Backend, Corrupt], tmp_path: Path
 ) -> None:
@@ -260,6 +286,24 @@ async def test_restore_stops_on_a_damaged_shard_and_leaves_no_partial_file(
     assert not (target / "optim/rank0.pt").exists()
     assert not (target / "MANIFEST.json").exists()
     assert not [n for _, _, files in os.walk(target) for n in files if n.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.asyncio
+async def test_a_shard_missing_at_the_destination_says_to_restore_an_older_generation(
+    tmp_path: Path
+) -> None:
+    # Found attacking: a checksum mismatch said what to do, a shard deleted after the commit
+    # said only "... does not exist".
+    root = tmp_path / "dest"
+    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), "gpu1")
+    try:
+        await commit(backend, tmp_path, 100, PATHS)
+        (root / shard_key(JOB, 100, "optim/rank0.pt")).unlink()
+        with pytest.raises(catalog.RestoreError,
+                           match=r"optim/rank0\.pt does not exist.*restore an older generation"):
+            await catalog.restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
+    finally:
+        await backend.aclose()
 
 
 @pytest.mark.asyncio
