@@ -42,6 +42,8 @@ UNLINK_BATCH = 256
 # file is gone, so max_staged_bytes still bounds the disk, and a hand-off that waits for room
 # (or any other drop: a generation ended, failed or expired) ends the wait.
 UNLINK_GATHER_S = 0.05
+# How often a dropped copy that a reader still holds open (lent by ``open``) is looked at again.
+PINNED_RECHECK_S = 5.0
 
 
 class LocalCopies:
@@ -60,6 +62,12 @@ class LocalCopies:
         self._unlinks: list[tuple[str, Reservation | None]] = []
         self._unlinking = False
         self._unlink_now = asyncio.Event()
+        # Staged names whose fd ``open`` lent a reader, and dropped copies a reader still holds
+        # open, each with its room: held (and charged to the job's owner) until the file is
+        # gone, since an unlinked file a reader holds keeps its blocks.
+        self._lent: set[str] = set()
+        self._pinned: dict[str, Reservation] = {}
+        self._rechecking = False
 
     # -- ownership ----------------------------------------------------------------------------
     def adopt(self, shard: ShardRecord, room: Reservation, slot: Reservation | None) -> None:
@@ -120,6 +128,16 @@ class LocalCopies:
         room = self._room.get(shard)
         return room.amount if room is not None else 0
 
+    def lent(self, shard: ShardRecord) -> None:
+        """``open`` gave a reader an fd of the shard's file: when the copy is dropped, it is
+        removed only once no reader holds it (see :meth:`Staging.discard_unless_open`)."""
+        self._lent.add(shard.staged_name)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of dropped copies readers still hold open: on the disk, in max_staged_bytes."""
+        return sum(room.amount for room in self._pinned.values())
+
     # -- events -------------------------------------------------------------------------------
     def drained(self, shard: ShardRecord) -> None:
         """The bytes are safe at the destination: its queue slot goes back; the file stays as
@@ -162,6 +180,10 @@ class LocalCopies:
         room = self._room.pop(shard, None)
         if not shard.local_copy and room is None:
             return
+        if shard.staged_name in self._lent:
+            shard.local_copy = False
+            self._pin(shard, room)
+            return
         if room is not None and not hold_room:
             room.release()
             room = None
@@ -202,6 +224,51 @@ class LocalCopies:
             else:  # the call failed (logged by the supervisor): go on with the rest
                 self._unlinking = True
                 self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies")
+
+    def _pin(self, shard: ShardRecord, room: Reservation | None) -> None:
+        """Drop a lent copy: its room (taken again if it was given back) stays held, and
+        charged to the job's owner, until no reader holds the file and it is removed. A
+        reader holding every copy it was lent takes no more of the disk than its share."""
+        name = shard.staged_name
+        self._lent.discard(name)
+        if room is None:
+            room = self.admission.staged.adopt(shard.size)
+        owner = self.ledger.jobs.get(shard.job)
+        if owner is not None and room.then is None:
+            self.admission.charge(room, owner)
+        self._pinned[name] = room
+        if not self._rechecking:
+            self._rechecking = True
+            self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")
+
+    async def _remove_pinned(self) -> None:
+        """Remove the dropped copies no reader holds any longer, now and every
+        :data:`PINNED_RECHECK_S` while some remain; each one's room goes back with its file."""
+        try:
+            told = False
+            while self._pinned:
+                names = list(self._pinned)
+                try:
+                    removed = await self.dataplane.call(self.staging.discard_unless_open, names)
+                except Exception as exc:  # a staging error: looked at again, not spun on
+                    log_event(log, logging.WARNING, "local_copies_remove_failed",
+                              files=len(names), error=str(exc) or type(exc).__name__)
+                    removed = []
+                for name in removed:
+                    room = self._pinned.pop(name, None)
+                    if room is not None:
+                        room.release()
+                if not self._pinned:
+                    break
+                if not told:
+                    told = True
+                    log_event(log, logging.INFO, "local_copies_held_open",
+                              files=len(self._pinned), bytes=self.pinned_bytes,
+                              action="kept, and counted against their jobs' owners, until "
+                                     "their readers close them")
+                await asyncio.sleep(PINNED_RECHECK_S)
+        finally:
+            self._rechecking = False
 
     def discard_generation(self, gen: GenerationRecord) -> None:
         for shard in gen.shards.values():
@@ -251,6 +318,11 @@ class LocalCopies:
             if room is None:
                 continue  # dropped or evicted by someone else while this one unlinked
             shard.local_copy = False
+            if shard.staged_name in self._lent:
+                # A reader may hold it: then removing it frees nothing, and it stays counted.
+                self._pin(shard, room)
+                freed -= room.amount
+                continue
             try:
                 await self.dataplane.call(self.staging.discard, shard.staged_name)
             finally:

@@ -88,6 +88,11 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
                            "the manifest; read it from the destination")
     if checked == "hashed" and shard.checksum == expected:
         shard.vouched = (seen, expected)  # the next reader need not hash it again
+    if not shard.local_copy:  # dropped while it was checked: the fd must not outlive it
+        close()
+        raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read "
+                           "it from the destination")
+    d.copies.lent(shard)
     log_event(log, logging.INFO, "local_copy_opened", job=job, step=step, path=path,
               checked=checked)
     return opened[0]

@@ -86,6 +86,8 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         # are drained copies kept for a fast restore, evicted when a hand-off needs the room.
         "staged_bytes": a.staged.used,
         "kept_copy_bytes": d.copies.kept_bytes,
+        # Dropped copies a reader still holds open (lent by `open`): on the disk until closed.
+        "held_open_copy_bytes": d.copies.pinned_bytes,
         "memory_bytes": a.memory.used,
         "limits": {
             "max_staged_bytes": a.staged.limit,

@@ -267,3 +267,46 @@ def test_one_uid_cannot_hold_every_queue_slot(make_daemon: Any) -> None:
         for i in range(10):
             gen.put(f"w-{i}", b"")
     c.wait("hog", 2, timeout_s=30)
+
+
+@needs_root
+def test_copies_a_reader_holds_open_count_against_its_share_until_closed(make_daemon: Any) -> None:
+    # Found attacking: a user kept the fds `open_local` lent them of one committed step after
+    # another. Each newer commit dropped the older copies, and the daemon counted their room
+    # free, but an unlinked file a reader holds keeps its blocks: the staging disk filled past
+    # the user's share and refused another user's hand-off. A dropped copy a reader holds now
+    # stays on the disk, counted against its job owner's share, until it is closed.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="256MiB",
+                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="24MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
+                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
+    os.chmod(d.socket_path.parent, 0o755)
+    c = d.client(timeout_s=30)
+    held: list[int] = []
+    try:
+        with pytest.raises(Backpressure) as info:
+            for step in range(1, 10):
+                with c.generation("hoarder", step) as gen:
+                    gen.put("w.bin", os.urandom(8 * MiB))
+                c.wait("hoarder", step, timeout_s=60)
+                held.append(c.open_local("hoarder", step, "w.bin"))
+        assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
+        # Three copies held open (the newest still kept), and the fourth save refused.
+        assert len(held) == 4
+        assert c.status()["held_open_copy_bytes"] == 3 * 8 * MiB
+
+        def victim() -> str:
+            with Client(d.socket_path, timeout_s=30).generation("victim", 1) as gen:
+                gen.put("w", os.urandom(8 * MiB))
+            return "SAVED"
+
+        assert answer(start_as(OTHER_UID, victim)) == "SAVED"
+    finally:
+        for fd in held:
+            os.close(fd)
+    # Closed: each is removed and its room given back within the recheck period.
+    wait_for(lambda: c.status()["held_open_copy_bytes"] == 0, timeout_s=30)
+    with c.generation("hoarder", 20) as gen:
+        gen.put("w.bin", os.urandom(8 * MiB))
+    c.wait("hoarder", 20, timeout_s=60)
