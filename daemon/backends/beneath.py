@@ -157,8 +157,9 @@ class Beneath:
         where = self._shown(parts)
         log_event(log, logging.ERROR, "destination_symlink_refused", path=where)
         return UnsafePath(f"{where} is a symbolic link or leads out of the destination root; "
-                          "the daemon does not write through links under the destination: "
-                          "remove it, and keep the destination writable only by the daemon")
+                          "ckptdrain neither reads nor writes through links under the "
+                          "destination: remove it, and keep the destination writable only by "
+                          "the daemon")
 
     def _is_link(self, dir_fd: int, name: str) -> bool:
         try:

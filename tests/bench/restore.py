@@ -280,7 +280,8 @@ def _posix_row(ctx: Context, section: Section, runs: int, case: str, total: int,
                                 str(into)], into, env, total)
     section.rows.append(Row(
         case=f"{case} from file://", baseline_name="cp -r",
-        ours=figure(ours, "B/s"), baseline=figure(base, "B/s"), target=Target(">=", 0.9),
+        # The target for a restore from file://, checksums verified, against cp -r.
+        ours=figure(ours, "B/s"), baseline=figure(base, "B/s"), target=Target(">=", 0.8),
         bound=("page-cache copies (source cached, nothing fsynced); ours also computes the "
                f"CRC64NVME of every byte; {cpu}")))
     shutil.rmtree(dest)
