@@ -8,7 +8,6 @@ import array
 import contextlib
 import os
 import socket
-import stat
 import struct
 import time
 from typing import Any
@@ -73,52 +72,41 @@ def connect_error(path: str, exc: OSError) -> DrainError:
 
 
 def check_listener(sock: socket.socket, path: str) -> None:
-    """Refuse a daemon that another user could have put at ``path``.
+    """Refuse a daemon run by someone the caller has no reason to trust.
 
     Shard bytes and open descriptors of the caller's files (read-only for ``put_file``,
-    writable for a fetch) go to whoever listens on the socket. A listener is trusted when it
-    runs as root or as the caller, or when only root could have given it the socket's
-    directory: that directory (links resolved) is the listener's or root's and no one else
-    may write it, and every directory above it is root's and no one else may write it (a
-    service's runtime directory under ``/run``). Found attacking: another user listening
-    first at ``/tmp/ckptdrain-<uid>.sock`` (the default with no ``XDG_RUNTIME_DIR``; the
-    sticky ``/tmp`` keeps the owner from removing it) read a put_file's source and overwrote
-    a fetch's target; then, with the directory alone checked, a directory or link of the
-    attacker's own in ``/tmp`` passed."""
+    writable for a fetch) go to whoever listens on the socket. Trusted: root (the node's
+    daemon, whose socket systemd opens), the caller's own uid (a daemon they run), and the uid
+    in ``$CKPTDRAIN_DAEMON_UID`` (a daemon run as a service user that opens its own socket).
+    Found attacking: another user listening first at ``/tmp/ckptdrain-<uid>.sock`` (the
+    default with no ``XDG_RUNTIME_DIR``; the sticky ``/tmp`` keeps the owner from removing
+    it) read a put_file's source and overwrote a fetch's target. No rule about where the
+    socket lies held: a directory of the attacker's own, a link to their home, or a socket
+    swapped for a link between the connect and the look passed each one tried."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):  # not Linux: the kernel names no listener
         return
     uid = struct.unpack("3i", creds)[1]
-    if uid in (0, os.getuid()):
-        return
-    directory = os.path.dirname(os.path.realpath(path)) if not path.startswith("\0") else ""
-    if directory and _only_root_could_give(directory, uid):
+    if uid in (0, os.getuid()) or uid == _named_daemon_uid():
         return
     raise DaemonUnavailable(
-        f"refusing the ckptdrain socket at {path}: it is served by uid {uid} (neither you nor "
-        f"root) from {directory or 'the abstract namespace'}, which other users can write or "
-        "could have made, so anyone could have put it there. Set CKPTDRAIN_SOCKET to the "
-        "node's daemon (a socket in a directory under /run that only its user can write), "
-        "or run your own with `ckptdrain serve`"
+        f"refusing the ckptdrain socket at {path}: it is served by uid {uid}, neither you nor "
+        "root, so it may be another user's process (anyone may create a path in /tmp first). "
+        "Point CKPTDRAIN_SOCKET at the node's daemon, or run your own with `ckptdrain serve`; "
+        f"if uid {uid} runs the node's daemon, set CKPTDRAIN_DAEMON_UID={uid}"
     )
 
 
-def _only_root_could_give(directory: str, uid: int) -> bool:
-    """``directory`` (links resolved) is ``uid``'s or root's and no one else may write it,
-    and so is every directory above it, root's alone."""
-    owners: tuple[int, ...] = (0, uid)
-    while True:
-        try:
-            st = os.stat(directory)
-        except OSError:
-            return False
-        if st.st_uid not in owners or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-        parent = os.path.dirname(directory)
-        if parent == directory:
-            return True
-        directory, owners = parent, (0,)
+def _named_daemon_uid() -> int | None:
+    value = os.environ.get("CKPTDRAIN_DAEMON_UID", "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DaemonUnavailable(f"CKPTDRAIN_DAEMON_UID={value!r} is not a uid number; set it "
+                                "to the numeric uid the node's daemon runs as") from None
 
 
 class Channel:

@@ -116,6 +116,21 @@ class Admission:
                                             reservation.amount)
         return reservation
 
+    def take_share_with(self, reservation: Reservation, budget: Budget, uid: int,
+                        amount: int) -> None:
+        """Check and take ``amount`` of ``uid``'s share of ``budget`` now, given back with
+        ``reservation`` (released or settled): a share to hold before its room is reserved."""
+        self.check_uid_share(uid, amount, budget)
+        give_back = self._take_share(self._tally(budget), uid, amount)
+        before = reservation.then
+
+        def both() -> None:
+            give_back()
+            if before is not None:
+                before()
+
+        reservation.then = both
+
     def _tally(self, budget: Budget) -> dict[int, int]:
         return self.uid_shards if budget is self.shards else self.uid_bytes
 

@@ -80,6 +80,9 @@ class LocalCopies:
         """Recovery found ``shard``'s file: held against the limits whatever they are now,
         its uid's share included while it is to drain (as at the hand-off that staged it)."""
         room = self._room[shard] = self.admission.staged.adopt(shard.size)
+        if shard.state is ShardState.DRAINED:
+            # A reader may still hold an fd an earlier run lent it: dropping the copy asks.
+            self._lent.add(shard.staged_name)
         if shard.state in (ShardState.STAGED, ShardState.FAILED):
             slot = self._slot[shard] = self.admission.shards.adopt(1)
             self._charge_while_open(shard, room)
@@ -307,29 +310,35 @@ class LocalCopies:
         if need <= 0:
             return 0
         freed = 0
-        victims = []
+        evicted = 0
         for shard in self.evictable():
             if freed >= need:
                 break
-            victims.append(shard)
-            freed += self._room[shard].amount
-        for shard in victims:
             room = self._room.pop(shard, None)
             if room is None:
                 continue  # dropped or evicted by someone else while this one unlinked
             shard.local_copy = False
-            if shard.staged_name in self._lent:
-                # A reader may hold it: then removing it frees nothing, and it stays counted.
-                self._pin(shard, room)
-                freed -= room.amount
-                continue
+            name = shard.staged_name
             try:
-                await self.dataplane.call(self.staging.discard, shard.staged_name)
+                if name in self._lent:
+                    # Lent to a reader once: removed only if none holds it now, else it
+                    # stays counted and the next copy is evicted instead (one copy read once
+                    # stopped every eviction behind it, found attacking).
+                    self._lent.discard(name)
+                    if not await self.dataplane.call(self.staging.discard_unless_open, [name]):
+                        self._pin(shard, room)
+                        room = None
+                        continue
+                else:
+                    await self.dataplane.call(self.staging.discard, name)
+                freed += room.amount
+                evicted += 1
             finally:
-                room.release()
-        if victims:
-            self.evicted += len(victims)
-            log_event(log, logging.INFO, "local_copies_evicted", shards=len(victims), bytes=freed,
+                if room is not None:
+                    room.release()
+        if evicted:
+            self.evicted += evicted
+            log_event(log, logging.INFO, "local_copies_evicted", shards=evicted, bytes=freed,
                       reason="a hand-off needed room on max_staged_bytes")
         return freed
 

@@ -287,14 +287,15 @@ class Handoffs:
         try:
             self.check_new_shard(gen, path, size)
             owner = d.ledger.jobs.get(gen.job, h.uid)
-            # Its queue slot is taken when it is staged (then charged to the owner); the
-            # owner's share of slots is asked now, while it can still be refused.
-            d.admission.check_uid_share(owner, 1, d.admission.shards)
             await self._check_source(fd, path, size, "memfd")
             # Reserved across every await below: a concurrent duplicate is refused.
             gen.reserve_path(path)
             receiving = True
             memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step, owner)
+            # Its queue slot is reserved when it is staged, but the owner's share of slots is
+            # taken now, with the RAM's, and moves to the slot at staging: only checked here,
+            # held memfds got past it until staged (found attacking the share).
+            d.admission.take_share_with(memory, d.admission.shards, owner, 1)
             h.still_open(gen, rank)
             try:
                 # Marks the memfd busy for the client's pool until we close it (memfd.py).

@@ -3,6 +3,8 @@ evicted oldest first when a hand-off needs the room, and nothing undrained is ev
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ckptdrain.client import Backpressure
@@ -77,3 +79,55 @@ def test_a_restart_with_keep_local_copy_off_keeps_no_drained_copy(make_daemon) -
     assert status["kept_copy_bytes"] == 0 and status["staged_bytes"] == 0, status
     assert on_disk(d) == 0
     assert state(d, "kept", 1) == "committed"
+
+
+@pytest.mark.parametrize("reader", ["closed", "holds"])
+def test_a_copy_read_once_does_not_stop_the_eviction_of_others(make_daemon, reader: str) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the copies a reader holds open: the eviction stopped at a copy lent by
+    # `open_local`, whether its reader still held it or had closed it, and a hand-off that
+    # needed room was refused though another job's copy could go.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="24MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
+                                   CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
+    c = d.client(timeout_s=30)
+    for job in ("a", "b"):
+        with c.generation(job, 1) as gen:
+            gen.put("w.bin", bytes(8 * MiB))
+        c.wait(job, 1, timeout_s=30)
+    fd = c.open_local("a", 1, "w.bin")  # the oldest copy: evicted first
+    if reader == "closed":
+        os.close(fd)
+    try:
+        with c.generation("c", 1) as gen:
+            gen.put("w.bin", bytes(16 * MiB))  # 8 MiB to evict
+        c.wait("c", 1, timeout_s=30)
+        status = c.status()
+        assert status["staged_bytes"] <= 24 * MiB, status
+        assert status["held_open_copy_bytes"] == (8 * MiB if reader == "holds" else 0), status
+    finally:
+        if reader == "holds":
+            os.close(fd)
+    wait_for(lambda: c.status()["held_open_copy_bytes"] == 0)
+
+
+def test_a_copy_lent_before_a_restart_is_still_removed_only_once_closed(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: after a kill -9 the daemon no longer knew which copies it had lent,
+    # and dropped them as if no reader held them (their blocks uncounted again).
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
+    c = d.client(timeout_s=30)
+    with c.generation("j", 1) as gen:
+        gen.put("w.bin", bytes(8 * MiB))
+    c.wait("j", 1, timeout_s=30)
+    fd = c.open_local("j", 1, "w.bin")
+    try:
+        d.kill()
+        d.start()
+        c = d.client(timeout_s=30)
+        with c.generation("j", 2) as gen:  # its commit drops step 1's copy
+            gen.put("w.bin", bytes(8 * MiB))
+        c.wait("j", 2, timeout_s=30)
+        wait_for(lambda: c.status()["held_open_copy_bytes"] == 8 * MiB)
+        assert os.fstat(fd).st_nlink == 1  # still on the disk, and counted
+    finally:
+        os.close(fd)
+    wait_for(lambda: c.status()["held_open_copy_bytes"] == 0)

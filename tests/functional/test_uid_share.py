@@ -310,3 +310,38 @@ def test_copies_a_reader_holds_open_count_against_its_share_until_closed(make_da
     with c.generation("hoarder", 20) as gen:
         gen.put("w.bin", os.urandom(8 * MiB))
     c.wait("hoarder", 20, timeout_s=60)
+
+
+def test_memory_hand_offs_waiting_to_be_staged_count_against_the_slot_share(
+    make_daemon: Any,
+) -> None:
+    # Found attacking the slot share: an ack=memory hand-off takes its queue slot when it is
+    # staged, and was only checked against the share before; held in RAM while staging was
+    # full, every later one passed the check, and one uid held every slot.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
+                                   CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS="8",
+                                   CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS_PER_UID="2",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="20",
+                                   CKPTDRAIN_ACK="memory")
+    c = d.client(timeout_s=30)
+    filler = c.generation("filler", 1, rank=0, world_size=2, ack="local")
+    filler.__enter__()
+    filler.put("meta", os.urandom(4 * MiB), deferred=True)  # max_staged_bytes full; 1 slot
+    held = c.generation("held", 1)
+    held.__enter__()
+    accepted = 0
+    with pytest.raises(Backpressure) as info:
+        for i in range(6):
+            held.put(f"s{i}", b"x")  # acknowledged in RAM, not staged: no room
+            accepted += 1
+    assert accepted == 1  # the filler's slot and this one: the share of 2
+    assert info.value.details["limit"] == "max_queued_shards_per_uid"
+    filler.abort("done")
+    filler.__exit__(None, None, None)
+    held.__exit__(None, None, None)
+    c.wait("held", 1, timeout_s=30)
+    wait_for(lambda: c.status()["queued_shards"] == 0)
+    with c.generation("again", 1) as gen:  # the share came back
+        gen.put("a", b"a")
+        gen.put("b", b"b")
+    c.wait("again", 1, timeout_s=30)
