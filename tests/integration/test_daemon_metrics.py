@@ -144,7 +144,8 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
                          env=daemon.env(), capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
     top = {"node_id": str, "version": str, "uptime_s": float, "ack": str, "destination": str,
-           "metrics": str, "staged_bytes": int, "kept_copy_bytes": int, "memory_bytes": int,
+           "metrics": str, "staged_bytes": int, "kept_copy_bytes": int,
+           "held_open_copy_bytes": int, "memory_bytes": int,
            "limits": dict, "queued_shards": int, "io_threads": dict, "generations_omitted": int,
            "staging_free_bytes": int, "staging_free_inodes": int, "drain_rate_bytes_per_s": float,
            "drain_yields": int, "blocked_handoffs": int, "oldest_undrained_age_s": dict, "blocked_by_limit": dict,
