@@ -31,6 +31,14 @@ def ended(child: tuple[int, int]) -> bool:
         return f.read().rpartition(")")[2].split()[0] == "Z"
 
 
+def shared_node(make_daemon: Any, **limits: str) -> DaemonProcess:
+    """A daemon that OTHER_UID may use too (a node two users share), with ``limits``."""
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]", **limits)
+    os.chmod(d.socket_path.parent, 0o755)
+    return d
+
+
 def test_a_kept_local_copy_is_not_held_against_its_uids_share(make_daemon: Any) -> None:
     # A checkpoint over half the share: its drained copy, kept for a fast restore
     # (keep_local_copy), refused every later save of the job until a restart.
@@ -64,13 +72,10 @@ def test_a_restart_holds_recovered_shards_against_their_uids_share(make_daemon: 
 
 @needs_root
 def test_puts_queued_for_room_take_no_more_than_the_uids_share(make_daemon: Any) -> None:
-    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="100MiB",
-                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="60MiB",
-                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60",
-                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1",
-                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
-                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
-    os.chmod(d.socket_path.parent, 0o755)
+    d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="100MiB",
+                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="60MiB",
+                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60",
+                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
     c = d.client(timeout_s=60)
     filler = c.generation("filler", 1, world_size=2)
     filler.__enter__()
@@ -157,11 +162,8 @@ def test_a_memory_handoff_is_charged_once_while_it_is_written(
 def test_an_operators_handoff_counts_against_the_jobs_owner(make_daemon: Any) -> None:
     # Found attacking the share: root saving into a user's job was charged to root at the
     # hand-off, and to the user after a restart (recovery goes by the job's owner).
-    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
-                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1",
-                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
-                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
-    os.chmod(d.socket_path.parent, 0o755)
+    d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
 
     def begin_theirs() -> str:
         with Client(d.socket_path, timeout_s=30).generation("theirs", 1) as gen:
@@ -236,13 +238,10 @@ def test_one_uid_cannot_hold_every_queue_slot(make_daemon: Any) -> None:
     # Found attacking: empty shards pass any byte share. A user put 0-byte deferred shards
     # into a generation whose second rank never came, held every max_queued_shards slot (for
     # open_rank_idle_timeout_s, an hour), and every other user's hand-off was refused.
-    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS="20",
-                                   CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS_PER_UID="10",
-                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="1MiB",
-                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
-                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
-                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
-    os.chmod(d.socket_path.parent, 0o755)
+    d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS="20",
+                    CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS_PER_UID="10",
+                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="1MiB",
+                    CKPTDRAIN_LIMITS__ON_FULL="reject")
     c = d.client(timeout_s=30)
     hog = c.generation("hog", 1, world_size=2)
     hog.__enter__()
@@ -276,12 +275,9 @@ def test_copies_a_reader_holds_open_count_against_its_share_until_closed(make_da
     # free, but an unlinked file a reader holds keeps its blocks: the staging disk filled past
     # the user's share and refused another user's hand-off. A dropped copy a reader holds now
     # stays on the disk, counted against its job owner's share, until it is closed.
-    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="256MiB",
-                                   CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="24MiB",
-                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
-                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
-                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
-    os.chmod(d.socket_path.parent, 0o755)
+    d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="256MiB",
+                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="24MiB",
+                    CKPTDRAIN_LIMITS__ON_FULL="reject")
     c = d.client(timeout_s=30)
     held: list[int] = []
     try:
