@@ -8,6 +8,7 @@ import array
 import contextlib
 import os
 import socket
+import stat
 import struct
 import time
 from typing import Any
@@ -88,7 +89,22 @@ def check_listener(sock: socket.socket, path: str) -> None:
     except (OSError, AttributeError):  # not Linux: the kernel names no listener
         return
     uid = struct.unpack("3i", creds)[1]
-    if uid in (0, os.getuid()) or uid == _named_daemon_uid():
+    if uid in (0, os.getuid()):
+        return
+    if uid == _overflow_uid() and _in_a_user_namespace():
+        # In a user namespace (a rootless container) every uid not mapped into it, the
+        # node's root included, reads as this one: the listener cannot be told apart from
+        # another user's (found attacking: naming it trusted any unmapped user). Then only the
+        # node's own socket is trusted, where nothing on the way is a link or a directory
+        # anyone else may write, so only root could have put it there.
+        if _at_the_system_socket(path):
+            return
+        raise DaemonUnavailable(
+            f"refusing the ckptdrain socket at {path}: its listener's uid is not mapped into "
+            "this user namespace (a container's), so it may be another user's process; use "
+            f"the node's daemon at {SYSTEM_SOCKET_PATH} (bind-mount it into the container)"
+        )
+    if uid == _named_daemon_uid():
         return
     raise DaemonUnavailable(
         f"refusing the ckptdrain socket at {path}: it is served by uid {uid}, neither you nor "
@@ -96,6 +112,46 @@ def check_listener(sock: socket.socket, path: str) -> None:
         "Point CKPTDRAIN_SOCKET at the node's daemon, or run your own with `ckptdrain serve`; "
         f"if uid {uid} runs the node's daemon, set CKPTDRAIN_DAEMON_UID={uid}"
     )
+
+
+def _overflow_uid() -> int:
+    """The uid an unmapped uid reads as in a user namespace (``nobody``, 65534, by default)."""
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65534
+
+
+def _in_a_user_namespace() -> bool:
+    """Whether this process runs in a user namespace other than the node's (whose uid map is
+    the whole range onto itself)."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() != ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
+def _at_the_system_socket(path: str) -> bool:
+    """``path`` is the node's socket, a socket itself, with no link and no directory that
+    group or others may write from the root down to it."""
+    if os.path.abspath(path) != SYSTEM_SOCKET_PATH:
+        return False
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+        directory = os.path.dirname(SYSTEM_SOCKET_PATH)
+        while True:
+            st = os.lstat(directory)
+            if not stat.S_ISDIR(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return False
+            parent = os.path.dirname(directory)
+            if parent == directory:
+                return True
+            directory = parent
+    except OSError:
+        return False
 
 
 def _named_daemon_uid() -> int | None:

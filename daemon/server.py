@@ -139,9 +139,15 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
+        # An open of a staged file while the daemon holds a lease on it (a dropped copy, looked
+        # at before it goes: Staging.discard_unless_open) sends the daemon SIGIO, whose default
+        # ends the process (found attacking: a scanner reading the staging directory killed
+        # it). Nothing here uses SIGIO.
+        before = signal.signal(signal.SIGIO, signal.SIG_IGN)
         try:
             await self._run()
         finally:
+            signal.signal(signal.SIGIO, before)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 

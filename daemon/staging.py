@@ -218,11 +218,14 @@ class Staging:
         names removed. A local copy ``open`` lent to a reader stays in place while the reader
         holds it: unlinked, its blocks stay in use all the same, out of every count (found
         attacking: a user holding such fds filled the staging disk past their share). Asked
-        of the kernel with a write lease, which it grants only to the one open of a file."""
+        of the kernel with a write lease, which it grants only to the one open of a file (an
+        mmap counts as open); a file it is granted for is emptied before it goes, so an
+        ``O_PATH`` handle, which no lease sees, keeps no blocks either (found attacking).
+        The daemon ignores SIGIO, which an open of a leased file sends its holder."""
         removed = []
         for name in names:
             try:
-                fd = os.open(self.data_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
             except FileNotFoundError:
                 self.discard(name)
                 removed.append(name)
@@ -233,9 +236,12 @@ class Staging:
                 except OSError as exc:
                     if exc.errno in (errno.EAGAIN, errno.EBUSY):
                         continue  # open elsewhere: its bytes stay
-                    # No leases here (a filesystem without them): as before, unlinked.
+                    # No leases here (a filesystem without them): as before, unlinked only.
                 else:
-                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+                    try:
+                        os.ftruncate(fd, 0)
+                    finally:
+                        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
                 self.discard(name)
                 removed.append(name)
             finally:

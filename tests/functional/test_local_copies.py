@@ -131,3 +131,39 @@ def test_a_copy_lent_before_a_restart_is_still_removed_only_once_closed(make_dae
     finally:
         os.close(fd)
     wait_for(lambda: c.status()["held_open_copy_bytes"] == 0)
+
+
+def test_a_copy_held_only_by_an_o_path_handle_keeps_no_blocks(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: an O_PATH handle (reopened from a lent fd through /proc) holds no lease
+    # and escaped the check, yet kept the unlinked copy's blocks in use: six 8 MiB steps
+    # filled a staging disk past the user's share, counted as free. A copy no reader holds
+    # is emptied before it goes.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
+    c = d.client(timeout_s=30)
+    with c.generation("j", 1) as gen:
+        gen.put("w.bin", bytes(8 * MiB))
+    c.wait("j", 1, timeout_s=30)
+    fd = c.open_local("j", 1, "w.bin")
+    handle = os.open(f"/proc/self/fd/{fd}", os.O_PATH)
+    os.close(fd)
+    try:
+        with c.generation("j", 2) as gen:  # its commit drops step 1's copy
+            gen.put("w.bin", bytes(8 * MiB))
+        c.wait("j", 2, timeout_s=30)
+        wait_for(lambda: os.fstat(handle).st_nlink == 0)
+        assert os.fstat(handle).st_size == 0
+        assert c.status()["held_open_copy_bytes"] == 0
+    finally:
+        os.close(handle)
+
+
+def test_sigio_does_not_stop_the_daemon(daemon: DaemonProcess) -> None:
+    # Found attacking: a process opening a staged file while the daemon held a lease on it
+    # (looking whether a dropped copy was still read) sent the daemon SIGIO, whose default
+    # action ended it, with nothing in its log.
+    import signal
+
+    os.kill(daemon.pid, signal.SIGIO)
+    with daemon.client().generation("after", 1) as gen:
+        gen.put("w", b"still serving")
+    daemon.client().wait("after", 1, timeout_s=30)
