@@ -82,66 +82,72 @@ def check_listener(sock: socket.socket, path: str) -> None:
     Found attacking: another user listening first at ``/tmp/ckptdrain-<uid>.sock`` (the
     default with no ``XDG_RUNTIME_DIR``; the sticky ``/tmp`` keeps the owner from removing
     it) read a put_file's source and overwrote a fetch's target. No rule about where the
-    socket lies held: a directory of the attacker's own, a link to their home, or a socket
-    swapped for a link between the connect and the look passed each one tried."""
+    socket lies held in general: a directory of the attacker's own, a link to their home, or
+    a socket swapped for a link between the connect and the look passed each one tried.
+
+    In a user namespace (a rootless container) a uid says little: every uid it does not map,
+    the node's root included, reads as the overflow uid, and its own root and users may be
+    another container's too (a shared remap range). There only a listener that is the node's
+    root is trusted, or the node's socket at exactly ``SYSTEM_SOCKET_PATH``, with no link and
+    no directory group or others may write on the way (found attacking: naming the overflow
+    uid trusted every unmapped user; uid 0 trusted another container's root)."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):  # not Linux: the kernel names no listener
         return
     uid = struct.unpack("3i", creds)[1]
-    if uid in (0, os.getuid()):
-        return
-    if uid == _overflow_uid() and _in_a_user_namespace():
-        # In a user namespace (a rootless container) every uid not mapped into it, the
-        # node's root included, reads as this one: the listener cannot be told apart from
-        # another user's (found attacking: naming it trusted any unmapped user). Then only the
-        # node's own socket is trusted, where nothing on the way is a link or a directory
-        # anyone else may write, so only root could have put it there.
-        if _at_the_system_socket(path):
+    namespace = _uid_map()
+    if namespace is None:
+        if uid in (0, os.getuid()) or uid == _named_daemon_uid():
             return
         raise DaemonUnavailable(
-            f"refusing the ckptdrain socket at {path}: its listener's uid is not mapped into "
-            "this user namespace (a container's), so it may be another user's process; use "
-            f"the node's daemon at {SYSTEM_SOCKET_PATH} (bind-mount it into the container)"
+            f"refusing the ckptdrain socket at {path}: it is served by uid {uid}, neither you "
+            "nor root, so it may be another user's process (anyone may create a path in /tmp "
+            "first). Point CKPTDRAIN_SOCKET at the node's daemon, or run your own with "
+            f"`ckptdrain serve`; if uid {uid} runs the node's daemon, set "
+            f"CKPTDRAIN_DAEMON_UID={uid}"
         )
-    if uid == _named_daemon_uid():
+    if _maps_to_host_root(namespace, uid) or _at_the_system_socket(path):
         return
     raise DaemonUnavailable(
-        f"refusing the ckptdrain socket at {path}: it is served by uid {uid}, neither you nor "
-        "root, so it may be another user's process (anyone may create a path in /tmp first). "
-        "Point CKPTDRAIN_SOCKET at the node's daemon, or run your own with `ckptdrain serve`; "
-        f"if uid {uid} runs the node's daemon, set CKPTDRAIN_DAEMON_UID={uid}"
+        f"refusing the ckptdrain socket at {path}: in this user namespace (a container's) its "
+        f"listener cannot be told from another user's process; use the node's daemon at "
+        f"{SYSTEM_SOCKET_PATH} (bind-mount it into the container at that path)"
     )
 
 
-def _overflow_uid() -> int:
-    """The uid an unmapped uid reads as in a user namespace (``nobody``, 65534, by default)."""
-    try:
-        with open("/proc/sys/kernel/overflowuid") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 65534
-
-
-def _in_a_user_namespace() -> bool:
-    """Whether this process runs in a user namespace other than the node's (whose uid map is
-    the whole range onto itself)."""
+def _uid_map() -> list[tuple[int, int, int]] | None:
+    """This process's uid map, or None in the node's own user namespace (whose map is the
+    whole range onto itself). Unreadable (no /proc in a container): an empty map, which
+    trusts no uid."""
     try:
         with open("/proc/self/uid_map") as f:
-            return f.read().split() != ["0", "0", "4294967295"]
+            text = f.read()
     except OSError:
-        return False
+        return []
+    rows = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 3 and all(field.isdigit() for field in fields):
+            rows.append((int(fields[0]), int(fields[1]), int(fields[2])))
+    return None if rows == [(0, 0, 4294967295)] else rows
+
+
+def _maps_to_host_root(namespace: list[tuple[int, int, int]], uid: int) -> bool:
+    return any(inside <= uid < inside + count and outside + (uid - inside) == 0
+               for inside, outside, count in namespace)
 
 
 def _at_the_system_socket(path: str) -> bool:
-    """``path`` is the node's socket, a socket itself, with no link and no directory that
-    group or others may write from the root down to it."""
-    if os.path.abspath(path) != SYSTEM_SOCKET_PATH:
+    """``path`` is the node's socket, named exactly (nothing for the kernel to resolve
+    differently from the text), a socket itself, with no link and no directory that group or
+    others may write from the root down to it."""
+    if path != SYSTEM_SOCKET_PATH:
         return False
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             return False
-        directory = os.path.dirname(SYSTEM_SOCKET_PATH)
+        directory = os.path.dirname(path)
         while True:
             st = os.lstat(directory)
             if not stat.S_ISDIR(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):

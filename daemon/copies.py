@@ -244,6 +244,15 @@ class LocalCopies:
             self._rechecking = True
             self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")
 
+    def held_from_before(self, name: str, size: int) -> None:
+        """Recovery found ``name``, a copy the journal no longer knows, held open by a reader
+        (lent before the restart): counted in max_staged_bytes until it can go (its job's
+        owner is not known any more, so no uid's share carries it)."""
+        self._pinned[name] = self.admission.staged.adopt(size)
+        if not self._rechecking:
+            self._rechecking = True
+            self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")
+
     async def _remove_pinned(self) -> None:
         """Remove the dropped copies no reader holds any longer, now and every
         :data:`PINNED_RECHECK_S` while some remain; each one's room goes back with its file."""

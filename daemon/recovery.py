@@ -108,7 +108,9 @@ async def recover(d: Daemon) -> None:
             for shard in gen.shards.values():
                 if shard.id in uploads and shard.state is not ShardState.DRAINED:
                     d.supervisor.spawn(_aborter(d, shard), what=f"abort upload {shard.path}")
-    removed = await d.dataplane.call(d.staging.sweep, keep)
+    removed, still_read = await d.dataplane.call(d.staging.sweep, keep)
+    for name, size in still_read:  # lent before the restart, and a reader holds it still
+        d.copies.held_from_before(name, size)
     for gen, shard in requeue:
         if not gen.terminal and not shard.deferred:
             d.scheduler.enqueue(gen, shard)

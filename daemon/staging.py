@@ -225,40 +225,60 @@ class Staging:
         removed = []
         for name in names:
             try:
-                fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                self.discard(name)
-                removed.append(name)
-                continue
-            try:
-                try:
-                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-                except OSError as exc:
-                    if exc.errno in (errno.EAGAIN, errno.EBUSY):
-                        continue  # open elsewhere: its bytes stay
-                    # No leases here (a filesystem without them): as before, unlinked only.
-                else:
-                    try:
-                        os.ftruncate(fd, 0)
-                    finally:
-                        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-                self.discard(name)
-                removed.append(name)
-            finally:
-                os.close(fd)
+                if self._unless_open(name):
+                    removed.append(name)
+            except OSError as exc:  # (EMFILE, EIO): kept, and counted, to be asked again
+                log_event(log, logging.WARNING, "staged_copy_not_removed", name=name,
+                          error=exc.strerror or str(exc))
         return removed
 
-    def sweep(self, keep: set[str]) -> int:
-        """Remove temp files and shard files the journal does not know; returns how many."""
+    def _unless_open(self, name: str) -> bool:
+        try:
+            fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            self.discard(name)
+            return True
+        try:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                    return False  # open elsewhere: its bytes stay
+                # No leases here (a filesystem without them): as before, unlinked only.
+            else:
+                try:
+                    os.ftruncate(fd, 0)
+                finally:
+                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            self.discard(name)
+            return True
+        finally:
+            os.close(fd)
+
+    def sweep(self, keep: set[str]) -> tuple[int, list[tuple[str, int]]]:
+        """Remove temp files and shard files the journal does not know: (how many went, and
+        the ``(name, size)`` of those a reader still holds open, left in place). A copy lent
+        before a restart and dropped since is one of these: unlinked here, its blocks stayed
+        in use and out of every count (found attacking)."""
         removed = 0
+        strays: list[str] = []
         for entry in os.scandir(self.dir):
             stem, dot, ext = entry.name.rpartition(".")
             if not dot:
                 continue
-            if ("." + ext) == TMP or (("." + ext) == DATA and stem not in keep):
+            if ("." + ext) == TMP:
                 try:
                     os.unlink(entry.path)
                     removed += 1
                 except FileNotFoundError:
                     pass
-        return removed
+            elif ("." + ext) == DATA and stem not in keep:
+                strays.append(stem)
+        gone = set(self.discard_unless_open(strays))
+        held = []
+        for name in strays:
+            if name in gone:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                held.append((name, os.stat(self.data_path(name)).st_size))
+        return removed + len(gone), held

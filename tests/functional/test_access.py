@@ -345,7 +345,7 @@ def test_a_client_in_a_user_namespace_trusts_the_nodes_socket_alone(
         if said.startswith("NO USER NAMESPACE"):
             pytest.skip(said)
         assert said.startswith(f"{d.node_id} | refusing"), said
-        assert "not mapped into this user namespace" in said
+        assert "in this user namespace" in said
         assert otheruser.answer(squatter) == "GOT 0 bytes"
     finally:
         d.stop()
