@@ -85,12 +85,13 @@ def check_listener(sock: socket.socket, path: str) -> None:
     socket lies held in general: a directory of the attacker's own, a link to their home, or
     a socket swapped for a link between the connect and the look passed each one tried.
 
-    In a user namespace (a rootless container) a uid says little: every uid it does not map,
-    the node's root included, reads as the overflow uid, and its own root and users may be
-    another container's too (a shared remap range). There only a listener that is the node's
-    root is trusted, or the node's socket at exactly ``SYSTEM_SOCKET_PATH``, with no link and
-    no directory group or others may write on the way (found attacking: naming the overflow
-    uid trusted every unmapped user; uid 0 trusted another container's root)."""
+    In a user namespace (a rootless container) a uid says nothing: every uid it does not map,
+    the node's root included, reads as the overflow uid; its own root and users may be
+    another container's too (a shared remap range); and its map names uids of the namespace
+    above, not the node's. There only the node's socket at exactly ``SYSTEM_SOCKET_PATH`` is
+    trusted, with no link and no directory group or others may write on the way (found
+    attacking: naming the overflow uid trusted every unmapped user; uid 0, and then a uid
+    mapped to 0 from a nested namespace, trusted another container's root)."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):  # not Linux: the kernel names no listener
@@ -107,7 +108,7 @@ def check_listener(sock: socket.socket, path: str) -> None:
             f"`ckptdrain serve`; if uid {uid} runs the node's daemon, set "
             f"CKPTDRAIN_DAEMON_UID={uid}"
         )
-    if _maps_to_host_root(namespace, uid) or _at_the_system_socket(path):
+    if _at_the_system_socket(path):
         return
     raise DaemonUnavailable(
         f"refusing the ckptdrain socket at {path}: in this user namespace (a container's) its "
@@ -118,8 +119,8 @@ def check_listener(sock: socket.socket, path: str) -> None:
 
 def _uid_map() -> list[tuple[int, int, int]] | None:
     """This process's uid map, or None in the node's own user namespace (whose map is the
-    whole range onto itself). Unreadable (no /proc in a container): an empty map, which
-    trusts no uid."""
+    whole range onto itself). Unreadable (no /proc in a container): an empty map, as in a
+    user namespace."""
     try:
         with open("/proc/self/uid_map") as f:
             text = f.read()
@@ -131,11 +132,6 @@ def _uid_map() -> list[tuple[int, int, int]] | None:
         if len(fields) == 3 and all(field.isdigit() for field in fields):
             rows.append((int(fields[0]), int(fields[1]), int(fields[2])))
     return None if rows == [(0, 0, 4294967295)] else rows
-
-
-def _maps_to_host_root(namespace: list[tuple[int, int, int]], uid: int) -> bool:
-    return any(inside <= uid < inside + count and outside + (uid - inside) == 0
-               for inside, outside, count in namespace)
 
 
 def _at_the_system_socket(path: str) -> bool:

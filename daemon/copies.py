@@ -244,11 +244,13 @@ class LocalCopies:
             self._rechecking = True
             self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")
 
-    def held_from_before(self, name: str, size: int) -> None:
+    def held_from_before(self, name: str, size: int, owner: int | None) -> None:
         """Recovery found ``name``, a copy the journal no longer knows, held open by a reader
-        (lent before the restart): counted in max_staged_bytes until it can go (its job's
-        owner is not known any more, so no uid's share carries it)."""
-        self._pinned[name] = self.admission.staged.adopt(size)
+        (lent before the restart): counted in max_staged_bytes, and charged to ``owner`` (the
+        job's, recorded on the file when it was lent), until it can go."""
+        room = self._pinned[name] = self.admission.staged.adopt(size)
+        if owner is not None:
+            self.admission.charge(room, owner)
         if not self._rechecking:
             self._rechecking = True
             self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")

@@ -109,8 +109,8 @@ async def recover(d: Daemon) -> None:
                 if shard.id in uploads and shard.state is not ShardState.DRAINED:
                     d.supervisor.spawn(_aborter(d, shard), what=f"abort upload {shard.path}")
     removed, still_read = await d.dataplane.call(d.staging.sweep, keep)
-    for name, size in still_read:  # lent before the restart, and a reader holds it still
-        d.copies.held_from_before(name, size)
+    for name, size, owner in still_read:  # lent before the restart, a reader holds it still
+        d.copies.held_from_before(name, size, owner)
     for gen, shard in requeue:
         if not gen.terminal and not shard.deferred:
             d.scheduler.enqueue(gen, shard)

@@ -24,6 +24,10 @@ from ckptdrain.daemon.logs import log_event
 
 TMP = ".tmp"
 DATA = ".data"
+# On a staged copy ``open`` lent a reader: the uid of its job's owner, so that a restart that
+# finds it still read, its job forgotten, charges it to that uid again (found attacking:
+# each restart gave a reader hoarding copies a whole new share).
+LENT_TO_XATTR = "user.ckptdrain.lent_to"
 # Bytes kept free on the staging filesystem beyond our own budget, so the journal's WAL
 # and the rest of the node never hit ENOSPC because of us: 64 MiB, or 5% of a small disk.
 FREE_SPACE_RESERVE_BYTES = 64 << 20
@@ -255,9 +259,9 @@ class Staging:
         finally:
             os.close(fd)
 
-    def sweep(self, keep: set[str]) -> tuple[int, list[tuple[str, int]]]:
+    def sweep(self, keep: set[str]) -> tuple[int, list[tuple[str, int, int | None]]]:
         """Remove temp files and shard files the journal does not know: (how many went, and
-        the ``(name, size)`` of those a reader still holds open, left in place). A copy lent
+        the ``(name, size, owner)`` of those a reader still holds open, left in place). A copy lent
         before a restart and dropped since is one of these: unlinked here, its blocks stayed
         in use and out of every count (found attacking)."""
         removed = 0
@@ -280,5 +284,23 @@ class Staging:
             if name in gone:
                 continue
             with contextlib.suppress(FileNotFoundError):
-                held.append((name, os.stat(self.data_path(name)).st_size))
+                held.append((name, os.stat(self.data_path(name)).st_size, self.lent_to(name)))
         return removed + len(gone), held
+
+    @staticmethod
+    def mark_lent(fd: int, owner: int) -> None:
+        """Record ``owner`` on a copy about to be lent (see :data:`LENT_TO_XATTR`), unless it
+        is there already; best effort (a staging filesystem without user xattrs)."""
+        value = str(owner).encode()
+        with contextlib.suppress(OSError):
+            if os.getxattr(fd, LENT_TO_XATTR) == value:
+                return
+        with contextlib.suppress(OSError):
+            os.setxattr(fd, LENT_TO_XATTR, value)
+
+    def lent_to(self, name: str) -> int | None:
+        """The owner recorded when the copy was lent (see :data:`LENT_TO_XATTR`), if any."""
+        try:
+            return int(os.getxattr(self.data_path(name), LENT_TO_XATTR))
+        except (OSError, ValueError):
+            return None

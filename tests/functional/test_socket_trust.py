@@ -166,3 +166,53 @@ def test_a_namespace_without_proc_trusts_no_uid(shared: Path) -> None:
     said = in_a_user_namespace("0 4500 1", 0, victim)
     assert said.startswith("REFUSED"), said
     assert otheruser.answer(squat) == "GOT 0 bytes"
+
+
+def test_a_nested_namespace_does_not_trust_the_outer_containers_root(shared: Path) -> None:
+    # Found attacking: container A maps "0 100000 65536" (docker userns-remap: every
+    # container's root is host uid 100000); inside it, its root starts a nested namespace
+    # mapping "0 0 65536" (podman in podman, `unshare -r`). A map names the uids of the
+    # namespace above, so there host uid 100000, another container's root, read as mapped to
+    # uid 0 and was trusted as the node's root.
+    squat = squatter(shared / "sq.sock", 100000)
+
+    def containers_root() -> str:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: this process's /proc files are its own
+        r, w = os.pipe()
+        go_r, go_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if libc.unshare(CLONE_NEWUSER) != 0:
+                    os.write(w, b"NO NESTED NAMESPACE")
+                    os._exit(0)
+                os.write(ready_w, b"x")
+                os.read(go_r, 1)
+                os.setgroups([])
+                os.setgid(1000)
+                os.setuid(1000)
+                os.write(w, attempt(shared / "sq.sock").encode())
+            except BaseException as exc:
+                os.write(w, f"ERROR {exc!r}".encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.read(ready_r, 1)
+        try:
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write("0 0 65536")
+        except OSError as exc:
+            return f"ERROR writing the nested map: {exc}"
+        finally:
+            os.write(go_w, b"x")
+        with os.fdopen(r, "rb") as f:
+            out = f.read().decode()
+        os.waitpid(pid, 0)
+        return out
+
+    said = in_a_user_namespace("0 100000 65536", 0, containers_root)
+    assert said.startswith("REFUSED") and "user namespace" in said, said
+    assert otheruser.answer(squat) == "GOT 0 bytes"

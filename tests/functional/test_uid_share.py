@@ -341,3 +341,44 @@ def test_memory_hand_offs_waiting_to_be_staged_count_against_the_slot_share(
         gen.put("a", b"a")
         gen.put("b", b"b")
     c.wait("again", 1, timeout_s=30)
+
+
+@needs_root
+def test_copies_held_open_across_a_restart_still_count_against_the_share(make_daemon: Any) -> None:
+    # Found attacking: copies a reader held across a restart, whose generations the node had
+    # forgotten (keep_last = 1), came back counted on the disk but charged to no uid: each
+    # restart gave the hoarder a whole new share, and another user's save was refused.
+    d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="64MiB",
+                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="24MiB",
+                    CKPTDRAIN_LIMITS__ON_FULL="reject",
+                    CKPTDRAIN_RETENTION__KEEP_LAST="1",
+                    CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
+    held: list[int] = []
+
+    def hoard(c: Client, first: int) -> int:
+        step = first
+        with pytest.raises(Backpressure) as info:
+            while step < first + 10:
+                with c.generation("hoarder", step) as gen:
+                    gen.put("w.bin", os.urandom(8 * MiB))
+                c.wait("hoarder", step, timeout_s=60)
+                held.append(c.open_local("hoarder", step, "w.bin"))
+                step += 1
+        assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
+        return step
+
+    try:
+        step = hoard(d.client(timeout_s=30), 1)
+        d.stop()
+        d.start()
+        assert hoard(d.client(timeout_s=30), step + 1) == step + 1  # refused at once
+
+        def victim() -> str:
+            with Client(d.socket_path, timeout_s=30).generation("victim", 1) as gen:
+                gen.put("w", os.urandom(16 * MiB))
+            return "SAVED"
+
+        assert answer(start_as(OTHER_UID, victim)) == "SAVED"
+    finally:
+        for fd in held:
+            os.close(fd)
