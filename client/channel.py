@@ -88,8 +88,9 @@ def check_listener(sock: socket.socket, path: str) -> None:
     In a user namespace (a rootless container) a uid says nothing: every uid it does not map,
     the node's root included, reads as the overflow uid; its own root and users may be
     another container's too (a shared remap range); and its map names uids of the namespace
-    above, not the node's. There only the node's socket at exactly ``SYSTEM_SOCKET_PATH`` is
-    trusted, with no link and no directory group or others may write on the way (found
+    above, not the node's. There only the caller's own uid (the same kernel uid) and the
+    node's socket at exactly ``SYSTEM_SOCKET_PATH`` are trusted, the socket with no link and
+    no directory group or others may write on the way (found
     attacking: naming the overflow uid trusted every unmapped user; uid 0, and then a uid
     mapped to 0 from a nested namespace, trusted another container's root)."""
     try:
@@ -108,7 +109,9 @@ def check_listener(sock: socket.socket, path: str) -> None:
             f"`ckptdrain serve`; if uid {uid} runs the node's daemon, set "
             f"CKPTDRAIN_DAEMON_UID={uid}"
         )
-    if _at_the_system_socket(path):
+    # The caller's own uid is the same kernel uid as the caller's, unless it is the one every
+    # unmapped uid reads as: a daemon the user runs in the same container (`make demo`).
+    if (uid == os.getuid() and uid != _overflow_uid()) or _at_the_system_socket(path):
         return
     raise DaemonUnavailable(
         f"refusing the ckptdrain socket at {path}: in this user namespace (a container's) its "
@@ -132,6 +135,15 @@ def _uid_map() -> list[tuple[int, int, int]] | None:
         if len(fields) == 3 and all(field.isdigit() for field in fields):
             rows.append((int(fields[0]), int(fields[1]), int(fields[2])))
     return None if rows == [(0, 0, 4294967295)] else rows
+
+
+def _overflow_uid() -> int:
+    """The uid every uid a user namespace does not map reads as (``nobody``, by default)."""
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65534
 
 
 def _at_the_system_socket(path: str) -> bool:

@@ -161,7 +161,10 @@ class Handoffs:
         slot: Reservation | None = None
         room: Reservation | None = None
         promised = 0
-        name = d.staging.new_name()
+        # Charged to the job's owner, as a restart's recovery charges it (root saving a
+        # user's job saves it for them; found attacking the per-uid limit).
+        owner = d.ledger.jobs.get(gen.job, h.uid)
+        name = d.staging.new_name(owner)
         tmp_fd: int | None = None
         created = False
         receiving = False
@@ -173,9 +176,6 @@ class Handoffs:
                 await self._check_source(src_fd, path, size, "descriptor")
             gen.reserve_path(path)
             receiving = True
-            # Charged to the job's owner, as a restart's recovery charges it (root saving a
-            # user's job saves it for them; found attacking the per-uid limit).
-            owner = d.ledger.jobs.get(gen.job, h.uid)
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
             room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, owner)
             yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
@@ -310,7 +310,7 @@ class Handoffs:
                                    f"locked ({exc.strerror}); pass a memfd opened O_RDWR") from None
             shard = ShardRecord(
                 id=d.ledger.shard_ids(), job=gen.job, step=gen.step, rank=rank, path=path,
-                size=size, staged_name=d.staging.new_name(), state=ShardState.HELD,
+                size=size, staged_name=d.staging.new_name(owner), state=ShardState.HELD,
                 handed_at=time.time(), staged_at=time.time(), deferred=deferred,
             )
             await d.ledger.add_shard(gen, shard)

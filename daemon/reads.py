@@ -51,14 +51,10 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
         raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} of "
                            f"step {step} of job {job!r}; read it from the destination")
     name, expected, vouched = shard.staged_name, shard.checksum, shard.vouched
-    owner = d.ledger.jobs.get(job)
     opened: list[int] = []
 
     def verified() -> tuple[bool, Identity, str]:
         opened.append(d.staging.open_data(name))
-        if owner is not None:
-            # Before the identity is taken: a write of the attribute changes the ctime.
-            d.staging.mark_lent(opened[0], owner)
         before = identity(os.fstat(opened[0]))
         now = os.stat(d.staging.data_path(name))
         if (before[0], before[1]) != (now.st_dev, now.st_ino):

@@ -108,6 +108,16 @@ async def recover(d: Daemon) -> None:
             for shard in gen.shards.values():
                 if shard.id in uploads and shard.state is not ShardState.DRAINED:
                     d.supervisor.spawn(_aborter(d, shard), what=f"abort upload {shard.path}")
+    # Whether a copy is still kept is not journalled: an older committed generation's copy,
+    # dropped before the restart but still read then (a lent copy), came back as a kept copy
+    # charged to no one (found attacking). Dropped again, as at its newer one's commit.
+    newest: dict[str, GenerationRecord] = {}
+    for gen in d.ledger.generations.values():
+        if gen.state is GenerationState.COMMITTED and gen.step > getattr(
+                newest.get(gen.job), "step", -1):
+            newest[gen.job] = gen
+    for gen in newest.values():
+        d.copies.drop_older_committed(gen)
     removed, still_read = await d.dataplane.call(d.staging.sweep, keep)
     for name, size, owner in still_read:  # lent before the restart, a reader holds it still
         d.copies.held_from_before(name, size, owner)

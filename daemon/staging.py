@@ -24,10 +24,12 @@ from ckptdrain.daemon.logs import log_event
 
 TMP = ".tmp"
 DATA = ".data"
-# On a staged copy ``open`` lent a reader: the uid of its job's owner, so that a restart that
-# finds it still read, its job forgotten, charges it to that uid again (found attacking:
-# each restart gave a reader hoarding copies a whole new share).
-LENT_TO_XATTR = "user.ckptdrain.lent_to"
+# A staged file's name begins with its job owner's uid (``u<uid>-``), so that a restart that
+# finds a copy a reader still holds, its job forgotten, charges it to that uid again (found
+# attacking: each restart gave a reader hoarding copies a whole new share). In the name, not
+# in an attribute written when the copy is lent: that changed the file's ctime, which
+# vouches for it, and concurrent readers took a good copy for a damaged one.
+_OWNER_PREFIX = "u"
 # Bytes kept free on the staging filesystem beyond our own budget, so the journal's WAL
 # and the rest of the node never hit ENOSPC because of us: 64 MiB, or 5% of a small disk.
 FREE_SPACE_RESERVE_BYTES = 64 << 20
@@ -80,11 +82,20 @@ class Staging:
                   "the shards staged there are lost (their generations fail); keep tmp "
                   "cleaners and people out of staging_dir")
 
-    def new_name(self) -> str:
-        """A name no staged file of this node had or will have: 16 random hex digits drawn
-        once per process, then a counter (uuid4 per hand-off was a getrandom call on the event
-        loop: 6% of its samples with 10,000 small shards)."""
-        return f"{self._names_prefix}{next(self._names):016x}"
+    def new_name(self, owner: int) -> str:
+        """A name no staged file of this node had or will have, saying whose job it is: the
+        owner's uid, 16 random hex digits drawn once per process, then a counter (uuid4 per
+        hand-off was a getrandom call on the event loop: 6% of its samples with 10,000 small
+        shards)."""
+        return f"{_OWNER_PREFIX}{owner}-{self._names_prefix}{next(self._names):016x}"
+
+    @staticmethod
+    def owner_of(name: str) -> int | None:
+        """The job owner's uid a staged name carries (None for a name without one)."""
+        head, dash, _ = name.partition("-")
+        if not dash or not head.startswith(_OWNER_PREFIX) or not head[1:].isdigit():
+            return None
+        return int(head[1:])
 
     def tmp_path(self, name: str) -> Path:
         return self.dir / (name + TMP)
@@ -284,23 +295,7 @@ class Staging:
             if name in gone:
                 continue
             with contextlib.suppress(FileNotFoundError):
-                held.append((name, os.stat(self.data_path(name)).st_size, self.lent_to(name)))
+                held.append((name, os.stat(self.data_path(name)).st_size, self.owner_of(name)))
         return removed + len(gone), held
 
-    @staticmethod
-    def mark_lent(fd: int, owner: int) -> None:
-        """Record ``owner`` on a copy about to be lent (see :data:`LENT_TO_XATTR`), unless it
-        is there already; best effort (a staging filesystem without user xattrs)."""
-        value = str(owner).encode()
-        with contextlib.suppress(OSError):
-            if os.getxattr(fd, LENT_TO_XATTR) == value:
-                return
-        with contextlib.suppress(OSError):
-            os.setxattr(fd, LENT_TO_XATTR, value)
 
-    def lent_to(self, name: str) -> int | None:
-        """The owner recorded when the copy was lent (see :data:`LENT_TO_XATTR`), if any."""
-        try:
-            return int(os.getxattr(self.data_path(name), LENT_TO_XATTR))
-        except (OSError, ValueError):
-            return None

@@ -36,7 +36,7 @@ class RecordingStaging(Staging):
 
 
 def _staged(staging: Staging, i: int) -> ShardRecord:
-    name = staging.new_name()
+    name = staging.new_name(0)
     staging.data_path(name).write_bytes(b"x" * 64)
     return ShardRecord(id=i, job="j", step=1, rank=0, path=f"s{i}", size=64, staged_name=name,
                        state=ShardState.DRAINED, handed_at=0.0, staged_at=0.0)

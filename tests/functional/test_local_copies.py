@@ -4,6 +4,10 @@ evicted oldest first when a hand-off needs the room, and nothing undrained is ev
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +197,40 @@ def test_copies_held_open_across_a_restart_stay_counted(make_daemon, how: str) -
         for fd in held:
             os.close(fd)
     wait_for(lambda: c.status()["held_open_copy_bytes"] == 0)
+
+
+def test_many_readers_opening_copies_at_once_take_none_for_damaged(make_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: each `open_local` wrote an attribute on the copy it lent, which changed
+    # its ctime (on tmpfs even when the value was the same), and a reader hashing the copy
+    # meanwhile took a good copy for a damaged one and dropped it. Nothing writes to a copy
+    # it lends now, and the first open after the drain needs no hash either.
+    # On tmpfs, where an attribute written with the same value still changed the ctime.
+    staging = Path(tempfile.mkdtemp(prefix="ckd-", dir="/dev/shm" if Path("/dev/shm").is_dir()
+                                    else tmp_path))
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true",
+                                   CKPTDRAIN_STAGING_DIR=str(staging))
+    c = d.client(timeout_s=30)
+    with c.generation("j", 1) as gen:
+        for i in range(20):
+            gen.put(f"w{i}.bin", os.urandom(1 * MiB))
+    c.wait("j", 1, timeout_s=30)
+    failures: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            client = d.client(timeout_s=30)
+            for i in range(20):
+                os.close(client.open_local("j", 1, f"w{i}.bin"))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert "local_copy_damaged" not in d.log()
+    assert "checked=hashed" not in d.log()  # the drain's checksum vouches for each copy
+    d.stop()
+    shutil.rmtree(staging, ignore_errors=True)

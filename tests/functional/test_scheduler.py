@@ -70,7 +70,7 @@ async def _staged_generation(ledger: Ledger, staging: Staging, job: str, *, rank
                              world_size: int = 1) -> GenerationRecord:
     gen = await ledger.open_generation(job, 1, world_size, "local", uid=0)
     await ledger.open_rank(gen, rank)
-    name = staging.new_name()
+    name = staging.new_name(0)
     staging.data_path(name).write_bytes(b"x" * 100)
     now = time.time()
     await ledger.add_shard(gen, ShardRecord(

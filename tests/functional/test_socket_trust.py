@@ -216,3 +216,29 @@ def test_a_nested_namespace_does_not_trust_the_outer_containers_root(shared: Pat
     said = in_a_user_namespace("0 100000 65536", 0, containers_root)
     assert said.startswith("REFUSED") and "user namespace" in said, said
     assert otheruser.answer(squat) == "GOT 0 bytes"
+
+
+def test_a_daemon_of_the_callers_own_uid_in_the_same_namespace_is_trusted(short_tmp: Path) -> None:
+    # Found attacking the namespace rule: inside any user namespace the client refused the
+    # daemon its own user ran beside it (`make demo` in a rootless container), though a
+    # listener of the caller's own mapped uid is the caller's own kernel uid.
+    def same_container() -> str:
+        server = socket.socket(socket.AF_UNIX)
+        path = short_tmp / "own.sock"
+        server.bind(str(path))
+        server.listen(1)
+        pid = os.fork()
+        if pid == 0:  # the "daemon": counts what the client sent before it gave up
+            try:
+                conn, _ = server.accept()
+                conn.settimeout(3)
+                got = conn.recv(4096)
+                os._exit(0 if got else 1)
+            except BaseException:
+                os._exit(2)
+        said = attempt(path)
+        return f"{said[:40]} / listener got bytes: {os.waitpid(pid, 0)[1] == 0}"
+
+    os.chmod(short_tmp, 0o777)
+    said = in_a_user_namespace("0 4500 1", 0, same_container)
+    assert said.endswith("listener got bytes: True"), said

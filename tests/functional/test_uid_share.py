@@ -344,14 +344,18 @@ def test_memory_hand_offs_waiting_to_be_staged_count_against_the_slot_share(
 
 
 @needs_root
-def test_copies_held_open_across_a_restart_still_count_against_the_share(make_daemon: Any) -> None:
-    # Found attacking: copies a reader held across a restart, whose generations the node had
-    # forgotten (keep_last = 1), came back counted on the disk but charged to no uid: each
-    # restart gave the hoarder a whole new share, and another user's save was refused.
+@pytest.mark.parametrize("keep_last", ["1", "3"])
+def test_copies_held_open_across_a_restart_still_count_against_the_share(
+    make_daemon: Any, keep_last: str
+) -> None:
+    # Found attacking: copies a reader held across a restart came back charged to no uid:
+    # with their generations forgotten (keep_last = 1) as strays counted on the disk only,
+    # and with them remembered (keep_last = 3: whether a copy is kept is not journalled) as
+    # kept copies. Each restart gave the hoarder a new share; another user's save was refused.
     d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="64MiB",
                     CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="24MiB",
                     CKPTDRAIN_LIMITS__ON_FULL="reject",
-                    CKPTDRAIN_RETENTION__KEEP_LAST="1",
+                    CKPTDRAIN_RETENTION__KEEP_LAST=keep_last,
                     CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
     held: list[int] = []
 
