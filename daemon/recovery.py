@@ -113,8 +113,8 @@ async def recover(d: Daemon) -> None:
     # charged to no one (found attacking). Dropped again, as at its newer one's commit.
     newest: dict[str, GenerationRecord] = {}
     for gen in d.ledger.generations.values():
-        if gen.state is GenerationState.COMMITTED and gen.step > getattr(
-                newest.get(gen.job), "step", -1):
+        if gen.state is GenerationState.COMMITTED and (
+                gen.job not in newest or gen.step > newest[gen.job].step):
             newest[gen.job] = gen
     for gen in newest.values():
         d.copies.drop_older_committed(gen)

@@ -272,9 +272,9 @@ class Staging:
 
     def sweep(self, keep: set[str]) -> tuple[int, list[tuple[str, int, int | None]]]:
         """Remove temp files and shard files the journal does not know: (how many went, and
-        the ``(name, size, owner)`` of those a reader still holds open, left in place). A copy lent
-        before a restart and dropped since is one of these: unlinked here, its blocks stayed
-        in use and out of every count (found attacking)."""
+        the ``(name, size, owner)`` of those a reader still holds open, left in place). A copy
+        lent before a restart and dropped since is one of these: unlinked here, its blocks
+        stayed in use and out of every count (found attacking)."""
         removed = 0
         strays: list[str] = []
         for entry in os.scandir(self.dir):
@@ -297,5 +297,3 @@ class Staging:
             with contextlib.suppress(FileNotFoundError):
                 held.append((name, os.stat(self.data_path(name)).st_size, self.owner_of(name)))
         return removed + len(gone), held
-
-
