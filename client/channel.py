@@ -109,8 +109,10 @@ def check_listener(sock: socket.socket, path: str) -> None:
             f"`ckptdrain serve`; if uid {uid} runs the node's daemon, set "
             f"CKPTDRAIN_DAEMON_UID={uid}"
         )
-    # The caller's own uid is the same kernel uid as the caller's, unless it is the one every
-    # unmapped uid reads as: a daemon the user runs in the same container (`make demo`).
+    # The caller's own uid is the caller's kernel uid, unless it is the one every unmapped uid
+    # reads as: a daemon the user runs in the same container (`make demo`). Under a remap
+    # range shared by containers (docker's userns-remap) another container's process may have
+    # that kernel uid too; it can already reach whatever files the two share.
     if (uid == os.getuid() and uid != _overflow_uid()) or _at_the_system_socket(path):
         return
     raise DaemonUnavailable(
