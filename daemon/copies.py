@@ -42,7 +42,10 @@ UNLINK_BATCH = 256
 # file is gone, so max_staged_bytes still bounds the disk, and a hand-off that waits for room
 # (or any other drop: a generation ended, failed or expired) ends the wait.
 UNLINK_GATHER_S = 0.05
-# How often a dropped copy that a reader still holds open (lent by ``open``) is looked at again.
+# How often a dropped copy that a reader still holds open (lent by ``open``) is looked at
+# again: soon at first (a reader loading a checkpoint closes it within moments), then every
+# PINNED_RECHECK_S (a reader that keeps it costs a lease check per file that often).
+PINNED_FIRST_RECHECK_S = 0.25
 PINNED_RECHECK_S = 5.0
 
 
@@ -256,10 +259,12 @@ class LocalCopies:
             self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")
 
     async def _remove_pinned(self) -> None:
-        """Remove the dropped copies no reader holds any longer, now and every
-        :data:`PINNED_RECHECK_S` while some remain; each one's room goes back with its file."""
+        """Remove the dropped copies no reader holds any longer, now and then again, backing
+        off to every :data:`PINNED_RECHECK_S` while some remain; each one's room goes back
+        with its file."""
         try:
             told = False
+            pause = PINNED_FIRST_RECHECK_S
             while self._pinned:
                 names = list(self._pinned)
                 try:
@@ -280,7 +285,8 @@ class LocalCopies:
                               files=len(self._pinned), bytes=self.pinned_bytes,
                               action="kept, and counted against their jobs' owners, until "
                                      "their readers close them")
-                await asyncio.sleep(PINNED_RECHECK_S)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, PINNED_RECHECK_S)
         finally:
             self._rechecking = False
 
