@@ -95,16 +95,12 @@ def test_a_copy_read_once_does_not_stop_the_eviction_of_others(make_daemon, read
                                    CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
     c = d.client(timeout_s=30)
     for job in ("a", "b"):
-        with c.generation(job, 1) as gen:
-            gen.put("w.bin", bytes(8 * MiB))
-        c.wait(job, 1, timeout_s=30)
+        save(c, job, 1)
     fd = c.open_local("a", 1, "w.bin")  # the oldest copy: evicted first
     if reader == "closed":
         os.close(fd)
     try:
-        with c.generation("c", 1) as gen:
-            gen.put("w.bin", bytes(16 * MiB))  # 8 MiB to evict
-        c.wait("c", 1, timeout_s=30)
+        save(c, "c", 1, 16 * MiB)  # 8 MiB to evict
         status = c.status()
         assert status["staged_bytes"] <= 24 * MiB, status
         assert status["held_open_copy_bytes"] == (8 * MiB if reader == "holds" else 0), status
@@ -114,22 +110,25 @@ def test_a_copy_read_once_does_not_stop_the_eviction_of_others(make_daemon, read
     wait_for(lambda: c.status()["held_open_copy_bytes"] == 0)
 
 
+def save(c, job: str, step: int, size: int = 8 * MiB) -> None:  # type: ignore[no-untyped-def]
+    """Step ``step`` of ``job``: one shard of ``size`` zero bytes, committed."""
+    with c.generation(job, step) as gen:
+        gen.put("w.bin", bytes(size))
+    c.wait(job, step, timeout_s=30)
+
+
 def test_a_copy_lent_before_a_restart_is_still_removed_only_once_closed(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking: after a kill -9 the daemon no longer knew which copies it had lent,
     # and dropped them as if no reader held them (their blocks uncounted again).
     d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
     c = d.client(timeout_s=30)
-    with c.generation("j", 1) as gen:
-        gen.put("w.bin", bytes(8 * MiB))
-    c.wait("j", 1, timeout_s=30)
+    save(c, "j", 1)
     fd = c.open_local("j", 1, "w.bin")
     try:
         d.kill()
         d.start()
         c = d.client(timeout_s=30)
-        with c.generation("j", 2) as gen:  # its commit drops step 1's copy
-            gen.put("w.bin", bytes(8 * MiB))
-        c.wait("j", 2, timeout_s=30)
+        save(c, "j", 2)  # its commit drops step 1's copy
         wait_for(lambda: c.status()["held_open_copy_bytes"] == 8 * MiB)
         assert os.fstat(fd).st_nlink == 1  # still on the disk, and counted
     finally:
@@ -144,16 +143,12 @@ def test_a_copy_held_only_by_an_o_path_handle_keeps_no_blocks(make_daemon) -> No
     # is emptied before it goes.
     d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
     c = d.client(timeout_s=30)
-    with c.generation("j", 1) as gen:
-        gen.put("w.bin", bytes(8 * MiB))
-    c.wait("j", 1, timeout_s=30)
+    save(c, "j", 1)
     fd = c.open_local("j", 1, "w.bin")
     handle = os.open(f"/proc/self/fd/{fd}", os.O_PATH)
     os.close(fd)
     try:
-        with c.generation("j", 2) as gen:  # its commit drops step 1's copy
-            gen.put("w.bin", bytes(8 * MiB))
-        c.wait("j", 2, timeout_s=30)
+        save(c, "j", 2)  # its commit drops step 1's copy
         wait_for(lambda: os.fstat(handle).st_nlink == 0)
         assert os.fstat(handle).st_size == 0
         assert c.status()["held_open_copy_bytes"] == 0
@@ -182,9 +177,7 @@ def test_copies_held_open_across_a_restart_stay_counted(make_daemon, how: str) -
     held: list[int] = []
     try:
         for step in range(1, 7):
-            with c.generation("j", step) as gen:
-                gen.put("w.bin", bytes(8 * MiB))
-            c.wait("j", step, timeout_s=30)
+            save(c, "j", step)
             held.append(c.open_local("j", step, "w.bin"))
         wait_for(lambda: c.status()["held_open_copy_bytes"] == 5 * 8 * MiB)
         d.stop() if how == "stop" else d.kill()

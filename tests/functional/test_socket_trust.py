@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptdrain.client import Client, DaemonUnavailable
+from tests.conftest import DaemonProcess
 from tests.functional import otheruser
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -242,3 +243,35 @@ def test_a_daemon_of_the_callers_own_uid_in_the_same_namespace_is_trusted(short_
     os.chmod(short_tmp, 0o777)
     said = in_a_user_namespace("0 4500 1", 0, same_container)
     assert said.endswith("listener got bytes: True"), said
+
+
+def test_the_nodes_socket_is_trusted_from_a_user_namespace_and_nothing_else(
+    shared: Path, system_socket_dir: Path, tmp_path: Path
+) -> None:
+    # Found attacking: from a rootless container the node's root daemon reads as the
+    # overflow uid and was refused; naming that uid, as the refusal said, then trusted any
+    # user not mapped into the namespace. Only the node's own socket is trusted there.
+    from ckptdrain.client import channel
+
+    node_socket = system_socket_dir / "ckptdrain.sock"
+    (tmp_path / "node").mkdir()
+    d = DaemonProcess(root=tmp_path / "node", socket_path=node_socket,
+                      dest_uri=f"file://{tmp_path / 'dest'}",
+                      overrides={"CKPTDRAIN_ACCESS__SOCKET_MODE": "0666",
+                                 "CKPTDRAIN_ACCESS__ALLOWED_UIDS": "[65534]"})
+    d.start()
+    squat = squatter(shared / "sq.sock", 1001)
+
+    def in_a_container() -> str:
+        channel.SYSTEM_SOCKET_PATH = str(node_socket)  # this test's node socket
+        with open("/proc/sys/kernel/overflowuid") as f:  # what the node's root reads as
+            os.environ["CKPTDRAIN_DAEMON_UID"] = f.read().strip()  # as once advised
+        node = Client(node_socket, timeout_s=10).status()["node_id"]
+        return f"{node} | {attempt(shared / 'sq.sock')}"
+
+    try:
+        said = in_a_user_namespace("0 65534 1", 0, in_a_container)
+        assert said.startswith(f"{d.node_id} | REFUSED") and "user namespace" in said, said
+        assert otheruser.answer(squat) == "GOT 0 bytes"
+    finally:
+        d.stop()
