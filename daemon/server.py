@@ -361,10 +361,17 @@ class Daemon:
         else:
             # Failed: `ckptdrain retry` re-sends only what did not drain, so only those copies
             # are kept; drained ones (all of them, when another node's rank aborted or the
-            # commit wait ran out) go now.
-            for shard in gen.shards.values():
-                if shard.state is ShardState.DRAINED:
-                    self.copies.discard(shard)
+            # commit wait ran out) go now. Except when shards of its recorded ranks vanished
+            # at the destination (the only way a recorded rank holds a failed shard): a retry
+            # commits it as it is, and its drained copies are that commit's fast-restore
+            # copies, and the retry's own if another shard vanishes (found attacking: after
+            # such a retry the committed generation had kept copies of the re-sent shards only).
+            vanished = (any(s.state is ShardState.FAILED for s in gen.shards.values())
+                        and all(st is RankState.RECORDED for st in gen.ranks.values()))
+            if not vanished:
+                for shard in gen.shards.values():
+                    if shard.state is ShardState.DRAINED:
+                        self.copies.discard(shard)
             self.copies.kept_for_retry(gen)
 
     async def give_up(self, gen: GenerationRecord, reason: str,

@@ -143,7 +143,7 @@ def test_a_drained_shard_deleted_before_the_commit_fails_the_generation_at_once(
     wait_for(lambda: (gen_dir / "rank0.bin").exists(), what="rank 0's shard drained")
     (gen_dir / "rank0.bin").unlink()
     with client.generation("lost", 1, rank=1, world_size=2) as g:
-        g.put("rank1.bin", b"1" * 50_000)
+        g.put("rank1.bin", b"1" * 600_000)
     with pytest.raises(GenerationFailed, match=r"'rank0\.bin'.*missing at the destination.*"
                                                r"ckptdrain retry lost 1"):
         client.wait("lost", 1, timeout_s=60)  # not drain.commit_wait_s (3600 s)
@@ -153,4 +153,7 @@ def test_a_drained_shard_deleted_before_the_commit_fails_the_generation_at_once(
     client.wait("lost", 1, timeout_s=30)
     assert (gen_dir / "rank0.bin").read_bytes() == b"0" * 600_000
     assert (gen_dir / "MANIFEST.json").exists()
+    # Both copies kept for a fast restore, not only the re-sent one's (found attacking: the
+    # failure dropped the drained shards' copies).
+    assert client.status()["kept_copy_bytes"] == 2 * 600_000
     assert_serves_another_job(daemon, "other")
