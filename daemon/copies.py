@@ -243,17 +243,18 @@ class LocalCopies:
         if owner is not None and room.then is None:
             self.admission.charge(room, owner)
         self._pinned[name] = room
-        if not self._rechecking:
-            self._rechecking = True
-            self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")
+        self._remove_pinned_soon()
 
     def held_from_before(self, name: str, size: int, owner: int | None) -> None:
         """Recovery found ``name``, a copy the journal no longer knows, held open by a reader
         (lent before the restart): counted in max_staged_bytes, and charged to ``owner`` (the
-        job's, recorded on the file when it was lent), until it can go."""
+        job's, which its staged name begins with), until it can go."""
         room = self._pinned[name] = self.admission.staged.adopt(size)
         if owner is not None:
             self.admission.charge(room, owner)
+        self._remove_pinned_soon()
+
+    def _remove_pinned_soon(self) -> None:
         if not self._rechecking:
             self._rechecking = True
             self.supervisor.spawn(self._remove_pinned, what="remove dropped copies readers held")

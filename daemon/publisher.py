@@ -113,7 +113,7 @@ class Publisher:
         # Why a generation could not commit at its last poll: its part records unreadable, or
         # shards of other nodes missing at the destination (its expiry names that, not a
         # manifest that never appeared).
-        self._unreadable: dict[GenKey, str] = {}
+        self._why_waiting: dict[GenKey, str] = {}
         # An unreachable destination fails every poll alike: one line per cause a minute.
         self._error_log = OncePerCause(60.0)
         self._user_log = per_user()
@@ -323,12 +323,12 @@ class Publisher:
             async with asyncio.timeout(bound) as reading:
                 parts, problem = await self.committer.read_parts(
                     gen.job, gen.step, gen.world_size, gen.attempt)
-            self._unreadable.pop(gen.key, None)
+            self._why_waiting.pop(gen.key, None)
         except Exception as caught:
             if isinstance(caught, TimeoutError) and reading.expired():
                 why = (f"reading the part records at the destination took more than {bound:g} "
                        "s (a listing without end?)")
-                self._unreadable[gen.key] = why
+                self._why_waiting[gen.key] = why
                 self._error_log.log_event(
                     log, logging.WARNING, "commit_poll_error", cause="parts:timeout",
                     job=gen.job, step=gen.step, error=f"{why}; asked again at the next poll")
@@ -450,7 +450,7 @@ class Publisher:
         mine = [gen.shards[s.path] for s in result.absent
                 if s.node == node and s.path in gen.shards]
         if not mine:
-            self._unreadable[gen.key] = result.reason
+            self._why_waiting[gen.key] = result.reason
             return
         for shard in mine:
             if shard.state is ShardState.DRAINED:
@@ -501,7 +501,7 @@ class Publisher:
     def _forget_waiting(self, key: GenKey) -> None:
         """What the polls learned about a generation that has ended or committed."""
         self._missing.pop(key, None)
-        self._unreadable.pop(key, None)
+        self._why_waiting.pop(key, None)
 
     async def _poll_locked(self, newest: dict[str, int], gen: GenerationRecord) -> None:
         # Locked: an advance is at work on it right now, and will settle it itself.
@@ -522,7 +522,7 @@ class Publisher:
         if gen.state is _G.RECORDED and time.time() - since >= wait_s:
             missing = self._missing.get(gen.key)
             why = (f"rank(s) {describe_ranks(missing)} have no part record (is their node down?)"
-                   if missing else self._unreadable.get(gen.key, "the manifest never appeared"))
+                   if missing else self._why_waiting.get(gen.key, "the manifest never appeared"))
             await self.end(gen, f"not committed within drain.commit_wait_s = {wait_s:g} s of "
                                 f"this node recording its part: {why}", kind="timeout",
                            event=GenerationEvent.EXPIRED)

@@ -39,6 +39,11 @@ def identity(st: os.stat_result) -> Identity:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def _gone(path: str) -> RequestError:
+    return RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read it "
+                        "from the destination")
+
+
 async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
     """A read-only fd of this node's verified local copy of ``path``; the caller sends and
     closes it. Raises ``not_found`` when the destination must serve it."""
@@ -74,8 +79,7 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
     try:
         good, seen, checked = await d.dataplane.call(verified, cleanup=close)
     except FileNotFoundError:
-        raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read "
-                           "it from the destination") from None
+        raise _gone(path) from None
     except OSError as exc:
         raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} cannot be read "
                            f"({exc.strerror or exc}); read it from the destination") from None
@@ -90,8 +94,7 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
         shard.vouched = (seen, expected)  # the next reader need not hash it again
     if not shard.local_copy:  # dropped while it was checked: the fd must not outlive it
         close()
-        raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; read "
-                           "it from the destination")
+        raise _gone(path)
     d.copies.lent(shard)
     log_event(log, logging.INFO, "local_copy_opened", job=job, step=step, path=path,
               checked=checked)
