@@ -90,16 +90,15 @@ def check_listener(sock: socket.socket, path: str) -> None:
     another container's too (a shared remap range); and its map names uids of the namespace
     above, not the node's. There only the caller's own uid (the same kernel uid) and the
     node's socket at exactly ``SYSTEM_SOCKET_PATH`` are trusted, the socket with no link and
-    no directory group or others may write on the way (found
-    attacking: naming the overflow uid trusted every unmapped user; uid 0, and then a uid
-    mapped to 0 from a nested namespace, trusted another container's root)."""
+    no directory group or others may write on the way (found attacking: naming the overflow
+    uid trusted every unmapped user; uid 0, and then a uid mapped to 0 from a nested
+    namespace, trusted another container's root)."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):  # not Linux: the kernel names no listener
         return
     uid = struct.unpack("3i", creds)[1]
-    namespace = _uid_map()
-    if namespace is None:
+    if not _in_a_user_namespace():
         if uid in (0, os.getuid()) or uid == _named_daemon_uid():
             return
         raise DaemonUnavailable(
@@ -122,21 +121,14 @@ def check_listener(sock: socket.socket, path: str) -> None:
     )
 
 
-def _uid_map() -> list[tuple[int, int, int]] | None:
-    """This process's uid map, or None in the node's own user namespace (whose map is the
-    whole range onto itself). Unreadable (no /proc in a container): an empty map, as in a
-    user namespace."""
+def _in_a_user_namespace() -> bool:
+    """Whether this process runs in a user namespace other than the node's (whose uid map is
+    the whole range onto itself); unreadable (no /proc in a container) counts as one."""
     try:
         with open("/proc/self/uid_map") as f:
-            text = f.read()
+            return f.read().split() != ["0", "0", "4294967295"]
     except OSError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) == 3 and all(field.isdigit() for field in fields):
-            rows.append((int(fields[0]), int(fields[1]), int(fields[2])))
-    return None if rows == [(0, 0, 4294967295)] else rows
+        return True
 
 
 def _overflow_uid() -> int:
