@@ -20,12 +20,12 @@ from ckptdrain.daemon.cli_destination import EXIT_OK, human
 
 def _load(ns: argparse.Namespace) -> tuple[Any, str, dict[str, str]]:
     """(config, where it came from, {dotted key: environment variable that set it})."""
-    from ckptdrain.daemon.config import _env_overrides, load_config
+    from ckptdrain.daemon.configload import env_overrides, load_config
 
     config = load_config(ns.config)  # ConfigError: exit 78
     path = ns.config or os.environ.get("CKPTDRAIN_CONFIG")
     origin = str(path) if path else "the embedded default (no config file)"
-    by_env = {dotted: var for var, (dotted, _) in _env_overrides(os.environ).items()}
+    by_env = {dotted: var for var, (dotted, _) in env_overrides(os.environ).items()}
     return config, origin, by_env
 
 

@@ -105,7 +105,8 @@ def _backend(ns: argparse.Namespace, dest: str) -> Any:
 
             return PosixBackend(ReadSettings(dest, Path(location)), node)
     from ckptdrain.daemon.backends import open_backend
-    from ckptdrain.daemon.config import DestinationConfig, load_config
+    from ckptdrain.daemon.config import DestinationConfig
+    from ckptdrain.daemon.configload import load_config
 
     base = load_config(ns.config).destination  # ConfigError: exit 78
     try:
@@ -325,7 +326,7 @@ class ProgressBar:
 # -- gc ---------------------------------------------------------------------------------------
 def cmd_gc(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon import retention
-    from ckptdrain.daemon.config import load_config
+    from ckptdrain.daemon.configload import load_config
 
     policy = load_config(ns.config).retention
     keep_last = policy.keep_last if ns.keep_last is None else ns.keep_last

@@ -22,7 +22,7 @@ from ckptdrain.daemon.cli_destination import human as _human
 
 
 def load(ns: argparse.Namespace) -> Any:
-    from ckptdrain.daemon.config import load_config
+    from ckptdrain.daemon.configload import load_config
 
     return load_config(getattr(ns, "config", None))  # ConfigError: exit 78
 

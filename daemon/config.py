@@ -1,27 +1,15 @@
-"""The daemon's configuration: TOML file, embedded default, environment overrides.
+"""The daemon's configuration: one frozen, validated model per section.
 
-The config is validated once, at load, into frozen models; nothing later re-reads the file or
-the environment. Every problem becomes a :class:`ConfigError` that names the dotted key and says
-how to fix it; pydantic's own error text never reaches an operator (the CLI maps ConfigError to
-exit code 78, ``EX_CONFIG``).
-
-Precedence, lowest first: field defaults (the systemd install: ``/run/ckptdrain.sock``,
-``/var/lib/ckptdrain``), then either the TOML file (``--config PATH`` or ``$CKPTDRAIN_CONFIG``)
-or, when there is no file, the embedded default (per-user directories, no root needed), then
-``CKPTDRAIN_<KEY>`` / ``CKPTDRAIN_<SECTION>__<KEY>`` environment variables.
+The config is validated once, at load (configload.py), into these frozen models; nothing later
+re-reads the file or the environment. A field's checks say what is wrong in the operator's
+terms; configload.py turns them into a :class:`ConfigError` naming the dotted key.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 import os
 import re
-import tomllib
-import types
 import typing
-from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from socket import gethostname
 from typing import Annotated, Any, Literal
@@ -32,7 +20,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -41,12 +28,10 @@ from pydantic_core import PydanticCustomError
 from ckptdrain.client.manifest import MAX_NODE_BYTES
 from ckptdrain.client.names import MAX_WORLD_SIZE
 from ckptdrain.daemon.errors import ConfigError
+from ckptdrain.daemon.sizes import GiB, KiB, MiB, TiB, as_written, parse_size
 from ckptdrain.daemon.uris import split_uri
 
 __all__ = [
-    "ENV_IGNORED",
-    "ENV_IGNORED_PREFIXES",
-    "ENV_PREFIX",
     "AccessConfig",
     "Config",
     "ConfigError",
@@ -55,105 +40,10 @@ __all__ = [
     "LimitsConfig",
     "MetricsConfig",
     "RetentionConfig",
-    "default_socket_path",
-    "embedded_default",
-    "load_config",
-    "parse_size",
 ]
-
-ENV_PREFIX = "CKPTDRAIN_"
-# Variables in our namespace that are not config keys: where the config lives, and names that
-# tests and tooling use for themselves.
-ENV_IGNORED = frozenset({"CKPTDRAIN_CONFIG", "CKPTDRAIN_HOME"})
-ENV_IGNORED_PREFIXES = ("CKPTDRAIN_TEST_",)
-
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-TiB = 1 << 40
 
 # sun_path is 108 bytes on Linux, one of which is the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107
-
-
-# ---------------------------------------------------------------------------------------------
-# Sizes
-
-
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KiB": KiB,
-    "MiB": MiB,
-    "GiB": GiB,
-    "TiB": TiB,
-}
-_MAX_SIZE = 2**63 - 1  # off_t
-_SIZE_RE = re.compile(r"^\s*([+-]?(?:\d[\d_]*)?(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: int | float | str) -> int:
-    """Bytes from an int or a string such as ``"800GiB"``, ``"1.5GB"``, ``"4096"`` or ``"0"``.
-
-    Units are binary (KiB MiB GiB TiB), decimal (KB MB GB TB) or ``B``. Raises ValueError with
-    an operator-facing message for anything else, for negative sizes and for fractions of a byte.
-    """
-    if isinstance(value, bool):  # bool is an int subclass; `true` is never a size
-        raise ValueError(f"{_show(value)} is not a size; write e.g. \"800GiB\"")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{value} is negative; a size must be 0 or more bytes")
-        if value > _MAX_SIZE:
-            raise ValueError(f"{value} is too large for a size (at most 2^63-1 bytes)")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"{_show(value)} is not a size; write e.g. \"800GiB\"")
-    match = _SIZE_RE.match(value)
-    number_text = match.group(1) if match else ""
-    if not match or not any(ch.isdigit() for ch in number_text):
-        raise ValueError(f"{_show(value)} is not a size; write e.g. \"800GiB\"")
-    unit = match.group(2)
-    if unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"{_show(value)} is not a size; write e.g. \"800GiB\" (units: B, KiB, MiB, GiB, "
-            "TiB, KB, MB, GB, TB)"
-        )
-    try:
-        number = Decimal(number_text.replace("_", ""))
-    except InvalidOperation:
-        raise ValueError(f"{_show(value)} is not a size; write e.g. \"800GiB\"") from None
-    if number < 0:
-        raise ValueError(f"{_show(value)} is negative; a size must be 0 or more bytes")
-    if number.adjusted() > 30:
-        raise ValueError(f"{_show(value)} is too large for a size (at most 2^63-1 bytes)")
-    with localcontext() as ctx:
-        ctx.prec = 80  # exact for any number that passed the check above
-        total = number * _SIZE_UNITS[unit]
-    if total > _MAX_SIZE:
-        # Checked before int(): "1e999999999" must not build a billion-digit integer.
-        raise ValueError(f"{_show(value)} is too large for a size (at most 2^63-1 bytes)")
-    if total != total.to_integral_value():
-        raise ValueError(f"{_show(value)} is not a whole number of bytes")
-    return int(total)
-
-
-def _size(value: Any) -> Any:
-    return parse_size(value)
-
-
-def _show(value: Any) -> str:
-    """A value as the operator wrote it: strings in double quotes, like TOML."""
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value)
 
 
 def _path(value: Any) -> Any:
@@ -164,7 +54,7 @@ def _path(value: Any) -> Any:
     return value
 
 
-ByteSize = Annotated[int, BeforeValidator(_size)]
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
 AbsPath = Annotated[Path, BeforeValidator(_path)]
 
 _MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -263,7 +153,7 @@ class DestinationConfig(BaseModel):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
-                f"{_show(url)} is not an http(s) URL; write e.g. \"http://127.0.0.1:8333\""
+                f"{as_written(url)} is not an http(s) URL; write e.g. \"http://127.0.0.1:8333\""
             )
         return url
 
@@ -374,16 +264,16 @@ def _split_listen(listen: str) -> tuple[str, int] | None:
     example = 'write e.g. "127.0.0.1:9464" or "[::1]:9464", or "" to disable'
     host, sep, port_text = listen.rpartition(":")
     if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"{_show(listen)} is not host:port; {example}")
+        raise ValueError(f"{as_written(listen)} is not host:port; {example}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
         if not host or not re.match(r"^[0-9A-Fa-f:.]+$", host):
-            raise ValueError(f"{_show(listen)} has a bad IPv6 address; {example}")
+            raise ValueError(f"{as_written(listen)} has a bad IPv6 address; {example}")
     elif not _HOST_RE.match(host):
-        raise ValueError(f"{_show(listen)} has a bad host; {example}")
+        raise ValueError(f"{as_written(listen)} has a bad host; {example}")
     port = int(port_text)
     if port > 65535:
-        raise ValueError(f"{_show(listen)}: port {port} is above 65535; {example}")
+        raise ValueError(f"{as_written(listen)}: port {port} is above 65535; {example}")
     return host, port
 
 
@@ -449,7 +339,7 @@ class AccessConfig(BaseModel):
             text = mode[2:] if mode.lower().startswith("0o") else mode
             if not re.match(r"^[0-7]{1,4}$", text) or int(text, 8) > 0o777:
                 raise ValueError(
-                    f"{_show(mode)} is not a permission mode (octal, at most 0777); "
+                    f"{as_written(mode)} is not a permission mode (octal, at most 0777); "
                     "write e.g. \"0660\""
                 )
         return mode
@@ -458,7 +348,7 @@ class AccessConfig(BaseModel):
     @classmethod
     def _check_group(cls, group: str) -> str:
         if group and not _GROUP_RE.match(group):
-            raise ValueError(f"{_show(group)} is not a group name or numeric gid")
+            raise ValueError(f"{as_written(group)} is not a group name or numeric gid")
         return group
 
     @field_validator("allowed_uids", "allowed_gids")
@@ -503,7 +393,7 @@ class Config(BaseModel):
     def _check_node_id(cls, node_id: str) -> str:
         if not _NODE_ID_RE.match(node_id):
             raise ValueError(
-                f"{_show(node_id)} is not a valid node id (letters, digits, '.', '_', '-', "
+                f"{as_written(node_id)} is not a valid node id (letters, digits, '.', '_', '-', "
                 f"starting with a letter or digit, at most {MAX_NODE_BYTES}); set node_id explicitly"
             )
         return node_id
@@ -512,10 +402,10 @@ class Config(BaseModel):
     @classmethod
     def _check_socket(cls, path: Path) -> Path:
         if not path.is_absolute():
-            raise ValueError(f"{_show(str(path))} is relative; give an absolute path")
+            raise ValueError(f"{as_written(str(path))} is relative; give an absolute path")
         if len(os.fsencode(path)) > _MAX_SOCKET_PATH_BYTES:
             raise ValueError(
-                f"{_show(str(path))} is longer than {_MAX_SOCKET_PATH_BYTES} bytes, the limit "
+                f"{as_written(str(path))} is longer than {_MAX_SOCKET_PATH_BYTES} bytes, the limit "
                 "for a Unix socket path; choose a shorter path"
             )
         return path
@@ -524,7 +414,7 @@ class Config(BaseModel):
     @classmethod
     def _check_staging(cls, path: Path) -> Path:
         if not path.is_absolute():
-            raise ValueError(f"{_show(str(path))} is relative; give an absolute path")
+            raise ValueError(f"{as_written(str(path))} is relative; give an absolute path")
         return path
 
     @model_validator(mode="after")
@@ -540,18 +430,6 @@ class Config(BaseModel):
     @property
     def journal_path(self) -> Path:
         return self.staging_dir / "journal.sqlite3"
-
-    def with_limits_from(self, other: Config) -> Config:
-        """This config with ``limits`` (but ``io_threads`` and ``io_timeout_s``) and
-        ``log_level`` taken from ``other`` (SIGHUP reload: everything else needs a restart, so
-        a reload never changes it)."""
-        merged = self.model_dump()
-        # Except the data plane's size and timeout, fixed when it was built (a restart).
-        merged["limits"] = {**other.limits.model_dump(),
-                            "io_threads": self.limits.io_threads,
-                            "io_timeout_s": self.limits.io_timeout_s}
-        merged["log_level"] = other.log_level
-        return _validate(merged, sources={})
 
     def redacted_dict(self) -> dict[str, Any]:
         """JSON-ready dict for logging and ``status``, with credentials masked."""
@@ -577,291 +455,3 @@ def _redact(value: Any, key: str = "") -> Any:
                 host = f"{host}:{parts.port}"
             return urlunsplit(parts._replace(netloc=f"***@{host}"))
     return value
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_RUNTIME_DIR/ckptdrain-<uid>.sock``, else ``/tmp/ckptdrain-<uid>.sock``: the same
-    fallback the client uses when neither ``socket_path=`` nor ``$CKPTDRAIN_SOCKET`` is given."""
-    env = os.environ if env is None else env
-    runtime_dir = env.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(runtime_dir) / f"ckptdrain-{os.getuid()}.sock"
-
-
-def _state_home(env: Mapping[str, str]) -> Path:
-    state = env.get("XDG_STATE_HOME")
-    if state:
-        return Path(state)
-    home = env.get("HOME")
-    return (Path(home) if home else Path.home()) / ".local" / "state"
-
-
-def embedded_default(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The config used when no file is given: per-user directories, a ``file://`` destination
-    and loopback metrics, so ``ckptdrain serve`` works without root and without a file."""
-    env = os.environ if env is None else env
-    state = _state_home(env) / "ckptdrain"
-    return {
-        "socket": str(default_socket_path(env)),
-        "staging_dir": str(state / "staging"),
-        "destination": {"uri": (state / "destination").as_uri()},
-        "metrics": {"listen": "127.0.0.1:9464"},
-    }
-
-
-def load_config(
-    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
-) -> Config:
-    """Load, merge and validate the config; raises :class:`ConfigError` for every problem.
-
-    ``path`` is the TOML file; without it ``env["CKPTDRAIN_CONFIG"]`` names one; without that
-    the embedded default is used. ``env`` (default ``os.environ``) supplies the overrides.
-    """
-    env = os.environ if env is None else env
-    if path is None and env.get("CKPTDRAIN_CONFIG"):
-        path = env["CKPTDRAIN_CONFIG"]
-    if path is not None:
-        data = _read_toml(Path(path))
-        origin = f"in {os.fspath(path)}"
-    else:
-        data = embedded_default(env)
-        origin = "in the embedded default"
-    sources: dict[str, str] = {}
-    for key, (dotted, value) in _env_overrides(env).items():
-        section, _, name = dotted.partition(".")
-        if name:
-            target = data.setdefault(section, {})
-            if not isinstance(target, dict):
-                raise ConfigError(section, f"is a section; write it as [{section}] {origin}")
-            target[name] = value
-        else:
-            data[section] = value
-        sources[dotted] = f"set by {key}"
-    return _validate(data, sources=sources, default_source=origin)
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    where = os.fspath(path)
-    hint = "pass --config PATH with an existing file, or unset CKPTDRAIN_CONFIG"
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(where, f"no such config file; {hint}") from None
-    except IsADirectoryError:
-        raise ConfigError(where, f"is a directory, not a config file; {hint}") from None
-    except OSError as exc:
-        raise ConfigError(
-            where, f"cannot read the config file ({exc.strerror}); fix its permissions"
-        ) from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            where, f"is not UTF-8 text (byte {exc.start}); save it as UTF-8"
-        ) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(where, f"TOML syntax error: {exc}; fix the file") from None
-
-
-_SECTIONS: dict[str, type[BaseModel]] = {
-    "limits": LimitsConfig,
-    "destination": DestinationConfig,
-    "drain": DrainConfig,
-    "retention": RetentionConfig,
-    "metrics": MetricsConfig,
-    "access": AccessConfig,
-}
-
-
-def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
-    """``{VARIABLE: (dotted key, typed value)}`` for every ``CKPTDRAIN_*`` override."""
-    top_fields = {k: f for k, f in Config.model_fields.items() if k not in _SECTIONS}
-    known = sorted(
-        [ENV_PREFIX + k.upper() for k in top_fields]
-        + [
-            f"{ENV_PREFIX}{section.upper()}__{name.upper()}"
-            for section, model in _SECTIONS.items()
-            for name in model.model_fields
-        ]
-    )
-    found: dict[str, tuple[str, Any]] = {}
-    for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var in ENV_IGNORED:
-            continue
-        if var.startswith(ENV_IGNORED_PREFIXES):
-            continue
-        rest = var[len(ENV_PREFIX) :].lower()
-        section, sep, name = rest.partition("__")
-        if sep and section in _SECTIONS and name in _SECTIONS[section].model_fields:
-            annotation = _SECTIONS[section].model_fields[name].annotation
-            found[var] = (f"{section}.{name}", _from_env(env[var], annotation))
-        elif not sep and rest in top_fields:
-            found[var] = (rest, _from_env(env[var], top_fields[rest].annotation))
-        elif not sep and rest not in _SECTIONS:
-            # Not config-shaped: the client's own variables (CKPTDRAIN_ATTEMPT, ...) and
-            # other tools' share the prefix. Only CKPTDRAIN_<KEY> for a top-level key and
-            # CKPTDRAIN_<SECTION>__<KEY> are config; a typo in the latter is still reported.
-            continue
-        else:
-            if not sep:
-                reason = f"names a section; set {var}__<KEY> for one of its keys"
-            else:
-                reason = "is not a ckptdrain setting; remove it or fix the spelling"
-                close = difflib.get_close_matches(var, known, n=1)
-                if close:
-                    reason += f" (did you mean {close[0]}?)"
-            raise ConfigError(var, reason)
-    return found
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _from_env(text: str, annotation: Any) -> Any:
-    """An environment string as the field's type; left a string when it does not parse, so
-    validation reports it against the key like any other wrong value."""
-    args = typing.get_args(annotation)
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        if text == "":
-            return None
-        annotation = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(annotation)
-    if annotation is bool:
-        low = text.strip().lower()
-        return True if low in _TRUE else False if low in _FALSE else text
-    if annotation is int:
-        try:
-            return int(text)
-        except ValueError:
-            return text  # sizes like "64MiB" are parsed by the field itself
-    if annotation is float:
-        try:
-            return float(text)
-        except ValueError:
-            return text
-    if origin is list:
-        stripped = text.strip()
-        if stripped.startswith("["):
-            try:
-                return json.loads(stripped)
-            except (json.JSONDecodeError, RecursionError):
-                return text
-        items = [item.strip() for item in stripped.split(",") if item.strip()]
-        (item_type,) = typing.get_args(annotation) or (str,)
-        return [_from_env(item, item_type) for item in items]
-    return text
-
-
-def _validate(
-    data: dict[str, Any], *, sources: Mapping[str, str], default_source: str = ""
-) -> Config:
-    try:
-        return Config.model_validate(data)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        first = errors[0]
-        key = _dotted(first)
-        reason = _reason(first, key)
-        source = sources.get(key) or sources.get(key.split("[")[0]) or default_source
-        if source:
-            reason += f" ({source})"
-        if len(errors) > 1:
-            reason += f"; {len(errors) - 1} more problem(s) after this one"
-        raise ConfigError(key, reason) from None
-
-
-def _dotted(error: Mapping[str, Any]) -> str:
-    key = ""
-    for part in error["loc"]:
-        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
-    field = (error.get("ctx") or {}).get("field")
-    if field:
-        key = f"{key}.{field}" if key else str(field)
-    return key or "config"
-
-
-_TYPE_WORDS = {
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "bool_type": "true or false",
-    "bool_parsing": "true or false",
-    "string_type": "a string",
-    "list_type": "a list",
-    "model_type": "a table (a [section])",
-    "dict_type": "a table (a [section])",
-    "path_type": "a path string",
-    "is_instance_of": "a path string",
-}
-
-
-def _type_name(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a table"
-    return type(value).__name__
-
-
-def _reason(error: Mapping[str, Any], key: str) -> str:
-    kind = error["type"]
-    ctx = error.get("ctx") or {}
-    value = error.get("input")
-    if kind == "extra_forbidden":
-        parent, _, name = key.rpartition(".")
-        model = _SECTIONS.get(parent, Config if not parent else None)
-        reason = "unknown key; remove it or fix the spelling"
-        if model is not None:
-            close = difflib.get_close_matches(name, list(model.model_fields), n=1)
-            if close:
-                reason += f" (did you mean {close[0]}?)"
-        return reason
-    if kind == "value_error":
-        message = str(ctx.get("error", error["msg"]))
-        return message
-    if kind == "cross_field":
-        return str(error["msg"])
-    if kind in _TYPE_WORDS:
-        return f"expected {_TYPE_WORDS[kind]}, got {_show(value)} ({_type_name(value)})"
-    if kind == "literal_error":
-        return f"{_show(value)} is not one of {ctx.get('expected', '')}".replace("'", '"')
-    bounds = {
-        "greater_than_equal": (">=", "ge"),
-        "greater_than": (">", "gt"),
-        "less_than_equal": ("<=", "le"),
-        "less_than": ("<", "lt"),
-    }
-    if kind in bounds:
-        symbol, ctx_key = bounds[kind]
-        limit = ctx.get(ctx_key)
-        if key.endswith("_bytes"):
-            return f"must be {symbol} {_human_bytes(limit)} (got {_human_bytes(value)})"
-        return f"must be {symbol} {limit} (got {_show(value)})"
-    if kind == "string_too_short":
-        return "must not be empty"
-    return f"{_show(value)} is not valid: {error['msg']}"
-
-
-def _human_bytes(value: Any) -> str:
-    if not isinstance(value, int):
-        return str(value)
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if value >= size and value % size == 0:
-            return f"{value // size}{unit}"
-    return f"{value}B"

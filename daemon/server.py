@@ -156,13 +156,14 @@ class Daemon:
         pace) and name every other changed key as needing a restart (they name sockets,
         directories and destinations in use). A config that does not load is logged and
         ignored: the daemon keeps running as it was."""
-        from ckptdrain.daemon.config import ConfigError, load_config
+        from ckptdrain.daemon.configload import load_config, with_limits_from
+        from ckptdrain.daemon.errors import ConfigError
         from ckptdrain.daemon.logs import setup_logging
 
         self.notifier.reloading("reloading limits")
         try:
             loaded = load_config(self.config_path)
-            new = self.config.with_limits_from(loaded)
+            new = with_limits_from(self.config, loaded)
             # The drain's pace is a limit too: an operator slows or frees it without a restart.
             new = new.model_copy(update={"drain": new.drain.model_copy(update={
                 "max_bandwidth_bytes_per_s": loaded.drain.max_bandwidth_bytes_per_s})})

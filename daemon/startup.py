@@ -204,7 +204,7 @@ def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, S
 
 # Keys a SIGHUP applies; any other key that changed is named as needing a restart.
 RELOADABLE = ("limits.", "log_level", "drain.max_bandwidth_bytes_per_s")
-# Limits the data plane is built with at start-up: a reload keeps them (Config.with_limits_from)
+# Limits the data plane is built with at start-up: a reload keeps them (configload.with_limits_from)
 # and names them as needing a restart (it said "reloaded" and changed nothing).
 RESTART_LIMITS = ("limits.io_threads", "limits.io_timeout_s")
 

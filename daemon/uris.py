@@ -14,7 +14,7 @@ from urllib.parse import unquote, urlsplit
 
 
 def _quoted(uri: str) -> str:
-    # As the operator wrote it, in TOML's quotes (config._show does the same for any value).
+    # As the operator wrote it, in TOML's quotes (sizes.as_written does the same for any value).
     return json.dumps(uri)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import Backpressure, DrainError, GenerationFailed, NodeDraining
-from ckptdrain.daemon.config import load_config
+from ckptdrain.daemon.configload import load_config
 from tests.conftest import CKPTDRAIN, DaemonProcess
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.daemon.config import load_config
+from ckptdrain.daemon.configload import load_config
 from ckptdrain.daemon.errors import StartupError
 from ckptdrain.daemon.startup import MIN_STAGED_BYTES, fit_staged_limit
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for

@@ -15,17 +15,16 @@ from ckptdrain.daemon.config import (
     Config,
     ConfigError,
     DestinationConfig,
-    GiB,
-    KiB,
     LimitsConfig,
     MetricsConfig,
-    MiB,
-    TiB,
+)
+from ckptdrain.daemon.configload import (
     default_socket_path,
     embedded_default,
     load_config,
-    parse_size,
+    with_limits_from,
 )
+from ckptdrain.daemon.sizes import GiB, KiB, MiB, TiB, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "ckptdrain.example.toml"
@@ -560,7 +559,7 @@ def test_with_limits_from_takes_limits_and_log_level_only(tmp_path: Path) -> Non
         '[destination]\nuri = "s3://other"\n'
     )
     new = load_config(tmp_path / "new.toml", env=BASE_ENV)
-    merged = old.with_limits_from(new)
+    merged = with_limits_from(old, new)
     assert merged.limits == new.limits
     assert merged.log_level == "debug"
     assert merged.node_id == "a"
@@ -575,7 +574,7 @@ def test_a_reload_keeps_the_data_planes_limits_and_says_they_need_a_restart() ->
 
     old = Config()
     new = Config(limits=LimitsConfig(io_threads=16, io_timeout_s=5.0, max_clients=9))
-    merged = old.with_limits_from(new)
+    merged = with_limits_from(old, new)
     assert (merged.limits.io_threads, merged.limits.io_timeout_s) == (
         old.limits.io_threads, old.limits.io_timeout_s)
     assert merged.limits.max_clients == 9
@@ -593,7 +592,7 @@ def test_with_limits_from_revalidates_cross_checks() -> None:
     old = Config(ack="memory")
     new = Config(limits=LimitsConfig(max_memory_bytes=0))
     with pytest.raises(ConfigError) as info:
-        old.with_limits_from(new)
+        with_limits_from(old, new)
     assert info.value.key == "ack"
 
 

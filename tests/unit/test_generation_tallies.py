@@ -228,7 +228,7 @@ async def test_status_and_the_metrics_snapshot_walk_no_generations_shards() -> N
 
 def _daemon(ledger: Ledger) -> SimpleNamespace:
     """What status() and refresh_snapshot() read of a daemon, with a real ledger."""
-    from ckptdrain.daemon.config import load_config
+    from ckptdrain.daemon.configload import load_config
 
     budget = SimpleNamespace(used=0, limit=1, waiting=0)
     metrics = SimpleNamespace(snapshot=None)
