@@ -62,7 +62,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     daemon.on_stopped = lambda: threading.Thread(target=_exit_if_stuck, args=(ran,),
                                                  daemon=True).start()
     from ckptdrain.daemon.journal import JournalError
-    from ckptdrain.daemon.metrics import MetricsServerError
+    from ckptdrain.daemon.metricsendpoint import MetricsServerError
 
     try:
         runner(daemon.run())
@@ -80,7 +80,7 @@ def _expected(exc: BaseException) -> BaseException:
     """The typed error to report for a failed ``serve`` (the first of a group), or ``exc``."""
     from ckptdrain.daemon.errors import DaemonError, StartupError
     from ckptdrain.daemon.journal import JournalError
-    from ckptdrain.daemon.metrics import MetricsServerError
+    from ckptdrain.daemon.metricsendpoint import MetricsServerError
 
     if isinstance(exc, BaseExceptionGroup):
         for leaf in exc.exceptions:

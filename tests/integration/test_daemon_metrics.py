@@ -186,7 +186,7 @@ def test_a_large_shard_is_paced_and_reported_while_it_drains(make_daemon: Any) -
     wait_for(midway, timeout_s=60)
     assert seen["shard"]["size"] == size and seen["rate"] > 0
     d.client().wait("paced-one", 1, timeout_s=60)
-    # A scrape may be answered from a render up to a second old (metrics.RENDER_FRESH_S).
+    # A scrape may be answered from a render up to a second old (metricsendpoint.RENDER_FRESH_S).
     wait_for(lambda: value(scrape(d), "ckptdrain_drained_bytes_total", job="paced-one") == size,
              timeout_s=10)
     assert d.client().status()["shards_draining"] == []

@@ -13,15 +13,15 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptdrain.daemon import metrics as metrics_module
+from ckptdrain.daemon import metricsendpoint as endpoint_module
 from ckptdrain.daemon.metrics import (
     BACKPRESSURE_ACTIONS,
     BACKPRESSURE_LIMITS,
     FAILURE_REASONS,
     Metrics,
-    MetricsServerError,
     Snapshot,
 )
+from ckptdrain.daemon.metricsendpoint import MetricsServerError
 
 Labels = frozenset[tuple[str, str]]
 
@@ -310,7 +310,7 @@ async def test_a_silent_client_is_dropped(
     served: tuple[Metrics, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, port = served
-    monkeypatch.setattr(metrics_module, "REQUEST_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(endpoint_module, "REQUEST_TIMEOUT_S", 0.2)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         async with asyncio.timeout(10):
@@ -329,7 +329,7 @@ async def test_aclose_ends_open_connections_and_frees_the_port() -> None:
     # Wait until the server has accepted it: a connection still in the listen backlog is
     # reset by the kernel when the listener closes, which is not what this test is about.
     async with asyncio.timeout(10):
-        while not m._connections:
+        while not m.endpoint._connections:
             await asyncio.sleep(0.001)
     await m.aclose()
     async with asyncio.timeout(10):
@@ -369,13 +369,13 @@ async def test_a_scrape_is_rendered_off_the_event_loop(
 ) -> None:
     m, port = served
     threads: list[int] = []
-    render = m.exposition
+    render = m.endpoint.render
 
     def recorded() -> bytes:
         threads.append(threading.get_ident())
         return render()
 
-    monkeypatch.setattr(m, "exposition", recorded)
+    monkeypatch.setattr(m.endpoint, "render", recorded)
     status, _, body = await http(port, b"GET /metrics HTTP/1.1\r\n\r\n")
     assert status == 200 and b"ckptdrain_build_info" in body
     assert threads and threading.get_ident() not in threads
@@ -396,12 +396,12 @@ async def test_scrapes_at_once_share_one_render(
         assert release.wait(10)
         return b"rendered once\n"
 
-    monkeypatch.setattr(m, "exposition", slow)
+    monkeypatch.setattr(m.endpoint, "render", slow)
     first = asyncio.create_task(http(port, b"GET /metrics HTTP/1.1\r\n\r\n"))
     await asyncio.to_thread(started.wait, 10)
     others = [asyncio.create_task(http(port, b"GET /metrics HTTP/1.1\r\n\r\n")) for _ in range(5)]
     async with asyncio.timeout(10):
-        while len(m._connections) < 6:  # all in, the render still held
+        while len(m.endpoint._connections) < 6:  # all in, the render still held
             await asyncio.sleep(0.01)
     release.set()
     answers = await asyncio.gather(first, *others)
@@ -410,7 +410,7 @@ async def test_scrapes_at_once_share_one_render(
     # Within RENDER_FRESH_S a scrape is answered from that render, after it a new one runs.
     assert (await http(port, b"GET /metrics HTTP/1.1\r\n\r\n"))[2] == b"rendered once\n"
     assert len(calls) == 1
-    monkeypatch.setattr(metrics_module, "RENDER_FRESH_S", 0.0)
+    monkeypatch.setattr(endpoint_module, "RENDER_FRESH_S", 0.0)
     await http(port, b"GET /metrics HTTP/1.1\r\n\r\n")
     assert len(calls) == 2
 
@@ -423,10 +423,10 @@ async def test_idle_connections_at_the_cap_do_not_shut_out_a_scrape(
     # daemon dropped them) shut out every scrape and /healthz: Prometheus saw the node down.
     m, port = served
     idle = [await asyncio.open_connection("127.0.0.1", port)
-            for _ in range(metrics_module.MAX_CONNECTIONS)]
+            for _ in range(endpoint_module.MAX_CONNECTIONS)]
     try:
         async with asyncio.timeout(10):
-            while len(m._unasked) < metrics_module.MAX_CONNECTIONS:  # all of them taken in
+            while len(m.endpoint._unasked) < endpoint_module.MAX_CONNECTIONS:  # all of them taken in
                 await asyncio.sleep(0.01)
         for _ in range(3):
             status, _, body = await http(port, b"GET /metrics HTTP/1.1\r\n\r\n")
@@ -436,7 +436,7 @@ async def test_idle_connections_at_the_cap_do_not_shut_out_a_scrape(
         async with asyncio.timeout(10):
             while sum(r.at_eof() or r.exception() is not None for r, _ in idle) < 1:
                 await asyncio.sleep(0.01)
-        assert len(m._unasked) == metrics_module.MAX_CONNECTIONS - 1
+        assert len(m.endpoint._unasked) == endpoint_module.MAX_CONNECTIONS - 1
     finally:
         for _, w in idle:
             w.close()
