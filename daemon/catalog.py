@@ -8,19 +8,13 @@ Only the :class:`Backend` interface is used, so this works the same on POSIX and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import os
-import secrets
-from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, TypeVar
 
 from ckptdrain.client.errors import RejectedInput
 from ckptdrain.client.manifest import (
-    TMP_SUFFIX,
     Manifest,
     ManifestError,
     ShardEntry,
@@ -33,8 +27,9 @@ from ckptdrain.client.names import validate_job
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.latest import manifest_bytes, newest_committed, parse_manifest, read_latest
-from ckptdrain.daemon.threads import outlast, settled
+from ckptdrain.daemon.threads import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +47,6 @@ class CatalogError(DaemonError):
 
 class NotCommitted(CatalogError):
     """The generation has no (readable) manifest: it was never committed or was removed."""
-
-
-class RestoreError(CatalogError):
-    """A restore stopped: a shard is damaged or would land outside the target directory."""
 
 
 @dataclass(frozen=True)
@@ -76,22 +67,6 @@ class VerifyReport:
     bad: list[tuple[str, str]] = field(default_factory=list)
     # Shards checked by the checksum the destination stored, without reading their bytes.
     stored: int = 0
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    job: str
-    step: int
-    files: int
-    bytes: int
-    to_dir: Path
-    local_files: int = 0  # copied from this node's local copies (checksums verified)
-    local_rejected: int = 0  # local copies whose checksum did not match: fetched remotely
-
-
-# Restore's fast path: fill the open fd from a local copy of the shard; returns the checksum
-# (with the manifest's algorithm) of what was written, or None when there is no local copy.
-LocalSource = Callable[[ShardEntry, int], Awaitable[str | None]]
 
 
 # --- listing --------------------------------------------------------------------------------
@@ -286,7 +261,7 @@ async def verify(
                     report.bytes += len(chunk)
                     if size > shard.size:
                         break  # already wrong; no need to read a runaway object to its end
-                    await _hash(digest, chunk)
+                    await hash_chunk(digest, chunk)
         except BackendError as exc:
             if exc.kind != "integrity":
                 raise
@@ -307,294 +282,8 @@ async def verify(
     return report
 
 
-# --- restore --------------------------------------------------------------------------------
-
-
-async def restore(
-    backend: Backend,
-    job: str,
-    step: int | Literal["latest"],
-    to_dir: Path,
-    *,
-    concurrency: int = 8,
-    progress: Callable[[int], None] | None = None,
-    local: LocalSource | None = None,
-) -> RestoreReport:
-    """Copy a committed generation into ``to_dir`` (a loadable checkpoint directory).
-
-    Each file is written under a temp name beside its final name, its checksum and size checked
-    while writing, and renamed into place only if they match; a mismatch stops the restore with
-    RestoreError naming the file. ``progress`` is called with each number of bytes written.
-    The manifest is copied last, so a restored directory says what it holds and ``verify``
-    can be re-run against it. Files are not fsynced: a restore is repeatable.
-    """
-    manifest = await resolve(backend, job, step)
-    step = manifest.generation
-    made = _Made()
-    await _settled(made.makedirs, Path(to_dir))
-    try:
-        return await _restore_into(backend, manifest, await _settled(Path(to_dir).resolve),
-                                   concurrency, progress, local, made)
-    except BaseException:
-        # A failed restore leaves the target as it found it: no half checkpoint, no empty
-        # directories (files it replaced under --overwrite are not brought back, and an
-        # earlier restore's MANIFEST.json there is gone, so the mix is no checkpoint). Every
-        # thread call is settled before this runs, so none creates a file after it.
-        await _settled(made.undo)
-        raise
-
-
-async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concurrency: int,
-                        progress: Callable[[int], None] | None, local: LocalSource | None,
-                        made: _Made) -> RestoreReport:
-    job, step = manifest.job, manifest.generation
-    # Shard paths are validated when the manifest parses; this also refuses a symlink planted
-    # in to_dir that would carry a write elsewhere.
-    targets = {shard.path: _inside(root, shard.path) for shard in manifest.shards}
-    written = local_files = local_rejected = 0
-    # Under --overwrite the target may hold an earlier restore: its MANIFEST.json goes before
-    # any file is replaced, so a restore that fails half-way leaves no directory claiming to
-    # be a whole checkpoint (found attacking restore: the old manifest stayed, describing
-    # files some of which were already another generation's).
-    await _settled(_unlink, root / "MANIFEST.json")
-
-    async def fetch(shard: ShardEntry) -> None:
-        nonlocal written, local_files, local_rejected
-        target = targets[shard.path]
-        await _settled(_makedirs_inside, root, target, made)
-        if local is not None:
-            outcome = await _write_local(local, target, shard)
-            if outcome == "ok":
-                written += shard.size
-                local_files += 1
-                if progress is not None:
-                    progress(shard.size)
-                return
-            if outcome == "rejected":
-                local_rejected += 1
-        count = await _write_verified(
-            backend, shard_key(job, step, shard.path), target, shard, progress
-        )
-        written += count
-
-    try:
-        await for_each_bounded(manifest.shards, fetch, concurrency)
-    except BackendError as exc:
-        # A shard missing or not a file at the destination is the generation's damage, as a
-        # checksum mismatch is: say what to do about it, as that one does.
-        hint = ("; the generation at the destination is damaged: restore an older generation "
-                "(`ckptdrain ls` lists them)" if exc.kind in ("integrity", "unsafe") else "")
-        raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}{hint}") from exc
-    made.file(root / "MANIFEST.json")
-    await _settled(_write_file, root / "MANIFEST.json", manifest.to_json())
-    return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root,
-                         local_files=local_files, local_rejected=local_rejected)
-
-
-async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> str:
-    """"ok" when the local copy was written and matches the manifest's checksum; "missing"
-    when there is none; "rejected" when it did not match (never trusted: the caller fetches
-    the shard from the destination instead)."""
-    tmp, fd = await _create_temp(target)
-    outcome = "missing"
-    try:
-        try:
-            checksum = await local(shard, fd)
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if checksum is not None:
-            outcome = "ok" if checksum == shard.checksum and size == shard.size else "rejected"
-        if outcome == "ok":
-            await _settled(os.replace, tmp, target)
-    finally:
-        if outcome != "ok":
-            await _settled(_unlink, tmp)
-    if outcome == "rejected":
-        log.warning("local copy of %s failed its checksum; restoring it from the destination",
-                    shard.path)
-    return outcome
-
-
-def _inside(root: Path, rel: str) -> Path:
-    target = root.joinpath(*rel.split("/"))
-    if not target.is_relative_to(root) or ".." in rel.split("/") or rel.startswith("/"):
-        raise RestoreError(f"shard path {rel!r} would land outside {root}; refusing to restore")
-    return target
-
-
-class _Made:
-    """What a restore created (directories, and files that did not exist before), so that a
-    failed restore removes exactly that. Appended to from worker threads (list.append is
-    atomic)."""
-
-    def __init__(self) -> None:
-        self.dirs: list[Path] = []
-        self.files: list[Path] = []
-
-    def makedirs(self, directory: Path) -> None:
-        missing = []
-        for d in (directory, *directory.parents):
-            if d.exists():
-                break
-            missing.append(d)
-        for d in reversed(missing):
-            try:
-                d.mkdir()
-            except FileExistsError:
-                continue  # another worker made it: theirs to record
-            self.dirs.append(d)
-        if not directory.is_dir():
-            raise RestoreError(f"{directory} exists and is not a directory; restore elsewhere")
-
-    def file(self, path: Path) -> None:
-        if not os.path.lexists(path):
-            self.files.append(path)
-
-    def undo(self) -> None:
-        for f in self.files:
-            with contextlib.suppress(OSError):
-                f.unlink(missing_ok=True)
-        for d in sorted(self.dirs, key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):
-                d.rmdir()  # only if empty: never what was there before
-
-
-def _makedirs_inside(root: Path, target: Path, made: _Made) -> None:
-    directory = target.parent
-    made.makedirs(directory)
-    if not directory.resolve().is_relative_to(root):
-        raise RestoreError(
-            f"{directory} resolves outside {root} (a symlink?); restore into an empty directory"
-        )
-    made.file(target)
-
-
-async def _write_verified(
-    backend: Backend,
-    key: str,
-    target: Path,
-    shard: ShardEntry,
-    progress: Callable[[int], None] | None,
-) -> int:
-    # A shard that does not match the manifest is read once more before the destination is
-    # blamed: bytes damaged on the way (a proxy, a resumed range) read right the second time,
-    # and "the shard at the destination is damaged" sent operators to an older checkpoint
-    # for nothing (found attacking). Twice the same way, it is the destination's. The second
-    # read's bytes were counted by the first (no progress past 100%).
-    size, problem = await _write_checked(backend, key, target, shard, progress)
-    if problem:
-        size, problem = await _write_checked(backend, key, target, shard, None)
-    if problem:
-        raise RestoreError(f"{problem}, read twice; the shard at the destination is damaged: "
-                           "restore an older generation (`ckptdrain ls` lists them)")
-    return size
-
-
-async def _write_checked(
-    backend: Backend,
-    key: str,
-    target: Path,
-    shard: ShardEntry,
-    progress: Callable[[int], None] | None,
-) -> tuple[int, str]:
-    """Copy ``key`` into a temp file beside ``target`` and rename it into place if it is the
-    shard the manifest lists: (its size, "") or (its size, what is wrong with it)."""
-    tmp, fd = await _create_temp(target)
-    # The temp exists from here: renamed when verified, unlinked on every other way out.
-    done = False
-    try:
-        try:
-            size, checksum = await backend.copy_into(key, fd, algo=shard.algo,
-                                                     progress=progress, owned=True,
-                                                     expected_size=shard.size)
-        except OSError as exc:
-            if exc.filename is not None or exc.errno is None:
-                raise
-            # A write into the file without its name (pwritev): the target named, or a full
-            # disk said only "No space left on device" (found attacking).
-            raise OSError(exc.errno, exc.strerror, str(target)) from exc
-        finally:
-            os.close(fd)
-        if size != shard.size:
-            relation = "longer than" if size > shard.size else "shorter than"
-            return size, (f"{shard.path} is {relation} the {shard.size} bytes the manifest "
-                          f"lists ({size})")
-        if checksum != shard.checksum:
-            return size, (f"{shard.path} does not match its checksum in the manifest "
-                          f"({checksum} != {shard.checksum})")
-        await _settled(os.replace, tmp, target)
-        done = True
-        return size, ""
-    finally:
-        if not done:
-            tmp.unlink(missing_ok=True)
-
-
-def _unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-# --- bounded concurrency --------------------------------------------------------------------
-
-
-async def for_each_bounded(
-    items: Sequence[_T], fn: Callable[[_T], Awaitable[object]], concurrency: int
-) -> None:
-    """Run ``fn`` over ``items`` with at most ``concurrency`` in flight, all owned by one
-    TaskGroup; the first failure cancels the rest and is raised as itself."""
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, not {concurrency}")
-    work: Iterator[_T] = iter(items)
-
-    async def worker() -> None:
-        # Workers pull from one iterator: no task per shard, so 100,000 shards cost
-        # `concurrency` tasks, not 100,000.
-        for item in work:
-            await fn(item)
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            for _ in range(min(concurrency, len(items))):
-                group.create_task(worker())
-    except BaseExceptionGroup as group_exc:
-        raise group_exc.exceptions[0] from None
-
-
-async def _hash(digest: checksums.Digest, chunk: bytes) -> None:
+async def hash_chunk(digest: checksums.Digest, chunk: bytes) -> None:
     if len(chunk) >= _THREAD_HASH_BYTES:
-        await _settled(digest.update, chunk)
+        await in_thread(digest.update, chunk)
     else:
         digest.update(chunk)
-
-
-async def _create_temp(target: Path) -> tuple[Path, int]:
-    """A new temp file beside ``target`` and its fd. Cancelled once the thread has created
-    it, the file is closed and removed here: nobody else knows it exists."""
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-    # Readable too: the POSIX backend checksums what it wrote by mapping this file.
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    future = asyncio.get_running_loop().run_in_executor(None, os.open, tmp, flags, 0o644)
-    try:
-        return tmp, await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await outlast(future)
-        if not future.cancelled() and future.exception() is None:
-            os.close(future.result())
-            tmp.unlink(missing_ok=True)
-        raise
-
-
-async def _settled(fn: Callable[..., _T], *args: object) -> _T:
-    """Run ``fn`` in a thread; if cancelled, wait for the thread to finish before re-raising,
-    so no thread still writes to an fd the caller is about to close."""
-    return await settled(asyncio.get_running_loop().run_in_executor(None, fn, *args))

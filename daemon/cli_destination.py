@@ -246,6 +246,7 @@ def _check_restore_target(to: Path, overwrite: bool) -> None:
 
 def cmd_restore(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon import catalog
+    from ckptdrain.daemon.restore import restore
 
     to = Path(ns.to)
     _check_restore_target(to, ns.overwrite)
@@ -256,8 +257,8 @@ def cmd_restore(ns: argparse.Namespace) -> int:
         total = manifest.total_bytes if manifest is not None else 0
         bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
         try:
-            report = await catalog.restore(backend, ns.job, step, to, progress=bar.advance,
-                                           local=None if ns.no_local else _local_source(ns, step))
+            report = await restore(backend, ns.job, step, to, progress=bar.advance,
+                                   local=None if ns.no_local else _local_source(ns, step))
         finally:
             bar.close()
         return step, report

@@ -45,8 +45,8 @@ from ckptdrain.client.manifest import (
     validate_node_id,
 )
 from ckptdrain.daemon.backends.base import Backend, BackendError
-from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.latest import (
     PART_ENTRY_BYTES,
     off_loop_if_large,

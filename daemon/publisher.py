@@ -36,8 +36,8 @@ from ckptdrain.client.manifest import (
 )
 from ckptdrain.daemon import owners
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer, parse_latest
+from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.latest import PART_ENTRY_BYTES, off_loop_if_large, parse_part
 from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecord
 from ckptdrain.daemon.locks import KeyedLocks

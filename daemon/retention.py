@@ -54,7 +54,7 @@ from ckptdrain.client.manifest import (
 )
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
-from ckptdrain.daemon.catalog import for_each_bounded
+from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.latest import NOT_A_COMMIT, parse_manifest, raise_latest, read_latest
 from ckptdrain.daemon.retention_plan import (

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -49,3 +50,9 @@ async def settled(future: asyncio.Future[T], *, stop: threading.Event | None = N
         if future.done() and not future.cancelled():
             future.exception()  # retrieved: the cancellation is what the caller sees
         raise
+
+
+async def in_thread(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` in the loop's executor; if cancelled, wait for the thread to finish before
+    re-raising, so no thread still writes to an fd the caller is about to close."""
+    return await settled(asyncio.get_running_loop().run_in_executor(None, fn, *args))

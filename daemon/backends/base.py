@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.threads import settled
 
 if TYPE_CHECKING:
@@ -200,7 +201,6 @@ class Backend(abc.ABC):
         """:meth:`stat` of every key, in order (the commit's proof of every shard): here at
         most ``concurrency`` at once. A backend that can answer many in one go overrides it
         (POSIX: one thread job per batch instead of a thread hop per shard)."""
-        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports this module
 
         found: builtins.list[ObjectInfo | None] = [None] * len(keys)
 
@@ -264,7 +264,6 @@ class Backend(abc.ABC):
         :data:`DELETE_CONCURRENCY` at once; a backend with a bulk delete overrides it (S3:
         DeleteObjects, 1,000 keys a request; POSIX: one thread job and one directory fsync
         per directory of a batch)."""
-        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports this module
 
         await for_each_bounded(keys, self.delete, DELETE_CONCURRENCY)
 

@@ -75,10 +75,10 @@ from ckptdrain.daemon.backends.posixremove import (
     remove_many,
     remove_one,
 )
-from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.checksums import ALGO
 from ckptdrain.daemon.directcopy import DIRECT_MIN_BYTES, direct_copy_and_checksum
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.filecopy import (
     COPY_RANGE_BYTES,
     PARALLEL_SEGMENTS,
@@ -130,7 +130,7 @@ class ReadSettings:
     root_path: Path
     stripe_count: int = 0
     stripe_size_bytes: int = 0
-    # Threads: a restore copies 8 shards at once (catalog.restore), a verify 4.
+    # Threads: a restore copies 8 shards at once (restore.restore), a verify 4.
     max_concurrency: int = 8
 
 

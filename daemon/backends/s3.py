@@ -57,6 +57,7 @@ from ckptdrain.daemon.backends.s3proof import (
 )
 from ckptdrain.daemon.backends.s3reads import S3Reads
 from ckptdrain.daemon.backends.s3senders import BATCH_AT_ONCE, Put, Whole
+from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.threads import settled
 
 # Keys in one batch of the commit's HEADs (one message to an upload worker; its answer, about
@@ -276,7 +277,6 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         keys (the daemon's loop paid a hand-over per shard), about ``concurrency`` HEADs in
         flight in all (at least one batch's
         :data:`~ckptdrain.daemon.backends.s3senders.BATCH_AT_ONCE`)."""
-        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports base
 
         found: builtins.list[ObjectInfo | None] = [None] * len(keys)
         await self._prove_by_listing(list(keys), found)
@@ -338,7 +338,6 @@ class S3Backend(MultipartUploads, S3Reads, Backend):
         already gone is no error (S3 reports it deleted); the first request that reports any
         other key's error fails the call (requests still in flight are cancelled, and may or
         may not have deleted their keys)."""
-        from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports base
 
         async def batch(start: int) -> None:
             chunk = [self._key(key) for key in keys[start:start + DELETE_OBJECTS_MAX]]

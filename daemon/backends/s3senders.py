@@ -25,6 +25,7 @@ from ckptdrain.daemon.backends.s3parts import (
     CHECKSUM_METADATA_KEY,
     crc64_header,
 )
+from ckptdrain.daemon.fanout import for_each_bounded
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.backends.s3client import S3Client
@@ -133,7 +134,6 @@ async def call_each(client: S3Client, what: str, operation: str,
     """:meth:`PartSender.call_many` from this process: each request's answer, or the
     S3Failure it got, in order; at most :data:`BATCH_AT_ONCE` at once. Any other failure
     (a closed backend) fails the batch as itself, as it fails one request."""
-    from ckptdrain.daemon.catalog import for_each_bounded  # catalog imports the backends
 
     if operation not in BATCHED_OPERATIONS:
         raise ValueError(f"{operation} is not sent in batches")

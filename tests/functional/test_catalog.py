@@ -25,6 +25,7 @@ from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.restore import RestoreError, restore
 
 JOB = "llama"
 Corrupt = Callable[[str, bytes], None]
@@ -254,7 +255,7 @@ async def test_restore_round_trip(dest: tuple[Backend, Corrupt], tmp_path: Path)
     progress: list[int] = []
     target = tmp_path / "restored"
 
-    report = await catalog.restore(
+    report = await restore(
         backend, JOB, 100, target, concurrency=2, progress=progress.append
     )
 
@@ -279,9 +280,9 @@ async def test_restore_stops_on_a_damaged_shard_and_leaves_no_partial_file(
     corrupt(shard_key(JOB, 100, "optim/rank0.pt"), good[:-1] + b"\0")
     target = tmp_path / "restored"
 
-    with pytest.raises(catalog.RestoreError,
+    with pytest.raises(RestoreError,
                        match=r"optim/rank0\.pt does not match its checksum.*read twice"):
-        await catalog.restore(backend, JOB, 100, target, concurrency=1)
+        await restore(backend, JOB, 100, target, concurrency=1)
 
     assert not (target / "optim/rank0.pt").exists()
     assert not (target / "MANIFEST.json").exists()
@@ -299,9 +300,9 @@ async def test_a_shard_missing_at_the_destination_says_to_restore_an_older_gener
     try:
         await commit(backend, tmp_path, 100, PATHS)
         (root / shard_key(JOB, 100, "optim/rank0.pt")).unlink()
-        with pytest.raises(catalog.RestoreError,
+        with pytest.raises(RestoreError,
                            match=r"optim/rank0\.pt does not exist.*restore an older generation"):
-            await catalog.restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
+            await restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
     finally:
         await backend.aclose()
 
@@ -330,7 +331,7 @@ async def test_a_shard_damaged_on_the_way_is_read_again_before_the_destination_i
     monkeypatch.setattr(type(backend), "copy_into", damaged_once)
     target = tmp_path / "restored"
     progress: list[int] = []
-    report = await catalog.restore(backend, JOB, 100, target, concurrency=1,
+    report = await restore(backend, JOB, 100, target, concurrency=1,
                                    progress=progress.append)
     assert (target / "optim/rank0.pt").read_bytes() == shard_bytes(100, "optim/rank0.pt")
     assert sum(key.endswith("optim/rank0.pt") for key in reads) == 2
@@ -349,8 +350,8 @@ async def test_restore_refuses_a_longer_shard_and_reads_no_further_than_its_size
     for tail in (b"x", b"x" * (8 << 20)):
         corrupt(shard_key(JOB, 100, "model/rank0.pt"), shard_bytes(100, "model/rank0.pt") + tail)
         moved: list[int] = []
-        with pytest.raises(catalog.RestoreError, match="longer than"):
-            await catalog.restore(backend, JOB, 100, tmp_path / "restored", progress=moved.append)
+        with pytest.raises(RestoreError, match="longer than"):
+            await restore(backend, JOB, 100, tmp_path / "restored", progress=moved.append)
         assert sum(moved) <= len(shard_bytes(100, "model/rank0.pt")), sum(moved)
 
 
@@ -365,8 +366,8 @@ async def test_restore_refuses_a_symlink_that_leads_outside(
     outside.mkdir()
     target.mkdir()
     (target / "model").symlink_to(outside)
-    with pytest.raises(catalog.RestoreError, match="resolves outside"):
-        await catalog.restore(backend, JOB, 100, target)
+    with pytest.raises(RestoreError, match="resolves outside"):
+        await restore(backend, JOB, 100, target)
     assert list(outside.iterdir()) == []
 
 
@@ -377,7 +378,7 @@ async def test_restore_of_an_uncommitted_generation_is_refused(
     backend, _ = dest
     await backend.put_bytes(shard_key(JOB, 400, "model/rank0.pt"), b"orphan")
     with pytest.raises(catalog.NotCommitted):
-        await catalog.restore(backend, JOB, 400, tmp_path / "restored")
+        await restore(backend, JOB, 400, tmp_path / "restored")
     assert not (tmp_path / "restored").exists()
 
 
@@ -413,9 +414,9 @@ async def test_a_failed_restore_over_an_earlier_one_leaves_no_manifest(
     await commit(backend, tmp_path, 100, PATHS)
     await commit(backend, tmp_path, 200, PATHS)
     into = tmp_path / "restored"
-    await catalog.restore(backend, JOB, 100, into)
+    await restore(backend, JOB, 100, into)
     assert (into / "MANIFEST.json").exists()
     corrupt(shard_key(JOB, 200, PATHS[-1]), b"damaged")
-    with pytest.raises(catalog.RestoreError):
-        await catalog.restore(backend, JOB, 200, into, concurrency=1)
+    with pytest.raises(RestoreError):
+        await restore(backend, JOB, 200, into, concurrency=1)
     assert not (into / "MANIFEST.json").exists()

@@ -21,8 +21,8 @@ from ckptdrain.daemon.backends.s3 import (
     multipart_etag,
     part_plan,
 )
-from ckptdrain.daemon.catalog import for_each_bounded
 from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.fanout import for_each_bounded
 from tests.integration.faultproxy import FaultProxy
 from tests.integration.seaweedfs import REGION, SeaweedFS
 
