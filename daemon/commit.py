@@ -32,17 +32,19 @@ from ckptdrain.client.manifest import (
     ManifestError,
     PartRecord,
     ShardEntry,
-    build_manifest,
-    describe_ranks,
     generation_prefix,
     latest_key,
     manifest_key,
-    missing_ranks,
-    owners_disagree,
     part_key,
     parts_prefix,
-    same_contents,
     validate_node_id,
+)
+from ckptdrain.daemon.assembly import (
+    build_manifest,
+    describe_ranks,
+    missing_ranks,
+    owners_disagree,
+    same_contents,
 )
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError

@@ -28,13 +28,11 @@ from ckptdrain.client.manifest import (
     ManifestError,
     PartRecord,
     ShardEntry,
-    describe_aborted,
-    describe_ranks,
     latest_key,
-    missing_ranks,
     part_key,
 )
 from ckptdrain.daemon import owners
+from ckptdrain.daemon.assembly import describe_aborted, describe_ranks, missing_ranks
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer, parse_latest
 from ckptdrain.daemon.fanout import for_each_bounded

@@ -21,9 +21,9 @@ from ckptdrain.client.manifest import (
     latest_key,
     manifest_key,
     part_key,
-    same_contents,
     shard_key,
 )
+from ckptdrain.daemon.assembly import same_contents
 from ckptdrain.daemon.backends.base import Backend, BackendError, ShardConflict
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend

@@ -10,26 +10,28 @@ import pytest
 
 from ckptdrain.client.manifest import (
     FORMAT_VERSION,
-    MISSING_RANKS_LISTED,
     TMP_SUFFIX,
     Manifest,
     ManifestError,
     PartRecord,
     ShardEntry,
-    build_manifest,
-    describe_ranks,
     format_checksum,
     generation_prefix,
     latest_key,
     manifest_key,
-    missing_ranks,
     parse_checksum,
     parse_generation_dir,
     parse_manifest_key,
     part_key,
-    same_contents,
     shard_key,
     validate_node_id,
+)
+from ckptdrain.daemon.assembly import (
+    MISSING_RANKS_LISTED,
+    build_manifest,
+    describe_ranks,
+    missing_ranks,
+    same_contents,
 )
 
 HEX_A = "a" * 64
