@@ -1,6 +1,6 @@
 """ckptdrain client: hand checkpoint shards to the node's daemon (standard library only)."""
 
-from ckptdrain.client.client import Client, Generation
+from ckptdrain.client.client import Client
 from ckptdrain.client.errors import (
     AlreadyCommitted,
     Backpressure,
@@ -18,6 +18,7 @@ from ckptdrain.client.errors import (
     Timeout,
     UnsupportedVersion,
 )
+from ckptdrain.client.generation import Generation
 
 __all__ = [
     "AlreadyCommitted",

@@ -44,9 +44,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptdrain.client import dcpfiles, names
-from ckptdrain.client.client import Client, Generation, default_attempt
+from ckptdrain.client.client import Client
 from ckptdrain.client.dcpreader import DrainReader
 from ckptdrain.client.errors import DrainError, RejectedInput
+from ckptdrain.client.generation import Generation, default_attempt
 from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
 
 __all__ = ["METADATA_NAME", "DrainReader", "DrainWriter"]

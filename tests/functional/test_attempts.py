@@ -70,7 +70,7 @@ def test_records_of_two_attempts_never_make_one_manifest(make_daemon) -> None:  
 
 
 def test_torchrun_restarts_are_new_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptdrain.client.client import default_attempt
+    from ckptdrain.client.generation import default_attempt
 
     monkeypatch.delenv("CKPTDRAIN_ATTEMPT", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
