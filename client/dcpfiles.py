@@ -348,9 +348,22 @@ def _view(staged: Staged, src: torch.Tensor, offset: int, length: int,
         raise DrainError("torch.save wrote an archive this writer cannot stage in place")
     nbytes = src.untyped_storage().nbytes()
     flat = torch.frombuffer(staged.mapping, dtype=torch.uint8, count=nbytes, offset=data_at)
-    view = flat.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+    view = with_bits_of(src, flat.view(src.dtype).as_strided(src.shape, src.stride(),
+                                                            src.storage_offset()))
     staged.records[_key(view)] = _Record(view, offset, length)
     return view
+
+
+def with_bits_of(like: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """``raw`` (a view of stored bytes) read as ``like`` reads its own: a conjugate or a
+    negative view (``w.conj()``, ``w.mH``, ``w.conj().imag``) stores its base's bytes and a
+    bit saying how to read them, and bytes read back without the bit are other values (found
+    attacking: the adjoint of a weight loaded as the weight, silently)."""
+    if like.is_conj():
+        raw = raw.conj()
+    if like.is_neg():
+        raw = torch._neg_view(raw)
+    return raw
 
 
 @dataclasses.dataclass

@@ -110,13 +110,15 @@ def read_tensor(view: FileView, offset: int, length: int, req: ReadItem,
     if target.size() != part.size():
         raise DrainError(f"read item {req.storage_index} is {tuple(part.size())} in the "
                          f"checkpoint but {tuple(target.size())} in the state dict")
+    # A conjugate or negative view's bytes are not its values: copied through its bit below.
     if (target.device.type == "cpu" and target.dtype == saved.dtype and target.is_contiguous()
-            and part.is_contiguous() and target.numel() > 0):
+            and part.is_contiguous() and target.numel() > 0
+            and not (saved.is_conj() or saved.is_neg())):
         view.read_into(dcpfiles.tensor_bytes(target),
                        data_at + int(part.storage_offset()) * saved.element_size())
     elif target.numel() > 0:
         flat = torch.frombuffer(view.mapping, dtype=torch.uint8, count=storage_bytes,
                                 offset=data_at)
-        target.copy_(flat.view(saved.dtype).as_strided(part.size(), part.stride(),
-                                                       part.storage_offset()))
+        target.copy_(dcpfiles.with_bits_of(saved, flat.view(saved.dtype).as_strided(
+            part.size(), part.stride(), part.storage_offset())))
     planner.commit_tensor(req, target)

@@ -256,3 +256,54 @@ def test_a_damaged_destination_file_is_never_loaded(make_daemon: Any) -> None:
     loaded, sources = load(daemon)
     assert compare(saved_state(3), loaded) == 7
     assert set(sources.values()) == {"destination"}
+
+
+def bit_views() -> dict[str, Any]:
+    """Tensors whose stored bytes are not their values: a conjugate view (``w.mH``, the
+    adjoint of a complex weight) and a negative view (what ``x.conj().imag`` is)."""
+    w = torch.tensor([[1 + 2j, 3 - 4j], [5 + 6j, -7 - 8j]], dtype=torch.complex64)
+    return {"adjoint": w.mH, "conj": w[0].conj(), "neg": w.conj().imag}
+
+
+def bit_targets() -> dict[str, Any]:
+    return {"adjoint": torch.zeros(2, 2, dtype=torch.complex64),
+            "conj": torch.zeros(2, dtype=torch.complex64), "neg": torch.zeros(2, 2)}
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_conjugate_and_negative_views_load_as_their_values(make_daemon: Any, how: str) -> None:
+    # Found attacking DCP: DrainReader copied the stored bytes without the view's bit, so the
+    # adjoint of a weight loaded as the weight itself (and a negative view with its sign
+    # flipped), silently; torch's FileSystemReader loaded the same files right.
+    daemon: DaemonProcess = make_daemon()
+    expected = {k: v.resolve_conj().resolve_neg() for k, v in bit_views().items()}
+    assert bit_views()["adjoint"].is_conj() and bit_views()["neg"].is_neg()
+    with DrainWriter(JOB, 7, socket_path=daemon.socket_path) as writer:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*" + SINGLE_PROCESS_WARNING)
+            if how == "save":
+                dcp.save(bit_views(), storage_writer=writer)
+            else:
+                staged = writer.stage(bit_views())  # async_save's stager: views of the memfd
+                assert all(torch.equal(staged[k], expected[k]) for k in expected)
+                writer.close()
+                with DrainWriter(JOB, 7, socket_path=daemon.socket_path) as again:
+                    dcp.async_save(bit_views(), storage_writer=again).result(timeout=60)
+                    again.wait(60)
+        if how == "save":
+            writer.wait(60)
+    stock = bit_targets()
+    with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+        dcp.load(stock, storage_reader=FileSystemReader(generation_dir(daemon.dest, JOB, 7)))
+    for source in ("local", "destination"):
+        if source == "destination":  # no local copy: read through the daemon from the files
+            for f in staged_files(daemon):
+                f.unlink()
+        ours = bit_targets()
+        with DrainReader(JOB, socket_path=daemon.socket_path) as reader:
+            with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+                dcp.load(ours, storage_reader=reader)
+            assert set(reader.sources.values()) == {source}
+        for key, value in expected.items():
+            assert torch.equal(stock[key], value), key
+            assert torch.equal(ours[key], value), (source, key)
