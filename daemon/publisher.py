@@ -356,6 +356,11 @@ class Publisher:
                 if exc is None:
                     raise
                 self.metrics.drain_error(self.destination, exc.kind)
+                # Said as the drain says its errors: a wait for a mount is seen, not silent.
+                self._error_log.log_event(
+                    log, logging.WARNING, "destination_error",
+                    cause=f"{self.destination}:{exc.kind}", kind=exc.kind,
+                    transient=exc.transient, error=str(exc))
                 if not exc.transient or time.monotonic() + backoff > deadline:
                     raise exc from None
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))

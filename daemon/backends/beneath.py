@@ -115,23 +115,33 @@ def link_in(dir_fd: int, src: str, dst: str) -> None:
     os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
 
 
-def _make_root(directory: Path) -> None:
-    """``mkdir`` of the (trusted) root, made durable (a file fsynced into a directory whose own
-    entry was never fsynced can vanish after a power cut). Only the root itself is made: when
-    its parent is missing too, the filesystem it belongs on is most likely not mounted
-    (``/lustre`` left an empty directory), and ``mkdir -p`` would have drained checkpoints
-    onto the node's own disk, committed where no other node or restart looks."""
+def _unmounted(directory: Path) -> BackendError | None:
+    """Why the missing root ``directory`` looks like a filesystem that is not mounted: its
+    parent is missing too (``/lustre`` left an empty directory), or it is a link to nowhere.
+    None when only the root itself is missing (a new destination)."""
     parent = directory.parent
     if not os.path.lexists(parent):  # (a parent that is a file: mkdir says so itself)
-        raise BackendError(
+        return BackendError(
             f"the destination root {directory} does not exist, and neither does {parent}: is "
             "its filesystem mounted? (a new destination: create the root once, mkdir -p)",
             transient=True)
     if directory.is_symlink() and not directory.exists():
-        raise BackendError(  # a link to a filesystem that is not mounted: the same wait
+        return BackendError(  # a link to a filesystem that is not mounted: the same wait
             f"the destination root {directory} is a symbolic link to "
             f"{os.readlink(directory)}, which does not exist: is its filesystem mounted?",
             transient=True)
+    return None
+
+
+def _make_root(directory: Path) -> None:
+    """``mkdir`` of the (trusted) root, made durable (a file fsynced into a directory whose own
+    entry was never fsynced can vanish after a power cut). Only the root itself is made: when
+    it looks unmounted (:func:`_unmounted`), ``mkdir -p`` would have drained checkpoints
+    onto the node's own disk, committed where no other node or restart looks."""
+    parent = directory.parent
+    unmounted = _unmounted(directory)
+    if unmounted is not None:
+        raise unmounted
     try:
         directory.mkdir()
     except FileExistsError:
@@ -181,7 +191,16 @@ class Beneath:
     def _root_fd(self, create: bool) -> int:
         if create and not self.root.is_dir():
             _make_root(self.root)
-        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            # A read of a root that looks unmounted is no answer: read as "nothing there",
+            # `latest` told a restarting job that nothing was committed, and it started again
+            # from step 0 (found attacking). Only a root that was never made reads as empty.
+            unmounted = _unmounted(self.root)
+            if unmounted is not None:
+                raise unmounted from None
+            raise
 
     def _walk(self, root_fd: int, parts: Sequence[str], create: bool) -> int:
         fd = os.dup(root_fd)

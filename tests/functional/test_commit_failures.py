@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import GenerationFailed
+from ckptdrain.client import DestinationError, GenerationFailed
 from tests.conftest import DaemonProcess
 
 
@@ -123,6 +123,36 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
     d.client().retry("job", 1)
     d.client().wait("job", 1, timeout_s=30)
     assert (mount_point / "proj" / "ckpt" / "job" / f"{1:020d}" / "MANIFEST.json").exists()
+
+
+@pytest.mark.parametrize("through_a_link", [False, True])
+def test_a_destination_whose_filesystem_is_not_mounted_is_no_answer_to_latest(
+        make_daemon: Any, tmp_path: Path, through_a_link: bool) -> None:
+    # Found attacking DCP: with the destination's filesystem not mounted (a node rebooted
+    # before Lustre's automount), `latest` answered "nothing committed" (None) while the
+    # daemon's own status listed the job's commits, so the documented resume recipe started
+    # training again from step 0. A read of a root that looks unmounted fails like a write.
+    mount_point = tmp_path / "lustre"
+    (mount_point / "proj").mkdir(parents=True)
+    root = mount_point / "proj" / "ckpt"
+    if through_a_link:
+        (mount_point / "proj" / "ckpt").mkdir()
+        (tmp_path / "ckpt").symlink_to(root)
+        root = tmp_path / "ckpt"
+    d: DaemonProcess = make_daemon(dest=f"file://{root}")
+    client = d.client()
+    assert client.latest("job") is None  # a new destination (only the root missing): empty
+    with client.generation("job", 200) as g:
+        g.put("w.bin", b"w" * 4096)
+    client.wait("job", 200, timeout_s=30)
+    assert client.latest("job") == 200
+    (mount_point / "proj").rename(tmp_path / "proj.unmounted")
+    for ask in (lambda: client.latest("job"), lambda: client.latest_path("job")):
+        with pytest.raises(DestinationError, match="is its filesystem mounted"):
+            ask()
+    assert d.proc is not None and d.proc.poll() is None, d.log()
+    (tmp_path / "proj.unmounted").rename(mount_point / "proj")  # mounted again
+    assert client.latest("job") == 200
 
 
 def test_a_drained_shard_deleted_before_the_commit_fails_the_generation_at_once(
