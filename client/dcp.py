@@ -45,6 +45,7 @@ from torch.futures import Future
 
 from ckptdrain.client import dcpfiles, names
 from ckptdrain.client.client import Client
+from ckptdrain.client.dcpfiles import METADATA_NAME
 from ckptdrain.client.dcpreader import DrainReader
 from ckptdrain.client.errors import DrainError, RejectedInput
 from ckptdrain.client.generation import Generation, default_attempt
@@ -53,7 +54,6 @@ from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
 __all__ = ["METADATA_NAME", "DrainReader", "DrainWriter"]
 
 # DCP's name for the checkpoint's metadata file (torch.distributed.checkpoint.filesystem).
-METADATA_NAME = ".metadata"
 # The format version FileSystemWriter stamps into .metadata (filesystem.CURRENT_DCP_VERSION).
 _DCP_VERSION = "1.0.0"
 

@@ -39,6 +39,9 @@ from torch.distributed.tensor import DTensor
 
 from ckptdrain.client.errors import DrainError
 
+# The file whose presence makes a DCP directory loadable; DrainWriter sends it last.
+METADATA_NAME = ".metadata"
+
 DATA_SUFFIX = ".distcp"  # FileSystemWriter's data file suffix
 # One pwrite at most this big: a signal or a full disk leaves a bounded partial write.
 _PWRITE_BYTES = 64 << 20

@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from ckptdrain.client import dcpload, names
 from ckptdrain.client.client import Client
+from ckptdrain.client.dcpfiles import METADATA_NAME
 from ckptdrain.client.errors import DaemonUnavailable, NotFound, RejectedInput
 
 __all__ = ["DrainReader"]
@@ -44,6 +45,19 @@ class _GenerationFiles(FileSystemBase):
     def __init__(self, client: Client, job: str, step: int, root: str) -> None:
         self.client, self.job, self.step, self.root = client, job, step, root
         self.sources: dict[str, str] = {}  # file name -> where it was read from
+        # Files opened ahead of their first read (the generation's .metadata, opened to check
+        # the step is committed): that read takes the fd instead of opening it again.
+        self._opened: dict[str, int] = {}
+
+    def open_ahead(self, name: str) -> None:
+        """Open ``name`` now (NotFound, typed, when the step is not committed), for its read."""
+        if name not in self._opened:
+            self._opened[name] = self.open_fd(name)
+
+    def close(self) -> None:
+        for fd in self._opened.values():
+            os.close(fd)
+        self._opened.clear()
 
     def _name(self, path: str | os.PathLike[str]) -> str:
         text = os.fspath(path)
@@ -62,6 +76,9 @@ class _GenerationFiles(FileSystemBase):
     def open_fd(self, path: str | os.PathLike[str]) -> int:
         """A read-only fd of the file: this node's checked copy, else the destination's."""
         name = self._name(path)
+        ahead = self._opened.pop(name, None)
+        if ahead is not None:
+            return ahead
         try:
             fd = self.client.open_local(self.job, self.step, name)
             source = LOCAL
@@ -109,7 +126,8 @@ class DrainReader(FileSystemReader):
     of ``job``. ``client`` or ``socket_path`` as for ``DrainWriter``.
 
     ``sources`` tells, after a load, where each file was read from (``"local"`` or
-    ``"destination"``). Raises ``NotFound`` when ``job`` has no committed generation.
+    ``"destination"``). Raises ``NotFound`` when ``job`` has no committed generation, or when
+    ``step`` is not one.
     """
 
     def __init__(
@@ -125,6 +143,7 @@ class DrainReader(FileSystemReader):
         self.job = names.validate_job(job)
         self._owns_client = client is None
         self._client = client if client is not None else Client(socket_path)
+        newest = step is None
         if step is None:
             step = self._client.latest(job)
             if step is None:
@@ -137,6 +156,15 @@ class DrainReader(FileSystemReader):
         self.files = _GenerationFiles(self._client, job, self.step, root)
         self.fs = self.files  # type: ignore[assignment]  # FileSystemReader reads through fs
         self.path = root
+        if not newest:
+            # A step named by the caller is checked here, as the newest one is by `latest`:
+            # left to dcp.load, an uncommitted step failed as torch's "metadata is None" under
+            # two chained tracebacks (found attacking). Its read takes this fd.
+            try:
+                self.files.open_ahead(METADATA_NAME)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def sources(self) -> dict[str, str]:
@@ -186,6 +214,9 @@ class DrainReader(FileSystemReader):
         return future
 
     def close(self) -> None:
+        files = getattr(self, "files", None)
+        if files is not None:
+            files.close()
         if self._owns_client:
             self._client.close()
 

@@ -307,3 +307,22 @@ def test_conjugate_and_negative_views_load_as_their_values(make_daemon: Any, how
         for key, value in expected.items():
             assert torch.equal(stock[key], value), key
             assert torch.equal(ours[key], value), (source, key)
+
+
+def test_a_step_that_is_not_committed_is_refused_when_the_reader_is_made(
+        make_daemon: Any) -> None:
+    # Found attacking DCP: DrainReader(job, step) for a step still draining (or failed, or
+    # never saved) was accepted, and dcp.load then failed as torch's "metadata is None" under
+    # two chained tracebacks. It is refused as the newest-step form is: NotFound, at once.
+    daemon: DaemonProcess = make_daemon()
+    save(daemon, 4, seed=4)
+    for step in (5, 400):
+        with pytest.raises(NotFound, match="not committed"):
+            DrainReader(JOB, step, socket_path=daemon.socket_path)
+    loaded, sources = load(daemon, step=4)  # the .metadata opened to check it is what loads
+    assert compare(saved_state(4), loaded) == 7
+    assert sources == {".metadata": "local", "__0_0.distcp": "local"}
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):  # made and closed unused: the fd opened ahead is closed with it
+        DrainReader(JOB, 4, socket_path=daemon.socket_path).close()
+    assert len(os.listdir("/proc/self/fd")) == fds
