@@ -26,6 +26,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from ckptdrain.daemon.backends.base import (
     ThreadFlow,
     UploadLog,
 )
-from ckptdrain.daemon.backends.beneath import Beneath, Entry, UnsafePath, link_in
+from ckptdrain.daemon.backends.beneath import Beneath, Entry, UnsafePath
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 from ckptdrain.daemon.backends.posixbatch import (
     BATCH_BYTES,
@@ -53,7 +54,9 @@ from ckptdrain.daemon.backends.posixfs import (
     NAME_MAX,
     STAT_BATCH,
     ChecksumXattr,
+    Watched,
     backend_error,
+    link_temp,
     list_dirs,
     list_files,
     open_existing,
@@ -64,6 +67,7 @@ from ckptdrain.daemon.backends.posixfs import (
     striped_mkdir,
     sweep_temps,
     temp_name,
+    temp_vanished,
     write_all,
     writes_direct,
     writes_in_parallel,
@@ -179,6 +183,9 @@ class PosixBackend(Backend):
         # Temp names this process is writing right now: a sweep (at start-up or periodic)
         # must never take a file from under a copy in flight.
         self._live: set[str] = set()
+        # Other nodes' temps the sweeps have seen, and since when unchanged (sweep_temps).
+        self._watched: Watched = {}
+        self.clock: Callable[[], float] = time.monotonic  # the sweeps' clock (tests move it)
         self._xattr = ChecksumXattr()
         self.fs = Beneath(self.root)
 
@@ -323,9 +330,7 @@ class PosixBackend(Backend):
                     os.fsync(out)
                 finally:
                     os.close(out)
-                try:
-                    link_in(dir_fd, tmp.name, final.name)
-                except FileExistsError:
+                if not link_temp(dir_fd, tmp.name, final.name, f"writing {final.name} at {self.uri}"):
                     kept = True
                     return checksum, tmp
             finally:
@@ -337,9 +342,7 @@ class PosixBackend(Backend):
     def _link_sync(self, tmp: Entry, final: Entry, stop: threading.Event) -> bool:
         del stop
         with self.fs.dir(final.dir) as dir_fd:
-            try:
-                link_in(dir_fd, tmp.name, final.name)
-            except FileExistsError:
+            if not link_temp(dir_fd, tmp.name, final.name, f"writing {final.name} at {self.uri}"):
                 return False
             self._unlink_temp(dir_fd, tmp)
             os.fsync(dir_fd)
@@ -350,7 +353,10 @@ class PosixBackend(Backend):
         del stop
         with self.fs.dir(final.dir) as dir_fd:
             # rename() replaces the name itself, never what a link there points to.
-            os.rename(tmp.name, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            try:
+                os.rename(tmp.name, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise temp_vanished(f"writing {final.name} at {self.uri}") from None
             self._live.discard(self._live_key(tmp))
             os.fsync(dir_fd)
 
@@ -382,15 +388,16 @@ class PosixBackend(Backend):
                     os.fsync(out)
                 finally:
                     os.close(out)
-                if exclusive:
-                    # link() fails with EEXIST if the name exists, and the name appears with
-                    # the complete, fsynced bytes: an atomic create-if-absent.
-                    try:
-                        link_in(dir_fd, tmp.name, final.name)
-                    except FileExistsError:
-                        created = False
-                else:
-                    os.rename(tmp.name, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                try:
+                    if exclusive:
+                        # link() fails with EEXIST if the name exists, and the name appears
+                        # with the complete, fsynced bytes: an atomic create-if-absent.
+                        created = link_temp(dir_fd, tmp.name, final.name,
+                                            f"writing {final.name} at {self.uri}")
+                    else:
+                        os.rename(tmp.name, final.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                except FileNotFoundError:
+                    raise temp_vanished(f"writing {final.name} at {self.uri}") from None
             finally:
                 self._unlink_temp(dir_fd, tmp)
             if created:
@@ -551,11 +558,12 @@ class PosixBackend(Backend):
 
     async def sweep_orphans(self, owned_upload_ids: set[str], grace_s: float) -> int:
         """Remove temp files and temp directories left by interrupted writes: this node's at
-        any age (call it before this node starts draining), other nodes' once older than
-        ``grace_s`` (they may still be writing younger ones)."""
+        any age (call it before this node starts draining), other nodes' once this process
+        has seen them unchanged for ``grace_s`` (they may still be writing them)."""
         del owned_upload_ids  # POSIX has no uploads; its leftovers are temp names
         return await self._run(
-            "sweeping temp files", sweep_temps, self.fs, self.node_id, self._live, grace_s
+            "sweeping temp files", sweep_temps, self.fs, self.node_id, self._live, grace_s,
+            self._watched, self.clock(),
         )
 
     def _parallel_writes(self, dir_fd: int) -> bool:

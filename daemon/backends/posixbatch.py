@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.backends.beneath import Entry, link_in
-from ckptdrain.daemon.backends.posixfs import backend_error
+from ckptdrain.daemon.backends.beneath import Entry
+from ckptdrain.daemon.backends.posixfs import backend_error, link_temp
 from ckptdrain.daemon.checksums import Stopped
 from ckptdrain.daemon.filecopy import Truncated, copy_and_checksum
 
@@ -122,11 +122,13 @@ def _one_directory(backend: PosixBackend, dir_fd: int, items: Sequence[tuple[Ent
                 continue
             if stop.is_set():
                 raise Stopped
+            what = f"writing {o.entry.name} at {backend.uri}"
             try:
-                link_in(dir_fd, o.tmp.name, o.entry.name)
-                outcomes[o.index] = o.checksum  # once the directory fsync below is done
-            except FileExistsError:
-                outcomes[o.index] = TAKEN
+                # The checksum once the directory fsync below is done.
+                linked = link_temp(dir_fd, o.tmp.name, o.entry.name, what)
+                outcomes[o.index] = o.checksum if linked else TAKEN
+            except BackendError as exc:
+                outcomes[o.index] = exc
             except OSError as exc:
                 outcomes[o.index] = backend_error(exc, f"writing {o.entry.name} at {backend.uri}")
     finally:

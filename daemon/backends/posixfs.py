@@ -20,12 +20,11 @@ import secrets
 import stat
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
-from ckptdrain.daemon.backends.beneath import Beneath
+from ckptdrain.daemon.backends.beneath import Beneath, link_in
 from ckptdrain.daemon.checksums import Stopped
 from ckptdrain.daemon.filecopy import hash_file
 
@@ -106,6 +105,28 @@ def backend_error(exc: OSError, what: str) -> BackendError:
     if code == errno.ETIMEDOUT:
         return BackendError(f"{what}: {exc.strerror}", transient=True, kind="timeout")
     return BackendError(f"{what}: {exc.strerror or exc}", transient=code in _TRANSIENT_ERRNOS)
+
+
+def temp_vanished(what: str) -> BackendError:
+    """Our temp file was gone when it was to be put in place: someone removed it (a sweep on
+    a node whose clock runs ahead, a cleanup script). The shard is sent again from its staged
+    file, as an S3 upload removed under the drain is (found attacking: the generation failed
+    for good, and every node of the job with it)."""
+    return BackendError(f"{what}: its temp file was removed while it was written (another "
+                        "node's sweep or a cleanup script); it is sent again", transient=True)
+
+
+def link_temp(dir_fd: int, tmp: str, name: str, what: str) -> bool:
+    """Put the complete temp file ``tmp`` in place as ``name`` (both in ``dir_fd``) with
+    ``link``: False when ``name`` exists (a link there included); :func:`temp_vanished` when
+    ``tmp`` is gone. Every create-if-absent of the backend ends here."""
+    try:
+        link_in(dir_fd, tmp, name)
+    except FileExistsError:
+        return False
+    except FileNotFoundError:
+        raise temp_vanished(what) from None
+    return True
 
 
 # Before the node id in a temp name; node ids are letters, digits, '.', '_' and '-'.
@@ -366,17 +387,33 @@ def striped_mkdir(lfs: str, parent_fd: int, tmp_name: str, name: str, stripe_cou
             os.rmdir(tmp_name, dir_fd=parent_fd)
 
 
+# Other nodes' temps a sweep keeps watching (a bound: past it, newer ones wait their turn).
+MAX_WATCHED_TEMPS = 100_000
+# (size, mtime, ctime, inode) of another node's temp when a sweep last saw it, and when (this
+# process's monotonic clock) it first saw it so.
+Watched = dict[str, tuple[tuple[int, int, int, int], float]]
+
+
 def sweep_temps(
-    fs: Beneath, node_id: str, live: set[str], grace_s: float, stop: threading.Event
+    fs: Beneath, node_id: str, live: set[str], grace_s: float, watched: Watched, now: float,
+    stop: threading.Event,
 ) -> int:
     """Remove temp files and striping temp directories under ``root`` left by interrupted
-    writes: ``node_id``'s at any age, other nodes' once older than ``grace_s``, never one in
-    ``live`` (being written by this process). Returns how many went."""
+    writes: ``node_id``'s at any age, never one in ``live`` (being written by this process),
+    and another node's once this process has seen it unchanged for ``grace_s`` (``now`` and
+    ``watched`` on this process's monotonic clock, kept from sweep to sweep).
+
+    Another node's temp is judged by what this process saw, not by its mtime against this
+    node's clock: a node whose clock ran two hours ahead (started before NTP stepped it)
+    found every temp other nodes were writing an hour old and removed them, failing their
+    generations (found attacking); a filesystem that stamps mtimes with its server's clock
+    does the same. A temp being written changes; one left by a crash does not. Returns how
+    many went."""
     root = fs.root
     if not root.is_dir():
         return 0
-    cutoff = time.time() - grace_s
     removed = 0
+    seen: set[str] = set()
     # fwalk removes by name in a directory it holds open: a directory swapped for a link
     # mid-sweep cannot send an unlink elsewhere.
     with fs.dir([]) as root_fd:
@@ -384,12 +421,32 @@ def sweep_temps(
         for dirpath, dirs, files, dir_fd in walk:
             if stop.is_set():
                 raise Stopped
-            removed += _sweep_dir(root, dirpath, dirs, files, dir_fd, node_id, live, cutoff)
+            removed += _sweep_dir(root, dirpath, dirs, files, dir_fd, node_id, live,
+                                  _Watch(watched, seen, now, grace_s))
+    for gone in [path for path in watched if path not in seen]:
+        del watched[gone]
     return removed
 
 
+class _Watch:
+    """One sweep's view of other nodes' temps: whether each has stayed unchanged long enough."""
+
+    def __init__(self, watched: Watched, seen: set[str], now: float, grace_s: float) -> None:
+        self.watched, self.seen, self.now, self.grace_s = watched, seen, now, grace_s
+
+    def abandoned(self, path: str, st: os.stat_result) -> bool:
+        self.seen.add(path)
+        looks = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        before = self.watched.get(path)
+        if before is None or before[0] != looks:
+            if before is not None or len(self.watched) < MAX_WATCHED_TEMPS:
+                self.watched[path] = (looks, self.now)
+            return False
+        return self.now - before[1] >= self.grace_s
+
+
 def _sweep_dir(root: Path, dirpath: str, dirs: list[str], files: list[str], dir_fd: int,
-               node_id: str, live: set[str], cutoff: float) -> int:
+               node_id: str, live: set[str], watch: _Watch) -> int:
     removed = 0
     for name in [*files, *dirs]:
         if not name.endswith(TMP_SUFFIX):
@@ -399,8 +456,7 @@ def _sweep_dir(root: Path, dirpath: str, dirs: list[str], files: list[str], dir_
             continue
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            mine = temp_owner_matches(name, node_id)
-            if not mine and st.st_mtime > cutoff:
+            if not temp_owner_matches(name, node_id) and not watch.abandoned(path, st):
                 continue
             if stat.S_ISDIR(st.st_mode):
                 os.rmdir(name, dir_fd=dir_fd)  # only ever an empty striping temp directory
@@ -412,6 +468,7 @@ def _sweep_dir(root: Path, dirpath: str, dirs: list[str], files: list[str], dir_
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 continue
             raise
+        watch.watched.pop(path, None)
         removed += 1
         log.info("removed leftover temp %s", path)
     dirs[:] = [d for d in dirs if not d.endswith(TMP_SUFFIX)]

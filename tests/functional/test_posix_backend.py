@@ -475,35 +475,92 @@ async def test_prepare_prefix_without_lfs_just_creates_the_dir(
 
 
 @pytest.mark.asyncio
-async def test_sweep_removes_own_temps_and_old_temps_of_other_nodes(root: Path) -> None:
+async def test_sweep_removes_own_temps_and_other_nodes_temps_seen_unchanged_for_the_grace(
+        root: Path) -> None:
     backend = make(root, "gpu1")
+    now = [1000.0]
+    backend.clock = lambda: now[0]
     await backend.put_bytes("j/00000000000000000001/keep.pt", b"data")
     gen = root / "j/00000000000000000001"
     mine = gen / temp_name("a.pt", "gpu1")
-    theirs_young = gen / temp_name("b.pt", "gpu2")
-    theirs_old = gen / temp_name("c.pt", "gpu2")
+    theirs_written = gen / temp_name("b.pt", "gpu2")
+    theirs_left = gen / temp_name("c.pt", "gpu2")
     similar_node = gen / temp_name("d.pt", "x.gpu1x")
     # Node ids may hold dots: "gpu1" once took "rack2.gpu1"'s temps for its own and removed
     # them while they were being written (found attacking).
     suffixed_node = gen / temp_name("e.pt", "rack2.gpu1")
     stripe_dir = root / "j" / temp_name("00000000000000000002", "gpu3")
-    for path in (mine, theirs_young, theirs_old, similar_node, suffixed_node):
+    for path in (mine, theirs_written, theirs_left, similar_node, suffixed_node):
         path.write_bytes(b"partial")
     stripe_dir.mkdir()
+    # Found attacking the clocks: a node whose clock ran two hours ahead took the temps other
+    # nodes were writing for an hour old by their mtime and removed them, failing those
+    # generations on every node of the job. Another node's temp goes only once this process
+    # has seen it unchanged for the grace, whatever its mtime says.
     old = time.time() - 7200
-    os.utime(theirs_old, (old, old))
-    os.utime(stripe_dir, (old, old))
+    for path in (theirs_written, theirs_left, stripe_dir):
+        os.utime(path, (old, old))
 
-    removed = await backend.sweep_orphans(set(), grace_s=3600)
-
-    assert removed == 3
-    assert not mine.exists()
-    assert not theirs_old.exists()
-    assert not stripe_dir.exists()
-    assert theirs_young.exists()  # another node may still be writing it
-    assert similar_node.exists()
-    assert suffixed_node.exists()
+    assert await backend.sweep_orphans(set(), grace_s=3600) == 1
+    assert not mine.exists()  # this node's own leftover: at once
+    others = (theirs_written, theirs_left, similar_node, suffixed_node, stripe_dir)
+    assert all(path.exists() for path in others)
+    now[0] += 1800
+    with open(theirs_written, "ab") as f:  # still being written
+        f.write(b" more")
+    assert await backend.sweep_orphans(set(), grace_s=3600) == 0
+    now[0] += 1800
+    assert await backend.sweep_orphans(set(), grace_s=3600) == 4
+    assert theirs_written.exists()  # changed within the grace: its writer is alive
+    assert not any(path.exists() for path in others if path != theirs_written)
+    now[0] += 3600
+    assert await backend.sweep_orphans(set(), grace_s=3600) == 1
+    assert not theirs_written.exists()
     assert (gen / "keep.pt").read_bytes() == b"data"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["put_bytes", "put_file", "put_files"])
+async def test_a_temp_removed_under_the_write_is_sent_again_not_failed(
+        root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, how: str) -> None:
+    # Found attacking the clocks: another node's sweep removed this node's temp while it was
+    # written, and the final link's ENOENT failed the shard for good (on S3 the same is
+    # retried). It is a transient error now: the drain sends the shard again.
+    backend = make(root, "gpu1")
+    removed: list[str] = []
+
+    def swept_first(dir_fd: int, src: str, dst: str) -> None:
+        if not removed:
+            os.unlink(src, dir_fd=dir_fd)  # what the other node's sweep did
+            removed.append(src)
+        os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+
+    monkeypatch.setattr(posixfs, "link_in", swept_first)  # every create-if-absent's link
+    key = "j/00000000000000000001/w.pt"
+    source = tmp_path / "src"
+    source.write_bytes(b"w" * 4096)
+
+    async def put() -> object:
+        if how == "put_bytes":  # part records and manifests (exclusive: link)
+            return await backend.put_bytes(key, b"w" * 4096, exclusive=True)
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            if how == "put_file":  # one shard
+                return await backend.put_file(key, fd, 4096)
+            (outcome,) = await backend.put_files([(key, fd, 4096)])  # a batch of small ones
+        finally:
+            os.close(fd)
+        if isinstance(outcome, BackendError):
+            raise outcome
+        return outcome
+
+    with pytest.raises(BackendError, match="removed while it was written") as info:
+        await put()
+    assert info.value.transient
+    assert removed and not (root / key).exists()
+    await put()  # sent again, as the drain's retry does
+    assert (root / key).read_bytes() == b"w" * 4096
+    assert not [p for p in (root / key).parent.iterdir() if p.name.endswith(TMP_SUFFIX)]
 
 
 @pytest.mark.asyncio
