@@ -220,7 +220,7 @@ class Admission:
 
     def backpressure_error(self, exc: BudgetFull | TooLarge, job: str) -> RequestError:
         oldest_path, oldest_age = "", 0.0
-        now = time.time()
+        now = time.monotonic()
         # Told to the owner of ``job``: only its owner's shards are named, never another
         # user's jobs.
         owners = self.ledger.jobs
@@ -229,8 +229,8 @@ class Admission:
             if owners.get(g.job) != owner:
                 continue
             for s in g.undrained():
-                if now - s.staged_at > oldest_age:
-                    oldest_age, oldest_path = now - s.staged_at, f"{g.job}/{g.step}/{s.path}"
+                if now - s.staged_mono > oldest_age:
+                    oldest_age, oldest_path = now - s.staged_mono, f"{g.job}/{g.step}/{s.path}"
         rate = self._drain_rate()
         retry_after = 1.0
         if isinstance(exc, BudgetFull) and rate > 0 and exc.name == "max_staged_bytes":

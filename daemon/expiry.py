@@ -51,7 +51,7 @@ class Expiry:
         keep = d.config.retention.keep_failed
         ended = sorted((g for g in d.ledger.generations.values()
                         if g.job == job and g.terminal and g.state is not GenerationState.COMMITTED),
-                       key=lambda g: (g.created_at, g.step))
+                       key=lambda g: (g.created_mono, g.step))
         for g in ended[: max(0, len(ended) - keep)]:
             d.copies.discard_generation(g)
             await d.ledger.forget(g)
@@ -69,7 +69,6 @@ class Expiry:
         """Forget what is past ``forget_after_s``; returns how many generations went."""
         d = self.d
         after = d.config.retention.forget_after_s
-        wall = time.time() if now is None else now
         mono = time.monotonic() if now is None else now
         by_job: dict[str, list[GenerationRecord]] = {}
         for g in d.ledger.generations.values():
@@ -80,7 +79,8 @@ class Expiry:
             for g in gens:
                 if not g.terminal:
                     continue
-                ended_long_ago = g.state is not GenerationState.COMMITTED and g.created_at < wall - after
+                ended_long_ago = (g.state is not GenerationState.COMMITTED
+                                  and mono - g.created_mono > after)
                 if ended_long_ago or (idle and all(o.terminal for o in gens)):
                     gone.append(g)
         for g in gone:

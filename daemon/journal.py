@@ -157,7 +157,7 @@ class Journal:
         # (each one fsync of the write-ahead log).
         self.batches = 0
         self.transactions = 0
-        # shard id -> (upload id, when begun): multipart uploads not yet completed or aborted,
+        # shard id -> (upload id, when begun, monotonic): multipart uploads not yet completed or aborted,
         # kept beside the uploads table so `status` answers from memory.
         self.open_uploads: dict[int, tuple[str, float]] = {}
 
@@ -394,8 +394,8 @@ class Journal:
 
     def _note_uploads(self, snap: Snapshot) -> Snapshot:
         # Uploads begun before a restart are open until they complete or are aborted; their
-        # age is counted from this start.
-        now = time.time()
+        # age is counted from this start (on the monotonic clock, as every age).
+        now = time.monotonic()
         for shard_id, upload_id in snap.uploads.items():
             self.open_uploads.setdefault(shard_id, (upload_id, now))
         return snap
@@ -524,7 +524,7 @@ class JournalUploadLog:
 
     async def begun(self, upload_id: str) -> None:
         await self.journal.write(*begin_upload(self.shard_id, upload_id))
-        self.journal.open_uploads[self.shard_id] = (upload_id, time.time())
+        self.journal.open_uploads[self.shard_id] = (upload_id, time.monotonic())
 
     async def part_done(self, number: int, etag: str, checksum: str) -> None:
         await self.journal.write(part_done(self.shard_id, number, etag, checksum))

@@ -23,6 +23,7 @@ from ckptdrain.daemon.records import (
     GenerationRecord,
     GenKey,
     ShardRecord,
+    assign,
     cap_error,
 )
 from ckptdrain.daemon.state import (
@@ -267,7 +268,7 @@ class Ledger:
                 gen.count(shard, -1)
             shard.state = state
             for name, value in old.items():
-                setattr(shard, name, value)
+                assign(shard, name, value)
             if gen is not None and counted:
                 gen.count(shard, +1)
 
@@ -307,7 +308,7 @@ class Ledger:
             gen.count(shard, -1)
         shard.state = new
         for name, value in values.items():
-            setattr(shard, name, value)
+            assign(shard, name, value)
         if gen is not None:
             gen.count(shard, +1)
         if not persist:
@@ -349,7 +350,7 @@ class Ledger:
 
     async def _save(self, gen: GenerationRecord, fields: dict[str, Any]) -> None:
         for name, value in fields.items():
-            setattr(gen, name, cap_error(value) if name == "error" else value)
+            assign(gen, name, cap_error(value) if name == "error" else value)
         await self._journal(gen, j.put_generation(gen.row()))
         self._notify()
 

@@ -251,10 +251,14 @@ class Metrics:
     (metricsendpoint.py)."""
 
     def __init__(
-        self, node_id: str, version: str, *, clock: Callable[[], float] = time.time
+        self, node_id: str, version: str, *, clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock`` reads ages (the snapshot's moments are on it: records.monotonic_of);
+        ``wall_clock`` stamps the times exported as unix times."""
         self.node_id = node_id
         self.version = version
+        self._clock_wall = wall_clock
         # A dedicated registry: nothing from the process-wide default (python_gc_*, process_*)
         # and no clash when tests build several daemons in one process.
         self.registry = CollectorRegistry(auto_describe=True)
@@ -338,7 +342,7 @@ class Metrics:
         )
         self._last_commit_time = Gauge(
             "ckptdrain_last_commit_timestamp_seconds",
-            "Unix time of the newest commit, by job.",
+            "Unix time (this node's clock) at which it saw the job's newest commit, by job.",
             ["job"],
             registry=reg,
         )
@@ -363,7 +367,6 @@ class Metrics:
         self._known_jobs: set[str] = set()
         self._known_destinations: set[str] = set()
         self._last_step: dict[str, int] = {}
-        self._last_commit_at: dict[str, float] = {}
         self.endpoint = MetricsEndpoint(self.exposition)
 
     # -- state -------------------------------------------------------------------------------
@@ -427,9 +430,11 @@ class Metrics:
         if step >= self._last_step.get(job, step):
             self._last_step[job] = step
             self._last_generation.labels(job).set(step)
-        if committed_at >= self._last_commit_at.get(job, committed_at):
-            self._last_commit_at[job] = committed_at
-            self._last_commit_time.labels(job).set(committed_at)
+            # When this node saw it, on its own clock: the manifest's clock is the publishing
+            # node's, and one two hours behind paged "no recent commit" on every other node
+            # while commits went through; a gauge that only rose stayed in the future after
+            # a clock stepped back, and could not page for as long (found attacking).
+            self._last_commit_time.labels(job).set(self._clock_wall())
 
         reached = {p: clocks[p] for p in PHASES if p in clocks}
         reached.setdefault("committed", committed_at)
@@ -460,7 +465,6 @@ class Metrics:
             return
         self._known_jobs.discard(job)
         self._last_step.pop(job, None)
-        self._last_commit_at.pop(job, None)
         series: list[tuple[Any, tuple[str, ...]]] = [
             (self._handoff_bytes, (job,)), (self._committed, (job,)),
             (self._last_generation, (job,)), (self._last_commit_time, (job,)),

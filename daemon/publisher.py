@@ -41,6 +41,7 @@ from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecor
 from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import OncePerCause, log_event, per_user
 from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
+from ckptdrain.daemon.records import assign
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -288,7 +289,8 @@ class Publisher:
                 await self.ledger.apply((gen, r), RankEvent.RECORDED)
         # The drained clock is also where drain.commit_wait_s counts from (journalled with
         # the RECORDED state right after this).
-        gen.staged_at, gen.drained_at = part.clocks["staged"], part.clocks["drained"]
+        assign(gen, "staged_at", part.clocks["staged"])
+        assign(gen, "drained_at", part.clocks["drained"])
         return True
 
     async def _settle(self, gen: GenerationRecord) -> None:
@@ -521,8 +523,8 @@ class Publisher:
             return
         await self._settle(gen)
         wait_s = self.config.drain.commit_wait_s
-        since = gen.drained_at or gen.created_at
-        if gen.state is _G.RECORDED and time.time() - since >= wait_s:
+        since = gen.created_mono if gen.drained_mono is None else gen.drained_mono
+        if gen.state is _G.RECORDED and time.monotonic() - since >= wait_s:
             missing = self._missing.get(gen.key)
             why = (f"rank(s) {describe_ranks(missing)} have no part record (is their node down?)"
                    if missing else self._why_waiting.get(gen.key, "the manifest never appeared"))

@@ -38,6 +38,29 @@ def cap_error(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"
 
 
+def monotonic_of(wall_at: float) -> float:
+    """``wall_at``, a wall-clock moment that has passed (stamped now, or journalled), on this
+    process's monotonic clock. Every age the daemon acts on is measured from this, never by
+    reading the wall clock again: the wall clock steps (NTP; a daemon started before its
+    node's clock was set), and ages read from it jumped by hours: failed generations were
+    forgotten, their copies with them, a minute after failing, commit waits ended at once or
+    ran two hours late, and the newest failures were dropped before older ones (found
+    attacking). A moment in the future (the clock stepped back since) counts as now."""
+    return time.monotonic() - max(0.0, time.time() - wall_at)
+
+
+# The journalled wall-clock moments a record ages by, and the monotonic twin of each.
+_TWINS = {"created_at": "created_mono", "staged_at": "staged_mono", "drained_at": "drained_mono"}
+
+
+def assign(record: object, name: str, value: Any) -> None:
+    """Set a record's field; a moment it ages by takes its monotonic twin along."""
+    setattr(record, name, value)
+    twin = _TWINS.get(name)
+    if twin is not None and hasattr(record, twin):
+        setattr(record, twin, None if value is None else monotonic_of(value))
+
+
 @dataclass(eq=False)
 class ShardRecord:
     id: int
@@ -58,6 +81,11 @@ class ShardRecord:
     local_copy: bool = True  # the staged file still exists
     # Bytes of the drain in progress already at the destination (not journalled: progress).
     moved_bytes: int = 0
+    # staged_at on this process's monotonic clock (monotonic_of): what its age is read from.
+    staged_mono: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.staged_mono = monotonic_of(self.staged_at)
     # (identity of the staged file, checksum) when a read of the file unchanged throughout
     # gave that checksum (reads.identity; not journalled: a restarted daemon hashes again).
     vouched: tuple[tuple[int, int, int, int, int], str] | None = None
@@ -115,6 +143,14 @@ class GenerationRecord:
     commit_point: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The destination named no other owner of the job before the first write (owners.py).
     owner_checked: bool = False
+    # created_at and drained_at on this process's monotonic clock (monotonic_of): what the
+    # generation's ages (expiry, the commit wait) are read from.
+    created_mono: float = field(init=False)
+    drained_mono: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.created_mono = monotonic_of(self.created_at)
+        self.drained_mono = None if self.drained_at is None else monotonic_of(self.drained_at)
 
     @property
     def key(self) -> GenKey:
@@ -163,7 +199,8 @@ class GenerationRecord:
         return list(self.open_shards.values())
 
     def oldest_undrained_since(self) -> float | None:
-        times = [s.staged_at for s in self.undrained()]
+        """When the oldest shard not yet drained was staged, on the monotonic clock."""
+        times = [s.staged_mono for s in self.undrained()]
         return min(times) if times else None
 
     def rank_drained(self, rank: int) -> bool:
@@ -214,7 +251,7 @@ class GenerationRecord:
             "ranks": self._ranks_summary(),
             "shards": by_state,
             "bytes": bytes_by_state,
-            "oldest_undrained_age_s": round(time.time() - since, 3) if since else 0.0,
+            "oldest_undrained_age_s": round(time.monotonic() - since, 3) if since else 0.0,
             "error": self.error if len(self.error) <= SUMMARY_ERROR_CHARS
             else self.error[:SUMMARY_ERROR_CHARS] + "…",
         }

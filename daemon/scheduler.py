@@ -101,7 +101,7 @@ class Scheduler:
     # -- queueing ----------------------------------------------------------------------------
     def enqueue(self, gen: GenerationRecord, shard: ShardRecord) -> None:
         # Jobs take turns; within a job, oldest generation first, then hand-off order.
-        self._queue.put(gen.job, (gen.created_at, shard.id, next(self._seq)), shard)
+        self._queue.put(gen.job, (gen.created_mono, shard.id, next(self._seq)), shard)
 
     def set_bandwidth(self, bytes_per_s: int) -> None:
         """A new drain rate (SIGHUP): waiters paced at the old rate go now; the new rate

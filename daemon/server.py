@@ -118,6 +118,7 @@ class Daemon:
         self.begin_checks = BeginChecks(self)
         self.expiry = Expiry(self)
         self.started_at = time.time()
+        self.started_mono = time.monotonic()  # what uptime is read from
         self.staging_free: tuple[int, int] = (0, 0)
         self.staging_reserve = 0
         self._stop = asyncio.Event()
@@ -496,10 +497,10 @@ class Daemon:
             return
         older = set(committed[retention.keep_last:])
         self.committer.manifests.forget(job, older)
-        cutoff = time.time() - retention.abandoned_grace_s
+        cutoff = time.monotonic() - retention.abandoned_grace_s
         for old in mine:
             stale = (old.state in (GenerationState.FAILED, GenerationState.CANCELLED)
-                     and old.step < committed[0] and old.created_at < cutoff)
+                     and old.step < committed[0] and old.created_mono < cutoff)
             # Another run may have forgotten it while this one waited on the journal.
             if (old.terminal and (old.step in older or stale)
                     and self.ledger.generations.get(old.key) is old):

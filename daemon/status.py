@@ -51,7 +51,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
     gens = [g for g in d.ledger.generations.values()
             if (job is None or g.job == job)
             and (sees_all or (peer is not None and peer.may_see(owners.get(g.job))))]
-    by_recency = sorted(gens, key=lambda g: (g.terminal, -g.created_at))
+    by_recency = sorted(gens, key=lambda g: (g.terminal, -g.created_mono))
     shown = [{**g.summary(), "uid": owners.get(g.job)}
              for g in by_recency[:MAX_STATUS_GENERATIONS]]
     # Encoded once as a list: one summary at a time (a json.dumps call each) was half of what
@@ -67,7 +67,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
                 break
         shown_bytes = _size(shown)
     shown.sort(key=lambda s: (s["job"], s["step"]))
-    now = time.time()
+    now = time.monotonic()  # the moments are monotonic (records.monotonic_of)
     oldest = {job: round(now - since, 3)
               for job, since in oldest_undrained(gens).items() if since is not None}
     if len(oldest) > MAX_STATUS_JOBS:
@@ -77,7 +77,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
     return _fit({
         "node_id": d.node_id,
         "version": __version__,
-        "uptime_s": round(now - d.started_at, 3),
+        "uptime_s": round(now - d.started_mono, 3),
         "ack": d.config.ack,
         "destination": d.config.destination.uri,
         "metrics": f"http://{d.metrics_address[0]}:{d.metrics_address[1]}/metrics"
@@ -164,7 +164,7 @@ def _uploads(d: Daemon, gens: list[Any]) -> dict[str, Any]:
     shown = {id(g) for g in gens}
     found: list[dict[str, Any]] = []
     stale = []
-    now = time.time()
+    now = time.monotonic()
     for sid, (upload_id, since) in open_ids.items():
         held = d.ledger.shard_index.get(sid)
         if held is None:

@@ -234,7 +234,7 @@ def _daemon(ledger: Ledger) -> SimpleNamespace:
     metrics = SimpleNamespace(snapshot=None)
     metrics.set_snapshot = lambda snap: setattr(metrics, "snapshot", snap)
     return SimpleNamespace(
-        ledger=ledger, node_id="n", started_at=0.0, config=load_config(None),
+        ledger=ledger, node_id="n", started_at=0.0, started_mono=0.0, config=load_config(None),
         metrics_address=None, staging_free=(0, 0), copies=SimpleNamespace(kept_bytes=0, pinned_bytes=0),
         admission=SimpleNamespace(staged=budget, memory=budget, shards=budget, waiting=0,
                                   slots_waiting=0),

@@ -183,12 +183,13 @@ def test_backpressure_and_aborted_uploads() -> None:
 
 
 def test_generation_committed_records_the_four_clocks_from_the_first_handoff() -> None:
-    m = Metrics("gpu017", "0.1.0")
+    m = Metrics("gpu017", "0.1.0", wall_clock=lambda: 470.0)
     clocks = {"started": 100.0, "handoff": 110.0, "staged": 130.0, "drained": 400.0}
     m.generation_committed("llama", 1200, clocks, committed_at=460.0)
     assert value(m, "ckptdrain_generations_committed_total", job="llama") == 1
     assert value(m, "ckptdrain_last_committed_generation", job="llama") == 1200
-    assert value(m, "ckptdrain_last_commit_timestamp_seconds", job="llama") == 460.0
+    # When this node saw the commit, on its own clock (the manifest's is the publisher's).
+    assert value(m, "ckptdrain_last_commit_timestamp_seconds", job="llama") == 470.0
     expected = {"handoff": 10.0, "staged": 30.0, "drained": 300.0, "committed": 360.0}
     for phase, seconds in expected.items():
         labels = {"phase": phase}
@@ -206,12 +207,28 @@ def test_without_started_the_earliest_clock_is_the_start() -> None:
 
 
 def test_a_late_report_of_an_older_generation_does_not_move_last_back() -> None:
-    m = Metrics("gpu017", "0.1.0")
+    wall = [500.0]
+    m = Metrics("gpu017", "0.1.0", wall_clock=lambda: wall[0])
     m.generation_committed("llama", 1200, {"handoff": 1.0}, committed_at=500.0)
+    wall[0] = 600.0
     m.generation_committed("llama", 1100, {"handoff": 1.0}, committed_at=400.0)
     assert value(m, "ckptdrain_last_committed_generation", job="llama") == 1200
     assert value(m, "ckptdrain_last_commit_timestamp_seconds", job="llama") == 500.0
     assert value(m, "ckptdrain_generations_committed_total", job="llama") == 2
+
+
+def test_the_last_commit_time_is_this_nodes_clock_and_follows_it_back() -> None:
+    # Found attacking the clocks: the gauge was the manifest's committed clock, the publishing
+    # node's: one two hours behind paged CkptdrainNoRecentCommit on every other node while
+    # commits went through. And it only ever rose: after a commit seen with the clock two
+    # hours ahead, a corrected clock left it in the future, unable to page for two hours.
+    wall = [10_000.0]
+    m = Metrics("gpu017", "0.1.0", wall_clock=lambda: wall[0])
+    m.generation_committed("llama", 10, {"handoff": 1.0}, committed_at=10_000.0 - 7200)
+    assert value(m, "ckptdrain_last_commit_timestamp_seconds", job="llama") == 10_000.0
+    wall[0] = 10_000.0 - 7100  # this node's clock stepped back two hours
+    m.generation_committed("llama", 20, {"handoff": 1.0}, committed_at=10_050.0)
+    assert value(m, "ckptdrain_last_commit_timestamp_seconds", job="llama") == 2900.0
 
 
 def test_generation_failed_reasons_are_bounded() -> None:
