@@ -85,6 +85,9 @@ BACKPRESSURE_LIMITS = (
     "max_reserved_bytes_per_uid",
     "max_queued_shards_per_uid",
     "max_generations_per_uid",
+    "max_clients_per_uid",
+    # The jobs a node tracks at once, every one with a generation in flight.
+    "max_jobs",
 )
 # The kinds a backend reports (daemon/backends/base.py BackendError.kind), and ``staging``: a
 # staged copy that could not be read back to drain it.
@@ -114,11 +117,14 @@ PHASE_BUCKETS_S = (
 class Snapshot:
     """The daemon's current state as the gauges show it; refreshed about once a second."""
 
-    # job -> unix time of its oldest undrained shard (None: nothing undrained)
+    # job -> when its oldest undrained shard was staged, on the monotonic clock (None: none)
     oldest_undrained_since: dict[str, float | None] = field(default_factory=dict)
     # state -> shards; states: receiving, staged, draining, drained, failed
     shards_by_state: dict[str, int] = field(default_factory=dict)
     staged_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes
+    # Of the local tier's bytes, drained copies kept for a fast restore: evicted as soon as a
+    # hand-off needs their room, so they are no sign of a full node.
+    kept_copy_bytes: int = 0
     limit_bytes: dict[str, int] = field(default_factory=dict)  # tier -> configured limit
     queued_shards: int = 0
     max_queued_shards: int = 0
@@ -189,6 +195,12 @@ class _SnapshotCollector(Collector):
             "ckptdrain_staged_bytes",
             "Bytes of shards held by the daemon, by tier (local NVMe or memory).",
             snap.staged_bytes,
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_kept_copy_bytes",
+            "Of ckptdrain_staged_bytes{tier=\"local\"}, drained copies kept for a fast restore "
+            "(retention.keep_local_copy): evicted as soon as a hand-off needs the room.",
+            value=float(snap.kept_copy_bytes),
         )
         yield _by_tier(
             "ckptdrain_staged_limit_bytes",
@@ -442,6 +454,17 @@ class Metrics:
         for phase, at in reached.items():
             self._phase_seconds.labels(phase).observe(max(0.0, at - start))
 
+    def recovered_commit(self, job: str, step: int, committed_at: float) -> None:
+        """At start-up, the newest commit the journal holds for ``job``, at its journalled
+        time: counted before, not again, but the last-commit gauges are back (they were gone
+        after every restart until the next commit, blanking the dashboard's stats and the
+        no-recent-commit alert's memory: found attacking)."""
+        self._see_job(job)
+        if step >= self._last_step.get(job, step):
+            self._last_step[job] = step
+            self._last_generation.labels(job).set(step)
+            self._last_commit_time.labels(job).set(committed_at)
+
     def generation_failed(self, job: str, reason: str) -> None:
         """A generation of ``job`` will never commit; ``reason`` one of FAILURE_REASONS."""
         self._see_job(job)
@@ -457,6 +480,16 @@ class Metrics:
         self._committed.labels(job)
         for reason in FAILURE_REASONS:
             self._failed.labels(job, reason)
+        for destination in self._known_destinations:
+            # At 0 before the first drained byte: with the destination down from the start,
+            # a drain rate that never existed left CkptdrainArrivalExceedsDrain nothing to
+            # compare and the dashboard's drain line empty (found attacking the alerts).
+            self._drained_bytes.labels(job, destination)
+
+    def set_destination(self, destination: str) -> None:
+        """The daemon's destination (its scheme): its error and drained series exist at 0
+        from the start, so an outage's first error shows in rate() and increase()."""
+        self._see_destination(destination)
 
     def forget_job(self, job: str) -> None:
         """Drop every series of ``job``: the node forgot it, and /metrics must not grow with

@@ -118,6 +118,7 @@ async def recover(d: Daemon) -> None:
             newest[gen.job] = gen
     for gen in newest.values():
         d.copies.drop_older_committed(gen)
+        d.metrics.recovered_commit(gen.job, gen.step, gen.committed_at or gen.created_at)
     removed, still_read = await d.dataplane.call(d.staging.sweep, keep)
     for name, size, owner in still_read:  # lent before the restart, a reader holds it still
         d.copies.held_from_before(name, size, owner)

@@ -89,6 +89,7 @@ class Daemon:
         self.acknowledge = GroupCommit(self.journal, before=self.staging.fsync_dir)
         self.ledger = Ledger(self.journal, acknowledge=self.acknowledge)
         self.metrics = Metrics(config.node_id, __version__)
+        self.metrics.set_destination(config.destination.scheme)
         self.client_log = logs.per_user()  # clients' errors, per uid
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)

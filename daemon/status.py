@@ -223,6 +223,7 @@ def refresh_snapshot(d: Daemon) -> None:
         oldest_undrained_since=oldest,
         shards_by_state=shards_by_state,
         staged_bytes={"local": a.staged.used, "memory": a.memory.used},
+        kept_copy_bytes=d.copies.kept_bytes,
         limit_bytes={"local": a.staged.limit, "memory": d.config.limits.max_memory_bytes},
         queued_shards=a.shards.used,
         max_queued_shards=a.shards.limit,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import socket
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 
 from ckptdrain.client import Backpressure, DrainError
 from ckptdrain.daemon import metrics as M
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "ckptdrain.json"
@@ -49,7 +51,7 @@ DASHBOARD_SPLITS = {
     "ckptdrain_staged_bytes": "tier",
 }
 
-_SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+)$')
+_SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -58,7 +60,7 @@ def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match:
-            out.append((match[1], dict(_LABEL.findall(match[2])), float(match[3])))
+            out.append((match[1], dict(_LABEL.findall(match[2] or "")), float(match[3])))
     return out
 
 
@@ -132,3 +134,77 @@ def test_every_label_value_is_one_the_dashboard_shows(make_daemon: Any, tmp_path
     for family, label in DASHBOARD_SPLITS.items():
         assert any(family in q and re.search(rf"by \([^)]*\b{label}\b", q) for q in queries), \
             (family, label)
+
+
+def test_a_refusal_at_the_per_uid_connection_cap_is_labelled_by_its_limit(
+        make_daemon: Any) -> None:
+    # Found attacking the alerts: refusals on limits.max_clients_per_uid and limits.max_jobs
+    # were counted as limit="other", which no panel line or alert shows.
+    assert {"max_clients_per_uid", "max_jobs"} <= set(M.BACKPRESSURE_LIMITS)
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_CLIENTS_PER_UID="2")
+    held = [socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)]
+    try:
+        for s in held:
+            s.connect(str(d.socket_path))
+        # The third is refused: its reply frame arrives, then the daemon closes it.
+        with socket.socket(socket.AF_UNIX) as third:
+            third.settimeout(10)
+            third.connect(str(d.socket_path))
+            assert b"max_clients_per_uid" in third.recv(65536)
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: count(scrape(d), "ckptdrain_backpressure_events_total",
+                           limit="max_clients_per_uid") == 1)
+    assert count(scrape(d), "ckptdrain_backpressure_events_total", limit="other") == 0
+
+
+def test_an_outage_from_the_start_shows_at_zero_and_kept_copies_apart(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking the alerts: with the destination down from start-up, the drained series
+    # did not exist (CkptdrainArrivalExceedsDrain compared nothing, the dashboard's drain line
+    # read "No data") and the first drain error was invisible to rate(); and drained copies
+    # kept for a fast restore counted as full staging, paging CkptdrainStagingNearlyFull on an
+    # idle node. The series exist at 0 from the start, and kept copies are exported apart.
+    root = tmp_path / "unmounted" / "ckpt"  # its parent missing: writes wait for the mount
+    d: DaemonProcess = make_daemon(dest=f"file://{root}")
+    text = scrape(d)
+    assert "ckptdrain_drain_errors_total{" in text  # before any error, at 0
+    assert count(text, "ckptdrain_drain_errors_total", destination="file", kind="io") == 0
+    assert "\nckptdrain_kept_copy_bytes 0.0\n" in text
+    with d.client().generation("down", 1) as gen:
+        gen.put("w.bin", b"w" * 4096)
+
+    def drained() -> list[tuple[dict[str, str], float]]:
+        # (A scrape may be answered from a render up to a second old.)
+        return [(ls, v) for n, ls, v in samples(scrape(d))
+                if n == "ckptdrain_drained_bytes_total" and ls.get("job") == "down"]
+
+    wait_for(drained)
+    assert drained() == [({"job": "down", "destination": "file"}, 0.0)]
+    wait_for(lambda: count(scrape(d), "ckptdrain_drain_errors_total", destination="file",
+                           kind="io") >= 1)
+    root.parent.mkdir()  # mounted
+    d.client().wait("down", 1, timeout_s=60)
+    kept = d.client().status()["kept_copy_bytes"]
+    assert kept == 4096
+    wait_for(lambda: count(scrape(d), "ckptdrain_kept_copy_bytes") == kept
+             and count(scrape(d), "ckptdrain_staged_bytes", tier="local") == kept)
+
+
+def test_the_last_commit_gauges_come_back_after_a_restart(make_daemon: Any) -> None:
+    # Found attacking the dashboard: after every restart (an upgrade, a crash) the last-commit
+    # gauges were gone until the next commit, though `status` listed the commit from the
+    # journal: the dashboard's stats went blank and CkptdrainNoRecentCommit lost its memory.
+    d: DaemonProcess = make_daemon()
+    for step in (10, 20):
+        with d.client().generation("gauges", step, rank=0, world_size=1) as gen:
+            gen.put("w.bin", b"w" * 1024)
+        d.client().wait("gauges", step, timeout_s=30)
+    before = time.time()
+    assert d.stop() == 0
+    d.start()
+    wait_for(lambda: count(scrape(d), "ckptdrain_last_committed_generation", job="gauges") == 20)
+    at = count(scrape(d), "ckptdrain_last_commit_timestamp_seconds", job="gauges")
+    assert before - 60 < at <= before  # the commit's journalled time, not the restart's
+    assert count(scrape(d), "ckptdrain_generations_committed_total", job="gauges") == 0

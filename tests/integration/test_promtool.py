@@ -139,7 +139,7 @@ def dashboard_queries() -> list[PanelQuery]:
 
 def populated_metrics(now: float | None = None) -> Metrics:
     """A Metrics object with every family holding samples, as a busy daemon would."""
-    now = time.time() if now is None else now
+    now = time.monotonic() if now is None else now  # the snapshot's moments are monotonic
     m = Metrics("gpu017", "0.1.0")
     m.set_snapshot(
         Snapshot(
