@@ -151,6 +151,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
         )
         if g.get("error"):
             print(f"    error: {g['error']}")
+        elif g.get("retrying"):
+            print(f"    retrying: {g['retrying']}")
     if status.get("generations_omitted"):
         print(f"... and {status['generations_omitted']} more generations (ended ones first left "
               "out); show one job's with --job JOB")

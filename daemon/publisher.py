@@ -41,7 +41,7 @@ from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecor
 from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import OncePerCause, log_event, per_user
 from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
-from ckptdrain.daemon.records import assign
+from ckptdrain.daemon.records import assign, retrying_note
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -273,7 +273,7 @@ class Publisher:
             if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False  # ended meanwhile: its failure record says so, not this one
             try:
-                await self._with_retries(lambda: self.committer.record_part(part))
+                await self._with_retries(lambda: self.committer.record_part(part), gen)
             except BackendError as exc:
                 await self.end(gen, f"could not write this node's part record: {exc}",
                                kind="drain")
@@ -347,12 +347,20 @@ class Publisher:
             return None
         return parts
 
-    async def _with_retries(self, op: Callable[[], Awaitable[_T]]) -> _T:
+    async def _with_retries(self, op: Callable[[], Awaitable[_T]],
+                            gen: GenerationRecord | None = None) -> _T:
+        """``op``, retried on transient destination errors within drain.retry_budget_s; what
+        ``gen`` is retrying shows in its status meanwhile."""
         backoff = self.config.drain.retry_initial_backoff_s
         deadline = time.monotonic() + self.config.drain.retry_budget_s
+        attempt = 0
         while True:
+            attempt += 1
             try:
-                return await op()
+                result = await op()
+                if gen is not None:
+                    gen.retrying = ""
+                return result
             except Exception as caught:
                 exc = destination_error(caught)
                 if exc is None:
@@ -365,6 +373,8 @@ class Publisher:
                     transient=exc.transient, error=str(exc))
                 if not exc.transient or time.monotonic() + backoff > deadline:
                     raise exc from None
+                if gen is not None:
+                    gen.retrying = retrying_note(exc, attempt)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
 
@@ -376,12 +386,12 @@ class Publisher:
         if not self.config.access.check_destination_owner or (gen.owner_checked and not again):
             return False
         await self._with_retries(
-            lambda: owners.adopt(self.ledger, self.committer.owners, gen.job))
+            lambda: owners.adopt(self.ledger, self.committer.owners, gen.job), gen)
         owner = self.ledger.jobs.get(gen.job)
         if owner is None:
             return False
         theirs = await self._with_retries(
-            lambda: self.committer.owners.someone_else(gen.job, owner))
+            lambda: self.committer.owners.someone_else(gen.job, owner), gen)
         if theirs is None:
             gen.owner_checked = True
             return False
@@ -407,7 +417,7 @@ class Publisher:
     async def _publish(self, gen: GenerationRecord) -> None:
         try:
             result = await self._with_retries(lambda: self.committer.try_publish(
-                gen.job, gen.step, gen.world_size, gen.attempt))
+                gen.job, gen.step, gen.world_size, gen.attempt), gen)
         except BackendError as exc:
             await self.end(gen, f"commit failed: {exc}", kind="drain")
             return

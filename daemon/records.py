@@ -38,6 +38,13 @@ def cap_error(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"
 
 
+def retrying_note(exc: Exception, attempt: int) -> str:
+    """What a generation shows in `status` while its drains or commit retry ``exc`` (a
+    destination error: its kind, its message, how many tries so far), bounded."""
+    note = f"{getattr(exc, 'kind', 'error')}: {exc} (try {attempt}, retrying)"
+    return note if len(note) <= SUMMARY_ERROR_CHARS else note[:SUMMARY_ERROR_CHARS - 1] + "…"
+
+
 def monotonic_of(wall_at: float) -> float:
     """``wall_at``, a wall-clock moment that has passed (stamped now, or journalled), on this
     process's monotonic clock. Every age the daemon acts on is measured from this, never by
@@ -143,6 +150,10 @@ class GenerationRecord:
     commit_point: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The destination named no other owner of the job before the first write (owners.py).
     owner_checked: bool = False
+    # The destination error its drains or commit are retrying right now, and how often they
+    # met it ("" when none): in `status` during an outage, which showed nothing but 0 B/s
+    # until the generation failed (found attacking). Not journalled: it is about now.
+    retrying: str = ""
     # created_at and drained_at on this process's monotonic clock (monotonic_of): what the
     # generation's ages (expiry, the commit wait) are read from.
     created_mono: float = field(init=False)
@@ -252,6 +263,7 @@ class GenerationRecord:
             "shards": by_state,
             "bytes": bytes_by_state,
             "oldest_undrained_age_s": round(time.monotonic() - since, 3) if since else 0.0,
+            "retrying": "" if self.terminal else self.retrying,
             "error": self.error if len(self.error) <= SUMMARY_ERROR_CHARS
             else self.error[:SUMMARY_ERROR_CHARS] + "…",
         }

@@ -30,6 +30,7 @@ from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.publisher import Publisher
 from ckptdrain.daemon.ratelimit import TokenBucket
 from ckptdrain.daemon.reads import identity
+from ckptdrain.daemon.records import retrying_note
 from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
 from ckptdrain.daemon.yielding import HandoffYield
 
@@ -340,6 +341,7 @@ class Scheduler:
                 if not exc.transient or time.monotonic() + backoff > deadline:
                     await self._fail_shard(gen, shard, f"{exc.kind}: {exc}")
                     return False
+                gen.retrying = retrying_note(exc, attempt)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
             except OSError as exc:
@@ -355,6 +357,7 @@ class Scheduler:
             await self._fail_shard(gen, shard, f"staged copy changed: {checksum} != {shard.checksum}")
             return False
         now = time.time()
+        gen.retrying = ""
         await self.ledger.apply(shard, ShardEvent.DRAINED, checksum=checksum, drained_at=now)
         self._on_drained(shard)
         if then_advance:

@@ -3,6 +3,7 @@ only: the daemon stays up, serves other jobs, and a restart does not crash on it
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import DestinationError, GenerationFailed
-from tests.conftest import DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
@@ -123,6 +124,27 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
     d.client().retry("job", 1)
     d.client().wait("job", 1, timeout_s=30)
     assert (mount_point / "proj" / "ckpt" / "job" / f"{1:020d}" / "MANIFEST.json").exists()
+
+
+def test_status_says_what_a_generation_is_retrying_during_an_outage(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking the operator's view: through an outage `status` showed the generation
+    # "open", its shards draining at 0 B/s and no error, until it failed minutes later; the
+    # cause was only in the log. It shows what is being retried, and how often, meanwhile.
+    root = tmp_path / "lustre" / "proj" / "ckpt"
+    (tmp_path / "lustre").mkdir()
+    d: DaemonProcess = make_daemon(dest=f"file://{root}")
+    with d.client().generation("job", 1) as g:
+        g.put("w.bin", b"w" * 4096)
+    wait_for(lambda: "is its filesystem mounted" in str(state_of(d, "job", 1)["retrying"]),
+             what="the retried error in status")
+    assert state_of(d, "job", 1)["error"] == ""
+    shown = subprocess.run([CKPTDRAIN, "status", "--socket", str(d.socket_path)],
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "    retrying: io: the destination root" in shown and "(try " in shown
+    (tmp_path / "lustre" / "proj").mkdir()  # mounted
+    d.client().wait("job", 1, timeout_s=60)
+    assert state_of(d, "job", 1)["retrying"] == ""
 
 
 @pytest.mark.parametrize("through_a_link", [False, True])

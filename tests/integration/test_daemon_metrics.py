@@ -158,7 +158,7 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
                                   "max_generations_in_flight", "on_full"}
     [gen] = doc["generations"]
     assert set(gen) == {"job", "step", "state", "world_size", "ack", "ranks", "shards", "bytes",
-                        "oldest_undrained_age_s", "error", "uid"}
+                        "oldest_undrained_age_s", "error", "retrying", "uid"}
     assert gen["uid"] == os.getuid()
     assert gen["state"] == "committed" and gen["shards"] == {"drained": 1} and gen["ranks"] == {"0": "recorded"}
 
