@@ -80,7 +80,9 @@ class BeginChecks:
                 if await self._committed(job, step):
                     # Raised here, the TaskGroup cancels the other question at once.
                     raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is "
-                                       "committed; save a new step")
+                                       "committed; save a new step (after rolling back to an "
+                                       "older step, save under a new job name: a restart "
+                                       "resumes from this job's newest committed step)")
         except BaseExceptionGroup as group:
             raise _one_of(group) from None
         keep = self.d.config.retention.keep_last
