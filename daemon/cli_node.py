@@ -239,7 +239,7 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
     p = sub.add_parser("status", help="what the node's daemon holds and how far it has drained")
     common(p, socket=True)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--job", help="show only this job's generations")
+    p.add_argument("--job", type=job_arg, help="show only this job's generations")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("retry", help="drain a failed generation again from its local copy")

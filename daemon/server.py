@@ -189,14 +189,17 @@ class Daemon:
         self.admission.set_limits(new)
         self.scheduler.set_bandwidth(new.drain.max_bandwidth_bytes_per_s)
         setup_logging(new.log_level)
+        # The drain's pace too: an operator who slowed or freed it sees it took.
+        applied: dict[str, Any] = {"max_staged_bytes": new.limits.max_staged_bytes,
+                                   "on_full": new.limits.on_full,
+                                   "log_level": new.log_level,
+                                   "max_bandwidth_bytes_per_s": new.drain.max_bandwidth_bytes_per_s}
         if restart:
-            log_event(log, logging.WARNING, "reloaded", max_staged_bytes=new.limits.max_staged_bytes,
-                      on_full=new.limits.on_full, log_level=new.log_level, needs_restart=restart,
+            log_event(log, logging.WARNING, "reloaded", **applied, needs_restart=restart,
                       action=f"restart the daemon to apply {', '.join(restart)}; until then it "
                       "runs with the old values")
         else:
-            log_event(log, logging.INFO, "reloaded", max_staged_bytes=new.limits.max_staged_bytes,
-                      on_full=new.limits.on_full, log_level=new.log_level)
+            log_event(log, logging.INFO, "reloaded", **applied)
         self.notifier.ready(self.status_line())
 
     async def _run(self) -> None:

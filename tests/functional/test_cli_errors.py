@@ -93,6 +93,13 @@ def test_bad_job_names_are_usage_errors(node: DaemonProcess, command: str, job: 
                  f"ckptdrain {command} --help")
 
 
+def test_a_bad_job_name_to_status_is_a_usage_error_too(node: DaemonProcess) -> None:
+    # Found attacking the CLI: `status --job 'bad job'` exited 1 (a failure) where every other
+    # command says 2 (usage) for the same mistake.
+    one_sentence(cli(node, "status", "--socket", str(node.socket_path), "--job=bad job"), 2,
+                 "--job", "' '", "ckptdrain status --help")
+
+
 def test_restore_target_checks(node: DaemonProcess, tmp_path: Path) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("mine")

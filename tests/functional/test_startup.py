@@ -176,7 +176,8 @@ def test_sighup_names_the_keys_that_need_a_restart(make_daemon: Any, tmp_path: P
         proc = subprocess.Popen([CKPTDRAIN, "serve"], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: _status(d) is not None, 30)
-        config.write_text(f'[limits]\nmax_staged_bytes = "2GiB"\n[destination]\nuri = "file://{new_dest}"\n')
+        config.write_text(f'[limits]\nmax_staged_bytes = "2GiB"\n[destination]\nuri = "file://{new_dest}"\n'
+                          '[drain]\nmax_bandwidth_bytes_per_s = "5MiB"\n')
         proc.send_signal(signal.SIGHUP)
         wait_for(lambda: "event=reloaded" in log.read_text(), 30)
         status = _status(d)
@@ -186,6 +187,8 @@ def test_sighup_names_the_keys_that_need_a_restart(make_daemon: Any, tmp_path: P
         [line] = [x for x in log.read_text().splitlines() if "event=reloaded" in x]
         assert "needs_restart" in line and "destination.uri" in line, line
         assert "restart the daemon to apply destination.uri" in line
+        # The drain's pace is applied too, and said (found attacking: the line left it out).
+        assert f"max_bandwidth_bytes_per_s={5 << 20}" in line, line
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
