@@ -12,6 +12,8 @@ kept for a fast restore) are evicted first, oldest first (see :mod:`.copies`).
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -48,6 +50,10 @@ class Admission:
         self.make_room: Callable[[int], Awaitable[int]] | None = None
         # on_full = "supersede": ends this job's older generations (set by the daemon).
         self.supersede: Callable[[str, int, Budget, int], Awaitable[bool]] | None = None
+        # Set whenever a uid's share is given back: what hand-offs over their share wait on.
+        self._share_freed = asyncio.Event()
+        # Hand-offs waiting for their uid's share, by the share's limit.
+        self.share_waiting: collections.Counter[str] = collections.Counter()
 
     def set_limits(self, config: Config) -> None:
         self.config = config
@@ -102,7 +108,8 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        return self.staged.waiting + self.shards.waiting + self.memory.waiting + self.slots_waiting
+        return (self.staged.waiting + self.shards.waiting + self.memory.waiting
+                + self.slots_waiting + self.share_waiting.total())
 
     # -- admission ----------------------------------------------------------------------------
     def charge(self, reservation: Reservation, uid: int) -> Reservation:
@@ -134,9 +141,9 @@ class Admission:
     def _tally(self, budget: Budget) -> dict[int, int]:
         return self.uid_shards if budget is self.shards else self.uid_bytes
 
-    @staticmethod
-    def _take_share(tally: dict[int, int], uid: int, amount: int) -> Callable[[], None]:
-        """Count ``amount`` against ``uid``'s share now; returns what gives it back."""
+    def _take_share(self, tally: dict[int, int], uid: int, amount: int) -> Callable[[], None]:
+        """Count ``amount`` against ``uid``'s share now; returns what gives it back (and wakes
+        the hand-offs waiting for a share)."""
         tally[uid] = tally.get(uid, 0) + amount
 
         def give_back() -> None:
@@ -145,28 +152,63 @@ class Admission:
                 tally[uid] = left
             else:
                 tally.pop(uid, None)
+            self._share_freed.set()
 
         return give_back
 
-    def check_uid_share(self, uid: int, amount: int, budget: Budget | None = None) -> None:
+    def _share(self, budget: Budget | None) -> tuple[str, int, str]:
+        limits = self.config.limits
+        if budget is self.shards:
+            return "max_queued_shards_per_uid", limits.max_queued_shards_per_uid, "shards"
+        return "max_reserved_bytes_per_uid", limits.max_reserved_bytes_per_uid, "bytes"
+
+    def _over_share(self, uid: int, amount: int, budget: Budget | None) -> bool:
+        _, cap, _ = self._share(budget)
+        return bool(cap) and self._tally(budget or self.staged).get(uid, 0) + amount > cap
+
+    def check_uid_share(self, uid: int, amount: int, budget: Budget | None = None, *,
+                        action: str = "rejected") -> None:
         """Refuse at once what would take ``uid`` over its share of ``budget`` (default: the
         bytes). The queue slots have a share of their own: empty shards pass any byte share,
         and one user holding every max_queued_shards slot refused every other user's
         hand-off (found attacking)."""
-        limits = self.config.limits
-        if budget is self.shards:
-            name, cap, what = "max_queued_shards_per_uid", limits.max_queued_shards_per_uid, "shards"
-        else:
-            name, cap, what = "max_reserved_bytes_per_uid", limits.max_reserved_bytes_per_uid, "bytes"
+        if not self._over_share(uid, amount, budget):
+            return
+        name, cap, what = self._share(budget)
         held = self._tally(budget or self.staged).get(uid, 0)
-        if cap and held + amount > cap:
-            self.metrics.backpressure("rejected", name)
-            raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already holds {held} "
-                               f"{what} on this node and asks for {amount} more, over "
-                               f"limits.{name} ({cap}); wait for its shards to drain or "
-                               "checkpoint less often",
-                               {"limit": name, "limit_value": cap, "current": held,
-                                "requested": amount, "retry_after_s": 1.0})
+        self.metrics.backpressure(action, name)
+        waited = " for limits.block_timeout_s" if action == "timed_out" else ""
+        raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already holds {held} "
+                           f"{what} on this node{waited} and asks for {amount} more, over "
+                           f"limits.{name} ({cap}); wait for its shards to drain or "
+                           "checkpoint less often",
+                           {"limit": name, "limit_value": cap, "current": held,
+                            "requested": amount, "retry_after_s": 1.0})
+
+    async def _wait_for_share(self, uid: int, amount: int, budget: Budget) -> None:
+        """Under on_full = "block", wait up to limits.block_timeout_s for ``uid``'s own
+        shards to drain below its share of ``budget``, as a hand-off waits for room; refuse
+        at once under "reject" and "supersede" (no other job's generation gives way to a
+        uid's share), and a request larger than the share itself. Refused at once under
+        every setting before, a single user's save on a busy node failed where it could have
+        waited for its own earlier shards."""
+        limits = self.config.limits
+        _, cap, _ = self._share(budget)
+        if limits.on_full != "block" or amount > cap or not self._over_share(uid, amount, budget):
+            self.check_uid_share(uid, amount, budget)
+            return
+        name = self._share(budget)[0]
+        self.metrics.backpressure("blocked", name)
+        self.share_waiting[name] += 1
+        try:
+            async with asyncio.timeout(limits.block_timeout_s):
+                while self._over_share(uid, amount, budget):
+                    self._share_freed.clear()
+                    await self._share_freed.wait()
+        except TimeoutError:
+            self.check_uid_share(uid, amount, budget, action="timed_out")
+        finally:
+            self.share_waiting[name] -= 1
 
     def check_uid_generations(self, uid: int) -> None:
         cap = self.config.limits.max_generations_per_uid
@@ -191,8 +233,9 @@ class Admission:
             return await self._admit(budget, amount, job, step)
         # The share is taken with the check, before any wait for room: checked now and charged
         # once admitted, puts queued behind a full budget all passed the check and together
-        # held three times the cap (found attacking the per-uid limit).
-        self.check_uid_share(uid, amount, budget)
+        # held three times the cap (found attacking the per-uid limit). The wait for it ends
+        # with the check (nothing awaited in between).
+        await self._wait_for_share(uid, amount, budget)
         give_back = self._take_share(self._tally(budget), uid, amount)
         try:
             room = await self._admit(budget, amount, job, step)
@@ -213,8 +256,12 @@ class Admission:
             if (limits.on_full == "supersede" and self.supersede is not None
                     and await self.supersede(job, step, budget, amount)):
                 return Reservation(budget, amount)
-            return await budget.reserve(amount, block=limits.on_full != "reject",
-                                        timeout_s=limits.block_timeout_s)
+            # Counted when it has to wait: a hand-off that waited for room and then got in
+            # left no trace on the backpressure panel, only in a gauge a scrape can miss
+            # (found attacking the metrics).
+            return await budget.reserve(
+                amount, block=limits.on_full != "reject", timeout_s=limits.block_timeout_s,
+                on_wait=lambda: self.metrics.backpressure("blocked", budget.name))
         except (BudgetFull, TooLarge) as exc:
             raise self.backpressure_error(exc, job) from None
 

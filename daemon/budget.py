@@ -84,11 +84,16 @@ class Budget:
             return True
         return False
 
-    async def acquire(self, amount: int, *, block: bool, timeout_s: float) -> None:
+    async def acquire(self, amount: int, *, block: bool, timeout_s: float,
+                      on_wait: Callable[[], None] | None = None) -> None:
+        """Take ``amount``, waiting in arrival order (``block``) up to ``timeout_s``;
+        ``on_wait`` is called once if it has to wait."""
         if self.try_acquire(amount):
             return
         if not block:
             raise BudgetFull(self, amount, timed_out=False)
+        if on_wait is not None:
+            on_wait()
         waiter = _Waiter(amount, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         try:
@@ -116,8 +121,9 @@ class Budget:
         the limit says now; hand-offs wait until eviction or draining brings it back under."""
         self.used += amount
 
-    async def reserve(self, amount: int, *, block: bool, timeout_s: float) -> Reservation:
-        await self.acquire(amount, block=block, timeout_s=timeout_s)
+    async def reserve(self, amount: int, *, block: bool, timeout_s: float,
+                      on_wait: Callable[[], None] | None = None) -> Reservation:
+        await self.acquire(amount, block=block, timeout_s=timeout_s, on_wait=on_wait)
         return Reservation(self, amount)
 
     def reserve_now(self, amount: int) -> Reservation | None:

@@ -111,6 +111,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
                 ("max_memory_bytes", a.memory.waiting),
                 ("max_queued_shards", a.shards.waiting),
                 ("max_generations_in_flight", a.slots_waiting),
+                *a.share_waiting.items(),
             ) if waiting
         },
         # The data plane: threads moving bytes now, and calls that outlived io_timeout_s.

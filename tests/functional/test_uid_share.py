@@ -55,6 +55,7 @@ def test_a_kept_local_copy_is_not_held_against_its_uids_share(make_daemon: Any) 
 
 def test_a_restart_holds_recovered_shards_against_their_uids_share(make_daemon: Any) -> None:
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject",  # refused, not waiting
                                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
     c = d.client(timeout_s=30)
     with c.generation("j", 1) as gen:
@@ -74,7 +75,8 @@ def test_a_restart_holds_recovered_shards_against_their_uids_share(make_daemon: 
 def test_puts_queued_for_room_take_no_more_than_the_uids_share(make_daemon: Any) -> None:
     d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="100MiB",
                     CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="60MiB",
-                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60",
+                    # The third waits this long for its share (its own shards never drain).
+                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="15",
                     CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
     c = d.client(timeout_s=60)
     filler = c.generation("filler", 1, world_size=2)
@@ -163,6 +165,7 @@ def test_an_operators_handoff_counts_against_the_jobs_owner(make_daemon: Any) ->
     # Found attacking the share: root saving into a user's job was charged to root at the
     # hand-off, and to the user after a restart (recovery goes by the job's owner).
     d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                    CKPTDRAIN_LIMITS__ON_FULL="reject",  # refused at once, not waiting
                     CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
 
     def begin_theirs() -> str:
@@ -386,3 +389,40 @@ def test_copies_held_open_across_a_restart_still_count_against_the_share(
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_a_save_over_its_share_waits_for_its_own_shards_to_drain(make_daemon: Any) -> None:
+    # Refused at once under every on_full before: one user's save on a busy node failed as
+    # soon as its earlier, still draining shards and its new one passed the share, where the
+    # node would have had room a few seconds later. Under on_full = "block" it waits for its
+    # own shards to drain (up to block_timeout_s, shown as blocked on the share), as a
+    # hand-off waits for room; "reject" still refuses at once.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S=str(10 * MiB))
+    c = d.client(timeout_s=90)
+    with c.generation("j", 1) as gen:
+        gen.put("a", os.urandom(30 * MiB))  # draining at 10 MiB/s: about 3 s
+    done: list[str] = []
+
+    def second() -> None:
+        with Client(d.socket_path, timeout_s=90).generation("j", 2) as gen:
+            gen.put("a", os.urandom(30 * MiB))
+        done.append("handed off")
+
+    saver = threading.Thread(target=second)
+    saver.start()
+    try:
+        # 30 + 30 MiB is over the share until the first drains (about 3 s): seen waiting.
+        wait_for(lambda: c.status()["blocked_by_limit"].get("max_reserved_bytes_per_uid") == 1,
+                 timeout_s=30)
+        assert not done
+        saver.join(60)
+        assert done == ["handed off"]
+        c.wait("j", 2, timeout_s=60)
+    finally:
+        saver.join(60)
+    # Larger than the share itself: it could never fit, refused at once.
+    with pytest.raises(Backpressure) as info, c.generation("j", 3) as gen:
+        gen.put("a", os.urandom(41 * MiB))
+    assert info.value.details["limit"] == "max_reserved_bytes_per_uid"

@@ -237,7 +237,7 @@ def _daemon(ledger: Ledger) -> SimpleNamespace:
         ledger=ledger, node_id="n", started_at=0.0, started_mono=0.0, config=load_config(None),
         metrics_address=None, staging_free=(0, 0), copies=SimpleNamespace(kept_bytes=0, pinned_bytes=0),
         admission=SimpleNamespace(staged=budget, memory=budget, shards=budget, waiting=0,
-                                  slots_waiting=0),
+                                  slots_waiting=0, share_waiting={}),
         scheduler=SimpleNamespace(drain_rate_bytes_per_s=lambda: 0.0,
                                   yielding=SimpleNamespace(yielded=0)),
         dataplane=SimpleNamespace(threads=1, busy=0, stuck=0), draining=0,
