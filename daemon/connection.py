@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
@@ -303,11 +304,27 @@ class ClientHandler:
     async def _latest(self, job: str) -> dict[str, Any]:
         try:
             step = await catalog.latest(self.d.backend, job)
+            if step is None:
+                await self._not_unmounted(job)
         except (BackendError, ManifestError, OSError) as exc:
             raise destination_error(job, None, exc) from None
         # Where the job's generations lie (`Client.latest_path`): `<root>/<step:020d>`.
         return {"job": job, "generation": step,
                 "root": f"{self.d.config.destination.uri.rstrip('/')}/{job}"}
+
+    async def _not_unmounted(self, job: str) -> None:
+        """Before "nothing committed" is the answer for ``job``: a destination holding no job
+        at all, while this node committed a step of this one, is a filesystem not mounted on
+        its mount point (``file:///lustre``, left an empty directory), not a job that never
+        saved: answered None, a restarting job started again from step 0 (found attacking).
+        A job deleted on purpose while others remain still reads as never saved."""
+        mine = [g.step for g in self.d.ledger.generations.values()
+                if g.job == job and g.state is GenerationState.COMMITTED]
+        if mine and not await catalog.list_jobs(self.d.backend):
+            raise BackendError(
+                f"the destination {self.d.config.destination.uri} holds no job at all, yet this "
+                f"node committed step {max(mine)} of job {job!r} there: is its filesystem "
+                "mounted?", transient=True)
 
     # -- hand-off requests -------------------------------------------------------------------
     def check_job_visible(self, job: str) -> None:
@@ -501,8 +518,12 @@ class ClientHandler:
             slot = await d.admission.slots(job).reserve(1, block=False, timeout_s=0)
         except (BudgetFull, TooLarge) as exc:
             raise d.admission.backpressure_error(exc, job) from None
+        # A fresh drain.commit_wait_s from the retry: counted from the old drained clock, a
+        # generation that had waited out its wait for a slow node failed again within one
+        # poll of being retried, however soon that node came (found attacking).
+        fresh = {} if gen.drained_at is None else {"drained_at": time.time()}
         try:
-            await d.ledger.apply(gen, GenerationEvent.RETRIED, error="")
+            await d.ledger.apply(gen, GenerationEvent.RETRIED, error="", **fresh)
         except BaseException:
             slot.release()
             raise

@@ -146,6 +146,21 @@ def test_commit_wait_s_ends_a_generation_whose_other_node_never_comes(make_daemo
     next_step_commits(a, b, 2)
 
 
+def test_a_retry_after_the_commit_wait_waits_again(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: `retry` of a generation that had waited out drain.commit_wait_s for a
+    # slow node failed again within one poll (0.1 s), the wait counted from the old drained
+    # clock, however soon the other node then came. A retry waits commit_wait_s afresh.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="5",
+                                   CKPTDRAIN_DRAIN__COMMIT_POLL_INTERVAL_S="0.1")
+    seal(a, 1, 0)
+    fails_quickly(a, 1, r"not committed within drain.commit_wait_s = 5 s")
+    a.client().retry(JOB, 1)
+    b: DaemonProcess = make_daemon("node-b")
+    seal(b, 1, 1)  # the slow node, a second after the retry
+    a.client().wait(JOB, 1, timeout_s=30)
+    b.client().wait(JOB, 1, timeout_s=30)
+
+
 def test_commit_wait_s_keeps_counting_across_a_restart(make_daemon) -> None:  # type: ignore[no-untyped-def]
     a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="600", **ONE_SLOT)
     seal(a, 1, 0)

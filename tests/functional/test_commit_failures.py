@@ -3,6 +3,7 @@ only: the daemon stays up, serves other jobs, and a restart does not crash on it
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -124,6 +125,33 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
     d.client().retry("job", 1)
     d.client().wait("job", 1, timeout_s=30)
     assert (mount_point / "proj" / "ckpt" / "job" / f"{1:020d}" / "MANIFEST.json").exists()
+
+
+def test_a_root_that_is_itself_an_empty_mount_point_is_no_answer_to_latest(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking the fix above: with the destination root the mount point itself
+    # (file:///lustre, left an empty directory when not mounted) nothing looks missing, and
+    # `latest` answered "nothing committed" again. A destination holding no job at all while
+    # this node committed one is not mounted; a job deleted while others remain is gone.
+    root = tmp_path / "lustre"
+    root.mkdir()
+    d: DaemonProcess = make_daemon(dest=f"file://{root}")
+    client = d.client()
+    for job in ("job", "other"):
+        with client.generation(job, 3) as g:
+            g.put("w.bin", b"w" * 4096)
+        client.wait(job, 3, timeout_s=30)
+    (tmp_path / "lustre.mounted").mkdir()
+    for entry in list(root.iterdir()):  # unmounted: the empty mount point
+        entry.rename(tmp_path / "lustre.mounted" / entry.name)
+    with pytest.raises(DestinationError, match="holds no job at all.*is its filesystem mounted"):
+        client.latest("job")
+    assert client.latest("never-saved") is None  # nothing of it here either way
+    for entry in list((tmp_path / "lustre.mounted").iterdir()):  # mounted again
+        entry.rename(root / entry.name)
+    assert client.latest("job") == 3
+    shutil.rmtree(root / "job")  # deleted on purpose, the destination otherwise there
+    assert client.latest("job") is None
 
 
 def test_status_says_what_a_generation_is_retrying_during_an_outage(
