@@ -432,7 +432,10 @@ class Publisher:
         if result.committed:
             manifest = result.manifest
             committed_at = manifest.clocks.get("committed", time.time()) if manifest else time.time()
-            await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=committed_at)
+            # Journalled as this node saw it, on its own clock: what the last-commit gauge is
+            # set from again after a restart (the manifest's clock is the publisher's, hours
+            # off on a node whose clock is: found attacking). The phases keep the manifest's.
+            await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=time.time())
             self._forget_waiting(gen.key)
             clocks = {
                 "started": gen.created_at,

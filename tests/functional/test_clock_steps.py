@@ -8,10 +8,12 @@ of failed generations is covered in tests/unit/test_clock_steps.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -97,3 +99,35 @@ def test_the_commit_wait_is_not_moved_by_a_step_of_the_clock(
     else:
         with pytest.raises(GenerationFailed, match=r"not committed within drain\.commit_wait_s"):
             a.client().wait(JOB, 1, timeout_s=30)
+
+
+def last_commit_time(d: DaemonProcess) -> float | None:
+    with urllib.request.urlopen(d.client().status()["metrics"], timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(f'ckptdrain_last_commit_timestamp_seconds{{job="{JOB}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_the_last_commit_time_after_a_restart_is_still_this_nodes(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking the clocks, twice: the last-commit gauge was the manifest's clock (the
+    # publishing node's), and after the fix, a restart set it from the journal, which held the
+    # manifest's clock again: a publisher two hours behind paged CkptdrainNoRecentCommit on
+    # this node as soon as it restarted. The journal holds when this node saw the commit.
+    clock = Clock(tmp_path / "clock-c")
+    d: DaemonProcess = make_daemon("node-d")
+    c: DaemonProcess = make_daemon("node-c", **clock.env())
+    clock.set(-7200.0)
+    wait_for(lambda: stepped(c, -7200.0), timeout_s=10, interval_s=0.2)
+    rank_recorded(d, 1, rank=0)
+    with c.client().generation(JOB, 1, rank=1, world_size=2) as g:  # the last: it publishes
+        g.put("rank1.bin", b"\x01" * 4096)
+    d.client().wait(JOB, 1, timeout_s=30)
+    manifest = json.loads((d.dest / JOB / f"{1:020d}" / "MANIFEST.json").read_text())
+    assert manifest["clocks"]["committed"] < time.time() - 7000  # node-c's clock published it
+    assert d.stop() == 0
+    d.start()
+    wait_for(lambda: last_commit_time(d) is not None)
+    seen = last_commit_time(d)
+    assert seen is not None and abs(seen - time.time()) < 120
