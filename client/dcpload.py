@@ -110,10 +110,12 @@ def read_tensor(view: FileView, offset: int, length: int, req: ReadItem,
     if target.size() != part.size():
         raise DrainError(f"read item {req.storage_index} is {tuple(part.size())} in the "
                          f"checkpoint but {tuple(target.size())} in the state dict")
-    # A conjugate or negative view's bytes are not its values: copied through its bit below.
+    # A conjugate or negative view's bytes are not its values, the saved tensor's or the
+    # target's (loading a plain tensor into `z.conj()` wrote its bytes unconjugated: found
+    # attacking): copy_ below reads and writes through the bits.
     if (target.device.type == "cpu" and target.dtype == saved.dtype and target.is_contiguous()
             and part.is_contiguous() and target.numel() > 0
-            and not (saved.is_conj() or saved.is_neg())):
+            and not (saved.is_conj() or saved.is_neg() or target.is_conj() or target.is_neg())):
         view.read_into(dcpfiles.tensor_bytes(target),
                        data_at + int(part.storage_offset()) * saved.element_size())
     elif target.numel() > 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,8 +47,11 @@ class _GenerationFiles(FileSystemBase):
         self.client, self.job, self.step, self.root = client, job, step, root
         self.sources: dict[str, str] = {}  # file name -> where it was read from
         # Files opened ahead of their first read (the generation's .metadata, opened to check
-        # the step is committed): that read takes the fd instead of opening it again.
+        # the step is committed): that read takes the fd instead of opening it again. Closed
+        # with the reader, or when it is collected unclosed and unloaded (each such reader
+        # leaked an fd: found attacking).
         self._opened: dict[str, int] = {}
+        weakref.finalize(self, _close_all, self._opened)
 
     def open_ahead(self, name: str) -> None:
         """Open ``name`` now (NotFound, typed, when the step is not committed), for its read."""
@@ -55,9 +59,7 @@ class _GenerationFiles(FileSystemBase):
             self._opened[name] = self.open_fd(name)
 
     def close(self) -> None:
-        for fd in self._opened.values():
-            os.close(fd)
-        self._opened.clear()
+        _close_all(self._opened)
 
     def _name(self, path: str | os.PathLike[str]) -> str:
         text = os.fspath(path)
@@ -119,6 +121,12 @@ class _GenerationFiles(FileSystemBase):
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         raise RejectedInput("DrainReader only reads")
+
+
+def _close_all(opened: dict[str, int]) -> None:
+    for fd in opened.values():
+        os.close(fd)
+    opened.clear()
 
 
 class DrainReader(FileSystemReader):

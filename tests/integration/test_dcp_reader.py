@@ -326,3 +326,39 @@ def test_a_step_that_is_not_committed_is_refused_when_the_reader_is_made(
     for _ in range(5):  # made and closed unused: the fd opened ahead is closed with it
         DrainReader(JOB, 4, socket_path=daemon.socket_path).close()
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_plain_tensors_load_into_conjugate_and_negative_targets(make_daemon: Any) -> None:
+    # Found attacking the fix above: with a plain tensor saved and a conjugate (or negative)
+    # view as the target, the bytes went straight into the target's storage, which reads
+    # them through its bit: the conjugate was loaded, silently.
+    daemon: DaemonProcess = make_daemon()
+    z = torch.tensor([[1 + 2j, 3 - 4j]], dtype=torch.complex64)
+    r = torch.tensor([1.0, -2.0, 3.0])
+    with DrainWriter(JOB, 9, socket_path=daemon.socket_path) as writer:
+        with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+            dcp.save({"z": z, "r": r}, storage_writer=writer)
+        writer.wait(60)
+    target = {"z": torch.zeros(1, 2, dtype=torch.complex64).conj(),
+              "r": torch._neg_view(torch.zeros(3))}
+    with (DrainReader(JOB, socket_path=daemon.socket_path) as reader,
+          pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING)):
+        dcp.load(target, storage_reader=reader)
+    assert torch.equal(target["z"].resolve_conj(), z)
+    assert torch.equal(target["r"].resolve_neg(), r)
+
+
+def test_a_reader_dropped_unclosed_and_unloaded_leaks_no_fd(make_daemon: Any) -> None:
+    # Found attacking: the .metadata a reader opens to check its step was closed only by
+    # close() or a load; a reader made and dropped leaked it.
+    import gc
+
+    daemon: DaemonProcess = make_daemon()
+    save(daemon, 4, seed=4)
+    client = daemon.client()
+    DrainReader(JOB, 4, client=client).close()  # the client's pooled connection, opened once
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        DrainReader(JOB, 4, client=client)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds
