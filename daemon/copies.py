@@ -327,6 +327,18 @@ class LocalCopies:
         need = budget.used + amount - budget.limit
         if need <= 0:
             return 0
+        return await self._evict(need, "a hand-off needed room on max_staged_bytes")
+
+    async def make_disk_room(self, need: int) -> int:
+        """Evict kept copies to free ``need`` bytes of the staging filesystem itself (something
+        besides ckptdrain filled the disk): a hand-off was refused as `staging_filesystem`
+        while copies kept only for a fast restore sat on it (found attacking). Returns the
+        bytes evicted, unlinked by then."""
+        if need <= 0:
+            return 0
+        return await self._evict(need, "a hand-off needed room on the staging filesystem")
+
+    async def _evict(self, need: int, reason: str) -> int:
         freed = 0
         evicted = 0
         for shard in self.evictable():
@@ -357,7 +369,7 @@ class LocalCopies:
         if evicted:
             self.evicted += evicted
             log_event(log, logging.INFO, "local_copies_evicted", shards=evicted, bytes=freed,
-                      reason="a hand-off needed room on max_staged_bytes")
+                      reason=reason)
         return freed
 
 

@@ -101,10 +101,15 @@ class Handoffs:
             raise RequestError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but "
                                f"the {what} passed holds {st.st_size}")
 
-    def _reserve_disk(self, size: int, room: tuple[int, int, int]) -> int:
+    async def _reserve_disk(self, size: int, room: tuple[int, int, int]) -> int:
+        """Promise ``size`` bytes of the staging filesystem to this hand-off, evicting kept
+        copies first when the disk itself is short; else refuse it (staging_filesystem)."""
         staging = self.d.staging
+        short = staging.shortfall(size, room)
+        if short and await self.d.copies.make_disk_room(short):
+            room = await self.d.dataplane.call(staging.room)
         try:
-            staging.check_room(size, room)
+            staging.check_room(size, room)  # (no await between the check and the promise)
         except StagingFull as exc:
             self.d.metrics.backpressure("rejected", "staging_filesystem")
             raise RequestError(wire.BACKPRESSURE, f"{exc.strerror}; free space on the staging "
@@ -190,7 +195,7 @@ class Handoffs:
                 created = True
                 disk = await d.dataplane.call(
                     functools.partial(d.staging.write_sampling, name, inline))
-                promised = self._reserve_disk(size, disk)
+                promised = await self._reserve_disk(size, disk)
             else:
                 # One data-plane call samples the room and creates the temp file: the sample
                 # is checked on the loop (pending_bytes), and a refusal unlinks the empty file.
@@ -198,7 +203,7 @@ class Handoffs:
                     d.staging.open_tmp_sampling, name,
                     abandoned=lambda late: self._abandoned_tmp(late[0], name))
                 tmp_fd, created = opened, True
-                promised = self._reserve_disk(size, disk)
+                promised = await self._reserve_disk(size, disk)
                 # All of a data frame that came with what was buffered, not written yet.
                 tail: bytes | memoryview | None = None
                 if src_fd is None:

@@ -125,12 +125,17 @@ class Staging:
         :meth:`room` taken off the event loop; the comparison with ``pending_bytes`` runs on
         the loop, so two concurrent hand-offs never both count the same free bytes."""
         free_bytes, free_inodes, reserve = room if room is not None else self.room()
-        if free_bytes - reserve - self.pending_bytes < size or free_inodes < 2:
+        if self.shortfall(size, (free_bytes, free_inodes, reserve)) > 0 or free_inodes < 2:
             raise StagingFull(
                 errno.ENOSPC,
                 f"staging filesystem {self.dir} has {free_bytes} bytes free ({self.pending_bytes} "
                 f"promised to hand-offs in progress), {size} needed plus a {reserve} byte reserve",
             )
+
+    def shortfall(self, size: int, room: tuple[int, int, int]) -> int:
+        """Bytes the filesystem lacks for ``size`` more (0 when it has them), by ``room``."""
+        free_bytes, _, reserve = room
+        return max(0, size + reserve + self.pending_bytes - free_bytes)
 
     def open_tmp(self, name: str) -> int:
         return os.open(self.tmp_path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

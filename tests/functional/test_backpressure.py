@@ -210,6 +210,24 @@ def test_staging_disk_that_fills(make_daemon: Any, small_tmpfs: Path) -> None:
     assert {g["job"] for g in status["generations"]} == {"fill", "other"}
 
 
+def test_kept_copies_make_way_when_the_staging_disk_itself_fills(
+        make_daemon: Any, small_tmpfs: Path) -> None:
+    # Found attacking the alerts: kept copies were evicted for max_staged_bytes only; with the
+    # disk itself filled by something else, a hand-off was refused as staging_filesystem while
+    # copies kept only for a fast restore sat on it.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"))
+    c = d.client()
+    with c.generation("kept", 1) as gen:
+        gen.put("a", os.urandom(30 * MiB))
+    c.wait("kept", 1, timeout_s=60)
+    assert c.status()["kept_copy_bytes"] == 30 * MiB
+    (small_tmpfs / "someone-else").write_bytes(os.urandom(25 * MiB))  # the disk fills
+    with c.generation("kept", 2) as gen:
+        gen.put("a", os.urandom(20 * MiB))  # fits only once the kept copy goes
+    c.wait("kept", 2, timeout_s=60)
+    assert "reason=\"a hand-off needed room on the staging filesystem\"" in d.log()
+
+
 @pytest.mark.skipif(STRACE is None, reason="strace is not installed: run `make system-deps`")
 def test_a_refused_put_is_answered_once_its_temp_file_is_gone(  # type: ignore[no-untyped-def]
         make_daemon, tmp_path: Path, small_tmpfs: Path) -> None:

@@ -144,7 +144,7 @@ def test_a_root_that_is_itself_an_empty_mount_point_is_no_answer_to_latest(
     (tmp_path / "lustre.mounted").mkdir()
     for entry in list(root.iterdir()):  # unmounted: the empty mount point
         entry.rename(tmp_path / "lustre.mounted" / entry.name)
-    with pytest.raises(DestinationError, match="holds no job at all.*is its filesystem mounted"):
+    with pytest.raises(DestinationError, match=r"holds no job at all.*is its filesystem mounted"):
         client.latest("job")
     assert client.latest("never-saved") is None  # nothing of it here either way
     for entry in list((tmp_path / "lustre.mounted").iterdir()):  # mounted again
