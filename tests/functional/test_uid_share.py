@@ -76,7 +76,7 @@ def test_puts_queued_for_room_take_no_more_than_the_uids_share(make_daemon: Any)
     d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="100MiB",
                     CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="60MiB",
                     # The third waits this long for its share (its own shards never drain).
-                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="15",
+                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="8",
                     CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
     c = d.client(timeout_s=60)
     filler = c.generation("filler", 1, world_size=2)
