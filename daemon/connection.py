@@ -304,27 +304,11 @@ class ClientHandler:
     async def _latest(self, job: str) -> dict[str, Any]:
         try:
             step = await catalog.latest(self.d.backend, job)
-            if step is None:
-                await self._not_unmounted(job)
         except (BackendError, ManifestError, OSError) as exc:
             raise destination_error(job, None, exc) from None
         # Where the job's generations lie (`Client.latest_path`): `<root>/<step:020d>`.
         return {"job": job, "generation": step,
                 "root": f"{self.d.config.destination.uri.rstrip('/')}/{job}"}
-
-    async def _not_unmounted(self, job: str) -> None:
-        """Before "nothing committed" is the answer for ``job``: a destination holding no job
-        at all, while this node committed a step of this one, is a filesystem not mounted on
-        its mount point (``file:///lustre``, left an empty directory), not a job that never
-        saved: answered None, a restarting job started again from step 0 (found attacking).
-        A job deleted on purpose while others remain still reads as never saved."""
-        mine = [g.step for g in self.d.ledger.generations.values()
-                if g.job == job and g.state is GenerationState.COMMITTED]
-        if mine and not await catalog.list_jobs(self.d.backend):
-            raise BackendError(
-                f"the destination {self.d.config.destination.uri} holds no job at all, yet this "
-                f"node committed step {max(mine)} of job {job!r} there: is its filesystem "
-                "mounted?", transient=True)
 
     # -- hand-off requests -------------------------------------------------------------------
     def check_job_visible(self, job: str) -> None:

@@ -199,7 +199,26 @@ def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, S
     except BaseException:
         lock.release()
         raise
+    root_below_mount_point(config)
     return fitted, lock
+
+
+def root_below_mount_point(config: Config) -> None:
+    """Warn when a ``file://`` destination's root is itself a mount point. Unmounted, such a
+    root is an empty directory left on this node's disk: nothing reads as missing, so
+    `latest` answers "nothing committed" (a restarting job starts again from step 0) and
+    writes land on the node's own disk (found attacking). A root one directory below the
+    mount point is missing then, which the daemon detects ("is its filesystem mounted?")."""
+    if config.destination.scheme != "file":
+        return
+    root = config.destination.root_path
+    with contextlib.suppress(OSError):
+        if os.path.ismount(root):
+            log_event(log, logging.WARNING, "destination_root_is_a_mount_point", root=str(root),
+                      action="set destination.uri to a directory below the mount point (e.g. "
+                      f"{root.as_uri()}/ckpt): if the filesystem is not mounted, the daemon "
+                      "sees that directory missing and waits; with the mount point itself it "
+                      "sees an empty destination and writes to this node's disk")
 
 
 # Keys a SIGHUP applies; any other key that changed is named as needing a restart.
