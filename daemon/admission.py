@@ -63,6 +63,9 @@ class Admission:
         self.shards.set_limit(limits.max_queued_shards)
         for budget in self._slots.values():
             budget.set_limit(limits.max_generations_in_flight)
+        # Shares may have grown (or on_full changed): hand-offs waiting for one look again
+        # (a reload raising the share left them waiting out block_timeout_s: found attacking).
+        self._share_freed.set()
 
     # -- generations ---------------------------------------------------------------------------
     def slots(self, job: str) -> Budget:
@@ -185,13 +188,15 @@ class Admission:
                            {"limit": name, "limit_value": cap, "current": held,
                             "requested": amount, "retry_after_s": 1.0})
 
-    async def _wait_for_share(self, uid: int, amount: int, budget: Budget) -> None:
+    async def wait_for_share(self, uid: int | None, amount: int, budget: Budget) -> None:
         """Under on_full = "block", wait up to limits.block_timeout_s for ``uid``'s own
         shards to drain below its share of ``budget``, as a hand-off waits for room; refuse
         at once under "reject" and "supersede" (no other job's generation gives way to a
         uid's share), and a request larger than the share itself. Refused at once under
         every setting before, a single user's save on a busy node failed where it could have
         waited for its own earlier shards."""
+        if uid is None:
+            return
         limits = self.config.limits
         _, cap, _ = self._share(budget)
         if limits.on_full != "block" or amount > cap or not self._over_share(uid, amount, budget):
@@ -203,6 +208,8 @@ class Admission:
         try:
             async with asyncio.timeout(limits.block_timeout_s):
                 while self._over_share(uid, amount, budget):
+                    if self.config.limits.on_full != "block":  # a reload made it "reject"
+                        self.check_uid_share(uid, amount, budget)
                     self._share_freed.clear()
                     await self._share_freed.wait()
         except TimeoutError:
@@ -235,7 +242,7 @@ class Admission:
         # once admitted, puts queued behind a full budget all passed the check and together
         # held three times the cap (found attacking the per-uid limit). The wait for it ends
         # with the check (nothing awaited in between).
-        await self._wait_for_share(uid, amount, budget)
+        await self.wait_for_share(uid, amount, budget)
         give_back = self._take_share(self._tally(budget), uid, amount)
         try:
             room = await self._admit(budget, amount, job, step)

@@ -333,8 +333,14 @@ class LocalCopies:
         """Evict kept copies to free ``need`` bytes of the staging filesystem itself (something
         besides ckptdrain filled the disk): a hand-off was refused as `staging_filesystem`
         while copies kept only for a fast restore sat on it (found attacking). Returns the
-        bytes evicted, unlinked by then."""
+        bytes evicted, unlinked by then. Nothing is evicted when every copy would not free
+        ``need`` (a hand-off that could not fit anyway took every fast-restore copy with it:
+        found attacking); copies lent to readers may be held open, so they are not counted."""
         if need <= 0:
+            return 0
+        free = sum(self._room[s].amount for s in self.evictable()
+                   if s.staged_name not in self._lent)
+        if free < need:
             return 0
         return await self._evict(need, "a hand-off needed room on the staging filesystem")
 

@@ -181,6 +181,10 @@ class Handoffs:
                 await self._check_source(src_fd, path, size, "descriptor")
             gen.reserve_path(path)
             receiving = True
+            # A wait for the uid's byte share comes before the queue slot: waited for holding
+            # a slot, one user's hand-off over its share kept another user's out of a small
+            # max_queued_shards (found attacking). Taken with the room, below.
+            await d.admission.wait_for_share(owner, size, d.admission.staged)
             slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
             room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, owner)
             yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
@@ -339,10 +343,18 @@ class Handoffs:
         (what the waiter holds meanwhile, a memfd's RAM, goes back then, not at the timeout)."""
         outcome: list[Reservation | BaseException] = []
 
+        metrics = self.d.metrics
+
         async def reserve() -> None:
             try:
-                outcome.append(await budget.reserve(amount, block=True, timeout_s=timeout_s))
+                # Counted as any hand-off's wait (found attacking: an acknowledged memory
+                # hand-off's waits and time-outs showed nowhere).
+                outcome.append(await budget.reserve(
+                    amount, block=True, timeout_s=timeout_s,
+                    on_wait=lambda: metrics.backpressure("blocked", budget.name)))
             except (BudgetFull, TooLarge) as exc:
+                if isinstance(exc, BudgetFull) and exc.timed_out:
+                    metrics.backpressure("timed_out", budget.name)
                 outcome.append(exc)
 
         async with asyncio.TaskGroup() as tg:
@@ -486,7 +498,12 @@ class Handoffs:
             if gen.terminal or shard.state is not ShardState.HELD:
                 return False
             try:
-                d.staging.check_room(shard.size, await d.dataplane.call(d.staging.room))
+                room = await d.dataplane.call(d.staging.room)
+                # Kept copies make way, as for an ack=local hand-off (they did not here: an
+                # acknowledged save failed beside 16 MiB of them, found attacking).
+                if await d.copies.make_disk_room(d.staging.shortfall(shard.size, room)):
+                    room = await d.dataplane.call(d.staging.room)
+                d.staging.check_room(shard.size, room)
                 return True
             except StagingFull as exc:
                 if time.monotonic() + pause > deadline:

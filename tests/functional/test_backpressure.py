@@ -226,6 +226,31 @@ def test_kept_copies_make_way_when_the_staging_disk_itself_fills(
         gen.put("a", os.urandom(20 * MiB))  # fits only once the kept copy goes
     c.wait("kept", 2, timeout_s=60)
     assert "reason=\"a hand-off needed room on the staging filesystem\"" in d.log()
+    # One that cannot fit even with every copy gone is refused, and takes none of them (it
+    # took them all, found attacking: fast restores lost for nothing).
+    kept = c.status()["kept_copy_bytes"]
+    assert kept == 20 * MiB
+    with pytest.raises(Backpressure) as info, c.generation("kept", 3) as gen:
+        gen.put("a", os.urandom(40 * MiB))
+    assert info.value.details["limit"] == "staging_filesystem"
+    assert c.status()["kept_copy_bytes"] == kept
+
+
+def test_kept_copies_make_way_for_a_memory_hand_off_too(make_daemon: Any,
+                                                        small_tmpfs: Path) -> None:
+    # Found attacking: an acknowledged ack=memory hand-off waited for the disk and failed
+    # beside kept copies that would have made way for it.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
+                                   CKPTDRAIN_ACK="memory", CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="20")
+    c = d.client()
+    with c.generation("kept", 1) as gen:
+        gen.put("a", os.urandom(30 * MiB))
+    c.wait("kept", 1, timeout_s=60)
+    (small_tmpfs / "someone-else").write_bytes(os.urandom(25 * MiB))
+    with c.generation("kept", 2) as gen:
+        gen.put("a", os.urandom(20 * MiB))  # acknowledged in RAM, then staged
+    c.wait("kept", 2, timeout_s=60)
+    assert "reason=\"a hand-off needed room on the staging filesystem\"" in d.log()
 
 
 @pytest.mark.skipif(STRACE is None, reason="strace is not installed: run `make system-deps`")
@@ -303,3 +328,17 @@ def test_a_shard_that_waited_while_its_generation_ended_is_not_kept(make_daemon:
     wait_for(lambda: d.client().status()["staged_bytes"] == 0)
     assert d.client().status()["queued_shards"] == 0
     assert not list((d.staging / "shards").iterdir())
+
+
+def test_an_acknowledged_memory_hand_off_waiting_for_room_is_counted(
+        make_daemon: Any) -> None:
+    # Found attacking the metrics: the waits (and time-outs) of ack=memory hand-offs for
+    # staging room, after their acknowledgement, showed in no backpressure series.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory", CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S=str(4 * MiB))
+    c = d.client()
+    with c.generation("mem", 1) as gen:
+        gen.put("a", os.urandom(3 * MiB))
+        gen.put("b", os.urandom(3 * MiB))  # acknowledged in RAM; staged once "a" drained
+    c.wait("mem", 1, timeout_s=60)
+    wait_for(lambda: blocked_events(d) >= 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -426,3 +427,61 @@ def test_a_save_over_its_share_waits_for_its_own_shards_to_drain(make_daemon: An
     with pytest.raises(Backpressure) as info, c.generation("j", 3) as gen:
         gen.put("a", os.urandom(41 * MiB))
     assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
+
+
+def test_a_reload_raising_the_share_lets_its_waiters_in(make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking the waiting share: a reload raising max_reserved_bytes_per_uid woke no
+    # waiter; it got in only when block_timeout_s ran out.
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text('[limits]\nmax_reserved_bytes_per_uid = "40MiB"\nblock_timeout_s = 120\n'
+                      '[drain]\nmax_bandwidth_bytes_per_s = 1\n')
+    d: DaemonProcess = make_daemon(CKPTDRAIN_CONFIG=str(config))
+    c = d.client(timeout_s=150)
+    with c.generation("j", 1) as gen:
+        gen.put("a", os.urandom(30 * MiB))  # held: the drain barely moves
+    done: list[str] = []
+
+    def second() -> None:
+        with Client(d.socket_path, timeout_s=150).generation("j", 2) as gen:
+            gen.put("a", os.urandom(30 * MiB))
+        done.append("handed off")
+
+    saver = threading.Thread(target=second)
+    saver.start()
+    try:
+        wait_for(lambda: c.status()["blocked_by_limit"].get("max_reserved_bytes_per_uid") == 1)
+        config.write_text(config.read_text().replace('"40MiB"', '"200MiB"'))
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: done == ["handed off"], timeout_s=30)  # not the 120 s timeout
+    finally:
+        saver.join(150)
+
+
+@needs_root
+def test_a_hand_off_waiting_for_its_share_holds_no_queue_slot(make_daemon: Any) -> None:
+    # Found attacking the waiting share: it waited holding a max_queued_shards slot, so one
+    # user over their byte share kept another user's small save out of a small queue.
+    d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS="2",
+                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="40MiB",
+                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="60",
+                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    c = d.client(timeout_s=90)
+    with c.generation("mine", 1) as gen:
+        gen.put("a", os.urandom(30 * MiB))  # one slot, 30 of root's 40 MiB, not draining
+    waiter = threading.Thread(target=_second_of_mine, args=(d,), daemon=True)
+    waiter.start()
+    wait_for(lambda: c.status()["blocked_by_limit"].get("max_reserved_bytes_per_uid") == 1)
+
+    def theirs() -> str:
+        with Client(d.socket_path, timeout_s=10).generation("theirs", 1) as gen:
+            gen.put("tiny", b"x" * 1000)
+        return "OK"
+
+    assert answer(start_as(OTHER_UID, theirs)) == "OK"  # at once: the second slot was free
+
+
+def _second_of_mine(d: DaemonProcess) -> None:
+    with contextlib.suppress(Backpressure, DrainError), \
+            Client(d.socket_path, timeout_s=90).generation("mine", 2) as gen:
+        gen.put("a", os.urandom(30 * MiB))  # over root's share: waits for it
