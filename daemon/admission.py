@@ -188,6 +188,18 @@ class Admission:
                            {"limit": name, "limit_value": cap, "current": held,
                             "requested": amount, "retry_after_s": 1.0})
 
+    async def hold_share(self, uid: int | None, amount: int,
+                         budget: Budget) -> Callable[[], None]:
+        """Wait for ``uid``'s share of ``budget`` as :meth:`admit` does and take it now, before
+        any other budget is waited for; returns what gives it back (to hand to the room's
+        Reservation.then once it is reserved). Taken only at admit, after a queue slot, a
+        hand-off woken with others of its uid could wait for the share again holding the slot,
+        keeping another user out of a small max_queued_shards (found attacking)."""
+        if uid is None:
+            return lambda: None
+        await self.wait_for_share(uid, amount, budget)
+        return self._take_share(self._tally(budget), uid, amount)
+
     async def wait_for_share(self, uid: int | None, amount: int, budget: Budget) -> None:
         """Under on_full = "block", wait up to limits.block_timeout_s for ``uid``'s own
         shards to drain below its share of ``budget``, as a hand-off waits for room; refuse

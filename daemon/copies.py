@@ -335,11 +335,12 @@ class LocalCopies:
         while copies kept only for a fast restore sat on it (found attacking). Returns the
         bytes evicted, unlinked by then. Nothing is evicted when every copy would not free
         ``need`` (a hand-off that could not fit anyway took every fast-restore copy with it:
-        found attacking); copies lent to readers may be held open, so they are not counted."""
+        found attacking). Copies lent to a reader count: most were read and closed (a restore
+        from the node's copies), and one still held open is pinned by :meth:`_evict`, not
+        counted as freed (leaving them out, one restore stopped every eviction for the disk)."""
         if need <= 0:
             return 0
-        free = sum(self._room[s].amount for s in self.evictable()
-                   if s.staged_name not in self._lent)
+        free = sum(self._room[s].amount for s in self.evictable())
         if free < need:
             return 0
         return await self._evict(need, "a hand-off needed room on the staging filesystem")

@@ -105,8 +105,13 @@ class Handoffs:
         """Promise ``size`` bytes of the staging filesystem to this hand-off, evicting kept
         copies first when the disk itself is short; else refuse it (staging_filesystem)."""
         staging = self.d.staging
-        short = staging.shortfall(size, room)
-        if short and await self.d.copies.make_disk_room(short):
+        # Again while copies go and the disk is still short: a hand-off writing at the same
+        # moment counts twice until it is done (its written bytes, and its promise), and one
+        # round evicted too little for both (found attacking). Each round evicts at least one
+        # copy or ends the loop, so it ends.
+        while short := staging.shortfall(size, room):
+            if not await self.d.copies.make_disk_room(short):
+                break
             room = await self.d.dataplane.call(staging.room)
         try:
             staging.check_room(size, room)  # (no await between the check and the promise)
@@ -181,12 +186,17 @@ class Handoffs:
                 await self._check_source(src_fd, path, size, "descriptor")
             gen.reserve_path(path)
             receiving = True
-            # A wait for the uid's byte share comes before the queue slot: waited for holding
-            # a slot, one user's hand-off over its share kept another user's out of a small
-            # max_queued_shards (found attacking). Taken with the room, below.
-            await d.admission.wait_for_share(owner, size, d.admission.staged)
-            slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
-            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step, owner)
+            # The uid's byte share is waited for and taken before the queue slot: waited for
+            # holding a slot, one user's hand-off over its share kept another user's out of a
+            # small max_queued_shards (found attacking). It goes with the room once reserved.
+            share = await d.admission.hold_share(owner, size, d.admission.staged)
+            try:
+                slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
+                room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step)
+            except BaseException:
+                share()
+                raise
+            room.then = share
             yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged

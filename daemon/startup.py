@@ -213,7 +213,7 @@ def root_below_mount_point(config: Config) -> None:
         return
     root = config.destination.root_path
     with contextlib.suppress(OSError):
-        if os.path.ismount(root):
+        if os.path.ismount(os.path.realpath(root)):  # a link to a mount point too
             log_event(log, logging.WARNING, "destination_root_is_a_mount_point", root=str(root),
                       action="set destination.uri to a directory below the mount point (e.g. "
                       f"{root.as_uri()}/ckpt): if the filesystem is not mounted, the daemon "

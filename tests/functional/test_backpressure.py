@@ -221,6 +221,9 @@ def test_kept_copies_make_way_when_the_staging_disk_itself_fills(
         gen.put("a", os.urandom(30 * MiB))
     c.wait("kept", 1, timeout_s=60)
     assert c.status()["kept_copy_bytes"] == 30 * MiB
+    # Read once, as a restore from the node's copies does (found attacking: a copy ever lent
+    # to a reader was left out, and one restore stopped every eviction for the disk).
+    os.close(c.open_local("kept", 1, "a"))
     (small_tmpfs / "someone-else").write_bytes(os.urandom(25 * MiB))  # the disk fills
     with c.generation("kept", 2) as gen:
         gen.put("a", os.urandom(20 * MiB))  # fits only once the kept copy goes
@@ -342,3 +345,37 @@ def test_an_acknowledged_memory_hand_off_waiting_for_room_is_counted(
         gen.put("b", os.urandom(3 * MiB))  # acknowledged in RAM; staged once "a" drained
     c.wait("mem", 1, timeout_s=60)
     wait_for(lambda: blocked_events(d) >= 1)
+
+
+def test_two_hand_offs_short_of_disk_at_once_both_get_in(make_daemon: Any,
+                                                         small_tmpfs: Path) -> None:
+    # Found attacking: two hand-offs evicting kept copies for the disk at the same moment
+    # each evicted only its own shortfall, counted before the other's promise, and one was
+    # refused beside copies that would have made room for both.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"))
+    c = d.client()
+    with c.generation("kept", 1) as gen:
+        for i in range(24):
+            gen.put(f"s{i}", os.urandom(MiB))
+    c.wait("kept", 1, timeout_s=60)
+    st = os.statvfs(small_tmpfs)
+    free, reserve = st.f_bavail * st.f_frsize, int(st.f_blocks * st.f_frsize * 0.05)
+    (small_tmpfs / "someone-else").write_bytes(b"\1" * (free - reserve - 4 * MiB))
+    out: dict[str, str] = {}
+    together = threading.Barrier(2)
+
+    def save(job: str) -> None:
+        together.wait()
+        try:
+            with d.client().generation(job, 1) as gen:
+                gen.put("a", b"\2" * (8 * MiB))  # each alone 4 MiB short of the disk
+            out[job] = "OK"
+        except Backpressure as exc:
+            out[job] = f"REFUSED {exc}"
+
+    threads = [threading.Thread(target=save, args=(job,)) for job in ("x", "y")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == {"x": "OK", "y": "OK"}
