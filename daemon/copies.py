@@ -335,12 +335,18 @@ class LocalCopies:
         while copies kept only for a fast restore sat on it (found attacking). Returns the
         bytes evicted, unlinked by then. Nothing is evicted when every copy would not free
         ``need`` (a hand-off that could not fit anyway took every fast-restore copy with it:
-        found attacking). Copies lent to a reader count: most were read and closed (a restore
-        from the node's copies), and one still held open is pinned by :meth:`_evict`, not
-        counted as freed (leaving them out, one restore stopped every eviction for the disk)."""
+        found attacking). A copy lent to a reader counts unless the kernel says a reader holds
+        it open now: most were read and closed (a restore from the node's copies; left out,
+        one restore stopped every eviction for the disk), while one held open frees nothing
+        (counted, every other copy went for a hand-off still refused)."""
         if need <= 0:
             return 0
-        free = sum(self._room[s].amount for s in self.evictable())
+        copies = self.evictable()
+        lent = [s.staged_name for s in copies if s.staged_name in self._lent]
+        held = await self.dataplane.call(self.staging.held_open, lent) if lent else set()
+        # (Looked up again: others may have evicted some while the kernel was asked.)
+        free = sum(room.amount for s in copies
+                   if s.staged_name not in held and (room := self._room.get(s)) is not None)
         if free < need:
             return 0
         return await self._evict(need, "a hand-off needed room on the staging filesystem")

@@ -252,6 +252,30 @@ class Staging:
                           error=exc.strerror or str(exc))
         return removed
 
+    def held_open(self, names: list[str]) -> set[str]:
+        """Those of ``names`` another open file description holds now (a reader lent the fd
+        of a local copy), asked of the kernel as :meth:`discard_unless_open` asks: a write
+        lease taken and given back at once. A file that cannot be asked counts as held."""
+        held = set()
+        for name in names:
+            try:
+                fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                held.add(name)
+                continue
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                    held.add(name)
+            else:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            finally:
+                os.close(fd)
+        return held
+
     def _unless_open(self, name: str) -> bool:
         try:
             fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)

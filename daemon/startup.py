@@ -216,7 +216,7 @@ def root_below_mount_point(config: Config) -> None:
         if os.path.ismount(os.path.realpath(root)):  # a link to a mount point too
             log_event(log, logging.WARNING, "destination_root_is_a_mount_point", root=str(root),
                       action="set destination.uri to a directory below the mount point (e.g. "
-                      f"{root.as_uri()}/ckpt): if the filesystem is not mounted, the daemon "
+                      f"{(root / 'ckpt').as_uri()}): if the filesystem is not mounted, the daemon "
                       "sees that directory missing and waits; with the mount point itself it "
                       "sees an empty destination and writes to this node's disk")
 

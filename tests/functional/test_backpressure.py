@@ -379,3 +379,26 @@ def test_two_hand_offs_short_of_disk_at_once_both_get_in(make_daemon: Any,
     for t in threads:
         t.join(60)
     assert out == {"x": "OK", "y": "OK"}
+
+
+def test_a_copy_a_reader_holds_open_is_not_counted_as_room(make_daemon: Any,
+                                                           small_tmpfs: Path) -> None:
+    # Found attacking: counted as room, a copy a reader held open (it frees nothing) let a
+    # hand-off that could not fit evict every other copy, and it was refused all the same.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"))
+    c = d.client()
+    with c.generation("kept", 1) as gen:
+        for name in ("a", "b", "c"):
+            gen.put(name, os.urandom(8 * MiB))
+    c.wait("kept", 1, timeout_s=60)
+    held = c.open_local("kept", 1, "c")  # a reader holds it
+    try:
+        st = os.statvfs(small_tmpfs)
+        free, reserve = st.f_bavail * st.f_frsize, int(st.f_blocks * st.f_frsize * 0.05)
+        (small_tmpfs / "someone-else").write_bytes(b"\1" * (free - reserve - 2 * MiB))
+        with pytest.raises(Backpressure) as info, c.generation("kept", 2) as gen:
+            gen.put("a", os.urandom(20 * MiB))  # 18 MiB short: a and b free only 16
+        assert info.value.details["limit"] == "staging_filesystem"
+        assert c.status()["kept_copy_bytes"] == 24 * MiB  # nothing evicted for nothing
+    finally:
+        os.close(held)
