@@ -21,12 +21,16 @@ from typing import TYPE_CHECKING
 from ckptdrain.client import wire
 from ckptdrain.daemon.budget import AccountingError, Budget, BudgetFull, Reservation, TooLarge
 from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.state import ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
     from ckptdrain.daemon.ledger import GenerationRecord, Ledger
     from ckptdrain.daemon.metrics import Metrics
 
+
+# Shard states that end drained, giving their share back.
+_WILL_DRAIN = frozenset({ShardState.HELD, ShardState.STAGED, ShardState.DRAINING})
 
 class Admission:
     def __init__(self, config: Config, metrics: Metrics, ledger: Ledger,
@@ -211,7 +215,8 @@ class Admission:
             return
         limits = self.config.limits
         _, cap, _ = self._share(budget)
-        if limits.on_full != "block" or amount > cap or not self._over_share(uid, amount, budget):
+        if (limits.on_full != "block" or amount > cap or not self._over_share(uid, amount, budget)
+                or not self._draining_for(uid)):
             self.check_uid_share(uid, amount, budget)
             return
         name = self._share(budget)[0]
@@ -220,7 +225,8 @@ class Admission:
         try:
             async with asyncio.timeout(limits.block_timeout_s):
                 while self._over_share(uid, amount, budget):
-                    if self.config.limits.on_full != "block":  # a reload made it "reject"
+                    # A reload made it "reject", or nothing of the uid's drains any more.
+                    if self.config.limits.on_full != "block" or not self._draining_for(uid):
                         self.check_uid_share(uid, amount, budget)
                     self._share_freed.clear()
                     await self._share_freed.wait()
@@ -228,6 +234,17 @@ class Admission:
             self.check_uid_share(uid, amount, budget, action="timed_out")
         finally:
             self.share_waiting[name] -= 1
+
+    def _draining_for(self, uid: int) -> bool:
+        """Whether some shard of ``uid``'s will drain and give its share back: a share held
+        only by deferred shards (drained once every rank's are, right before the commit) or
+        failed ones is waited for in vain (a rank's second put beside its deferred first
+        waited out block_timeout_s, found in CI): refused at once, as before."""
+        jobs = self.ledger.jobs
+        return any(not s.deferred and s.state in _WILL_DRAIN
+                   for g in self.ledger.generations.values()
+                   if not g.terminal and jobs.get(g.job) == uid
+                   for s in g.undrained())
 
     def check_uid_generations(self, uid: int) -> None:
         cap = self.config.limits.max_generations_per_uid
