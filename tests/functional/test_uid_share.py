@@ -479,6 +479,8 @@ def test_a_hand_off_waiting_for_its_share_holds_no_queue_slot(make_daemon: Any) 
         return "OK"
 
     assert answer(start_as(OTHER_UID, theirs)) == "OK"  # at once: the second slot was free
+    d.kill()  # the waiter still waits for its share: no graceful stop to wait out for it
+    waiter.join(30)
 
 
 def _second_of_mine(d: DaemonProcess) -> None:
