@@ -214,12 +214,11 @@ class Admission:
         if uid is None:
             return
         limits = self.config.limits
-        _, cap, _ = self._share(budget)
+        name, cap, _ = self._share(budget)
         if (limits.on_full != "block" or amount > cap or not self._over_share(uid, amount, budget)
                 or not self._draining_for(uid)):
             self.check_uid_share(uid, amount, budget)
             return
-        name = self._share(budget)[0]
         self.metrics.backpressure("blocked", name)
         self.share_waiting[name] += 1
         try:
@@ -271,8 +270,7 @@ class Admission:
         # once admitted, puts queued behind a full budget all passed the check and together
         # held three times the cap (found attacking the per-uid limit). The wait for it ends
         # with the check (nothing awaited in between).
-        await self.wait_for_share(uid, amount, budget)
-        give_back = self._take_share(self._tally(budget), uid, amount)
+        give_back = await self.hold_share(uid, amount, budget)
         try:
             room = await self._admit(budget, amount, job, step)
         except BaseException:

@@ -349,12 +349,16 @@ class LocalCopies:
                    if s.staged_name not in held and (room := self._room.get(s)) is not None)
         if free < need:
             return 0
-        return await self._evict(need, "a hand-off needed room on the staging filesystem")
+        return await self._evict(need, "a hand-off needed room on the staging filesystem",
+                                 copies)
 
-    async def _evict(self, need: int, reason: str) -> int:
+    async def _evict(self, need: int, reason: str,
+                     candidates: list[ShardRecord] | None = None) -> int:
+        """Evict kept copies, oldest first (``candidates``, default :meth:`evictable`), until
+        ``need`` bytes went; returns the bytes evicted."""
         freed = 0
         evicted = 0
-        for shard in self.evictable():
+        for shard in self.evictable() if candidates is None else candidates:
             if freed >= need:
                 break
             room = self._room.pop(shard, None)

@@ -105,14 +105,7 @@ class Handoffs:
         """Promise ``size`` bytes of the staging filesystem to this hand-off, evicting kept
         copies first when the disk itself is short; else refuse it (staging_filesystem)."""
         staging = self.d.staging
-        # Again while copies go and the disk is still short: a hand-off writing at the same
-        # moment counts twice until it is done (its written bytes, and its promise), and one
-        # round evicted too little for both (found attacking). Each round evicts at least one
-        # copy or ends the loop, so it ends.
-        while short := staging.shortfall(size, room):
-            if not await self.d.copies.make_disk_room(short):
-                break
-            room = await self.d.dataplane.call(staging.room)
+        room = await self._room_after_eviction(size, room)
         try:
             staging.check_room(size, room)  # (no await between the check and the promise)
         except StagingFull as exc:
@@ -122,6 +115,20 @@ class Handoffs:
                                {"limit": "staging_filesystem", "retry_after_s": 5.0}) from None
         staging.pending_bytes += size
         return size
+
+    async def _room_after_eviction(self, size: int,
+                                   room: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The staging filesystem's room for ``size`` more, after evicting kept copies while
+        it is short (copies.make_disk_room): sampled again after each round. Again while it
+        is short: a hand-off writing at the same moment counts twice until it is done (its
+        written bytes, and its promise), and one round evicted too little for both (found
+        attacking). Each round evicts at least one copy or ends the loop, so it ends."""
+        staging = self.d.staging
+        while short := staging.shortfall(size, room):
+            if not await self.d.copies.make_disk_room(short):
+                break
+            room = await self.d.dataplane.call(staging.room)
+        return room
 
     async def _discard_before_answering(self, name: str) -> None:
         """A refused hand-off's temp file goes before the refusal is answered: the client that
@@ -508,11 +515,10 @@ class Handoffs:
             if gen.terminal or shard.state is not ShardState.HELD:
                 return False
             try:
-                room = await d.dataplane.call(d.staging.room)
                 # Kept copies make way, as for an ack=local hand-off (they did not here: an
                 # acknowledged save failed beside 16 MiB of them, found attacking).
-                if await d.copies.make_disk_room(d.staging.shortfall(shard.size, room)):
-                    room = await d.dataplane.call(d.staging.room)
+                room = await self._room_after_eviction(
+                    shard.size, await d.dataplane.call(d.staging.room))
                 d.staging.check_room(shard.size, room)
                 return True
             except StagingFull as exc:

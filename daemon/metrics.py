@@ -437,16 +437,11 @@ class Metrics:
         """
         self._see_job(job)
         self._committed.labels(job).inc()
-        # Commits are reported by the node that published and by those that accepted an
-        # existing manifest; an older generation reported late must not move the gauge back.
-        if step >= self._last_step.get(job, step):
-            self._last_step[job] = step
-            self._last_generation.labels(job).set(step)
-            # When this node saw it, on its own clock: the manifest's clock is the publishing
-            # node's, and one two hours behind paged "no recent commit" on every other node
-            # while commits went through; a gauge that only rose stayed in the future after
-            # a clock stepped back, and could not page for as long (found attacking).
-            self._last_commit_time.labels(job).set(self._clock_wall())
+        # When this node saw it, on its own clock: the manifest's clock is the publishing
+        # node's, and one two hours behind paged "no recent commit" on every other node while
+        # commits went through; a gauge that only rose stayed in the future after a clock
+        # stepped back, and could not page for as long (found attacking).
+        self._last_commit(job, step, self._clock_wall())
 
         reached = {p: clocks[p] for p in PHASES if p in clocks}
         reached.setdefault("committed", committed_at)
@@ -460,10 +455,15 @@ class Metrics:
         after every restart until the next commit, blanking the dashboard's stats and the
         no-recent-commit alert's memory: found attacking)."""
         self._see_job(job)
+        self._last_commit(job, step, committed_at)
+
+    def _last_commit(self, job: str, step: int, at: float) -> None:
+        # Commits are reported by the node that published and by those that accepted an
+        # existing manifest; an older generation reported late must not move the gauges back.
         if step >= self._last_step.get(job, step):
             self._last_step[job] = step
             self._last_generation.labels(job).set(step)
-            self._last_commit_time.labels(job).set(committed_at)
+            self._last_commit_time.labels(job).set(at)
 
     def generation_failed(self, job: str, reason: str) -> None:
         """A generation of ``job`` will never commit; ``reason`` one of FAILURE_REASONS."""

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ckptdrain.daemon import checksums
@@ -36,6 +37,17 @@ FREE_SPACE_RESERVE_BYTES = 64 << 20
 FREE_SPACE_RESERVE_FRACTION = 0.05
 
 log = logging.getLogger(__name__)
+
+
+class _Lease:
+    """What :meth:`Staging._leased` found: the open ``fd``, and whether the lease was
+    granted (False: the filesystem has no leases)."""
+
+    def __init__(self, fd: int, *, granted: bool = False) -> None:
+        self.fd, self.granted = fd, granted
+
+
+_HELD = _Lease(-1)  # another open file description holds the file: no lease
 
 
 class StagingFull(DaemonError, OSError):
@@ -259,43 +271,45 @@ class Staging:
         held = set()
         for name in names:
             try:
-                fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                with self._leased(name) as lease:
+                    if lease is _HELD:
+                        held.add(name)
             except FileNotFoundError:
                 continue
             except OSError:
                 held.add(name)
-                continue
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-            except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EBUSY):
-                    held.add(name)
-            else:
-                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-            finally:
-                os.close(fd)
         return held
 
     def _unless_open(self, name: str) -> bool:
         try:
-            fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            with self._leased(name) as lease:
+                if lease is _HELD:
+                    return False  # open elsewhere: its bytes stay
+                if lease.granted:
+                    os.ftruncate(lease.fd, 0)
+                # (No leases on this filesystem: as before, unlinked only.)
         except FileNotFoundError:
-            self.discard(name)
-            return True
+            pass
+        self.discard(name)
+        return True
+
+    @contextlib.contextmanager
+    def _leased(self, name: str) -> Iterator[_Lease]:
+        """The staged file ``name`` opened for writing, under a write lease for the block if
+        the kernel grants one: it grants it only to the one open of a file (an mmap counts as
+        open), so :data:`_HELD` says another open holds it. FileNotFoundError when it is
+        gone."""
+        fd = os.open(self.data_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             try:
                 fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
             except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EBUSY):
-                    return False  # open elsewhere: its bytes stay
-                # No leases here (a filesystem without them): as before, unlinked only.
-            else:
-                try:
-                    os.ftruncate(fd, 0)
-                finally:
-                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-            self.discard(name)
-            return True
+                yield _HELD if exc.errno in (errno.EAGAIN, errno.EBUSY) else _Lease(fd)
+                return
+            try:
+                yield _Lease(fd, granted=True)
+            finally:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         finally:
             os.close(fd)
 

@@ -392,6 +392,22 @@ def test_copies_held_open_across_a_restart_still_count_against_the_share(
             os.close(fd)
 
 
+def save_in_the_background(d: DaemonProcess, job: str, step: int, size: int, *,
+                           timeout_s: float) -> tuple[threading.Thread, list[str]]:
+    """One shard of ``size`` saved as ``job`` ``step`` in a thread (started); the list reads
+    ``["handed off"]`` once its hand-off returned."""
+    done: list[str] = []
+
+    def save() -> None:
+        with Client(d.socket_path, timeout_s=timeout_s).generation(job, step) as gen:
+            gen.put("a", os.urandom(size))
+        done.append("handed off")
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    return saver, done
+
+
 def test_a_save_over_its_share_waits_for_its_own_shards_to_drain(make_daemon: Any) -> None:
     # Refused at once under every on_full before: one user's save on a busy node failed as
     # soon as its earlier, still draining shards and its new one passed the share, where the
@@ -404,15 +420,7 @@ def test_a_save_over_its_share_waits_for_its_own_shards_to_drain(make_daemon: An
     c = d.client(timeout_s=90)
     with c.generation("j", 1) as gen:
         gen.put("a", os.urandom(30 * MiB))  # draining at 10 MiB/s: about 3 s
-    done: list[str] = []
-
-    def second() -> None:
-        with Client(d.socket_path, timeout_s=90).generation("j", 2) as gen:
-            gen.put("a", os.urandom(30 * MiB))
-        done.append("handed off")
-
-    saver = threading.Thread(target=second)
-    saver.start()
+    saver, done = save_in_the_background(d, "j", 2, 30 * MiB, timeout_s=90)
     try:
         # 30 + 30 MiB is over the share until the first drains (about 3 s): seen waiting.
         wait_for(lambda: c.status()["blocked_by_limit"].get("max_reserved_bytes_per_uid") == 1,
@@ -439,15 +447,7 @@ def test_a_reload_raising_the_share_lets_its_waiters_in(make_daemon: Any, tmp_pa
     c = d.client(timeout_s=150)
     with c.generation("j", 1) as gen:
         gen.put("a", os.urandom(30 * MiB))  # held: the drain barely moves
-    done: list[str] = []
-
-    def second() -> None:
-        with Client(d.socket_path, timeout_s=150).generation("j", 2) as gen:
-            gen.put("a", os.urandom(30 * MiB))
-        done.append("handed off")
-
-    saver = threading.Thread(target=second)
-    saver.start()
+    saver, done = save_in_the_background(d, "j", 2, 30 * MiB, timeout_s=150)
     try:
         wait_for(lambda: c.status()["blocked_by_limit"].get("max_reserved_bytes_per_uid") == 1)
         config.write_text(config.read_text().replace('"40MiB"', '"200MiB"'))
