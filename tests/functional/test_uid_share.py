@@ -40,6 +40,16 @@ def shared_node(make_daemon: Any, **limits: str) -> DaemonProcess:
     return d
 
 
+def other_user_saves(d: DaemonProcess, data: bytes) -> str:
+    """OTHER_UID saves ``data`` as job "victim" step 1: "SAVED", or what it was told."""
+    def save() -> str:
+        with Client(d.socket_path, timeout_s=30).generation("victim", 1) as gen:
+            gen.put("w", data)
+        return "SAVED"
+
+    return answer(start_as(OTHER_UID, save))
+
+
 def test_a_kept_local_copy_is_not_held_against_its_uids_share(make_daemon: Any) -> None:
     # A checkpoint over half the share: its drained copy, kept for a fast restore
     # (keep_local_copy), refused every later save of the job until a restart.
@@ -257,12 +267,7 @@ def test_one_uid_cannot_hold_every_queue_slot(make_daemon: Any) -> None:
     assert held == 10
     assert info.value.details["limit"] == "max_queued_shards_per_uid"
 
-    def victim() -> str:
-        with Client(d.socket_path, timeout_s=30).generation("victim", 1) as gen:
-            gen.put("w", b"the other user's bytes")
-        return "SAVED"
-
-    assert answer(start_as(OTHER_UID, victim)) == "SAVED"
+    assert other_user_saves(d, b"the other user's bytes") == "SAVED"
     hog.abort("done")
     hog.__exit__(None, None, None)
     wait_for(lambda: c.status()["queued_shards"] == 0)  # every slot and share given back
@@ -296,12 +301,7 @@ def test_copies_a_reader_holds_open_count_against_its_share_until_closed(make_da
         assert len(held) == 4
         assert c.status()["held_open_copy_bytes"] == 3 * 8 * MiB
 
-        def victim() -> str:
-            with Client(d.socket_path, timeout_s=30).generation("victim", 1) as gen:
-                gen.put("w", os.urandom(8 * MiB))
-            return "SAVED"
-
-        assert answer(start_as(OTHER_UID, victim)) == "SAVED"
+        assert other_user_saves(d, os.urandom(8 * MiB)) == "SAVED"
     finally:
         for fd in held:
             os.close(fd)
@@ -381,12 +381,7 @@ def test_copies_held_open_across_a_restart_still_count_against_the_share(
         d.start()
         assert hoard(d.client(timeout_s=30), step + 1) == step + 1  # refused at once
 
-        def victim() -> str:
-            with Client(d.socket_path, timeout_s=30).generation("victim", 1) as gen:
-                gen.put("w", os.urandom(16 * MiB))
-            return "SAVED"
-
-        assert answer(start_as(OTHER_UID, victim)) == "SAVED"
+        assert other_user_saves(d, os.urandom(16 * MiB)) == "SAVED"
     finally:
         for fd in held:
             os.close(fd)
