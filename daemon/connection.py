@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.connection")
 
 ACK_STRENGTH = {"memory": 0, "local": 1}
+# A client's errors that draw on its uid's allowance: frames it should never have sent. A
+# hang-up or a timeout is not one (a killed job drops all its connections at once).
+_COSTS_ALLOWANCE = frozenset({"client_protocol_error", "request_refused"})
 # Requests that are not hand-offs: a stop does not wait for them.
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
 
@@ -74,6 +77,7 @@ class ClientHandler:
 
     async def run(self) -> None:
         try:
+            await self._hold_back()
             await self._serve()
         except IdleTimeout as exc:
             self._client_error("client_dropped", reason=str(exc))
@@ -101,8 +105,32 @@ class ClientHandler:
 
     def _client_error(self, event: str, **fields: Any) -> None:
         self.d.metrics.client_error(event)
+        if event in _COSTS_ALLOWANCE:
+            self.d.client_errors.record(self.uid, time.monotonic(),
+                                        self.d.config.limits.client_errors_per_s)
         self.d.client_log.log_event(log, logging.INFO, event, cause=f"uid {self.uid}",
-                                    uid=self.uid, **fields)
+                                    uid=self.uid, pid=self.peer.pid, **fields)
+
+    async def _hold_back(self) -> None:
+        """Wait before reading this uid's next frame while its clients are over their error
+        allowance (limits.client_errors_per_s): a flood of malformed frames then gets answers
+        at that rate, not at the rate the event loop can give them (ratelimit.ErrorAllowance)."""
+        told = False
+        while True:
+            # Looked at again each second: a reload that raises the limit lets them go.
+            limits = self.d.config.limits
+            delay = self.d.client_errors.delay(self.uid, time.monotonic(),
+                                               limits.client_errors_per_s, limits.client_error_burst)
+            if delay <= 0:
+                return
+            if not told:
+                told = True
+                self.d.metrics.client_held_back()
+                self.d.client_log.log_event(log, logging.INFO, "client_held_back",
+                                            cause=f"uid {self.uid}", uid=self.uid,
+                                            pid=self.peer.pid, wait_s=round(delay, 3),
+                                            reason="over limits.client_errors_per_s")
+            await asyncio.sleep(min(delay, 1.0))
 
     async def _last_word(self, code: str, message: str) -> None:
         with contextlib.suppress(Exception):
@@ -163,6 +191,7 @@ class ClientHandler:
                                    error=event.message)
                 await self.channel.sendall(self.conn.send_error(event.code, event.message))
                 self._drop_unclaimed_fds()
+                await self._hold_back()
                 continue
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
 

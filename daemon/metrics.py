@@ -329,6 +329,13 @@ class Metrics:
         )
         for event in CLIENT_ERROR_EVENTS:
             self._client_errors.labels(event)
+        self._client_held_back = Counter(
+            "ckptdrain_client_held_back_total",
+            "Frames of a client whose uid was over limits.client_errors_per_s that waited "
+            "before the daemon read them (a new connection's first, or the next after a "
+            "refused one).",
+            registry=reg,
+        )
         self._aborted_uploads = Counter(
             "ckptdrain_multipart_uploads_aborted_total",
             "S3 multipart uploads aborted (interrupted, failed, or orphaned at start-up).",
@@ -421,6 +428,10 @@ class Metrics:
     def client_error(self, event: str) -> None:
         """A client's own error (one of CLIENT_ERROR_EVENTS), logged or held back."""
         self._client_errors.labels(_bounded(event, CLIENT_ERROR_EVENTS)).inc()
+
+    def client_held_back(self) -> None:
+        """A client's next frame waits: its uid is over its error allowance."""
+        self._client_held_back.inc()
 
     def upload_aborted(self, n: int = 1) -> None:
         """``n`` multipart uploads aborted."""

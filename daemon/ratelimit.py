@@ -1,8 +1,12 @@
-"""A token bucket for pacing the drain (``[drain] max_bandwidth_bytes_per_s``). Pure.
+"""Rates the daemon holds something to. Pure.
 
-The bucket may go into debt: a caller reserves what it is about to send and is told how long
-to wait first, so a shard larger than the burst is still paced at the configured rate instead
-of waiting for a bucket that can never hold it.
+:class:`TokenBucket` paces the drain (``[drain] max_bandwidth_bytes_per_s``). The bucket may
+go into debt: a caller reserves what it is about to send and is told how long to wait first,
+so a shard larger than the burst is still paced at the configured rate instead of waiting for
+a bucket that can never hold it.
+
+:class:`ErrorAllowance` holds each uid's clients to ``[limits] client_errors_per_s``
+malformed or refused frames a second, after a burst.
 """
 
 from __future__ import annotations
@@ -45,3 +49,47 @@ class TokenBucket:
         if self._tokens >= 0:
             return 0.0
         return -self._tokens / self.rate
+
+
+class ErrorAllowance:
+    """How many errors each uid's clients may cause: ``burst`` at once, then ``rate`` a second.
+
+    A uid over it has each of its connections wait before the daemon reads the next frame
+    (the first of a new connection, or the one after a refused frame). Without it a process
+    that sends malformed frames as fast as the daemon answers them (each one ends its
+    connection, and it reconnects) takes as much of the event loop as the loop can give, and
+    every other client's hand-off waits behind it. Only the offending uid waits, and only for
+    frames not read yet: its connections already past their first frame are not held.
+
+    One moment per uid in debt (when the debt is paid, on the monotonic clock): a uid leaves
+    the table when a connection of its finds the debt paid, and the table is pruned of paid
+    uids before it grows past :attr:`PRUNE_AT`.
+    """
+
+    PRUNE_AT = 4096
+
+    def __init__(self) -> None:
+        self._paid_at: dict[int, float] = {}
+
+    def record(self, uid: int, now: float, rate: float) -> None:
+        """One error of ``uid``'s; ``rate`` 0 counts nothing (the allowance is off)."""
+        if rate <= 0:
+            return
+        if uid not in self._paid_at and len(self._paid_at) >= self.PRUNE_AT:
+            self._paid_at = {u: at for u, at in self._paid_at.items() if at > now}
+        self._paid_at[uid] = max(self._paid_at.get(uid, now), now) + 1.0 / rate
+
+    def delay(self, uid: int, now: float, rate: float, burst: int) -> float:
+        """Seconds ``uid``'s next frame waits before it is read: 0 within the allowance."""
+        paid_at = self._paid_at.get(uid)
+        if paid_at is None:
+            return 0.0
+        if paid_at <= now:
+            del self._paid_at[uid]
+            return 0.0
+        if rate <= 0:
+            return 0.0
+        return max(0.0, paid_at - now - burst / rate)
+
+    def __len__(self) -> int:
+        return len(self._paid_at)

@@ -45,6 +45,7 @@ from ckptdrain.daemon.listener import Listener, bind
 from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics
+from ckptdrain.daemon.ratelimit import ErrorAllowance
 from ckptdrain.daemon.recovery import recover, sweep_forever
 from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
@@ -91,6 +92,7 @@ class Daemon:
         self.metrics = Metrics(config.node_id, __version__)
         self.metrics.set_destination(config.destination.scheme)
         self.client_log = logs.per_user()  # clients' errors, per uid
+        self.client_errors = ErrorAllowance()  # and what they cost them (limits.client_errors_per_s)
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)

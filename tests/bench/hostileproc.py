@@ -1,6 +1,7 @@
 """Hostile clients, in a process of their own (``python -m tests.bench.hostileproc``).
 
-``SOCKET COUNT``: ``COUNT`` threads, in three kinds taking turns: *tricklers* send ``hello``
+``SOCKET COUNT [--uid UID]``: ``COUNT`` threads (run as ``UID`` when given: another user of
+the node, as a hostile user is), in three kinds taking turns: *tricklers* send ``hello``
 and then a frame one byte every half second; *holders* connect, say ``hello`` and then
 nothing; *fuzzers* send mutated frames (random bytes in a valid frame, truncated frames,
 wrong magic, oversize lengths, unknown kinds) about twenty times a second. Each reconnects
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import struct
@@ -129,7 +131,12 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.bench.hostileproc")
     p.add_argument("socket")
     p.add_argument("count", type=int)
+    p.add_argument("--uid", type=int, help="drop to this uid (and gid) first")
     ns = p.parse_args(argv)
+    if ns.uid is not None:
+        os.setgroups([])
+        os.setgid(ns.uid)
+        os.setuid(ns.uid)
     hostile = Hostile(ns.socket, ns.count)
     threads = [threading.Thread(target=hostile.run, args=(KINDS[i % len(KINDS)], i), daemon=True)
                for i in range(ns.count)]

@@ -1,4 +1,4 @@
-from ckptdrain.daemon.ratelimit import TokenBucket
+from ckptdrain.daemon.ratelimit import ErrorAllowance, TokenBucket
 
 
 def test_unlimited_never_waits() -> None:
@@ -38,3 +38,36 @@ def test_idle_time_refills_only_up_to_burst() -> None:
     bucket.reserve(10, now=0.0)
     assert bucket.reserve(10, now=1000.0) == 0.0
     assert bucket.reserve(5, now=1000.0) == 0.5
+
+
+def test_an_error_allowance_is_a_burst_then_a_rate() -> None:
+    allowance = ErrorAllowance()
+    for _ in range(3):  # the burst: 3 errors at 1 a second
+        allowance.record(7, now=0.0, rate=1.0)
+    assert allowance.delay(7, now=0.0, rate=1.0, burst=3) == 0.0
+    allowance.record(7, now=0.0, rate=1.0)
+    assert allowance.delay(7, now=0.0, rate=1.0, burst=3) == 1.0  # one over: a second's wait
+    assert allowance.delay(7, now=0.5, rate=1.0, burst=3) == 0.5
+    assert allowance.delay(8, now=0.0, rate=1.0, burst=3) == 0.0  # only the uid that erred
+    assert allowance.delay(7, now=4.0, rate=1.0, burst=3) == 0.0  # paid: the uid leaves
+    assert len(allowance) == 0
+
+
+def test_an_error_allowance_of_rate_zero_holds_nothing_back() -> None:
+    allowance = ErrorAllowance()
+    for _ in range(1000):
+        allowance.record(7, now=0.0, rate=0.0)
+    assert allowance.delay(7, now=0.0, rate=0.0, burst=1) == 0.0
+    assert len(allowance) == 0
+    for _ in range(10):
+        allowance.record(7, now=0.0, rate=1.0)
+    # A reload that turns it off lets a uid in debt go at once.
+    assert allowance.delay(7, now=0.0, rate=0.0, burst=1) == 0.0
+
+
+def test_an_error_allowance_forgets_paid_uids_before_it_grows() -> None:
+    allowance = ErrorAllowance()
+    for uid in range(ErrorAllowance.PRUNE_AT):
+        allowance.record(uid, now=0.0, rate=1.0)
+    allowance.record(10**6, now=5.0, rate=1.0)  # all the others have paid by now
+    assert len(allowance) == 1
