@@ -25,19 +25,10 @@ import pytest
 from ckptdrain.client import Client, wire
 from tests.conftest import DaemonProcess, wait_for
 from tests.functional import otheruser
+from tests.functional.test_client_log_flood import send_malformed
 
 OTHER_UID = 65534
 FLOOD = 4  # the burst (3) and one more: 20 s of debt at 0.05 a second
-
-
-def _malformed(path: str) -> None:
-    """One connection, one frame with the wrong magic: the daemon says why and hangs up."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(20)
-        s.connect(path)
-        s.sendall(b"XXXX" + struct.pack(">IQ", 2, 0) + b"{}")
-        while s.recv(65536):
-            pass
 
 
 def _welcomed(s: socket.socket) -> bool:
@@ -79,7 +70,7 @@ def test_a_uid_flooding_malformed_frames_waits_and_no_one_else_does(make_daemon:
 
     def flood() -> str:
         for _ in range(FLOOD):
-            _malformed(path)
+            send_malformed(path)
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(path)
             s.sendall(wire.encode_message("hello", {"version": wire.PROTOCOL_VERSION}))

@@ -26,7 +26,7 @@ EVENTS = ("client_protocol_error", "request_refused", "client_dropped")
 MALFORMED = 300
 
 
-def _send_malformed(path: str) -> None:
+def send_malformed(path: str) -> None:
     """One connection, one frame with the wrong magic: the daemon says why and hangs up."""
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(20)
@@ -63,7 +63,7 @@ def test_a_flood_of_malformed_frames_is_counted_but_not_all_logged(make_daemon: 
     path = str(daemon.socket_path)
     started = time.monotonic()
     for _ in range(MALFORMED):
-        _send_malformed(path)
+        send_malformed(path)
     # Refused requests too, in one conversation that goes on after each.
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(20)
@@ -96,7 +96,7 @@ def test_a_flood_of_malformed_frames_is_counted_but_not_all_logged(make_daemon: 
     deadline = time.monotonic() + 30
     while not any("suppressed=" in line for line in _logged(daemon)):
         assert time.monotonic() < deadline, _logged(daemon)[-5:]
-        _send_malformed(path)
+        send_malformed(path)
         time.sleep(0.05)
     held = sum(int(m[1]) for line in _logged(daemon) for m in [re.search(r"suppressed=(\d+)", line)]
                if m)
