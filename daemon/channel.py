@@ -23,7 +23,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 from ckptdrain.client import wire
 from ckptdrain.client.wire import ProtocolError
@@ -31,6 +32,8 @@ from ckptdrain.daemon.dataplane import RateFloor
 from ckptdrain.daemon.errors import DaemonError, RequestError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.pumps import SocketPump
+
+T = TypeVar("T")
 
 log = logging.getLogger("ckptdrain.connection")
 
@@ -209,6 +212,34 @@ class Channel:
             # At once, not from a done-callback: the next recv adds its own reader on this fd.
             self._loop.remove_reader(fd)
             gone.cancel()
+
+    async def unless_hung_up(self, waiting: Awaitable[T], what: str) -> T:
+        """``waiting`` (a wait for room), cut short once the client closes its end: a job
+        killed while its hand-offs waited for room left them queued, first in line, till
+        ``block_timeout_s``; now they go with it (found attacking: killed waiters held a
+        restarted job's hand-offs back). Raises ConnectionError then, as any hang-up does.
+        What ``waiting`` got if it finished first is returned, even with the client gone: its
+        owner releases it as after any other hang-up."""
+        outcome: list[T] = []
+        failed: list[Exception] = []
+
+        async def wait() -> None:
+            try:
+                outcome.append(await waiting)
+            except Exception as exc:  # raised below as it is, not in a group
+                failed.append(exc)
+
+        with self.hangup_watch() as gone:
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(wait())
+                await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+                if not task.done():
+                    task.cancel()
+        if failed:
+            raise failed[0]
+        if not outcome:
+            raise ConnectionError(f"the client hung up while {what}")
+        return outcome[0]
 
     async def sendall(self, data: bytes) -> None:
         async with asyncio.timeout(self.idle_timeout_s):

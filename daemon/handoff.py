@@ -165,6 +165,26 @@ class Handoffs:
             if reservation is not None:
                 reservation.release()
 
+    async def _admit(self, gen: GenerationRecord, owner: int, size: int
+                     ) -> tuple[Reservation, Reservation]:
+        """A queue slot and staging room for one shard, with the owner's share of both."""
+        d = self.d
+        # The uid's byte share is waited for and taken before the queue slot: waited for
+        # holding a slot, one user's hand-off over its share kept another user's out of a
+        # small max_queued_shards (found attacking). It goes with the room once reserved.
+        share = await d.admission.hold_share(owner, size, d.admission.staged)
+        slot: Reservation | None = None
+        try:
+            slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
+            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step)
+        except BaseException:
+            share()
+            if slot is not None:
+                slot.release()
+            raise
+        room.then = share
+        return slot, room
+
     # -- ack=local: into staging, fsynced, journalled, then acknowledged -------------------------
     async def stage(self, h: ClientHandler, gen: GenerationRecord, rank: int, path: str, size: int,
                     src_fd: int | None, deferred: bool,
@@ -193,17 +213,9 @@ class Handoffs:
                 await self._check_source(src_fd, path, size, "descriptor")
             gen.reserve_path(path)
             receiving = True
-            # The uid's byte share is waited for and taken before the queue slot: waited for
-            # holding a slot, one user's hand-off over its share kept another user's out of a
-            # small max_queued_shards (found attacking). It goes with the room once reserved.
-            share = await d.admission.hold_share(owner, size, d.admission.staged)
-            try:
-                slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
-                room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step)
-            except BaseException:
-                share()
-                raise
-            room.then = share
+            admitted = await h.channel.unless_hung_up(self._admit(gen, owner, size),
+                                                      "its hand-off waited for room")
+            slot, room = admitted[0], admitted[1]
             yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
@@ -317,7 +329,9 @@ class Handoffs:
             # Reserved across every await below: a concurrent duplicate is refused.
             gen.reserve_path(path)
             receiving = True
-            memory = await d.admission.admit(d.admission.memory, size, gen.job, gen.step, owner)
+            memory = await h.channel.unless_hung_up(
+                d.admission.admit(d.admission.memory, size, gen.job, gen.step, owner),
+                "its hand-off waited for memory")
             # Its queue slot is reserved when it is staged, but the owner's share of slots is
             # taken now, with the RAM's, and moves to the slot at staging: only checked here,
             # held memfds got past it until staged (found attacking the share).
