@@ -447,7 +447,8 @@ class ClientHandler:
         effective: str = self.d.config.ack
         if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:
             effective = ack
-        gen = await self.d.begin_generation(job, step, world_size, effective, self.uid, attempt)
+        gen = await self.d.begin_generation(job, step, world_size, effective, self.uid, attempt,
+                                            connected=self.channel.unless_hung_up)
         if gen.world_size != world_size:
             raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} began with world_size "
                                f"{gen.world_size}, not {world_size}")

@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from ckptdrain.daemon import __version__, logs, maintenance, owners, startup
@@ -28,7 +28,7 @@ from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
 from ckptdrain.daemon.backends.base import open_backend
 from ckptdrain.daemon.beginchecks import BeginChecks
-from ckptdrain.daemon.budget import Budget
+from ckptdrain.daemon.budget import Budget, Reservation
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import Config
 from ckptdrain.daemon.connection import ClientHandler
@@ -64,6 +64,9 @@ from ckptdrain.daemon.systemd import Notifier
 __all__ = ["Daemon", "RequestError"]
 
 log = logging.getLogger("ckptdrain.server")
+
+# A wait run only while its client stays connected (Channel.unless_hung_up).
+Connected = Callable[[Awaitable[Reservation], str], Awaitable[Reservation]]
 
 # Hand-offs in flight get this long to finish on SIGTERM, then held memfds the same again to
 # reach local storage: both well inside the unit's TimeoutStopSec (120 s).
@@ -299,10 +302,14 @@ class Daemon:
 
     # -- generations -------------------------------------------------------------------------
     async def begin_generation(self, job: str, step: int, world_size: int, ack: str, uid: int,
-                               attempt: str) -> GenerationRecord:
+                               attempt: str, *, connected: Connected | None = None
+                               ) -> GenerationRecord:
         """The generation a rank joins: this node's, a new attempt replacing an old one, or a
         new one with its in-flight slot. One at a time per step, so ranks of one node that
-        begin at once all join the same generation."""
+        begin at once all join the same generation. ``connected`` cuts the wait for a slot
+        short when the beginning client hangs up (Channel.unless_hung_up): a killed job's
+        begin held the step's lock, and its restarted job's begin with it, till
+        block_timeout_s."""
         async with self._begin_locks.hold((job, step)):
             gen = self.ledger.get(job, step)
             looked_up: tuple[int, bool] | None = None
@@ -331,7 +338,9 @@ class Daemon:
                 owner, verified = looked_up or await self.begin_checks.job_owner(job, uid)
             self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
             await self.expiry.make_room_for(job, owner)
-            slot = await self.admission.admit(self.admission.slots(job), 1, job, step)
+            waiting = self.admission.admit(self.admission.slots(job), 1, job, step)
+            slot = await (waiting if connected is None else
+                          connected(waiting, "its begin waited for a generation slot"))
             try:
                 # Checked again with nothing awaited before the job and its generation are
                 # tracked: other begins may have opened while this one waited.

@@ -57,3 +57,33 @@ def test_a_killed_clients_wait_for_room_ends_with_it(make_daemon: Any, ack: str)
         if rank.poll() is None:
             rank.kill()
             rank.wait()
+
+
+_BEGIN = """
+import sys
+from ckptdrain.client import Client
+c = Client(sys.argv[1], timeout_s=600)
+with c.generation(sys.argv[2], 2, rank=0, world_size=1) as g:
+    g.put("late", b"x")
+"""
+
+
+def test_a_killed_clients_wait_for_a_generation_slot_ends_with_it(make_daemon: Any) -> None:
+    # The wait held the step's begin lock too: a restarted job beginning the same step
+    # waited behind a client that was gone, till block_timeout_s.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT="1",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("wedge", 1) as gen:
+        gen.put("first", os.urandom(MiB))  # in flight until it drains: the drain is held
+    rank = subprocess.Popen([sys.executable, "-c", _BEGIN, str(d.socket_path), "wedge"])
+    try:
+        wait_for(lambda: _blocked(d) == 1, timeout_s=30)
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(10)
+        wait_for(lambda: _blocked(d) == 0, timeout_s=20)
+        assert "hung up while its begin waited for a generation slot" in d.log()
+        assert [g["step"] for g in d.client().status()["generations"]] == [1]
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
