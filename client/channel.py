@@ -173,6 +173,31 @@ def _named_daemon_uid() -> int | None:
                                 "to the numeric uid the node's daemon runs as") from None
 
 
+# A Unix socket's connect with a timeout fails at once with EAGAIN while the daemon's listen
+# backlog is full (a burst of connects, or another user flooding it), where a blocking one
+# would wait for room: tried again, backing off, until the timeout.
+_BACKLOG_RETRY_FIRST_S = 0.001
+_BACKLOG_RETRY_MAX_S = 0.05
+
+
+def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
+    sock.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    pause = _BACKLOG_RETRY_FIRST_S
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:  # the backlog stayed full: as a connect that timed out
+                raise connect_error(path, TimeoutError(exc.errno, exc.strerror)) from exc
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _BACKLOG_RETRY_MAX_S)
+        except OSError as exc:
+            raise connect_error(path, exc) from exc
+
+
 class Channel:
     """One connection to the daemon after hello/welcome: sends requests, reads replies."""
 
@@ -194,11 +219,7 @@ class Channel:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             channel = cls(sock, path, timeout_s)
         try:
-            sock.settimeout(connect_timeout_s)
-            try:
-                sock.connect(path)
-            except OSError as exc:
-                raise connect_error(path, exc) from exc
+            _connect(sock, path, connect_timeout_s)
             check_listener(sock, path)
         except BaseException:
             channel.close()

@@ -67,10 +67,13 @@ ACK_MODES: Final = ("local", "memory")
 class ProtocolError(Exception):
     """The peer (or the caller, on send) broke the protocol; ``code`` is an error code above."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, truncated: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # The peer closed its end in the middle of a frame: a hang-up (a killed process),
+        # not a frame it got wrong.
+        self.truncated = truncated
 
 
 # A checker raises ProtocolError naming the message, the field and the rule.

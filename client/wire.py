@@ -355,7 +355,8 @@ class Connection:
 
     def _truncated(self, where: str) -> ProtocolError:
         return ProtocolError(
-            BAD_REQUEST, f"connection closed in the middle of {where} (truncated frame)"
+            BAD_REQUEST, f"connection closed in the middle of {where} (truncated frame)",
+            truncated=True,
         )
 
     def _next_event(self) -> Event | Literal[_Sentinel.NEED_DATA]:

@@ -93,7 +93,7 @@ class LimitsConfig(BaseModel):
     # grace period) is cut off and what it reserved is freed: a trickle cannot hold room.
     client_min_bytes_per_s: ByteSize = Field(default=256 * KiB, ge=1)
     client_rate_grace_s: float = Field(default=10.0, gt=0)
-    # Malformed or refused frames one uid's clients may send: a burst, then this many a
+    # Errors one uid's clients may cause (allowance.py): a burst, then this many a
     # second; past it the uid's next frames wait (ratelimit.ErrorAllowance). 0 = no limit.
     client_errors_per_s: float = Field(default=20.0, ge=0)
     client_error_burst: int = Field(default=100, ge=1)

@@ -24,6 +24,7 @@ from ckptdrain.client.manifest import ManifestError, parse_checksum
 from ckptdrain.client.wire import Message, ProtocolError
 from ckptdrain.daemon import catalog, checksums, maintenance, owners, payloads, reads, waits
 from ckptdrain.daemon.access import Peer
+from ckptdrain.daemon.allowance import TurnedAway
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd, writable
@@ -47,9 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.connection")
 
 ACK_STRENGTH = {"memory": 0, "local": 1}
-# A client's errors that draw on its uid's allowance: frames it should never have sent. A
-# hang-up or a timeout is not one (a killed job drops all its connections at once).
-_COSTS_ALLOWANCE = frozenset({"client_protocol_error", "request_refused"})
+# Error replies that do not draw on the uid's allowance (allowance.py): a well-behaved client
+# meets them under load, and retries.
+_FREE_ERRORS = frozenset({wire.BACKPRESSURE, wire.TIMEOUT})
 # Requests that are not hand-offs: a stop does not wait for them.
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
 
@@ -74,11 +75,17 @@ class ClientHandler:
         self.busy = False  # serving a hand-off request right now (see Listener._drain)
         self.ack: str = daemon.config.ack  # the boundary in force for this connection's rank
         self.reply_fd: int | None = None  # an fd the next `ok` hands the client (`open`)
+        self.answered = 0  # requests answered, ok or error
+        self.charged = False  # this connection drew on its uid's error allowance
 
     async def run(self) -> None:
         try:
-            await self._hold_back()
+            await self.d.allowance.hold(self.uid, self.peer.pid)
             await self._serve()
+        except TurnedAway as exc:
+            await self._last_word(wire.BACKPRESSURE, str(exc),
+                                  {"limit": "client_errors_per_s",
+                                   "retry_after_s": round(exc.retry_after_s, 1)})
         except IdleTimeout as exc:
             self._client_error("client_dropped", reason=str(exc))
             # Said before hanging up, so the client's next request reads why.
@@ -87,8 +94,12 @@ class ClientHandler:
         except (ConnectionError, TimeoutError) as exc:
             self._client_error("client_dropped", reason=str(exc) or type(exc).__name__)
         except ProtocolError as exc:
-            self._client_error("client_protocol_error", code=exc.code, error=exc.message)
-            await self._last_word(exc.code, exc.message)
+            if exc.truncated:  # it hung up mid-frame: a killed process, not a bad frame
+                self._client_error("client_dropped", reason=exc.message)
+            else:
+                self._client_error("client_protocol_error", code=exc.code, error=exc.message)
+                self._charge()
+                await self._last_word(exc.code, exc.message)
         except Exception:
             # The boundary. Nothing this client did may end the daemon.
             log.exception("unexpected error serving uid %s; closing that connection", self.uid)
@@ -96,6 +107,8 @@ class ClientHandler:
             await self._last_word(wire.INTERNAL, "the daemon hit an internal error serving this "
                                   "connection and closed it (it is logged); reconnect and retry")
         finally:
+            if self.answered == 0 and not self.charged:
+                self._charge()  # a connection that carried no request: it cost the loop all the same
             try:
                 await self._abandon()
             except Exception:
@@ -105,37 +118,19 @@ class ClientHandler:
 
     def _client_error(self, event: str, **fields: Any) -> None:
         self.d.metrics.client_error(event)
-        if event in _COSTS_ALLOWANCE:
-            self.d.client_errors.record(self.uid, time.monotonic(),
-                                        self.d.config.limits.client_errors_per_s)
         self.d.client_log.log_event(log, logging.INFO, event, cause=f"uid {self.uid}",
                                     uid=self.uid, pid=self.peer.pid, **fields)
 
-    async def _hold_back(self) -> None:
-        """Wait before reading this uid's next frame while its clients are over their error
-        allowance (limits.client_errors_per_s): a flood of malformed frames then gets answers
-        at that rate, not at the rate the event loop can give them (ratelimit.ErrorAllowance)."""
-        told = False
-        while True:
-            # Looked at again each second: a reload that raises the limit lets them go.
-            limits = self.d.config.limits
-            delay = self.d.client_errors.delay(self.uid, time.monotonic(),
-                                               limits.client_errors_per_s, limits.client_error_burst)
-            if delay <= 0:
-                return
-            if not told:
-                told = True
-                self.d.metrics.client_held_back()
-                self.d.client_log.log_event(log, logging.INFO, "client_held_back",
-                                            cause=f"uid {self.uid}", uid=self.uid,
-                                            pid=self.peer.pid, wait_s=round(delay, 3),
-                                            reason="over limits.client_errors_per_s")
-            await asyncio.sleep(min(delay, 1.0))
+    def _charge(self) -> None:
+        """This connection's client caused an error: its uid's allowance pays (allowance.py)."""
+        self.charged = True
+        self.d.allowance.charge(self.uid)
 
-    async def _last_word(self, code: str, message: str) -> None:
+    async def _last_word(self, code: str, message: str,
+                         details: dict[str, Any] | None = None) -> None:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
-                await self.channel.sendall(self.conn.send_error(code, message))
+                await self.channel.sendall(self.conn.send_error(code, message, details))
 
     async def _abandon(self) -> None:
         """A client that leaves without sealing aborts its rank: the rank is incomplete."""
@@ -191,7 +186,8 @@ class ClientHandler:
                                    error=event.message)
                 await self.channel.sendall(self.conn.send_error(event.code, event.message))
                 self._drop_unclaimed_fds()
-                await self._hold_back()
+                self._charge()
+                await self.d.allowance.hold(self.uid, self.peer.pid)
                 continue
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
 
@@ -216,15 +212,21 @@ class ClientHandler:
             except (RequestError, JournalFull) as caught:
                 exc = caught if isinstance(caught, RequestError) else self._journal_full(caught)
                 await self.channel.sendall(self.conn.send_error(exc.code, exc.message, exc.details or None))
+                self.answered += 1
                 if self.conn.payload_remaining or self.conn.awaiting_data is not None:
                     # Failed part-way through a shard's bytes: the rest of them are still on
                     # the way and cannot be told apart from the next frame. Hang up.
                     return
                 self._drop_unclaimed_fds()
+                if exc.code not in _FREE_ERRORS:
+                    self._charge()
+                    self.busy = False  # a held connection is no hand-off in flight
+                    await self.d.allowance.hold(self.uid, self.peer.pid)
                 continue
             finally:
                 self.busy = False
             self._drop_unclaimed_fds()
+            self.answered += 1
             fd, self.reply_fd = self.reply_fd, None
             if fd is None:
                 await self.send("ok", reply)

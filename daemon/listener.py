@@ -124,13 +124,15 @@ class Listener:
     def __init__(self, sock: socket.socket, *, limits: Callable[[], LimitsConfig],
                  access: Callable[[], AccessConfig], metrics: Metrics,
                  handler: Callable[[socket.socket, Peer], ClientHandler],
-                 owns_path: str | None) -> None:
+                 owns_path: str | None, charge: Callable[[int], None] = lambda uid: None
+                 ) -> None:
         self.sock: socket.socket | None = sock
         self._limits = limits
         self._access = access
         self._metrics = metrics
         self._handler = handler
         self._owns_path = owns_path
+        self._charge = charge  # a uid's error allowance (allowance.py)
         self.connections: dict[asyncio.Task[None], ClientHandler] = {}
         self.per_uid: dict[int, int] = {}
         self._refusals = OncePerCause(60.0)
@@ -199,6 +201,10 @@ class Listener:
         else:
             return peer
         self._metrics.backpressure("rejected", limit)
+        if limit == "max_clients_per_uid":
+            # Each refusal costs the loop an accept and an answer: a uid flooding at its cap
+            # pays for them from its allowance, its held connections then waiting longer.
+            self._charge(peer.uid)
         # One cause per limit and uid: a user knocking at their own cap does not hide that
         # another user met one.
         self._refusals.log_event(log, logging.INFO, "client_refused", cause=f"{limit} {peer.uid}",

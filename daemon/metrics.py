@@ -86,6 +86,8 @@ BACKPRESSURE_LIMITS = (
     "max_queued_shards_per_uid",
     "max_generations_per_uid",
     "max_clients_per_uid",
+    # A uid whose clients' errors held its connections back too long (allowance.py).
+    "client_errors_per_s",
     # The jobs a node tracks at once, every one with a generation in flight.
     "max_jobs",
 )

@@ -55,41 +55,44 @@ class ErrorAllowance:
     """How many errors each uid's clients may cause: ``burst`` at once, then ``rate`` a second.
 
     A uid over it has each of its connections wait before the daemon reads the next frame
-    (the first of a new connection, or the one after a refused frame). Without it a process
-    that sends malformed frames as fast as the daemon answers them (each one ends its
-    connection, and it reconnects) takes as much of the event loop as the loop can give, and
-    every other client's hand-off waits behind it. Only the offending uid waits, and only for
-    frames not read yet: its connections already past their first frame are not held.
+    (the first of a new connection, or the one after an error reply). Without it a process
+    that sends bad frames as fast as the daemon answers them (each one ends its connection,
+    and it reconnects) takes as much of the event loop as the loop can give, and every other
+    client's hand-off waits behind it. Only the offending uid waits.
 
-    One moment per uid in debt (when the debt is paid, on the monotonic clock): a uid leaves
-    the table when a connection of its finds the debt paid, and the table is pruned of paid
-    uids before it grows past :attr:`PRUNE_AT`.
+    Per uid in debt: the errors it owes and when that was counted; the debt drains at the rate
+    in force when it is looked at, so a reload that raises the rate shortens the waits at once.
+    A uid leaves the table when a connection of its finds the debt paid, and the table is
+    pruned of paid uids before it grows past :attr:`PRUNE_AT`.
     """
 
     PRUNE_AT = 4096
 
     def __init__(self) -> None:
-        self._paid_at: dict[int, float] = {}
+        self._owed: dict[int, tuple[float, float]] = {}  # uid -> (errors owed, counted at)
+
+    def _owed_now(self, uid: int, now: float, rate: float) -> float:
+        owed, at = self._owed.get(uid, (0.0, now))
+        return max(0.0, owed - max(0.0, now - at) * rate)
 
     def record(self, uid: int, now: float, rate: float) -> None:
         """One error of ``uid``'s; ``rate`` 0 counts nothing (the allowance is off)."""
         if rate <= 0:
             return
-        if uid not in self._paid_at and len(self._paid_at) >= self.PRUNE_AT:
-            self._paid_at = {u: at for u, at in self._paid_at.items() if at > now}
-        self._paid_at[uid] = max(self._paid_at.get(uid, now), now) + 1.0 / rate
+        if uid not in self._owed and len(self._owed) >= self.PRUNE_AT:
+            self._owed = {u: (owed, at) for u, (owed, at) in self._owed.items()
+                          if self._owed_now(u, now, rate) > 0}
+        self._owed[uid] = (self._owed_now(uid, now, rate) + 1.0, now)
 
     def delay(self, uid: int, now: float, rate: float, burst: int) -> float:
         """Seconds ``uid``'s next frame waits before it is read: 0 within the allowance."""
-        paid_at = self._paid_at.get(uid)
-        if paid_at is None:
+        if uid not in self._owed:
             return 0.0
-        if paid_at <= now:
-            del self._paid_at[uid]
+        owed = self._owed_now(uid, now, rate) if rate > 0 else 0.0
+        if owed <= 0:
+            del self._owed[uid]
             return 0.0
-        if rate <= 0:
-            return 0.0
-        return max(0.0, paid_at - now - burst / rate)
+        return max(0.0, (owed - burst) / rate)
 
     def __len__(self) -> int:
-        return len(self._paid_at)
+        return len(self._owed)

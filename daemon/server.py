@@ -26,6 +26,7 @@ from ckptdrain.daemon import __version__, logs, maintenance, owners, startup
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
+from ckptdrain.daemon.allowance import ClientAllowance
 from ckptdrain.daemon.backends.base import open_backend
 from ckptdrain.daemon.beginchecks import BeginChecks
 from ckptdrain.daemon.budget import Budget, Reservation
@@ -45,7 +46,6 @@ from ckptdrain.daemon.listener import Listener, bind
 from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics
-from ckptdrain.daemon.ratelimit import ErrorAllowance
 from ckptdrain.daemon.recovery import recover, sweep_forever
 from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
@@ -95,7 +95,8 @@ class Daemon:
         self.metrics = Metrics(config.node_id, __version__)
         self.metrics.set_destination(config.destination.scheme)
         self.client_log = logs.per_user()  # clients' errors, per uid
-        self.client_errors = ErrorAllowance()  # and what they cost them (limits.client_errors_per_s)
+        # ... and what they cost them (limits.client_errors_per_s)
+        self.allowance = ClientAllowance(lambda: self.config.limits, self.metrics, self.client_log)
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)
@@ -243,6 +244,7 @@ class Daemon:
                         bind(self.config, self._inherited),
                         limits=lambda: self.config.limits, access=lambda: self.config.access,
                         metrics=self.metrics, handler=lambda conn, peer: ClientHandler(self, conn, peer),
+                        charge=self.allowance.charge,
                         owns_path=owns)
                     stack.callback(self._listener.close)
                     background = [

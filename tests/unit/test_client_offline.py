@@ -572,3 +572,46 @@ def test_a_client_dropped_without_close_closes_its_pooled_connection(daemon: Fak
     gc.collect()
     # The daemon sees EOF: the pooled socket was closed (no ResourceWarning, no leaked fd).
     assert daemon.ended.acquire(timeout=JOIN_TIMEOUT_S)
+
+
+def test_a_full_listen_backlog_is_waited_out_not_taken_for_no_daemon(tmp_path: Any) -> None:
+    # Found attacking the daemon with a connect flood: a Unix socket's connect with a timeout
+    # fails at once with EAGAIN while the listen backlog is full, and every other user's
+    # client raised DaemonUnavailable ("Resource temporarily unavailable") meanwhile.
+    path = str(tmp_path / "backlog.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    filler.connect(path)  # the backlog holds one: full now
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1)
+    with pytest.raises(BlockingIOError):
+        probe.connect(path)  # what the client's connect meets
+    probe.close()
+
+    def busy_daemon() -> None:
+        # Busy for a moment, then it accepts the connection ahead and the client's.
+        threading.Event().wait(0.3)
+        first, _ = listener.accept()
+        first.close()
+        sock, _ = listener.accept()
+        with sock:
+            conn = Connection(Role.SERVER)
+            while (event := conn.next_event()) is wire.NEED_DATA:
+                conn.receive_data(sock.recv(65536))
+            assert isinstance(event, Message) and event.kind == "hello"
+            sock.sendall(conn.send("welcome", {"version": wire.PROTOCOL_VERSION, "node_id": "n"}))
+            sock.recv(1)  # until the client closes
+
+    server = threading.Thread(target=busy_daemon, daemon=True)
+    server.start()
+    try:
+        channel = channel_module.Channel.open(path, timeout_s=5, connect_timeout_s=5)
+        assert channel.node_id == "n"
+        channel.close()
+    finally:
+        filler.close()
+        server.join(JOIN_TIMEOUT_S)
+        listener.close()
+    assert not server.is_alive()

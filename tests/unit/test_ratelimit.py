@@ -1,3 +1,5 @@
+import pytest
+
 from ckptdrain.daemon.ratelimit import ErrorAllowance, TokenBucket
 
 
@@ -71,3 +73,14 @@ def test_an_error_allowance_forgets_paid_uids_before_it_grows() -> None:
         allowance.record(uid, now=0.0, rate=1.0)
     allowance.record(10**6, now=5.0, rate=1.0)  # all the others have paid by now
     assert len(allowance) == 1
+
+
+def test_an_error_allowance_raised_by_a_reload_shortens_the_wait_at_once() -> None:
+    # Found attacking: the debt was kept as a moment accrued at the old rate, so raising the
+    # rate lengthened the wait (30 errors at 1 a second, burst 5: 25 s, and 29.99 s at 1000).
+    allowance = ErrorAllowance()
+    for _ in range(30):
+        allowance.record(7, now=0.0, rate=1.0)
+    assert allowance.delay(7, now=0.0, rate=1.0, burst=5) == 25.0
+    assert allowance.delay(7, now=0.0, rate=1000.0, burst=5) == pytest.approx(0.025)
+    assert allowance.delay(7, now=0.0, rate=1.0, burst=1000) == 0.0
