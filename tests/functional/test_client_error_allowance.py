@@ -89,14 +89,9 @@ def _held_back(client: Client) -> float:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
-def test_a_uid_flooding_malformed_frames_waits_and_no_one_else_does(make_daemon: Any,
-                                                                    tmp_path: Path) -> None:
-    config = tmp_path / "c.toml"
-    config.write_text("[limits]\nclient_errors_per_s = 0.05\nclient_error_burst = 3\n")
-    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config),
-                                   CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
-                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]")
-    d.start()
+def test_a_uid_flooding_malformed_frames_waits_and_no_one_else_does(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]", **SLOW)
     os.chmod(d.socket_path.parent, 0o755)
     path = str(d.socket_path)
     bystander = d.client(timeout_s=10)
@@ -105,27 +100,43 @@ def test_a_uid_flooding_malformed_frames_waits_and_no_one_else_does(make_daemon:
     def flood() -> str:
         for _ in range(FLOOD):
             send_malformed(path)
-        with _hello(path) as s:
-            s.settimeout(1.5)
-            first = "WELCOMED" if _welcomed(s) else "HELD"
-            s.settimeout(30)  # until the parent's reload lets it go
-            then = "WELCOMED" if _welcomed(s) else "NOT WELCOMED"
-        return f"{first} {then}"
+        return "HELD" if _held(path) else "WELCOMED"
 
     child = otheruser.start_as(OTHER_UID, flood)
     wait_for(lambda: _held_back(bystander) >= 1, timeout_s=30)
-    # Raising the rate lets the held connection go (looked at again every second; the
-    # debt drains at the new rate).
-    config.write_text("[limits]\nclient_errors_per_s = 1000\nclient_error_burst = 3\n")
-    os.kill(d.pid, signal.SIGHUP)
     # Root's connection open before the flood, and a new one, are served at once.
     assert bystander.status()["generations"] == []
     with d.client(timeout_s=5).generation("bystander", 1) as gen:
         gen.put("a.bin", b"x" * 1000)
     d.client().wait("bystander", 1, timeout_s=30)
-    assert otheruser.answer(child) == "HELD WELCOMED"
+    assert otheruser.answer(child) == "HELD"
     assert "event=client_held_back" in d.log() and f"uid={OTHER_UID}" in d.log()
     bystander.close()
+
+
+def test_a_reload_that_raises_the_rate_lets_held_connections_go(make_daemon: Any,
+                                                                 tmp_path: Path) -> None:
+    # Found attacking: the debt was kept as a moment accrued at the old rate, and raising
+    # the rate lengthened the wait.
+    config = tmp_path / "c.toml"
+    config.write_text("[limits]\nclient_errors_per_s = 0.05\nclient_error_burst = 3\n")
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    d.start()
+    observer = d.client(timeout_s=10)
+    observer.status()
+    for _ in range(FLOOD):
+        send_malformed(str(d.socket_path))
+    with _hello(str(d.socket_path)) as s:
+        s.settimeout(1.5)
+        assert _reply(s) is None  # held: 20 s of debt
+        config.write_text("[limits]\nclient_errors_per_s = 1000\nclient_error_burst = 3\n")
+        os.kill(d.pid, signal.SIGHUP)
+        # Looked at again within a second; before, it waited out its 20 s (then, with the
+        # bound, was turned away after 5 s).
+        s.settimeout(3.0)
+        reply = _reply(s)
+    assert reply is not None and reply.kind == "welcome", reply
+    observer.close()
 
 
 def _malformed(path: str) -> None:
@@ -159,38 +170,25 @@ def test_every_kind_of_empty_or_bad_connection_draws_on_the_allowance(
     observer.close()
 
 
-def test_requests_answered_with_errors_draw_on_the_allowance(make_daemon: Any) -> None:
+@pytest.mark.parametrize("frame", [
+    # A seal with no begin: answered with an error each time (the code before charged none).
+    wire.encode_message("seal", {"job": "none", "step": 1, "rank": 0}),
+    # A frame with a bad field: refused, and the conversation goes on.
+    _raw({"type": "begin", "job": "../up", "step": 1, "rank": 0, "world_size": 1}),
+], ids=["error_replies", "refused_frames"])
+def test_errors_on_one_connection_draw_on_the_allowance(make_daemon: Any, frame: bytes) -> None:
     d: DaemonProcess = make_daemon(**SLOW)
     observer = d.client(timeout_s=10)
     observer.status()
     with _hello(str(d.socket_path)) as s:
         assert _welcomed(s)
-        seal = wire.encode_message("seal", {"job": "none", "step": 1, "rank": 0})
-        for _ in range(FLOOD):  # a seal with no begin: answered with an error each time
-            s.sendall(seal)
-            reply = _reply(s)
-            assert reply is not None and reply.kind == "error", reply
-        s.sendall(seal)
-        s.settimeout(1.5)
-        assert _reply(s) is None  # the request after the fourth error waits
-    assert _held_back(observer) == 1
-    observer.close()
-
-
-def test_refused_frames_on_one_connection_draw_on_the_allowance_too(make_daemon: Any) -> None:
-    d: DaemonProcess = make_daemon(**SLOW)
-    observer = d.client(timeout_s=10)
-    observer.status()
-    with _hello(str(d.socket_path)) as s:
-        assert _welcomed(s)
-        frame = _raw({"type": "begin", "job": "../up", "step": 1, "rank": 0, "world_size": 1})
         for _ in range(FLOOD):
             s.sendall(frame)
             reply = _reply(s)
             assert reply is not None and reply.kind == "error", reply
         s.sendall(frame)
         s.settimeout(1.5)
-        assert _reply(s) is None
+        assert _reply(s) is None  # the request after the fourth error waits
     assert _held_back(observer) == 1
     observer.close()
 

@@ -35,6 +35,21 @@ def _blocked(d: DaemonProcess) -> int:
     return int(d.client().status()["blocked_handoffs"])
 
 
+def _kill_while_blocked(d: DaemonProcess, script: str, *args: str) -> None:
+    """Run ``script`` (a client) until the daemon counts it blocked, kill -9 it, and see the
+    daemon stop counting it: before, it stayed blocked till limits.block_timeout_s (300 s)."""
+    rank = subprocess.Popen([sys.executable, "-c", script, str(d.socket_path), *args])
+    try:
+        wait_for(lambda: _blocked(d) == 1, timeout_s=30)
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(10)
+        wait_for(lambda: _blocked(d) == 0, timeout_s=20)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+
+
 @pytest.mark.parametrize("ack", ["local", "memory"])
 def test_a_killed_clients_wait_for_room_ends_with_it(make_daemon: Any, ack: str) -> None:
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="8MiB",
@@ -42,21 +57,10 @@ def test_a_killed_clients_wait_for_room_ends_with_it(make_daemon: Any, ack: str)
                                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
     with d.client().generation("occupant", 1, ack=ack) as gen:
         gen.put("occupant", os.urandom(8 * MiB))  # fills the room; the drain is held
-    rank = subprocess.Popen([sys.executable, "-c", _RANK, str(d.socket_path), "killed", ack,
-                             str(4 * MiB)])
-    try:
-        wait_for(lambda: _blocked(d) == 1, timeout_s=30)
-        rank.send_signal(signal.SIGKILL)
-        rank.wait(10)
-        # Before: still blocked till limits.block_timeout_s (300 s).
-        wait_for(lambda: _blocked(d) == 0, timeout_s=20)
-        assert "hung up while its hand-off waited for" in d.log()
-        [killed] = [g for g in d.client().status()["generations"] if g["job"] == "killed"]
-        assert killed["state"] == "failed", killed
-    finally:
-        if rank.poll() is None:
-            rank.kill()
-            rank.wait()
+    _kill_while_blocked(d, _RANK, "killed", ack, str(4 * MiB))
+    assert "hung up while its hand-off waited for" in d.log()
+    [killed] = [g for g in d.client().status()["generations"] if g["job"] == "killed"]
+    assert killed["state"] == "failed", killed
 
 
 _BEGIN = """
@@ -75,15 +79,6 @@ def test_a_killed_clients_wait_for_a_generation_slot_ends_with_it(make_daemon: A
                                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
     with d.client().generation("wedge", 1) as gen:
         gen.put("first", os.urandom(MiB))  # in flight until it drains: the drain is held
-    rank = subprocess.Popen([sys.executable, "-c", _BEGIN, str(d.socket_path), "wedge"])
-    try:
-        wait_for(lambda: _blocked(d) == 1, timeout_s=30)
-        rank.send_signal(signal.SIGKILL)
-        rank.wait(10)
-        wait_for(lambda: _blocked(d) == 0, timeout_s=20)
-        assert "hung up while its begin waited for a generation slot" in d.log()
-        assert [g["step"] for g in d.client().status()["generations"]] == [1]
-    finally:
-        if rank.poll() is None:
-            rank.kill()
-            rank.wait()
+    _kill_while_blocked(d, _BEGIN, "wedge")
+    assert "hung up while its begin waited for a generation slot" in d.log()
+    assert [g["step"] for g in d.client().status()["generations"]] == [1]
