@@ -11,24 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import socket
-import stat
-import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError, parse_checksum
+from ckptdrain.client.manifest import ManifestError
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog, checksums, maintenance, owners, payloads, reads, waits
+from ckptdrain.daemon import catalog, maintenance, owners, payloads, reads, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.allowance import TurnedAway
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.budget import BudgetFull, TooLarge
-from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd, writable
-from ckptdrain.daemon.errors import DaemonError, RequestError
+from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd
+from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.journal import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
@@ -37,13 +33,10 @@ from ckptdrain.daemon.state import (
     GenerationState,
     RankEvent,
     RankState,
-    ShardEvent,
-    ShardState,
 )
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.server import Daemon
-    from ckptdrain.daemon.staging import Staging
 
 log = logging.getLogger("ckptdrain.connection")
 
@@ -295,34 +288,14 @@ class ClientHandler:
         if kind == "status":
             return self.d.status(job=f.get("job"), peer=self.peer)
         if kind == "retry":
-            return await self.retry(f["job"], f["step"])
+            return await maintenance.retry(self, f["job"], f["step"])
         if kind == "open":
             self.reply_fd = await reads.open_local(self, f["job"], f["step"], f["path"])
             return {"job": f["job"], "step": f["step"], "path": f["path"]}
         if kind == "fetch":
-            fd = self.channel.take_frame_fd(kind)
-            if f.get("source") != "destination":
-                return await self.fetch(f["job"], f["step"], f["path"], fd)  # owns the fd
-            owned = True
-            try:
-                # The destination's threads write into it: checked and emptied off the loop
-                # (a pipe or socket is the client's mistake, not a destination error).
-                owned = False
-                try:
-                    await self.d.dataplane.call(
-                        _prepare_target, fd,
-                        cleanup=lambda: self.d.dataplane.close_client_fd(fd))
-                except _BadTarget as exc:
-                    raise RequestError(wire.BAD_REQUEST, str(exc)) from None
-                except OSError as exc:
-                    raise RequestError(wire.BAD_REQUEST, "could not empty the file passed for "
-                                       f"{f['path']!r}: {exc.strerror or exc}") from None
-                owned = True  # the call returned: the fd is ours again (dataplane.call)
-                return await reads.fetch_from_destination(self, f["job"], f["step"], f["path"],
-                                                          fd)
-            finally:
-                if owned:
-                    self.d.dataplane.close_client_fd(fd)
+            return await reads.fetch(self, f["job"], f["step"], f["path"],
+                                     self.channel.take_frame_fd(kind),  # owned by the call
+                                     from_destination=f.get("source") == "destination")
         if kind in ("drain", "resume"):
             return maintenance.drain(self.d, self.peer) if kind == "drain" else \
                 maintenance.resume(self.d, self.peer)
@@ -481,104 +454,6 @@ class ClientHandler:
 
     async def abort_rank(self, gen: GenerationRecord, rank: int, reason: str) -> None:
         await self.d.give_up(gen, f"rank {rank}: {reason}", ranks=(rank,))
-
-    async def fetch(self, job: str, step: int, path: str, out_fd: int) -> dict[str, Any]:
-        """Restore's fast path: copy this node's local copy of a committed shard into the
-        client's file. The client checks the checksum against the manifest: a local copy is
-        never trusted on its own. Owns ``out_fd`` (closes it, or leaves it to a stuck thread)."""
-        owned = True
-        try:
-            self.check_job_owner(job)
-            gen = self.d.ledger.get(job, step)
-            shard = gen.shards.get(path) if gen is not None else None
-            if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
-                    or not shard.local_copy):
-                raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} "
-                                   f"of step {step} of job {job!r}; read it from the destination")
-            # Checked in the data plane: the client's file may sit on a mount that hangs.
-            # The call owns the fd from here; if it fails, its clean-up closes it.
-            owned = False
-            # Checksummed with the algorithm of the recorded one (a sha256 of an older version's
-            # drain), so the client's comparison with the manifest is like for like.
-            algo = parse_checksum(shard.checksum)[0] if shard.checksum else checksums.ALGO
-            try:
-                size, checksum = await self.d.dataplane.call(
-                    _copy_to_client, self.d.staging, shard.staged_name, out_fd, algo,
-                    cleanup=lambda: self.d.dataplane.close_client_fd(out_fd))
-            except _BadTarget as exc:
-                raise RequestError(wire.BAD_REQUEST, str(exc)) from None
-            except FileNotFoundError:
-                raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; "
-                                   "read it from the destination") from None
-            except OSError as exc:
-                raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file "
-                                   f"passed: {exc.strerror or exc}") from None
-            owned = True
-            return {"path": path, "size": size, "checksum": checksum}
-        finally:
-            if owned:  # closing a client's file can block (NFS flushes on close): off the loop
-                self.d.dataplane.close_client_fd(out_fd)
-
-    async def retry(self, job: str, step: int) -> dict[str, Any]:
-        self.check_job_owner(job)
-        d = self.d
-        gen = d.ledger.get(job, step)
-        if gen is None:
-            raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}")
-        if gen.state is not GenerationState.FAILED:
-            raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is {gen.state}, not failed")
-        unretryable = gen.why_not_retryable()
-        if unretryable:
-            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} {unretryable}")
-        try:
-            slot = await d.admission.slots(job).reserve(1, block=False, timeout_s=0)
-        except (BudgetFull, TooLarge) as exc:
-            raise d.admission.backpressure_error(exc, job) from None
-        # A fresh drain.commit_wait_s from the retry: counted from the old drained clock, a
-        # generation that had waited out its wait for a slow node failed again within one
-        # poll of being retried, however soon that node came (found attacking).
-        fresh = {} if gen.drained_at is None else {"drained_at": time.time()}
-        try:
-            await d.ledger.apply(gen, GenerationEvent.RETRIED, error="", **fresh)
-        except BaseException:
-            slot.release()
-            raise
-        # Held once it is open again: hold_generation gives an ended generation's slot back
-        # at once (an abort may have ended it meanwhile), and held before, it let the retried
-        # generation run with no slot at all.
-        d.admission.hold_generation(gen, slot)
-        requeued = 0
-        for shard in gen.shards.values():
-            if shard.state is ShardState.FAILED:
-                await d.ledger.apply(shard, ShardEvent.RETRIED, error="")
-            if shard.state is ShardState.STAGED:
-                d.copies.retried(shard)
-                d.scheduler.enqueue(gen, shard)
-                requeued += 1
-        d.spawn_advance(gen)
-        return {"job": job, "step": step, "requeued": requeued}
-
-
-class _BadTarget(DaemonError):
-    """The fd passed to fetch cannot take the shard (raised in the data plane)."""
-
-
-def _prepare_target(fd: int) -> None:
-    """Make the client's file for a fetch ready to become exactly the shard: a regular file
-    open for writing, without O_APPEND (which puts every write at the end, so ranges written
-    at their offsets came out scrambled, with a checksum that still matched), and emptied
-    (what it held would stay past the shard's end). Blocking: the data plane's."""
-    if not (writable(fd) and stat.S_ISREG(os.fstat(fd).st_mode)):
-        raise _BadTarget("fetch needs a regular file opened for writing")
-    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
-        raise _BadTarget("fetch needs a file opened without O_APPEND: the shard is written at "
-                         "its own offsets")
-    os.ftruncate(fd, 0)
-
-
-def _copy_to_client(staging: Staging, name: str, out_fd: int, algo: str) -> tuple[int, str]:
-    _prepare_target(out_fd)
-    return staging.copy_out(name, out_fd, algo)
 
 
 def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:

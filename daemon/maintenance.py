@@ -1,4 +1,5 @@
-"""Taking a node out of service and back (``ckptdrain drain / resume / abort``).
+"""Taking a node out of service and back (``ckptdrain drain / resume / abort``), and a
+failed generation drained again (``ckptdrain retry``).
 
 While draining, a new generation (or a new attempt at one) is refused with the typed
 ``draining`` error; ranks joining a generation that already began here are still served, so
@@ -11,15 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
+from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.state import GenerationState, RankState, ShardState
+from ckptdrain.daemon.state import (
+    GenerationEvent,
+    GenerationState,
+    RankState,
+    ShardEvent,
+    ShardState,
+)
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.access import Peer
+    from ckptdrain.daemon.connection import ClientHandler
     from ckptdrain.daemon.server import Daemon
 
 log = logging.getLogger("ckptdrain.maintenance")
@@ -100,3 +110,45 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
     log_event(log, logging.WARNING, "generation_aborted", job=job, step=step, uid=uid,
               reason=reason)
     return {"job": job, "step": step, "state": str(gen.state)}
+
+
+async def retry(h: ClientHandler, job: str, step: int) -> dict[str, Any]:
+    """``ckptdrain retry JOB STEP``: a failed generation whose local copies are kept drains
+    again, with a fresh ``commit_wait_s``."""
+    h.check_job_owner(job)
+    d = h.d
+    gen = d.ledger.get(job, step)
+    if gen is None:
+        raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}")
+    if gen.state is not GenerationState.FAILED:
+        raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is {gen.state}, not failed")
+    unretryable = gen.why_not_retryable()
+    if unretryable:
+        raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} {unretryable}")
+    try:
+        slot = await d.admission.slots(job).reserve(1, block=False, timeout_s=0)
+    except (BudgetFull, TooLarge) as exc:
+        raise d.admission.backpressure_error(exc, job) from None
+    # A fresh drain.commit_wait_s from the retry: counted from the old drained clock, a
+    # generation that had waited out its wait for a slow node failed again within one
+    # poll of being retried, however soon that node came (found attacking).
+    fresh = {} if gen.drained_at is None else {"drained_at": time.time()}
+    try:
+        await d.ledger.apply(gen, GenerationEvent.RETRIED, error="", **fresh)
+    except BaseException:
+        slot.release()
+        raise
+    # Held once it is open again: hold_generation gives an ended generation's slot back
+    # at once (an abort may have ended it meanwhile), and held before, it let the retried
+    # generation run with no slot at all.
+    d.admission.hold_generation(gen, slot)
+    requeued = 0
+    for shard in gen.shards.values():
+        if shard.state is ShardState.FAILED:
+            await d.ledger.apply(shard, ShardEvent.RETRIED, error="")
+        if shard.state is ShardState.STAGED:
+            d.copies.retried(shard)
+            d.scheduler.enqueue(gen, shard)
+            requeued += 1
+    d.spawn_advance(gen)
+    return {"job": job, "step": step, "requeued": requeued}

@@ -1,5 +1,7 @@
-"""A reader's fast path (`open`): this node's local copy of a committed shard, as a
-read-only fd the client reads itself, once the daemon has checked it against the manifest.
+"""Reads for clients. A reader's fast path (`open`): this node's local copy of a committed
+shard, as a read-only fd the client reads itself, once the daemon has checked it against the
+manifest. A `fetch`: a shard copied into the client's file, from the local copy or the
+destination.
 
 The checksum the ledger holds for a drained shard is the one its part record (and so the
 committed manifest) lists. The drain that computed it read the staged file, and recorded the
@@ -16,18 +18,23 @@ the fd is checked to be that very file. Anything else (no copy, a copy gone or d
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
-from typing import TYPE_CHECKING
+import stat
+from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import parse_checksum
-from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon import checksums
+from ckptdrain.daemon.channel import writable
+from ckptdrain.daemon.errors import DaemonError, RequestError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import GenerationState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.connection import ClientHandler
+    from ckptdrain.daemon.staging import Staging
 
 log = logging.getLogger("ckptdrain.reads")
 
@@ -154,3 +161,90 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
                            f"destination does not match its manifest ({found}); "
                            "run `ckptdrain verify` on it")
     return {"path": path, "size": size, "checksum": checksum}
+
+
+async def fetch(h: ClientHandler, job: str, step: int, path: str, fd: int, *,
+                from_destination: bool) -> dict[str, Any]:
+    """A shard copied into the client's file ``fd`` (owned: closed, or left to a stuck
+    thread): from this node's local copy, or read from the destination."""
+    if not from_destination:
+        return await _fetch_local(h, job, step, path, fd)
+    owned = True
+    try:
+        # The destination's threads write into it: checked and emptied off the loop
+        # (a pipe or socket is the client's mistake, not a destination error).
+        owned = False
+        try:
+            await h.d.dataplane.call(_prepare_target, fd,
+                                     cleanup=lambda: h.d.dataplane.close_client_fd(fd))
+        except _BadTarget as exc:
+            raise RequestError(wire.BAD_REQUEST, str(exc)) from None
+        except OSError as exc:
+            raise RequestError(wire.BAD_REQUEST, "could not empty the file passed for "
+                               f"{path!r}: {exc.strerror or exc}") from None
+        owned = True  # the call returned: the fd is ours again (dataplane.call)
+        return await fetch_from_destination(h, job, step, path, fd)
+    finally:
+        if owned:
+            h.d.dataplane.close_client_fd(fd)
+
+
+async def _fetch_local(h: ClientHandler, job: str, step: int, path: str, out_fd: int
+                       ) -> dict[str, Any]:
+    """Restore's fast path: copy this node's local copy of a committed shard into the
+    client's file. The client checks the checksum against the manifest: a local copy is
+    never trusted on its own. Owns ``out_fd`` (closes it, or leaves it to a stuck thread)."""
+    owned = True
+    try:
+        h.check_job_owner(job)
+        gen = h.d.ledger.get(job, step)
+        shard = gen.shards.get(path) if gen is not None else None
+        if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
+                or not shard.local_copy):
+            raise RequestError(wire.NOT_FOUND, f"this node holds no local copy of {path!r} "
+                               f"of step {step} of job {job!r}; read it from the destination")
+        # Checked in the data plane: the client's file may sit on a mount that hangs.
+        # The call owns the fd from here; if it fails, its clean-up closes it.
+        owned = False
+        # Checksummed with the algorithm of the recorded one (a sha256 of an older version's
+        # drain), so the client's comparison with the manifest is like for like.
+        algo = parse_checksum(shard.checksum)[0] if shard.checksum else checksums.ALGO
+        try:
+            size, checksum = await h.d.dataplane.call(
+                _copy_to_client, h.d.staging, shard.staged_name, out_fd, algo,
+                cleanup=lambda: h.d.dataplane.close_client_fd(out_fd))
+        except _BadTarget as exc:
+            raise RequestError(wire.BAD_REQUEST, str(exc)) from None
+        except FileNotFoundError:
+            raise RequestError(wire.NOT_FOUND, f"this node's local copy of {path!r} is gone; "
+                               "read it from the destination") from None
+        except OSError as exc:
+            raise RequestError(wire.BAD_REQUEST, f"could not write {path!r} to the file "
+                               f"passed: {exc.strerror or exc}") from None
+        owned = True
+        return {"path": path, "size": size, "checksum": checksum}
+    finally:
+        if owned:  # closing a client's file can block (NFS flushes on close): off the loop
+            h.d.dataplane.close_client_fd(out_fd)
+
+
+class _BadTarget(DaemonError):
+    """The fd passed to fetch cannot take the shard (raised in the data plane)."""
+
+
+def _prepare_target(fd: int) -> None:
+    """Make the client's file for a fetch ready to become exactly the shard: a regular file
+    open for writing, without O_APPEND (which puts every write at the end, so ranges written
+    at their offsets came out scrambled, with a checksum that still matched), and emptied
+    (what it held would stay past the shard's end). Blocking: the data plane's."""
+    if not (writable(fd) and stat.S_ISREG(os.fstat(fd).st_mode)):
+        raise _BadTarget("fetch needs a regular file opened for writing")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+        raise _BadTarget("fetch needs a file opened without O_APPEND: the shard is written at "
+                         "its own offsets")
+    os.ftruncate(fd, 0)
+
+
+def _copy_to_client(staging: Staging, name: str, out_fd: int, algo: str) -> tuple[int, str]:
+    _prepare_target(out_fd)
+    return staging.copy_out(name, out_fd, algo)
