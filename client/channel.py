@@ -218,6 +218,10 @@ class Channel:
         with forks.creating():  # a fork never falls between the socket and its registration
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             channel = cls(sock, path, timeout_s)
+        # One deadline for the connect and the `hello`: a connect that waited out a full
+        # backlog leaves the hello only what is left (found attacking: open took twice
+        # connect_timeout_s).
+        deadline = time.monotonic() + connect_timeout_s
         try:
             _connect(sock, path, connect_timeout_s)
             check_listener(sock, path)
@@ -228,7 +232,7 @@ class Channel:
             welcome = channel.request(
                 "hello",
                 {"version": wire.PROTOCOL_VERSION, "client": f"ckptdrain-python pid={os.getpid()}"},
-                timeout_s=connect_timeout_s,
+                timeout_s=max(0.001, deadline - time.monotonic()),
             )
             version = welcome.get("version")
             if version != wire.PROTOCOL_VERSION:

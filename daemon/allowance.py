@@ -2,9 +2,11 @@
 
 Each error a uid's clients cause draws on its allowance (``limits.client_errors_per_s`` after
 a burst of ``limits.client_error_burst``; :class:`~.ratelimit.ErrorAllowance` keeps the
-count): a malformed frame, a refused frame, a request answered with an error other than
-backpressure or a timeout, a connection that ends without one request answered, and a
-connection refused at ``max_clients_per_uid``. Not a hang-up in the middle of a conversation,
+count): a malformed frame, a refused frame, a request answered with an error a correct client
+never gets (``bad_request``, ``invalid_name``, ``permission_denied``, ``unsupported_version``;
+not ``not_found``, which a reader meets for every shard with no local copy), a connection that
+ends without one request answered (unless it was held: it paid by waiting), and a connection
+refused at ``max_clients_per_uid``. Not a hang-up in the middle of a conversation,
 nor in the middle of a frame: a killed job drops all its connections at once. Each of these
 costs the event loop about as much as a hand-off's request; a uid that causes them faster than
 its allowance has its connections wait before the daemon reads their next frame (the first of
@@ -44,8 +46,9 @@ class TurnedAway(DaemonError):
 
     def __init__(self, retry_after_s: float) -> None:
         super().__init__(
-            "backpressure: this user's clients sent malformed or refused requests faster than "
-            "limits.client_errors_per_s allows, so their connections wait; retry in "
+            "backpressure: this user's clients caused errors (malformed or refused requests, "
+            "connections that carried no request) faster than limits.client_errors_per_s "
+            "allows, so their connections wait; retry in "
             f"{retry_after_s:.0f} s, and find the process sending them (the daemon's log "
             "names its pid)")
         self.retry_after_s = retry_after_s
@@ -68,11 +71,12 @@ class ClientAllowance:
         return self.owed.delay(uid, time.monotonic(), limits.client_errors_per_s,
                                limits.client_error_burst)
 
-    async def hold(self, uid: int, pid: int) -> None:
-        """Wait until ``uid`` is within its allowance; :class:`TurnedAway` past HOLD_MAX_S."""
+    async def hold(self, uid: int, pid: int) -> bool:
+        """Wait until ``uid`` is within its allowance (True if it had to);
+        :class:`TurnedAway` past HOLD_MAX_S."""
         delay = self._delay(uid)
         if delay <= 0:
-            return
+            return False
         self._metrics.client_held_back()
         self._log.log_event(log, logging.INFO, "client_held_back", cause=f"uid {uid}", uid=uid,
                             pid=pid, wait_s=round(delay, 3),
@@ -87,3 +91,4 @@ class ClientAllowance:
                 raise TurnedAway(delay)
             await asyncio.sleep(min(delay, left, RECHECK_S))
             delay = self._delay(uid)
+        return True

@@ -41,9 +41,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.connection")
 
 ACK_STRENGTH = {"memory": 0, "local": 1}
-# Error replies that do not draw on the uid's allowance (allowance.py): a well-behaved client
-# meets them under load, and retries.
-_FREE_ERRORS = frozenset({wire.BACKPRESSURE, wire.TIMEOUT})
+# Error replies that draw on the uid's allowance (allowance.py): only what a correct client
+# never gets. Not `not_found` and the like: a reader on a node without local copies is
+# answered `not_found` for every shard it asks for before it reads the destination (found
+# attacking: 64 ranks restoring were held, and 15 turned away).
+_CHARGED_ERRORS = frozenset({wire.BAD_REQUEST, wire.INVALID_NAME, wire.PERMISSION_DENIED,
+                             wire.UNSUPPORTED_VERSION})
 # Requests that are not hand-offs: a stop does not wait for them.
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
 
@@ -73,9 +76,12 @@ class ClientHandler:
 
     async def run(self) -> None:
         try:
-            await self.d.allowance.hold(self.uid, self.peer.pid)
+            # A connection held (or turned away) has paid by waiting: not charged again if it
+            # ends with no request (a client giving up, or retrying after backpressure).
+            self.charged = await self.d.allowance.hold(self.uid, self.peer.pid)
             await self._serve()
         except TurnedAway as exc:
+            self.charged = True
             await self._last_word(wire.BACKPRESSURE, str(exc),
                                   {"limit": "client_errors_per_s",
                                    "retry_after_s": round(exc.retry_after_s, 1)})
@@ -211,7 +217,7 @@ class ClientHandler:
                     # the way and cannot be told apart from the next frame. Hang up.
                     return
                 self._drop_unclaimed_fds()
-                if exc.code not in _FREE_ERRORS:
+                if exc.code in _CHARGED_ERRORS:
                     self._charge()
                     self.busy = False  # a held connection is no hand-off in flight
                     await self.d.allowance.hold(self.uid, self.peer.pid)

@@ -193,6 +193,27 @@ def test_errors_on_one_connection_draw_on_the_allowance(make_daemon: Any, frame:
     observer.close()
 
 
+def test_not_found_answers_do_not_draw_on_the_allowance(make_daemon: Any) -> None:
+    # Found attacking: a reader on a node without local copies (DrainReader, restore through
+    # the daemon) is answered `not_found` for every shard it asks `open` for before it reads
+    # the destination; charged, 64 ranks restoring were held and 15 turned away.
+    d: DaemonProcess = make_daemon(**SLOW)
+    with d.client().generation("elsewhere", 1) as gen:
+        gen.put("a.bin", b"x" * 1000)
+    d.client().wait("elsewhere", 1, timeout_s=30)
+    with _hello(str(d.socket_path)) as s:
+        conn = wire.Connection(wire.Role.CLIENT)
+        welcome = _reply(s, conn)
+        assert welcome is not None and welcome.kind == "welcome", welcome
+        for i in range(3 * FLOOD):
+            s.sendall(wire.encode_message("open", {"job": "elsewhere", "step": 1,
+                                                   "path": f"missing-{i}.bin"}))
+            reply = _reply(s, conn)
+            assert reply is not None and reply.fields.get("code") == wire.NOT_FOUND, reply
+    assert not _held(str(d.socket_path))
+    assert "client_held_back" not in d.log()
+
+
 def test_a_killed_jobs_hang_ups_mid_frame_do_not_hold_its_restart_back(make_daemon: Any) -> None:
     d: DaemonProcess = make_daemon(**SLOW)
     ranks = 10

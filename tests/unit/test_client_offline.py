@@ -615,3 +615,47 @@ def test_a_full_listen_backlog_is_waited_out_not_taken_for_no_daemon(tmp_path: A
         server.join(JOIN_TIMEOUT_S)
         listener.close()
     assert not server.is_alive()
+
+
+def test_the_connect_and_the_hello_share_one_connect_timeout(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found attacking: a connect that waited out a full backlog gave the hello a fresh
+    # connect_timeout_s, and Channel.open took twice as long as it was told.
+    path = str(tmp_path / "slow.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    filler.connect(path)
+    let_go = threading.Event()
+    hello_timeouts: list[float] = []
+    request = channel_module.Channel.request
+
+    def spy(self: Any, kind: str, fields: Any, **kw: Any) -> Any:
+        if kind == "hello":
+            hello_timeouts.append(kw["timeout_s"])
+        return request(self, kind, fields, **kw)
+
+    monkeypatch.setattr(channel_module.Channel, "request", spy)
+
+    def daemon_that_never_answers() -> None:
+        let_go.wait(0.6)  # the backlog stays full at least this long
+        first, _ = listener.accept()
+        first.close()
+        sock, _ = listener.accept()
+        with sock:
+            let_go.wait(JOIN_TIMEOUT_S)  # and the hello is never answered
+
+    server = threading.Thread(target=daemon_that_never_answers, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(Timeout):
+            channel_module.Channel.open(path, timeout_s=5, connect_timeout_s=1.0)
+    finally:
+        let_go.set()
+        filler.close()
+        server.join(JOIN_TIMEOUT_S)
+        listener.close()
+    # The connect took at least 0.6 s of the 1.0: the hello had what was left, not 1.0.
+    [hello_timeout] = hello_timeouts
+    assert hello_timeout <= 0.4, hello_timeout
