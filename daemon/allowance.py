@@ -5,8 +5,9 @@ a burst of ``limits.client_error_burst``; :class:`~.ratelimit.ErrorAllowance` ke
 count): a malformed frame, a refused frame, a request answered with an error a correct client
 never gets (``bad_request``, ``invalid_name``, ``permission_denied``, ``unsupported_version``;
 not ``not_found``, which a reader meets for every shard with no local copy), a connection that
-ends without one request answered (unless it was held: it paid by waiting), and a connection
-refused at ``max_clients_per_uid``. Not a hang-up in the middle of a conversation,
+ends without one request answered (unless it was held: it paid by waiting), a connection
+refused at ``max_clients_per_uid``, and a ``status`` of a user other than an operator (it costs
+the loop many times a hand-off's request, and nothing needs it often). Not a hang-up in the middle of a conversation,
 nor in the middle of a frame: a killed job drops all its connections at once. Each of these
 costs the event loop about as much as a hand-off's request; a uid that causes them faster than
 its allowance has its connections wait before the daemon reads their next frame (the first of

@@ -218,28 +218,38 @@ class Channel:
         killed while its hand-offs waited for room left them queued, first in line, till
         ``block_timeout_s``; now they go with it (found attacking: killed waiters held a
         restarted job's hand-offs back). Raises ConnectionError then, as any hang-up does.
-        What ``waiting`` got if it finished first is returned, even with the client gone: its
-        owner releases it as after any other hang-up."""
-        outcome: list[T] = []
-        failed: list[Exception] = []
 
-        async def wait() -> None:
-            try:
-                outcome.append(await waiting)
-            except Exception as exc:  # raised below as it is, not in a group
-                failed.append(exc)
+        ``waiting`` runs in this task, not one of its own: when there is room it completes
+        without a turn of the loop, as it did before the watch (a task of its own let other
+        begins run between a begin's checks and its slot, and they then refused it by the
+        wrong rule; found in CI). A hang-up cancels this task, and the cancellation is taken
+        back once it has reached ``waiting``."""
+        task = asyncio.current_task()
+        assert task is not None
+        cut = False
+        watching = True
+
+        def on_gone(gone: asyncio.Future[None]) -> None:
+            nonlocal cut
+            # Run from the loop, maybe after the wait ended: only while it is still on.
+            if watching and not gone.cancelled():
+                cut = True
+                task.cancel()
 
         with self.hangup_watch() as gone:
-            async with asyncio.TaskGroup() as tg:
-                task = tg.create_task(wait())
-                await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-                if not task.done():
-                    task.cancel()
-        if failed:
-            raise failed[0]
-        if not outcome:
-            raise ConnectionError(f"the client hung up while {what}")
-        return outcome[0]
+            gone.add_done_callback(on_gone)
+            try:
+                result = await waiting
+            except asyncio.CancelledError:
+                if cut and task.uncancel() == 0:
+                    raise ConnectionError(f"the client hung up while {what}") from None
+                raise
+            finally:
+                watching = False
+                gone.remove_done_callback(on_gone)
+        if cut:  # the wait ended anyway: the cancellation is not this task's to keep
+            task.uncancel()
+        return result
 
     async def sendall(self, data: bytes) -> None:
         async with asyncio.timeout(self.idle_timeout_s):

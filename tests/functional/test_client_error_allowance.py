@@ -274,3 +274,33 @@ def test_connects_refused_at_the_uids_cap_draw_on_the_allowance(make_daemon: Any
     # Once the daemon has seen them go, a new connection has a slot, and waits: the refusals
     # were charged (a probe that comes too early is refused at the cap again).
     wait_for(lambda: _held(path), timeout_s=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
+def test_a_users_status_requests_draw_on_the_allowance_and_an_operators_do_not(
+        make_daemon: Any) -> None:
+    # Found attacking: four connections of one user asking `status` back to back (7400 a
+    # second, every one answered `ok`) made another user's puts 13 times slower.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]", **SLOW)
+    os.chmod(d.socket_path.parent, 0o755)
+    path = str(d.socket_path)
+    with d.client(timeout_s=10) as operator:
+        for _ in range(3 * FLOOD):
+            operator.status()  # root: never held
+
+    def poll() -> str:
+        with _hello(path) as s:
+            conn = wire.Connection(wire.Role.CLIENT)
+            welcome = _reply(s, conn)
+            assert welcome is not None and welcome.kind == "welcome", welcome
+            for _ in range(FLOOD):
+                s.sendall(wire.encode_message("status", {}))
+                reply = _reply(s, conn)
+                assert reply is not None and reply.kind == "ok", reply
+            s.sendall(wire.encode_message("status", {}))
+            s.settimeout(1.5)
+            return "HELD" if _reply(s, conn) is None else "ANSWERED"
+
+    assert otheruser.run_as(OTHER_UID, poll) == "HELD"
+    assert "client_held_back" in d.log()
