@@ -223,7 +223,8 @@ class Channel:
         without a turn of the loop, as it did before the watch (a task of its own let other
         begins run between a begin's checks and its slot, and they then refused it by the
         wrong rule; found in CI). A hang-up cancels this task, and the cancellation is taken
-        back once it has reached ``waiting``."""
+        back once it has reached ``waiting``. The watch itself starts only if ``waiting`` lets
+        the loop turn: a hand-off that finds room costs no system call for it."""
         task = asyncio.current_task()
         assert task is not None
         cut = False
@@ -236,8 +237,13 @@ class Channel:
                 cut = True
                 task.cancel()
 
-        with self.hangup_watch() as gone:
-            gone.add_done_callback(on_gone)
+        with contextlib.ExitStack() as watch:
+
+            def start() -> None:
+                if watching:
+                    watch.enter_context(self.hangup_watch()).add_done_callback(on_gone)
+
+            started = self._loop.call_soon(start)
             try:
                 result = await waiting
             except asyncio.CancelledError:
@@ -246,7 +252,7 @@ class Channel:
                 raise
             finally:
                 watching = False
-                gone.remove_done_callback(on_gone)
+                started.cancel()
         if cut:  # the wait ended anyway: the cancellation is not this task's to keep
             task.uncancel()
         return result
