@@ -6,13 +6,14 @@ count): a malformed frame, a refused frame, a request answered with an error a c
 never gets (``bad_request``, ``invalid_name``, ``permission_denied``, ``unsupported_version``;
 not ``not_found``, which a reader meets for every shard with no local copy), a connection that
 ends without one request answered (unless it was held: it paid by waiting), a connection
-refused at ``max_clients_per_uid``, and a ``status`` of a user other than an operator (it costs
-the loop many times a hand-off's request, and nothing needs it often). Not a hang-up in the middle of a conversation,
-nor in the middle of a frame: a killed job drops all its connections at once. Each of these
-costs the event loop about as much as a hand-off's request; a uid that causes them faster than
-its allowance has its connections wait before the daemon reads their next frame (the first of
-a new connection, the next after an error reply), so one user's flood takes the loop only at
-that rate, and every other uid is served as before.
+refused at ``max_clients_per_uid``, and a ``status`` of a user other than an operator (it
+costs the loop many times a hand-off's request, and nothing needs it often). Not a hang-up in
+the middle of a conversation, nor in the middle of a frame: a killed job drops all its
+connections at once. Each of these costs the event loop at least as much as a hand-off's
+request; a uid that causes them faster than its allowance has its connections wait before the
+daemon reads their next frame (the first of a new connection, the next after a charged
+reply), so one user's flood takes the loop only at that rate, and every other uid is served as
+before.
 
 A wait is bounded: a connection still held after :data:`HOLD_MAX_S` gets a typed
 ``backpressure`` error (``limit = "client_errors_per_s"``, with ``retry_after_s``) and is
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -49,9 +51,8 @@ class TurnedAway(DaemonError):
         super().__init__(
             "backpressure: this user's clients caused errors (malformed or refused requests, "
             "connections that carried no request) faster than limits.client_errors_per_s "
-            "allows, so their connections wait; retry in "
-            f"{retry_after_s:.0f} s, and find the process sending them (the daemon's log "
-            "names its pid)")
+            f"allows, so their connections wait; retry in {math.ceil(retry_after_s)} s, and find "
+            "the process causing them (the daemon's log names its pid)")
         self.retry_after_s = retry_after_s
 
 

@@ -109,6 +109,7 @@ class ClientHandler:
             # The boundary. Nothing this client did may end the daemon.
             log.exception("unexpected error serving uid %s; closing that connection", self.uid)
             self.d.metrics.internal_error("connection")
+            self.charged = True  # the daemon's fault: nothing for the client's uid to pay
             await self._last_word(wire.INTERNAL, "the daemon hit an internal error serving this "
                                   "connection and closed it (it is logged); reconnect and retry")
         finally:
