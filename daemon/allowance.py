@@ -3,13 +3,14 @@
 Each error a uid's clients cause draws on its allowance (``limits.client_errors_per_s`` after
 a burst of ``limits.client_error_burst``; :class:`~.ratelimit.ErrorAllowance` keeps the
 count): a malformed frame, a refused frame, a request answered with an error a correct client
-never gets (``bad_request``, ``invalid_name``, ``permission_denied``, ``unsupported_version``;
-not ``not_found``, which a reader meets for every shard with no local copy), a connection that
-ends without one request answered (unless it was held: it paid by waiting), a connection
-refused at ``max_clients_per_uid``, and a ``status`` of a user other than an operator (it
-costs the loop many times a hand-off's request, and nothing needs it often). Not a hang-up in
-the middle of a conversation, nor in the middle of a frame: a killed job drops all its
-connections at once. Each of these costs the event loop at least as much as a hand-off's
+never gets (``bad_request``, ``invalid_name``, ``permission_denied``, ``unsupported_version``)
+and a twentieth of one for ``not_found`` (a reader meets it for every shard with no local
+copy: a restore of a thousand shards stays within the burst, a loop of them does not), a
+connection that ends without one request answered (unless it was held: it paid by waiting), a
+connection refused at ``max_clients_per_uid``, and a ``status`` of a user other than an
+operator (it costs the loop many times a hand-off's request, and nothing needs it often). Not
+a hang-up in the middle of a conversation, nor in the middle of a frame: a killed job drops
+all its connections at once. Each of these costs the event loop at least as much as a hand-off's
 request; a uid that causes them faster than its allowance has its connections wait before the
 daemon reads their next frame (the first of a new connection, the next after a charged
 reply), so one user's flood takes the loop only at that rate, and every other uid is served as
@@ -64,9 +65,9 @@ class ClientAllowance:
         self._log = log_bucket
         self.owed = ErrorAllowance()
 
-    def charge(self, uid: int) -> None:
-        """One error of ``uid``'s clients."""
-        self.owed.record(uid, time.monotonic(), self._limits().client_errors_per_s)
+    def charge(self, uid: int, cost: float = 1.0) -> None:
+        """An error of ``uid``'s clients (``cost`` errors' worth)."""
+        self.owed.record(uid, time.monotonic(), self._limits().client_errors_per_s, cost)
 
     def _delay(self, uid: int) -> float:
         limits = self._limits()

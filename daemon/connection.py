@@ -41,12 +41,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.connection")
 
 ACK_STRENGTH = {"memory": 0, "local": 1}
-# Error replies that draw on the uid's allowance (allowance.py): only what a correct client
-# never gets. Not `not_found` and the like: a reader on a node without local copies is
-# answered `not_found` for every shard it asks for before it reads the destination (found
-# attacking: 64 ranks restoring were held, and 15 turned away).
-_CHARGED_ERRORS = frozenset({wire.BAD_REQUEST, wire.INVALID_NAME, wire.PERMISSION_DENIED,
-                             wire.UNSUPPORTED_VERSION})
+# Error replies that draw on the uid's allowance (allowance.py), and how much: in full what a
+# correct client never gets. A `not_found` a reader meets for every shard with no local copy
+# before it reads the destination (charged in full, 64 ranks restoring were held and 15
+# turned away), yet a loop of them (8,500 a second) slowed another user's saves 7 times:
+# a twentieth each, 2000 within the default burst (both found attacking).
+_CHARGED_ERRORS = {wire.BAD_REQUEST: 1.0, wire.INVALID_NAME: 1.0, wire.PERMISSION_DENIED: 1.0,
+                   wire.UNSUPPORTED_VERSION: 1.0, wire.NOT_FOUND: 0.05}
 # A read that costs the loop many times a hand-off's request and that nothing needs often: a
 # user's draw on the allowance too (found attacking: four connections of one user asking
 # `status` back to back, 7400 a second, made another user's puts 13 times slower). An
@@ -127,10 +128,10 @@ class ClientHandler:
         self.d.client_log.log_event(log, logging.INFO, event, cause=f"uid {self.uid}",
                                     uid=self.uid, pid=self.peer.pid, **fields)
 
-    def _charge(self) -> None:
+    def _charge(self, cost: float = 1.0) -> None:
         """This connection's client caused an error: its uid's allowance pays (allowance.py)."""
         self.charged = True
-        self.d.allowance.charge(self.uid)
+        self.d.allowance.charge(self.uid, cost)
 
     async def _last_word(self, code: str, message: str,
                          details: dict[str, Any] | None = None) -> None:
@@ -225,7 +226,7 @@ class ClientHandler:
                     return
                 self._drop_unclaimed_fds()
                 if exc.code in _CHARGED_ERRORS:
-                    self._charge()
+                    self._charge(_CHARGED_ERRORS[exc.code])
                     self.busy = False  # a held connection is no hand-off in flight
                     await self.d.allowance.hold(self.uid, self.peer.pid)
                 continue

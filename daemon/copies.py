@@ -365,29 +365,51 @@ class LocalCopies:
             if room is None:
                 continue  # dropped or evicted by someone else while this one unlinked
             shard.local_copy = False
-            name = shard.staged_name
-            try:
-                if name in self._lent:
-                    # Lent to a reader once: removed only if none holds it now, else it
-                    # stays counted and the next copy is evicted instead (one copy read once
-                    # stopped every eviction behind it, found attacking).
-                    self._lent.discard(name)
-                    if not await self.dataplane.call(self.staging.discard_unless_open, [name]):
-                        self._pin(shard, room)
-                        room = None
-                        continue
-                else:
-                    await self.dataplane.call(self.staging.discard, name)
-                freed += room.amount
-                evicted += 1
-            finally:
-                if room is not None:
-                    room.release()
+            # Lent to a reader once: removed only if none holds it now, else it stays
+            # counted and the next copy is evicted instead (one copy read once stopped every
+            # eviction behind it, found attacking).
+            lent = shard.staged_name in self._lent
+            self._lent.discard(shard.staged_name)
+            if not await self._discard(shard, room, lent=lent):
+                continue
+            freed += room.amount
+            evicted += 1
         if evicted:
             self.evicted += evicted
             log_event(log, logging.INFO, "local_copies_evicted", shards=evicted, bytes=freed,
                       reason=reason)
         return freed
+
+
+    async def _discard(self, shard: ShardRecord, room: Reservation, *, lent: bool) -> bool:
+        """Remove ``shard``'s copy (a ``lent`` one only if no reader holds it open); whether
+        it went. ``room`` is settled by what the thread did, also when this task is cancelled
+        meanwhile (a hand-off whose client hung up while it evicted for room): released once
+        the file is gone (or the unlink failed), pinned while a reader keeps it. Released at
+        the cancellation instead, the room came back while the thread kept a held file, which
+        then stayed on the disk in no count (found attacking)."""
+        settled = False
+
+        def settle(removed: object) -> None:
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            if removed:
+                room.release()
+            else:
+                self._pin(shard, room)
+
+        name = shard.staged_name
+        if lent:
+            removed = bool(await self.dataplane.call(
+                self.staging.discard_unless_open, [name], abandoned=settle,
+                cleanup=lambda: settle(True)))
+        else:
+            await self.dataplane.call(self.staging.discard, name, cleanup=lambda: settle(True))
+            removed = True
+        settle(removed)
+        return removed
 
 
 def _give_back(unlinks: list[tuple[str, Reservation | None]]) -> None:

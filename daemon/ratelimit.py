@@ -75,14 +75,15 @@ class ErrorAllowance:
         owed, at = self._owed.get(uid, (0.0, now))
         return max(0.0, owed - max(0.0, now - at) * rate)
 
-    def record(self, uid: int, now: float, rate: float) -> None:
-        """One error of ``uid``'s; ``rate`` 0 counts nothing (the allowance is off)."""
+    def record(self, uid: int, now: float, rate: float, cost: float = 1.0) -> None:
+        """An error of ``uid``'s, ``cost`` errors' worth; ``rate`` 0 counts nothing (the
+        allowance is off)."""
         if rate <= 0:
             return
         if uid not in self._owed and len(self._owed) >= self.PRUNE_AT:
             self._owed = {u: (owed, at) for u, (owed, at) in self._owed.items()
                           if self._owed_now(u, now, rate) > 0}
-        self._owed[uid] = (self._owed_now(uid, now, rate) + 1.0, now)
+        self._owed[uid] = (self._owed_now(uid, now, rate) + cost, now)
 
     def delay(self, uid: int, now: float, rate: float, burst: int) -> float:
         """Seconds ``uid``'s next frame waits before it is read: 0 within the allowance."""

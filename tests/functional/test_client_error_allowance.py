@@ -214,6 +214,27 @@ def test_not_found_answers_do_not_draw_on_the_allowance(make_daemon: Any) -> Non
     assert "client_held_back" not in d.log()
 
 
+def test_a_loop_of_not_found_answers_is_held_back(make_daemon: Any) -> None:
+    # Found attacking: a user asking `open` of shards this node has no copy of, 8,500 times
+    # a second, slowed another user's saves 7 times. Each is a twentieth of an error.
+    d: DaemonProcess = make_daemon(**SLOW)
+    observer = d.client(timeout_s=10)
+    observer.status()
+    with _hello(str(d.socket_path)) as s:
+        conn = wire.Connection(wire.Role.CLIENT)
+        welcome = _reply(s, conn)
+        assert welcome is not None and welcome.kind == "welcome", welcome
+        ask = wire.encode_message("open", {"job": "nowhere", "step": 1, "path": "a.bin"})
+        # The burst (3 errors) is 60 of them; past it each waits a twentieth of an error's
+        # wait (1 s at 0.05 errors a second) before it is read.
+        for _ in range(62):
+            s.sendall(ask)
+            reply = _reply(s, conn)
+            assert reply is not None and reply.fields.get("code") == wire.NOT_FOUND, reply
+    assert _held_back(observer) >= 1
+    observer.close()
+
+
 def test_a_killed_jobs_hang_ups_mid_frame_do_not_hold_its_restart_back(make_daemon: Any) -> None:
     d: DaemonProcess = make_daemon(**SLOW)
     ranks = 10

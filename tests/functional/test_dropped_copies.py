@@ -5,6 +5,7 @@ callback per shard just to remove files."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -60,7 +61,7 @@ class Copies:
         self.room = Budget("max_staged_bytes", 64 * 100)
         self.generations: dict[tuple[str, int], GenerationRecord] = {}
         self.local = LocalCopies(self.staging, SimpleNamespace(staged=self.room),  # type: ignore[arg-type]
-                                 SimpleNamespace(generations=self.generations),  # type: ignore[arg-type]
+                                 SimpleNamespace(generations=self.generations, jobs={}),  # type: ignore[arg-type]
                                  dataplane=self.plane, supervisor=self.supervisor)
         self.local.keep_after_drain = False  # keep_local_copy off: drained copies are dropped
 
@@ -195,3 +196,48 @@ async def test_two_evictions_at_once_do_not_take_the_same_copy_twice(copies: Cop
     assert all(n > 0 for n in freed)
     await _until_gone(copies.paths(shards[:3]))
     assert copies.room.used <= 64 * 97
+
+
+@pytest.mark.asyncio
+async def test_an_eviction_cut_short_settles_a_held_copys_room_by_what_its_thread_did(
+        copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found attacking: a hand-off whose client hung up while it evicted for room cancelled
+    # the eviction inside its data-plane call; the room of the lent copy it was removing went
+    # back at the cancellation, while the thread found a reader holding the file and kept
+    # it: on the disk, in no count, until a restart.
+    copies.local.keep_after_drain = True
+    gen = GenerationRecord(job="j", step=1, world_size=1, ack="local", created_at=0.0,
+                           state=GenerationState.COMMITTED)
+    copies.generations[("j", 1)] = gen
+    shards = copies.staged(100)  # full
+    for shard in shards:
+        gen.shards[shard.path] = shard
+    victim = shards[0]
+    copies.local.lent(victim)
+    reader = open(copies.staging.data_path(victim.staged_name), "rb")  # noqa: SIM115
+    inside, go_on = threading.Event(), threading.Event()
+    real = copies.staging.discard_unless_open
+
+    def slow_discard(names: list[str]) -> list[str]:
+        inside.set()
+        go_on.wait(10)
+        return real(names)
+
+    monkeypatch.setattr(copies.staging, "discard_unless_open", slow_discard)
+    try:
+        evicting = asyncio.create_task(copies.local.make_room(64))
+        await asyncio.to_thread(inside.wait, 10)
+        evicting.cancel()  # the hand-off's client hung up
+        with pytest.raises(asyncio.CancelledError):
+            await evicting
+        go_on.set()
+        # The thread found the reader holding the file: its room stays held (pinned).
+        deadline = time.monotonic() + 10
+        while victim.staged_name not in copies.local._pinned:
+            assert time.monotonic() < deadline, "the kept copy was never pinned"
+            await asyncio.sleep(0.01)
+        assert copies.staging.data_path(victim.staged_name).exists()
+        assert copies.room.used == 64 * 100  # the code before: 64 * 99, the file still there
+    finally:
+        go_on.set()
+        reader.close()
