@@ -133,6 +133,11 @@ class ClientHandler:
         self.charged = True
         self.d.allowance.charge(self.uid, cost)
 
+    async def _pay(self, cost: float = 1.0) -> None:
+        """:meth:`_charge`, then wait before the next frame while the uid is over."""
+        self._charge(cost)
+        await self.d.allowance.hold(self.uid, self.peer.pid)
+
     async def _last_word(self, code: str, message: str,
                          details: dict[str, Any] | None = None) -> None:
         with contextlib.suppress(Exception):
@@ -193,8 +198,7 @@ class ClientHandler:
                                    error=event.message)
                 await self.channel.sendall(self.conn.send_error(event.code, event.message))
                 self._drop_unclaimed_fds()
-                self._charge()
-                await self.d.allowance.hold(self.uid, self.peer.pid)
+                await self._pay()
                 continue
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
 
@@ -226,9 +230,8 @@ class ClientHandler:
                     return
                 self._drop_unclaimed_fds()
                 if exc.code in _CHARGED_ERRORS:
-                    self._charge(_CHARGED_ERRORS[exc.code])
                     self.busy = False  # a held connection is no hand-off in flight
-                    await self.d.allowance.hold(self.uid, self.peer.pid)
+                    await self._pay(_CHARGED_ERRORS[exc.code])
                 continue
             finally:
                 self.busy = False
@@ -243,8 +246,7 @@ class ClientHandler:
                 finally:
                     os.close(fd)
             if msg.kind in _METERED_READS and not self.peer.operator:
-                self._charge()
-                await self.d.allowance.hold(self.uid, self.peer.pid)
+                await self._pay()
 
     def _journal_full(self, exc: JournalFull) -> RequestError:
         """Nothing new is journalled while the staging filesystem is full (Journal.write): a

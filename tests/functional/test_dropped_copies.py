@@ -74,6 +74,17 @@ class Copies:
             self.local.adopt(shard, room, None)
         return made
 
+    def kept_full(self) -> list[ShardRecord]:
+        """A committed generation's drained copies, kept, filling the room (100 of 64 bytes)."""
+        self.local.keep_after_drain = True
+        gen = GenerationRecord(job="j", step=1, world_size=1, ack="local", created_at=0.0,
+                               state=GenerationState.COMMITTED)
+        self.generations[("j", 1)] = gen
+        shards = self.staged(100)
+        for shard in shards:
+            gen.shards[shard.path] = shard
+        return shards
+
     def paths(self, shards: list[ShardRecord]) -> list[Path]:
         return [self.staging.data_path(s.staged_name) for s in shards]
 
@@ -183,13 +194,7 @@ async def test_a_hand_off_waiting_for_room_does_not_wait_for_the_gathering(
 async def test_two_evictions_at_once_do_not_take_the_same_copy_twice(copies: Copies) -> None:
     # make_room unlinks its victims one by one; another make_room (a waiting hand-off's
     # relief beside a hand-off of its own) may take one of them meanwhile.
-    copies.local.keep_after_drain = True
-    gen = GenerationRecord(job="j", step=1, world_size=1, ack="local", created_at=0.0,
-                           state=GenerationState.COMMITTED)
-    copies.generations[("j", 1)] = gen
-    shards = copies.staged(100)  # full
-    for shard in shards:
-        gen.shards[shard.path] = shard
+    shards = copies.kept_full()
     first = asyncio.create_task(copies.local.make_room(64 * 3))
     second = asyncio.create_task(copies.local.make_room(64 * 3))
     freed = await asyncio.gather(first, second)
@@ -205,13 +210,7 @@ async def test_an_eviction_cut_short_settles_a_held_copys_room_by_what_its_threa
     # the eviction inside its data-plane call; the room of the lent copy it was removing went
     # back at the cancellation, while the thread found a reader holding the file and kept
     # it: on the disk, in no count, until a restart.
-    copies.local.keep_after_drain = True
-    gen = GenerationRecord(job="j", step=1, world_size=1, ack="local", created_at=0.0,
-                           state=GenerationState.COMMITTED)
-    copies.generations[("j", 1)] = gen
-    shards = copies.staged(100)  # full
-    for shard in shards:
-        gen.shards[shard.path] = shard
+    shards = copies.kept_full()
     victim = shards[0]
     copies.local.lent(victim)
     reader = open(copies.staging.data_path(victim.staged_name), "rb")  # noqa: SIM115
