@@ -6,7 +6,7 @@ count): a malformed frame, a refused frame, a request answered with an error a c
 never gets (``bad_request``, ``invalid_name``, ``permission_denied``, ``unsupported_version``)
 and a twentieth of one for ``not_found`` (a reader meets it for every shard with no local
 copy: a restore of a thousand shards stays within the burst, a loop of them does not), a
-connection that ends without one request answered (unless it was held: it paid by waiting), a
+connection that ends before its first request (unless it was held: it paid by waiting), a
 connection refused at ``max_clients_per_uid``, and a ``status`` of a user other than an
 operator (it costs the loop many times a hand-off's request, and nothing needs it often). Not
 a hang-up in the middle of a conversation, nor in the middle of a frame: a killed job drops
@@ -67,7 +67,9 @@ class ClientAllowance:
 
     def charge(self, uid: int, cost: float = 1.0) -> None:
         """An error of ``uid``'s clients (``cost`` errors' worth)."""
-        self.owed.record(uid, time.monotonic(), self._limits().client_errors_per_s, cost)
+        limits = self._limits()
+        self.owed.record(uid, time.monotonic(), limits.client_errors_per_s,
+                         limits.client_error_burst, cost)
 
     def _delay(self, uid: int) -> float:
         limits = self._limits()

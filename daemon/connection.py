@@ -78,7 +78,11 @@ class ClientHandler:
         self.busy = False  # serving a hand-off request right now (see Listener._drain)
         self.ack: str = daemon.config.ack  # the boundary in force for this connection's rank
         self.reply_fd: int | None = None  # an fd the next `ok` hands the client (`open`)
-        self.answered = 0  # requests answered, ok or error
+        # Requests read after the hello. A connection that ends before its first is charged;
+        # one whose client is killed while its first request runs (a `begin` waiting for a
+        # slot, a `wait`: each a connection of its own) is not (found reviewing: five killed
+        # waiters held their uid's restart).
+        self.requests = 0
         self.charged = False  # this connection drew on its uid's error allowance
 
     async def run(self) -> None:
@@ -114,7 +118,7 @@ class ClientHandler:
             await self._last_word(wire.INTERNAL, "the daemon hit an internal error serving this "
                                   "connection and closed it (it is logged); reconnect and retry")
         finally:
-            if self.answered == 0 and not self.charged:
+            if self.requests == 0 and not self.charged:
                 self._charge()  # a connection that carried no request: it cost the loop all the same
             try:
                 await self._abandon()
@@ -216,6 +220,7 @@ class ClientHandler:
             msg = await self.next_message()
             if msg is None:
                 return
+            self.requests += 1
             # A hand-off in progress is let finish on shutdown; a long `wait` is not one.
             self.busy = msg.kind not in _NOT_BUSY
             try:
@@ -223,7 +228,6 @@ class ClientHandler:
             except (RequestError, JournalFull) as caught:
                 exc = caught if isinstance(caught, RequestError) else self._journal_full(caught)
                 await self.channel.sendall(self.conn.send_error(exc.code, exc.message, exc.details or None))
-                self.answered += 1
                 if self.conn.payload_remaining or self.conn.awaiting_data is not None:
                     # Failed part-way through a shard's bytes: the rest of them are still on
                     # the way and cannot be told apart from the next frame. Hang up.
@@ -236,7 +240,6 @@ class ClientHandler:
             finally:
                 self.busy = False
             self._drop_unclaimed_fds()
-            self.answered += 1
             fd, self.reply_fd = self.reply_fd, None
             if fd is None:
                 await self.send("ok", reply)

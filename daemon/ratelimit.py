@@ -60,36 +60,61 @@ class ErrorAllowance:
     and it reconnects) takes as much of the event loop as the loop can give, and every other
     client's hand-off waits behind it. Only the offending uid waits.
 
-    Per uid in debt: the errors it owes and when that was counted; the debt drains at the rate
-    in force when it is looked at, so a reload that raises the rate shortens the waits at once.
-    A uid leaves the table when a connection of its finds the debt paid, and the table is
-    pruned of paid uids before it grows past :attr:`PRUNE_AT`.
+    Per uid in debt: the errors it owes and when that was counted. The debt drains at the rate
+    in force; a new rate (a reload) first settles every debt at the old one up to that moment,
+    so a raised rate shortens the waits at once and a lowered one brings back no debt already
+    paid; a rate of 0 (off) forgives every debt. A debt is at most :attr:`DEBT_MAX_S` of the
+    rate past the burst: a flood's cost ends that long after the flood does. A uid leaves the
+    table when a connection of its finds the debt paid, and the table is pruned of paid uids
+    before it grows past :attr:`PRUNE_AT`.
     """
 
     PRUNE_AT = 4096
+    # Found attacking: uncapped, 10,000 connects refused at the uid's cap (half a second of
+    # looping) held that uid's every connection, its training jobs' too, for 8 minutes.
+    DEBT_MAX_S = 60.0
 
     def __init__(self) -> None:
         self._owed: dict[int, tuple[float, float]] = {}  # uid -> (errors owed, counted at)
+        self._rate = 0.0  # the rate the debts drain at
 
-    def _owed_now(self, uid: int, now: float, rate: float) -> float:
+    def _owed_now(self, uid: int, now: float) -> float:
         owed, at = self._owed.get(uid, (0.0, now))
-        return max(0.0, owed - max(0.0, now - at) * rate)
+        return max(0.0, owed - max(0.0, now - at) * self._rate)
 
-    def record(self, uid: int, now: float, rate: float, cost: float = 1.0) -> None:
+    def _at_rate(self, rate: float, now: float) -> None:
+        """Debts drain at ``rate`` from ``now`` on (found attacking: drained at a lowered rate
+        over the whole time since it was counted, a debt paid an hour before came back)."""
+        if rate == self._rate:
+            return
+        if rate <= 0:
+            self._owed = {}
+        else:
+            self._prune(now)
+        self._rate = rate
+
+    def _prune(self, now: float) -> None:
+        """Settle every debt at the rate in force up to ``now``; drop the paid ones."""
+        owed = ((uid, self._owed_now(uid, now)) for uid in list(self._owed))
+        self._owed = {uid: (left, now) for uid, left in owed if left > 0}
+
+    def record(self, uid: int, now: float, rate: float, burst: float, cost: float = 1.0) -> None:
         """An error of ``uid``'s, ``cost`` errors' worth; ``rate`` 0 counts nothing (the
         allowance is off)."""
+        self._at_rate(rate, now)
         if rate <= 0:
             return
         if uid not in self._owed and len(self._owed) >= self.PRUNE_AT:
-            self._owed = {u: (owed, at) for u, (owed, at) in self._owed.items()
-                          if self._owed_now(u, now, rate) > 0}
-        self._owed[uid] = (self._owed_now(uid, now, rate) + cost, now)
+            self._prune(now)
+        self._owed[uid] = (min(self._owed_now(uid, now) + cost, burst + rate * self.DEBT_MAX_S),
+                           now)
 
-    def delay(self, uid: int, now: float, rate: float, burst: int) -> float:
+    def delay(self, uid: int, now: float, rate: float, burst: float) -> float:
         """Seconds ``uid``'s next frame waits before it is read: 0 within the allowance."""
+        self._at_rate(rate, now)
         if uid not in self._owed:
             return 0.0
-        owed = self._owed_now(uid, now, rate) if rate > 0 else 0.0
+        owed = self._owed_now(uid, now)
         if owed <= 0:
             del self._owed[uid]
             return 0.0

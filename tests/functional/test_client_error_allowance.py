@@ -80,12 +80,16 @@ def _raw(header: dict[str, object]) -> bytes:
     return struct.pack(">4sIQ", wire.MAGIC, len(body), 0) + body
 
 
-def _held_back(client: Client) -> float:
+def _metric(client: Client, series: str) -> float:
     with urllib.request.urlopen(client.status()["metrics"], timeout=10) as r:
         text = r.read().decode()
-    match = re.search(r"^ckptdrain_client_held_back_total (\S+)$", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
     assert match, text
     return float(match[1])
+
+
+def _held_back(client: Client) -> float:
+    return _metric(client, "ckptdrain_client_held_back_total")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
@@ -295,6 +299,71 @@ def test_connects_refused_at_the_uids_cap_draw_on_the_allowance(make_daemon: Any
     # Once the daemon has seen them go, a new connection has a slot, and waits: the refusals
     # were charged (a probe that comes too early is refused at the cap again).
     wait_for(lambda: _held(path), timeout_s=30)
+
+
+def test_a_flood_of_refusals_costs_its_uid_a_minute_at_most(make_daemon: Any) -> None:
+    # Found reviewing: the debt had no bound, and a refusal at the uid's cap is answered at
+    # once: 200 refusals (15 ms of looping) held that uid's every connection, its training
+    # jobs' too, for 66 minutes at this rate (3974 s).
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_CLIENTS_PER_UID="2", **SLOW)
+    path = str(d.socket_path)
+    held = [_hello(path) for _ in range(2)]
+    for s in held:
+        assert _welcomed(s)
+    for _ in range(200):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(path)
+            reply = _reply(s)
+            assert reply is not None and reply.fields["details"]["limit"] == "max_clients_per_uid"
+    for s in held:
+        s.close()
+
+    replies: list[wire.Message] = []
+
+    def turned_away() -> bool:
+        with _hello(path) as s:
+            s.settimeout(30)
+            reply = _reply(s)
+        assert reply is not None and reply.kind == "error", reply
+        replies.append(reply)
+        # Refused at the cap again until the daemon has seen the two go.
+        return bool(reply.fields["details"]["limit"] == "client_errors_per_s")
+
+    wait_for(turned_away, timeout_s=60)
+    reply = replies[-1]
+    assert reply.fields["code"] == wire.BACKPRESSURE
+    # At most a minute past the burst (allowance.DEBT_MAX_S), less the hold it waited out.
+    assert 0 < reply.fields["details"]["retry_after_s"] <= 60
+
+
+def test_clients_killed_in_their_first_request_do_not_hold_the_restart_back(
+        make_daemon: Any) -> None:
+    # Found reviewing: a connection was charged as one that carried no request when its
+    # client was killed before the first answer came: a rank's `begin` waiting for a slot, a
+    # `wait` (the client opens a connection for each). Five killed waiters held the restart.
+    d: DaemonProcess = make_daemon(**SLOW)
+    path = str(d.socket_path)
+    observer = d.client(timeout_s=10)
+    with _hello(path) as opener:  # an open generation that nobody finishes
+        conn = wire.Connection(wire.Role.CLIENT)
+        assert _reply(opener, conn) is not None
+        opener.sendall(wire.encode_message("begin", {"job": "slow", "step": 1, "rank": 0,
+                                                     "world_size": 2}))
+        reply = _reply(opener, conn)
+        assert reply is not None and reply.kind == "ok", reply
+        dropped = _metric(observer, 'ckptdrain_client_errors_total{event="client_dropped"}')
+        for _ in range(FLOOD + 1):
+            with _hello(path) as s:
+                assert _welcomed(s)
+                s.sendall(wire.encode_message("wait", {"job": "slow", "step": 1,
+                                                       "timeout_s": 60}))
+        # Every waiter's end seen by the daemon (each a dropped client), then a new one.
+        wait_for(lambda: _metric(observer, 'ckptdrain_client_errors_total'
+                                 '{event="client_dropped"}') >= dropped + FLOOD + 1)
+        assert not _held(path)
+    assert "client_held_back" not in d.log()
+    observer.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
