@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,14 +55,36 @@ def fuzz_sessions(runs: int) -> int:
     return -(-total // runs)
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """How much chaos the run caused: the full sets promise >= 200 kills, 10,000 sessions."""
+def _tallies() -> dict[str, dict[str, int]]:
     from tests.chaos import fuzzer, matrix
 
-    if matrix.TALLY["trials"] or fuzzer.TALLY["sessions"]:
+    return {"matrix": matrix.TALLY, "fuzzer": fuzzer.TALLY}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist (``make test`` runs two workers) each worker counted its own trials:
+    it hands them to the controller, which adds them up (below) for the summary line."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["chaos_tally"] = {name: dict(tally) for name, tally in _tallies().items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    tallies = _tallies()
+    for name, counts in getattr(node, "workeroutput", {}).get("chaos_tally", {}).items():
+        for key, value in counts.items():
+            tallies[name][key] += value
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How much chaos the run caused: the full sets promise >= 200 kills, 10,000 sessions."""
+    tallies = _tallies()
+    matrix, fuzzer = tallies["matrix"], tallies["fuzzer"]
+    if matrix["trials"] or fuzzer["sessions"]:
         terminalreporter.write_line(
-            f"chaos: {matrix.TALLY['kills']} kill -9 in {matrix.TALLY['trials']} trials, "
-            f"{fuzzer.TALLY['sessions']} fuzzed sessions")
+            f"chaos: {matrix['kills']} kill -9 in {matrix['trials']} trials, "
+            f"{fuzzer['sessions']} fuzzed sessions")
 
 
 @pytest.fixture(scope="session")
