@@ -41,8 +41,13 @@ def cap_error(text: str) -> str:
 def retrying_note(exc: Exception, attempt: int) -> str:
     """What a generation shows in `status` while its drains or commit retry ``exc`` (a
     destination error: its kind, its message, how many tries so far), bounded."""
-    note = f"{getattr(exc, 'kind', 'error')}: {exc} (try {attempt}, retrying)"
-    return note if len(note) <= SUMMARY_ERROR_CHARS else note[:SUMMARY_ERROR_CHARS - 1] + "…"
+    # The message is cut, never the count: cut from the end, a long destination path took
+    # "(try N, retrying)" off, and the line no longer said that it was being retried (found
+    # when the suite first ran in two workers, whose temp paths are longer).
+    tail = f" (try {attempt}, retrying)"
+    head = f"{getattr(exc, 'kind', 'error')}: {exc}"
+    room = SUMMARY_ERROR_CHARS - len(tail)
+    return (head if len(head) <= room else head[:room - 1] + "…") + tail
 
 
 def monotonic_of(wall_at: float) -> float:
