@@ -35,19 +35,24 @@ MAX_ERROR_CHARS = 2000
 
 
 def cap_error(text: str) -> str:
-    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"
+    return shortened(text, MAX_ERROR_CHARS)
+
+
+def shortened(text: str, limit: int = SUMMARY_ERROR_CHARS) -> str:
+    """``text`` in at most ``limit`` characters, cut in the middle: an error's start says what
+    failed and its end what to do (and how often it was tried), and a cut at the end took that
+    off whenever a long destination path came between (found when the suite first ran in two
+    workers, whose temp paths are longer: a retried error lost its "(try N, retrying)")."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) * 2 // 3
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head):]
 
 
 def retrying_note(exc: Exception, attempt: int) -> str:
     """What a generation shows in `status` while its drains or commit retry ``exc`` (a
     destination error: its kind, its message, how many tries so far), bounded."""
-    # The message is cut, never the count: cut from the end, a long destination path took
-    # "(try N, retrying)" off, and the line no longer said that it was being retried (found
-    # when the suite first ran in two workers, whose temp paths are longer).
-    tail = f" (try {attempt}, retrying)"
-    head = f"{getattr(exc, 'kind', 'error')}: {exc}"
-    room = SUMMARY_ERROR_CHARS - len(tail)
-    return (head if len(head) <= room else head[:room - 1] + "…") + tail
+    return shortened(f"{getattr(exc, 'kind', 'error')}: {exc} (try {attempt}, retrying)")
 
 
 def monotonic_of(wall_at: float) -> float:
@@ -269,8 +274,7 @@ class GenerationRecord:
             "bytes": bytes_by_state,
             "oldest_undrained_age_s": round(time.monotonic() - since, 3) if since else 0.0,
             "retrying": "" if self.terminal else self.retrying,
-            "error": self.error if len(self.error) <= SUMMARY_ERROR_CHARS
-            else self.error[:SUMMARY_ERROR_CHARS] + "…",
+            "error": shortened(self.error),
         }
 
     def _ranks_summary(self) -> dict[str, Any]:
