@@ -117,6 +117,13 @@ def _flush_and_exit(code: int) -> None:
 
 
 # -- status -----------------------------------------------------------------------------------
+def _printable(text: str) -> str:
+    """``text`` on one line, its control characters escaped: an error may be a client's own
+    text (an exception's message), and a newline or a terminal escape in it forged lines of the
+    table and reached the operator's terminal raw (found attacking)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
     with Client(socket_path(ns), timeout_s=30) as client:
         status = client.status(ns.job)
@@ -150,9 +157,9 @@ def cmd_status(ns: argparse.Namespace) -> int:
             f" {g['oldest_undrained_age_s']:>7.1f}s"
         )
         if g.get("error"):
-            print(f"    error: {g['error']}")
+            print(f"    error: {_printable(g['error'])}")
         elif g.get("retrying"):
-            print(f"    retrying: {g['retrying']}")
+            print(f"    retrying: {_printable(g['retrying'])}")
     if status.get("generations_omitted"):
         print(f"... and {status['generations_omitted']} more generations (ended ones first left "
               "out); show one job's with --job JOB")
@@ -207,6 +214,16 @@ def cmd_drain(ns: argparse.Namespace) -> int:
             report = client.drain()
     if ns.json:
         print(json.dumps(report, indent=2, sort_keys=True))
+    elif report["done"] and report["left"]["shards_failed"]:
+        # Found attacking: this said "safe to stop" alone, and an operator draining the node to
+        # reimage it lost the only copies of checkpoints `retry` could still have committed.
+        left = report["left"]
+        print(f"node drained: new generations are refused and nothing more will drain; but "
+              f"{left['shards_failed']} failed shard(s) ({_human(left.get('bytes_failed', 0))}) "
+              "have their only copy on this node, kept for `ckptdrain retry` (`ckptdrain "
+              "status` lists their generations): retry them once the destination is fixed, or "
+              "give them up, before this node's staging is wiped. Stopping the daemon keeps "
+              "them (`ckptdrain resume` takes new generations again)")
     elif report["done"]:
         print("node drained: new generations are refused and nothing is left to drain; it is "
               "safe to stop the daemon (`ckptdrain resume` takes new generations again)")

@@ -55,12 +55,13 @@ def refuse_new_generation(d: Daemon, job: str, step: int) -> None:
 
 def report(d: Daemon) -> dict[str, Any]:
     """What this node still has to do before it can stop without losing anything."""
-    shards = undrained = receiving = failed = open_generations = 0
+    shards = undrained = receiving = failed = failed_bytes = open_generations = 0
     for gen in d.ledger.generations.values():
         receiving += len(gen.receiving)
         # From the generation's tallies (records.py), not a walk of its shards.
         if gen.terminal:
             failed += gen.by_state[ShardState.FAILED]
+            failed_bytes += gen.bytes_by_state[ShardState.FAILED]
             continue
         if any(st in _UNRECORDED for st in gen.ranks.values()):
             open_generations += 1
@@ -69,7 +70,7 @@ def report(d: Daemon) -> dict[str, Any]:
             undrained += gen.bytes_by_state[state]
     left = {"generations_unrecorded": open_generations, "shards_undrained": shards,
             "bytes_undrained": undrained, "shards_receiving": receiving,
-            "shards_failed": failed}
+            "shards_failed": failed, "bytes_failed": failed_bytes}
     done = shards == 0 and receiving == 0 and open_generations == 0
     return {"draining": d.draining, "done": done, "left": left}
 

@@ -41,7 +41,7 @@ from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecor
 from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import OncePerCause, log_event, per_user
 from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
-from ckptdrain.daemon.records import assign, retrying_note
+from ckptdrain.daemon.records import assign, retrying_note, shortened
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -252,7 +252,10 @@ class Publisher:
             },
             attempt=gen.attempt,
             aborted_ranks=tuple(sorted(aborted)),
-            abort_reason=reason[:MAX_ABORT_REASON_CHARS],
+            # Cut in the middle: its end says what went wrong and what to do (found attacking:
+            # cut at the end, a long path took "the destination is full ...; free space" off
+            # what the other nodes said of this one).
+            abort_reason=shortened(reason, MAX_ABORT_REASON_CHARS),
             owner_uid=self.ledger.jobs.get(gen.job),
         )
         return await off_loop_if_large(len(entries) * PART_ENTRY_BYTES, _build_part, entries,

@@ -224,3 +224,27 @@ def test_a_drained_shard_deleted_before_the_commit_fails_the_generation_at_once(
     # failure dropped the drained shards' copies).
     assert client.status()["kept_copy_bytes"] == 2 * 600_000
     assert_serves_another_job(daemon, "other")
+
+
+def test_another_nodes_failure_keeps_what_to_do_however_long_its_paths(
+        make_daemon: Any, small_tmpfs: Path) -> None:
+    # Found attacking: a rank's abort reason went into its node's part record cut at its end
+    # (1024 characters), and with a long destination and shard path the other nodes said the
+    # generation could not commit without the words "the destination is full" or what to do.
+    dest = small_tmpfs / ("d" * 200) / "ckpt"
+    dest.mkdir(parents=True)
+    a: DaemonProcess = make_daemon("node-a", dest=dest.as_uri())
+    b: DaemonProcess = make_daemon("node-b", dest=dest.as_uri())
+    (small_tmpfs / "filler").write_bytes(b"\0" * (62 << 20))  # of 64 MiB
+    job = "j" * 100
+    path = "/".join(["p" * 200] * 3) + "/w.bin"
+    with a.client().generation(job, 1, rank=0, world_size=2) as gen:
+        gen.put("small.bin", b"x" * 1000)
+    wait_for(lambda: (dest / job / f"{1:020d}" / "_parts" / "node-a.json").exists())
+    with b.client().generation(job, 1, rank=1, world_size=2) as gen:
+        gen.put(path, b"y" * (4 << 20))
+    with pytest.raises(GenerationFailed) as failed:
+        a.client().wait(job, 1, timeout_s=60)
+    said = failed.value.message
+    assert "aborted on node 'node-b'" in said and "the destination is full" in said, said
+    assert "free space" in said, said

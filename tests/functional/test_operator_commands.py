@@ -318,3 +318,45 @@ def test_a_ranks_abort_does_not_wait_out_part_record_retries(make_daemon: Any,
         raise RuntimeError("training crashed")
     with pytest.raises(GenerationFailed, match="the client aborted: RuntimeError"):
         c.wait("job", 1, timeout_s=30)
+
+
+def test_drain_says_which_failed_copies_only_this_node_holds(make_daemon: Any,
+                                                             small_tmpfs: Path) -> None:
+    # Found attacking: with a generation failed on a full destination (its copy kept here for
+    # `ckptdrain retry`), `drain --wait` said only "safe to stop the daemon"; an operator
+    # draining the node to reimage it would lose the only copy.
+    dest = small_tmpfs / "dest"
+    dest.mkdir()
+    d: DaemonProcess = make_daemon(dest=dest.as_uri())
+    # Fill the destination's filesystem.
+    with open(small_tmpfs / "filler", "wb") as filler, pytest.raises(OSError):
+        while True:
+            filler.write(b"\0" * (1 << 20))
+            filler.flush()
+    c = d.client()
+    with c.generation("full", 1) as gen:
+        gen.put("w.bin", os.urandom(2 << 20))
+    with pytest.raises(GenerationFailed):
+        c.wait("full", 1, timeout_s=60)
+    out = cli(d, "drain", "--wait", "--timeout", "60")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 failed shard(s) (2.0 MiB) have their only copy on this node" in out.stdout
+    assert "ckptdrain retry" in out.stdout and "safe to stop" not in out.stdout
+    report = json.loads(cli(d, "drain", "--json").stdout)
+    assert report["left"]["shards_failed"] == 1 and report["left"]["bytes_failed"] == 2 << 20
+
+
+def test_status_shows_a_clients_error_text_on_one_line_with_no_terminal_escapes(
+        make_daemon: Any) -> None:
+    # Found attacking: an exception's message reaches the generation's error (the rank aborts
+    # with it), and `status` printed it raw: a newline forged a log-like line in the table, a
+    # terminal escape reached the operator's terminal.
+    d: DaemonProcess = make_daemon()
+    with pytest.raises(RuntimeError), d.client().generation("oom", 1):
+        raise RuntimeError("CUDA out of memory\nts=2099 level=error \x1b[31mRED\x1b[0m")
+    out = cli(d, "status", "--job", "oom")
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout
+    [line] = [line for line in out.stdout.splitlines() if "CUDA out of memory" in line]
+    assert line.startswith("    error: ") and "\\nts=2099 level=error \\x1b[31mRED" in line
+    assert not any(line.startswith("ts=2099") for line in out.stdout.splitlines())
