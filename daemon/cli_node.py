@@ -161,8 +161,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
         elif g.get("retrying"):
             print(f"    retrying: {_printable(g['retrying'])}")
     if status.get("generations_omitted"):
-        print(f"... and {status['generations_omitted']} more generations (ended ones first left "
-              "out); show one job's with --job JOB")
+        print(f"... and {status['generations_omitted']} more generations (ended ones with no "
+              "failed copies kept left out first); show one job's with --job JOB")
     uploads = status.get("uploads_open", [])
     if uploads:
         print(f"multipart uploads open: {status.get('uploads_open_count', len(uploads))}, oldest first")

@@ -51,7 +51,11 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
     gens = [g for g in d.ledger.generations.values()
             if (job is None or g.job == job)
             and (sees_all or (peer is not None and peer.may_see(owners.get(g.job))))]
-    by_recency = sorted(gens, key=lambda g: (g.terminal, -g.created_mono))
+    # Left out first: ended generations that hold nothing, oldest first. A failed one whose
+    # copies are kept for `retry` is shown ahead of them (found attacking: after 100 newer
+    # commits, the only failure on the node, its copies on this node alone, was hidden).
+    by_recency = sorted(gens, key=lambda g: (
+        0 if not g.terminal else 1 if g.by_state[ShardState.FAILED] else 2, -g.created_mono))
     shown = [{**g.summary(), "uid": owners.get(g.job)}
              for g in by_recency[:MAX_STATUS_GENERATIONS]]
     # Encoded once as a list: one summary at a time (a json.dumps call each) was half of what

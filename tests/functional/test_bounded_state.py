@@ -13,6 +13,7 @@ import subprocess
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -250,3 +251,23 @@ def test_many_dropped_jobs_leave_the_daemon_small(make_daemon) -> None:  # type:
     assert len(status["generations"]) + status["generations_omitted"] <= 50
     assert _metrics(d).count('job="dropped-') < 50 * 15
     assert _journal_rows(d, "jobs") <= 50
+
+
+def test_a_failure_with_copies_kept_stays_in_status_behind_many_newer_ends(
+        make_daemon: Any, small_tmpfs: Path) -> None:
+    # Found attacking: status leaves out ended generations past 100, the oldest first, and
+    # the only failure on the node (its copy kept here for `ckptdrain retry`) went with them.
+    dest = small_tmpfs / "dest"
+    dest.mkdir()
+    d: DaemonProcess = make_daemon(dest=dest.as_uri())
+    (small_tmpfs / "filler").write_bytes(b"\0" * (63 << 20))  # of 64 MiB
+    with d.client() as c:
+        with c.generation("kept", 1) as gen:
+            gen.put("w.bin", b"x" * (2 << 20))
+        with pytest.raises(GenerationFailed):
+            c.wait("kept", 1, timeout_s=60)
+    abort_many(d, 130, jobs=True)
+    status = d.client().status()
+    assert status["generations_omitted"] > 0
+    [kept] = [g for g in status["generations"] if g["job"] == "kept"]
+    assert kept["state"] == "failed" and kept["shards"] == {"failed": 1}
