@@ -358,9 +358,11 @@ class Channel:
             raise
         except TimeoutError as exc:
             self.broken = Timeout(
+                # Not "see `ckptdrain status`": that may be the call that just timed out
+                # (found attacking a stopped daemon).
                 f"the ckptdrain daemon at {self.path} did not finish {kind!r} within "
-                f"{limit_s:g} s; it may be overloaded (see `ckptdrain status`) or the timeout "
-                "too short for the data"
+                f"{limit_s:.3g} s; it may be overloaded or hung (its log says which, e.g. "
+                "`journalctl -u ckptdrain.service`), or timeout_s is too short for the request"
             )
             self._sock.close()
             raise self.broken from exc

@@ -506,8 +506,12 @@ def test_a_daemon_that_never_answers_times_out(daemon: FakeDaemon) -> None:
         SILENT if msg.kind == "status" else default_responder(conn, msg)
     )
     with Client(daemon.path, timeout_s=0.2) as c:
-        with pytest.raises(Timeout, match="did not finish 'status'"):
+        with pytest.raises(Timeout, match="did not finish 'status'") as timed_out:
             c.status()
+        # Rounded, and pointing at the daemon's log, not at the call that just timed out.
+        assert "within 0.2 s" in timed_out.value.message
+        assert "hung" in timed_out.value.message and "journalctl" in timed_out.value.message
+        assert "ckptdrain status" not in timed_out.value.message
         c.timeout_s = 10.0  # the next connection gets room to answer on a loaded machine
         assert c.latest("job") is None  # a fresh connection: the broken one was dropped
     assert daemon.connections == 2
