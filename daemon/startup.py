@@ -131,8 +131,17 @@ class StagingLock:
             raise StartupError(
                 "staging_dir", f"{self.path.parent} is in use by another ckptdrain daemon "
                 f"(pid {holder}); stop it, or give this daemon its own staging_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            # Found attacking: on a full staging filesystem this came out as "socket: cannot
+            # serve: [Errno 28] No space left on device", naming the wrong key.
+            os.close(fd)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise StartupError("staging_dir", f"cannot write the lock {self.path} "
+                               f"({_why(exc)}); " + ("free space on its filesystem" if full
+                               else "check its filesystem")) from None
         self._fd = fd
 
     def release(self) -> None:

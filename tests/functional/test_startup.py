@@ -216,3 +216,18 @@ def test_the_clients_variables_are_not_config(make_daemon: Any) -> None:
                          env={**d.env(), "CKPTDRAIN_LIMITS__MAX_STAGD_BYTES": "1"}, timeout=60,
                          check=False)
     assert out.returncode == 78 and "MAX_STAGED_BYTES" in out.stderr
+
+
+def test_a_full_staging_filesystem_is_named_as_the_staging_dir(make_daemon: Any,
+                                                                small_tmpfs: Path) -> None:
+    # Found attacking: the lock's pid could not be written and the daemon said "socket:
+    # cannot serve: [Errno 28] No space left on device", naming the wrong key.
+    d: DaemonProcess = make_daemon(start=False)
+    staging = small_tmpfs / "staging"
+    staging.mkdir()
+    with open(small_tmpfs / "filler", "wb") as filler, pytest.raises(OSError):
+        while True:
+            filler.write(b"\0" * MiB)
+            filler.flush()
+    refused(serve(d, CKPTDRAIN_STAGING_DIR=str(staging)), "staging_dir", "No space left",
+            "free space")
