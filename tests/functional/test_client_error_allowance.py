@@ -282,13 +282,12 @@ def test_a_connection_held_past_the_bound_is_answered_backpressure(make_daemon: 
     assert "limits.client_errors_per_s" in reply.fields["message"]
 
 
-def test_connects_refused_at_the_uids_cap_draw_on_the_allowance(make_daemon: Any) -> None:
-    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_CLIENTS_PER_UID="2", **SLOW)
-    path = str(d.socket_path)
+def _refused_at_the_cap(path: str, times: int) -> None:
+    """Two connections held (the uid's cap), ``times`` more refused at it, the two closed."""
     held = [_hello(path) for _ in range(2)]
     for s in held:
         assert _welcomed(s)
-    for _ in range(FLOOD):
+    for _ in range(times):
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(10)
             s.connect(path)
@@ -296,6 +295,12 @@ def test_connects_refused_at_the_uids_cap_draw_on_the_allowance(make_daemon: Any
             assert reply is not None and reply.fields["details"]["limit"] == "max_clients_per_uid"
     for s in held:
         s.close()
+
+
+def test_connects_refused_at_the_uids_cap_draw_on_the_allowance(make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_CLIENTS_PER_UID="2", **SLOW)
+    path = str(d.socket_path)
+    _refused_at_the_cap(path, FLOOD)
     # Once the daemon has seen them go, a new connection has a slot, and waits: the refusals
     # were charged (a probe that comes too early is refused at the cap again).
     wait_for(lambda: _held(path), timeout_s=30)
@@ -307,17 +312,7 @@ def test_a_flood_of_refusals_costs_its_uid_a_minute_at_most(make_daemon: Any) ->
     # jobs' too, for 66 minutes at this rate (3974 s).
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_CLIENTS_PER_UID="2", **SLOW)
     path = str(d.socket_path)
-    held = [_hello(path) for _ in range(2)]
-    for s in held:
-        assert _welcomed(s)
-    for _ in range(200):
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(10)
-            s.connect(path)
-            reply = _reply(s)
-            assert reply is not None and reply.fields["details"]["limit"] == "max_clients_per_uid"
-    for s in held:
-        s.close()
+    _refused_at_the_cap(path, 200)
 
     replies: list[wire.Message] = []
 
