@@ -70,7 +70,7 @@ class ErrorAllowance:
     """
 
     PRUNE_AT = 4096
-    # Found attacking: uncapped, 10,000 connects refused at the uid's cap (half a second of
+    # Found reviewing: uncapped, 10,000 connects refused at the uid's cap (half a second of
     # looping) held that uid's every connection, its training jobs' too, for 8 minutes.
     DEBT_MAX_S = 60.0
 
@@ -83,7 +83,7 @@ class ErrorAllowance:
         return max(0.0, owed - max(0.0, now - at) * self._rate)
 
     def _at_rate(self, rate: float, now: float) -> None:
-        """Debts drain at ``rate`` from ``now`` on (found attacking: drained at a lowered rate
+        """Debts drain at ``rate`` from ``now`` on (found reviewing: drained at a lowered rate
         over the whole time since it was counted, a debt paid an hour before came back)."""
         if rate == self._rate:
             return
