@@ -145,7 +145,10 @@ def cmd_status(ns: argparse.Namespace) -> int:
     if not gens:
         print("no generations on this node")
         return EXIT_OK
-    header = f"{'JOB':<20} {'STEP':>10} {'STATE':<10} {'UID':>6} {'RANKS':>5} {'STAGED':>7} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
+    # UNDRAINED: shards not yet at the destination (staged, draining, failed); the header's
+    # "staged" is bytes held in staging (found attacking: a column named STAGED read 2 beside
+    # "staged 0 B").
+    header = f"{'JOB':<20} {'STEP':>10} {'STATE':<10} {'UID':>6} {'RANKS':>5} {'UNDRAINED':>9} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
     print(header)
     for g in gens:
         shards = g["shards"]
@@ -153,7 +156,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
         total_bytes = sum(g["bytes"].values())
         print(
             f"{g['job']:<20} {g['step']:>10} {g['state']:<10} {g.get('uid', '-')!s:>6} {len(g['ranks']):>5}"
-            f" {undrained:>7} {shards.get('drained', 0):>7} {_human(total_bytes):>11}"
+            f" {undrained:>9} {shards.get('drained', 0):>7} {_human(total_bytes):>11}"
             f" {g['oldest_undrained_age_s']:>7.1f}s"
         )
         if g.get("error"):

@@ -344,6 +344,10 @@ def test_drain_says_which_failed_copies_only_this_node_holds(make_daemon: Any,
     assert "ckptdrain retry" in out.stdout and "safe to stop" not in out.stdout
     report = json.loads(cli(d, "drain", "--json").stdout)
     assert report["left"]["shards_failed"] == 1 and report["left"]["bytes_failed"] == 2 << 20
+    # The failed shard counts as not drained, under a column that says so (it was STAGED,
+    # beside a header line saying "staged 0 B").
+    [header] = [line for line in cli(d, "status").stdout.splitlines() if line.startswith("JOB")]
+    assert "UNDRAINED" in header.split() and "STAGED" not in header.split()
 
 
 def test_status_shows_a_clients_error_text_on_one_line_with_no_terminal_escapes(
