@@ -62,7 +62,7 @@ class LocalCopies:
         self._slot: dict[ShardRecord, Reservation] = {}
         self.evicted = 0
         # Files to unlink, each with the room it holds until then (None: released at the drop).
-        self._unlinks: list[tuple[str, Reservation | None]] = []
+        self._unlinks: list[tuple[ShardRecord, Reservation | None]] = []
         self._unlinking = False
         self._unlink_now = asyncio.Event()
         # Staged names whose fd ``open`` lent a reader, and dropped copies a reader still holds
@@ -196,7 +196,7 @@ class LocalCopies:
         shard.local_copy = False
         # Unlinked in batches: one data-plane job for every file dropped meanwhile, not a
         # task and a thread hop per shard (a generation of small shards drops thousands).
-        self._unlinks.append((shard.staged_name, room))
+        self._unlinks.append((shard, room))
         if not gather:
             self._unlink_now.set()
         if not self._unlinking:
@@ -215,10 +215,17 @@ class LocalCopies:
                 del self._unlinks[:UNLINK_BATCH]
                 if not self._unlinks:  # else what asked for it may be in the rest: no wait
                     self._unlink_now.clear()
+                kept: list[str] = []
                 try:
-                    await self.dataplane.call(self.staging.discard_many, [n for n, _ in batch])
+                    kept = await self.dataplane.call(self.staging.discard_many,
+                                                     [s.staged_name for s, _ in batch])
                 finally:
-                    _give_back(batch)  # unlinked, failed or cancelled (a stop): either way
+                    # Unlinked, or the call failed or was cancelled (a stop): the room goes
+                    # back. A file the kernel would not remove stays counted, and is asked again.
+                    _give_back([(s, room) for s, room in batch if s.staged_name not in kept])
+                for shard, room in batch:
+                    if shard.staged_name in kept:
+                        self._pin(shard, room)
         finally:
             self._unlinking = False
             if not self._unlinks:
@@ -232,9 +239,10 @@ class LocalCopies:
                 self.supervisor.spawn(self._unlink_dropped, what="unlink dropped staged copies")
 
     def _pin(self, shard: ShardRecord, room: Reservation | None) -> None:
-        """Drop a lent copy: its room (taken again if it was given back) stays held, and
-        charged to the job's owner, until no reader holds the file and it is removed. A
-        reader holding every copy it was lent takes no more of the disk than its share."""
+        """Drop a lent copy, or one whose unlink failed: its room (taken again if it was given
+        back) stays held, and charged to the job's owner, until no reader holds the file and
+        it is removed. A reader holding every copy it was lent takes no more of the disk than
+        its share, and a file the kernel would not unlink (EIO) is counted until it goes."""
         name = shard.staged_name
         self._lent.discard(name)
         if room is None:
@@ -385,7 +393,7 @@ class LocalCopies:
         """Remove ``shard``'s copy (a ``lent`` one only if no reader holds it open); whether
         it went. ``room`` is settled by what the thread did, also when this task is cancelled
         meanwhile (a hand-off whose client hung up while it evicted for room): released once
-        the file is gone (or the unlink failed), pinned while a reader keeps it. Released at
+        the file is gone, pinned while a reader keeps it or the unlink failed. Released at
         the cancellation instead, the room came back while the thread kept a held file, which
         then stayed on the disk in no count (found attacking)."""
         settled = False
@@ -406,13 +414,15 @@ class LocalCopies:
                 self.staging.discard_unless_open, [name], abandoned=settle,
                 cleanup=lambda: settle(True)))
         else:
-            await self.dataplane.call(self.staging.discard, name, cleanup=lambda: settle(True))
-            removed = True
+            # A file whose unlink failed (EIO) stays counted and is asked again, as a held one.
+            removed = not await self.dataplane.call(
+                self.staging.discard_many, [name], abandoned=lambda kept: settle(not kept),
+                cleanup=lambda: settle(True))
         settle(removed)
         return removed
 
 
-def _give_back(unlinks: list[tuple[str, Reservation | None]]) -> None:
+def _give_back(unlinks: list[tuple[ShardRecord, Reservation | None]]) -> None:
     """The rooms gathered drops held until their unlink: each released once, as it leaves
     the unlink queue."""
     for _, room in unlinks:

@@ -21,7 +21,9 @@ from tests.integration.seaweedfs import SeaweedFS
 
 # The slice `make test` runs: fixed seeds (8 file://, 4 S3), each checked to pass on today's
 # daemon; known bugs have targeted tests instead. `make chaos` runs a full range.
-SLICE_KILL_SEEDS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16)
+# 79026: unlinks of evicted copies failing with EIO left them on the disk with their room
+# given back, and staging held more than max_staged_bytes (found by `make chaos`).
+SLICE_KILL_SEEDS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 79026)
 SLICE_FUZZ_SEEDS = (1,)
 SLICE_SESSIONS = 1000  # in all: split over the fuzz runs (ack=local and ack=memory per seed)
 
