@@ -222,9 +222,10 @@ class LocalCopies:
                 finally:
                     # Unlinked, or the call failed or was cancelled (a stop): the room goes
                     # back. A file the kernel would not remove stays counted, and is asked again.
-                    _give_back([(s, room) for s, room in batch if s.staged_name not in kept])
+                    stays = set(kept)
+                    _give_back([(s, room) for s, room in batch if s.staged_name not in stays])
                 for shard, room in batch:
-                    if shard.staged_name in kept:
+                    if shard.staged_name in stays:
                         self._pin(shard, room)
         finally:
             self._unlinking = False
@@ -387,7 +388,6 @@ class LocalCopies:
             log_event(log, logging.INFO, "local_copies_evicted", shards=evicted, bytes=freed,
                       reason=reason)
         return freed
-
 
     async def _discard(self, shard: ShardRecord, room: Reservation, *, lent: bool) -> bool:
         """Remove ``shard``'s copy (a ``lent`` one only if no reader holds it open); whether

@@ -29,7 +29,7 @@ from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.publisher import Publisher
 from ckptdrain.daemon.ratelimit import TokenBucket
-from ckptdrain.daemon.reads import identity
+from ckptdrain.daemon.reads import Identity, identity
 from ckptdrain.daemon.records import retrying_note
 from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
 from ckptdrain.daemon.yielding import HandoffYield
@@ -283,12 +283,12 @@ class Scheduler:
                 finally:
                     for shard in shards:
                         self._inflight.pop(shard.id, None)
-            # As _put does for one shard: a copy unchanged across the read that gave its
-            # checksum is vouched for by it (found when the suite first ran in two workers:
-            # shards drained in a batch had none, and their first reader hashed them).
+            # As _put does for one shard (found when the suite first ran in two workers:
+            # shards drained in a batch were vouched for by nothing, and their first reader
+            # hashed them).
             for shard, fd, before, outcome in zip(shards, fds, befores, outcomes, strict=True):
-                if isinstance(outcome, str) and identity(os.fstat(fd)) == before:
-                    shard.vouched = (before, outcome)
+                if isinstance(outcome, str):
+                    _vouch(shard, fd, before, outcome)
             return outcomes
         except TimeoutError:
             if scope is not None and scope.expired():
@@ -375,12 +375,9 @@ class Scheduler:
     async def _put(self, shard: ShardRecord) -> str:
         fd = self.staging.open_data(shard.staged_name)
         try:
-            # Local staging: an fstat does not block. A file unchanged across the read that
-            # gave its checksum is vouched for by it (reads.open_local need not hash it).
-            before = identity(os.fstat(fd))
+            before = identity(os.fstat(fd))  # (see _vouch)
             checksum = await self._put_fd(shard, fd)
-            if identity(os.fstat(fd)) == before:
-                shard.vouched = (before, checksum)
+            _vouch(shard, fd, before, checksum)
             return checksum
         finally:
             os.close(fd)
@@ -462,3 +459,10 @@ class _ShardFlow:
 
     def moved(self, nbytes: int) -> None:
         self._scheduler.moved(self._shard, nbytes)
+
+
+def _vouch(shard: ShardRecord, fd: int, before: Identity, checksum: str) -> None:
+    """A staged copy unchanged across the read that gave its checksum is vouched for by it:
+    reads.open_local need not hash it. (Local staging: an fstat does not block.)"""
+    if identity(os.fstat(fd)) == before:
+        shard.vouched = (before, checksum)

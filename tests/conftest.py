@@ -197,6 +197,14 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def fill_up(directory: Path) -> None:
+    """Write ``directory/filler`` until its filesystem is full (ENOSPC)."""
+    with open(directory / "filler", "wb") as filler, pytest.raises(OSError):
+        while True:
+            filler.write(b"\0" * (1 << 20))
+            filler.flush()
+
+
 def traced(pid: int) -> bool:
     """Whether every thread of ``pid`` has a tracer attached (strace -f -p attaches them all)."""
     def tracer(tid: str) -> int:

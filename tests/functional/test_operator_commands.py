@@ -17,7 +17,7 @@ import pytest
 
 from ckptdrain.client import Backpressure, DrainError, GenerationFailed, NodeDraining
 from ckptdrain.daemon.configload import load_config
-from tests.conftest import CKPTDRAIN, DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess, fill_up
 
 
 def cli(d: DaemonProcess, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -328,11 +328,7 @@ def test_drain_says_which_failed_copies_only_this_node_holds(make_daemon: Any,
     dest = small_tmpfs / "dest"
     dest.mkdir()
     d: DaemonProcess = make_daemon(dest=dest.as_uri())
-    # Fill the destination's filesystem.
-    with open(small_tmpfs / "filler", "wb") as filler, pytest.raises(OSError):
-        while True:
-            filler.write(b"\0" * (1 << 20))
-            filler.flush()
+    fill_up(small_tmpfs)  # the destination's filesystem
     c = d.client()
     with c.generation("full", 1) as gen:
         gen.put("w.bin", os.urandom(2 << 20))

@@ -20,7 +20,7 @@ import pytest
 from ckptdrain.daemon.configload import load_config
 from ckptdrain.daemon.errors import StartupError
 from ckptdrain.daemon.startup import MIN_STAGED_BYTES, fit_staged_limit
-from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
+from tests.conftest import CKPTDRAIN, DaemonProcess, fill_up, wait_for
 
 MiB = 1 << 20
 
@@ -225,9 +225,6 @@ def test_a_full_staging_filesystem_is_named_as_the_staging_dir(make_daemon: Any,
     d: DaemonProcess = make_daemon(start=False)
     staging = small_tmpfs / "staging"
     staging.mkdir()
-    with open(small_tmpfs / "filler", "wb") as filler, pytest.raises(OSError):
-        while True:
-            filler.write(b"\0" * MiB)
-            filler.flush()
+    fill_up(small_tmpfs)
     refused(serve(d, CKPTDRAIN_STAGING_DIR=str(staging)), "staging_dir", "No space left",
             "free space")
