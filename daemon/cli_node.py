@@ -148,14 +148,18 @@ def cmd_status(ns: argparse.Namespace) -> int:
     # UNDRAINED: shards not yet at the destination (staged, draining, failed); the header's
     # "staged" is bytes held in staging (found attacking: a column named STAGED read 2 beside
     # "staged 0 B").
-    header = f"{'JOB':<20} {'STEP':>10} {'STATE':<10} {'UID':>6} {'RANKS':>5} {'UNDRAINED':>9} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
+    # The job and step columns are as wide as what they hold: a job name past 20 characters
+    # (names take up to 128) or a step past 10 digits pushed every column after it out of line.
+    jw = max(20, *(len(g["job"]) for g in gens))
+    sw = max(10, *(len(str(g["step"])) for g in gens))
+    header = f"{'JOB':<{jw}} {'STEP':>{sw}} {'STATE':<10} {'UID':>6} {'RANKS':>5} {'UNDRAINED':>9} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
     print(header)
     for g in gens:
         shards = g["shards"]
         undrained = sum(shards.get(s, 0) for s in ("staged", "draining", "failed"))
         total_bytes = sum(g["bytes"].values())
         print(
-            f"{g['job']:<20} {g['step']:>10} {g['state']:<10} {g.get('uid', '-')!s:>6} {len(g['ranks']):>5}"
+            f"{g['job']:<{jw}} {g['step']:>{sw}} {g['state']:<10} {g.get('uid', '-')!s:>6} {len(g['ranks']):>5}"
             f" {undrained:>9} {shards.get('drained', 0):>7} {_human(total_bytes):>11}"
             f" {g['oldest_undrained_age_s']:>7.1f}s"
         )

@@ -360,3 +360,22 @@ def test_status_shows_a_clients_error_text_on_one_line_with_no_terminal_escapes(
     [line] = [line for line in out.stdout.splitlines() if "CUDA out of memory" in line]
     assert line.startswith("    error: ") and "\\nts=2099 level=error \\x1b[31mRED" in line
     assert not any(line.startswith("ts=2099") for line in out.stdout.splitlines())
+
+
+def test_status_columns_stay_in_line_with_long_job_names_and_steps(daemon: DaemonProcess) -> None:
+    # Found attacking: the job column was 20 wide and the step 10, so a longer job name (they
+    # take up to 128 bytes) or a step past 10 digits pushed that row's columns out of line
+    # with the header and the other rows.
+    long_job = "pretrain-" + "x" * 90
+    for job, step in ((long_job, 1), ("short", 12345678901234)):
+        with daemon.client().generation(job, step) as gen:
+            gen.put("w", b"x")
+        daemon.client().wait(job, step, timeout_s=60)
+    lines = cli(daemon, "status").stdout.splitlines()
+    [header] = [line for line in lines if line.startswith("JOB")]
+    rows = [line for line in lines if line.startswith((long_job, "short "))]
+    assert len(rows) == 2
+    for row in rows:
+        # STATE starts where the header says, and each row is as long as the header.
+        assert row[header.index("STATE"):].startswith("committed"), (header, row)
+        assert len(row) == len(header), (header, row)
