@@ -9,6 +9,7 @@ memory, the file's descriptor for a file (the daemon copies it in the kernel).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import stat
 import threading
@@ -41,12 +42,30 @@ def default_attempt() -> str:
     else torchrun's run id and restart count (a restarted run is a new attempt), else ""."""
     explicit = os.environ.get("CKPTDRAIN_ATTEMPT")
     if explicit:
+        # Checked here, where the variable can be named: sent as it was, a long or unprintable
+        # value failed every begin and wait as an ``internal`` error (found attacking).
+        if len(explicit) > wire.MAX_ATTEMPT_CHARS or not explicit.isprintable():
+            raise RejectedInput(
+                f"$CKPTDRAIN_ATTEMPT must be printable text of at most {wire.MAX_ATTEMPT_CHARS} "
+                f"characters (it is {len(explicit)} characters{_unprintable(explicit)}); set it "
+                "to a short run name, the same on every rank"
+            )
         return explicit
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if run_id and restarts is not None:
-        return f"torchelastic:{run_id}:{restarts}"
+        attempt = f"torchelastic:{run_id}:{restarts}"
+        if len(attempt) > wire.MAX_ATTEMPT_CHARS or not attempt.isprintable():
+            # torchrun takes any --rdzv-id: a long or odd one is named by its digest, which
+            # every rank of the run (and a waiter in it) computes alike.
+            digest = hashlib.sha256(f"{run_id}:{restarts}".encode()).hexdigest()[:32]
+            attempt = f"torchelastic:sha256:{digest}"
+        return attempt
     return ""
+
+
+def _unprintable(text: str) -> str:
+    return "" if text.isprintable() else ", some of them not printable"
 
 
 class Generation:

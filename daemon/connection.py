@@ -28,6 +28,7 @@ from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.journal import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.records import SAVE_AGAIN
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -153,7 +154,11 @@ class ClientHandler:
         gen, rank = self.gen, self.rank
         if gen is None or rank is None or gen.ranks.get(rank) is not RankState.OPEN:
             return
-        await self.abort_rank(gen, rank, "the client disconnected before sealing the rank")
+        # At a stop the daemon hung up itself: blaming the client sent operators looking at
+        # the training job (found attacking).
+        why = ("the daemon stopped while the rank was handing off" if self.d.stopping
+               else "the client disconnected before sealing the rank")
+        await self.abort_rank(gen, rank, why)
 
     async def send(self, kind: str, fields: dict[str, Any] | None = None) -> None:
         await self.channel.sendall(self.conn.send(kind, fields or {}))
@@ -454,7 +459,7 @@ class ClientHandler:
                                "new step")
         if gen.terminal:
             raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} is "
-                               f"{gen.state}: {gen.error}; save a new step")
+                               f"{gen.state} for this attempt: {gen.error}; {SAVE_AGAIN}")
         if rank in gen.ranks:
             raise RequestError(wire.DUPLICATE, f"rank {rank} of step {step} of job {job!r} already "
                                f"began on this node ({gen.ranks[rank]})")

@@ -32,6 +32,10 @@ SUMMARY_ERROR_CHARS = 300
 # What an error text may keep, in memory and in the journal: a reason is the client's text
 # or an exception's, and neither may grow what this node holds without bound.
 MAX_ERROR_CHARS = 2000
+# What a job does about a generation that failed: the same attempt may not take a failed step
+# again (its shards would mix with the failed ones), a new attempt may.
+SAVE_AGAIN = ("save this step again as a new attempt (a torchrun restart is one; else pass "
+              "attempt= or set $CKPTDRAIN_ATTEMPT), or save a new step")
 
 
 def cap_error(text: str) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.records import SAVE_AGAIN
 from ckptdrain.daemon.state import (
     GenerationState,
     RankEvent,
@@ -76,7 +77,7 @@ async def recover(d: Daemon) -> None:
                     await d.ledger.apply(shard, ShardEvent.DISCARDED)
             await d.fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
                               "local storage; memory hand-offs do not survive a daemon "
-                              "crash; save this generation again", kind="interrupted")
+                              f"crash; {SAVE_AGAIN}", kind="interrupted")
             continue
         if open_ranks or aborted:
             for r in open_ranks:
@@ -84,7 +85,7 @@ async def recover(d: Daemon) -> None:
             why = (f"the daemon restarted while rank(s) {open_ranks} were still handing off"
                    if open_ranks else f"rank(s) {aborted} had been aborted when the daemon "
                    "stopped")
-            await d.fail(gen, f"{why}; save this generation again", kind="interrupted")
+            await d.fail(gen, f"{why}; {SAVE_AGAIN}", kind="interrupted")
             continue
         failed = [s for s in gen.shards.values() if s.state is ShardState.FAILED]
         if failed:

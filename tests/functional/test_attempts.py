@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ckptdrain.client import GenerationFailed
+from ckptdrain.client import DrainError, GenerationFailed
 from ckptdrain.client.manifest import Manifest
 from tests.conftest import DaemonProcess
 
@@ -210,3 +210,71 @@ def test_wait_learns_of_a_commit_at_once(make_daemon) -> None:  # type: ignore[n
         waiting.result(timeout=60)
         late = time.monotonic() - sealed
     assert late < 3.0, f"wait answered {late:.2f} s after the seal (poll interval 6 s)"
+
+
+def test_an_attempt_from_the_environment_is_checked_where_it_can_be_named(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found attacking: a long or unprintable $CKPTDRAIN_ATTEMPT or torchrun run id was sent as
+    # it was, and every begin and wait failed as an `internal` error that named neither.
+    from ckptdrain.client import RejectedInput
+    from ckptdrain.client.generation import default_attempt
+    from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
+
+    c = daemon.client()
+    for bad in ("x" * 200, "run\n1", "run\t1"):
+        monkeypatch.setenv("CKPTDRAIN_ATTEMPT", bad)
+        with pytest.raises(RejectedInput, match=r"\$CKPTDRAIN_ATTEMPT must be printable"):
+            c.generation("envjob", 1).__enter__()
+        with pytest.raises(RejectedInput, match=r"\$CKPTDRAIN_ATTEMPT"):
+            c.wait("envjob", 1, timeout_s=1)
+    monkeypatch.delenv("CKPTDRAIN_ATTEMPT")
+    # torchrun takes any --rdzv-id: a long or odd one is named by its digest, alike on every
+    # rank, and still new at each restart.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for run_id in ("r" * 130, "run\t7"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        first = default_attempt()
+        assert first == default_attempt()
+        assert len(first) <= MAX_ATTEMPT_CHARS and first.isprintable()
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        assert default_attempt() != first
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with c.generation("envjob", 2) as gen:
+        gen.put("a", b"saved under a long run id")
+    assert c.wait("envjob", 2, timeout_s=60)["committed"]
+
+
+def test_a_failure_says_how_to_save_the_step_again(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: after a restart the failure said "save this generation again", and
+    # saving it again (the same attempt) was refused, "...; save a new step".
+    d: DaemonProcess = make_daemon()
+    c = d.client(timeout_s=30)
+    with pytest.raises(DrainError), c.generation("resave", 5, attempt="run-1") as gen:
+        gen.put("a.bin", b"a" * 1000)
+        d.kill()
+        d.start()  # the seal then finds its connection gone
+    with pytest.raises(GenerationFailed) as failed:
+        c.wait("resave", 5, timeout_s=30, attempt="run-1")
+    assert "save this generation again" not in str(failed.value)
+    assert "as a new attempt" in str(failed.value) and "save a new step" in str(failed.value)
+    with pytest.raises(GenerationFailed, match="for this attempt.*as a new attempt"):
+        c.generation("resave", 5, attempt="run-1").__enter__()
+    # What it says works.
+    with c.generation("resave", 5, attempt="run-2") as again:
+        again.put("a.bin", b"a" * 1000)
+    assert c.wait("resave", 5, timeout_s=60, attempt="run-2")["committed"]
+
+
+def test_a_rank_open_when_the_daemon_stops_says_the_daemon_stopped(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: a SIGTERM stop aborted open ranks as "the client disconnected before
+    # sealing the rank", sending operators after the training job.
+    d: DaemonProcess = make_daemon()
+    c = d.client(timeout_s=30)
+    with pytest.raises(DrainError), c.generation("stopped", 3) as gen:
+        gen.put("a.bin", b"a" * 1000)
+        d.stop()
+        d.start()
+    with pytest.raises(GenerationFailed) as failed:
+        c.wait("stopped", 3, timeout_s=30)
+    assert "daemon stopped while the rank was handing off" in str(failed.value)
+    assert "client disconnected" not in str(failed.value)
