@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import mmap
 import os
 import stat
 import threading
@@ -45,6 +46,11 @@ class Cancelled(DaemonError):
 class SourceEnded(DaemonError, OSError):
     """A client's file held fewer bytes than its size said when copied: truncated during the
     hand-off, or a file whose size stat does not tell (/sys reports 4096 for a few bytes)."""
+
+
+class SourceUnreadable(DaemonError, OSError):
+    """A client's file could not be read at all (a secret-memory file, a device that refuses
+    reads): the client's doing, not the daemon's (it was an internal error)."""
 
 
 class ClientIdle(DaemonError):
@@ -265,6 +271,35 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
+_WRITE_FULL = (errno.ENOSPC, errno.EDQUOT)
+# What the read-then-write fallback moves at a time, into a page-aligned buffer (the alignment
+# and the size an O_DIRECT file's reads need).
+_BOUNCE_BYTES = 1 << 20
+
+
+def _read_then_write(src: int, dst: int, offset: int, want: int) -> int:
+    """Up to ``want`` bytes of ``src`` at ``offset`` written at the same offset of ``dst``;
+    how many (0 at the end of ``src``). A read that fails is the source's fault
+    (:class:`SourceUnreadable`); a write that fails is the staging disk's (OSError)."""
+    with mmap.mmap(-1, _BOUNCE_BYTES) as buf, memoryview(buf) as view:
+        done = 0
+        while done < want:
+            try:
+                # Always the whole buffer: an O_DIRECT read's length must be aligned too. Past
+                # ``want`` what came is not used (the file may hold more than its size said).
+                got = min(os.preadv(src, [view], offset + done), want - done)
+            except OSError as exc:
+                raise SourceUnreadable(exc.errno, f"the file cannot be read ({exc.strerror})") \
+                    from None
+            if got <= 0:
+                break
+            written = 0
+            while written < got:
+                written += os.pwrite(dst, view[written:got], offset + done + written)
+            done += got
+        return done
+
+
 def kernel_copy(src: int, dst: int, size: int, cancel: threading.Event | None = None) -> None:
     """Copy with copy_file_range (in-kernel, no user-space bounce), sendfile as fallback.
     Stops at the next chunk once ``cancel`` is set (the hand-off was given up on)."""
@@ -276,9 +311,17 @@ def kernel_copy(src: int, dst: int, size: int, cancel: threading.Event | None = 
         try:
             n = os.copy_file_range(src, dst, want, offset)
         except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            if exc.errno in _WRITE_FULL:
                 raise
-            n = os.sendfile(dst, src, offset, want)
+            try:
+                n = os.sendfile(dst, src, offset, want)
+            except OSError as again:
+                if again.errno in _WRITE_FULL:
+                    raise
+                # Both kernel copies refuse some files a read takes (one opened with O_DIRECT,
+                # whose reads must be aligned), and fail alike whichever side is at fault:
+                # a plain read tells the client's file from the staging disk.
+                n = _read_then_write(src, dst, offset, want)
         if n == 0:
             raise SourceEnded(errno.EIO, f"the file ended at byte {offset} of the {size} its "
                               "size said")

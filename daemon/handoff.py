@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdrain.client import wire
 from ckptdrain.daemon import payloads
 from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
-from ckptdrain.daemon.dataplane import SourceEnded, kernel_copy
+from ckptdrain.daemon.dataplane import SourceEnded, SourceUnreadable, kernel_copy
 from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
@@ -292,6 +292,11 @@ class Handoffs:
                 wire.SIZE_MISMATCH, f"could not stage {path!r}: {exc.strerror}: the file was "
                 "truncated while it was handed off, or its size is not what stat says (a /proc "
                 "or /sys file); hand off a file that is not written meanwhile") from None
+        except SourceUnreadable as exc:
+            # The caller's file again (it was an internal error: found attacking).
+            raise RequestError(
+                wire.BAD_REQUEST, f"could not stage {path!r}: {exc.strerror}; pass a regular "
+                "file that read() can read (a secret-memory file cannot be)") from None
         except OSError as exc:
             if exc.errno in _DISK_FULL:
                 d.metrics.backpressure("rejected", "staging_filesystem")

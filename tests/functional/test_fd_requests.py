@@ -405,3 +405,52 @@ def test_wrong_arguments_are_typed_refusals_not_raw_exceptions(daemon: DaemonPro
     finally:
         os.close(out)
     still_serves(daemon)
+
+
+@pytest.mark.parametrize("size", [1000, (1 << 20) + 3, 4096])
+def test_a_file_opened_with_o_direct_is_handed_off(daemon: DaemonProcess, tmp_path: Path,
+                                                    size: int) -> None:
+    # Found attacking: an fd opened O_DIRECT whose size is not a multiple of the block size
+    # failed both kernel copies (EINVAL) and the put was answered `internal`. The copy now
+    # falls back to reading through an aligned buffer, which O_DIRECT takes.
+    data = os.urandom(size)
+    src = tmp_path / "direct.bin"
+    src.write_bytes(data)
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        pytest.skip(f"this filesystem refuses O_DIRECT ({exc})")
+    try:
+        with daemon.client().generation("direct", size) as gen:
+            gen.put_file("d.bin", fd)
+    finally:
+        os.close(fd)
+    daemon.client().wait("direct", size, timeout_s=60)
+    assert (daemon.dest / "direct" / f"{size:020d}" / "d.bin").read_bytes() == data
+
+
+def _memfd_secret() -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = int(libc.syscall(447, 0))  # memfd_secret(2)
+    if fd < 0:
+        pytest.skip(f"memfd_secret is not available here: {os.strerror(ctypes.get_errno())}")
+    return fd
+
+
+@pytest.mark.parametrize("ack", ["local", "memory"])
+def test_a_file_no_read_can_read_is_refused_as_the_callers(daemon: DaemonProcess,
+                                                          ack: str) -> None:
+    # Found attacking: a memfd_secret(2) file (regular by fstat; its bytes only mappable)
+    # failed every copy with ESPIPE, answered `internal`, which says the daemon is at fault.
+    fd = _memfd_secret()
+    try:
+        os.ftruncate(fd, 8192)
+        with pytest.raises(RejectedInput, match="cannot be read") as refused, \
+                daemon.client().generation("secret", 1 if ack == "local" else 2, ack=ack) as gen:
+            gen.put_file("s.bin", fd)
+        assert refused.value.code == wire.BAD_REQUEST
+    finally:
+        os.close(fd)
+    still_serves(daemon)
