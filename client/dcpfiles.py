@@ -182,8 +182,11 @@ class MemfdFile:
 
     def write_tensor(self, tensor: torch.Tensor) -> int:
         """torch.save ``tensor`` (a CPU tensor whose storage is its own bytes) here; returns
-        where its storage's bytes start."""
+        where its storage's bytes start (-1 for a :func:`whole_archive` tensor)."""
         self.stream.holes.clear()
+        if whole_archive(tensor):
+            torch.save(tensor, cast(IO[bytes], self.stream))
+            return -1
         with torch.serialization.skip_data():
             torch.save(tensor, cast(IO[bytes], self.stream))
         holes, self.stream.holes = self.stream.holes, []
@@ -212,10 +215,17 @@ class MemfdFile:
             self.fd = -1
 
 
+def whole_archive(tensor: torch.Tensor) -> bool:
+    """A tensor ``skip_data`` cannot serialize (a quantized one: "Cannot serialize qtensor
+    under skip_data", found attacking), nor a view of stored bytes stand for (a sparse one):
+    torch.save writes its archive whole, data included, as FileSystemWriter does."""
+    return bool(tensor.is_quantized) or tensor.layout is not torch.strided
+
+
 def _minimal(tensor: torch.Tensor) -> torch.Tensor:
     """What FileSystemWriter serializes: a CPU tensor whose storage is only its own bytes."""
     tensor = tensor.detach().cpu()
-    if tensor.untyped_storage().size() != tensor.nbytes:
+    if not whole_archive(tensor) and tensor.untyped_storage().size() != tensor.nbytes:
         tensor = tensor.clone()
     return tensor
 
@@ -303,7 +313,7 @@ class Staged:
 
     def find(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         """(offset, length) of the archive already holding ``tensor``'s staged bytes."""
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
+        if tensor.device.type != "cpu" or tensor.numel() == 0 or whole_archive(tensor):
             return None
         record = self.records.get(_key(tensor))
         return (record.offset, record.length) if record is not None else None
@@ -321,6 +331,11 @@ def stage(state_dict: Any, file_name: str) -> tuple[Any, Staged]:
 
     def archive(tensor: torch.Tensor) -> int:
         src = _minimal(tensor)
+        if whole_archive(src):
+            # Not shared with the file: a copy, safe from the training loop, that write_data
+            # serializes whole.
+            pending.append((src.clone(), 0, 0, -1))
+            return len(pending) - 1
         offset = staged.file.tell()
         data_at = staged.file.write_tensor(src)
         pending.append((src, offset, staged.file.tell() - offset, data_at))
@@ -340,8 +355,8 @@ def stage(state_dict: Any, file_name: str) -> tuple[Any, Staged]:
 
 def _view(staged: Staged, src: torch.Tensor, offset: int, length: int,
           written_at: int) -> torch.Tensor:
-    if src.numel() == 0 or staged.mapping is None:
-        return src  # nothing to share; write_data serializes it again (it is empty)
+    if src.numel() == 0 or staged.mapping is None or written_at < 0:
+        return src  # nothing to share; write_data serializes it again
     window = memoryview(staged.mapping)[offset:offset + length]
     try:
         data_at = offset + storage_offset_in(window)

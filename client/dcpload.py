@@ -91,25 +91,25 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
 def read_tensor(view: FileView, offset: int, length: int, req: ReadItem,
                 planner: LoadPlanner) -> None:
     """Load one tensor item, the torch.save archive at ``offset``, into its target."""
+    target = planner.resolve_tensor(req).detach()
+    if dcpfiles.whole_archive(target):
+        # A quantized tensor cannot be loaded onto the meta device (found attacking): loaded
+        # whole and copied, as FileSystemReader does.
+        whole = _loaded(view, offset, length, "cpu")
+        _commit(planner, req, target, _narrow(whole, req.storage_offsets, req.lengths))
+        return
     archive = view.window(offset, length)
     try:
         data_at = offset + dcpfiles.storage_offset_in(archive)
-        saved = torch.load(cast(IO[bytes], dcpfiles.Window(archive)), map_location="meta",
-                           weights_only=True)
     finally:
         archive.release()
-    if not isinstance(saved, torch.Tensor):
-        raise DrainError(f"a DCP tensor item holds a {type(saved).__name__}: the checkpoint "
-                         "is damaged")
+    saved = _loaded(view, offset, length, "meta")
     storage_bytes = saved.untyped_storage().nbytes()
     if data_at + storage_bytes > offset + length:
         raise DrainError("a DCP tensor item's bytes run past its archive: the checkpoint is "
                          "damaged")
     part = _narrow(saved, req.storage_offsets, req.lengths)
-    target = planner.resolve_tensor(req).detach()
-    if target.size() != part.size():
-        raise DrainError(f"read item {req.storage_index} is {tuple(part.size())} in the "
-                         f"checkpoint but {tuple(target.size())} in the state dict")
+    _check_size(req, target, part)
     # A conjugate or negative view's bytes are not its values, the saved tensor's or the
     # target's (loading a plain tensor into `z.conj()` wrote its bytes unconjugated: found
     # attacking): copy_ below reads and writes through the bits.
@@ -123,4 +123,31 @@ def read_tensor(view: FileView, offset: int, length: int, req: ReadItem,
                                 offset=data_at)
         target.copy_(dcpfiles.with_bits_of(saved, flat.view(saved.dtype).as_strided(
             part.size(), part.stride(), part.storage_offset())))
+    planner.commit_tensor(req, target)
+
+
+def _loaded(view: FileView, offset: int, length: int, device: str) -> torch.Tensor:
+    """The tensor the archive at ``offset`` holds, loaded onto ``device``."""
+    archive = view.window(offset, length)
+    try:
+        saved = torch.load(cast(IO[bytes], dcpfiles.Window(archive)), map_location=device,
+                           weights_only=True)
+    finally:
+        archive.release()
+    if not isinstance(saved, torch.Tensor):
+        raise DrainError(f"a DCP tensor item holds a {type(saved).__name__}: the checkpoint "
+                         "is damaged")
+    return saved
+
+
+def _check_size(req: ReadItem, target: torch.Tensor, part: torch.Tensor) -> None:
+    if target.size() != part.size():
+        raise DrainError(f"read item {req.storage_index} is {tuple(part.size())} in the "
+                         f"checkpoint but {tuple(target.size())} in the state dict")
+
+
+def _commit(planner: LoadPlanner, req: ReadItem, target: torch.Tensor,
+            part: torch.Tensor) -> None:
+    _check_size(req, target, part)
+    target.copy_(part)
     planner.commit_tensor(req, target)
