@@ -70,6 +70,9 @@ _MAX_UID = 2**32 - 2
 # Why the ranks aborted, bounded: a 4 KiB part record per node stays a 4 KiB read for every
 # node that polls it.
 MAX_ABORT_REASON_CHARS = 1024
+# What a reader takes of a manifest or part record: a larger object is refused as damaged or
+# planted (it would be read whole into memory), so nothing larger is ever written.
+MAX_RECORD_BYTES = 64 << 20
 _MANIFEST_FIELDS = frozenset(
     {
         "format_version",
@@ -90,6 +93,32 @@ _T = TypeVar("_T")
 
 class ManifestError(ValueError):
     """A part record or manifest is malformed or inconsistent; the message names the field."""
+
+
+class RecordTooLarge(ManifestError):
+    """A manifest or part record would pass :data:`MAX_RECORD_BYTES`: no reader would take it."""
+
+
+def entry_bytes(path: str, size: int, rank: int, node: str) -> int:
+    """The bytes one shard's line takes in a manifest or part record (a CRC64NVME checksum;
+    names are ASCII that JSON writes as they are): what a generation's records will weigh,
+    known before they are written."""
+    return _ENTRY_FIXED_BYTES + len(path) + len(node) + len(str(size)) + len(str(rank))
+
+
+# '  {"checksum": "crc64nvme:<16 hex>", "node": "", "path": "", "rank": , "size": },\n'
+_ENTRY_FIXED_BYTES = 2 + len('{"checksum": "crc64nvme:0123456789abcdef", "node": "", '
+                             '"path": "", "rank": , "size": }') + 2
+
+
+def checked_size(body: bytes, what: str, shards: int) -> bytes:
+    """``body`` if a reader will take it, else :class:`RecordTooLarge` saying what to do."""
+    if len(body) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(
+            f"the {what} would be {len(body)} bytes for {shards} shards, over the "
+            f"{MAX_RECORD_BYTES >> 20} MiB a reader takes; this generation cannot commit: "
+            "save fewer, larger files (with DCP, single_file_per_rank=True)")
+    return body
 
 
 # --- keys -----------------------------------------------------------------------------------

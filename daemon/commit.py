@@ -32,6 +32,7 @@ from ckptdrain.client.manifest import (
     ManifestError,
     PartRecord,
     ShardEntry,
+    checked_size,
     generation_prefix,
     latest_key,
     manifest_key,
@@ -147,6 +148,7 @@ class Committer:
                 f"part record names node {part.node!r} but this committer is {self.node_id!r}"
             )
         body = await off_loop_if_large(len(part.shards) * PART_ENTRY_BYTES, part.to_json)
+        checked_size(body, f"part record of node {part.node!r}", len(part.shards))
         await self.backend.put_bytes(part_key(part.job, part.step, part.node), body)
 
     async def try_publish(
@@ -197,6 +199,9 @@ class Committer:
 
         key = manifest_key(job, step)
         body = await off_loop_if_large(len(manifest.shards) * PART_ENTRY_BYTES, manifest.to_json)
+        # Published, a manifest no reader takes would be a commit nobody can load, answered
+        # "committed" to this node's waiters (found attacking: 2 nodes x 31,000 shards).
+        checked_size(body, "manifest", len(manifest.shards))
         if await self.backend.put_bytes(key, body, exclusive=True):
             log.info(
                 "published %s (%d shards, %d bytes)",

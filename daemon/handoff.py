@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
+from ckptdrain.client.manifest import MAX_RECORD_BYTES, entry_bytes
 from ckptdrain.daemon import payloads
 from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
 from ckptdrain.daemon.dataplane import SourceEnded, SourceUnreadable, kernel_copy
@@ -58,6 +59,11 @@ def _close(*fds: int | None) -> None:
             os.close(fd)
 
 
+# A part record's lines besides its shards' (its clocks, ranks, an abort reason): the room a
+# hand-off leaves them under MAX_RECORD_BYTES.
+RECORD_HEADER_BYTES = 1 << 20
+
+
 def _readable(fd: int) -> bool:
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     # An O_PATH descriptor reports O_RDONLY as its access mode, yet cannot be read.
@@ -74,7 +80,7 @@ class Handoffs:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
 
-    def check_new_shard(self, gen: GenerationRecord, path: str, size: int) -> None:
+    def check_new_shard(self, gen: GenerationRecord, path: str, size: int, rank: int) -> None:
         if path in gen.shards or path in gen.receiving:
             raise RequestError(wire.DUPLICATE, f"shard {path!r} was already handed off in step "
                                f"{gen.step} of job {gen.job!r}; shard paths are unique per generation")
@@ -85,6 +91,19 @@ class Handoffs:
             raise RequestError(wire.INVALID_NAME, f"shard {path!r} and shard {clash!r} of step "
                                f"{gen.step} of job {gen.job!r} cannot both exist: one is a "
                                "directory of the other; rename one of them")
+        node = self.d.config.node_id
+        lines = (gen.line_bytes + len(gen.shards) * len(node)
+                 + entry_bytes(path, size, rank, node))
+        if lines > MAX_RECORD_BYTES - RECORD_HEADER_BYTES:
+            # Refused now: drained, the generation would fail at its commit, its part record
+            # or manifest over what a reader takes (found attacking: 62,000 shards acknowledged,
+            # then the commit failed; across nodes, one node said committed while readers
+            # ignored the manifest).
+            raise RequestError(wire.BAD_REQUEST, f"step {gen.step} of job {gen.job!r} lists "
+                               f"too many shards for its manifest: with {path!r} this node's "
+                               f"record of its {len(gen.shards) + 1} shards would pass the "
+                               f"{MAX_RECORD_BYTES >> 20} MiB a reader takes; save fewer, "
+                               "larger files (with DCP, single_file_per_rank=True)")
         if size > self.d.config.limits.max_shard_bytes:
             raise RequestError(wire.BAD_REQUEST, f"shard {path!r} is {size} bytes, over "
                                f"limits.max_shard_bytes ({self.d.config.limits.max_shard_bytes})")
@@ -208,7 +227,7 @@ class Handoffs:
         # From the first byte to the acknowledgement, the drain holds new ranges back.
         yielding = contextlib.ExitStack()
         try:
-            self.check_new_shard(gen, path, size)
+            self.check_new_shard(gen, path, size, rank)
             if src_fd is not None:
                 await self._check_source(src_fd, path, size, "descriptor")
             gen.reserve_path(path)
@@ -328,7 +347,7 @@ class Handoffs:
         memory: Reservation | None = None
         receiving = False
         try:
-            self.check_new_shard(gen, path, size)
+            self.check_new_shard(gen, path, size, rank)
             owner = d.ledger.jobs.get(gen.job, h.uid)
             await self._check_source(fd, path, size, "memfd")
             # Reserved across every await below: a concurrent duplicate is refused.

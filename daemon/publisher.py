@@ -27,6 +27,7 @@ from ckptdrain.client.manifest import (
     MAX_ABORT_REASON_CHARS,
     ManifestError,
     PartRecord,
+    RecordTooLarge,
     ShardEntry,
     latest_key,
     part_key,
@@ -281,6 +282,9 @@ class Publisher:
                 await self.end(gen, f"could not write this node's part record: {exc}",
                                kind="drain")
                 return False
+            except RecordTooLarge as exc:  # the job's doing: too many shards
+                await self.end(gen, str(exc), kind="aborted")
+                return False
         if gen.terminal:
             # Ended (an abort) while the record was written: its failure record, written
             # after this one under the same part lock, is the one that stands.
@@ -423,6 +427,9 @@ class Publisher:
                 gen.job, gen.step, gen.world_size, gen.attempt), gen)
         except BackendError as exc:
             await self.end(gen, f"commit failed: {exc}", kind="drain")
+            return
+        except RecordTooLarge as exc:
+            await self.end(gen, str(exc), kind="aborted")
             return
         if result.committed:
             self.committer.owners.remember(gen.job, self.ledger.jobs.get(gen.job))

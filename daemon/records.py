@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptdrain.client.manifest import parents
+from ckptdrain.client.manifest import entry_bytes, parents
 from ckptdrain.daemon.state import (
     INITIAL_GENERATION,
     TERMINAL_GENERATION,
@@ -157,6 +157,10 @@ class GenerationRecord:
     bytes_by_state: collections.Counter[ShardState] = field(
         default_factory=collections.Counter)
     open_shards: dict[int, ShardRecord] = field(default_factory=dict)
+    # What the shards' lines of a part record or manifest weigh, their node names left out
+    # (manifest.entry_bytes): a hand-off that would take the records past what a reader
+    # takes is refused.
+    line_bytes: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Held around the manifest's create only, and by an abort (Daemon.give_up): an abort never
     # lands in the middle of the commit point, and waits for nothing longer (`lock` is held
@@ -239,6 +243,7 @@ class GenerationRecord:
             self.unsettled[shard.rank] = self.unsettled.get(shard.rank, 0) + delta
         self.by_state[shard.state] += delta
         self.bytes_by_state[shard.state] += delta * shard.size
+        self.line_bytes += delta * entry_bytes(shard.path, shard.size, shard.rank, "")
         if shard.state in UNDRAINED_SHARD:
             if delta > 0:
                 self.open_shards[shard.id] = shard

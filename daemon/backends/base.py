@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptdrain.client.manifest import MAX_RECORD_BYTES
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.fanout import for_each_bounded
@@ -181,7 +182,7 @@ class Backend(abc.ABC):
         when it already existed (``link``/``O_EXCL`` on POSIX, ``If-None-Match: *`` on S3)."""
 
     @abc.abstractmethod
-    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
+    async def get_bytes(self, key: str, *, max_bytes: int = MAX_RECORD_BYTES) -> bytes | None:
         """Read a small object, or None when it does not exist."""
 
     @abc.abstractmethod

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
+from ckptdrain.client.manifest import MAX_RECORD_BYTES
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError, Flow, ObjectInfo, UploadLog
 from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
@@ -272,7 +273,7 @@ class MemoryBackend(Backend):
         await self._yield()
         return True
 
-    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
+    async def get_bytes(self, key: str, *, max_bytes: int = MAX_RECORD_BYTES) -> bytes | None:
         self._enter("get_bytes", key)
         await self._gate("get_bytes", key)
         data = self.store.objects.get(key)

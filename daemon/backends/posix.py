@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from ckptdrain.client.manifest import MAX_RECORD_BYTES
 from ckptdrain.daemon.backends.base import (
     Backend,
     BackendError,
@@ -459,7 +460,7 @@ class PosixBackend(Backend):
 
     # --- reads ------------------------------------------------------------------------------
 
-    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
+    async def get_bytes(self, key: str, *, max_bytes: int = MAX_RECORD_BYTES) -> bytes | None:
         return await self._run(f"reading {key}", read_small, self.fs, self._parts(key), max_bytes)
 
     async def list(self, prefix: str) -> list[ObjectInfo]:

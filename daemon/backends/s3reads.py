@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from ckptdrain.client.manifest import MAX_RECORD_BYTES
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, ObjectInfo
 from ckptdrain.daemon.backends.posixfs import writes_in_parallel
@@ -50,7 +51,7 @@ class S3Reads(S3Client, Backend):
                 break
         return sorted(names)
 
-    async def get_bytes(self, key: str, *, max_bytes: int = 64 << 20) -> bytes | None:
+    async def get_bytes(self, key: str, *, max_bytes: int = MAX_RECORD_BYTES) -> bytes | None:
         full = self._key(key)
         what = f"reading {key}"
         try:

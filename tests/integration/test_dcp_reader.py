@@ -407,9 +407,9 @@ def test_quantized_tensors_save_and_load_as_with_file_system_writer(make_daemon:
     with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
         dcp.load(stock, storage_reader=FileSystemReader(generation_dir(daemon.dest, JOB, 8)))
     ours = quantized_targets()
-    with DrainReader(JOB, socket_path=daemon.socket_path) as reader:
-        with pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
-            dcp.load(ours, storage_reader=reader)
+    with DrainReader(JOB, socket_path=daemon.socket_path) as reader, \
+            pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+        dcp.load(ours, storage_reader=reader)
     for key, value in expected.items():
         assert torch.equal(stock[key], value), key
         assert torch.equal(ours[key], value), key
