@@ -142,7 +142,8 @@ class Committer:
         self.owners = DestinationOwners(self)
 
     async def record_part(self, part: PartRecord) -> None:
-        """Write (or overwrite) this node's part record for the part's generation."""
+        """Write (or overwrite) this node's part record for the part's generation
+        (RecordTooLarge, and nothing written, where no reader would take it)."""
         if part.node != self.node_id:
             raise ValueError(
                 f"part record names node {part.node!r} but this committer is {self.node_id!r}"
@@ -158,7 +159,8 @@ class Committer:
 
         Safe to call from every node, any number of times: at most one PUBLISHED ever, and a
         retry after a crash between the manifest and LATEST simply returns ACCEPTED.
-        Raises BackendError when the destination fails (the caller retries).
+        Raises BackendError when the destination fails (the caller retries), and
+        RecordTooLarge when the manifest would be larger than a reader takes (never written).
         """
         parts, problem = await self.read_parts(job, step, world_size, attempt)
         if problem:
@@ -177,6 +179,10 @@ class Committer:
                                                self._clock())
         except ManifestError as exc:
             return CommitResult(CommitOutcome.CONFLICT, None, reason=str(exc))
+        body = await off_loop_if_large(len(manifest.shards) * PART_ENTRY_BYTES, manifest.to_json)
+        # Published, a manifest no reader takes would be a commit nobody can load, answered
+        # "committed" to this node's waiters (found attacking: 2 nodes x 31,000 shards).
+        checked_size(body, "manifest", len(manifest.shards))
 
         absent, different = await self._unproven_shards(manifest)
         if different:
@@ -198,10 +204,6 @@ class Committer:
             )
 
         key = manifest_key(job, step)
-        body = await off_loop_if_large(len(manifest.shards) * PART_ENTRY_BYTES, manifest.to_json)
-        # Published, a manifest no reader takes would be a commit nobody can load, answered
-        # "committed" to this node's waiters (found attacking: 2 nodes x 31,000 shards).
-        checked_size(body, "manifest", len(manifest.shards))
         if await self.backend.put_bytes(key, body, exclusive=True):
             log.info(
                 "published %s (%d shards, %d bytes)",
