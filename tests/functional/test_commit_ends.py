@@ -180,3 +180,31 @@ def test_commit_wait_s_must_be_positive(make_daemon) -> None:  # type: ignore[no
     with pytest.raises(RuntimeError, match="exited 78"):
         d.start()
     assert "drain.commit_wait_s: must be > 0" in d.log()
+
+
+def test_a_job_refused_a_slot_hears_which_steps_wait_on_other_nodes_and_what_ends_them(
+        make_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: after a node was lost, the steps drained here waited for its ranks,
+    # holding the job's slots for drain.commit_wait_s (an hour by default), and the restarted
+    # job's begin heard "oldest undrained shard - is 0.0 s old, draining at 0.0 MB/s; retry
+    # in about 1 s": nothing about why, for how long, or what to do.
+    import subprocess
+
+    from tests.conftest import CKPTDRAIN
+
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="3600", **ONE_SLOT)
+    seal(a, 1, 0)  # rank 1's node is gone
+    recorded(a, 1)
+    with pytest.raises(Backpressure) as refused:
+        seal(a, 2, 0)
+    message = str(refused.value)
+    assert "in flight: step 1 (recorded)" in message, message
+    assert "wait for other nodes' ranks" in message and "drain.commit_wait_s" in message
+    assert f"`ckptdrain abort {JOB} STEP`" in message and "draining at" not in message
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 3000
+    # What it says to do works.
+    out = subprocess.run([CKPTDRAIN, "abort", JOB, "1"], env=a.env(), capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    seal(a, 3, 0, world_size=1)
+    a.client().wait(JOB, 3, timeout_s=30)
