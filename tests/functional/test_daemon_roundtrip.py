@@ -192,6 +192,31 @@ def test_a_step_retention_would_remove_at_once_is_refused(make_daemon) -> None: 
     assert (d.dest / "roll" / f"{35:020d}" / "w.bin").read_bytes() == b"kept"
 
 
+def test_a_step_newer_commits_overtook_while_it_was_saved_is_not_committed_to_be_removed(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking retention: step 60 began with one committed step above it (allowed at
+    # keep_last 2), then 200 and 150 committed while it was saved; its `wait` said committed
+    # and retention removed it a second later. It ends (cancelled) instead of publishing.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LAST="2",
+                                   CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT="4")
+    c = d.client()
+    with c.generation("over", 100) as gen:
+        gen.put("w.bin", b"100")
+    c.wait("over", 100, timeout_s=30)
+    with c.generation("over", 60) as slow:
+        slow.put("w.bin", b"60")
+        for step in (200, 150):
+            with d.client().generation("over", step) as gen:
+                gen.put("w.bin", str(step).encode())
+            c.wait("over", step, timeout_s=30)
+    with pytest.raises(GenerationFailed, match=r"steps 200, 150 of this job committed while it "
+                                                r"was saved: retention.keep_last = 2 would "
+                                                r"remove it"):
+        c.wait("over", 60, timeout_s=30)
+    assert not (d.dest / "over" / f"{60:020d}" / "MANIFEST.json").exists()
+    assert c.latest("over") == 200
+
+
 def test_a_rollback_is_refused_behind_many_uncommitted_directories(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the bounded check: nine directories of saves that never committed
     # above the newest commit (retention leaves those alone) used up the reads, and step 15
