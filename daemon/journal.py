@@ -160,6 +160,7 @@ class Journal:
         # shard id -> (upload id, when begun, monotonic): multipart uploads not yet completed or aborted,
         # kept beside the uploads table so `status` answers from memory.
         self.open_uploads: dict[int, tuple[str, float]] = {}
+        self.fresh = False  # made (or found empty) by open(): it knew nothing
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def open(self) -> None:
@@ -173,6 +174,12 @@ class Journal:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # A journal made (or found empty) now knows nothing: recovery then sets staged shard
+        # files aside rather than removing them as strays (Staging.set_aside).
+        try:
+            self.fresh = os.stat(self.path).st_size == 0
+        except FileNotFoundError:
+            self.fresh = True
         # Private whatever the umask: it names every user's jobs and their errors. SQLite
         # gives its -wal and -shm files the database file's mode.
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)

@@ -256,6 +256,23 @@ class Staging:
                           error=exc.strerror or str(exc))
         return kept
 
+    def set_aside(self, into: Path) -> int:
+        """Move every shard file into ``into`` (made here) and remove temp files; how many
+        shard files moved. For a start whose journal is new while shard files are staged: the
+        journal was lost (deleted, truncated), and the files are acknowledged shards it would
+        have named. Removed as strays, they went with one info line (found attacking)."""
+        moved = 0
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(TMP):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            elif entry.name.endswith(DATA):
+                if not moved:
+                    into.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.rename(entry.path, into / entry.name)
+                moved += 1
+        return moved
+
     def discard_unless_open(self, names: list[str]) -> list[str]:
         """:meth:`discard` of each name no other open file description holds; returns the
         names removed. A local copy ``open`` lent to a reader stays in place while the reader
@@ -324,11 +341,16 @@ class Staging:
         finally:
             os.close(fd)
 
-    def sweep(self, keep: set[str]) -> tuple[int, list[tuple[str, int, int | None]]]:
+    def sweep(self, keep: set[str], *, set_aside: Path | None = None,
+              ) -> tuple[int, list[tuple[str, int, int | None]]]:
         """Remove temp files and shard files the journal does not know: (how many went, and
         the ``(name, size, owner)`` of those a reader still holds open, left in place). A copy
         lent before a restart and dropped since is one of these: unlinked here, its blocks
-        stayed in use and out of every count (found attacking)."""
+        stayed in use and out of every count (found attacking). ``set_aside``: the journal
+        was lost, and the shard files are moved into that directory instead (see
+        :meth:`set_aside`)."""
+        if set_aside is not None:
+            return self.set_aside(set_aside), []
         removed = 0
         strays: list[str] = []
         for entry in os.scandir(self.dir):

@@ -15,6 +15,7 @@ from ckptdrain.client import GenerationFailed
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.checksums import of_bytes
 from tests.conftest import DaemonProcess, wait_for
+from tests.functional.test_failure_boundary import still_serves
 
 
 def manifest_of(d: DaemonProcess, job: str, step: int) -> Manifest:
@@ -196,3 +197,32 @@ def test_a_rank_aborted_just_before_a_crash_fails_its_generation_on_restart(make
     with pytest.raises(GenerationFailed, match="rank"):
         d.client().wait("crash-ab", 3, timeout_s=30)
     assert not (d.dest / "crash-ab" / f"{3:020d}" / "MANIFEST.json").exists()
+
+
+@pytest.mark.parametrize("how", ["removed", "truncated"])
+def test_a_lost_journal_sets_the_staged_shards_aside_not_removes_them(make_daemon,
+                                                                      how: str) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking recovery: with the journal deleted or truncated after a kill -9, the
+    # restart took every acknowledged, undrained shard file for a stray and removed it, with
+    # one info line ("recovered generations=0 removed_files=3").
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1",
+                                   CKPTDRAIN_LOG_LEVEL="info")
+    with d.client().generation("lost", 1) as gen:
+        for i in range(3):
+            gen.put(f"s{i}.bin", os.urandom(10_000))
+    d.kill()
+    shards = d.staging / "shards"
+    staged = {p.name: p.read_bytes() for p in shards.glob("*.data")}
+    assert len(staged) == 3
+    for suffix in ("", "-wal", "-shm"):
+        journal = d.staging / f"journal.sqlite3{suffix}"
+        if how == "removed":
+            journal.unlink(missing_ok=True)
+        elif journal.exists():
+            journal.write_bytes(b"")
+    d.start()
+    [aside] = (d.staging / "journal-lost").iterdir()
+    assert {p.name: p.read_bytes() for p in aside.glob("*.data")} == staged
+    assert not list(shards.glob("*.data"))
+    assert "level=error event=journal_lost_shards_set_aside files=3" in d.log()
+    still_serves(d)
