@@ -15,7 +15,7 @@ from typing import Any, overload
 
 from ckptdrain.client.manifest import parents
 from ckptdrain.daemon import journal as j
-from ckptdrain.daemon.journal import Journal
+from ckptdrain.daemon.journal import Journal, JournalError
 from ckptdrain.daemon.records import (
     MAX_ERROR_CHARS,
     SUMMARY_ERROR_CHARS,
@@ -69,7 +69,20 @@ class Ledger:
         self.ended: Callable[[GenerationRecord], None] = lambda gen: None
 
     async def load(self) -> dict[int, str]:
-        """Rebuild from the journal; returns the upload ids it knows, by shard id."""
+        """Rebuild from the journal; returns the upload ids it knows, by shard id. A row this
+        version cannot read (a state it does not know: a newer version's journal; a wrong
+        type: an edit) is a JournalError that says so, not a traceback (found attacking)."""
+        try:
+            return await self._load()
+        except (ValueError, TypeError, KeyError) as exc:
+            raise JournalError(
+                f"the journal {self.journal.path} holds a row this version cannot read ({exc}): "
+                "it was written by a newer ckptdrain, or edited; start the version that wrote "
+                "it, or move the journal aside to start empty (its staged shards are then set "
+                "aside too)"
+            ) from None
+
+    async def _load(self) -> dict[int, str]:
         snap = await self.journal.load()
         self.jobs = dict(snap.jobs)
         for g in snap.generations:

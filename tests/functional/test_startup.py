@@ -228,3 +228,26 @@ def test_a_full_staging_filesystem_is_named_as_the_staging_dir(make_daemon: Any,
     fill_up(small_tmpfs)
     refused(serve(d, CKPTDRAIN_STAGING_DIR=str(staging)), "staging_dir", "No space left",
             "free space")
+
+
+@pytest.mark.parametrize(("table", "column", "value"), [
+    ("shards", "state", "bogus"), ("generations", "state", "sealing"), ("shards", "size", "abc")])
+def test_a_journal_row_this_version_cannot_read_is_one_line_not_a_traceback(
+        make_daemon: Any, table: str, column: str, value: str) -> None:
+    # Found attacking recovery: a state this version does not know (a newer version's
+    # journal, after a downgrade) or a wrong type (an edit) ended `serve` with an exception
+    # group's traceback and no `ckptdrain:` line.
+    import sqlite3
+
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("newer", 1) as gen:
+        gen.put("w.bin", b"x" * 1000)
+    assert d.stop() == 0
+    db = sqlite3.connect(d.staging / "journal.sqlite3")
+    db.execute(f"UPDATE {table} SET {column} = ?", (value,))
+    db.commit()
+    db.close()
+    out = serve(d)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    [line] = [line for line in out.stderr.splitlines() if line.startswith("ckptdrain: ")]
+    assert "holds a row this version cannot read" in line and "newer ckptdrain" in line, line
