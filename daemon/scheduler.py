@@ -339,6 +339,10 @@ class Scheduler:
                 checksum = await self._put(shard)
                 break
             except _Discarded:
+                # Its generation ended mid-copy: the upload will never complete. Left open, a
+                # resumed one (its id journalled before a restart) stayed until the orphan
+                # sweep's grace, an hour (found attacking `abort` after a restart).
+                await self.abort_upload(shard)
                 return False
             except BackendError as exc:
                 self.metrics.drain_error(self.destination, exc.kind)
