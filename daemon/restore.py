@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ckptdrain.client.manifest import TMP_SUFFIX, Manifest, ShardEntry, shard_key
+from ckptdrain.client.manifest import TMP_SUFFIX, Manifest, ShardEntry, manifest_key, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.catalog import CatalogError, resolve
 from ckptdrain.daemon.fanout import for_each_bounded
@@ -121,14 +121,30 @@ async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concur
         await for_each_bounded(manifest.shards, fetch, concurrency)
     except BackendError as exc:
         # A shard missing or not a file at the destination is the generation's damage, as a
-        # checksum mismatch is: say what to do about it, as that one does.
+        # checksum mismatch is: say what to do about it, as that one does. Unless the
+        # manifest went too: then retention (or an operator) removed the generation while it
+        # was read, and "damaged: restore an older one" sent the user to what goes first
+        # (found attacking).
         hint = ("; the generation at the destination is damaged: restore an older generation "
                 "(`ckptdrain ls` lists them)" if exc.kind in ("integrity", "unsafe") else "")
+        if exc.kind in ("integrity", "not_found") and not await _still_there(backend, job, step):
+            hint = ("; the generation was removed while it was restored (retention keeps the "
+                    "newest retention.keep_last): restore a newer one (`ckptdrain ls` lists "
+                    "them)")
         raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}{hint}") from exc
     made.file(root / "MANIFEST.json")
     await in_thread(_write_file, root / "MANIFEST.json", manifest.to_json())
     return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root,
                          local_files=local_files, local_rejected=local_rejected)
+
+
+async def _still_there(backend: Backend, job: str, step: int) -> bool:
+    """Whether the generation's manifest is still at the destination (True when that cannot
+    be told: the damage stays the likelier reading)."""
+    try:
+        return await backend.stat(manifest_key(job, step)) is not None
+    except BackendError:
+        return True
 
 
 async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> str:

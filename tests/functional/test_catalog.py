@@ -7,6 +7,7 @@ import hashlib
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -303,6 +304,33 @@ async def test_a_shard_missing_at_the_destination_says_to_restore_an_older_gener
         with pytest.raises(RestoreError,
                            match=r"optim/rank0\.pt does not exist.*restore an older generation"):
             await restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_generation_removed_while_it_is_restored_says_to_restore_a_newer_one(
+    tmp_path: Path
+) -> None:
+    # Found attacking: retention removed the generation (manifest first, then the shards)
+    # while it was restored, and the restore said "does not exist; the generation at the
+    # destination is damaged: restore an older generation", which retention removes first.
+    root = tmp_path / "dest"
+    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), "gpu1")
+    try:
+        await commit(backend, tmp_path, 100, PATHS)
+        real = type(backend).copy_into
+
+        async def removed_meanwhile(self: PosixBackend, key: str, *args: Any, **kw: Any) -> Any:
+            (root / manifest_key(JOB, 100)).unlink(missing_ok=True)
+            (root / key).unlink(missing_ok=True)
+            return await real(self, key, *args, **kw)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(PosixBackend, "copy_into", removed_meanwhile)
+            with pytest.raises(RestoreError, match=r"does not exist; the generation was removed "
+                                                   r"while it was restored.*restore a newer one"):
+                await restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
     finally:
         await backend.aclose()
 
