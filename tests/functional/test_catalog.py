@@ -3,6 +3,7 @@ directory (POSIX) and on the in-memory fake."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import AsyncIterator, Callable
@@ -296,14 +297,21 @@ async def test_a_shard_missing_at_the_destination_says_to_restore_an_older_gener
 ) -> None:
     # Found attacking: a checksum mismatch said what to do, a shard deleted after the commit
     # said only "... does not exist".
-    root = tmp_path / "dest"
-    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), "gpu1")
-    try:
-        await commit(backend, tmp_path, 100, PATHS)
+    async with _committed_posix(tmp_path) as (root, backend):
         (root / shard_key(JOB, 100, "optim/rank0.pt")).unlink()
         with pytest.raises(RestoreError,
                            match=r"optim/rank0\.pt does not exist.*restore an older generation"):
             await restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
+
+
+@contextlib.asynccontextmanager
+async def _committed_posix(tmp_path: Path) -> AsyncIterator[tuple[Path, PosixBackend]]:
+    """Generation 100 of JOB committed to a file:// destination: (its root, the backend)."""
+    root = tmp_path / "dest"
+    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), "gpu1")
+    try:
+        await commit(backend, tmp_path, 100, PATHS)
+        yield root, backend
     finally:
         await backend.aclose()
 
@@ -315,10 +323,7 @@ async def test_a_generation_removed_while_it_is_restored_says_to_restore_a_newer
     # Found attacking: retention removed the generation (manifest first, then the shards)
     # while it was restored, and the restore said "does not exist; the generation at the
     # destination is damaged: restore an older generation", which retention removes first.
-    root = tmp_path / "dest"
-    backend = PosixBackend(DestinationConfig(uri=f"file://{root}"), "gpu1")
-    try:
-        await commit(backend, tmp_path, 100, PATHS)
+    async with _committed_posix(tmp_path) as (root, backend):
         real = type(backend).copy_into
 
         async def removed_meanwhile(self: PosixBackend, key: str, *args: Any, **kw: Any) -> Any:
@@ -331,8 +336,6 @@ async def test_a_generation_removed_while_it_is_restored_says_to_restore_a_newer
             with pytest.raises(RestoreError, match=r"does not exist; the generation was removed "
                                                    r"while it was restored.*restore a newer one"):
                 await restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
-    finally:
-        await backend.aclose()
 
 
 @pytest.mark.asyncio
