@@ -381,7 +381,11 @@ def test_wedged_pipe_closes_never_hold_up_the_closes_of_other_clients_fds(
             raw = held.enter_context(RawClient(daemon.socket_path))
             assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
             send_fds(raw, wire.encode_message("status", {}), [fd])  # a frame that takes none
-            os.close(fd)  # the daemon's copy is now the last one
+            # The daemon's copy is now the last one, unless the daemon closed it first: then
+            # this close is the last, and waits (uninterruptibly) for the lock this process
+            # holds until the end of the test. In a thread of its own, so that it never wedges
+            # the test itself (it did once, under load, and hung the whole run).
+            threading.Thread(target=os.close, args=(fd,), daemon=True).start()
             assert raw.reply().kind == "ok"
         before = daemon_fds(daemon)
         with RawClient(daemon.socket_path) as raw:
