@@ -332,7 +332,7 @@ class Admission:
         action = "timed_out" if exc.timed_out else "rejected"
         self.metrics.backpressure(action, exc.name)
         if exc.name == "max_generations_in_flight":
-            message = self._slots_full(exc, job, details)
+            message = self._slots_full(exc, job)
         else:
             message = (
                 f"backpressure: {exc}; oldest undrained shard {oldest_path or '-'} is "
@@ -341,25 +341,28 @@ class Admission:
             )
         return RequestError(wire.BACKPRESSURE, message, details)
 
-    def _slots_full(self, exc: BudgetFull, job: str, details: dict[str, object]) -> str:
+    def _slots_full(self, exc: BudgetFull, job: str) -> str:
         """Which of ``job``'s generations hold its slots, and what ends them. Steps drained
         here that wait for other nodes' ranks hold theirs until those commit, or for
         drain.commit_wait_s (an hour by default): after a node was lost, "draining at 0.0
         MB/s; retry in about 1 s" was all the restarted job heard, for the whole hour (found
-        attacking)."""
+        attacking). ``retry_after_s`` stays the usual short hint."""
         held = sorted((g for g in self._held if g.job == job), key=lambda g: g.step)
         text = f"backpressure: {exc}; in flight: " + (", ".join(
             f"step {g.step} ({g.state})" for g in held[:8]) or "-")
-        waiting = [g for g in held if g.state is GenerationState.RECORDED]
+        # Recorded here with ranks elsewhere: usually a moment's wait for a slower node (the
+        # retry hint stays short: found attacking, an hour's hint stalled a healthy job that
+        # slept on it), for as long as drain.commit_wait_s when that node is gone.
+        waiting = [g for g in held
+                   if g.state is GenerationState.RECORDED and len(g.ranks) < g.world_size]
         if not waiting:
             return text + "; retry when one of them commits, or checkpoint less often"
         now = time.monotonic()
         wait_s = self.config.drain.commit_wait_s
         left = max(0.0, min(wait_s - (now - (g.drained_mono or g.created_mono))
                             for g in waiting))
-        details["retry_after_s"] = round(max(1.0, left), 1)
         steps = ", ".join(str(g.step) for g in waiting[:8])
-        return (f"{text}; step(s) {steps} drained here and wait for other nodes' ranks (a node "
-                f"lost?): each ends when it commits, after drain.commit_wait_s ({left:.0f} s "
-                f"more at the soonest), or when an operator gives it up with `ckptdrain abort "
-                f"{job} STEP`")
+        return (f"{text}; step(s) {steps} drained here and wait for other nodes' ranks: each "
+                f"ends when it commits, or, if a node was lost, after drain.commit_wait_s "
+                f"({left:.0f} s more at most), or when an operator gives it up with `ckptdrain "
+                f"abort {job} STEP`")

@@ -201,7 +201,10 @@ def test_a_job_refused_a_slot_hears_which_steps_wait_on_other_nodes_and_what_end
     assert "in flight: step 1 (recorded)" in message, message
     assert "wait for other nodes' ranks" in message and "drain.commit_wait_s" in message
     assert f"`ckptdrain abort {JOB} STEP`" in message and "draining at" not in message
-    assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 3000
+    assert "s more at most" in message
+    # A short hint all the same: the other node is usually only slower (a job that slept an
+    # hour on it stalled: found attacking the first version of this message).
+    assert refused.value.retry_after_s <= 5
     # What it says to do works.
     out = subprocess.run([CKPTDRAIN, "abort", JOB, "1"], env=a.env(), capture_output=True,
                          text=True, timeout=60, check=False)
