@@ -278,9 +278,11 @@ _BOUNCE_BYTES = 1 << 20
 
 
 def _read_then_write(src: int, dst: int, offset: int, want: int) -> int:
-    """Up to ``want`` bytes of ``src`` at ``offset`` written at the same offset of ``dst``;
-    how many (0 at the end of ``src``). A read that fails is the source's fault
-    (:class:`SourceUnreadable`); a write that fails is the staging disk's (OSError)."""
+    """Up to ``want`` bytes of ``src`` at ``offset`` written at ``dst``'s file position, as the
+    kernel copies write (a later chunk one of them copies lands after these: found attacking,
+    with ``pwrite`` it overwrote them); how many (0 at the end of ``src``). A read that fails
+    is the source's fault (:class:`SourceUnreadable`); a write that fails is the staging
+    disk's (OSError)."""
     with mmap.mmap(-1, _BOUNCE_BYTES) as buf, memoryview(buf) as view:
         done = 0
         while done < want:
@@ -295,7 +297,7 @@ def _read_then_write(src: int, dst: int, offset: int, want: int) -> int:
                 break
             written = 0
             while written < got:
-                written += os.pwrite(dst, view[written:got], offset + done + written)
+                written += os.write(dst, view[written:got])
             done += got
         return done
 
