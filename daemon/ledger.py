@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, overload
 
+from ckptdrain.client import names, wire
+from ckptdrain.client.errors import DrainError
 from ckptdrain.client.manifest import parents
 from ckptdrain.daemon import journal as j
 from ckptdrain.daemon.journal import Journal, JournalError
@@ -74,7 +76,7 @@ class Ledger:
         type: an edit) is a JournalError that says so, not a traceback (found attacking)."""
         try:
             return await self._load()
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, DrainError) as exc:
             raise JournalError(
                 f"the journal {self.journal.path} holds a row this version cannot read ({exc}): "
                 "it was written by a newer ckptdrain, or edited; start the version that wrote "
@@ -84,6 +86,23 @@ class Ledger:
 
     async def _load(self) -> dict[int, str]:
         snap = await self.journal.load()
+        for job, uid in snap.jobs.items():
+            _typed("jobs", {"job": job, "uid": uid}, job=str, uid=int)
+            names.validate_job(job)
+        for g in snap.generations:
+            _typed("generations", g, job=str, step=int, world_size=int, state=str, ack=str,
+                   created_at=_NUMBER, handoff_at=_TIME, staged_at=_TIME, drained_at=_TIME,
+                   committed_at=_TIME, error=str, attempt=str)
+            names.validate_job(g["job"])
+            if g["ack"] not in wire.ACK_MODES:
+                raise ValueError(f"generations.ack = {g['ack']!r} is not one of {wire.ACK_MODES}")
+        for r in snap.ranks:
+            _typed("ranks", r, job=str, step=int, rank=int, state=str)
+        for sh in snap.shards:
+            _typed("shards", sh, id=int, job=str, step=int, rank=int, path=str, size=int,
+                   staged_name=str, state=str, handed_at=_NUMBER, staged_at=_NUMBER,
+                   checksum=str, drained_at=_TIME, error=str, deferred=int)
+            names.validate_shard_path(sh["path"])
         self.jobs = dict(snap.jobs)
         for g in snap.generations:
             rec = GenerationRecord(
@@ -410,3 +429,16 @@ def _check_fields(record: object, fields: dict[str, Any]) -> None:
     for name in fields:
         if name == "state" or not hasattr(record, name):
             raise TypeError(f"{type(record).__name__} has no field {name!r} to set")
+
+
+_NUMBER = (int, float)
+_TIME = (int, float, type(None))
+
+
+def _typed(table: str, row: Any, **columns: type | tuple[type, ...]) -> None:
+    """Each of ``columns`` of a journal ``row`` holds the type this version writes there
+    (SQLite keeps whatever an edit put in): TypeError naming the first that does not."""
+    for name, kinds in columns.items():
+        value = row[name]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise TypeError(f"{table}.{name} = {value!r:.60} is not what this version writes")

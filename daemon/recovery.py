@@ -135,9 +135,10 @@ async def recover(d: Daemon) -> None:
         log_event(log, logging.ERROR, "journal_lost_shards_set_aside", files=removed,
                   directory=str(set_aside),
                   action=f"the journal {d.journal.path} was new or empty while staging held "
-                         "shard files: its records of them (acknowledged, not yet drained "
-                         "hand-offs) are lost, and so are their generations; the files are "
-                         "kept there for inspection: delete them when done")
+                         "shard files (hand-offs not yet drained, or copies kept of drained "
+                         "ones): its records of them are lost, and so is every generation it "
+                         "had not committed yet; the files are kept there, outside "
+                         "max_staged_bytes, for inspection: delete them when done")
         removed = 0
     for name, size, owner in still_read:  # lent before the restart, a reader holds it still
         d.copies.held_from_before(name, size, owner)

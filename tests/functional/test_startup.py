@@ -231,7 +231,13 @@ def test_a_full_staging_filesystem_is_named_as_the_staging_dir(make_daemon: Any,
 
 
 @pytest.mark.parametrize(("table", "column", "value"), [
-    ("shards", "state", "bogus"), ("generations", "state", "sealing"), ("shards", "size", "abc")])
+    ("shards", "state", "bogus"), ("generations", "state", "sealing"), ("shards", "size", "abc"),
+    # Found attacking the first version of the check, which caught only what raised as the
+    # records were built: these started, then failed a commit with a traceback in the log
+    # (world_size, a path), or were served as if they were right.
+    ("generations", "world_size", "x"), ("generations", "ack", "bogus"), ("jobs", "uid", "x"),
+    ("shards", "path", "../../etc"), ("shards", "rank", "x"), ("shards", "deferred", "x"),
+    ("shards", "handed_at", "x"), ("ranks", "rank", "x")])
 def test_a_journal_row_this_version_cannot_read_is_one_line_not_a_traceback(
         make_daemon: Any, table: str, column: str, value: str) -> None:
     # Found attacking recovery: a state this version does not know (a newer version's
