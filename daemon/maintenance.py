@@ -126,6 +126,16 @@ async def retry(h: ClientHandler, job: str, step: int) -> dict[str, Any]:
     unretryable = gen.why_not_retryable()
     if unretryable:
         raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} {unretryable}")
+    # Refused now rather than drained again and cancelled at its commit (found attacking:
+    # it committed, and retention removed it a second later).
+    above = await d.begin_checks.overtaken(job, step)
+    if above:
+        keep = d.config.retention.keep_last
+        raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} is older than "
+                           f"its {keep} newest committed steps ({', '.join(map(str, above))}): "
+                           f"retention.keep_last = {keep} would remove it as soon as it "
+                           "committed, and a restart resumes from the newest step anyway; "
+                           f"give it up with `ckptdrain abort {job} {step}`")
     try:
         slot = await d.admission.slots(job).reserve(1, block=False, timeout_s=0)
     except (BudgetFull, TooLarge) as exc:

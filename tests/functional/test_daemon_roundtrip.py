@@ -217,6 +217,31 @@ def test_a_step_newer_commits_overtook_while_it_was_saved_is_not_committed_to_be
     assert c.latest("over") == 200
 
 
+def test_a_retry_that_retention_would_remove_at_once_is_refused(make_daemon,
+                                                                  tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking retention: `retry` of step 10, failed while the destination was away,
+    # after 20 and 30 committed (keep_last 2): it drained again, its wait said committed, and
+    # retention removed it a second later. Refused now, saying why and what to do.
+    mount = tmp_path / "mnt"
+    d: DaemonProcess = make_daemon(dest=f"file://{mount}/dest",
+                                   CKPTDRAIN_RETENTION__KEEP_LAST="2",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
+    c = d.client(timeout_s=60)
+    with c.generation("late", 10) as gen:
+        gen.put("w.bin", b"10")
+    with pytest.raises(GenerationFailed):
+        c.wait("late", 10, timeout_s=60)
+    mount.mkdir()
+    for step in (20, 30):
+        with c.generation("late", step) as gen:
+            gen.put("w.bin", str(step).encode())
+        c.wait("late", step, timeout_s=60)
+    with pytest.raises(GenerationFailed, match=r"older than its 2 newest committed steps "
+                                                r"\(30, 20\).*ckptdrain abort late 10"):
+        c.retry("late", 10)
+    assert not (mount / "dest" / "late" / f"{10:020d}" / "MANIFEST.json").exists()
+
+
 def test_a_rollback_is_refused_behind_many_uncommitted_directories(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the bounded check: nine directories of saves that never committed
     # above the newest commit (retention leaves those alone) used up the reads, and step 15

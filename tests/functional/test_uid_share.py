@@ -124,9 +124,12 @@ def test_a_failed_generations_copies_kept_for_retry_do_not_hold_the_share(
     # copies, kept for `retry`, held 60 of the uid's 100 MiB, and every later save was refused
     # ("wait for its shards to drain", which they never would) until it was aborted.
     mount = tmp_path / "mnt"
+    # keep_last 4: step 1, retried after 2, 3 and 4 committed, is kept (at 3 its retry is
+    # refused: retention would remove it as soon as it committed).
     d: DaemonProcess = make_daemon(dest=f"file://{mount}/dest",
                                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="100MiB",
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5",
+                                   CKPTDRAIN_RETENTION__KEEP_LAST="4")
     c = d.client(timeout_s=60)
     with c.generation("j", 1) as gen:
         gen.put("a", os.urandom(60 * MiB))
