@@ -111,14 +111,13 @@ _ENTRY_FIXED_BYTES = 2 + len('{"checksum": "crc64nvme:0123456789abcdef", "node":
                              '"path": "", "rank": , "size": }') + 2
 
 
-def checked_size(body: bytes, what: str, shards: int) -> bytes:
-    """``body`` if a reader will take it, else :class:`RecordTooLarge` saying what to do."""
+def checked_size(body: bytes, what: str, shards: int) -> None:
+    """:class:`RecordTooLarge`, saying what to do, where no reader would take ``body``."""
     if len(body) > MAX_RECORD_BYTES:
         raise RecordTooLarge(
             f"the {what} would be {len(body)} bytes for {shards} shards, over the "
             f"{MAX_RECORD_BYTES >> 20} MiB a reader takes; this generation cannot commit: "
             "save fewer, larger files (with DCP, single_file_per_rank=True)")
-    return body
 
 
 # --- keys -----------------------------------------------------------------------------------

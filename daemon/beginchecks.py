@@ -103,13 +103,6 @@ class BeginChecks:
                 "as soon as it committed, and a restart resumes from the newest step anyway; "
                 f"save it as a step above {above[0]}, or under a new job name")
 
-    async def overtaken(self, job: str, step: int) -> list[int]:
-        """The ``retention.keep_last`` committed steps above ``step``, when there are that
-        many (retention would remove ``step`` as soon as it committed); else []."""
-        above = await self._committed_above(job, step)
-        keep = self.d.config.retention.keep_last
-        return above if isinstance(above, list) and len(above) >= keep else []
-
     async def _committed(self, job: str, step: int) -> bool:
         """Whether ``step`` is committed; False when the destination cannot say in time (the
         create-once shard writes still protect a committed step). RequestError for a step no

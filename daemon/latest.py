@@ -153,6 +153,18 @@ async def committed_above(backend: Backend, job: str, above: int, *, enough: int
     return found
 
 
+async def overtaken(backend: Backend, job: str, step: int, *, keep: int) -> list[int]:
+    """The ``keep`` committed steps of ``job`` above ``step`` (newest first) when there are
+    that many: retention (``keep_last = keep``) would remove ``step`` as soon as it committed,
+    after its ``wait`` had said it was. Asked only when LATEST names a step above it, so the
+    usual commit of a new newest step costs one small read; else []."""
+    latest = await read_latest(backend, job)
+    if latest is None or latest <= step:
+        return []
+    above = await committed_above(backend, job, step, enough=keep)
+    return above if len(above) >= keep else []
+
+
 async def off_loop_if_large(nbytes: int, fn: Callable[..., _T], *args: object) -> _T:
     """``fn(*args)`` on the loop when small (a thread hop costs more), in a worker thread when
     about ``nbytes`` of JSON is at stake: a 100,000-shard manifest is 20 MB of JSON, too much

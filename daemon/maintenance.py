@@ -10,14 +10,19 @@ daemon takes new generations again (``drain`` again after an upgrade if that is 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
+from ckptdrain.client.manifest import ManifestError
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.beginchecks import COMMITTED_CHECK_TIMEOUT_S
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
 from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.latest import overtaken
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import (
     GenerationEvent,
@@ -128,9 +133,13 @@ async def retry(h: ClientHandler, job: str, step: int) -> dict[str, Any]:
         raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} {unretryable}")
     # Refused now rather than drained again and cancelled at its commit (found attacking:
     # it committed, and retention removed it a second later).
-    above = await d.begin_checks.overtaken(job, step)
+    keep = d.config.retention.keep_last
+    try:
+        async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+            above = await overtaken(d.backend, job, step, keep=keep)
+    except (BackendError, ManifestError, OSError, TimeoutError):
+        above = []  # cannot tell in time: the commit checks again (Publisher)
     if above:
-        keep = d.config.retention.keep_last
         raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} is older than "
                            f"its {keep} newest committed steps ({', '.join(map(str, above))}): "
                            f"retention.keep_last = {keep} would remove it as soon as it "

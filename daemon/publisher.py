@@ -39,10 +39,9 @@ from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer, pars
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.latest import (
     PART_ENTRY_BYTES,
-    committed_above,
     off_loop_if_large,
+    overtaken,
     parse_part,
-    read_latest,
 )
 from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecord
 from ckptdrain.daemon.locks import KeyedLocks
@@ -431,27 +430,21 @@ class Publisher:
 
     async def _retention_would_take(self, gen: GenerationRecord) -> bool:
         """End ``gen`` rather than publish it when ``retention.keep_last`` newer steps of its
-        job committed since it began: retention would remove it as soon as it committed, after
-        its ``wait`` had said it was (found attacking: newer steps committed while it was saved,
-        or it came back through ``retry``; the begin's check had passed). Asked only when
-        LATEST names a newer step, so the usual commit of a new newest step costs one small
-        read; a destination that cannot say in time lets the commit go ahead, as before."""
+        job committed since it began (latest.overtaken; found attacking: newer steps committed
+        while it was saved, and the begin's check had passed). A destination that cannot say
+        in time lets the commit go ahead, as before."""
         keep = self.config.retention.keep_last
         if gen.state is not _G.RECORDED:
             return False  # (the one state a newer commit may end)
         try:
             async with asyncio.timeout(PART_READ_MIN_S * 5):
-                latest = await read_latest(self.committer.backend, gen.job)
-                if latest is None or latest <= gen.step:
-                    return False
-                above = await committed_above(self.committer.backend, gen.job, gen.step,
-                                              enough=keep)
+                above = await overtaken(self.committer.backend, gen.job, gen.step, keep=keep)
         except (BackendError, ManifestError, OSError, TimeoutError) as exc:
             self._error_log.log_event(log, logging.WARNING, "rollback_check_failed",
                                       cause=f"retention:{gen.job}", job=gen.job, step=gen.step,
                                       error=str(exc) or type(exc).__name__)
             return False
-        if len(above) < keep:
+        if not above:
             return False
         await self.end(gen, f"steps {', '.join(map(str, above))} of this job committed while "
                             f"it was saved: retention.keep_last = {keep} would remove it as soon "

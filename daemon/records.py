@@ -104,9 +104,13 @@ class ShardRecord:
     moved_bytes: int = 0
     # staged_at on this process's monotonic clock (monotonic_of): what its age is read from.
     staged_mono: float = field(init=False)
+    # Its line in a part record or manifest, its node name left out (manifest.entry_bytes):
+    # path, size and rank never change, so worked out once, not at every state change.
+    line_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.staged_mono = monotonic_of(self.staged_at)
+        self.line_bytes = entry_bytes(self.path, self.size, self.rank, "")
     # (identity of the staged file, checksum) when a read of the file unchanged throughout
     # gave that checksum (reads.identity; not journalled: a restarted daemon hashes again).
     vouched: tuple[tuple[int, int, int, int, int], str] | None = None
@@ -243,7 +247,7 @@ class GenerationRecord:
             self.unsettled[shard.rank] = self.unsettled.get(shard.rank, 0) + delta
         self.by_state[shard.state] += delta
         self.bytes_by_state[shard.state] += delta * shard.size
-        self.line_bytes += delta * entry_bytes(shard.path, shard.size, shard.rank, "")
+        self.line_bytes += delta * shard.line_bytes
         if shard.state in UNDRAINED_SHARD:
             if delta > 0:
                 self.open_shards[shard.id] = shard

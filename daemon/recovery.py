@@ -11,7 +11,6 @@ nothing runs yet.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -122,24 +121,23 @@ async def recover(d: Daemon) -> None:
     for gen in newest.values():
         d.copies.drop_older_committed(gen)
         d.metrics.recovered_commit(gen.job, gen.step, gen.committed_at or gen.created_at)
-    set_aside = None
     if d.journal.fresh and exists:
         # Shard files staged under a journal that knows nothing: it was lost (deleted,
         # truncated), and they are acknowledged shards whose records went with it. Kept, out
         # of the way, and said loudly; removed as strays, they went with one info line.
-        set_aside = d.staging.dir.parent / "journal-lost" / time.strftime("%Y%m%dT%H%M%SZ",
-                                                                         time.gmtime())
-    removed, still_read = await d.dataplane.call(
-        functools.partial(d.staging.sweep, keep, set_aside=set_aside))
-    if set_aside is not None:
-        log_event(log, logging.ERROR, "journal_lost_shards_set_aside", files=removed,
-                  directory=str(set_aside),
+        aside = d.staging.dir.parent / "journal-lost" / time.strftime("%Y%m%dT%H%M%SZ",
+                                                                     time.gmtime())
+        moved = await d.dataplane.call(d.staging.set_aside, aside)
+        log_event(log, logging.ERROR, "journal_lost_shards_set_aside", files=moved,
+                  directory=str(aside),
                   action=f"the journal {d.journal.path} was new or empty while staging held "
                          "shard files (hand-offs not yet drained, or copies kept of drained "
                          "ones): its records of them are lost, and so is every generation it "
                          "had not committed yet; the files are kept there, outside "
                          "max_staged_bytes, for inspection: delete them when done")
-        removed = 0
+        removed, still_read = 0, list[tuple[str, int, int | None]]()
+    else:
+        removed, still_read = await d.dataplane.call(d.staging.sweep, keep)
     for name, size, owner in still_read:  # lent before the restart, a reader holds it still
         d.copies.held_from_before(name, size, owner)
     for gen, shard in requeue:

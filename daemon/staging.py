@@ -341,16 +341,11 @@ class Staging:
         finally:
             os.close(fd)
 
-    def sweep(self, keep: set[str], *, set_aside: Path | None = None,
-              ) -> tuple[int, list[tuple[str, int, int | None]]]:
+    def sweep(self, keep: set[str]) -> tuple[int, list[tuple[str, int, int | None]]]:
         """Remove temp files and shard files the journal does not know: (how many went, and
         the ``(name, size, owner)`` of those a reader still holds open, left in place). A copy
         lent before a restart and dropped since is one of these: unlinked here, its blocks
-        stayed in use and out of every count (found attacking). ``set_aside``: the journal
-        was lost, and the shard files are moved into that directory instead (see
-        :meth:`set_aside`)."""
-        if set_aside is not None:
-            return self.set_aside(set_aside), []
+        stayed in use and out of every count (found attacking)."""
         removed = 0
         strays: list[str] = []
         for entry in os.scandir(self.dir):
