@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ckptdrain.client.manifest import ManifestError, generation_prefix, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
-from ckptdrain.daemon.drainqueue import FairQueue
+from ckptdrain.daemon.drainqueue import BatchLanes, FairQueue
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
@@ -75,6 +75,7 @@ class Scheduler:
         )
         self.config = config
         self._queue = FairQueue()
+        self._lanes = BatchLanes(lambda: self.backend.batch_lanes)
         self._seq = itertools.count()
         self._prepared: set[str] = set()
         self._drained_bytes_window: list[tuple[float, int]] = []
@@ -154,11 +155,14 @@ class Scheduler:
             return None  # gone, ended, or an old attempt's shard: not this generation's
         return gen
 
-    def _batch_behind(self, gen: GenerationRecord, shard: ShardRecord) -> list[ShardRecord]:
-        """Small shards of ``gen`` queued behind ``shard``, to drain with it in one go."""
+    def _batchable(self, shard: ShardRecord) -> bool:
         b = self.backend
-        if b.batch_shards <= 1 or shard.size > b.batch_shard_bytes:
-            return []
+        return b.batch_shards > 1 and shard.size <= b.batch_shard_bytes
+
+    def _batch_behind(self, gen: GenerationRecord, shard: ShardRecord) -> list[ShardRecord]:
+        """Small shards of ``gen`` queued in ``shard``'s directory or behind it, to drain with
+        it in one go."""
+        b = self.backend
         return self._queue.take_more(shard, b.batch_shards - 1, b.batch_bytes - shard.size,
                                      b.batch_shard_bytes,
                                      lambda s: self._drainable(s) is gen)
@@ -169,23 +173,34 @@ class Scheduler:
             gen = self._drainable(shard)
             if gen is None:
                 continue
-            batch = [shard, *self._batch_behind(gen, shard)]
-            # The failure boundary of a drain: whatever goes wrong fails this generation and
-            # the worker takes the next shard; nothing reaches the TaskGroup.
-            try:
-                if await self._foreign(gen):
-                    continue
-                if len(batch) == 1:
-                    await self._drain(gen, shard)
-                else:
-                    await self._drain_batch(gen, batch)
-            except Exception as exc:
-                log_event(log, logging.ERROR, "drain_crashed", job=gen.job, step=gen.step,
-                          path=shard.path, exc_info=True)
-                self.metrics.internal_error("drain")
-                await self.publisher.end_safely(
-                    gen, f"draining {shard.path!r} failed unexpectedly ({type(exc).__name__}: "
-                         f"{exc}); the daemon log has the traceback", kind="internal")
+            small = self._batchable(shard)
+            if small and self._lanes.full:
+                # Small shards drain in a few lanes (Backend.batch_lanes). This one goes back
+                # in its place (its generation and id order it), and the worker waits for a
+                # lane holding nothing: one that waited with a shard in hand would then batch
+                # from the leftovers of that shard's directory.
+                self.enqueue(gen, shard)
+                await self._lanes.freed()
+                continue
+            async with self._lanes.lane() if small else contextlib.nullcontext():
+                batch = [shard, *self._batch_behind(gen, shard)] if small else [shard]
+                # The failure boundary of a drain: whatever goes wrong fails this generation
+                # and the worker takes the next shard; nothing reaches the TaskGroup.
+                try:
+                    if await self._foreign(gen):
+                        continue
+                    if len(batch) == 1:
+                        await self._drain(gen, shard)
+                    else:
+                        await self._drain_batch(gen, batch)
+                except Exception as exc:
+                    log_event(log, logging.ERROR, "drain_crashed", job=gen.job, step=gen.step,
+                              path=shard.path, exc_info=True)
+                    self.metrics.internal_error("drain")
+                    await self.publisher.end_safely(
+                        gen, f"draining {shard.path!r} failed unexpectedly "
+                             f"({type(exc).__name__}: {exc}); the daemon log has the traceback",
+                        kind="internal")
 
     async def _drain_deferred(self, gen: GenerationRecord, shard: ShardRecord) -> bool:
         if await self._foreign(gen):

@@ -47,6 +47,7 @@ from ckptdrain.daemon.backends.collision import check_replaced, settle_existing
 from ckptdrain.daemon.backends.posixbatch import (
     BATCH_BYTES,
     BATCH_SHARDS,
+    LOCAL_BATCH_LANES,
     SMALL_SHARD_BYTES,
     create_many,
 )
@@ -172,7 +173,8 @@ class PosixBackend(Backend):
         # Its own threads, sized to the configured drain concurrency plus headroom so a part
         # record or manifest write is not queued behind full-size shard copies (the shared
         # default executor has min(32, cores + 4) threads and serves everyone else too).
-        self.max_threads = int(config.max_concurrency) + EXTRA_THREADS
+        self.max_concurrency = int(config.max_concurrency)
+        self.max_threads = self.max_concurrency + EXTRA_THREADS
         self._executor: ThreadPoolExecutor | None = None
         self._segments: ThreadPoolExecutor | None = None
         self._segments_lock = threading.Lock()
@@ -189,6 +191,12 @@ class PosixBackend(Backend):
         self.clock: Callable[[], float] = time.monotonic  # the sweeps' clock (tests move it)
         self._xattr = ChecksumXattr()
         self.fs = Beneath(self.root)
+
+    @property
+    def batch_lanes(self) -> int:
+        """A few on a local filesystem, the drain's concurrency on a network one; a local
+        filesystem's until the first batch learns which (posixbatch.LOCAL_BATCH_LANES)."""
+        return self.max_concurrency if self.parallel_writes else LOCAL_BATCH_LANES
 
     # --- plumbing ---------------------------------------------------------------------------
 

@@ -37,6 +37,14 @@ BATCH_SHARDS = 64
 BATCH_BYTES = 16 << 20
 # Shards up to this size go in batches; larger ones are copied on their own (put_file).
 SMALL_SHARD_BYTES = 1 << 20
+# Batches written at once to a local filesystem (PosixBackend.batch_lanes). There a file
+# operation takes microseconds, so a batch's time is the interpreter's, and batches side by
+# side only take turns at it: each turn is a lock hand-off and two context switches. 10,000
+# shards of 64 KiB from 64 ranks to ext4 here: 8 batches at once cost 1.9 CPU ms a shard and
+# 15 s to the commit, 2 at once 1.5 ms and 13 s (the drain of one batch overlaps its own
+# fsyncs already). A network filesystem gets the drain's full concurrency: its operations
+# wait on a server, and batches side by side hide the wait.
+LOCAL_BATCH_LANES = 2
 
 
 class _Taken:
@@ -69,6 +77,7 @@ def create_many(backend: PosixBackend, items: Sequence[tuple[Entry, int, int]],
         what = f"writing {len(indexes)} shards into {'/'.join(parts)}"
         try:
             with backend.fs.dir(parts, create=True) as dir_fd:
+                backend._parallel_writes(dir_fd)  # learns batch_lanes (once)
                 _one_directory(backend, dir_fd, items, indexes, outcomes, stop)
         except OSError as exc:
             error = backend_error(exc, f"{what} at {backend.uri}")

@@ -1,0 +1,194 @@
+"""Batches of small shards: a batch takes whole directories (ranks hand off side by side, so
+the queue interleaves their directories, and a batch of the shards right behind the first
+gave each directory of a POSIX destination about one shard per batch, each paying its own walk
+and directory fsync); and small-shard drains run in a few lanes (Backend.batch_lanes), not
+one per drain worker."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.memory import MemoryBackend
+from ckptdrain.daemon.drainqueue import BatchLanes, FairQueue
+from ckptdrain.daemon.ledger import Ledger, ShardRecord
+from ckptdrain.daemon.staging import Staging
+from ckptdrain.daemon.state import GenerationState, RankEvent, ShardState
+from tests.functional.test_scheduler import running_scheduler
+
+BIG = 1 << 40
+
+
+def shard(sid: int, path: str, *, step: int = 1, size: int = 1) -> ShardRecord:
+    return ShardRecord(id=sid, job="j", step=step, rank=0, path=path, size=size,
+                       staged_name=f"n{sid}", state=ShardState.STAGED, handed_at=0.0,
+                       staged_at=0.0)
+
+
+def interleaved(q: FairQueue, dirs: int, per_dir: int) -> None:
+    """As ranks hand off side by side: r0/s0, r1/s0, ..., r0/s1, r1/s1, ..."""
+    sid = 0
+    for j in range(per_dir):
+        for r in range(dirs):
+            sid += 1
+            q.put("j", (1.0, sid, sid), shard(sid, f"r{r}/s{j}.bin"))
+
+
+def dirs_of(shards: list[ShardRecord]) -> list[str]:
+    return sorted({s.path.rpartition("/")[0] for s in shards})
+
+
+@pytest.mark.asyncio
+async def test_a_batch_takes_whole_directories_of_ranks_that_handed_off_side_by_side() -> None:
+    q = FairQueue()
+    interleaved(q, dirs=4, per_dir=10)
+    first = await q.get()
+    assert first.path == "r0/s0.bin"
+    batch = q.take_more(first, 19, BIG, BIG, lambda s: True)
+    # The rest of r0, then the directory of the next shard in line (r1), whole.
+    assert dirs_of([first, *batch]) == ["r0", "r1"], [s.path for s in batch]
+    assert len(batch) == 19
+    # What is left still drains oldest first, and counts right.
+    assert q.qsize() == 20
+    second = await q.get()
+    assert second.path == "r2/s0.bin"
+    rest = q.take_more(second, 100, BIG, BIG, lambda s: True)
+    assert dirs_of([second, *rest]) == ["r2", "r3"] and len(rest) == 19
+    assert q.qsize() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_batch_of_directories_with_one_shard_each_still_fills() -> None:
+    q = FairQueue()
+    interleaved(q, dirs=10, per_dir=1)
+    first = await q.get()
+    batch = q.take_more(first, 5, BIG, BIG, lambda s: True)
+    assert [s.path for s in batch] == [f"r{r}/s0.bin" for r in range(1, 6)]
+    assert [(await q.get()).path for _ in range(q.qsize())] == [
+        f"r{r}/s0.bin" for r in range(6, 10)]
+
+
+@pytest.mark.asyncio
+async def test_shards_a_batch_cannot_take_stay_queued_in_order() -> None:
+    q = FairQueue()
+    q.put("j", (1.0, 1, 1), shard(1, "r0/a"))
+    q.put("j", (1.0, 2, 2), shard(2, "r0/big", size=100))
+    q.put("j", (1.0, 3, 3), shard(3, "r0/other-step", step=2))
+    q.put("j", (1.0, 4, 4), shard(4, "r0/unusable"))
+    q.put("j", (1.0, 5, 5), shard(5, "r0/b"))
+    q.put("j", (1.0, 6, 6), shard(6, "r1/c"))
+    first = await q.get()
+    batch = q.take_more(first, 10, 50, BIG, lambda s: not s.path.endswith("unusable"))
+    # r0's that fit, then r1's (the job's next shard in line is r0/big, which does not fit:
+    # the batch stops there, as it did when it took only the shards right behind).
+    assert [s.path for s in batch] == ["r0/b"]
+    assert [(await q.get()).path for _ in range(q.qsize())] == [
+        "r0/big", "r0/other-step", "r0/unusable", "r1/c"]
+
+
+@pytest.mark.asyncio
+async def test_lanes_hold_drains_to_the_limit_and_a_cancelled_waiter_holds_none() -> None:
+    limit = 2
+    lanes = BatchLanes(lambda: limit)
+    release = asyncio.Event()
+    inside: list[int] = []
+    most = 0
+
+    async def drain(i: int) -> None:
+        nonlocal most
+        async with lanes.lane():
+            inside.append(i)
+            most = max(most, lanes.busy)
+            await release.wait()
+            inside.remove(i)
+
+    tasks = [asyncio.create_task(drain(i)) for i in range(6)]
+    while len(inside) < 2:
+        await asyncio.sleep(0)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert sorted(inside) == [0, 1] and lanes.busy == 2
+    tasks[2].cancel()  # a waiter given up: it must neither enter nor keep the others out
+    limit = 3  # learnt meanwhile (a network filesystem): read again at the next entry
+    release.set()
+    async with asyncio.timeout(10):
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert tasks[2].cancelled()
+    assert all(t.done() and not t.cancelled() for i, t in enumerate(tasks) if i != 2)
+    assert most <= 3 and lanes.busy == 0
+
+
+class _Batching(MemoryBackend):
+    """The in-memory destination taking batches, in ``lanes`` at once; it records how many of
+    its small-shard writes ran at the same time."""
+
+    batch_shards = 64
+    batch_shard_bytes = 1 << 20
+    batch_bytes = 16 << 20
+
+    def __init__(self, lanes: int) -> None:
+        super().__init__("n0")
+        self.lanes = lanes
+        self.running = 0
+        self.most = 0
+        self.batches: list[list[str]] = []
+
+    @property
+    def batch_lanes(self) -> int:
+        return self.lanes
+
+    async def put_files(
+        self, items: builtins.list[tuple[str, int, int]],
+    ) -> builtins.list[str | BackendError | None]:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        self.batches.append([key for key, _, _ in items])
+        try:
+            # Held open a moment, as a real write is: batches allowed to overlap do.
+            await asyncio.sleep(0.01)
+            return await super().put_files(items)
+        finally:
+            self.running -= 1
+
+
+async def _small_generation(ledger: Ledger, staging: Staging, shards: int, dirs: int):  # type: ignore[no-untyped-def]
+    gen = await ledger.open_generation("j", 1, 1, "local", uid=0)
+    await ledger.open_rank(gen, 0)
+    now = time.time()
+    for i in range(shards):
+        name = staging.new_name(0)
+        staging.data_path(name).write_bytes(b"x" * 10)
+        await ledger.add_shard(gen, ShardRecord(
+            id=ledger.shard_ids(), job="j", step=1, rank=0, path=f"r{i % dirs}/s{i}.bin",
+            size=10, staged_name=name, state=ShardState.STAGED, handed_at=now, staged_at=now))
+    await ledger.apply((gen, 0), RankEvent.SEALED)
+    return gen
+
+
+@pytest.mark.asyncio
+async def test_small_shards_drain_in_the_destinations_lanes_in_whole_directories(
+    tmp_path: Path,
+) -> None:
+    backend = _Batching(lanes=2)
+    async with running_scheduler(tmp_path, backend) as (scheduler, ledger, staging, _):
+        gen = await _small_generation(ledger, staging, shards=512, dirs=16)
+        for s in gen.shards.values():
+            scheduler.enqueue(gen, s)
+        async with asyncio.timeout(30):
+            while not gen.terminal:
+                await asyncio.sleep(0.01)
+        assert gen.state is GenerationState.COMMITTED, gen.error
+    # 8 drain workers (max_concurrency), 2 lanes.
+    assert scheduler.config.destination.max_concurrency == 8
+    assert 1 <= backend.most <= 2, backend.most
+    # All in batches of 64 (a worker that finds no free lane puts its shard back and waits
+    # holding none), each into as few directories as the queue allows: 32 shards in each of
+    # 16, so two directories a batch, the first one's, then the one next in line.
+    assert [len(b) for b in backend.batches] == [64] * 8, [len(b) for b in backend.batches]
+    assert [len({k.rpartition("/")[0] for k in b}) for b in backend.batches] == [2] * 8, [
+        sorted({k.rpartition("/")[0] for k in b}) for b in backend.batches]
