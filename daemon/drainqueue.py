@@ -36,7 +36,7 @@ class _Entry:
 
 
 @dataclass(slots=True)
-class _Lane:
+class _JobQueue:
     """One job's queued shards; entries taken into a batch stay in the heap, not live, until
     they reach its top."""
 
@@ -52,14 +52,14 @@ class FairQueue:
     """Shards waiting to drain. Jobs take turns, so one job's backlog never starves another's
     newer checkpoint; within a job the oldest generation goes first, in hand-off order.
 
-    A batch (:meth:`take_more`) fills first from the queued shards in the same directory as
-    its first one, then from those right behind it. Ranks hand off side by side, so the queue
-    interleaves their directories; batching only the shards right behind would give each
-    directory of a POSIX destination about one shard per batch, and each would pay its own
-    walk to the directory and its own directory fsync."""
+    A batch (:meth:`take_more`) takes whole directories: the queued shards in its first one's
+    directory, then those in the directory of the job's next shard. Ranks hand off side by
+    side, so the queue interleaves their directories; batching only the shards right behind
+    would give each directory of a POSIX destination about one shard per batch, and each
+    would pay its own walk to the directory and its own directory fsync."""
 
     def __init__(self) -> None:
-        self._lanes: dict[str, _Lane] = {}
+        self._jobs: dict[str, _JobQueue] = {}
         self._turns: collections.deque[str] = collections.deque()
         # Live entries by directory, in the order they were queued (a dict as an ordered set).
         self._groups: dict[_Group, dict[_Entry, None]] = {}
@@ -67,14 +67,14 @@ class FairQueue:
         self._size = 0
 
     def put(self, job: str, key: _Key, shard: ShardRecord) -> None:
-        lane = self._lanes.get(job)
-        if lane is None:
-            lane = self._lanes[job] = _Lane()
+        queue = self._jobs.get(job)
+        if queue is None:
+            queue = self._jobs[job] = _JobQueue()
             self._turns.append(job)
         entry = _Entry(key, job, shard, _group(job, shard))
-        heapq.heappush(lane.heap, entry)
+        heapq.heappush(queue.heap, entry)
         self._groups.setdefault(entry.group, {})[entry] = None
-        lane.live += 1
+        queue.live += 1
         self._size += 1
         self._ready.set()
 
@@ -83,13 +83,13 @@ class FairQueue:
             self._ready.clear()
             await self._ready.wait()
         job = self._turns.popleft()
-        lane = self._lanes[job]
+        queue = self._jobs[job]
         while True:
-            entry = heapq.heappop(lane.heap)
+            entry = heapq.heappop(queue.heap)
             if entry.live:
                 break
-        self._leave(lane, entry)
-        if lane.live:
+        self._leave(queue, entry)
+        if queue.live:
             self._turns.append(job)
         return entry.shard
 
@@ -100,7 +100,7 @@ class FairQueue:
         each is. They leave the queue. Whole directories go first: those queued in
         ``first``'s, then those in the directory of the job's next queued shard, and so on, so
         a batch writes into as few directories as it can."""
-        lane = self._lanes.get(first.job)
+        queue = self._jobs.get(first.job)
         taken: list[ShardRecord] = []
 
         def fits(shard: ShardRecord) -> bool:
@@ -108,7 +108,7 @@ class FairQueue:
                     and shard.size <= total_bytes and usable(shard))
 
         lead = first
-        while lane is not None and len(taken) < count:
+        while queue is not None and len(taken) < count:
             picked: list[_Entry] = []
             passed = 0
             for entry in self._groups.get(_group(first.job, lead), ()):
@@ -120,9 +120,9 @@ class FairQueue:
                 else:
                     passed += 1
             for entry in picked:  # not while iterating over their group
-                self._leave(lane, entry)
+                self._leave(queue, entry)
                 taken.append(entry.shard)
-            heap = lane.heap
+            heap = queue.heap
             while heap and not heap[0].live:
                 heapq.heappop(heap)
             if (lead is not first and not picked) or not heap or not fits(heap[0].shard):
@@ -130,18 +130,18 @@ class FairQueue:
             lead = heap[0].shard  # the next directory: that of the job's next shard
         return taken
 
-    def _leave(self, lane: _Lane, entry: _Entry) -> None:
+    def _leave(self, queue: _JobQueue, entry: _Entry) -> None:
         """``entry`` leaves the queue (its heap slot, if still there, is skipped from now)."""
         entry.live = False
         group = self._groups[entry.group]
         del group[entry]
         if not group:
             del self._groups[entry.group]
-        lane.live -= 1
+        queue.live -= 1
         self._size -= 1
-        if not lane.live:
-            # Its heap holds only entries taken into batches: the lane goes with them.
-            del self._lanes[entry.job]
+        if not queue.live:
+            # Its heap holds only entries taken into batches: its queue goes with them.
+            del self._jobs[entry.job]
             if entry.job in self._turns:  # (get took the turn already)
                 self._turns.remove(entry.job)
 
