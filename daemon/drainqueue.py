@@ -63,10 +63,21 @@ class FairQueue:
         self._turns: collections.deque[str] = collections.deque()
         # Live entries by directory, in the order they were queued (a dict as an ordered set).
         self._groups: dict[_Group, dict[_Entry, None]] = {}
+        # Live entries by shard id: a shard is queued once, however often it is put.
+        self._entries: dict[int, _Entry] = {}
         self._ready = asyncio.Event()
         self._size = 0
 
     def put(self, job: str, key: _Key, shard: ShardRecord) -> None:
+        """Queue ``shard``, unless it is queued already. A failed generation's shards stay
+        queued until a worker finds them no longer drainable, and a retry queues them again:
+        queued twice, one batch took the same shard twice and failed the retried generation
+        (found attacking)."""
+        held = self._entries.get(shard.id)
+        if held is not None:
+            if held.shard is shard:
+                return
+            self._leave(self._jobs[held.job], held)  # another record of its id: the newer one
         queue = self._jobs.get(job)
         if queue is None:
             queue = self._jobs[job] = _JobQueue()
@@ -74,6 +85,7 @@ class FairQueue:
         entry = _Entry(key, job, shard, _group(job, shard))
         heapq.heappush(queue.heap, entry)
         self._groups.setdefault(entry.group, {})[entry] = None
+        self._entries[shard.id] = entry
         queue.live += 1
         self._size += 1
         self._ready.set()
@@ -133,6 +145,7 @@ class FairQueue:
     def _leave(self, queue: _JobQueue, entry: _Entry) -> None:
         """``entry`` leaves the queue (its heap slot, if still there, is skipped from now)."""
         entry.live = False
+        del self._entries[entry.shard.id]
         group = self._groups[entry.group]
         del group[entry]
         if not group:

@@ -225,19 +225,29 @@ class Scheduler:
         try:
             return await self._drain_staged(gen, shard, then_advance=then_advance)
         finally:
-            if shard.state in (ShardState.DRAINING,):  # (mypy narrows `is` from the guard)
-                # Given up half-way (its generation ended): staged again, so a retry sends it.
+            await self._give_back(gen, [shard])
+
+    async def _give_back(self, gen: GenerationRecord, shards: list[ShardRecord]) -> None:
+        """Copies given up half-way (their generation ended, or the daemon stops): each shard
+        still draining is staged again, and queued again if its generation is open. It is open
+        when a retry came while the copy still settled (a thread finishing its call): the
+        retry queued only the shards staged then, and one given back after it stayed staged,
+        unqueued, and its generation open for good (found attacking)."""
+        for shard in shards:
+            if shard.state is ShardState.DRAINING:
                 await self.ledger.apply(shard, ShardEvent.DRAIN_GAVE_UP, persist=False)
+                if self._drainable(shard) is gen:
+                    self.enqueue(gen, shard)
 
     async def _drain_batch(self, gen: GenerationRecord, shards: list[ShardRecord]) -> None:
         """Copy many small shards of ``gen`` in one backend call (one thread job, shared
         fsyncs on POSIX), journal them drained together (the journal batches the rows), and
         advance once. A shard the batch could not write (an error, a name already taken)
         goes on its own through :meth:`_drain`, retries and collision handling included."""
-        for shard in shards:
-            await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
         alone: list[ShardRecord] = []
         try:
+            for shard in shards:
+                await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
             outcomes = await self._put_batch(gen, shards)
             if outcomes is None or gen.terminal:
                 return  # discarded: its generation ended mid-copy
@@ -263,9 +273,7 @@ class Scheduler:
             for shard, _ in written:
                 self._on_drained(shard)
         finally:
-            for shard in shards:
-                if shard.state is ShardState.DRAINING:
-                    await self.ledger.apply(shard, ShardEvent.DRAIN_GAVE_UP, persist=False)
+            await self._give_back(gen, shards)
         for shard in alone:
             if gen.terminal:
                 return

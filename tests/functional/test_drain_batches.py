@@ -10,6 +10,7 @@ import asyncio
 import builtins
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,13 @@ from ckptdrain.daemon.backends.memory import MemoryBackend
 from ckptdrain.daemon.drainqueue import BatchLanes, FairQueue
 from ckptdrain.daemon.ledger import Ledger, ShardRecord
 from ckptdrain.daemon.staging import Staging
-from ckptdrain.daemon.state import GenerationState, RankEvent, ShardState
+from ckptdrain.daemon.state import (
+    GenerationEvent,
+    GenerationState,
+    RankEvent,
+    ShardEvent,
+    ShardState,
+)
 from tests.functional.test_scheduler import running_scheduler
 
 BIG = 1 << 40
@@ -192,3 +199,109 @@ async def test_small_shards_drain_in_the_destinations_lanes_in_whole_directories
     assert [len(b) for b in backend.batches] == [64] * 8, [len(b) for b in backend.batches]
     assert [len({k.rpartition("/")[0] for k in b}) for b in backend.batches] == [2] * 8, [
         sorted({k.rpartition("/")[0] for k in b}) for b in backend.batches]
+
+
+# --- a retry while a cancelled copy still settles ---------------------------------------------
+
+
+class _Settling(_Batching):
+    """Its writes of keys with ``held/`` finish only once released, cancelled or not, as a
+    worker thread finishes its call before a cancelled copy returns (PosixBackend._run)."""
+
+    def __init__(self, *, batched: bool) -> None:
+        super().__init__(lanes=2)
+        if not batched:
+            self.batch_shards = 1
+        self.reached = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def _settle(self, keys: list[str]) -> None:
+        if not any("/held/" in key for key in keys):
+            return
+        self.reached.set()
+        waiting = asyncio.ensure_future(self.release.wait())
+        cancelled = False
+        while not waiting.done():
+            try:
+                await asyncio.shield(waiting)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def put_files(
+        self, items: builtins.list[tuple[str, int, int]],
+    ) -> builtins.list[str | BackendError | None]:
+        await self._settle([key for key, _, _ in items])
+        return await super().put_files(items)
+
+    async def put_file(self, key: str, fd: int, size: int, **kw: Any) -> str:
+        await self._settle([key])
+        return await super().put_file(key, fd, size, **kw)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
+@pytest.mark.asyncio
+async def test_a_retry_while_a_cancelled_copy_still_settles_drains_that_shard_too(
+    tmp_path: Path, batched: bool,
+) -> None:
+    """A failed generation retried at once: a copy its failure cancelled may still be settling
+    (its thread finishing the call). The retry queues the shards staged then; the one given
+    back after it was staged and never queued, and the generation stayed open for good
+    (found attacking: 12-64 shards left staged, nothing draining)."""
+    backend = _Settling(batched=batched)
+    backend.inject("put_file", BackendError("Not a directory", kind="io"), key_contains="/bad/")
+    async with running_scheduler(tmp_path, backend) as (scheduler, ledger, staging, _):
+        gen = await ledger.open_generation("j", 1, 1, "local", uid=0)
+        await ledger.open_rank(gen, 0)
+        now = time.time()
+        # The bad shard drains on its own (over the batch size), the held ones in a batch or
+        # one by one.
+        for path, size in (("held/a.bin", 10), ("held/b.bin", 10), ("bad/c.bin", 2 << 20)):
+            name = staging.new_name(0)
+            staging.data_path(name).write_bytes(b"x" * size)
+            await ledger.add_shard(gen, ShardRecord(
+                id=ledger.shard_ids(), job="j", step=1, rank=0, path=path, size=size,
+                staged_name=name, state=ShardState.STAGED, handed_at=now, staged_at=now))
+        await ledger.apply((gen, 0), RankEvent.SEALED)
+        for s in gen.shards.values():
+            scheduler.enqueue(gen, s)
+        async with asyncio.timeout(15):
+            await backend.reached.wait()
+            while gen.state is not GenerationState.FAILED:
+                await asyncio.sleep(0.01)
+        assert "Not a directory" in gen.error
+        held = [s for s in gen.shards.values() if s.path.startswith("held/")]
+        assert any(s.state is ShardState.DRAINING for s in held), "no copy settling: nothing tested"
+        # What `ckptdrain retry` does (maintenance.retry).
+        await ledger.apply(gen, GenerationEvent.RETRIED, error="")
+        for s in gen.shards.values():
+            if s.state is ShardState.FAILED:
+                await ledger.apply(s, ShardEvent.RETRIED, error="")
+            if s.state is ShardState.STAGED:
+                scheduler.enqueue(gen, s)
+        backend.release.set()
+        async with asyncio.timeout(15):
+            while gen.state is not GenerationState.COMMITTED:
+                assert not gen.terminal, gen.error
+                await asyncio.sleep(0.01)
+        assert all(s.state is ShardState.DRAINED for s in gen.shards.values())
+
+
+@pytest.mark.asyncio
+async def test_a_shard_queued_twice_is_queued_once() -> None:
+    """A failed generation's shards stay queued until a worker finds them no longer
+    drainable, and a retry queues them again: one batch then took the same shard twice and
+    failed the retried generation as an internal error (found attacking)."""
+    q = FairQueue()
+    first = shard(1, "r0/a")
+    q.put("j", (1.0, 1, 1), first)
+    q.put("j", (1.0, 2, 2), shard(2, "r0/b"))
+    q.put("j", (1.0, 1, 3), first)
+    assert q.qsize() == 2
+    got = await q.get()
+    assert got is first
+    assert [s.path for s in q.take_more(got, 10, BIG, BIG, lambda s: True)] == ["r0/b"]
+    assert q.qsize() == 0
+    q.put("j", (1.0, 1, 4), first)  # queued again once it left: it is queued
+    assert q.qsize() == 1
