@@ -111,10 +111,15 @@ def test_a_hand_off_that_keeps_moving_holds_the_drain_back_half_the_time_at_most
         raw.sock.sendall(wire.encode_message("data", {}, payload_len=size))
         stop = threading.Event()
 
-        def send() -> None:  # 5 MiB/s until stopped
+        def send() -> None:  # 6 MiB/s until stopped
+            # On a schedule, not a sleep per chunk: under a loaded test run the sleeps
+            # overshot, the average fell below the 4 MiB/s the drain yields to, and it never
+            # yielded (a fresh-clone run measured 0 yields).
+            due = time.monotonic()
             while not stop.is_set():
                 raw.sock.sendall(b"x" * chunk)
-                time.sleep(chunk / (5 * MiB))
+                due += chunk / (6 * MiB)
+                time.sleep(max(0.0, due - time.monotonic()))
 
         sender = threading.Thread(target=send)
         sender.start()
