@@ -244,10 +244,19 @@ class Scheduler:
         fsyncs on POSIX), journal them drained together (the journal batches the rows), and
         advance once. A shard the batch could not write (an error, a name already taken)
         goes on its own through :meth:`_drain`, retries and collision handling included."""
+        # Looked at again: the batch was taken before the owner check's await, and meanwhile
+        # its generation may have ended (nothing of it is written then), or ended and been
+        # retried, its shards queued again and taken by another worker (found attacking: a
+        # second DRAIN_STARTED failed the retried generation as internal).
+        shards = [shard for shard in shards if self._drainable(shard) is gen]
         alone: list[ShardRecord] = []
+        started: list[ShardRecord] = []  # the ones this call gives back, not another's
         try:
             for shard in shards:
                 await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
+                started.append(shard)
+            if not shards:
+                return
             outcomes = await self._put_batch(gen, shards)
             if outcomes is None or gen.terminal:
                 return  # discarded: its generation ended mid-copy
@@ -273,7 +282,7 @@ class Scheduler:
             for shard, _ in written:
                 self._on_drained(shard)
         finally:
-            await self._give_back(gen, shards)
+            await self._give_back(gen, started)
         for shard in alone:
             if gen.terminal:
                 return

@@ -305,3 +305,94 @@ async def test_a_shard_queued_twice_is_queued_once() -> None:
     assert q.qsize() == 0
     q.put("j", (1.0, 1, 4), first)  # queued again once it left: it is queued
     assert q.qsize() == 1
+
+
+class _HeldFirst(_Batching):
+    """Its first put_files call waits until released: a copy in flight."""
+
+    def __init__(self) -> None:
+        super().__init__(lanes=2)
+        self.first = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def put_files(
+        self, items: builtins.list[tuple[str, int, int]],
+    ) -> builtins.list[str | BackendError | None]:
+        if not self.first.is_set():
+            self.first.set()
+            await self.release.wait()
+        return await super().put_files(items)
+
+
+@pytest.mark.parametrize("retried", [True, False], ids=["retried", "failed-only"])
+@pytest.mark.asyncio
+async def test_a_batch_taken_before_the_owner_check_is_looked_at_again_after_it(
+    tmp_path: Path, retried: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker takes a batch, then awaits the owner check (a read at the destination, in a
+    thread, retried on transient errors). Meanwhile the generation failed: the worker wrote
+    the batch anyway. Or it failed and was retried, and another worker took the shards again:
+    the first one's DRAIN_STARTED failed the retried generation as internal, and its give-back
+    staged the other's copy in flight (found attacking)."""
+    backend = _HeldFirst()
+    async with running_scheduler(tmp_path, backend) as (scheduler, ledger, staging, _):
+        checking, answer = asyncio.Event(), asyncio.Event()
+        checks = 0
+
+        async def owner_check(gen: Any, *, again: bool = False) -> bool:
+            nonlocal checks
+            checks += 1
+            if checks == 1:  # the first worker's, still in its thread
+                checking.set()
+                await answer.wait()
+            return False
+
+        batches_done: list[int] = []
+        drain_batch = scheduler._drain_batch
+
+        async def counted(gen: Any, shards: list[ShardRecord]) -> None:
+            try:
+                await drain_batch(gen, shards)
+            finally:
+                batches_done.append(len(shards))
+
+        scheduler.publisher.ended_if_foreign = owner_check  # type: ignore[method-assign]
+        scheduler._drain_batch = counted  # type: ignore[method-assign]
+        gen = await ledger.open_generation("j", 1, 1, "local", uid=0)
+        await ledger.open_rank(gen, 0)
+        now = time.time()
+        for path in ("r0/a.bin", "r0/b.bin"):
+            name = staging.new_name(0)
+            staging.data_path(name).write_bytes(b"x" * 10)
+            await ledger.add_shard(gen, ShardRecord(
+                id=ledger.shard_ids(), job="j", step=1, rank=0, path=path, size=10,
+                staged_name=name, state=ShardState.STAGED, handed_at=now, staged_at=now))
+        await ledger.apply((gen, 0), RankEvent.SEALED)
+        for s in gen.shards.values():
+            scheduler.enqueue(gen, s)
+        async with asyncio.timeout(10):
+            await checking.wait()  # the first worker holds [a, b]
+        await scheduler.fail_generation(gen, "another shard failed", kind="drain")
+        if retried:  # what `ckptdrain retry` does (maintenance.retry)
+            await ledger.apply(gen, GenerationEvent.RETRIED, error="")
+            for s in gen.shards.values():
+                if s.state is ShardState.STAGED:
+                    scheduler.enqueue(gen, s)
+            async with asyncio.timeout(10):
+                await backend.first.wait()  # a second worker copies [a, b]
+            assert [s.state for s in gen.shards.values()] == [ShardState.DRAINING] * 2
+        answer.set()
+        async with asyncio.timeout(10):
+            while not batches_done:  # the first worker's batch, the second's being held
+                await asyncio.sleep(0.01)
+        backend.release.set()
+        if retried:
+            async with asyncio.timeout(10):
+                while gen.state is not GenerationState.COMMITTED:
+                    assert not gen.terminal, gen.error
+                    await asyncio.sleep(0.01)
+            assert [len(b) for b in backend.batches] == [2], backend.batches
+        else:
+            assert gen.state is GenerationState.FAILED
+            assert backend.batches == [], "a batch of an ended generation was written"
+        assert "drain_crashed" not in caplog.text
