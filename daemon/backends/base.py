@@ -138,15 +138,15 @@ class Backend(abc.ABC):
     batch_shards: int = 1
     batch_shard_bytes: int = 0
     batch_bytes: int = 0
+    # Set when the daemon stops: a write cancelled now is the shutdown's, not an abort's, so
+    # one that can resume at the next start (a journalled multipart upload) is left to it.
+    stopping: bool = False
 
     @property
     def batch_lanes(self) -> int:
         """How many drains of small shards (a batch, or one alone) may run at once; the drain's
         workers (``destination.max_concurrency``) bound the rest."""
         return 1 << 30
-    # Set when the daemon stops: a write cancelled now is the shutdown's, not an abort's, so
-    # one that can resume at the next start (a journalled multipart upload) is left to it.
-    stopping: bool = False
 
     async def put_files(
         self, items: builtins.list[tuple[str, int, int]],
