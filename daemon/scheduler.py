@@ -249,14 +249,14 @@ class Scheduler:
         # retried, its shards queued again and taken by another worker (found attacking: a
         # second DRAIN_STARTED failed the retried generation as internal).
         shards = [shard for shard in shards if self._drainable(shard) is gen]
+        if not shards:
+            return
         alone: list[ShardRecord] = []
         started: list[ShardRecord] = []  # the ones this call gives back, not another's
         try:
             for shard in shards:
                 await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
                 started.append(shard)
-            if not shards:
-                return
             outcomes = await self._put_batch(gen, shards)
             if outcomes is None or gen.terminal:
                 return  # discarded: its generation ended mid-copy
