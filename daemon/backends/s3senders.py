@@ -26,6 +26,7 @@ from ckptdrain.daemon.backends.s3parts import (
     crc64_header,
 )
 from ckptdrain.daemon.fanout import for_each_bounded
+from ckptdrain.daemon.logs import log_event
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.backends.s3client import S3Client
@@ -159,14 +160,35 @@ async def call_each(client: S3Client, what: str, operation: str,
 
 async def call_in_process(client: S3Client, what: str, operation: str, params: dict[str, Any],
                           body: bytes | None, read_max: int | None) -> dict[str, Any]:
-    """:meth:`PartSender.call` from this process (a worker's, or the daemon's own)."""
+    """:meth:`PartSender.call` from this process (a worker's, or the daemon's own).
+
+    A small object's bytes cut short after its answer's headers came (a reset, fewer bytes
+    than its Content-Length) are asked for again, up to ``max_attempts`` requests in all:
+    botocore's retries end where the headers arrive, and one cut read of a MANIFEST.json
+    failed `ls`, `verify`, `restore` and a loader's fetch (found attacking). Only reads take
+    ``read_max``, and reading again changes nothing at the destination."""
     if body is not None:
         # A bytearray, not bytes: botocore wraps bytes in a BytesIO and then sends "Expect:
         # 100-continue", a round trip per object, which aiohttp waits on without a timeout.
         params = {**params, "Body": bytearray(body)}
-    answer: dict[str, Any] = await client._call(what, operation, **params)
-    if read_max is None:
-        return answer
+    attempt = 1
+    while True:
+        answer: dict[str, Any] = await client._call(what, operation, **params)
+        if read_max is None:
+            return answer
+        try:
+            return {**answer, "Body": await _small_body(client, what, answer, params, read_max)}
+        except S3Failure as exc:
+            if not exc.transient or attempt >= client._max_attempts:
+                raise
+            log_event(log, logging.INFO, "s3_read_retried", key=params.get("Key"),
+                      attempt=attempt, error=str(exc))
+            attempt += 1
+
+
+async def _small_body(client: S3Client, what: str, answer: dict[str, Any],
+                      params: dict[str, Any], read_max: int) -> bytes:
+    """A small object's whole body, read from ``answer``; no more than ``read_max`` bytes."""
     async with answer["Body"] as stream:
         length = int(answer.get("ContentLength") or 0)
         if length > read_max:
@@ -176,7 +198,7 @@ async def call_in_process(client: S3Client, what: str, operation: str, params: d
                 transient=False, kind="integrity")
         with client._translating(what):
             data: bytes = await stream.read()
-    return {**answer, "Body": data}
+    return data
 
 
 def to_message(answer: dict[str, Any]) -> dict[str, Any]:
