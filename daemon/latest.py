@@ -41,6 +41,13 @@ OFF_LOOP_BYTES = 1 << 20
 PART_ENTRY_BYTES = 200
 
 
+# What a MANIFEST.json key may hold that is no commit at all, beside invalid JSON: a symbolic
+# link planted there ("unsafe") or an object over the small-object limit ("integrity"). Readers
+# skip it as they skip invalid JSON (found attacking the read side: one such key in one
+# generation failed `ls`, `verify` and `restore` of the whole job, and every save of it).
+NOT_A_COMMIT = frozenset({"integrity", "unsafe"})
+
+
 def parse_latest(data: bytes | None) -> int | None:
     """The step a LATEST hint names, or None when absent or not a valid step number."""
     if data is None:
@@ -53,13 +60,15 @@ def parse_latest(data: bytes | None) -> int | None:
 
 
 async def read_latest(backend: Backend, job: str) -> int | None:
-    """The step ``<job>/LATEST`` names; None when absent, garbage, or not a hint we wrote."""
+    """The step ``<job>/LATEST`` names; None when absent, garbage, or not a hint we wrote:
+    too large, or a symbolic link planted there (a hint only: readers list; found attacking,
+    a link failed `verify` and `restore` of the job's latest, which `ls` listed fine)."""
     try:
         return parse_latest(await backend.get_bytes(latest_key(job), max_bytes=_LATEST_MAX_BYTES))
     except BackendError as exc:
-        if exc.kind != "integrity":
+        if exc.kind not in NOT_A_COMMIT:
             raise
-        return None  # too large to be ours: replaced by the next raise
+        return None  # replaced by the next raise
 
 
 async def raise_latest(backend: Backend, job: str, step: int) -> None:
@@ -92,13 +101,6 @@ async def raise_latest(backend: Backend, job: str, step: int) -> None:
         "%s did not settle at step %d after %d rounds (another node keeps writing it); "
         "readers still find the newest commit by listing", key, target, LATEST_ROUNDS,
     )
-
-
-# What a MANIFEST.json key may hold that is no commit at all, beside invalid JSON: a symbolic
-# link planted there ("unsafe") or an object over the small-object limit ("integrity"). Readers
-# skip it as they skip invalid JSON (found attacking the read side: one such key in one
-# generation failed `ls`, `verify` and `restore` of the whole job, and every save of it).
-NOT_A_COMMIT = frozenset({"integrity", "unsafe"})
 
 
 async def manifest_bytes(backend: Backend, job: str, step: int) -> bytes | None:

@@ -195,6 +195,30 @@ def test_a_manifest_that_is_a_link_or_too_large_is_no_commit(make_daemon, tmp_pa
     assert d.client().latest("llama") == 7
 
 
+def test_a_latest_hint_that_is_a_link_is_no_hint(make_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the read side: <job>/LATEST planted as a symbolic link failed `verify`
+    # and `restore` of the job's latest ("a symbolic link or leads out of the destination
+    # root") while `ls` listed it. LATEST is a hint: one that is a link is skipped, as one
+    # too large or holding garbage is, and the next commit replaces it.
+    d: DaemonProcess = make_daemon()
+    save(d, "llama", 1, b"step one")
+    latest_hint = d.dest / "llama" / "LATEST"
+    latest_hint.unlink()
+    (tmp_path / "elsewhere").write_text("1\n")
+    latest_hint.symlink_to(tmp_path / "elsewhere")
+    env = d.env()
+    for argv in (["verify", d.dest_uri, "--job", "llama"],
+                 ["restore", d.dest_uri, "--job", "llama", "--to", str(tmp_path / "r"),
+                  "--no-local"]):
+        done = subprocess.run([CKPTDRAIN, *argv], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0 and "generation 1" in done.stdout, (argv, done.stderr)
+    assert d.client().latest("llama") == 1
+    assert save(d, "llama", 2, b"step two") == "SAVED"
+    assert not latest_hint.is_symlink() and latest_hint.read_text() == "2\n"
+    assert (tmp_path / "elsewhere").read_text() == "1\n"
+
+
 def wait_for_step(d: DaemonProcess, job: str, step: int) -> str:
     return f"WAITED {Client(d.socket_path, timeout_s=20).wait(job, step, timeout_s=5)}"
 
