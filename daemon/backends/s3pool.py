@@ -341,9 +341,12 @@ class WorkerSenders(PartSender):
                 answer.exception()  # retrieved: the timeout is what the caller sees
             again = ("it will be sent again" if self._role == "upload"
                      else "that worker was replaced")
+            # WORKER_LOST, as every other request the worker held: a read goes to a fresh
+            # worker (found attacking: a stopped reader's other ranges were read again and
+            # the one that timed out failed the restore).
             raise S3Failure(f"{what} got no answer from its S3 {self._role} worker in "
                             f"{answer_timeout_s:g} s; {again}", transient=True,
-                            kind="timeout") from None
+                            kind="timeout", code=WORKER_LOST) from None
         except asyncio.CancelledError:
             # Given up as a task this frame owns and outlasts: a second cancel (a drain's
             # timeout, then the shutdown) must not cut the give-up short, or a late answer's

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from ckptdrain.daemon.backends import s3reads
+from ckptdrain.daemon.backends import s3pool, s3reads
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.config import DestinationConfig
@@ -334,6 +334,44 @@ async def test_a_cancelled_copy_does_not_wait_long_for_a_stopped_reader(
         for proc in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)
+
+
+async def test_a_range_whose_reader_hangs_is_read_again_by_a_fresh_one(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        with_readers: Callable[[DestinationConfig], S3Backend], tmp_path: Path,
+        proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found attacking the readers: a reader that stopped answering (SIGSTOP) was replaced
+    once a range's answer timed out, and the other ranges it held were read again, as a dead
+    reader's are; the range that timed out failed the restore. It is read again too."""
+    # A range's bound is the pool's answer timeout alone here (not seconds per MiB more).
+    monkeypatch.setattr(s3pool, "MIN_RANGE_BYTES_PER_S", 1 << 50)
+    direct = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    shard = staged(SIZE, seed=73)
+    assert await direct.put_file(KEY, shard.fd, shard.size) == shard.checksum
+    backend = with_readers(dest_config(s3_bucket, proxy.endpoint_url))
+    assert backend.readers is not None
+    backend.readers._answer_timeout_s = 5.0
+    proxy.inject("stall", match=lambda r: r.method == "GET")
+    copy = asyncio.ensure_future(_copy(backend, tmp_path / "big"))
+    stopped: list[int] = []
+    try:
+        async with asyncio.timeout(30):
+            while not proxy.faults("stall"):
+                await asyncio.sleep(0.02)
+        # Every reader holding a range stops answering, the stalled one's among them.
+        stopped = [w.proc.pid for w in backend.readers._workers if w is not None and w.pending]
+        assert stopped
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        async with asyncio.timeout(120):
+            assert await copy == (SIZE, shard.checksum)
+    finally:
+        copy.cancel()
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert (tmp_path / "big").read_bytes() == shard.data
+    assert not set(stopped) & set(_reader_pids(backend)), "the stopped readers were replaced"
 
 
 async def test_a_range_cut_mid_body_is_read_on_by_its_reader(
