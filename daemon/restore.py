@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -97,6 +97,9 @@ async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concur
     # be a whole checkpoint (found attacking restore: the old manifest stayed, describing
     # files some of which were already another generation's).
     await in_thread(_unlink, root / "MANIFEST.json")
+    stale = await in_thread(_remove_stale_temps, root, targets.values())
+    if stale:
+        log.info("removed %d temp files an earlier restore into %s left behind", stale, root)
 
     async def fetch(shard: ShardEntry) -> None:
         nonlocal written, local_files, local_rejected
@@ -285,6 +288,30 @@ async def _write_checked(
     finally:
         if not done:
             tmp.unlink(missing_ok=True)
+
+
+def _remove_stale_temps(root: Path, targets: Iterable[Path]) -> int:
+    """Remove the temp files an earlier restore into ``root`` left when it was killed
+    (``.<name>.<random>.ckptdrain-tmp`` beside a shard's place) from the directories this one
+    writes; how many. Found attacking restore: the rerun with ``--overwrite`` that the docs
+    advise after a kill left them beside the restored checkpoint, hundreds of MiB each. A
+    name with that suffix is never a shard's (refused at hand-off), and a directory that
+    resolves outside ``root`` (a planted link) is not looked into."""
+    removed = 0
+    for directory in {target.parent for target in targets}:
+        try:
+            if not directory.resolve().is_relative_to(root):
+                continue
+            entries = list(os.scandir(directory))
+        except OSError:  # not there yet (or not a directory: the restore says so)
+            continue
+        for entry in entries:
+            if (entry.name.startswith(".") and entry.name.endswith(TMP_SUFFIX)
+                    and entry.is_file(follow_symlinks=False)):
+                with contextlib.suppress(OSError):  # gone, or not ours to remove: left
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed
 
 
 def _unlink(path: Path) -> None:

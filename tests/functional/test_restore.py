@@ -111,3 +111,46 @@ def test_a_stopped_restore_leaves_nothing_behind(daemon: DaemonProcess, tmp_path
         assert not to.exists() or not any(to.iterdir()), sorted(to.rglob("*"))
         return
     raise AssertionError("no restore was caught mid-way in 5 tries")
+
+
+def test_a_rerun_over_a_killed_restore_leaves_exactly_the_checkpoint(daemon: DaemonProcess,
+                                                                     tmp_path: Path) -> None:
+    # Found attacking restore: after a restore was killed (kill -9), the rerun with
+    # --overwrite that the docs advise left the killed run's temp files beside the restored
+    # checkpoint (hundreds of MiB each). A rerun removes them from the directories it writes,
+    # and nothing else: not a file of the user's, not one behind a planted link.
+    shards = {"dir0/s0.bin": os.urandom(70_000), "top.bin": os.urandom(50_000)}
+    with daemon.client().generation("rj", 3) as gen:
+        for name, data in shards.items():
+            gen.put(name, data)
+    daemon.client().wait("rj", 3, timeout_s=30)
+    into = tmp_path / "into"
+    (into / "dir0").mkdir(parents=True)
+    left = [into / "dir0" / ".s0.bin.0123456789ab.ckptdrain-tmp",
+            into / ".top.bin.00000000beef.ckptdrain-tmp",
+            into / ".other.bin.0000000000aa.ckptdrain-tmp"]  # another generation's shard
+    for path in left:
+        path.write_bytes(b"half a shard")
+    (into / "keep.txt").write_text("the user's")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / ".x.bin.0123456789ab.ckptdrain-tmp").write_bytes(b"not the restore's")
+    (into / "linked").symlink_to(outside)
+
+    out = restore(daemon, into, "--no-local", "--overwrite")
+    assert out.returncode == 0, out.stderr
+    got = tree(into)
+    assert got.pop("MANIFEST.json")
+    assert got == {**shards, "keep.txt": b"the user's"}
+    assert not any(path.exists() for path in left)
+    assert (outside / ".x.bin.0123456789ab.ckptdrain-tmp").read_bytes() == b"not the restore's"
+    # A shard's directory planted as a link out of the target: the restore refuses it, and
+    # the sweep did not look behind it.
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "dir0").symlink_to(outside)
+    (outside / ".s0.bin.0123456789ab.ckptdrain-tmp").write_bytes(b"not the restore's")
+    refused = restore(daemon, planted, "--no-local", "--overwrite")
+    assert refused.returncode == 1 and "outside" in refused.stderr, refused.stderr
+    assert sorted(p.name for p in outside.iterdir()) == [
+        ".s0.bin.0123456789ab.ckptdrain-tmp", ".x.bin.0123456789ab.ckptdrain-tmp"]
