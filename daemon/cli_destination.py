@@ -81,8 +81,12 @@ def readers_arg(text: str) -> int:
 
 
 def generation_arg(text: str) -> str:
-    if text != "latest" and not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"takes a step number or 'latest', not {text!r}")
+    # Bounded as step_arg is: a step past 2**63 - 1 came out of the manifest code as a
+    # traceback (found attacking restore).
+    if text != "latest" and not (text.isascii() and text.isdigit() and len(text) <= 19
+                                 and int(text) < 2**63):
+        raise argparse.ArgumentTypeError(f"takes a step number (0 to {2**63 - 1}) or "
+                                         f"'latest', not {text!r}")
     return text
 
 

@@ -67,6 +67,12 @@ def test_generation_that_is_not_committed(node: DaemonProcess, tmp_path: Path) -
     assert not to.exists()
     one_sentence(cli(node, "verify", node.dest_uri, "--job", JOB, "--generation", "two"), 2,
                  "--generation", "'latest'")
+    # Found attacking restore: a step past 2**63 - 1 was a traceback, exit 1.
+    for extra in ([], ["--to", str(to)]):
+        command = "restore" if extra else "verify"
+        one_sentence(cli(node, command, node.dest_uri, "--job", JOB, "--generation",
+                         str(2**63), *extra), 2, "--generation", str(2**63 - 1))
+    assert not to.exists()
 
 
 def test_restore_from_a_damaged_destination_leaves_nothing_behind(node: DaemonProcess,
