@@ -128,8 +128,12 @@ async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concur
         # manifest went too: then retention (or an operator) removed the generation while it
         # was read, and "damaged: restore an older one" sent the user to what goes first
         # (found attacking).
+        # (S3 says not_found of a missing shard, where POSIX says integrity; a missing bucket
+        # is no damage of the generation's.)
+        damaged = exc.kind in ("integrity", "unsafe") or (
+            exc.kind == "not_found" and getattr(exc, "code", "") != "NoSuchBucket")
         hint = ("; the generation at the destination is damaged: restore an older generation "
-                "(`ckptdrain ls` lists them)" if exc.kind in ("integrity", "unsafe") else "")
+                "(`ckptdrain ls` lists them)" if damaged else "")
         if exc.kind in ("integrity", "not_found") and not await _still_there(backend, job, step):
             hint = ("; the generation was removed while it was restored (retention keeps the "
                     "newest retention.keep_last): restore a newer one (`ckptdrain ls` lists "

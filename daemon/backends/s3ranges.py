@@ -145,6 +145,12 @@ async def _read_on(client: S3Client, rng: Range, write: Writer,
     except S3Failure as exc:
         if exc.code == "PreconditionFailed":
             raise replaced(client.uri, rng.key, exc) from exc
+        if exc.code == "NoSuchKey":
+            # Deleted since its HEAD (retention, mid-restore): said as every read says it, not
+            # with the advice to check the bucket and prefix that a missing key gets.
+            raise S3Failure(f"{rng.key} does not exist at {client.uri}; it was never written "
+                            "or has been deleted", transient=False, kind="not_found",
+                            code=exc.code, status=exc.status) from exc
         raise
     asked = f"bytes {start}-{rng.offset + rng.length - 1}/"
     answered = str(answer.get("ContentRange") or "")

@@ -955,3 +955,49 @@ async def test_runs_of_directory_markers_are_progress_not_broken_paging(
         *(f"job/f{i:03d}.bin" for i in range(20)), "job/zz/a.bin"]
     assert await backend.list_dirs("job/") == [*(f"m{i:03d}" for i in range(40)), "zz"]
     assert await backend.list_dirs("") == ["job"]
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_a_restore_missing_a_shard_on_s3_says_what_to_do(seaweedfs: SeaweedFS,
+                                                               s3_bucket: str, backends: Any,
+                                                               staged: Any,
+                                                               tmp_path: Path) -> None:
+    # Found attacking restore: a shard deleted from S3 (its manifest there) failed the restore
+    # with "does not exist" and no word of what to do, where the same damage on POSIX says
+    # "restore an older generation"; and a large shard deleted between its HEAD and its
+    # ranged GETs (retention, mid-restore) was "NoSuchKey ...; check destination.uri (bucket
+    # and prefix) and that the bucket exists".
+    from ckptdrain.client.manifest import shard_key
+    from ckptdrain.daemon.restore import RestoreError, restore
+    from tests.functional.test_catalog import JOB, PATHS, commit
+
+    backend = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    await commit(backend, tmp_path, 100, PATHS)
+    seaweedfs.client().delete_object(Bucket=s3_bucket,
+                                     Key=f"{PREFIX}/{shard_key(JOB, 100, PATHS[1])}")
+    with pytest.raises(RestoreError, match=r"optim/rank0\.pt does not exist.*damaged: restore "
+                                           r"an older generation"):
+        await restore(backend, JOB, 100, tmp_path / "restored", concurrency=1)
+    assert not (tmp_path / "restored").exists()
+
+    shard = staged(20 * MiB, seed=29)
+    key = "job/00000000000000000001/big.bin"
+    assert await backend.put_file(key, shard.fd, shard.size) == shard.checksum
+    own_head = backend._head
+
+    async def deleted_after_its_head(*args: Any) -> Any:
+        answer = await own_head(*args)
+        seaweedfs.client().delete_object(Bucket=s3_bucket, Key=f"{PREFIX}/{key}")
+        return answer
+
+    backend._head = deleted_after_its_head  # type: ignore[method-assign]
+    fd = os.open(tmp_path / "big", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(BackendError) as gone:
+            await backend.copy_into(key, fd)
+    finally:
+        os.close(fd)
+    assert (gone.value.kind, gone.value.transient) == ("not_found", False)
+    assert "big.bin does not exist" in str(gone.value)
+    assert "check destination.uri" not in str(gone.value)
