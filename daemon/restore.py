@@ -286,7 +286,12 @@ async def _write_checked(
         if checksum != shard.checksum:
             return size, (f"{shard.path} does not match its checksum in the manifest "
                           f"({checksum} != {shard.checksum})")
-        await in_thread(os.replace, tmp, target)
+        try:
+            await in_thread(os.replace, tmp, target)
+        except OSError as exc:
+            # Named by the shard's place, not the temp's (a directory there under --overwrite
+            # said ".a.bin.<random>.ckptdrain-tmp: Is a directory"; found attacking restore).
+            raise OSError(exc.errno, exc.strerror, str(target)) from exc
         done = True
         return size, ""
     finally:

@@ -154,3 +154,19 @@ def test_a_rerun_over_a_killed_restore_leaves_exactly_the_checkpoint(daemon: Dae
     assert refused.returncode == 1 and "outside" in refused.stderr, refused.stderr
     assert sorted(p.name for p in outside.iterdir()) == [
         ".s0.bin.0123456789ab.ckptdrain-tmp", ".x.bin.0123456789ab.ckptdrain-tmp"]
+
+
+def test_a_directory_where_a_shard_goes_is_named_as_the_shards_place(daemon: DaemonProcess,
+                                                                     tmp_path: Path) -> None:
+    # Found attacking restore: under --overwrite, a directory where a shard goes failed the
+    # restore naming the temp file (".top.bin.<random>.ckptdrain-tmp: Is a directory").
+    with daemon.client().generation("rj", 4) as gen:
+        gen.put("top.bin", os.urandom(10_000))
+    daemon.client().wait("rj", 4, timeout_s=30)
+    into = tmp_path / "into"
+    (into / "top.bin").mkdir(parents=True)
+    out = restore(daemon, into, "--no-local", "--overwrite")
+    assert out.returncode == 1, out.stderr
+    assert f"{into / 'top.bin'}: Is a directory" in out.stderr, out.stderr
+    assert "ckptdrain-tmp" not in out.stderr, out.stderr
+    assert sorted(p.name for p in into.iterdir()) == ["top.bin"]
