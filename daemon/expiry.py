@@ -114,6 +114,7 @@ class Expiry:
         await d.ledger.forget_jobs(empty)
         for job in empty:
             self.seen.pop(job, None)
+            d.retired.forget_job(job)
             d.committer.owners.unverified.discard(job)
             d.metrics.forget_job(job)
         return len(empty)

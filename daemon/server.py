@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from ckptdrain.daemon import __version__, logs, maintenance, owners, startup
+from ckptdrain.daemon import __version__, logs, maintenance, owners, startup, waits
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
@@ -124,6 +124,7 @@ class Daemon:
         self.handoffs = Handoffs(self)
         self.begin_checks = BeginChecks(self)
         self.expiry = Expiry(self)
+        self.retired = waits.Retired()
         self.started_at = time.time()
         self.started_mono = time.monotonic()  # what uptime is read from
         self.staging_free: tuple[int, int] = (0, 0)
@@ -522,6 +523,8 @@ class Daemon:
             if (old.terminal and (old.step in older or stale)
                     and self.ledger.generations.get(old.key) is old):
                 self.copies.discard_generation(old)
+                if old.state is GenerationState.COMMITTED:
+                    self.retired.add(old)
                 await self.ledger.forget(old)
 
     # -- status ------------------------------------------------------------------------------

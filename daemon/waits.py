@@ -27,6 +27,33 @@ if TYPE_CHECKING:
 
 # Even with nothing changing, a waiter looks again this often (a belt, not the mechanism).
 RECHECK_S = 1.0
+# Committed steps a job's retention removed that this node still answers for (its newest).
+RETIRED_PER_JOB = 1024
+
+
+class Retired:
+    """The committed steps this node forgot because retention removes them (beyond
+    ``retention.keep_last``), so that a wait for one still hears it committed. Found
+    attacking: once its manifest was gone, a late ``wait`` (DrainWriter waiting on a save
+    while the next one commits) took its whole timeout and then said "not committed; it may
+    still commit". In memory, bounded per job; a restarted daemon asks the destination."""
+
+    def __init__(self) -> None:
+        self._steps: dict[str, dict[int, dict[str, Any]]] = {}
+
+    def add(self, gen: GenerationRecord) -> None:
+        steps = self._steps.setdefault(gen.job, {})
+        steps[gen.step] = {"job": gen.job, "step": gen.step, "committed": True,
+                           "committed_at": gen.committed_at, "attempt": gen.attempt,
+                           "removed": True}
+        while len(steps) > RETIRED_PER_JOB:
+            del steps[min(steps)]
+
+    def get(self, job: str, step: int) -> dict[str, Any] | None:
+        return self._steps.get(job, {}).get(step)
+
+    def forget_job(self, job: str) -> None:
+        self._steps.pop(job, None)
 
 
 def is_of(gen: GenerationRecord, attempt: str) -> bool:
@@ -49,6 +76,9 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
         if gen is not None and gen.state is GenerationState.COMMITTED:
             return {"job": job, "step": step, "committed": True,
                     "committed_at": gen.committed_at, "attempt": gen.attempt}
+        retired = d.retired.get(job, step) if gen is None else None
+        if retired is not None:
+            return dict(retired)
         ours = gen is not None and is_of(gen, attempt)
         if ours and gen is not None and gen.terminal:
             raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} "

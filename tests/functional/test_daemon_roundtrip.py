@@ -163,6 +163,26 @@ def test_retention_runs_after_each_commit(make_daemon) -> None:  # type: ignore[
     assert steps == [3, 4] or steps == [2, 3, 4]  # forgotten once retention removed them
 
 
+def test_a_late_wait_for_a_step_retention_removed_hears_it_committed(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the S3 drain: with keep_last 1, `wait` for step 1 after step 2 had
+    # committed (DrainWriter waiting on a save while the next one commits) took its whole
+    # timeout and raised Timeout, "not committed; it may still commit": the node had
+    # forgotten the step and its manifest was gone. A committed step is final.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LAST="1")
+    c = d.client()
+    for step in (1, 2):
+        with c.generation("late", step) as gen:
+            gen.put("w.bin", os.urandom(1000))
+        committed = c.wait("late", step, timeout_s=30)
+    wait_for(lambda: not (d.dest / "late" / f"{1:020d}").exists()
+             and [g["step"] for g in c.status()["generations"]] == [2], timeout_s=30)
+    again = c.wait("late", 1, timeout_s=5)
+    assert again["committed"] is True and again["removed"] is True, again
+    assert again["attempt"] == committed["attempt"]
+    with pytest.raises(Timeout):  # a step nothing ever saved still waits, as before
+        c.wait("late", 3, timeout_s=1)
+
+
 def test_a_step_retention_would_remove_at_once_is_refused(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking retention: a job rolled back and saved step 25 below its committed 30
     # and 40 (keep_last 2); `wait` said committed, and retention removed it a second later.
