@@ -73,6 +73,12 @@ def classify(exc: BaseException) -> tuple[bool, str]:
         if code == "BadDigest":
             # The bytes changed on the way (we computed the checksum from what we read).
             return True, "integrity"
+        if code == "MalformedXML":
+            # The XML bodies we send (a Complete's parts, a DeleteObjects' keys) are botocore's
+            # rendering of our parameters, and carry no checksum the server could check: one
+            # byte flipped on the way failed a Complete, and its whole generation, for good
+            # (found attacking the S3 drain). Sent again, within the drain's retry budget.
+            return True, "integrity"
         if code in _INTEGRITY_CODES:
             return False, "integrity"
         if code in _NOT_FOUND_CODES or status == 404:

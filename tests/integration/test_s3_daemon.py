@@ -374,6 +374,23 @@ def test_wait_and_latest_when_the_manifest_get_is_cut_mid_body(make_daemon: Any,
     c.wait("bystander", 1, timeout_s=60)
 
 
+def test_a_complete_whose_body_changed_on_the_way_is_sent_again(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found attacking the S3 drain: one byte flipped in a CompleteMultipartUpload body (which
+    # carries no checksum) got MalformedXML, taken as permanent: the upload was aborted and
+    # the generation failed. It is the XML we sent, changed on the way: the drain retries.
+    proxy.do(lambda: proxy.proxy.inject(
+        "corrupt", match=lambda r: r.method == "POST" and "uploadId=" in r.target))
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url)
+    data = os.urandom(20 << 20)  # three parts of 8 MiB
+    with d.client().generation("flipped", 1) as gen:
+        gen.put("big.bin", data)
+    d.client().wait("flipped", 1, timeout_s=120)
+    assert get(seaweedfs, s3_bucket, f"flipped/{1:020d}/big.bin") == data
+    assert len(proxy.do(lambda: proxy.proxy.faults("corrupt"))) == 1
+    assert "MalformedXML" in d.log()
+
+
 def test_the_commit_proves_its_own_small_shards_by_listing_not_a_head_each(
         make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
     # Found measuring 256 x 1 MiB drained to SeaweedFS: the commit sent a HEAD per shard
