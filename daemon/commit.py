@@ -286,23 +286,33 @@ class Committer:
         BackendError when the destination cannot answer (transient ones are worth a retry).
         """
         key = manifest_key(job, step)
-        data = await self.backend.get_bytes(key)
-        if data is None:
-            return False
-        if is_tombstone(data):
-            raise StepAbandoned(
-                job, step,
-                f"step {step} of job {job!r} was abandoned and is being removed by retention "
-                f"({key} holds its tombstone); save a new step",
-            )
-        try:
-            manifest = await parse_manifest(data)
-        except ManifestError as exc:
-            raise ManifestDamaged(
-                job, step,
-                f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} ({exc}); "
-                "nothing may overwrite it: inspect it, and save a new step",
-            ) from exc
+        reads = 0
+        while True:
+            data = await self.backend.get_bytes(key)
+            reads += 1
+            if data is None:
+                return False
+            if is_tombstone(data):
+                raise StepAbandoned(
+                    job, step,
+                    f"step {step} of job {job!r} was abandoned and is being removed by "
+                    f"retention ({key} holds its tombstone); save a new step",
+                )
+            try:
+                manifest = await parse_manifest(data)
+                break
+            except ManifestError as exc:
+                # Read once more before the step is refused for good: one answer that held
+                # no object's bytes (a 200 whose body was an S3 <Error>, from a middlebox)
+                # refused a step nobody had saved as "already committed" (found attacking
+                # the S3 drain). Twice unreadable, it is the key's.
+                if reads < 2:
+                    continue
+                raise ManifestDamaged(
+                    job, step,
+                    f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} ({exc}); "
+                    "nothing may overwrite it: inspect it, and save a new step",
+                ) from exc
         if (manifest.job, manifest.generation) != (job, step):
             raise ManifestDamaged(
                 job, step,

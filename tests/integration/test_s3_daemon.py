@@ -391,6 +391,21 @@ def test_a_complete_whose_body_changed_on_the_way_is_sent_again(
     assert "MalformedXML" in d.log()
 
 
+def test_one_answer_that_is_no_manifest_does_not_refuse_a_step_for_good(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found attacking the S3 drain: the begin's GET of a MANIFEST.json nobody had written,
+    # answered 200 with an S3 <Error> body (a middlebox), refused the step for good: "has a
+    # damaged MANIFEST.json; nothing may overwrite it". The key is read once more first.
+    proxy.do(lambda: proxy.proxy.inject(
+        "error200", match=lambda r: r.method == "GET" and "MANIFEST.json" in r.target))
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url)
+    with d.client().generation("misread", 1) as gen:
+        gen.put("w.bin", b"saved all the same")
+    d.client().wait("misread", 1, timeout_s=120)
+    assert get(seaweedfs, s3_bucket, f"misread/{1:020d}/w.bin") == b"saved all the same"
+    assert len(proxy.do(lambda: proxy.proxy.faults("error200"))) == 1
+
+
 def test_the_commit_proves_its_own_small_shards_by_listing_not_a_head_each(
         make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
     # Found measuring 256 x 1 MiB drained to SeaweedFS: the commit sent a HEAD per shard
