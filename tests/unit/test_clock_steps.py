@@ -22,6 +22,7 @@ from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.ledger import Ledger
 from ckptdrain.daemon.records import GenerationRecord, monotonic_of
 from ckptdrain.daemon.state import GenerationEvent, GenerationState
+from ckptdrain.daemon.waits import Retired
 
 DAY = 86_400.0
 
@@ -49,7 +50,7 @@ async def _daemon(tmp_path: Path, **env: str) -> tuple[SimpleNamespace, list[Any
         copies=SimpleNamespace(discard_generation=discarded.append),
         admission=SimpleNamespace(forget_job=lambda job: True),
         committer=SimpleNamespace(owners=SimpleNamespace(unverified=set())),
-        metrics=SimpleNamespace(forget_job=lambda job: None))
+        metrics=SimpleNamespace(forget_job=lambda job: None), retired=Retired())
     d.close = journal.close
     return d, discarded
 
