@@ -30,6 +30,7 @@ from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.latest import manifest_bytes, newest_committed, parse_manifest, read_latest
 from ckptdrain.daemon.threads import in_thread
+from ckptdrain.daemon.tombstone import is_tombstone
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,9 @@ async def read_manifest(backend: Backend, job: str, step: int) -> Manifest | Non
     the generation is not one a restart may use."""
     key = manifest_key(job, step)
     data = await manifest_bytes(backend, job, step)
-    if data is None:
+    if data is None or is_tombstone(data):
+        # Retention's own mark of a generation it removes: no commit, and no damage to
+        # report either (`ls` warned of every one for an hour; found attacking retention).
         return None
     try:
         manifest = await parse_manifest(data)

@@ -59,7 +59,7 @@ from ckptdrain.daemon.latest import (
 )
 from ckptdrain.daemon.manifestcache import Committed, ManifestCache
 from ckptdrain.daemon.owners import DestinationOwners
-from ckptdrain.daemon.tombstone import is_tombstone
+from ckptdrain.daemon.tombstone import is_tombstone, was_committed
 
 # Re-exported: the LATEST helpers lived here first (latest.py now).
 __all__ = [
@@ -215,13 +215,15 @@ class Committer:
 
         existing_bytes = await self.backend.get_bytes(key)
         if existing_bytes is not None and is_tombstone(existing_bytes):
-            return CommitResult(
-                CommitOutcome.CONFLICT,
-                None,
-                reason=f"step {step} of job {job!r} was abandoned: retention took {key} for "
-                "its tombstone before this publish and is removing the generation; it can no "
-                "longer commit: save a new step",
-            )
+            if was_committed(existing_bytes):
+                reason = (f"step {step} of job {job!r} was committed, and retention has since "
+                          f"removed it (older than the newest retention.keep_last commits; "
+                          f"{key} holds its tombstone): there is nothing to publish")
+            else:
+                reason = (f"step {step} of job {job!r} was abandoned: retention took {key} "
+                          "for its tombstone before this publish and is removing the "
+                          "generation; it can no longer commit: save a new step")
+            return CommitResult(CommitOutcome.CONFLICT, None, reason=reason)
         if existing_bytes is None:
             return CommitResult(
                 CommitOutcome.CONFLICT,

@@ -4,10 +4,11 @@ Rules (docs/layout.md, "Retention"):
 
 - Keep the newest ``keep_last`` committed generations (manifest present and valid). The newest
   committed generation is never deleted, since ``keep_last`` is at least 1.
-- An older committed generation loses its ``MANIFEST.json`` first, then its part records, then
-  its shards. The manifest is the commit point, so from the moment any shard is gone no reader
-  can see a manifest that lists it; a crash in the middle leaves an uncommitted directory,
-  which the abandoned rule below removes on a later run.
+- An older committed generation loses its ``MANIFEST.json`` first, then a tombstone takes the
+  key (below), then its part records go, then its shards. The manifest is the commit point, so
+  from the moment any shard is gone no reader can see a manifest that lists it; a crash in the
+  middle leaves an uncommitted directory, which the abandoned rule below removes on a later
+  run.
 - An uncommitted generation (no manifest) older than the newest committed one is abandoned once
   nothing under it has been written for ``abandoned_grace_s``: a node died or a rank aborted.
   Uncommitted generations newer than the newest committed one may be in flight: never touched.
@@ -15,7 +16,8 @@ Rules (docs/layout.md, "Retention"):
   kept for inspection until ``keep_last`` newer valid generations exist.
 
 Removing an abandoned generation races a late publish of it (a slow node may still hold every
-part record). The two meet at the one key both must create, ``MANIFEST.json``: retention first
+part record), and so does removing a committed one (another node of the job running its own
+commit step of it). The two meet at the one key both must create, ``MANIFEST.json``: retention first
 creates it exclusively, holding a tombstone (tombstone.py), and deletes shards only if that
 create succeeded or found a tombstone; a publish whose create finds the tombstone fails. So
 whichever create lands first wins, on S3 as on POSIX, and no manifest ever lists deleted
@@ -65,7 +67,7 @@ from ckptdrain.daemon.retention_plan import (
     group_generations,
     plan_retention,
 )
-from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json
+from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json, was_committed
 
 # Re-exported: retention's planning lived here first.
 __all__ = [
@@ -103,6 +105,9 @@ class _Abandoned(enum.Enum):
     REMOVED = "removed"  # shards and part records gone (the tombstone may stay a while)
     TOMBSTONE_KEPT = "kept"  # only a tombstone left, younger than the grace period
     COMMITTED = "committed"  # a manifest was created before the tombstone: nothing removed
+    # The tombstone of a committed generation (its removal was reported when it began):
+    RETIRED_REMOVED = "retired_removed"  # an interrupted removal finished now
+    RETIRED = "retired"  # nothing left but the tombstone, or not even that now: say nothing
 
 
 async def apply_retention(
@@ -146,15 +151,22 @@ async def apply_retention(
     removals = [(step, True) for step in plan.delete_committed]
     removals += [(step, False) for step in plan.delete_abandoned]
     for step, committed in sorted(removals):
-        if dry_run:
-            (deleted if committed else abandoned).append(step)
-            continue
         gen = generations[step]
         try:
-            if committed and not await _is_tombstoned(backend, job, step):
-                await _delete_committed(backend, job, gen)
-                log.info("retention removed committed generation %d of job %r", step, job)
-                deleted.append(step)
+            # Only the kept generations' manifests were read: a committed one older than them
+            # may be a removal under way already (its tombstone at the manifest key).
+            tomb = await _tombstone(backend, job, step) if committed else None
+            if dry_run:
+                if tomb is None or not was_committed(tomb):
+                    (deleted if committed and tomb is None else abandoned).append(step)
+                continue
+            if committed and tomb is None:
+                if await _delete_committed(backend, job, gen, now):
+                    log.info("retention removed committed generation %d of job %r", step, job)
+                    deleted.append(step)
+                else:
+                    skipped.append((step, "published again while retention was removing it "
+                                          "(its shards were all there); kept"))
                 continue
             outcome = await _delete_abandoned(backend, job, gen, now, abandoned_grace_s)
         except BackendError as exc:
@@ -166,7 +178,12 @@ async def apply_retention(
             failed.append((step, f"removal stopped at a key it cannot address: {exc}; "
                                  "remove it by hand"))
             continue
-        if outcome is _Abandoned.REMOVED:
+        if outcome is _Abandoned.RETIRED:
+            continue
+        if outcome is _Abandoned.RETIRED_REMOVED:
+            log.info("retention removed committed generation %d of job %r", step, job)
+            deleted.append(step)
+        elif outcome is _Abandoned.REMOVED:
             log.info("retention removed abandoned generation %d of job %r", step, job)
             abandoned.append(step)
         elif outcome is _Abandoned.TOMBSTONE_KEPT:
@@ -341,22 +358,38 @@ async def _manifest_problem(job: str, step: int, data: bytes) -> str:
     return ""
 
 
-async def _is_tombstoned(backend: Backend, job: str, step: int) -> bool:
-    """Whether an old generation's manifest key holds a tombstone (manifests below the kept
-    ones are not read by _survey): its removal must keep the key until last."""
+async def _tombstone(backend: Backend, job: str, step: int) -> bytes | None:
+    """The tombstone an old generation's manifest key holds, if it holds one (manifests below
+    the kept ones are not read by _survey): its removal must keep the key until last."""
     data = await backend.get_bytes(manifest_key(job, step))
-    return data is not None and is_tombstone(data)
+    return data if data is not None and is_tombstone(data) else None
 
 
-async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys) -> None:
+async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys,
+                            now: float) -> bool:
+    """Remove a committed generation beyond keep_last; False where a publish recreated its
+    manifest before the tombstone below (then nothing else was removed)."""
     manifest, parts, rest = deletion_order(job, gen)
     # The manifest goes alone and first; each batch starts only after the previous one
     # finished, so no shard is missing while its manifest can still be read.
     await _delete_all(backend, manifest)
+    # Then the key is taken with a tombstone, as an abandoned generation's is. Found
+    # attacking: a second node whose publish of this generation had checked the part records
+    # and shards before they went, and created the manifest after it was deleted, brought it
+    # back over a directory whose shards retention then deleted. Its create now meets the
+    # tombstone; one that landed first means a manifest whose shards are all still there.
+    key = manifest_key(job, gen.step)
+    tombstone = tombstone_json(job, gen.step, backend.node_id, now, was_committed=True)
+    if not await backend.put_bytes(key, tombstone, exclusive=True):
+        data = await backend.get_bytes(key)
+        if data is not None and not is_tombstone(data):
+            return False
     # Part records before shards: once they are gone no node re-running the commit step for
-    # this generation (a daemon restarted with it in its journal) can publish it again.
+    # this generation (a daemon restarted with it in its journal) can publish it again. The
+    # tombstone stays one grace period (a later run removes it, as an abandoned one's).
     await _delete_all(backend, parts)
     await _delete_all(backend, rest)
+    return True
 
 
 async def _delete_abandoned(
@@ -365,6 +398,7 @@ async def _delete_abandoned(
     """Remove an uncommitted generation, tombstone first (see the module docstring)."""
     key = manifest_key(job, gen.step)
     tombstone = tombstone_json(job, gen.step, backend.node_id, now)
+    retired = False
     if not await backend.put_bytes(key, tombstone, exclusive=True):
         data = await backend.get_bytes(key)
         if data is not None and not is_tombstone(data):
@@ -373,14 +407,19 @@ async def _delete_abandoned(
             return _Abandoned.COMMITTED
         # A tombstone (ours from an earlier run, or another node's running now), or gone
         # since (another run removed an old tombstone after the shards): finish the removal.
+        retired = data is not None and was_committed(data)
     _, parts, rest = deletion_order(job, gen)
     await _delete_all(backend, parts)
     await _delete_all(backend, rest)
     if gen.manifest_written is None or now - gen.manifest_written < grace_s:
+        if retired:
+            return _Abandoned.RETIRED_REMOVED if parts or rest else _Abandoned.RETIRED
         return _Abandoned.TOMBSTONE_KEPT if not (parts or rest) else _Abandoned.REMOVED
     # A publisher that read the part records before they went has had a whole grace period
     # to reach its create and meet the tombstone: the key can go now.
     await backend.delete(key)
+    if retired:
+        return _Abandoned.RETIRED_REMOVED if parts or rest else _Abandoned.RETIRED
     return _Abandoned.REMOVED
 
 

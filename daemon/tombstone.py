@@ -22,9 +22,12 @@ TOMBSTONE_KIND = "abandoned"
 _MAX_TOMBSTONE_BYTES = 4096
 
 
-def tombstone_json(job: str, step: int, node: str, at: float) -> bytes:
-    """The tombstone of ``job`` step ``step``, written by retention on ``node`` at ``at``."""
-    body = {
+def tombstone_json(job: str, step: int, node: str, at: float, *,
+                   was_committed: bool = False) -> bytes:
+    """The tombstone of ``job`` step ``step``, written by retention on ``node`` at ``at``;
+    ``was_committed`` for a committed generation retention removes (beyond keep_last), whose
+    manifest it deleted just before (a late publish finding it is told so, not "abandoned")."""
+    body: dict[str, object] = {
         "abandoned_at": at,
         "format_version": FORMAT_VERSION,
         "generation": step,
@@ -32,7 +35,17 @@ def tombstone_json(job: str, step: int, node: str, at: float) -> bytes:
         "kind": TOMBSTONE_KIND,
         "node": node,
     }
+    if was_committed:
+        body["was_committed"] = True
     return (json.dumps(body, sort_keys=True) + "\n").encode()
+
+
+def was_committed(data: bytes) -> bool:
+    """Whether a tombstone (:func:`is_tombstone`) stands where a committed manifest was."""
+    try:
+        return bool(json.loads(data).get("was_committed") is True)
+    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        return False
 
 
 def is_tombstone(data: bytes) -> bool:

@@ -14,6 +14,7 @@ import pytest
 from ckptdrain.client import GenerationFailed, RejectedInput, Timeout
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.checksums import of_bytes
+from ckptdrain.daemon.tombstone import is_tombstone
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 
 
@@ -147,6 +148,16 @@ def test_sigterm_stops_cleanly_and_restart_keeps_committed(daemon: DaemonProcess
     assert [g["state"] for g in status["generations"]] == ["committed"]
 
 
+def live_generations(job_dir: Path) -> list[str]:
+    """The generation directories of a job that are more than retention's tombstone: what is
+    left of a generation it removed, for a grace period, is its MANIFEST.json holding one."""
+    def removed(d: Path) -> bool:
+        files = [f for f in d.rglob("*") if f.is_file()]
+        return files == [d / "MANIFEST.json"] and is_tombstone(files[0].read_bytes())
+
+    return sorted(p.name for p in job_dir.iterdir() if p.is_dir() and not removed(p))
+
+
 def test_retention_runs_after_each_commit(make_daemon) -> None:  # type: ignore[no-untyped-def]
     d: DaemonProcess = make_daemon(CKPTDRAIN_RETENTION__KEEP_LAST="2")
     c = d.client()
@@ -155,7 +166,7 @@ def test_retention_runs_after_each_commit(make_daemon) -> None:  # type: ignore[
             gen.put("w.bin", os.urandom(1000))
         c.wait("kept", step, timeout_s=30)
     deadline = time.monotonic() + 30
-    while sorted(p.name for p in (d.dest / "kept").iterdir() if p.is_dir()) != [f"{3:020d}", f"{4:020d}"]:
+    while live_generations(d.dest / "kept") != [f"{3:020d}", f"{4:020d}"]:
         assert time.monotonic() < deadline, sorted((d.dest / "kept").iterdir())
         time.sleep(0.05)
     assert c.latest("kept") == 4
@@ -174,7 +185,7 @@ def test_a_late_wait_for_a_step_retention_removed_hears_it_committed(make_daemon
         with c.generation("late", step) as gen:
             gen.put("w.bin", os.urandom(1000))
         committed = c.wait("late", step, timeout_s=30)
-    wait_for(lambda: not (d.dest / "late" / f"{1:020d}").exists()
+    wait_for(lambda: live_generations(d.dest / "late") == [f"{2:020d}"]
              and [g["step"] for g in c.status()["generations"]] == [2], timeout_s=30)
     again = c.wait("late", 1, timeout_s=5)
     assert again["committed"] is True and again["removed"] is True, again
@@ -207,7 +218,7 @@ def test_a_step_retention_would_remove_at_once_is_refused(make_daemon) -> None: 
     with c.generation("roll", 35) as gen:
         gen.put("w.bin", b"kept")
     c.wait("roll", 35, timeout_s=30)
-    wait_for(lambda: sorted(p.name for p in (d.dest / "roll").iterdir() if p.is_dir())
+    wait_for(lambda: live_generations(d.dest / "roll")
              == [f"{35:020d}", f"{40:020d}"], timeout_s=30)
     assert (d.dest / "roll" / f"{35:020d}" / "w.bin").read_bytes() == b"kept"
 
@@ -303,7 +314,7 @@ def test_two_nodes_one_retention_run_per_commit_and_both_forget_older(make_daemo
         a.client().wait("pair", step, timeout_s=30)
         b.client().wait("pair", step, timeout_s=30)
     deadline = time.monotonic() + 30
-    while (sorted(p.name for p in (a.dest / "pair").iterdir() if p.is_dir()) != [f"{3:020d}"]
+    while (live_generations(a.dest / "pair") != [f"{3:020d}"]
            or [g["step"] for g in a.client().status()["generations"]] != [3]
            or [g["step"] for g in b.client().status()["generations"]] != [3]):
         assert time.monotonic() < deadline, sorted((a.dest / "pair").iterdir())

@@ -198,17 +198,22 @@ async def test_keep_last_two_of_five_leaves_exactly_the_newest_two(dest: Dest) -
     assert await committed_steps(backend) == [500, 400]
     expected = {
         *(shard_key(JOB, s, p) for s in (400, 500) for p in PATHS),
-        *(manifest_key(JOB, s) for s in (400, 500)),
+        *(manifest_key(JOB, s) for s in (100, 200, 300, 400, 500)),
         *(part_key(JOB, s, NODE) for s in (400, 500)),
         latest_key(JOB),
     }
     assert {k for k in dest.all_keys() if k.startswith(f"{JOB}/")} == expected
+    # What is left of a removed generation, for a grace period, is its tombstone: no late
+    # publish of it can commit it again over shards that are gone.
+    for step in (100, 200, 300):
+        assert dest.tombstone(manifest_key(JOB, step))
     for step in (400, 500):
         assert (await catalog.verify(backend, JOB, step)).ok
     assert await committed_steps(backend, "other") == [7]
-    # A second run finds nothing more to do.
+    # A second run finds nothing more to do, and says nothing of the tombstones.
     again = await retain(backend, 2)
     assert (again.kept, again.deleted, again.abandoned_deleted) == ([500, 400], [], [])
+    assert again.skipped == []
 
 
 @pytest.mark.asyncio
@@ -540,9 +545,11 @@ async def test_a_failed_delete_is_reported_and_the_next_run_finishes(tmp_path: P
     second = await retain(backend, 1)
     assert second.failed == []
     assert 200 in second.deleted + second.abandoned_deleted
-    assert {k.split("/")[1] for k in backend.objects if k.startswith(f"{JOB}/0")} == {
-        f"{300:020d}"
-    }
+    left = {k for k in backend.objects if k.startswith(f"{JOB}/0")}
+    assert {k.split("/")[1] for k in left} == {f"{s:020d}" for s in (100, 200, 300)}
+    for step in (100, 200):  # their tombstones alone
+        assert {k for k in left if k.split("/")[1] == f"{step:020d}"} == {manifest_key(JOB, step)}
+        assert is_tombstone(backend.objects[manifest_key(JOB, step)])
 
 
 @pytest.mark.asyncio
@@ -656,8 +663,11 @@ async def check_committed(backend: Backend, seen: Observed) -> None:
     """One reader pass: every listed manifest's shards must exist, unless the manifest itself
     is gone by the time a missing shard is noticed (retention removed it first)."""
     listed = {info.key for info in await backend.list(f"{JOB}/")}
-    manifests = {k.split("/")[1] for k in listed if k.endswith("/MANIFEST.json")}
-    seen.half_removed += len({k.split("/")[1] for k in listed if "/" in k} - manifests - {"LATEST"})
+    with_shards = {k.split("/")[1] for k in listed
+                   if "/" in k and not k.endswith("/MANIFEST.json")} - {"LATEST"}
+    for name in with_shards:  # shards there, and no manifest (gone, or a tombstone)
+        data = await backend.get_bytes(f"{JOB}/{name}/MANIFEST.json")
+        seen.half_removed += data is None or is_tombstone(data)
     for generation in await catalog.list_generations(backend, JOB):
         manifest = await catalog.read_manifest(backend, JOB, generation.step)
         if manifest is None:
@@ -688,7 +698,7 @@ async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_posix(tmp_pa
             for manifest_path in sorted((root / JOB).glob("*/MANIFEST.json")):
                 try:
                     manifest = Manifest.from_json(manifest_path.read_bytes())
-                except FileNotFoundError:
+                except (FileNotFoundError, ManifestError):  # gone, or a tombstone
                     continue
                 checked[0] += 1
                 gen_dir = manifest_path.parent
@@ -710,10 +720,8 @@ async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_posix(tmp_pa
     assert report.deleted == [6, 5, 4, 3, 2, 1]
     assert violations == []
     assert checked[0] > 0
-    assert sorted(p.parent.name for p in (root / JOB).glob("*/MANIFEST.json")) == [
-        f"{7:020d}",
-        f"{8:020d}",
-    ]
+    assert sorted(p.parent.name for p in (root / JOB).glob("*/MANIFEST.json")
+                  if not is_tombstone(p.read_bytes())) == [f"{7:020d}", f"{8:020d}"]
 
 
 @pytest.mark.asyncio
@@ -783,11 +791,19 @@ def test_gc_command_dry_run_then_for_real(tmp_path: Path) -> None:
     assert f"job {JOB}: kept 400, 300; deleted 200, 100; deleted abandoned 150" in real.stdout
     listed = run_cli("ls", uri, "--json")
     assert [row["generation"] for row in json.loads(listed.stdout)] == [400, 300]
+    # Found attacking retention: `ls` warned "ignoring ...MANIFEST.json: manifest lacks
+    # clocks, nodes, ..." of each tombstone, every time, for a grace period.
+    assert listed.stderr == ""
     assert {int(name) for name in {f.split("/")[1] for f in files_of(root)} - {"LATEST"}} == {
+        100,
         150,
+        200,
         300,
         400,
     }
+    for step in (100, 200):  # the removed committed ones: their tombstones alone
+        assert {f for f in files_of(root) if f.split("/")[1] == f"{step:020d}"} == {
+            manifest_key(JOB, step)}
     # All that is left of 150 is its tombstone, until it is a grace period old.
     abandoned = root / JOB / f"{150:020d}"
     assert [p.name for p in abandoned.rglob("*") if p.is_file()] == ["MANIFEST.json"]

@@ -186,6 +186,75 @@ async def test_a_publish_that_creates_first_keeps_its_generation(dest: Destinati
     assert await catalog.latest(gc, JOB) == 200
 
 
+async def _committed_by_one_node_of_two(d: Destination, step: int) -> None:
+    """``step`` drained on n1 and n2 (one rank each) and published by n1."""
+    n1, n2 = d.backend("n1"), d.backend("n2")
+    await drained(n1, d.tmp_path, "n1", step, 0, 2)
+    await drained(n2, d.tmp_path, "n2", step, 1, 2)
+    assert (await Committer(n1, "n1").try_publish(JOB, step, 2)).committed
+
+
+@pytest.mark.asyncio
+async def test_a_late_publish_cannot_bring_back_a_committed_generation_retention_removes(
+    tmp_path: Path,
+) -> None:
+    """Found attacking retention: n1 published step 90; n2, running its own commit step of
+    it, had read the part records and found every shard, and was slow to reach its create.
+    Retention removed 90 (beyond keep_last) meanwhile: its manifest, then the rest. n2's
+    create came after the manifest's delete and brought it back, over a directory whose
+    shards were then deleted. Retention now takes the key with a tombstone before it
+    deletes anything else, as it does for an abandoned generation."""
+    d = Destination("memory", tmp_path)
+    await d.populate()
+    await _committed_by_one_node_of_two(d, 90)
+    publisher = d.backend("n2")
+    assert isinstance(publisher, MemoryBackend)
+    held = publisher.hold("put_bytes", key_contains=manifest_key(JOB, 90))
+    async with asyncio.TaskGroup() as group:
+        publish = group.create_task(Committer(publisher, "n2").try_publish(JOB, 90, 2))
+        await held.wait_reached()
+        report = await apply_retention(d.backend("gc"), JOB, keep_last=2,
+                                       abandoned_grace_s=GRACE_S)
+        held.release()
+    result = publish.result()
+
+    reader = d.backend("reader")
+    assert await manifests_over_missing_shards(reader) == []
+    assert report.deleted == [90]
+    assert result.outcome is CommitOutcome.CONFLICT
+    assert "was committed, and retention has since removed it" in result.reason
+    assert is_tombstone(await reader.get_bytes(manifest_key(JOB, 90)) or b"")
+    assert 90 not in [g.step for g in await catalog.list_generations(reader, JOB)]
+
+
+@pytest.mark.asyncio
+async def test_a_publish_between_the_manifests_delete_and_the_tombstone_keeps_it_whole(
+    tmp_path: Path,
+) -> None:
+    """The other order: the late create lands between retention's delete of the manifest
+    and its tombstone. Retention then finds a manifest, and deletes nothing more: every shard
+    it lists is there."""
+    d = Destination("memory", tmp_path)
+    await d.populate()
+    await _committed_by_one_node_of_two(d, 90)
+    gc = d.backend("gc")
+    assert isinstance(gc, MemoryBackend)
+    held = gc.hold("put_bytes", key_contains=manifest_key(JOB, 90))
+    async with asyncio.TaskGroup() as group:
+        removal = group.create_task(apply_retention(gc, JOB, keep_last=2,
+                                                    abandoned_grace_s=GRACE_S))
+        await held.wait_reached()
+        result = await Committer(d.backend("n2"), "n2").try_publish(JOB, 90, 2)
+        held.release()
+    report = removal.result()
+
+    assert result.outcome is CommitOutcome.PUBLISHED
+    assert report.deleted == [] and report.failed == []
+    assert any(step == 90 and "published again" in why for step, why in report.skipped)
+    assert await manifests_over_missing_shards(gc) == []
+    assert (await catalog.verify(gc, JOB, 90)).ok
+
+
 @pytest.mark.asyncio
 async def test_retention_and_a_late_publish_in_any_interleaving(tmp_path: Path) -> None:
     """Both at once, every call of both interleaved differently per seed."""
