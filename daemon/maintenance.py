@@ -109,6 +109,20 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
     if gen.terminal and (gen.state is not GenerationState.FAILED or gen.why_not_retryable()):
         raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is already "
                            f"{gen.state}; nothing to abort")
+    if not gen.terminal and RankState.RECORDED in gen.ranks.values():
+        # This node's part is at the destination, where another node may have published the
+        # step from it before this node's next look (found attacking: the abort said "it
+        # will never commit", and rewrote the part record of a committed generation).
+        try:
+            async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
+                committed = await d.committer.committed(job, step) is not None
+        except (BackendError, ManifestError, OSError, TimeoutError):
+            committed = False  # cannot tell in time: the abort goes ahead, as before
+        if committed:
+            d.scheduler.poke_commits()  # so that this node sees it now, not at its next poll
+            raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is committed at "
+                               "the destination (another node published it); nothing to "
+                               "abort")
     why = f"aborted by an operator (uid {uid})" + (f": {reason}" if reason else "")
     if not await d.give_up(gen, why):
         raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} committed while "

@@ -8,6 +8,7 @@ of node-a), a newer step committed, and drain.commit_wait_s passed.
 from __future__ import annotations
 
 import sqlite3
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 
 from ckptdrain.client import Backpressure, GenerationFailed
 from ckptdrain.client.manifest import PartRecord
-from tests.conftest import DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess
 
 JOB = "ends"
 # One generation in flight, refused at once when full: a generation that never ends would
@@ -211,3 +212,22 @@ def test_a_job_refused_a_slot_hears_which_steps_wait_on_other_nodes_and_what_end
     assert out.returncode == 0, out.stderr
     seal(a, 3, 0, world_size=1)
     a.client().wait(JOB, 3, timeout_s=30)
+
+
+def test_an_operators_abort_of_a_step_another_node_committed_says_so(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking retention and multi-node commits: node-b had recorded its part and was
+    # waiting for its next look at the destination; node-a published the step; then
+    # `ckptdrain abort` on node-b said "it will never commit from this attempt" and rewrote
+    # node-b's part record of the committed generation. It says the step is committed now.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_DRAIN__COMMIT_POLL_INTERVAL_S="600")
+    seal(b, 1, 1)
+    recorded(b, 1)
+    seal(a, 1, 0)
+    a.client().wait(JOB, 1, timeout_s=30)
+    kept = (b.dest / JOB / f"{1:020d}" / "_parts" / "node-b.json").read_bytes()
+    out = subprocess.run([CKPTDRAIN, "abort", JOB, "1", "--reason", "operator"], env=b.env(),
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 1 and "is committed at the destination" in out.stderr, out.stderr
+    assert (b.dest / JOB / f"{1:020d}" / "_parts" / "node-b.json").read_bytes() == kept
+    assert b.client().wait(JOB, 1, timeout_s=30)["committed"] is True
