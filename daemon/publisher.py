@@ -492,7 +492,7 @@ class Publisher:
                       bytes=sum(s.size for s in gen.shards.values()))
             await self._end_older(gen.job, gen.step)
         elif result.outcome is CommitOutcome.CONFLICT:
-            await self.end(gen, f"another manifest for this generation differs: {result.reason}",
+            await self.end(gen, f"it cannot commit: {result.reason}",
                            kind="conflict")
         elif result.absent:
             await self._absent(gen, result)
