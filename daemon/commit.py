@@ -216,14 +216,20 @@ class Committer:
         existing_bytes = await self.backend.get_bytes(key)
         if existing_bytes is not None and is_tombstone(existing_bytes):
             if was_committed(existing_bytes):
-                reason = (f"step {step} of job {job!r} was committed, and retention has since "
-                          f"removed it (older than the newest retention.keep_last commits; "
-                          f"{key} holds its tombstone): there is nothing to publish")
-            else:
-                reason = (f"step {step} of job {job!r} was abandoned: retention took {key} "
-                          "for its tombstone before this publish and is removing the "
-                          "generation; it can no longer commit: save a new step")
-            return CommitResult(CommitOutcome.CONFLICT, None, reason=reason)
+                # Committed by another node's create, from the same part records whose
+                # shards this one just found (another attempt's would be other bytes), and
+                # removed since beyond keep_last: this node's waiters hear "committed".
+                return CommitResult(
+                    CommitOutcome.ACCEPTED, None,
+                    reason=f"step {step} of job {job!r} was committed, and retention has "
+                    f"since removed it ({key} holds its tombstone)")
+            return CommitResult(
+                CommitOutcome.CONFLICT,
+                None,
+                reason=f"step {step} of job {job!r} was abandoned: retention took {key} for "
+                "its tombstone before this publish and is removing the generation; it can no "
+                "longer commit: save a new step",
+            )
         if existing_bytes is None:
             return CommitResult(
                 CommitOutcome.CONFLICT,
