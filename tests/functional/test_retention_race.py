@@ -186,12 +186,16 @@ async def test_a_publish_that_creates_first_keeps_its_generation(dest: Destinati
     assert await catalog.latest(gc, JOB) == 200
 
 
-async def _committed_by_one_node_of_two(d: Destination, step: int) -> None:
-    """``step`` drained on n1 and n2 (one rank each) and published by n1."""
+async def _step_90_committed_by_one_node_of_two(tmp_path: Path) -> Destination:
+    """The in-memory destination, with step 90 drained on n1 and n2 (one rank each) and
+    published by n1: older than keep_last 2 once 100 and 200 are there."""
+    d = Destination("memory", tmp_path)
+    await d.populate()
     n1, n2 = d.backend("n1"), d.backend("n2")
-    await drained(n1, d.tmp_path, "n1", step, 0, 2)
-    await drained(n2, d.tmp_path, "n2", step, 1, 2)
-    assert (await Committer(n1, "n1").try_publish(JOB, step, 2)).committed
+    await drained(n1, d.tmp_path, "n1", 90, 0, 2)
+    await drained(n2, d.tmp_path, "n2", 90, 1, 2)
+    assert (await Committer(n1, "n1").try_publish(JOB, 90, 2)).committed
+    return d
 
 
 @pytest.mark.asyncio
@@ -204,9 +208,7 @@ async def test_a_late_publish_cannot_bring_back_a_committed_generation_retention
     create came after the manifest's delete and brought it back, over a directory whose
     shards were then deleted. Retention now takes the key with a tombstone before it
     deletes anything else, as it does for an abandoned generation."""
-    d = Destination("memory", tmp_path)
-    await d.populate()
-    await _committed_by_one_node_of_two(d, 90)
+    d = await _step_90_committed_by_one_node_of_two(tmp_path)
     publisher = d.backend("n2")
     assert isinstance(publisher, MemoryBackend)
     held = publisher.hold("put_bytes", key_contains=manifest_key(JOB, 90))
@@ -235,9 +237,7 @@ async def test_a_publish_between_the_manifests_delete_and_the_tombstone_keeps_it
     """The other order: the late create lands between retention's delete of the manifest
     and its tombstone. Retention then finds a manifest, and deletes nothing more: every shard
     it lists is there."""
-    d = Destination("memory", tmp_path)
-    await d.populate()
-    await _committed_by_one_node_of_two(d, 90)
+    d = await _step_90_committed_by_one_node_of_two(tmp_path)
     gc = d.backend("gc")
     assert isinstance(gc, MemoryBackend)
     held = gc.hold("put_bytes", key_contains=manifest_key(JOB, 90))
