@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
@@ -72,9 +73,10 @@ async def restore(
     step = manifest.generation
     made = _Made()
     await in_thread(made.makedirs, Path(to_dir))
+    root = await in_thread(Path(to_dir).resolve)
+    lock = await in_thread(_lock_target, root)  # refused: nothing of this restore's to undo
     try:
-        return await _restore_into(backend, manifest, await in_thread(Path(to_dir).resolve),
-                                   concurrency, progress, local, made)
+        return await _restore_into(backend, manifest, root, concurrency, progress, local, made)
     except BaseException:
         # A failed restore leaves the target as it found it: no half checkpoint, no empty
         # directories (files it replaced under --overwrite are not brought back, and an
@@ -82,6 +84,27 @@ async def restore(
         # thread call is settled before this runs, so none creates a file after it.
         await in_thread(made.undo)
         raise
+    finally:
+        os.close(lock)
+
+
+def _lock_target(root: Path) -> int:
+    """An fd holding an exclusive lock (flock) on the target directory for the restore's
+    length; the kernel drops it when the fd closes, also when the process is killed. Found
+    attacking restore: a second restore into the same directory took the first one's temp
+    files for a killed restore's and removed them, and one of the two failed, or left a
+    MANIFEST.json over files the other's undo had removed. A filesystem without flock goes
+    unlocked."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RestoreError(f"another `ckptdrain restore` is writing into {root}; wait for it "
+                           "to finish, or restore elsewhere") from None
+    except OSError:
+        pass
+    return fd
 
 
 async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concurrency: int,

@@ -170,3 +170,32 @@ def test_a_directory_where_a_shard_goes_is_named_as_the_shards_place(daemon: Dae
     assert f"{into / 'top.bin'}: Is a directory" in out.stderr, out.stderr
     assert "ckptdrain-tmp" not in out.stderr, out.stderr
     assert sorted(p.name for p in into.iterdir()) == ["top.bin"]
+
+
+def test_a_second_restore_into_a_directory_being_restored_is_refused(daemon: DaemonProcess,
+                                                                    tmp_path: Path) -> None:
+    # Found attacking the removal of a killed restore's temp files: a second restore into
+    # the same directory took the first one's temp files for leftovers and removed them; one
+    # of the two failed, or left a MANIFEST.json over files the other's undo removed. A
+    # restore holds a lock on its target: a second one is refused, and touches nothing.
+    import fcntl
+
+    with daemon.client().generation("rj", 6) as gen:
+        gen.put("top.bin", os.urandom(10_000))
+    daemon.client().wait("rj", 6, timeout_s=30)
+    into = tmp_path / "into"
+    into.mkdir()
+    live = into / ".top.bin.0123456789ab.ckptdrain-tmp"  # the first restore's, being written
+    live.write_bytes(b"half written")
+    fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as the first restore holds it
+        out = restore(daemon, into, "--no-local", "--overwrite")
+    finally:
+        os.close(fd)
+    assert out.returncode == 1, out.stderr
+    assert "another `ckptdrain restore` is writing into" in out.stderr, out.stderr
+    assert sorted(p.name for p in into.iterdir()) == [live.name]
+    again = restore(daemon, into, "--no-local", "--overwrite")  # the lock gone with its fd
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in into.iterdir()) == ["MANIFEST.json", "top.bin"]
