@@ -67,7 +67,7 @@ from ckptdrain.daemon.retention_plan import (
     group_generations,
     plan_retention,
 )
-from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json, was_committed
+from ckptdrain.daemon.tombstone import is_tombstone, placed_at, tombstone_json, was_committed
 
 # Re-exported: retention's planning lived here first.
 __all__ = [
@@ -399,6 +399,7 @@ async def _delete_abandoned(
     key = manifest_key(job, gen.step)
     tombstone = tombstone_json(job, gen.step, backend.node_id, now)
     retired = False
+    written = gen.manifest_written  # when the key was last written, as listed
     if not await backend.put_bytes(key, tombstone, exclusive=True):
         data = await backend.get_bytes(key)
         if data is not None and not is_tombstone(data):
@@ -408,10 +409,19 @@ async def _delete_abandoned(
         # A tombstone (ours from an earlier run, or another node's running now), or gone
         # since (another run removed an old tombstone after the shards): finish the removal.
         retired = data is not None and was_committed(data)
+        # The grace counts from the tombstone, by its own word where that is later: found
+        # attacking, a run that listed a committed generation's old manifest just before
+        # another run replaced it by a tombstone took the manifest's age for the tombstone's
+        # and removed it at once, and a late publish then brought the manifest back.
+        tombstoned_at = placed_at(data) if data is not None else None
+        if tombstoned_at is not None:
+            written = max(tombstoned_at, written or tombstoned_at)
+    else:
+        written = now
     _, parts, rest = deletion_order(job, gen)
     await _delete_all(backend, parts)
     await _delete_all(backend, rest)
-    if gen.manifest_written is None or now - gen.manifest_written < grace_s:
+    if written is None or now - written < grace_s:
         if retired:
             return _Abandoned.RETIRED_REMOVED if parts or rest else _Abandoned.RETIRED
         return _Abandoned.TOMBSTONE_KEPT if not (parts or rest) else _Abandoned.REMOVED

@@ -40,6 +40,15 @@ def tombstone_json(job: str, step: int, node: str, at: float, *,
     return (json.dumps(body, sort_keys=True) + "\n").encode()
 
 
+def placed_at(data: bytes) -> float | None:
+    """When a tombstone says it was written (its writer's clock), or None."""
+    try:
+        at = json.loads(data).get("abandoned_at")
+    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        return None
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+
+
 def was_committed(data: bytes) -> bool:
     """Whether a tombstone (:func:`is_tombstone`) stands where a committed manifest was."""
     try:

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import os
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +232,39 @@ async def test_a_late_publish_cannot_bring_back_a_committed_generation_retention
 
 
 @pytest.mark.asyncio
+async def test_a_second_run_that_listed_the_old_manifest_keeps_the_first_runs_tombstone(
+    tmp_path: Path,
+) -> None:
+    """Found attacking the committed tombstone: run B listed generation 90 while its manifest
+    (committed long ago) was still there; run A then removed 90 and left its tombstone; B
+    took the manifest's age for the tombstone's and removed the tombstone at once, and n2's
+    late publish brought the manifest back over deleted shards."""
+    d = await _step_90_committed_by_one_node_of_two(tmp_path)
+    d.age(90, 2 * GRACE_S)
+    publisher, gc_b = d.backend("n2"), d.backend("gcB")
+    assert isinstance(publisher, MemoryBackend) and isinstance(gc_b, MemoryBackend)
+    publishing = publisher.hold("put_bytes", key_contains=manifest_key(JOB, 90))
+    listed = gc_b.hold("get_bytes", key_contains=manifest_key(JOB, 90))
+    async with asyncio.TaskGroup() as group:
+        publish = group.create_task(Committer(publisher, "n2").try_publish(JOB, 90, 2))
+        await publishing.wait_reached()
+        run_b = group.create_task(apply_retention(gc_b, JOB, keep_last=2,
+                                                  abandoned_grace_s=GRACE_S))
+        await listed.wait_reached()
+        run_a = await apply_retention(d.backend("gcA"), JOB, keep_last=2,
+                                      abandoned_grace_s=GRACE_S)
+        listed.release()
+        await run_b
+        publishing.release()
+    reader = d.backend("reader")
+    assert run_a.deleted == [90]
+    assert is_tombstone(await reader.get_bytes(manifest_key(JOB, 90)) or b"")
+    assert publish.result().outcome is CommitOutcome.ACCEPTED
+    assert await manifests_over_missing_shards(reader) == []
+    assert 90 not in [g.step for g in await catalog.list_generations(reader, JOB)]
+
+
+@pytest.mark.asyncio
 async def test_a_publish_between_the_manifests_delete_and_the_tombstone_keeps_it_whole(
     tmp_path: Path,
 ) -> None:
@@ -306,8 +340,10 @@ async def test_the_tombstone_outlives_the_shards_by_one_grace_period(dest: Desti
     late = await Committer(dest.backend("n2"), "n2").try_publish(JOB, LATE, 1)
     assert late.outcome is CommitOutcome.CONFLICT and "abandoned" in late.reason
 
-    dest.age(LATE, 2 * GRACE_S)
-    second = await retain(gc)  # the shards that late node wrote go; the tombstone is old
+    # Two grace periods on: the shards that late node wrote go, and the tombstone, old now
+    # by its own clock too (the grace counts from when it says it was written).
+    second = await apply_retention(gc, JOB, keep_last=3, abandoned_grace_s=GRACE_S,
+                                   now=time.time() + 2 * GRACE_S)
     assert second.abandoned_deleted == [LATE]
     assert [i.key for i in await gc.list(prefix)] == []
     if dest.kind == "posix":
