@@ -275,6 +275,12 @@ class Committer:
         """:meth:`committed`, with its shards by path."""
         return await self.manifests.get(job, step, lambda: self._read_committed(job, step))
 
+    async def retired(self, job: str, step: int) -> bool:
+        """Whether retention removed ``job`` step ``step`` after it committed: its manifest
+        key holds a tombstone that says so (tombstone.py)."""
+        data = await self.backend.get_bytes(manifest_key(job, step))
+        return data is not None and is_tombstone(data) and was_committed(data)
+
     async def _read_committed(self, job: str, step: int) -> Manifest | None:
         # The raw key, not latest.manifest_bytes: for the step asked about, a link or an
         # oversized object there is an error to report (a wait on it must not just time out).
@@ -301,10 +307,13 @@ class Committer:
             if data is None:
                 return False
             if is_tombstone(data):
+                what = ("was committed, and retention has since removed it (older than the "
+                        "newest retention.keep_last commits)" if was_committed(data) else
+                        "was abandoned and is being removed by retention")
                 raise StepAbandoned(
                     job, step,
-                    f"step {step} of job {job!r} was abandoned and is being removed by "
-                    f"retention ({key} holds its tombstone); save a new step",
+                    f"step {step} of job {job!r} {what} ({key} holds its tombstone); save a "
+                    "new step",
                 )
             try:
                 manifest = await parse_manifest(data)

@@ -36,7 +36,8 @@ class Retired:
     ``retention.keep_last``), so that a wait for one still hears it committed. Found
     attacking: once its manifest was gone, a late ``wait`` (DrainWriter waiting on a save
     while the next one commits) took its whole timeout and then said "not committed; it may
-    still commit". In memory, bounded per job; a restarted daemon asks the destination."""
+    still commit". In memory, bounded per job; elsewhere (a restarted daemon, another
+    node) the tombstone retention leaves at the manifest key for a grace period says so."""
 
     def __init__(self) -> None:
         self._steps: dict[str, dict[int, dict[str, Any]]] = {}
@@ -44,8 +45,7 @@ class Retired:
     def add(self, gen: GenerationRecord) -> None:
         steps = self._steps.setdefault(gen.job, {})
         steps[gen.step] = {"job": gen.job, "step": gen.step, "committed": True,
-                           "committed_at": gen.committed_at, "attempt": gen.attempt,
-                           "removed": True}
+                           "committed_at": gen.committed_at, "attempt": gen.attempt}
         while len(steps) > RETIRED_PER_JOB:
             del steps[min(steps)]
 
@@ -95,6 +95,13 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
             if manifest is not None:
                 return {"job": job, "step": step, "committed": True,
                         "committed_at": manifest.clocks.get("committed")}
+            try:
+                removed = await d.committer.retired(job, step)
+            except (BackendError, OSError) as exc:
+                from ckptdrain.daemon.connection import destination_error
+                raise destination_error(job, step, exc) from None
+            if removed:
+                return {"job": job, "step": step, "committed": True, "committed_at": None}
             continue  # the look took a while: look at the ledger again first
         left = deadline - time.monotonic()
         if left <= 0:
