@@ -82,9 +82,11 @@ def readers_arg(text: str) -> int:
 
 def generation_arg(text: str) -> str:
     # Bounded as step_arg is: a step past 2**63 - 1 came out of the manifest code as a
-    # traceback (found attacking restore).
-    if text != "latest" and not (text.isascii() and text.isdigit() and len(text) <= 19
-                                 and int(text) < 2**63):
+    # traceback (found attacking restore). Zero-padded steps (the generation directories'
+    # 20 digits) are steps too; the digits are counted before int() would refuse them.
+    digits = text.lstrip("0") or "0"
+    if text != "latest" and not (text.isascii() and text.isdigit() and len(digits) <= 19
+                                 and int(digits) < 2**63):
         raise argparse.ArgumentTypeError(f"takes a step number (0 to {2**63 - 1}) or "
                                          f"'latest', not {text!r}")
     return text
