@@ -243,7 +243,8 @@ class S3Client:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         detail = str(exc) or type(exc).__name__
-        message = (f"{what} at {self.uri}: {detail}; {advice(kind, transient, self._endpoint)}")
+        message = (f"{what} at {self.uri}: {detail}; "
+                   f"{advice(kind, transient, self._endpoint, code)}")
         return S3Failure(message, transient=transient, kind=kind, code=code, status=status)
 
     async def _call(self, what: str, operation: str, **params: Any) -> Any:

@@ -102,7 +102,11 @@ def classify(exc: BaseException) -> tuple[bool, str]:
     return True, "io"
 
 
-def advice(kind: str, transient: bool, endpoint: str) -> str:
+def advice(kind: str, transient: bool, endpoint: str, code: str = "") -> str:
+    if code == "MalformedXML":
+        # (An integrity kind, retried, but no checksum was refused: found attacking.)
+        return ("the server could not parse the XML sent to it: changed on the way (it is "
+                "retried within drain.retry_budget_s), or a server that does not take it")
     if kind == "throttled":
         return "the store is throttling: lower destination.max_concurrency or wait"
     if kind == "timeout":
