@@ -156,9 +156,13 @@ async def apply_retention(
             # Only the kept generations' manifests were read: a committed one older than them
             # may be a removal under way already (its tombstone at the manifest key).
             tomb = await _tombstone(backend, job, step) if committed else None
-            if dry_run:
-                if tomb is None or not was_committed(tomb):
-                    (deleted if committed and tomb is None else abandoned).append(step)
+            if dry_run:  # as the real run reports it (_delete_abandoned's outcomes)
+                if tomb is None:
+                    (deleted if committed else abandoned).append(step)
+                elif not was_committed(tomb):
+                    abandoned.append(step)
+                elif any(deletion_order(job, gen)[1:]):  # a committed removal interrupted
+                    deleted.append(step)
                 continue
             if committed and tomb is None:
                 if await _delete_committed(backend, job, gen, now):

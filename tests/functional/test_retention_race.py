@@ -38,7 +38,7 @@ from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.commit import CommitOutcome, Committer, StepAbandoned
 from ckptdrain.daemon.config import DestinationConfig
 from ckptdrain.daemon.retention import RetentionReport, apply_retention
-from ckptdrain.daemon.tombstone import is_tombstone
+from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json
 
 JOB = "llama"
 GRACE_S = 600.0
@@ -262,6 +262,27 @@ async def test_a_second_run_that_listed_the_old_manifest_keeps_the_first_runs_to
     assert publish.result().outcome is CommitOutcome.ACCEPTED
     assert await manifests_over_missing_shards(reader) == []
     assert 90 not in [g.step for g in await catalog.list_generations(reader, JOB)]
+
+
+@pytest.mark.asyncio
+async def test_a_dry_run_reports_an_interrupted_committed_removal_as_the_real_run_does(
+    tmp_path: Path,
+) -> None:
+    # Found attacking the committed tombstone: with a removal interrupted after its
+    # tombstone (part records and shards still there), `gc --dry-run` reported nothing to
+    # delete and the real run then deleted it.
+    d = await _step_90_committed_by_one_node_of_two(tmp_path)
+    gc = d.backend("gc")
+    await gc.delete(manifest_key(JOB, 90))
+    assert await gc.put_bytes(manifest_key(JOB, 90),
+                              tombstone_json(JOB, 90, "gc", time.time(), was_committed=True),
+                              exclusive=True)
+    dry = await apply_retention(gc, JOB, keep_last=2, abandoned_grace_s=GRACE_S, dry_run=True)
+    real = await apply_retention(gc, JOB, keep_last=2, abandoned_grace_s=GRACE_S)
+    assert (dry.deleted, real.deleted) == ([90], [90])
+    assert [i.key for i in await gc.list(generation_prefix(JOB, 90))] == [manifest_key(JOB, 90)]
+    again = await apply_retention(gc, JOB, keep_last=2, abandoned_grace_s=GRACE_S, dry_run=True)
+    assert again.deleted == [] and again.abandoned_deleted == [LATE]
 
 
 @pytest.mark.asyncio
