@@ -156,13 +156,18 @@ def test_a_rerun_over_a_killed_restore_leaves_exactly_the_checkpoint(daemon: Dae
         ".s0.bin.0123456789ab.ckptdrain-tmp", ".x.bin.0123456789ab.ckptdrain-tmp"]
 
 
+def save_top(daemon: DaemonProcess, step: int) -> None:
+    """Step ``step`` of "rj": one shard, top.bin, committed."""
+    with daemon.client().generation("rj", step) as gen:
+        gen.put("top.bin", os.urandom(10_000))
+    daemon.client().wait("rj", step, timeout_s=30)
+
+
 def test_a_directory_where_a_shard_goes_is_named_as_the_shards_place(daemon: DaemonProcess,
                                                                      tmp_path: Path) -> None:
     # Found attacking restore: under --overwrite, a directory where a shard goes failed the
     # restore naming the temp file (".top.bin.<random>.ckptdrain-tmp: Is a directory").
-    with daemon.client().generation("rj", 4) as gen:
-        gen.put("top.bin", os.urandom(10_000))
-    daemon.client().wait("rj", 4, timeout_s=30)
+    save_top(daemon, 4)
     into = tmp_path / "into"
     (into / "top.bin").mkdir(parents=True)
     out = restore(daemon, into, "--no-local", "--overwrite")
@@ -180,9 +185,7 @@ def test_a_second_restore_into_a_directory_being_restored_is_refused(daemon: Dae
     # restore holds a lock on its target: a second one is refused, and touches nothing.
     import fcntl
 
-    with daemon.client().generation("rj", 6) as gen:
-        gen.put("top.bin", os.urandom(10_000))
-    daemon.client().wait("rj", 6, timeout_s=30)
+    save_top(daemon, 6)
     into = tmp_path / "into"
     into.mkdir()
     live = into / ".top.bin.0123456789ab.ckptdrain-tmp"  # the first restore's, being written
