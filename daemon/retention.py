@@ -17,11 +17,12 @@ Rules (docs/layout.md, "Retention"):
 
 Removing an abandoned generation races a late publish of it (a slow node may still hold every
 part record), and so does removing a committed one (another node of the job running its own
-commit step of it). The two meet at the one key both must create, ``MANIFEST.json``: retention first
-creates it exclusively, holding a tombstone (tombstone.py), and deletes shards only if that
-create succeeded or found a tombstone; a publish whose create finds the tombstone fails. So
-whichever create lands first wins, on S3 as on POSIX, and no manifest ever lists deleted
-shards. Two separate keys (an ``ABANDONED`` marker beside the manifest) would not do: each
+commit step of it). The two meet at the one key both must create, ``MANIFEST.json``:
+retention first creates it exclusively, holding a tombstone (tombstone.py; a committed
+generation's right after its manifest is deleted), and deletes shards only if that create
+succeeded or found a tombstone; a publish whose create finds the tombstone does not commit
+(it hears "committed" where the tombstone says the generation was). So whichever create
+lands first wins, on S3 as on POSIX, and no manifest ever lists deleted shards. Two separate keys (an ``ABANDONED`` marker beside the manifest) would not do: each
 side would write its key and then read the other's, and on a store without multi-key
 transactions both reads can come before both writes. The tombstone stays for one grace period
 after the shards are gone, so that a publisher which read the part records just before they
