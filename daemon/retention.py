@@ -419,7 +419,7 @@ async def _delete_abandoned(
         # another run replaced it by a tombstone took the manifest's age for the tombstone's
         # and removed it at once, and a late publish then brought the manifest back.
         tombstoned_at = placed_at(data) if data is not None else None
-        if tombstoned_at is not None:
+        if tombstoned_at is not None and tombstoned_at <= now + grace_s:  # (later: garbage)
             written = max(tombstoned_at, written or tombstoned_at)
     else:
         written = now

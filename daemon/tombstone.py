@@ -14,6 +14,7 @@ fields), so every reader, older versions included, sees a generation that is not
 from __future__ import annotations
 
 import json
+import math
 
 from ckptdrain.client.manifest import FORMAT_VERSION
 
@@ -41,12 +42,14 @@ def tombstone_json(job: str, step: int, node: str, at: float, *,
 
 
 def placed_at(data: bytes) -> float | None:
-    """When a tombstone says it was written (its writer's clock), or None."""
+    """When a tombstone says it was written (its writer's clock), or None where it says no
+    finite time (written by hand, or damaged)."""
     try:
         at = json.loads(data).get("abandoned_at")
-    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        when = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError, OverflowError):
         return None
-    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+    return when if when is not None and math.isfinite(when) else None
 
 
 def was_committed(data: bytes) -> bool:

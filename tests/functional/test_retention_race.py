@@ -285,6 +285,29 @@ async def test_a_dry_run_reports_an_interrupted_committed_removal_as_the_real_ru
     assert again.deleted == [] and again.abandoned_deleted == [LATE]
 
 
+@pytest.mark.parametrize("abandoned_at", [b"1e999", b"NaN", b"true", b'"soon"',
+                                          b"9" * 400, b"4102444800.0"])
+@pytest.mark.asyncio
+async def test_a_tombstone_whose_time_is_no_time_ages_by_its_listing(
+    tmp_path: Path, abandoned_at: bytes
+) -> None:
+    # A tombstone written by hand or damaged, with no finite time or one far ahead (2100):
+    # its grace counts from when the destination says the key was written, as before the
+    # tombstone's own time was read, and retention neither fails nor keeps it for ever.
+    d = await _step_90_committed_by_one_node_of_two(tmp_path)
+    gc = d.backend("gc")
+    await gc.delete(manifest_key(JOB, 90))
+    body = b'{"abandoned_at": ' + abandoned_at + b', "kind": "abandoned", "was_committed": true}'
+    assert await gc.put_bytes(manifest_key(JOB, 90), body, exclusive=True)
+    first = await apply_retention(gc, JOB, keep_last=2, abandoned_grace_s=GRACE_S)
+    assert first.failed == [] and first.deleted == [90]
+    assert await gc.get_bytes(manifest_key(JOB, 90)) == body  # young by its listing: kept
+    later = await apply_retention(gc, JOB, keep_last=2, abandoned_grace_s=GRACE_S,
+                                  now=time.time() + 2 * GRACE_S)
+    assert later.failed == []
+    assert await gc.get_bytes(manifest_key(JOB, 90)) is None
+
+
 @pytest.mark.asyncio
 async def test_a_publish_between_the_manifests_delete_and_the_tombstone_keeps_it_whole(
     tmp_path: Path,
