@@ -184,11 +184,8 @@ async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> s
     tmp, fd = await _create_temp(target)
     outcome = "missing"
     try:
-        try:
-            checksum = await local(shard, fd)
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        checksum = await local(shard, fd)
+        size = os.fstat(fd).st_size
         if checksum is not None:
             outcome = "ok" if checksum == shard.checksum and size == shard.size else "rejected"
         if outcome == "ok":
@@ -196,6 +193,7 @@ async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> s
     finally:
         if outcome != "ok":
             await in_thread(_unlink, tmp)
+        os.close(fd)  # (its lock held until the temp name is gone: _remove_stale_temps)
     if outcome == "rejected":
         log.warning("local copy of %s failed its checksum; restoring it from the destination",
                     shard.path)
@@ -300,8 +298,6 @@ async def _write_checked(
             # A write into the file without its name (pwritev): the target named, or a full
             # disk said only "No space left on device" (found attacking).
             raise OSError(exc.errno, exc.strerror, str(target)) from exc
-        finally:
-            os.close(fd)
         if size != shard.size:
             relation = "longer than" if size > shard.size else "shorter than"
             return size, (f"{shard.path} is {relation} the {shard.size} bytes the manifest "
@@ -320,6 +316,7 @@ async def _write_checked(
     finally:
         if not done:
             tmp.unlink(missing_ok=True)
+        os.close(fd)  # (its lock held until the temp name is gone: _remove_stale_temps)
 
 
 def _remove_stale_temps(root: Path, targets: Iterable[Path]) -> int:
@@ -328,7 +325,10 @@ def _remove_stale_temps(root: Path, targets: Iterable[Path]) -> int:
     writes; how many. Found attacking restore: the rerun with ``--overwrite`` that the docs
     advise after a kill left them beside the restored checkpoint, hundreds of MiB each. A
     name with that suffix is never a shard's (refused at hand-off), and a directory that
-    resolves outside ``root`` (a planted link) is not looked into."""
+    resolves outside ``root`` (a planted link) is not looked into. A live restore holds a lock
+    on each of its temp files (:func:`_open_temp`) until its name is gone: such a file is
+    left (found attacking: a restore into a parent or a child of another's target removed
+    that one's temp files, and it failed)."""
     removed = 0
     for directory in {target.parent for target in targets}:
         try:
@@ -340,10 +340,25 @@ def _remove_stale_temps(root: Path, targets: Iterable[Path]) -> int:
         for entry in entries:
             if (entry.name.startswith(".") and entry.name.endswith(TMP_SUFFIX)
                     and entry.is_file(follow_symlinks=False)):
-                with contextlib.suppress(OSError):  # gone, or not ours to remove: left
-                    os.unlink(entry.path)
-                    removed += 1
+                removed += _remove_unheld(entry.path)
     return removed
+
+
+def _remove_unheld(path: str) -> bool:
+    """Unlink the temp file at ``path`` unless a live restore holds its lock (or it cannot be
+    told: a filesystem without flock); whether it was removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone, or not ours to open: left
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+    except OSError:  # held by a live restore (BlockingIOError), or cannot be told
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _unlink(path: Path) -> None:
@@ -352,20 +367,30 @@ def _unlink(path: Path) -> None:
 
 def _write_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    fd = _open_temp(tmp)
     try:
-        tmp.write_bytes(data)
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _open_temp(tmp: Path) -> int:
+    """Create ``tmp`` (readable too: the POSIX backend checksums what it wrote by mapping
+    it) and lock it, so that another restore's sweep (:func:`_remove_unheld`) leaves it."""
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    with contextlib.suppress(OSError):  # a filesystem without flock: unlocked
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
 
 
 async def _create_temp(target: Path) -> tuple[Path, int]:
     """A new temp file beside ``target`` and its fd. Cancelled once the thread has created
     it, the file is closed and removed here: nobody else knows it exists."""
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-    # Readable too: the POSIX backend checksums what it wrote by mapping this file.
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    future = asyncio.get_running_loop().run_in_executor(None, os.open, tmp, flags, 0o644)
+    future = asyncio.get_running_loop().run_in_executor(None, _open_temp, tmp)
     try:
         return tmp, await asyncio.shield(future)
     except asyncio.CancelledError:

@@ -202,3 +202,30 @@ def test_a_second_restore_into_a_directory_being_restored_is_refused(daemon: Dae
     again = restore(daemon, into, "--no-local", "--overwrite")  # the lock gone with its fd
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in into.iterdir()) == ["MANIFEST.json", "top.bin"]
+
+
+def test_a_temp_file_a_live_restore_holds_is_left_by_another_restores_sweep(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking the target lock: a restore into a parent (or a child) of another
+    # restore's target swept that one's temp files as a killed restore's, and it failed. A
+    # live restore holds a lock on each of its temp files; the sweep removes only unheld ones.
+    import fcntl
+
+    with daemon.client().generation("rj", 7) as gen:
+        gen.put("sub/other.bin", os.urandom(10_000))
+    daemon.client().wait("rj", 7, timeout_s=30)
+    into = tmp_path / "into"
+    (into / "sub").mkdir(parents=True)
+    live = into / "sub" / ".big.bin.0123456789ab.ckptdrain-tmp"  # a restore into sub/'s
+    stale = into / "sub" / ".old.bin.00000000beef.ckptdrain-tmp"  # a killed restore's
+    live.write_bytes(b"being written")
+    stale.write_bytes(b"left behind")
+    fd = os.open(live, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        out = restore(daemon, into, "--no-local", "--overwrite")
+        assert out.returncode == 0, out.stderr
+        assert live.read_bytes() == b"being written" and not stale.exists()
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in (into / "sub").iterdir()) == [live.name, "other.bin"]
