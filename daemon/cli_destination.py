@@ -89,7 +89,7 @@ def generation_arg(text: str) -> str:
                                  and int(digits) < 2**63):
         raise argparse.ArgumentTypeError(f"takes a step number (0 to {2**63 - 1}) or "
                                          f"'latest', not {text!r}")
-    return text
+    return text if text == "latest" else digits  # (int() refuses 4,300 digits and more)
 
 
 # -- the destination ------------------------------------------------------------------------------
