@@ -156,14 +156,16 @@ async def apply_retention(
         try:
             # Only the kept generations' manifests were read: a committed one older than them
             # may be a removal under way already (its tombstone at the manifest key).
-            tomb = await _tombstone(backend, job, step) if committed else None
-            if dry_run:  # as the real run reports it (_delete_abandoned's outcomes)
-                if tomb is None:
-                    (deleted if committed else abandoned).append(step)
-                elif not was_committed(tomb):
-                    abandoned.append(step)
-                elif any(deletion_order(job, gen)[1:]):  # a committed removal interrupted
+            tomb = await _tombstone(backend, job, step) if committed or dry_run else None
+            if dry_run:  # as the real run would report it
+                outcome = (_Abandoned.COMMITTED if committed and tomb is None
+                           else _foreseen(job, gen, tomb, now, abandoned_grace_s))
+                if outcome in (_Abandoned.COMMITTED, _Abandoned.RETIRED_REMOVED):
                     deleted.append(step)
+                elif outcome is _Abandoned.REMOVED:
+                    abandoned.append(step)
+                elif outcome is _Abandoned.TOMBSTONE_KEPT:
+                    skipped.append((step, _kept_tombstone(abandoned_grace_s)))
                 continue
             if committed and tomb is None:
                 if await _delete_committed(backend, job, gen, now):
@@ -192,8 +194,7 @@ async def apply_retention(
             log.info("retention removed abandoned generation %d of job %r", step, job)
             abandoned.append(step)
         elif outcome is _Abandoned.TOMBSTONE_KEPT:
-            skipped.append((step, f"abandoned and removed; its tombstone stays until it is "
-                                  f"{abandoned_grace_s:g}s old, so no late publish can commit it"))
+            skipped.append((step, _kept_tombstone(abandoned_grace_s)))
         else:
             skipped.append((step, "committed while retention was removing it; kept"))
     if not dry_run and empty:
@@ -397,6 +398,44 @@ async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys,
     return True
 
 
+def _kept_tombstone(grace_s: float) -> str:
+    return (f"abandoned and removed; its tombstone stays until it is {grace_s:g}s old, so no "
+            "late publish can commit it")
+
+
+def _tombstone_written(gen: GenerationKeys, data: bytes | None, now: float,
+                       grace_s: float) -> float | None:
+    """When the tombstone at ``gen``'s manifest key was written: by its own word where that
+    is later than the listing's time (found attacking: a run that listed a committed
+    generation's old manifest just before another run replaced it by a tombstone took the
+    manifest's age for the tombstone's and removed it at once, and a late publish then
+    brought the manifest back). A time past ``now + grace_s`` is garbage: the listing's."""
+    written = gen.manifest_written
+    at = placed_at(data) if data is not None else None
+    if at is not None and at <= now + grace_s:
+        written = max(at, written or at)
+    return written
+
+
+def _settled(retired: bool, left: bool, tombstone_goes: bool) -> _Abandoned:
+    """What removing a tombstoned generation comes to: ``left``, whether part records or
+    shards were still there; ``tombstone_goes``, whether the tombstone is old enough to go."""
+    if retired:
+        return _Abandoned.RETIRED_REMOVED if left else _Abandoned.RETIRED
+    return _Abandoned.REMOVED if left or tombstone_goes else _Abandoned.TOMBSTONE_KEPT
+
+
+def _foreseen(job: str, gen: GenerationKeys, tomb: bytes | None, now: float,
+              grace_s: float) -> _Abandoned:
+    """What :func:`_delete_abandoned` would come to for ``gen`` (a dry run), its manifest key
+    holding ``tomb`` (None: nothing yet, so this run's tombstone would go there)."""
+    left = any(deletion_order(job, gen)[1:])
+    if tomb is None:
+        return _settled(False, left, False)
+    written = _tombstone_written(gen, tomb, now, grace_s)
+    return _settled(was_committed(tomb), left, written is not None and now - written >= grace_s)
+
+
 async def _delete_abandoned(
     backend: Backend, job: str, gen: GenerationKeys, now: float, grace_s: float
 ) -> _Abandoned:
@@ -404,7 +443,7 @@ async def _delete_abandoned(
     key = manifest_key(job, gen.step)
     tombstone = tombstone_json(job, gen.step, backend.node_id, now)
     retired = False
-    written = gen.manifest_written  # when the key was last written, as listed
+    written: float | None = now  # this run's own tombstone
     if not await backend.put_bytes(key, tombstone, exclusive=True):
         data = await backend.get_bytes(key)
         if data is not None and not is_tombstone(data):
@@ -414,28 +453,16 @@ async def _delete_abandoned(
         # A tombstone (ours from an earlier run, or another node's running now), or gone
         # since (another run removed an old tombstone after the shards): finish the removal.
         retired = data is not None and was_committed(data)
-        # The grace counts from the tombstone, by its own word where that is later: found
-        # attacking, a run that listed a committed generation's old manifest just before
-        # another run replaced it by a tombstone took the manifest's age for the tombstone's
-        # and removed it at once, and a late publish then brought the manifest back.
-        tombstoned_at = placed_at(data) if data is not None else None
-        if tombstoned_at is not None and tombstoned_at <= now + grace_s:  # (later: garbage)
-            written = max(tombstoned_at, written or tombstoned_at)
-    else:
-        written = now
+        written = _tombstone_written(gen, data, now, grace_s)
     _, parts, rest = deletion_order(job, gen)
     await _delete_all(backend, parts)
     await _delete_all(backend, rest)
-    if written is None or now - written < grace_s:
-        if retired:
-            return _Abandoned.RETIRED_REMOVED if parts or rest else _Abandoned.RETIRED
-        return _Abandoned.TOMBSTONE_KEPT if not (parts or rest) else _Abandoned.REMOVED
-    # A publisher that read the part records before they went has had a whole grace period
-    # to reach its create and meet the tombstone: the key can go now.
-    await backend.delete(key)
-    if retired:
-        return _Abandoned.RETIRED_REMOVED if parts or rest else _Abandoned.RETIRED
-    return _Abandoned.REMOVED
+    goes = written is not None and now - written >= grace_s
+    if goes:
+        # A publisher that read the part records before they went has had a whole grace
+        # period to reach its create and meet the tombstone: the key can go now.
+        await backend.delete(key)
+    return _settled(retired, bool(parts or rest), goes)
 
 
 async def _delete_all(backend: Backend, keys: Sequence[str]) -> None:
