@@ -244,9 +244,15 @@ def test_a_begin_the_destination_could_not_check_grants_nothing(make_daemon) -> 
         f.truncate(65 << 20)       # the owner now
 
     def squat() -> str:
-        with Client(node_b.socket_path, timeout_s=20) as c, \
-                c.generation("llama", 7, rank=0, world_size=1) as gen:
-            gen.put("w.bin", b"poison")
+        with Client(node_b.socket_path, timeout_s=20) as c:
+            try:
+                with c.generation("llama", 7, rank=0, world_size=1) as gen:
+                    gen.put("w.bin", b"poison")
+            except GenerationFailed as exc:
+                # The drain asks for the owner too, before it writes the shard, and fails the
+                # step when it cannot tell: under load that came before this seal (a
+                # fresh-clone run). Begun all the same, which is what is looked at here.
+                assert "could not read the job's owner" in str(exc), exc
         return "BEGUN"
 
     assert run_as(HOSTILE, squat) == "BEGUN"
