@@ -275,16 +275,23 @@ class Committer:
         """:meth:`committed`, with its shards by path."""
         return await self.manifests.get(job, step, lambda: self._read_committed(job, step))
 
-    async def retired(self, job: str, step: int) -> bool:
-        """Whether retention removed ``job`` step ``step`` after it committed: its manifest
-        key holds a tombstone that says so (tombstone.py)."""
-        data = await self.backend.get_bytes(manifest_key(job, step))
-        return data is not None and is_tombstone(data) and was_committed(data)
+    async def committed_or_removed(self, job: str, step: int) -> tuple[Manifest | None, bool]:
+        """:meth:`committed`, and whether retention removed the step after it committed (its
+        manifest key holds a tombstone that says so, tombstone.py), from one read."""
+        read: list[bytes] = []
+        found = await self.manifests.get(job, step, lambda: self._read_committed(job, step, read))
+        if found is not None:
+            return found.manifest, False
+        return None, bool(read) and is_tombstone(read[0]) and was_committed(read[0])
 
-    async def _read_committed(self, job: str, step: int) -> Manifest | None:
+    async def _read_committed(self, job: str, step: int,
+                              read: list[bytes] | None = None) -> Manifest | None:
+        """The manifest at the step's key, or None; ``read`` takes what the key held."""
         # The raw key, not latest.manifest_bytes: for the step asked about, a link or an
         # oversized object there is an error to report (a wait on it must not just time out).
         data = await self.backend.get_bytes(manifest_key(job, step))
+        if data is not None and read is not None:
+            read.append(data)
         if data is None or is_tombstone(data):
             return None
         return await parse_manifest(data)

@@ -88,20 +88,14 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
             # Nothing of this attempt here (yet): another node may commit it.
             next_look = now + poll
             try:
-                manifest = await d.committer.committed(job, step)
+                manifest, removed = await d.committer.committed_or_removed(job, step)
             except (BackendError, ManifestError, OSError) as exc:
                 from ckptdrain.daemon.connection import destination_error
                 raise destination_error(job, step, exc) from None
-            if manifest is not None:
+            if manifest is not None or removed:
+                committed_at = None if manifest is None else manifest.clocks.get("committed")
                 return {"job": job, "step": step, "committed": True,
-                        "committed_at": manifest.clocks.get("committed")}
-            try:
-                removed = await d.committer.retired(job, step)
-            except (BackendError, OSError) as exc:
-                from ckptdrain.daemon.connection import destination_error
-                raise destination_error(job, step, exc) from None
-            if removed:
-                return {"job": job, "step": step, "committed": True, "committed_at": None}
+                        "committed_at": committed_at}
             continue  # the look took a while: look at the ledger again first
         left = deadline - time.monotonic()
         if left <= 0:
