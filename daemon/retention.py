@@ -157,10 +157,12 @@ async def apply_retention(
             # Only the kept generations' manifests were read: a committed one older than them
             # may be a removal under way already (its tombstone at the manifest key).
             tomb = await _tombstone(backend, job, step) if committed or dry_run else None
-            if dry_run:  # as the real run would report it
-                outcome = (_Abandoned.COMMITTED if committed and tomb is None
-                           else _foreseen(job, gen, tomb, now, abandoned_grace_s))
-                if outcome in (_Abandoned.COMMITTED, _Abandoned.RETIRED_REMOVED):
+            if dry_run and committed and tomb is None:
+                deleted.append(step)
+                continue
+            if dry_run:  # a tombstoned or abandoned step: as the real run would settle it
+                outcome = _foreseen(job, gen, tomb, now, abandoned_grace_s)
+                if outcome is _Abandoned.RETIRED_REMOVED:
                     deleted.append(step)
                 elif outcome is _Abandoned.REMOVED:
                     abandoned.append(step)
