@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptdrain.client.manifest import (
     MAX_ABORT_REASON_CHARS,
+    Manifest,
     ManifestError,
     PartRecord,
     RecordTooLarge,
@@ -471,31 +472,36 @@ class Publisher:
         if gen.terminal:
             return
         if result.committed:
-            manifest = result.manifest
-            committed_at = manifest.clocks.get("committed", time.time()) if manifest else time.time()
-            # Journalled as this node saw it, on its own clock: what the last-commit gauge is
-            # set from again after a restart (the manifest's clock is the publisher's, hours
-            # off on a node whose clock is: found attacking). The phases keep the manifest's.
-            await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=time.time())
-            self._forget_waiting(gen.key)
-            clocks = {
-                "started": gen.created_at,
-                "handoff": gen.handoff_at or gen.created_at,
-                "staged": gen.staged_at or committed_at,
-                "drained": gen.drained_at or committed_at,
-                "committed": committed_at,
-            }
-            self.metrics.generation_committed(gen.job, gen.step, clocks, committed_at)
-            self._on_terminal(gen)
-            log_event(log, logging.INFO, "generation_committed", job=gen.job, step=gen.step,
-                      outcome=result.outcome.name.lower(), shards=len(gen.shards),
-                      bytes=sum(s.size for s in gen.shards.values()))
-            await self._end_older(gen.job, gen.step)
+            await self._committed(gen, result.manifest, result.outcome.name.lower())
         elif result.outcome is CommitOutcome.CONFLICT:
             await self.end(gen, f"it cannot commit: {result.reason}",
                            kind="conflict")
         elif result.absent:
             await self._absent(gen, result)
+
+    async def _committed(self, gen: GenerationRecord, manifest: Manifest | None,
+                         outcome: str) -> None:
+        """``gen`` is committed at the destination (``manifest``; None when retention has
+        removed it since): journal it, and end the older steps still waiting here."""
+        committed_at = manifest.clocks.get("committed", time.time()) if manifest else time.time()
+        # Journalled as this node saw it, on its own clock: what the last-commit gauge is
+        # set from again after a restart (the manifest's clock is the publisher's, hours
+        # off on a node whose clock is: found attacking). The phases keep the manifest's.
+        await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=time.time())
+        self._forget_waiting(gen.key)
+        clocks = {
+            "started": gen.created_at,
+            "handoff": gen.handoff_at or gen.created_at,
+            "staged": gen.staged_at or committed_at,
+            "drained": gen.drained_at or committed_at,
+            "committed": committed_at,
+        }
+        self.metrics.generation_committed(gen.job, gen.step, clocks, committed_at)
+        self._on_terminal(gen)
+        log_event(log, logging.INFO, "generation_committed", job=gen.job, step=gen.step,
+                  outcome=outcome, shards=len(gen.shards),
+                  bytes=sum(s.size for s in gen.shards.values()))
+        await self._end_older(gen.job, gen.step)
 
     async def _absent(self, gen: GenerationRecord, result: CommitResult) -> None:
         """Shards the part records list are missing at the destination: deleted behind the
@@ -532,12 +538,47 @@ class Publisher:
             # A locked one is mid-commit; the poller sees the newer manifest next round.
             if (other.job == job and other.step < step and other.state is _G.RECORDED
                     and not other.lock.locked()):
-                await self._superseded(other, step)
+                async with other.lock:  # _superseded reads the destination first
+                    if other.state is _G.RECORDED:
+                        await self._superseded(other, step)
 
     async def _superseded(self, gen: GenerationRecord, newer: int) -> None:
+        """Cancel ``gen``, step ``newer`` of its job having committed: unless ``gen`` itself
+        committed first, from another node's create (found attacking: a node that recorded
+        its part and looked again only after the next step committed cancelled a step that
+        had committed, and its waiters heard it failed). Called with ``gen.lock`` held."""
+        try:
+            manifest, removed = await self.committer.committed_or_removed(gen.job, gen.step)
+        except BackendError as exc:  # cannot tell now: the poller asks again
+            self.metrics.drain_error(self.destination, exc.kind)
+            self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
+                                      cause=f"own:{exc.kind}", job=gen.job, step=gen.step,
+                                      error=str(exc))
+            return
+        except ManifestError:
+            manifest, removed = None, False  # damaged: no commit of this step's
+        if gen.terminal:
+            return
+        if manifest is not None and self._holds_mine(gen, manifest):
+            await self._committed(gen, manifest, "accepted")
+            return
+        if removed:
+            # Retention removed the step after it committed, and its tombstone does not say
+            # from which records: as a late publish meeting it does (commit.py), this node's
+            # step is taken as the one committed.
+            await self._committed(gen, None, "accepted")
+            return
         await self.end(gen, f"step {newer} of this job committed first, so this older step can "
                             "never become the latest", kind="superseded",
                        event=GenerationEvent.SUPERSEDED_BY_COMMIT)
+
+    def _holds_mine(self, gen: GenerationRecord, manifest: Manifest) -> bool:
+        """Whether ``manifest`` commits every shard this node recorded of ``gen``, as this
+        node recorded it: another attempt's manifest of the same step does not."""
+        node = self.config.node_id
+        theirs = {(e.path, e.size, e.checksum, e.rank) for e in manifest.shards if e.node == node}
+        return all((s.path, s.size, s.checksum, s.rank) in theirs for s in gen.shards.values()
+                   if gen.ranks.get(s.rank) is RankState.RECORDED)
 
     # -- waiting on other nodes ---------------------------------------------------------------
     async def _poller(self) -> None:

@@ -7,10 +7,12 @@ of node-a), a newer step committed, and drain.commit_wait_s passed.
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,6 +59,13 @@ def recorded(d: DaemonProcess, step: int) -> None:
 def part_record(d: DaemonProcess, step: int, node: str) -> PartRecord | None:
     path = d.dest / JOB / f"{step:020d}" / "_parts" / f"{node}.json"
     return PartRecord.from_json(path.read_bytes()) if path.exists() else None
+
+
+def read_or_nothing(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:  # between retention's delete and its tombstone
+        return b""
 
 
 def fails_quickly(d: DaemonProcess, step: int, match: str, within_s: float = 15.0) -> None:
@@ -231,3 +240,54 @@ def test_an_operators_abort_of_a_step_another_node_committed_says_so(make_daemon
     assert out.returncode == 1 and "is committed at the destination" in out.stderr, out.stderr
     assert (b.dest / JOB / f"{1:020d}" / "_parts" / "node-b.json").read_bytes() == kept
     assert b.client().wait(JOB, 1, timeout_s=30)["committed"] is True
+
+
+@pytest.mark.parametrize("keep_last", ["3", "1"], ids=["kept", "removed-by-retention"])
+def test_a_step_another_node_committed_is_committed_here_though_a_newer_one_followed(
+        make_daemon, keep_last) -> None:  # type: ignore[no-untyped-def]
+    # node-a recorded its part of step 1 and waited for its next look at the destination
+    # (frozen here, as a busy or paused node is); node-b published step 1 from both records,
+    # then step 2 on its own (and, with keep_last = 1, its retention removed step 1). node-a
+    # saw step 2 committed and cancelled step 1 as "step 2 of this job committed first": its
+    # waiters heard that their committed step had failed. It looks at its own step first.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_RETENTION__KEEP_LAST=keep_last)
+    seal(a, 1, 0)
+    recorded(a, 1)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        seal(b, 1, 1)
+        b.client().wait(JOB, 1, timeout_s=30)
+        seal(b, 2, 0, world_size=1)
+        b.client().wait(JOB, 2, timeout_s=30)
+        manifest = b.dest / JOB / f"{1:020d}" / "MANIFEST.json"
+        if keep_last == "1":
+            wait_for(lambda: b'"was_committed": true' in read_or_nothing(manifest), 30,
+                     "step 1 removed by retention, its tombstone left")
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert a.client().wait(JOB, 1, timeout_s=15)["committed"] is True
+    assert state(a, 1)["state"] == "committed"
+    assert "generation_cancelled" not in a.log(), a.log()
+
+
+def test_a_step_whose_manifest_commits_other_bytes_is_still_cancelled(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # The other side of the test above: a manifest of step 1 that does not hold this node's
+    # shards (another attempt's, here a resized job on node-b alone) is no commit of this
+    # node's step.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    with a.client().generation(JOB, 1, rank=0, world_size=2, attempt="run-1") as g:
+        g.put("rank0.bin", b"a" * 1000)
+    recorded(a, 1)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        for step in (1, 2):
+            with b.client().generation(JOB, step, rank=0, world_size=1, attempt="run-2") as g:
+                g.put("rank0.bin", b"b" * 1000)
+            b.client().wait(JOB, step, timeout_s=30)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    fails_quickly(a, 1, r"cancelled: step 2 of this job committed first")
