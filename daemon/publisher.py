@@ -20,18 +20,15 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptdrain.client.manifest import (
-    MAX_ABORT_REASON_CHARS,
     Manifest,
     ManifestError,
     PartRecord,
     RecordTooLarge,
-    ShardEntry,
     latest_key,
-    part_key,
 )
 from ckptdrain.daemon import owners
 from ckptdrain.daemon.assembly import describe_aborted, describe_ranks, missing_ranks
@@ -39,16 +36,14 @@ from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer, parse_latest
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.latest import (
-    PART_ENTRY_BYTES,
-    off_loop_if_large,
     overtaken,
-    parse_part,
 )
 from ckptdrain.daemon.ledger import GenerationRecord, GenKey, Ledger, ShardRecord
 from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import OncePerCause, log_event, per_user
 from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
-from ckptdrain.daemon.records import assign, retrying_note, shortened
+from ckptdrain.daemon.partrecords import FailureRecords, part_record
+from ckptdrain.daemon.records import assign, retrying_note
 from ckptdrain.daemon.state import (
     GenerationEvent,
     GenerationState,
@@ -113,7 +108,11 @@ class Publisher:
         # Work that outlives its caller (a failure record, aborting uploads), queued here and
         # started by run() inside its TaskGroup: callers are outside that scope.
         self._work: asyncio.Queue[tuple[str, Work]] = asyncio.Queue()
+        # This node's part record of each generation, written by the advance and rewritten
+        # by a failure: one at a time per generation (the failure's, written last, stands).
         self._part_locks = KeyedLocks()
+        self._failures = FailureRecords(config=config, ledger=ledger, committer=committer,
+                                        locks=self._part_locks, retrying=self._with_retries)
         # Ranks with no part record at the last look, for the commit_wait_s message.
         self._missing: dict[GenKey, list[int]] = {}
         # Why a generation could not commit at its last poll: its part records unreadable, or
@@ -133,7 +132,9 @@ class Publisher:
         self._work.put_nowait((name, work))
 
     async def run(self) -> None:
-        self._resend_failure_records()
+        for gen in self._failures.unsent():
+            self.submit(f"failure-record {gen.job} {gen.step}",
+                        functools.partial(self._failures.write, gen, unless_present=True))
         # As many at once as the destination is allowed requests; the rest wait their turn.
         slots = asyncio.Semaphore(max(1, self.config.destination.max_concurrency))
         async with asyncio.TaskGroup() as tg:
@@ -200,7 +201,7 @@ class Publisher:
                 state = gen.state
                 if state is _G.FAILED:
                     self.submit(f"failure-record {gen.job} {gen.step}",
-                                lambda: self._record_failure(gen))
+                                lambda: self._failures.write(gen))
                 if kind in FAILURE_REASONS_USER:
                     # The job's own doing (it aborted, or a new attempt replaced it): a
                     # warning, and per owner bounded (a user beginning and aborting jobs in a
@@ -239,35 +240,6 @@ class Publisher:
         if gen.state is _G.RECORDED:
             await self._settle(gen)
 
-    async def _part(self, gen: GenerationRecord, recorded: Iterable[int],
-                    aborted: Iterable[int] = (), reason: str = "") -> PartRecord:
-        """This node's part record of ``gen``. What it says is read from the ledger here, on
-        the loop; the record itself (every entry's names checked again, about 6 us a shard:
-        55 ms for 10,000) is built in a thread when large."""
-        ranks = set(recorded)
-        shards = [s for s in gen.shards.values() if s.rank in ranks]
-        now = time.time()
-        node = self.config.node_id
-        entries = [(s.path, s.size, s.checksum, s.rank) for s in shards]
-        fields: dict[str, Any] = dict(
-            job=gen.job, step=gen.step, world_size=gen.world_size, node=node,
-            ranks=tuple(sorted(ranks)),
-            clocks={
-                "handoff": gen.handoff_at or min((s.handed_at for s in shards), default=now),
-                "staged": max((s.staged_at for s in shards), default=now),
-                "drained": max((s.drained_at or now for s in shards), default=now),
-            },
-            attempt=gen.attempt,
-            aborted_ranks=tuple(sorted(aborted)),
-            # Cut in the middle: its end says what went wrong and what to do (found attacking:
-            # cut at the end, a long path took "the destination is full ...; free space" off
-            # what the other nodes said of this one).
-            abort_reason=shortened(reason, MAX_ABORT_REASON_CHARS),
-            owner_uid=self.ledger.jobs.get(gen.job),
-        )
-        return await off_loop_if_large(len(entries) * PART_ENTRY_BYTES, _build_part, entries,
-                                       fields)
-
     async def _record_part(self, gen: GenerationRecord, ready: list[int]) -> bool:
         try:
             # First: the record names the job's owner, which this may settle (owners.adopt).
@@ -277,8 +249,9 @@ class Publisher:
             await self.end(gen, f"could not read the job's owner at the destination: {exc}",
                            kind="drain")
             return False
-        part = await self._part(gen, [r for r, st in gen.ranks.items()
-                                if st is RankState.RECORDED or r in ready])
+        part = await part_record(self.config, self.ledger, gen,
+                                 [r for r, st in gen.ranks.items()
+                                  if st is RankState.RECORDED or r in ready])
         async with self._part_locks.hold(gen.key):
             if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False  # ended meanwhile: its failure record says so, not this one
@@ -648,75 +621,3 @@ class Publisher:
                 log_event(log, logging.ERROR, "commit_poll_crashed", job=job, exc_info=True)
                 self.metrics.internal_error("commit")
         return found
-
-    # -- telling the other nodes ---------------------------------------------------------------
-    async def _record_failure(self, gen: GenerationRecord, *, unless_present: bool = False) -> None:
-        """Rewrite this node's part record with the ranks it can no longer deliver marked
-        aborted, so the other nodes end the generation now rather than after commit_wait_s."""
-        async with self._part_locks.hold(gen.key):
-            if gen.state is not _G.FAILED or self.ledger.get(gen.job, gen.step) is not gen:
-                return  # retried or replaced meanwhile: the new record is the truth
-            recorded = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
-            failed = [r for r in gen.ranks if r not in recorded]
-            if not failed:
-                return  # it failed at the commit itself; the other nodes see the same
-            if len(gen.ranks) >= gen.world_size:
-                # Every rank began here: no other node waits on this generation, and the
-                # destination is spared a record per aborted generation.
-                return
-            owner = self.ledger.jobs.get(gen.job)
-            if owner is not None and self.config.access.check_destination_owner:
-                try:
-                    theirs = await self._with_retries(
-                        lambda: self.committer.owners.someone_else(gen.job, owner))
-                except (BackendError, ManifestError) as exc:
-                    # Cannot tell whose job it is: nothing is written into what may be
-                    # another user's (the other nodes end it after commit_wait_s).
-                    log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
-                              step=gen.step, error=str(exc),
-                              action="the other nodes end it after drain.commit_wait_s")
-                    return
-                if theirs is not None:
-                    return  # another user's job: nothing of this node's goes there
-            part = await self._part(gen, recorded, failed, gen.error or "failed on this node")
-            key = part_key(gen.job, gen.step, part.node)
-            try:
-                if unless_present and await self._already(key, part):
-                    return
-                await self._with_retries(lambda: self.committer.record_part(part))
-            except (BackendError, ManifestError) as exc:
-                log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
-                          step=gen.step, error=str(exc),
-                          action="the other nodes end it after drain.commit_wait_s")
-                return
-        log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
-                  aborted_ranks=describe_ranks(failed))
-
-    async def _already(self, key: str, part: PartRecord) -> bool:
-        data = await self.committer.backend.get_bytes(key)
-        if data is None:
-            return False
-        try:
-            there = await parse_part(data)
-        except ManifestError:
-            return False  # unreadable: rewrite it
-        return (there.attempt, there.aborted_ranks) == (part.attempt, part.aborted_ranks)
-
-    def _resend_failure_records(self) -> None:
-        """At start-up: a failure record queued when the daemon stopped was never written.
-        Not for a step older than a commit this node saw: nobody waits for those."""
-        newest: dict[str, int] = {}
-        for gen in self.ledger.generations.values():
-            if gen.state is _G.COMMITTED:
-                newest[gen.job] = max(newest.get(gen.job, gen.step), gen.step)
-        for gen in list(self.ledger.generations.values()):
-            if gen.state is _G.FAILED and gen.step > newest.get(gen.job, -1):
-                self.submit(f"failure-record {gen.job} {gen.step}",
-                            functools.partial(self._record_failure, gen, unless_present=True))
-
-
-def _build_part(entries: list[tuple[str, int, str, int]], fields: dict[str, Any]) -> PartRecord:
-    node = str(fields["node"])
-    return PartRecord(shards=tuple(ShardEntry(path=path, size=size, checksum=checksum, rank=rank,
-                                              node=node)
-                                   for path, size, checksum, rank in entries), **fields)
