@@ -28,6 +28,16 @@ SYSTEM_SOCKET_PATH = "/run/ckptdrain.sock"
 _RECV_BUFFER_BYTES = 64 * 1024
 # After the daemon closed on us mid-send, how long to look for the error reply that says why.
 _REFUSAL_GRACE_S = 5.0
+# Requests the daemon may hold while it waits for room, up to its limits.block_timeout_s (300 s
+# by default, as timeout_s is): their answer is waited for a little past timeout_s, so that
+# the daemon's backpressure answer at the end of its wait comes before the client gives up
+# (found attacking: with the two equal, a put on a full node raised Timeout and broke the
+# connection instead of raising Backpressure).
+_MAY_WAIT_FOR_ROOM = frozenset({"begin", "put", "put_bytes", "put_fd", "put_memfd"})
+
+
+def _room_grace_s(limit_s: float) -> float:
+    return min(30.0, max(2.0, limit_s / 10))
 # Room for the fds a reply may carry (one, for `open`; more are closed unread).
 _ANC_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
@@ -350,6 +360,8 @@ class Channel:
                 if message.kind == "error":
                     raise self._error_from(message) from None
                 raise self.broken from None
+            if kind in _MAY_WAIT_FOR_ROOM:
+                deadline += _room_grace_s(limit_s)
             message = self._read_reply(deadline)
         except DrainError as exc:
             if self.broken is None:

@@ -192,8 +192,8 @@ class Admission:
                            {"limit": name, "limit_value": cap, "current": held,
                             "requested": amount, "retry_after_s": 1.0})
 
-    async def hold_share(self, uid: int | None, amount: int,
-                         budget: Budget) -> Callable[[], None]:
+    async def hold_share(self, uid: int | None, amount: int, budget: Budget,
+                         deadline: float | None = None) -> Callable[[], None]:
         """Wait for ``uid``'s share of ``budget`` as :meth:`admit` does and take it now, before
         any other budget is waited for; returns what gives it back (to hand to the room's
         Reservation.then once it is reserved). Taken only at admit, after a queue slot, a
@@ -201,11 +201,12 @@ class Admission:
         keeping another user out of a small max_queued_shards (found attacking)."""
         if uid is None:
             return lambda: None
-        await self.wait_for_share(uid, amount, budget)
+        await self.wait_for_share(uid, amount, budget, deadline)
         return self._take_share(self._tally(budget), uid, amount)
 
-    async def wait_for_share(self, uid: int | None, amount: int, budget: Budget) -> None:
-        """Under on_full = "block", wait up to limits.block_timeout_s for ``uid``'s own
+    async def wait_for_share(self, uid: int | None, amount: int, budget: Budget,
+                             deadline: float | None = None) -> None:
+        """Under on_full = "block", wait until ``deadline`` (:meth:`deadline`) for ``uid``'s own
         shards to drain below its share of ``budget``, as a hand-off waits for room; refuse
         at once under "reject" and "supersede" (no other job's generation gives way to a
         uid's share), and a request larger than the share itself. Refused at once under
@@ -222,7 +223,7 @@ class Admission:
         self.metrics.backpressure("blocked", name)
         self.share_waiting[name] += 1
         try:
-            async with asyncio.timeout(limits.block_timeout_s):
+            async with asyncio.timeout_at(self._loop_time(deadline)):
                 while self._over_share(uid, amount, budget):
                     # A reload made it "reject", or nothing of the uid's drains any more.
                     if self.config.limits.on_full != "block" or not self._draining_for(uid):
@@ -259,27 +260,43 @@ class Admission:
                                                   "limit_value": cap, "current": open_now,
                                                   "retry_after_s": 1.0})
 
+    def deadline(self) -> float:
+        """When a wait for room that starts now must end (limits.block_timeout_s), on the
+        monotonic clock. One request's waits (its uid's share, a queue slot, staging room)
+        all end by the one deadline: each with a block_timeout_s of its own, a hand-off
+        waited up to three times as long, and its client timed out before the backpressure
+        answer came (found attacking the client)."""
+        return time.monotonic() + self.config.limits.block_timeout_s
+
+    def _loop_time(self, deadline: float | None) -> float:
+        left = (self.deadline() if deadline is None else deadline) - time.monotonic()
+        return asyncio.get_running_loop().time() + max(0.0, left)
+
     async def admit(self, budget: Budget, amount: int, job: str, step: int,
-                    uid: int | None = None) -> Reservation:
+                    uid: int | None = None, deadline: float | None = None) -> Reservation:
         """Reserve ``amount`` of ``budget`` per limits.on_full, or raise the backpressure error.
         Charged to ``uid``'s share of ``budget`` (limits.max_reserved_bytes_per_uid,
-        limits.max_queued_shards_per_uid)."""
+        limits.max_queued_shards_per_uid). Every wait ends by ``deadline``
+        (default: :meth:`deadline`, taken now)."""
+        if deadline is None:
+            deadline = self.deadline()
         if uid is None:
-            return await self._admit(budget, amount, job, step)
+            return await self._admit(budget, amount, job, step, deadline)
         # The share is taken with the check, before any wait for room: checked now and charged
         # once admitted, puts queued behind a full budget all passed the check and together
         # held three times the cap (found attacking the per-uid limit). The wait for it ends
         # with the check (nothing awaited in between).
-        give_back = await self.hold_share(uid, amount, budget)
+        give_back = await self.hold_share(uid, amount, budget, deadline)
         try:
-            room = await self._admit(budget, amount, job, step)
+            room = await self._admit(budget, amount, job, step, deadline)
         except BaseException:
             give_back()
             raise
         room.then = give_back
         return room
 
-    async def _admit(self, budget: Budget, amount: int, job: str, step: int) -> Reservation:
+    async def _admit(self, budget: Budget, amount: int, job: str, step: int,
+                     deadline: float) -> Reservation:
         limits = self.config.limits
         try:
             if budget is self.staged and self.make_room is not None:
@@ -294,7 +311,8 @@ class Admission:
             # left no trace on the backpressure panel, only in a gauge a scrape can miss
             # (found attacking the metrics).
             return await budget.reserve(
-                amount, block=limits.on_full != "reject", timeout_s=limits.block_timeout_s,
+                amount, block=limits.on_full != "reject",
+                timeout_s=max(0.0, deadline - time.monotonic()),
                 on_wait=lambda: self.metrics.backpressure("blocked", budget.name))
         except (BudgetFull, TooLarge) as exc:
             raise self.backpressure_error(exc, job) from None

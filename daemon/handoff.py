@@ -191,11 +191,14 @@ class Handoffs:
         # The uid's byte share is waited for and taken before the queue slot: waited for
         # holding a slot, one user's hand-off over its share kept another user's out of a
         # small max_queued_shards (found attacking). It goes with the room once reserved.
-        share = await d.admission.hold_share(owner, size, d.admission.staged)
+        deadline = d.admission.deadline()  # one for all three waits
+        share = await d.admission.hold_share(owner, size, d.admission.staged, deadline)
         slot: Reservation | None = None
         try:
-            slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner)
-            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step)
+            slot = await d.admission.admit(d.admission.shards, 1, gen.job, gen.step, owner,
+                                           deadline)
+            room = await d.admission.admit(d.admission.staged, size, gen.job, gen.step,
+                                           deadline=deadline)
         except BaseException:
             share()
             if slot is not None:

@@ -402,3 +402,47 @@ def test_a_copy_a_reader_holds_open_is_not_counted_as_room(make_daemon: Any,
         assert c.status()["kept_copy_bytes"] == 24 * MiB  # nothing evicted for nothing
     finally:
         os.close(held)
+
+
+def test_a_put_waiting_for_a_slot_then_for_room_hears_backpressure_within_one_block_timeout(
+        make_daemon: Any) -> None:
+    # Found attacking the client: a put waited block_timeout_s for a queue slot, then
+    # block_timeout_s again for staging room (and its uid's share before both), each wait
+    # with a timeout of its own. Its client, whose timeout_s equals block_timeout_s (300 s
+    # each by default), gave up first with Timeout ("overloaded or hung") and its connection
+    # broke: the Backpressure the docs promise, with its retry hint, never came. One request's
+    # waits now end by one deadline, and the client waits a little past timeout_s for the
+    # answer of a request that may wait for room.
+    limit_s = 5.0
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS="2",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="8MiB",
+                                   CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S=str(limit_s),
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="16KiB")
+    refused: list[BaseException] = []
+    with d.client(timeout_s=60) as hog, d.client(timeout_s=limit_s) as victim:
+        with hog.generation("hog-big", 1, rank=0, world_size=1) as big:
+            big.put("big", os.urandom(7 * MiB))
+        with hog.generation("hog-small", 1, rank=0, world_size=1) as small, \
+                victim.generation("victim", 1, rank=0, world_size=1) as gen:
+            small.put("s", os.urandom(300_000))  # both queue slots taken, 7.3 of 8 MiB
+
+            def put() -> None:
+                try:
+                    gen.put("v", os.urandom(4 * MiB))
+                except BaseException as exc:
+                    refused.append(exc)
+
+            putter = threading.Thread(target=put)
+            putter.start()
+            # The victim waits for a queue slot.
+            wait_for(lambda: d.client().status()["blocked_by_limit"].get("max_queued_shards") == 1)
+            # Most of its block_timeout_s spent waiting for the slot, then one is freed: the
+            # room it waits for next will not come (the drain crawls).
+            time.sleep(0.8 * limit_s)
+            small.abort("free a queue slot")
+            putter.join(60)
+            assert len(refused) == 1 and isinstance(refused[0], Backpressure), refused
+            assert refused[0].details.get("limit") == "max_staged_bytes", refused[0].details
+            assert "stayed full" in str(refused[0])
+            # The conversation goes on: the rank seals what it has, as a retry loop would.
+    assert d.client().status()["blocked_handoffs"] == 0
