@@ -39,7 +39,7 @@ _MAX_REASON_CHARS = wire.MAX_REASON_CHARS
 
 def default_attempt() -> str:
     """The attempt at a step every rank of a run agrees on without talking: $CKPTDRAIN_ATTEMPT,
-    else torchrun's run id and restart count (a restarted run is a new attempt), else ""."""
+    else what the launchers say of this run (:func:`_launch_ids`), else ""."""
     explicit = os.environ.get("CKPTDRAIN_ATTEMPT")
     if explicit:
         # Checked here, where the variable can be named: sent as it was, a long or unprintable
@@ -51,17 +51,38 @@ def default_attempt() -> str:
                 "to a short run name, the same on every rank"
             )
         return explicit
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    ids = _launch_ids()
+    attempt = "+".join(ids)
+    if len(attempt) > wire.MAX_ATTEMPT_CHARS or not attempt.isprintable():
+        # torchrun takes any --rdzv-id: a long or odd one is named by its digest, which
+        # every rank of the run (and a waiter in it) computes alike.
+        digest = hashlib.sha256("+".join(i.partition(":")[2] for i in ids).encode()
+                                ).hexdigest()[:32]
+        attempt = "+".join(i.partition(":")[0] for i in ids) + f":sha256:{digest}"
+    return attempt
+
+
+def _launch_ids() -> list[str]:
+    """Each launcher's name for this start of the run, the same on every rank of it and new
+    at each restart: torchrun's run id and restart count; Slurm's job, job step (one per
+    ``srun``) and requeue count; a PMIx launcher's namespace (``mpirun`` of Open MPI, ``srun
+    --mpi=pmix``). Without one (""), a restarted job that saves a step again is the same
+    attempt as the killed one, and the two runs' ranks could commit as one checkpoint (found
+    attacking: a rank of the first run sealed on one node, its peer died before saving; the
+    restarted peer's save committed beside the old rank's shard)."""
+    env = os.environ
+    ids = []
+    run_id, restarts = env.get("TORCHELASTIC_RUN_ID"), env.get("TORCHELASTIC_RESTART_COUNT")
     if run_id and restarts is not None:
-        attempt = f"torchelastic:{run_id}:{restarts}"
-        if len(attempt) > wire.MAX_ATTEMPT_CHARS or not attempt.isprintable():
-            # torchrun takes any --rdzv-id: a long or odd one is named by its digest, which
-            # every rank of the run (and a waiter in it) computes alike.
-            digest = hashlib.sha256(f"{run_id}:{restarts}".encode()).hexdigest()[:32]
-            attempt = f"torchelastic:sha256:{digest}"
-        return attempt
-    return ""
+        ids.append(f"torchelastic:{run_id}:{restarts}")
+    job = env.get("SLURM_JOB_ID")
+    if job:
+        ids.append(f"slurm:{job}.{env.get('SLURM_STEP_ID', 'batch')}:"
+                   f"{env.get('SLURM_RESTART_COUNT', '0')}")
+    namespace = env.get("PMIX_NAMESPACE")
+    if namespace:
+        ids.append(f"pmix:{namespace}")
+    return ids
 
 
 def _unprintable(text: str) -> str:

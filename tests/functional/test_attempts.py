@@ -278,3 +278,72 @@ def test_a_rank_open_when_the_daemon_stops_says_the_daemon_stopped(make_daemon) 
         c.wait("stopped", 3, timeout_s=30)
     assert "daemon stopped while the rank was handing off" in str(failed.value)
     assert "client disconnected" not in str(failed.value)
+
+
+LAUNCH_VARIABLES = ("CKPTDRAIN_ATTEMPT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                    "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "PMIX_NAMESPACE")
+
+
+def test_a_job_restarted_by_srun_never_commits_with_the_killed_runs_shards(
+        make_daemon, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the client: without $CKPTDRAIN_ATTEMPT or torchrun the attempt was ""
+    # in every run. Run 1's rank 1 sealed on node-b; its rank 0 died before its save reached
+    # node-a. The restarted run's rank 0 sealed on node-a, and step 5 committed at once with
+    # run 2's rank 0 beside run 1's rank 1; run 2's own rank 1 then heard "already committed".
+    # Slurm names each srun (its job step) and each requeue: a new run is a new attempt.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    with b.client().generation("srun", 5, rank=1, world_size=2) as g:
+        g.put("rank1.bin", b"OLD rank 1")
+    monkeypatch.setenv("SLURM_STEP_ID", "1")  # the job script's next srun: the restarted run
+    with a.client().generation("srun", 5, rank=0, world_size=2) as g:
+        g.put("rank0.bin", b"NEW rank 0")
+    with pytest.raises(DrainError):  # a Timeout: it waits for run 2's rank 1
+        a.client().wait("srun", 5, timeout_s=2)
+    assert not manifest_path(a, "srun", 5).exists(), "committed two runs' ranks as one"
+    with b.client().generation("srun", 5, rank=1, world_size=2) as g:
+        g.put("rank1.bin", b"NEW rank 1")
+    a.client().wait("srun", 5, timeout_s=30)
+    root = manifest_path(a, "srun", 5).parent
+    assert (root / "rank0.bin").read_bytes() == b"NEW rank 0"
+    assert (root / "rank1.bin").read_bytes() == b"NEW rank 1"
+
+
+def test_each_launchers_name_for_a_run_is_part_of_the_default_attempt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptdrain.client.generation import default_attempt
+
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert default_attempt() == ""  # none: a restart must set $CKPTDRAIN_ATTEMPT (docs)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    batch = default_attempt()
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    first = default_attempt()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued: same job id and step
+    requeued = default_attempt()
+    assert len({batch, first, requeued}) == 3
+    # torchrun under srun: a fixed --rdzv-id restarts its count at 0 after a requeue, and
+    # the requeue still makes a new attempt.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fixed")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    before = default_attempt()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert default_attempt() not in (before, requeued)
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-node1-1234@1")  # mpirun
+    mpirun = default_attempt()
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-node1-5678@1")
+    assert default_attempt() != mpirun
+    # torchrun alone names its attempts as it always did: a waiter of an older client agrees.
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert default_attempt() == "torchelastic:abc:2"
