@@ -50,14 +50,22 @@ def _path(value: Any) -> Any:
     if isinstance(value, str):
         if not value:
             raise ValueError("is empty; give an absolute path")
-        return Path(value).expanduser()
+        if "\0" in value:  # no path holds one: the first system call would raise ValueError
+            raise ValueError(f"{as_written(value)} holds a NUL character; give an absolute path")
+        try:
+            return Path(value).expanduser()
+        except RuntimeError:  # "~nosuchuser/...", or "~" with neither $HOME nor a passwd entry
+            head = value.split("/", 1)[0]
+            raise ValueError(f"{as_written(value)}: {head!r} names no home directory here; give "
+                             "an absolute path") from None
     return value
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 AbsPath = Annotated[Path, BeforeValidator(_path)]
 
-_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
+# No float setting means anything as inf or nan (an infinite poll interval polls never).
+_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _cross_field(field: str, message: str) -> PydanticCustomError:
@@ -155,7 +163,13 @@ class DestinationConfig(BaseModel):
         if url is None:
             return None
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts.port  # noqa: B018 (raises ValueError for a port out of range)
+        except ValueError:
+            raise ValueError(f"{as_written(url)} has no valid port (1 to 65535); write e.g. "
+                             "\"http://127.0.0.1:8333\"") from None
+        if (parts.scheme not in ("http", "https") or not parts.hostname
+                or not url.isprintable() or any(ch.isspace() for ch in url)):
             raise ValueError(
                 f"{as_written(url)} is not an http(s) URL; write e.g. \"http://127.0.0.1:8333\""
             )
@@ -210,7 +224,8 @@ class DrainConfig(BaseModel):
     retry_budget_s: float = Field(default=300.0, ge=0)
     retry_initial_backoff_s: float = Field(default=0.5, gt=0)
     retry_max_backoff_s: float = Field(default=30.0, gt=0)
-    commit_poll_interval_s: float = Field(default=1.0, gt=0)
+    # At least 10 ms: a poll interval of 1e-300 s spun the event loop.
+    commit_poll_interval_s: float = Field(default=1.0, ge=0.01)
     # How long a generation waits for the other nodes after this node recorded its part; then
     # it fails and frees its max_generations_in_flight slot (a node that never comes back
     # must not block the job for good).
@@ -353,6 +368,10 @@ class AccessConfig(BaseModel):
     def _check_group(cls, group: str) -> str:
         if group and not _GROUP_RE.match(group):
             raise ValueError(f"{as_written(group)} is not a group name or numeric gid")
+        # A number past gid_t failed chown at start-up (exit 1), and 4294967295 (-1) meant
+        # "leave the group as it is" to chown, silently.
+        if group.isdigit() and not 0 <= int(group) <= _ID_MAX:
+            raise ValueError(f"{group} is not a valid gid (0 to {_ID_MAX})")
         return group
 
     @field_validator("allowed_uids", "allowed_gids")

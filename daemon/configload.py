@@ -69,7 +69,14 @@ def _state_home(env: Mapping[str, str]) -> Path:
     if state:
         return Path(state)
     home = env.get("HOME")
-    return (Path(home) if home else Path.home()) / ".local" / "state"
+    if home:
+        return Path(home) / ".local" / "state"
+    try:
+        return Path.home() / ".local" / "state"
+    except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary uid)
+        raise ConfigError("staging_dir", "the embedded default keeps staging under "
+                          "$XDG_STATE_HOME or $HOME, and neither is set nor has this uid a home "
+                          "directory: set one of them, or give a config file") from None
 
 
 def embedded_default(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -341,4 +348,6 @@ def _reason(error: Mapping[str, Any], key: str) -> str:
         return f"must be {symbol} {limit} (got {as_written(value)})"
     if kind == "string_too_short":
         return "must not be empty"
+    if kind == "finite_number":
+        return f"must be a finite number (got {as_written(value)})"
     return f"{as_written(value)} is not valid: {error['msg']}"

@@ -458,8 +458,10 @@ class ClientHandler:
             raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is committed; save a "
                                "new step")
         if gen.terminal:
+            # Said once: a generation a restart ended carries it in its error already.
+            then = "" if (gen.error or "").endswith(SAVE_AGAIN) else f"; {SAVE_AGAIN}"
             raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} is "
-                               f"{gen.state} for this attempt: {gen.error}; {SAVE_AGAIN}")
+                               f"{gen.state} for this attempt: {gen.error}{then}")
         if rank in gen.ranks:
             raise RequestError(wire.DUPLICATE, f"rank {rank} of step {step} of job {job!r} already "
                                f"began on this node ({gen.ranks[rank]})")

@@ -386,7 +386,17 @@ class Journal:
 
     # -- reads -------------------------------------------------------------------------------
     async def load(self) -> Snapshot:
-        return self._note_uploads(await self._run(self._load))
+        try:
+            return self._note_uploads(await self._run(self._load))
+        except sqlite3.DatabaseError as exc:
+            # Damage past the header opens fine and fails here (found attacking: a page of
+            # zeros ended start-up in a traceback).
+            raise JournalError(
+                f"cannot read the journal {self.path}: {exc}; check the staging disk "
+                "(staging_dir) for I/O errors. Its records of acknowledged shards are in no "
+                "other place: copy the staging directory before trying to repair the file "
+                "(`sqlite3 FILE .recover`), then start the daemon again"
+            ) from None
 
     def _load(self) -> Snapshot:
         assert self._db is not None

@@ -107,11 +107,23 @@ class Plan:
         return asdict(self)
 
 
+# Past a zettabyte (per second), an input was given in the wrong unit.
+MAX_RESULT = 1e12
+
+
 def compute_plan(inp: PlanInput) -> Plan:
     """The worksheet's results for ``inp`` (validated when the PlanInput was built)."""
     checkpoint_gb = inp.parameters * inp.bytes_per_parameter / 1e9 * (1 + inp.allowance)
     burst = inp.jobs * checkpoint_gb / inp.deadline_s
     service = burst / inp.utilization
+    for name, value in (("checkpoint size", checkpoint_gb), ("burst bandwidth", burst),
+                        ("service bandwidth", service),
+                        ("retained bytes", inp.jobs * (inp.retained + 1) * checkpoint_gb)):
+        # Extreme inputs that each pass (1e308 bytes per parameter, a 1e-320 utilization)
+        # overflowed into a traceback, or printed numbers 190 digits long (found attacking).
+        if not value < MAX_RESULT:
+            raise PlanError(f"the {name} these inputs give is beyond {MAX_RESULT:.0e} GB (or GB/s): "
+                            "check the units of the inputs (sizes in bytes, times in seconds)")
     # A hair below the next integer is float noise, not a need for another link.
     units = max(1, math.ceil(service / GBPS_PER_400G_UNIT - 1e-9))
     return Plan(

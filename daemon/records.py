@@ -34,8 +34,8 @@ SUMMARY_ERROR_CHARS = 300
 MAX_ERROR_CHARS = 2000
 # What a job does about a generation that failed: the same attempt may not take a failed step
 # again (its shards would mix with the failed ones), a new attempt may.
-SAVE_AGAIN = ("save this step again as a new attempt (a torchrun restart is one; else pass "
-              "attempt= or set $CKPTDRAIN_ATTEMPT), or save a new step")
+SAVE_AGAIN = ("save this step again as a new attempt (a restart under torchrun, srun or mpirun "
+              "is one; else pass attempt= or set $CKPTDRAIN_ATTEMPT), or save a new step")
 
 
 def cap_error(text: str) -> str:

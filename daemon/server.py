@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from ckptdrain.daemon import __version__, logs, maintenance, owners, startup, waits
+from ckptdrain.daemon import __version__, logs, maintenance, owners, reloads, startup, waits
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
@@ -125,6 +125,7 @@ class Daemon:
         self.begin_checks = BeginChecks(self)
         self.expiry = Expiry(self)
         self.retired = waits.Retired()
+        self.reloads = reloads.Reloads(self)
         self.started_at = time.time()
         self.started_mono = time.monotonic()  # what uptime is read from
         self.staging_free: tuple[int, int] = (0, 0)
@@ -161,53 +162,10 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
     def reload(self) -> None:
-        """SIGHUP: apply what can change while running (``[limits]``, ``log_level``, the drain's
-        pace) and name every other changed key as needing a restart (they name sockets,
-        directories and destinations in use). A config that does not load is logged and
-        ignored: the daemon keeps running as it was."""
-        from ckptdrain.daemon.configload import load_config, with_limits_from
-        from ckptdrain.daemon.errors import ConfigError
-        from ckptdrain.daemon.logs import setup_logging
-
-        self.notifier.reloading("reloading limits")
-        try:
-            loaded = load_config(self.config_path)
-            new = with_limits_from(self.config, loaded)
-            # The drain's pace is a limit too: an operator slows or frees it without a restart.
-            new = new.model_copy(update={"drain": new.drain.model_copy(update={
-                "max_bandwidth_bytes_per_s": loaded.drain.max_bandwidth_bytes_per_s})})
-        except ConfigError as exc:
-            log_event(log, logging.ERROR, "reload_failed", error=str(exc))
-            self.notifier.ready(self.status_line())
-            return
-        restart = startup.needs_restart(startup.changed_keys(self.loaded_config, loaded))
-        free_bytes, _ = self.staging_free
-        # From the refresh loop's last sample: a reload never waits on the staging disk.
-        capacity = free_bytes + self.admission.staged.used - self.staging_reserve
-        try:
-            if free_bytes or self.staging_reserve:  # none yet: a reload during start-up
-                new = startup.fit_staged_limit(new, capacity)
-        except StartupError as exc:
-            log_event(log, logging.ERROR, "reload_failed", error=str(exc))
-            self.notifier.ready(self.status_line())
-            return
-        self.config = new
-        self.scheduler.config = new
-        self.admission.set_limits(new)
-        self.scheduler.set_bandwidth(new.drain.max_bandwidth_bytes_per_s)
-        setup_logging(new.log_level)
-        # The drain's pace too: an operator who slowed or freed it sees it took.
-        applied: dict[str, Any] = {"max_staged_bytes": new.limits.max_staged_bytes,
-                                   "on_full": new.limits.on_full,
-                                   "log_level": new.log_level,
-                                   "max_bandwidth_bytes_per_s": new.drain.max_bandwidth_bytes_per_s}
-        if restart:
-            log_event(log, logging.WARNING, "reloaded", **applied, needs_restart=restart,
-                      action=f"restart the daemon to apply {', '.join(restart)}; until then it "
-                      "runs with the old values")
-        else:
-            log_event(log, logging.INFO, "reloaded", **applied)
-        self.notifier.ready(self.status_line())
+        """SIGHUP: reload what can change while running (:mod:`.reloads`), in the
+        supervisor's scope: the config file is read off the loop, and whatever goes wrong
+        ends as one ``reload_failed`` line, never in the loop's exception handler."""
+        self.supervisor.spawn(self.reloads.run, what="reload")
 
     async def _run(self) -> None:
         # Before anything changes: no journal replayed, nothing swept, nothing bound yet.
@@ -215,7 +173,12 @@ class Daemon:
         self.config = self.scheduler.config = fitted
         self.admission.set_limits(fitted)
         try:
-            self.staging.prepare()
+            try:
+                self.staging.prepare()
+            except OSError as exc:
+                # Named as what it is (it was reported as the socket's: found attacking).
+                raise StartupError("staging_dir", f"cannot prepare {self.config.staging_dir}: "
+                                   f"{exc}; make it a directory the daemon may write") from None
             await self.journal.open()
         except BaseException:
             lock.release()

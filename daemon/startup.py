@@ -204,7 +204,14 @@ def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, S
     try:
         if inherited is None:
             socket_free(config.socket)
-        fitted = fit_staged_limit(config, staging_capacity(config.staging_dir))
+        try:
+            capacity = staging_capacity(config.staging_dir)
+        except OSError as exc:
+            # Named as what it is (it was reported as the socket's: found attacking).
+            raise StartupError("staging_dir", f"cannot read {config.staging_dir}: {exc}; make "
+                               "it a directory the daemon may write, with nothing else in it"
+                               ) from None
+        fitted = fit_staged_limit(config, capacity)
     except BaseException:
         lock.release()
         raise

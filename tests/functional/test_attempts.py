@@ -257,8 +257,10 @@ def test_a_failure_says_how_to_save_the_step_again(make_daemon) -> None:  # type
         c.wait("resave", 5, timeout_s=30, attempt="run-1")
     assert "save this generation again" not in str(failed.value)
     assert "as a new attempt" in str(failed.value) and "save a new step" in str(failed.value)
-    with pytest.raises(GenerationFailed, match=r"for this attempt.*as a new attempt"):
+    with pytest.raises(GenerationFailed, match=r"for this attempt.*as a new attempt") as again:
         c.generation("resave", 5, attempt="run-1").__enter__()
+    # Said once (found attacking: the restart's reason carried it, and the begin added it).
+    assert str(again.value).count("as a new attempt") == 1, again.value
     # What it says works.
     with c.generation("resave", 5, attempt="run-2") as again:
         again.put("a.bin", b"a" * 1000)

@@ -258,3 +258,16 @@ def test_a_restore_onto_a_full_disk_names_the_file(make_daemon, small_tmpfs: Pat
     one_sentence(cli(d, "restore", d.dest_uri, "--job", "full", "--generation", "1",
                      "--to", str(to), "--no-local"), 1, str(to), "big.bin", "free space")
     assert not to.exists() or not [p for p in to.rglob("*") if p.is_file()]
+
+
+def test_a_staging_directory_that_cannot_be_prepared_is_named_as_such(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the operator's surface: with staging_dir/shards a regular file, start-up
+    # said "socket: cannot serve: [Errno 20] Not a directory: .../staging/shards".
+    d: DaemonProcess = make_daemon(start=False)
+    d.staging.mkdir(parents=True)
+    (d.staging / "shards").write_bytes(b"not a directory")
+    with pytest.raises(RuntimeError, match="exited") as info:
+        d.start()
+    message = str(info.value)
+    assert "staging_dir: cannot" in message and "socket:" not in message, message
+    assert "Traceback" not in message

@@ -226,3 +226,28 @@ def test_a_lost_journal_sets_the_staged_shards_aside_not_removes_them(make_daemo
     assert not list(shards.glob("*.data"))
     assert "level=error event=journal_lost_shards_set_aside files=3" in d.log()
     still_serves(d)
+
+
+def test_a_journal_damaged_past_its_header_stops_the_start_with_one_line(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the operator's surface: a page of zeros past the header opened fine,
+    # then start-up died in an ExceptionGroup traceback ("database disk image is
+    # malformed") where a damaged header gave one line. Both say what to check now, and
+    # nothing of the staging directory is touched.
+    d: DaemonProcess = make_daemon()
+    for step in (1, 2, 3):
+        with d.client().generation("damaged", step) as gen:
+            for i in range(20):
+                gen.put(f"s/{i}.bin", os.urandom(1000))
+        d.client().wait("damaged", step, timeout_s=30)
+    assert d.stop() == 0
+    journal = d.staging / "journal.sqlite3"
+    assert journal.stat().st_size > 3 * 4096
+    with journal.open("r+b") as f:  # page 3 of 4096 bytes
+        f.seek(2 * 4096)
+        f.write(bytes(4096))
+    staged = sorted(p.name for p in (d.staging / "shards").iterdir())
+    with pytest.raises(RuntimeError, match="exited 1") as info:
+        d.start()
+    assert "cannot read the journal" in str(info.value) and "check the staging disk" in str(info.value)
+    assert "Traceback" not in d.log()
+    assert sorted(p.name for p in (d.staging / "shards").iterdir()) == staged

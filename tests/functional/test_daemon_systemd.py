@@ -4,6 +4,7 @@ SIGHUP reloading limits. A real datagram socket stands in for systemd's notify s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 from ckptdrain.client import Client
-from tests.conftest import CKPTDRAIN, DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 
 
 def recv_until(sock: socket.socket, wanted: str, timeout_s: float = 30.0) -> list[str]:
@@ -89,9 +90,8 @@ def test_sighup_reloads_limits_and_keeps_the_rest(make_daemon, tmp_path: Path) -
     # A broken config on reload is logged and ignored: the daemon keeps its limits.
     config.write_text("[limits]\nmax_staged_bytes = 'lots'\n")
     os.kill(d.pid, signal.SIGHUP)
-    time.sleep(0.5)
+    wait_for(lambda: "reload_failed" in d.log())
     assert d.client().status()["limits"]["max_staged_bytes"] == 2 << 30
-    assert "reload_failed" in d.log()
     assert d.stop() == 0
 
 
@@ -108,3 +108,42 @@ def test_sigterm_does_not_wait_for_idle_clients(daemon: DaemonProcess) -> None:
     daemon.start()
     [state] = daemon.client().status()["generations"]
     assert state["state"] == "failed"
+
+
+def test_a_reload_whose_config_never_reads_keeps_the_daemon_serving(make_daemon, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                    short_tmp: Path) -> None:
+    # Found attacking the operator's surface: SIGHUP read the config on the event loop. A
+    # config that was a FIFO (or on a hung mount) froze every client and the stop until
+    # something wrote to it. It is read in the data plane now, within limits.io_timeout_s,
+    # and the reload fails alone; systemd hears READY=1 after its RELOADING=1 all the same.
+    notify_path = short_tmp / "notify"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text('[limits]\nmax_staged_bytes = "1GiB"\n')
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config),
+                                   CKPTDRAIN_LIMITS__IO_TIMEOUT_S="1",
+                                   NOTIFY_SOCKET=str(notify_path))
+    d.start()
+    try:
+        recv_until(notify, "READY=1")
+        config.unlink()
+        os.mkfifo(config)
+        os.kill(d.pid, signal.SIGHUP)
+        recv_until(notify, "RELOADING=1")
+        # Served meanwhile: the loop is not the one waiting on the FIFO.
+        with d.client(timeout_s=5) as c:
+            assert c.status()["limits"]["max_staged_bytes"] == 1 << 30
+        recv_until(notify, "READY=1")
+        wait_for(lambda: "reload_failed" in d.log())
+        assert "limits.io_timeout_s" in d.log() and "Traceback" not in d.log()
+        with d.client(timeout_s=5) as c:
+            assert c.status()["limits"]["max_staged_bytes"] == 1 << 30
+    finally:
+        # Let the read that was given up on finish, so that the stop does not wait on it.
+        with contextlib.suppress(OSError):
+            fd = os.open(config, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b'[limits]\nmax_staged_bytes = "1GiB"\n')
+            os.close(fd)
+        notify.close()
+    assert d.stop() == 0

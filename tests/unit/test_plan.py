@@ -199,3 +199,25 @@ def test_flags_reject_non_numbers() -> None:
         parser().parse_args(["--parameters", "lots", "--deadline-s", "1", "--interval-s", "1"])
     with pytest.raises(argparse.ArgumentError):
         parser().parse_args(["--parameters", "1B", "--deadline-s", "soon", "--interval-s", "1"])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        # Found attacking: each passed its own check, then math.ceil(inf) raised OverflowError
+        # (a traceback, exit 1), or the table printed numbers 190 digits long.
+        ["--utilization", "1e-320"],
+        ["--allowance", "1e308"],
+        ["--bytes-per-parameter", "1e308", "--jobs", "1000"],
+        ["--deadline-s", "1e-300"],
+    ],
+)
+def test_inputs_whose_results_are_beyond_reason_raise_plan_error(flags: list[str]) -> None:
+    base = {"--parameters": "70B", "--deadline-s": "60", "--interval-s": "900"}
+    args: list[str] = []
+    for flag, value in base.items():
+        if flag not in flags:
+            args += [flag, value]
+    inp = plan_from_args(parser().parse_args(args + flags))
+    with pytest.raises(PlanError, match="check the units"):
+        compute_plan(inp)
