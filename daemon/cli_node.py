@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ckptdrain.client import Client
+from ckptdrain.client import Client, wire
 from ckptdrain.client.channel import default_socket_path
 from ckptdrain.daemon.cli_destination import EXIT_OK, EXIT_USAGE, CommandFailed, job_arg, step_arg
 from ckptdrain.daemon.cli_destination import human as _human
@@ -255,6 +255,15 @@ def cmd_abort(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _reason_arg(text: str) -> str:
+    """A usage error (exit 2) past the length the daemon takes: it was refused by the daemon
+    as a failed command (exit 1; found attacking)."""
+    if len(text) > wire.MAX_REASON_CHARS:
+        raise argparse.ArgumentTypeError(f"at most {wire.MAX_REASON_CHARS} characters (got "
+                                         f"{len(text)})")
+    return text
+
+
 def add_parsers(sub: Any, common: Callable[..., None]) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     common(p)
@@ -289,5 +298,6 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
     common(p, socket=True)
     p.add_argument("job", type=job_arg)
     p.add_argument("step", type=step_arg)
-    p.add_argument("--reason", help="recorded with the failure")
+    p.add_argument("--reason", type=_reason_arg, help="recorded with the failure "
+                   f"(at most {wire.MAX_REASON_CHARS} characters)")
     p.set_defaults(fn=cmd_abort)

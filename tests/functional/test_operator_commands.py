@@ -144,6 +144,9 @@ def test_abort_a_generation(make_daemon: Any) -> None:
     missing = cli(d, "abort", "job", "6")
     assert missing.returncode == 1 and "holds no step 6" in missing.stderr
     assert cli(d, "abort", "bad job", "6").returncode == 2
+    # A reason longer than the daemon takes is a usage error too (it failed as exit 1).
+    long = cli(d, "abort", "job", "6", "--reason", "x" * 1001)
+    assert long.returncode == 2 and "at most 1000 characters" in long.stderr, long.stderr
 
 
 def test_an_aborted_generation_gives_back_what_it_staged_at_once(make_daemon: Any) -> None:
