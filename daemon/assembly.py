@@ -19,12 +19,15 @@ from ckptdrain.client.manifest import (
     parents,
     sorted_shards,
 )
+from ckptdrain.daemon.tombstone import committed_by
 
 __all__ = [
     "MISSING_RANKS_LISTED",
     "build_manifest",
     "describe_aborted",
     "describe_ranks",
+    "held_part",
+    "holds_part",
     "missing_ranks",
     "owners_disagree",
     "same_contents",
@@ -164,6 +167,29 @@ def same_contents(a: Manifest, b: Manifest) -> bool:
         and a.nodes == b.nodes
         and a.shards == b.shards
     )
+
+
+def holds_part(manifest: Manifest, node: str, world_size: int,
+               mine: set[tuple[str, int, str, int]]) -> bool:
+    """Whether ``manifest`` commits ``node``'s part as the node recorded it: the node is one of
+    its nodes, the world size is the same, and every shard the node recorded, ``mine`` as
+    (path, size, checksum, rank), is in it as the node's. Another attempt's manifest of the
+    step is not: a node's part of an attempt is replaced on that node by the next attempt,
+    so one naming this node is this node's attempt (found attacking: a node whose recorded
+    rank saved no shard took any manifest of the step for its own)."""
+    if node not in manifest.nodes or manifest.world_size != world_size:
+        return False
+    theirs = {(e.path, e.size, e.checksum, e.rank) for e in manifest.shards if e.node == node}
+    return mine <= theirs
+
+
+def held_part(tombstone: bytes, node: str, world_size: int) -> bool:
+    """:func:`holds_part` for a committed generation retention has removed since, from what
+    its tombstone says of the manifest it replaced (world size and nodes). A tombstone that
+    says neither (written by an older version) is taken as this node's, as a late publish
+    meeting it takes it (commit.py)."""
+    size, nodes = committed_by(tombstone)
+    return (size is None or size == world_size) and (nodes is None or node in nodes)
 
 
 def _ranges(ranks: Sequence[int], limit: int = 8) -> str:

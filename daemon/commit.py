@@ -275,14 +275,18 @@ class Committer:
         """:meth:`committed`, with its shards by path."""
         return await self.manifests.get(job, step, lambda: self._read_committed(job, step))
 
-    async def committed_or_removed(self, job: str, step: int) -> tuple[Manifest | None, bool]:
-        """:meth:`committed`, and whether retention removed the step after it committed (its
-        manifest key holds a tombstone that says so, tombstone.py), from one read."""
+    async def committed_or_removed(self, job: str, step: int
+                                   ) -> tuple[Manifest | None, bytes | None]:
+        """:meth:`committed`, and, where retention removed the step after it committed, the
+        tombstone its manifest key holds now (tombstone.py: it says so, and by which world
+        size and nodes), from one read."""
         read: list[bytes] = []
         found = await self.manifests.get(job, step, lambda: self._read_committed(job, step, read))
         if found is not None:
-            return found.manifest, False
-        return None, bool(read) and is_tombstone(read[0]) and was_committed(read[0])
+            return found.manifest, None
+        if read and is_tombstone(read[0]) and was_committed(read[0]):
+            return None, read[0]
+        return None, None
 
     async def _read_committed(self, job: str, step: int,
                               read: list[bytes] | None = None) -> Manifest | None:

@@ -113,9 +113,12 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
         # This node's part is at the destination, where another node may have published the
         # step from it before this node's next look (found attacking: the abort said "it
         # will never commit", and rewrote the part record of a committed generation).
+        # Committed with this node's part, that is: another attempt's manifest of the step is
+        # not this one's, and one that retention has removed since still is (found attacking:
+        # after the removal the abort said "it will never commit" of a committed step).
         try:
             async with asyncio.timeout(COMMITTED_CHECK_TIMEOUT_S):
-                committed = await d.committer.committed(job, step) is not None
+                committed = await d.scheduler.publisher.committed_here(gen)
         except (BackendError, ManifestError, OSError, TimeoutError):
             committed = False  # cannot tell in time: the abort goes ahead, as before
         if committed:

@@ -31,7 +31,13 @@ from ckptdrain.client.manifest import (
     latest_key,
 )
 from ckptdrain.daemon import owners
-from ckptdrain.daemon.assembly import describe_aborted, describe_ranks, missing_ranks
+from ckptdrain.daemon.assembly import (
+    describe_aborted,
+    describe_ranks,
+    held_part,
+    holds_part,
+    missing_ranks,
+)
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer, parse_latest
 from ckptdrain.daemon.fanout import for_each_bounded
@@ -420,6 +426,10 @@ class Publisher:
             return False
         if not above:
             return False
+        if await self._committed_elsewhere(gen):
+            # Another node's create committed it with this node's part, and newer steps since
+            # (found attacking: a node restarted after that cancelled the committed step).
+            return True
         await self.end(gen, f"steps {', '.join(map(str, above))} of this job committed while "
                             f"it was saved: retention.keep_last = {keep} would remove it as soon "
                             "as it committed, and a restart resumes from the newest step anyway",
@@ -520,38 +530,45 @@ class Publisher:
         committed first, from another node's create (found attacking: a node that recorded
         its part and looked again only after the next step committed cancelled a step that
         had committed, and its waiters heard it failed). Called with ``gen.lock`` held."""
-        try:
-            manifest, removed = await self.committer.committed_or_removed(gen.job, gen.step)
-        except BackendError as exc:  # cannot tell now: the poller asks again
-            self.metrics.drain_error(self.destination, exc.kind)
-            self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
-                                      cause=f"own:{exc.kind}", job=gen.job, step=gen.step,
-                                      error=str(exc))
-            return
-        except ManifestError:
-            manifest, removed = None, False  # damaged: no commit of this step's
-        if gen.terminal:
-            return
-        if manifest is not None and self._holds_mine(gen, manifest):
-            await self._committed(gen, manifest, "accepted")
-            return
-        if removed:
-            # Retention removed the step after it committed, and its tombstone does not say
-            # from which records: as a late publish meeting it does (commit.py), this node's
-            # step is taken as the one committed.
-            await self._committed(gen, None, "accepted")
+        if await self._committed_elsewhere(gen):
             return
         await self.end(gen, f"step {newer} of this job committed first, so this older step can "
                             "never become the latest", kind="superseded",
                        event=GenerationEvent.SUPERSEDED_BY_COMMIT)
 
-    def _holds_mine(self, gen: GenerationRecord, manifest: Manifest) -> bool:
-        """Whether ``manifest`` commits every shard this node recorded of ``gen``, as this
-        node recorded it: another attempt's manifest of the same step does not."""
+    async def _committed_elsewhere(self, gen: GenerationRecord) -> bool:
+        """Whether ``gen`` is settled by what its step holds at the destination: COMMITTED
+        here when another node's create committed it with this node's part (then True), or
+        left as it is when the destination cannot say now (True: the poller asks again).
+        Asked before ending a step as superseded, whichever way a newer commit is seen."""
+        here = await self.committed_here(gen)
+        if here is None:
+            return True
+        if here and not gen.terminal:
+            await self._committed(gen, None, "accepted")
+        return here
+
+    async def committed_here(self, gen: GenerationRecord) -> bool | None:
+        """Whether ``gen``'s step is committed at the destination with this node's part as it
+        recorded it (assembly.holds_part; retention's tombstone of it: assembly.held_part);
+        None when the destination cannot say now."""
+        try:
+            manifest, removed = await self.committer.committed_or_removed(gen.job, gen.step)
+        except BackendError as exc:
+            self.metrics.drain_error(self.destination, exc.kind)
+            self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
+                                      cause=f"own:{exc.kind}", job=gen.job, step=gen.step,
+                                      error=str(exc))
+            return None
+        except ManifestError:
+            return False  # damaged: no commit of this step's
         node = self.config.node_id
-        theirs = {(e.path, e.size, e.checksum, e.rank) for e in manifest.shards if e.node == node}
-        return all((s.path, s.size, s.checksum, s.rank) in theirs for s in gen.shards.values()
-                   if gen.ranks.get(s.rank) is RankState.RECORDED)
+        ranks = {r for r, st in gen.ranks.items() if st is RankState.RECORDED}
+        if manifest is not None:
+            mine = {(s.path, s.size, s.checksum, s.rank) for s in gen.shards.values()
+                    if s.rank in ranks}
+            return holds_part(manifest, node, gen.world_size, mine)
+        return removed is not None and held_part(removed, node, gen.world_size)
 
     # -- waiting on other nodes ---------------------------------------------------------------
     async def _poller(self) -> None:

@@ -156,7 +156,9 @@ async def apply_retention(
         try:
             # Only the kept generations' manifests were read: a committed one older than them
             # may be a removal under way already (its tombstone at the manifest key).
-            tomb = await _tombstone(backend, job, step) if committed or dry_run else None
+            held = (await backend.get_bytes(manifest_key(job, step))
+                    if committed or dry_run else None)
+            tomb = held if held is not None and is_tombstone(held) else None
             if dry_run and committed and tomb is None:
                 deleted.append(step)
                 continue
@@ -170,7 +172,7 @@ async def apply_retention(
                     skipped.append((step, _kept_tombstone(abandoned_grace_s)))
                 continue
             if committed and tomb is None:
-                if await _delete_committed(backend, job, gen, now):
+                if await _delete_committed(backend, job, gen, now, held):
                     log.info("retention removed committed generation %d of job %r", step, job)
                     deleted.append(step)
                 else:
@@ -366,17 +368,27 @@ async def _manifest_problem(job: str, step: int, data: bytes) -> str:
     return ""
 
 
-async def _tombstone(backend: Backend, job: str, step: int) -> bytes | None:
-    """The tombstone an old generation's manifest key holds, if it holds one (manifests below
-    the kept ones are not read by _survey): its removal must keep the key until last."""
-    data = await backend.get_bytes(manifest_key(job, step))
-    return data if data is not None and is_tombstone(data) else None
+async def _committed_by(job: str, step: int,
+                        data: bytes | None) -> tuple[int, tuple[str, ...]] | None:
+    """The world size and nodes of the manifest ``data`` (None where it is no manifest of
+    the step): what its tombstone says of it."""
+    if data is None:
+        return None
+    try:
+        manifest = await parse_manifest(data)
+    except ManifestError:
+        return None
+    if (manifest.job, manifest.generation) != (job, step):
+        return None
+    return manifest.world_size, manifest.nodes
 
 
 async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys,
-                            now: float) -> bool:
-    """Remove a committed generation beyond keep_last; False where a publish recreated its
-    manifest before the tombstone below (then nothing else was removed)."""
+                            now: float, held: bytes | None) -> bool:
+    """Remove a committed generation beyond keep_last (``held``: what its manifest key held
+    when read just before); False where a publish recreated its manifest before the
+    tombstone below (then nothing else was removed)."""
+    by = await _committed_by(job, gen.step, held)
     manifest, parts, rest = deletion_order(job, gen)
     # The manifest goes alone and first; each batch starts only after the previous one
     # finished, so no shard is missing while its manifest can still be read.
@@ -387,7 +399,11 @@ async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys,
     # back over a directory whose shards retention then deleted. Its create now meets the
     # tombstone; one that landed first means a manifest whose shards are all still there.
     key = manifest_key(job, gen.step)
-    tombstone = tombstone_json(job, gen.step, backend.node_id, now, was_committed=True)
+    # It names the manifest's world size and nodes: a node still waiting on the step tells
+    # from them whether its own part was the one committed (found attacking: one whose
+    # attempt had been replaced by another node's heard its step committed).
+    tombstone = tombstone_json(job, gen.step, backend.node_id, now, was_committed=True,
+                               committed_by=by)
     if not await backend.put_bytes(key, tombstone, exclusive=True):
         data = await backend.get_bytes(key)
         if data is not None and not is_tombstone(data):

@@ -15,19 +15,27 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 from ckptdrain.client.manifest import FORMAT_VERSION
 
 TOMBSTONE_KIND = "abandoned"
-# A tombstone is a few hundred bytes; anything much larger is a manifest (or foreign).
-_MAX_TOMBSTONE_BYTES = 4096
+# The nodes a committed generation's tombstone names, at most (each at most 128 bytes); past
+# that it names none, and a node waiting on the step cannot tell whether its part committed.
+MAX_TOMBSTONE_NODES = 256
+# A tombstone is a few hundred bytes, up to ~40 KiB naming many nodes; anything larger is a
+# manifest (or foreign).
+_MAX_TOMBSTONE_BYTES = 64 * 1024
 
 
 def tombstone_json(job: str, step: int, node: str, at: float, *,
-                   was_committed: bool = False) -> bytes:
+                   was_committed: bool = False,
+                   committed_by: tuple[int, Sequence[str]] | None = None) -> bytes:
     """The tombstone of ``job`` step ``step``, written by retention on ``node`` at ``at``;
     ``was_committed`` for a committed generation retention removes (beyond keep_last), whose
-    manifest it deleted just before (a late publish finding it is told so, not "abandoned")."""
+    manifest it deleted just before (a late publish finding it is told so, not "abandoned").
+    ``committed_by``: that manifest's world size and nodes, so that a node still waiting on
+    the step can tell whether its own part was the one committed (:func:`committed_by`)."""
     body: dict[str, object] = {
         "abandoned_at": at,
         "format_version": FORMAT_VERSION,
@@ -38,7 +46,28 @@ def tombstone_json(job: str, step: int, node: str, at: float, *,
     }
     if was_committed:
         body["was_committed"] = True
+        if committed_by is not None:
+            body["world_size"] = committed_by[0]
+            if len(committed_by[1]) <= MAX_TOMBSTONE_NODES:
+                body["nodes"] = sorted(committed_by[1])
     return (json.dumps(body, sort_keys=True) + "\n").encode()
+
+
+def committed_by(data: bytes) -> tuple[int | None, frozenset[str] | None]:
+    """The world size and nodes of the manifest a committed generation's tombstone replaced,
+    each None where it does not say (written before tombstones said, or past
+    MAX_TOMBSTONE_NODES nodes)."""
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    size = obj.get("world_size")
+    nodes = obj.get("nodes")
+    return (size if isinstance(size, int) and not isinstance(size, bool) else None,
+            frozenset(nodes) if isinstance(nodes, list)
+            and all(isinstance(n, str) for n in nodes) else None)
 
 
 def placed_at(data: bytes) -> float | None:

@@ -7,6 +7,7 @@ of node-a), a newer step committed, and drain.commit_wait_s passed.
 
 from __future__ import annotations
 
+import json
 import signal
 import sqlite3
 import subprocess
@@ -291,3 +292,81 @@ def test_a_step_whose_manifest_commits_other_bytes_is_still_cancelled(make_daemo
     finally:
         a.proc.send_signal(signal.SIGCONT)
     fails_quickly(a, 1, r"cancelled: step 2 of this job committed first")
+
+
+def test_a_node_restarted_after_newer_steps_committed_keeps_its_committed_step(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the fix above: node-a, killed after recording its part of step 1, came
+    # back after node-b had published step 1 (with node-a's shard) and steps 2 to 4 on its
+    # own, and before node-b's retention removed step 1. Its restart went to publish, where
+    # "keep_last newer steps committed while it was saved" cancelled the committed step.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    a.kill()
+    seal(b, 1, 1)
+    b.client().wait(JOB, 1, timeout_s=30)
+    assert b.stop() == 0  # before its retention would remove step 1
+    b.start()
+    for step in (2, 3, 4):  # keep_last = 3 newer steps, committed by node-b alone
+        seal(b, step, 0, world_size=1)
+    b.client().wait(JOB, 4, timeout_s=30)
+    assert b.proc is not None
+    b.proc.send_signal(signal.SIGSTOP)  # its next retention run has not come yet
+    try:
+        assert (b.dest / JOB / f"{1:020d}" / "MANIFEST.json").exists()
+        a.start()
+        assert a.client().wait(JOB, 1, timeout_s=15)["committed"] is True
+        assert state(a, 1)["state"] == "committed"
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("keep_last", ["3", "1"], ids=["kept", "removed-by-retention"])
+def test_another_attempts_commit_of_the_step_is_not_this_nodes(make_daemon, keep_last) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the fix above: node-a's rank 0 of attempt run-1 (world_size 2) saved no
+    # shard, or retention had replaced the manifest by a tombstone; run-2 committed step 1 on
+    # node-b alone. node-a heard its step committed: nothing of run-1's was. The manifest
+    # must name node-a and the world size; the tombstone now says both of the manifest.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_RETENTION__KEEP_LAST=keep_last)
+    with a.client().generation(JOB, 1, rank=0, world_size=2, attempt="run-1"):
+        pass  # no shard
+    recorded(a, 1)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        for step in (1, 2):
+            with b.client().generation(JOB, step, rank=0, world_size=1, attempt="run-2") as g:
+                g.put("rank0.bin", b"b" * 1000)
+            b.client().wait(JOB, step, timeout_s=30)
+        manifest = b.dest / JOB / f"{1:020d}" / "MANIFEST.json"
+        if keep_last == "1":
+            wait_for(lambda: b'"was_committed": true' in read_or_nothing(manifest), 30,
+                     "step 1 removed by retention, its tombstone left")
+            tombstone = json.loads(manifest.read_bytes())
+            assert tombstone["world_size"] == 1 and tombstone["nodes"] == ["node-b"]
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    fails_quickly(a, 1, r"cancelled: step 2 of this job committed first")
+
+
+def test_an_operators_abort_of_a_step_committed_and_since_removed_says_so(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: after retention replaced step 1's manifest by its tombstone, `abort`
+    # on node-a (which had not looked yet) said "it will never commit" of a step committed
+    # with node-a's shard, and node-a's waiters heard "aborted by an operator".
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_POLL_INTERVAL_S="600")
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_RETENTION__KEEP_LAST="1")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    seal(b, 1, 1)
+    b.client().wait(JOB, 1, timeout_s=30)
+    seal(b, 2, 0, world_size=1)
+    b.client().wait(JOB, 2, timeout_s=30)
+    manifest = b.dest / JOB / f"{1:020d}" / "MANIFEST.json"
+    wait_for(lambda: b'"was_committed": true' in read_or_nothing(manifest), 30,
+             "step 1 removed by retention, its tombstone left")
+    out = subprocess.run([CKPTDRAIN, "abort", JOB, "1"], env=a.env(), capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 1 and "is committed at the destination" in out.stderr, out.stderr
+    assert a.client().wait(JOB, 1, timeout_s=30)["committed"] is True
