@@ -34,10 +34,6 @@ _REFUSAL_GRACE_S = 5.0
 # (found attacking: with the two equal, a put on a full node raised Timeout and broke the
 # connection instead of raising Backpressure).
 _MAY_WAIT_FOR_ROOM = frozenset({"begin", "put", "put_bytes", "put_fd", "put_memfd"})
-
-
-def _room_grace_s(limit_s: float) -> float:
-    return min(30.0, max(2.0, limit_s / 10))
 # Room for the fds a reply may carry (one, for `open`; more are closed unread).
 _ANC_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never a SIGPIPE
@@ -188,6 +184,11 @@ def _named_daemon_uid() -> int | None:
 # would wait for room: tried again, backing off, until the timeout.
 _BACKLOG_RETRY_FIRST_S = 0.001
 _BACKLOG_RETRY_MAX_S = 0.05
+
+
+def _room_grace_s(limit_s: float) -> float:
+    """How long past ``limit_s`` the answer of a request that may wait for room is waited for."""
+    return min(30.0, max(2.0, limit_s / 10))
 
 
 def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:

@@ -541,17 +541,21 @@ class Publisher:
         here when another node's create committed it with this node's part (then True), or
         left as it is when the destination cannot say now (True: the poller asks again).
         Asked before ending a step as superseded, whichever way a newer commit is seen."""
-        here = await self.committed_here(gen)
+        here, manifest = await self._look(gen)
         if here is None:
             return True
         if here and not gen.terminal:
-            await self._committed(gen, None, "accepted")
+            await self._committed(gen, manifest, "accepted")
         return here
 
     async def committed_here(self, gen: GenerationRecord) -> bool | None:
         """Whether ``gen``'s step is committed at the destination with this node's part as it
         recorded it (assembly.holds_part; retention's tombstone of it: assembly.held_part);
         None when the destination cannot say now."""
+        return (await self._look(gen))[0]
+
+    async def _look(self, gen: GenerationRecord) -> tuple[bool | None, Manifest | None]:
+        """:meth:`committed_here`, and the manifest that says so (None when a tombstone does)."""
         try:
             manifest, removed = await self.committer.committed_or_removed(gen.job, gen.step)
         except BackendError as exc:
@@ -559,16 +563,16 @@ class Publisher:
             self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
                                       cause=f"own:{exc.kind}", job=gen.job, step=gen.step,
                                       error=str(exc))
-            return None
+            return None, None
         except ManifestError:
-            return False  # damaged: no commit of this step's
+            return False, None  # damaged: no commit of this step's
         node = self.config.node_id
         ranks = {r for r, st in gen.ranks.items() if st is RankState.RECORDED}
         if manifest is not None:
             mine = {(s.path, s.size, s.checksum, s.rank) for s in gen.shards.values()
                     if s.rank in ranks}
-            return holds_part(manifest, node, gen.world_size, mine)
-        return removed is not None and held_part(removed, node, gen.world_size)
+            return holds_part(manifest, node, gen.world_size, mine), manifest
+        return removed is not None and held_part(removed, node, gen.world_size), None
 
     # -- waiting on other nodes ---------------------------------------------------------------
     async def _poller(self) -> None:

@@ -24,7 +24,7 @@ from ckptdrain.client.manifest import (
     part_key,
     shard_key,
 )
-from ckptdrain.daemon import catalog, publisher
+from ckptdrain.daemon import catalog, partrecords
 from ckptdrain.daemon.backends.collision import check_replaced
 from ckptdrain.daemon.backends.memory import MemoryBackend
 from ckptdrain.daemon.commit import Committer
@@ -118,7 +118,7 @@ async def test_a_large_part_record_is_built_off_the_loop(monkeypatch: pytest.Mon
             where.append(threading.current_thread().name)
             super().__post_init__()
 
-    monkeypatch.setattr(publisher, "ShardEntry", Recording)
+    monkeypatch.setattr(partrecords, "ShardEntry", Recording)
     gen = GenerationRecord(job=JOB, step=STEP, world_size=SHARDS // 8, ack="local",
                            created_at=0.0)
     for e in _entries():
@@ -126,9 +126,9 @@ async def test_a_large_part_record_is_built_off_the_loop(monkeypatch: pytest.Mon
             id=len(gen.shards), job=JOB, step=STEP, rank=e.rank, path=e.path, size=e.size,
             staged_name=f"{len(gen.shards):032x}", state=ShardState.DRAINED, handed_at=1.0,
             staged_at=2.0, checksum=e.checksum, drained_at=3.0)
-    owner = SimpleNamespace(config=SimpleNamespace(node_id="gpu1"),
-                            ledger=SimpleNamespace(jobs={}))
-    part = await publisher.Publisher._part(owner, gen, range(SHARDS // 8))  # type: ignore[arg-type]
+    part = await partrecords.part_record(SimpleNamespace(node_id="gpu1"),  # type: ignore[arg-type]
+                                         SimpleNamespace(jobs={}),  # type: ignore[arg-type]
+                                         gen, range(SHARDS // 8))
     assert len(part.shards) == SHARDS and part.shards[0].path == _entries()[0].path
     assert len(where) == SHARDS and threading.current_thread().name not in where
 
