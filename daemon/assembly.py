@@ -19,7 +19,7 @@ from ckptdrain.client.manifest import (
     parents,
     sorted_shards,
 )
-from ckptdrain.daemon.tombstone import committed_by
+from ckptdrain.daemon.tombstone import committed_by, names_step
 
 __all__ = [
     "MISSING_RANKS_LISTED",
@@ -183,11 +183,14 @@ def holds_part(manifest: Manifest, node: str, world_size: int,
     return mine <= theirs
 
 
-def held_part(tombstone: bytes, node: str, world_size: int) -> bool:
+def held_part(tombstone: bytes, job: str, step: int, node: str, world_size: int) -> bool:
     """:func:`holds_part` for a committed generation retention has removed since, from what
-    its tombstone says of the manifest it replaced (world size and nodes). A tombstone that
-    says neither (written by an older version) is taken as this node's, as a late publish
-    meeting it takes it (commit.py)."""
+    its tombstone of ``job`` step ``step`` says of the manifest it replaced (world size and
+    nodes). A tombstone that says neither (written by an older version) is taken as this
+    node's, as a late publish meeting it takes it (commit.py); one naming another step, or
+    saying them in a form no tombstone is written in, is not."""
+    if not names_step(tombstone, job, step):
+        return False
     size, nodes = committed_by(tombstone)
     return (size is None or size == world_size) and (nodes is None or node in nodes)
 

@@ -213,8 +213,13 @@ class Committer:
             )
             return await self._published(job, step, manifest)
 
-        existing_bytes = await self.backend.get_bytes(key)
-        if existing_bytes is not None and is_tombstone(existing_bytes):
+        try:
+            existing_bytes, existing_manifest = await self._read_key(key)
+        except ManifestError as exc:
+            return CommitResult(
+                CommitOutcome.CONFLICT, None, reason=f"the existing {key} is unreadable: {exc}"
+            )
+        if existing_bytes is not None and existing_manifest is None:
             if was_committed(existing_bytes):
                 # Committed by another node's create, from the same part records whose
                 # shards this one just found (another attempt's would be other bytes), and
@@ -238,12 +243,8 @@ class Committer:
                 "now: something put a directory there, or is deleting this generation "
                 "(retention?); look at it, then `ckptdrain retry` or save a new step",
             )
-        try:
-            existing = await parse_manifest(existing_bytes)
-        except ManifestError as exc:
-            return CommitResult(
-                CommitOutcome.CONFLICT, None, reason=f"the existing {key} is unreadable: {exc}"
-            )
+        existing = existing_manifest
+        assert existing is not None  # bytes that are no tombstone parsed as a manifest
         if not same_contents(existing, manifest):
             return CommitResult(
                 CommitOutcome.CONFLICT,
@@ -288,17 +289,34 @@ class Committer:
             return None, read[0]
         return None, None
 
+    async def _read_key(self, key: str) -> tuple[bytes | None, Manifest | None]:
+        """What a MANIFEST.json key holds: (None, None) nothing, (bytes, None) a tombstone,
+        (bytes, manifest) a manifest. Bytes that are neither are read once more before they
+        count (ManifestError): one answer that held no object's bytes (a 200 whose body was
+        an S3 <Error>, from a middlebox) refused a step nobody had saved, failed a late
+        publish as a conflict, and cancelled a step another node had committed (found
+        attacking the S3 drain, then multi-node commits). Twice unreadable, it is the key's.
+        Every read of a manifest key for a decision goes through here."""
+        # The raw key, not latest.manifest_bytes: for the step asked about, a link or an
+        # oversized object there is an error to report (a wait on it must not just time out).
+        for read in (1, 2):
+            data = await self.backend.get_bytes(key)
+            if data is None or is_tombstone(data):
+                return data, None
+            try:
+                return data, await parse_manifest(data)
+            except ManifestError:
+                if read == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _read_committed(self, job: str, step: int,
                               read: list[bytes] | None = None) -> Manifest | None:
         """The manifest at the step's key, or None; ``read`` takes what the key held."""
-        # The raw key, not latest.manifest_bytes: for the step asked about, a link or an
-        # oversized object there is an error to report (a wait on it must not just time out).
-        data = await self.backend.get_bytes(manifest_key(job, step))
+        data, manifest = await self._read_key(manifest_key(job, step))
         if data is not None and read is not None:
             read.append(data)
-        if data is None or is_tombstone(data):
-            return None
-        return await parse_manifest(data)
+        return manifest
 
     async def is_committed(self, job: str, step: int) -> bool:
         """Whether ``job`` step ``step`` is committed at the destination: what a ``begin``
@@ -311,36 +329,25 @@ class Committer:
         BackendError when the destination cannot answer (transient ones are worth a retry).
         """
         key = manifest_key(job, step)
-        reads = 0
-        while True:
-            data = await self.backend.get_bytes(key)
-            reads += 1
-            if data is None:
-                return False
-            if is_tombstone(data):
-                what = ("was committed, and retention has since removed it (older than the "
-                        "newest retention.keep_last commits)" if was_committed(data) else
-                        "was abandoned and is being removed by retention")
-                raise StepAbandoned(
-                    job, step,
-                    f"step {step} of job {job!r} {what} ({key} holds its tombstone); save a "
-                    "new step",
-                )
-            try:
-                manifest = await parse_manifest(data)
-                break
-            except ManifestError as exc:
-                # Read once more before the step is refused for good: one answer that held
-                # no object's bytes (a 200 whose body was an S3 <Error>, from a middlebox)
-                # refused a step nobody had saved as "already committed" (found attacking
-                # the S3 drain). Twice unreadable, it is the key's.
-                if reads < 2:
-                    continue
-                raise ManifestDamaged(
-                    job, step,
-                    f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} ({exc}); "
-                    "nothing may overwrite it: inspect it, and save a new step",
-                ) from exc
+        try:
+            data, manifest = await self._read_key(key)
+        except ManifestError as exc:
+            raise ManifestDamaged(
+                job, step,
+                f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} ({exc}); "
+                "nothing may overwrite it: inspect it, and save a new step",
+            ) from exc
+        if data is None:
+            return False
+        if manifest is None:
+            what = ("was committed, and retention has since removed it (older than the "
+                    "newest retention.keep_last commits)" if was_committed(data) else
+                    "was abandoned and is being removed by retention")
+            raise StepAbandoned(
+                job, step,
+                f"step {step} of job {job!r} {what} ({key} holds its tombstone); save a "
+                "new step",
+            )
         if (manifest.job, manifest.generation) != (job, step):
             raise ManifestDamaged(
                 job, step,

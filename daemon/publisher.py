@@ -563,6 +563,8 @@ class Publisher:
             self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
                                       cause=f"own:{exc.kind}", job=gen.job, step=gen.step,
                                       error=str(exc))
+            self._why_waiting[gen.key] = (f"a newer step committed, and this step's "
+                                          f"MANIFEST.json could not be read: {exc}")
             return None, None
         except ManifestError:
             return False, None  # damaged: no commit of this step's
@@ -572,7 +574,8 @@ class Publisher:
             mine = {(s.path, s.size, s.checksum, s.rank) for s in gen.shards.values()
                     if s.rank in ranks}
             return holds_part(manifest, node, gen.world_size, mine), manifest
-        return removed is not None and held_part(removed, node, gen.world_size), None
+        return (removed is not None
+                and held_part(removed, gen.job, gen.step, node, gen.world_size)), None
 
     # -- waiting on other nodes ---------------------------------------------------------------
     async def _poller(self) -> None:
@@ -608,9 +611,12 @@ class Publisher:
         if gen.state is not _G.RECORDED:
             return
         if newest is not None and newest > gen.step:
+            # Still RECORDED after it when the destination could not say whether this step
+            # committed: drain.commit_wait_s below ends it all the same (found attacking: a
+            # manifest key that never read held the generation, and its slot, for good).
             await self._superseded(gen, newest)
-            return
-        await self._settle(gen)
+        else:
+            await self._settle(gen)
         wait_s = self.config.drain.commit_wait_s
         since = gen.created_mono if gen.drained_mono is None else gen.drained_mono
         if gen.state is _G.RECORDED and time.monotonic() - since >= wait_s:

@@ -402,8 +402,12 @@ async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys,
     # It names the manifest's world size and nodes: a node still waiting on the step tells
     # from them whether its own part was the one committed (found attacking: one whose
     # attempt had been replaced by another node's heard its step committed).
-    tombstone = tombstone_json(job, gen.step, backend.node_id, now, was_committed=True,
-                               committed_by=by)
+    # A key that held no manifest of the step (damaged, or gone since the listing) committed
+    # nothing anyone can name: its tombstone says not "was committed" (found attacking: a
+    # node waiting on the step then heard it committed, from a tombstone that said nothing
+    # more, as older ones do).
+    tombstone = tombstone_json(job, gen.step, backend.node_id, now,
+                               was_committed=by is not None, committed_by=by)
     if not await backend.put_bytes(key, tombstone, exclusive=True):
         data = await backend.get_bytes(key)
         if data is not None and not is_tombstone(data):

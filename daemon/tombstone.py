@@ -56,18 +56,34 @@ def tombstone_json(job: str, step: int, node: str, at: float, *,
 def committed_by(data: bytes) -> tuple[int | None, frozenset[str] | None]:
     """The world size and nodes of the manifest a committed generation's tombstone replaced,
     each None where it does not say (written before tombstones said, or past
-    MAX_TOMBSTONE_NODES nodes)."""
+    MAX_TOMBSTONE_NODES nodes). A field that is there but no world size (a string, a
+    boolean) or no list of node names says none: -1 and no node."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return None, None
+        return -1, frozenset()
     if not isinstance(obj, dict):
-        return None, None
-    size = obj.get("world_size")
-    nodes = obj.get("nodes")
-    return (size if isinstance(size, int) and not isinstance(size, bool) else None,
-            frozenset(nodes) if isinstance(nodes, list)
-            and all(isinstance(n, str) for n in nodes) else None)
+        return -1, frozenset()
+    size: int | None = None
+    if "world_size" in obj:
+        given = obj["world_size"]
+        size = given if isinstance(given, int) and not isinstance(given, bool) else -1
+    nodes: frozenset[str] | None = None
+    if "nodes" in obj:
+        listed = obj["nodes"]
+        nodes = (frozenset(listed) if isinstance(listed, list)
+                 and all(isinstance(n, str) for n in listed) else frozenset())
+    return size, nodes
+
+
+def names_step(data: bytes, job: str, step: int) -> bool:
+    """Whether a tombstone says it is that of ``job`` step ``step``."""
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return (isinstance(obj, dict) and obj.get("job") == job
+            and obj.get("generation") == step and not isinstance(obj.get("generation"), bool))
 
 
 def placed_at(data: bytes) -> float | None:

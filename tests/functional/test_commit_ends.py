@@ -355,3 +355,47 @@ def test_an_operators_abort_of_a_step_committed_and_since_removed_says_so(make_d
                          text=True, timeout=60, check=False)
     assert out.returncode == 1 and "is committed at the destination" in out.stderr, out.stderr
     assert a.client().wait(JOB, 1, timeout_s=30)["committed"] is True
+
+
+def test_a_step_whose_manifest_key_never_reads_still_ends_at_commit_wait_s(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking multi-node commits: with a newer step committed, node-a asks whether its
+    # own step committed first; a MANIFEST.json it can never read (a link here; an object
+    # too large on S3) left the question open at every poll, and the poll returned before
+    # drain.commit_wait_s was looked at: the generation, and its slot, were held for good.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="3", **ONE_SLOT)
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    key = a.dest / JOB / f"{1:020d}" / "MANIFEST.json"
+    key.symlink_to("/etc/hostname")
+    seal(b, 2, 0, world_size=1)
+    b.client().wait(JOB, 2, timeout_s=30)
+    fails_quickly(a, 1, r"not committed within drain.commit_wait_s = 3 s")
+    key.unlink()
+    next_step_commits(a, b, 3)
+
+
+def test_retention_of_a_step_whose_manifest_was_damaged_says_nothing_was_committed(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking multi-node commits: retention removed a step whose MANIFEST.json held
+    # no manifest (damaged) as a committed one, and its tombstone said "was committed" and
+    # nothing more, as older tombstones do: node-a, which had recorded its part of it, heard
+    # its step committed. Only a key that held the step's manifest makes such a tombstone.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_RETENTION__KEEP_LAST="1")
+    seal(a, 1, 0)  # rank 1 never saves step 1
+    recorded(a, 1)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        key = a.dest / JOB / f"{1:020d}" / "MANIFEST.json"
+        key.write_bytes(b"not a manifest")
+        for step in (2, 3):
+            seal(b, step, 0, world_size=1)
+            b.client().wait(JOB, step, timeout_s=30)
+        wait_for(lambda: b'"kind": "abandoned"' in read_or_nothing(key), 30,
+                 "step 1 removed by retention, its tombstone left")
+        assert b"was_committed" not in key.read_bytes()
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    fails_quickly(a, 1, r"cancelled: step 3 of this job committed first")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import threading
@@ -460,3 +461,44 @@ def test_an_abort_mid_upload_aborts_the_upload(make_daemon: Any, seaweedfs: Seaw
     while uploads(seaweedfs, s3_bucket):
         assert time.monotonic() < deadline, f"upload left behind: {uploads(seaweedfs, s3_bucket)}"
         time.sleep(0.1)
+
+
+def _recorded(d: DaemonProcess, job: str, step: int) -> None:
+    def state() -> str:
+        return next((str(g["state"]) for g in d.client().status()["generations"]
+                     if (g["job"], g["step"]) == (job, step)), "unknown")
+    wait_for(lambda: state() == "recorded")
+
+
+@pytest.mark.parametrize("newer", [False, True], ids=["late-publish", "newer-step-seen"])
+def test_one_answer_that_is_no_manifest_does_not_undo_another_nodes_commit(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy,
+        newer: bool) -> None:
+    # Found attacking multi-node commits on S3: node-a had recorded its part and was paused;
+    # node-b published the step with it (and, in one case, a newer step). One 200 answer
+    # whose body was an S3 <Error>, to node-a's GET of that MANIFEST.json, failed the step
+    # as a conflict ("the existing MANIFEST.json is unreadable") at the late publish, or
+    # cancelled it ("step 2 committed first"). Every decision's read of a manifest key now
+    # reads again once before it counts what it read.
+    a = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url)
+    b = s3_daemon(make_daemon, "node-b", s3_bucket, seaweedfs.endpoint_url)
+    with a.client().generation("misread2", 1, rank=0, world_size=2) as gen:
+        gen.put("rank0.bin", b"node-a's part")
+    _recorded(a, "misread2", 1)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        with b.client().generation("misread2", 1, rank=1, world_size=2) as gen:
+            gen.put("rank1.bin", b"node-b's part")
+        b.client().wait("misread2", 1, timeout_s=60)
+        if newer:
+            with b.client().generation("misread2", 2, rank=0, world_size=1) as gen:
+                gen.put("rank0.bin", b"a resized job's step 2")
+            b.client().wait("misread2", 2, timeout_s=60)
+        step_1 = f"misread2/{1:020d}/MANIFEST.json"
+        proxy.do(lambda: proxy.proxy.inject(
+            "error200", match=lambda r: r.method == "GET" and step_1 in r.target))
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert a.client().wait("misread2", 1, timeout_s=60)["committed"] is True
+    assert len(proxy.do(lambda: proxy.proxy.faults("error200"))) == 1
