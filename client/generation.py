@@ -56,8 +56,10 @@ def default_attempt() -> str:
     if len(attempt) > wire.MAX_ATTEMPT_CHARS or not attempt.isprintable():
         # torchrun takes any --rdzv-id: a long or odd one is named by its digest, which
         # every rank of the run (and a waiter in it) computes alike.
-        digest = hashlib.sha256("+".join(i.partition(":")[2] for i in ids).encode()
-                                ).hexdigest()[:32]
+        # The environment's bytes as they are: a value that is not UTF-8 comes as surrogates,
+        # which encode() refused (a bare UnicodeEncodeError: found attacking).
+        digest = hashlib.sha256("+".join(i.partition(":")[2] for i in ids).encode(
+            "utf-8", "surrogateescape")).hexdigest()[:32]
         attempt = "+".join(i.partition(":")[0] for i in ids) + f":sha256:{digest}"
     return attempt
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
@@ -41,6 +42,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon.server import Daemon
     from ckptdrain.daemon.systemd import SocketActivationError, listen_fds
 
+    # A reload asked for before the daemon can reload (it loads its config, then serves) is
+    # one it would apply to what it is loading anyway; SIGHUP's default ended the process
+    # (found attacking: `systemctl reload` right after a start made it fail).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     config = load(ns)
     setup_logging(config.log_level)
     try:

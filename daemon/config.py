@@ -164,7 +164,8 @@ class DestinationConfig(BaseModel):
             return None
         parts = urlsplit(url)
         try:
-            parts.port  # noqa: B018 (raises ValueError for a port out of range)
+            if parts.port == 0:  # (raises ValueError for a port past 65535)
+                raise ValueError
         except ValueError:
             raise ValueError(f"{as_written(url)} has no valid port (1 to 65535); write e.g. "
                              "\"http://127.0.0.1:8333\"") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import stat
 import tomllib
 import types
 import typing
@@ -136,11 +137,27 @@ def with_limits_from(current: Config, other: Config) -> Config:
     return _validate(merged, sources={})
 
 
+# Far more than any config: a larger "file" is something else (found attacking: a config
+# linked to /dev/zero grew the daemon by gigabytes a second on reload).
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     where = os.fspath(path)
     hint = "pass --config PATH with an existing file, or unset CKPTDRAIN_CONFIG"
     try:
-        raw = path.read_bytes()
+        # Not blocking on a FIFO (its open waited for a writer for ever: found attacking the
+        # reload), and only a regular file is read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    raise IsADirectoryError
+                raise ConfigError(where, f"is not a regular file (a FIFO, a device?); {hint}")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise ConfigError(where, f"no such config file; {hint}") from None
     except IsADirectoryError:
@@ -149,6 +166,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(
             where, f"cannot read the config file ({exc.strerror}); fix its permissions"
         ) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(where, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB: no config is; "
+                          f"{hint}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -106,9 +106,16 @@ class Scheduler:
         self._queue.put(gen.job, (gen.created_mono, shard.id, next(self._seq)), shard)
 
     def set_bandwidth(self, bytes_per_s: int) -> None:
-        """A new drain rate (SIGHUP): waiters paced at the old rate go now; the new rate
-        applies from here on."""
-        self.pacer = TokenBucket(bytes_per_s)
+        """A new drain rate (SIGHUP), from here on: what paced waiters still owe is paid at
+        the new rate (:meth:`pace`), and a limited rate keeps the bucket's debt. Found
+        attacking: every reload made a new bucket and let the waiters go, so a reload that
+        lowered the rate, or changed nothing, let a paced drain through at full speed."""
+        if bytes_per_s == self.pacer.rate:
+            return
+        if bytes_per_s and not self.pacer.unlimited:
+            self.pacer.set_rate(bytes_per_s, time.monotonic())
+        else:
+            self.pacer = TokenBucket(bytes_per_s)
         self._pacer_changed.set()
         self._pacer_changed = asyncio.Event()
 
@@ -340,12 +347,21 @@ class Scheduler:
         as evenly as many small ones. While hand-offs that move are in flight it first waits
         for them to end, up to ``drain.yield_to_handoffs_s`` (yielding.py)."""
         await self.yielding.wait(self.config.drain.yield_to_handoffs_s)
-        delay = self.pacer.reserve(nbytes, time.monotonic())
-        if delay:
-            # A reload that changes the rate wakes the wait early (set_bandwidth).
+        now = time.monotonic()
+        delay = self.pacer.reserve(nbytes, now)
+        until = now + delay
+        while delay > 0:
+            # A reload that changes the rate wakes the wait (set_bandwidth): what is left of
+            # it is paid at the new rate (none when the drain is no longer limited).
+            rate, changed = self.pacer.rate, self._pacer_changed
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
-                    await self._pacer_changed.wait()
+                    await changed.wait()
+            now = time.monotonic()
+            if self.pacer.unlimited or now >= until:
+                return
+            until = now + (until - now) * rate / self.pacer.rate
+            delay = until - now
 
     def moved(self, shard: ShardRecord, nbytes: int) -> None:
         """``nbytes`` of ``shard`` reached the destination: drained bytes, the drain rate and

@@ -131,6 +131,7 @@ class Daemon:
         self.staging_free: tuple[int, int] = (0, 0)
         self.staging_reserve = 0
         self._stop = asyncio.Event()
+        self.ready = asyncio.Event()  # served, and READY=1 sent
         self._listener: Listener | None = None
         self._retention_runs = CoalescedRuns(RETENTION_INTERVAL_S)  # by job
         self._kept_manifests = KeptManifests()
@@ -160,6 +161,10 @@ class Daemon:
             signal.signal(signal.SIGIO, before)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            # Removing the handler restored SIGHUP's default, which ends the process: one
+            # arriving before the process has exited made a clean stop a death by signal
+            # (found attacking: systemd saw the unit fail).
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def reload(self) -> None:
         """SIGHUP: reload what can change while running (:mod:`.reloads`), in the
@@ -226,6 +231,7 @@ class Daemon:
                               socket=str(self.config.socket), destination=self.config.destination.uri,
                               metrics=self.metrics_address)
                     self.notifier.ready(self.status_line())
+                    self.ready.set()  # a reload waits for this (reloads.py)
                     serving = tg.create_task(self._listener.serve(self._stop, STOP_GRACE_S),
                                              name="listener")
                     await self._stop.wait()

@@ -3,6 +3,7 @@ commit never mixes shards of two attempts."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -349,3 +350,22 @@ def test_each_launchers_name_for_a_run_is_part_of_the_default_attempt(
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert default_attempt() == "torchelastic:abc:2"
+
+
+def test_a_launchers_variable_that_is_not_utf8_still_names_an_attempt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found attacking: bytes that are not UTF-8 come into os.environ as surrogates, and
+    # default_attempt() raised a bare UnicodeEncodeError from every begin and wait.
+    from ckptdrain.client.generation import default_attempt
+    from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
+
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    seen = set()
+    for value in (b"\xff\xfe", b"ns\xc3", b"\xed\xa0\x80"):
+        monkeypatch.setenv("SLURM_JOB_ID", os.fsdecode(value))
+        attempt = default_attempt()
+        assert attempt == default_attempt()
+        assert attempt.isprintable() and len(attempt) <= MAX_ATTEMPT_CHARS
+        seen.add(attempt)
+    assert len(seen) == 3

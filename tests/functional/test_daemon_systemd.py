@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,14 @@ def recv_until(sock: socket.socket, wanted: str, timeout_s: float = 30.0) -> lis
         if wanted in msg.splitlines():
             return seen
     raise AssertionError(f"{wanted!r} never arrived; got {seen}")
+
+
+def sighup_handled(pid: int) -> bool:
+    """Whether process ``pid`` ignores or catches SIGHUP (its default ends the process)."""
+    fields = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    bit = 1 << (signal.SIGHUP - 1)
+    return bool((int(fields["SigIgn"], 16) | int(fields["SigCgt"], 16)) & bit)
 
 
 def test_socket_activation_and_notify(tmp_path: Path, short_tmp: Path) -> None:
@@ -114,14 +123,17 @@ def test_a_reload_whose_config_never_reads_keeps_the_daemon_serving(make_daemon,
                                                                     short_tmp: Path) -> None:
     # Found attacking the operator's surface: SIGHUP read the config on the event loop. A
     # config that was a FIFO (or on a hung mount) froze every client and the stop until
-    # something wrote to it. It is read in the data plane now, within limits.io_timeout_s,
-    # and the reload fails alone; systemd hears READY=1 after its RELOADING=1 all the same.
+    # something wrote to it. Then (attacking that fix) each such reload took one of the
+    # hand-offs' threads for good: with io_threads reloads, every hand-off failed. A config
+    # is read only as a regular file now, in a thread of its own, and the reload fails
+    # alone; systemd hears READY=1 after each RELOADING=1.
     notify_path = short_tmp / "notify"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
     config = tmp_path / "ckptdrain.toml"
     config.write_text('[limits]\nmax_staged_bytes = "1GiB"\n')
     d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config),
+                                   CKPTDRAIN_LIMITS__IO_THREADS="1",
                                    CKPTDRAIN_LIMITS__IO_TIMEOUT_S="1",
                                    NOTIFY_SOCKET=str(notify_path))
     d.start()
@@ -129,21 +141,75 @@ def test_a_reload_whose_config_never_reads_keeps_the_daemon_serving(make_daemon,
         recv_until(notify, "READY=1")
         config.unlink()
         os.mkfifo(config)
+        for _ in range(3):
+            os.kill(d.pid, signal.SIGHUP)
+            recv_until(notify, "RELOADING=1")
+            # Served meanwhile: the loop is not the one waiting on the FIFO.
+            with d.client(timeout_s=5) as c:
+                assert c.status()["limits"]["max_staged_bytes"] == 1 << 30
+            recv_until(notify, "READY=1")
+        wait_for(lambda: d.log().count("reload_failed") == 3)
+        assert "is not a regular file" in d.log() and "Traceback" not in d.log()
+        # The one io thread is free: a hand-off is staged.
+        with d.client(timeout_s=10) as c, c.generation("after-fifo", 1) as gen:
+            gen.put("a.bin", b"staged all the same")
+        config.unlink()
+        config.write_text('[limits]\nmax_staged_bytes = "2GiB"\n')
         os.kill(d.pid, signal.SIGHUP)
-        recv_until(notify, "RELOADING=1")
-        # Served meanwhile: the loop is not the one waiting on the FIFO.
-        with d.client(timeout_s=5) as c:
-            assert c.status()["limits"]["max_staged_bytes"] == 1 << 30
-        recv_until(notify, "READY=1")
-        wait_for(lambda: "reload_failed" in d.log())
-        assert "limits.io_timeout_s" in d.log() and "Traceback" not in d.log()
-        with d.client(timeout_s=5) as c:
-            assert c.status()["limits"]["max_staged_bytes"] == 1 << 30
+        wait_for(lambda: d.client().status()["limits"]["max_staged_bytes"] == 2 << 30)
     finally:
-        # Let the read that was given up on finish, so that the stop does not wait on it.
-        with contextlib.suppress(OSError):
-            fd = os.open(config, os.O_WRONLY | os.O_NONBLOCK)
-            os.write(fd, b'[limits]\nmax_staged_bytes = "1GiB"\n')
-            os.close(fd)
         notify.close()
     assert d.stop() == 0
+
+
+def test_a_reload_asked_for_during_start_up_waits_for_it(make_daemon, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                          short_tmp: Path) -> None:
+    # Found attacking the reload: a SIGHUP during start-up reloaded before the staging disk
+    # was sampled (its clamp on max_staged_bytes undone) and sent READY=1 before the socket
+    # was bound; one before the handler existed, or during the stop, ended the process by
+    # SIGHUP. A reload now waits until the daemon is ready, and SIGHUP is ignored outside.
+    notify_path = short_tmp / "notify"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text('[limits]\nmax_staged_bytes = "800TiB"\n')  # clamped to the disk
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config),
+                                   NOTIFY_SOCKET=str(notify_path))
+    try:
+        d.start()
+        assert d.proc is not None
+        assert d.client().status()["limits"]["max_staged_bytes"] < 800 << 40
+        d.stop()
+        recv_until(notify, "STOPPING=1")  # what the first run said
+        proc = subprocess.Popen([CKPTDRAIN, "serve"], env=d.env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            # A storm from the moment `serve` looks after SIGHUP (the interpreter's own start
+            # and imports come before: nothing can).
+            wait_for(lambda: sighup_handled(proc.pid))
+            for _ in range(50):
+                os.kill(proc.pid, signal.SIGHUP)
+            first = recv_until(notify, "READY=1")
+            # The first READY=1 is the start-up's: the socket is there, no reload came first.
+            assert d.socket_path.exists() and not any("RELOADING=1" in m for m in first), first
+            with Client(d.socket_path, timeout_s=10) as c:
+                # Still clamped to the disk (the file's 800 TiB was not applied unclamped).
+                assert c.status()["limits"]["max_staged_bytes"] < 800 << 40
+            # A storm through the stop, to the process's exit: it ends as stopped (0).
+            def storm() -> None:
+                while proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGHUP)
+                    time.sleep(0.001)
+
+            storming = threading.Thread(target=storm)
+            storming.start()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            storming.join(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        notify.close()

@@ -269,3 +269,30 @@ async def test_a_failed_latest_write_after_the_create_still_tells_the_publisher(
     assert "latest-throttled/LATEST could not" not in caplog.text
     assert await backend.get_bytes("latest-refused/LATEST") is None
     assert await backend.get_bytes("latest-throttled/LATEST") == b"1\n"
+
+
+@pytest.mark.asyncio
+async def test_a_new_drain_rate_does_not_let_paced_bytes_through(tmp_path: Path) -> None:
+    # Found attacking the reload: every SIGHUP made a new token bucket and woke the paced
+    # waiters, which then went at once: a reload that lowered the rate, or changed nothing
+    # (logrotate, config management), let a capped drain through at full speed. What a
+    # waiter still owes is paid at the new rate; only an unlimited rate lets it go.
+    async with running_scheduler(tmp_path, MemoryBackend("n1")) as (scheduler, *_):
+        scheduler.set_bandwidth(1000)
+        waiter = asyncio.create_task(scheduler.pace(1_000_000))  # 1000 s at 1000 B/s
+
+        async def still_paced() -> bool:
+            for _ in range(20):  # every wake-up a new rate could cause has run by then
+                await asyncio.sleep(0)
+            return not waiter.done()
+
+        assert await still_paced()
+        scheduler.set_bandwidth(1000)  # a reload that changed nothing
+        assert await still_paced()
+        scheduler.set_bandwidth(100)  # lowered
+        assert await still_paced()
+        scheduler.set_bandwidth(2000)  # raised: still 500 s owed
+        assert await still_paced()
+        scheduler.set_bandwidth(0)  # unlimited: it goes
+        async with asyncio.timeout(10):
+            await waiter

@@ -363,6 +363,8 @@ def test_config_is_frozen() -> None:
         # Every generation failed after retry_budget_s, or `ls` raised ValueError.
         ('[destination]\nuri = "s3://bkt/p"\nendpoint_url = "http://127.0.0.1:99999"\n',
          "destination.endpoint_url", "no valid port"),
+        ('[destination]\nuri = "s3://bkt/p"\nendpoint_url = "http://127.0.0.1:0"\n',
+         "destination.endpoint_url", "no valid port"),
         ('[destination]\nuri = "s3://bkt/p"\nendpoint_url = "http://exa mple:80"\n',
          "destination.endpoint_url", "is not an http(s) URL"),
         # An infinite interval never polled; 1e-300 s spun the event loop.
@@ -642,3 +644,20 @@ def test_the_embedded_default_without_a_home_is_a_config_error(
         load_config(None, env={})
     assert info.value.key == "staging_dir"
     assert "XDG_STATE_HOME" in info.value.reason and "config file" in info.value.reason
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
+def test_a_config_that_is_no_regular_file_is_refused_without_reading_it(tmp_path: Path,
+                                                                         kind: str) -> None:
+    # Found attacking the reload: a FIFO's open waited for a writer for ever, and a config
+    # linked to /dev/zero grew the process by gigabytes a second.
+    path = tmp_path / "ckptdrain.toml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_bytes(b"# " + b"x" * (2 << 20) + b"\n")
+    err = error_of(path)
+    assert err.key == str(path)
+    assert ("not a regular file" if kind != "huge" else "larger than 1 MiB") in err.reason
