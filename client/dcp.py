@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -51,7 +52,7 @@ from ckptdrain.client.errors import DrainError, RejectedInput
 from ckptdrain.client.generation import Generation, default_attempt
 from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
 
-__all__ = ["METADATA_NAME", "DrainReader", "DrainWriter"]
+__all__ = ["METADATA_NAME", "DrainReader", "DrainWriter", "agreed_attempt"]
 
 # DCP's name for the checkpoint's metadata file (torch.distributed.checkpoint.filesystem).
 # The format version FileSystemWriter stamps into .metadata (filesystem.CURRENT_DCP_VERSION).
@@ -84,6 +85,25 @@ def _save_attempt(run: str) -> str:
         run = hashlib.sha256(run.encode()).hexdigest()[:32]
         room = MAX_ATTEMPT_CHARS - len(run) - 1 - len("dcp:")
     return f"{run}/{token[:len('dcp:') + room]}"
+
+
+def agreed_attempt(group: dist.ProcessGroup | None = None) -> str:
+    """This run's attempt, the same on every rank of ``group`` (default: the whole job): rank
+    0's :func:`~ckptdrain.client.generation.default_attempt`, sent to the others. Pass it as
+    ``generation(..., attempt=...)`` when saving through the client on several nodes under
+    torchrun: its restart count is each node's own (an agent whose workers were healthy
+    restarts them without counting), so after a restart each node's ``default_attempt()`` may
+    differ and no step saved on several nodes would commit. A collective: every rank calls it,
+    once per process start. Without an initialized process group, ``default_attempt()``.
+    (``DrainWriter`` needs none of this: its coordinator names each save's attempt.)"""
+    if not (dist.is_available() and dist.is_initialized()):
+        return default_attempt()
+    box: list[object] = [default_attempt() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    attempt = box[0]
+    if not isinstance(attempt, str):  # another program's object on the wire
+        raise RejectedInput(f"rank 0 sent {type(attempt).__name__} for the run's attempt")
+    return attempt
 
 
 def _abort_part(stack: contextlib.ExitStack, reason: str) -> None:
