@@ -185,14 +185,17 @@ def holds_part(manifest: Manifest, node: str, world_size: int,
 
 def held_part(tombstone: bytes, job: str, step: int, node: str, world_size: int) -> bool:
     """:func:`holds_part` for a committed generation retention has removed since, from what
-    its tombstone of ``job`` step ``step`` says of the manifest it replaced (world size and
-    nodes). A tombstone that says neither (written by an older version) is taken as this
-    node's, as a late publish meeting it takes it (commit.py); one naming another step, or
-    saying them in a form no tombstone is written in, is not."""
+    its tombstone of ``job`` step ``step`` says of the manifest it replaced: the same world
+    size, and this node among its nodes where it names them (it leaves them out where they
+    would not fit). A tombstone that names no world size (an older version's; found attacking
+    a rolling upgrade: it was taken as this node's, and a node whose attempt another one had
+    replaced heard its step committed), one naming another step, or one saying either in a
+    form no tombstone is written in, is not this node's: the step is reported cancelled, as
+    before tombstones said more."""
     if not names_step(tombstone, job, step):
         return False
     size, nodes = committed_by(tombstone)
-    return (size is None or size == world_size) and (nodes is None or node in nodes)
+    return size == world_size and (nodes is None or node in nodes)
 
 
 def _ranges(ranks: Sequence[int], limit: int = 8) -> str:

@@ -20,12 +20,11 @@ from collections.abc import Sequence
 from ckptdrain.client.manifest import FORMAT_VERSION
 
 TOMBSTONE_KIND = "abandoned"
-# The nodes a committed generation's tombstone names, at most (each at most 128 bytes); past
-# that it names none, and a node waiting on the step cannot tell whether its part committed.
-MAX_TOMBSTONE_NODES = 256
-# A tombstone is a few hundred bytes, up to ~40 KiB naming many nodes; anything larger is a
-# manifest (or foreign).
-_MAX_TOMBSTONE_BYTES = 64 * 1024
+# A tombstone is a few hundred bytes; anything much larger is a manifest (or foreign). Older
+# versions read nothing larger as a tombstone (they took it for a damaged manifest, and their
+# retention replaced it): a tombstone names a committed generation's nodes only while it stays
+# within this (found attacking a rolling upgrade).
+_MAX_TOMBSTONE_BYTES = 4096
 
 
 def tombstone_json(job: str, step: int, node: str, at: float, *,
@@ -35,7 +34,8 @@ def tombstone_json(job: str, step: int, node: str, at: float, *,
     ``was_committed`` for a committed generation retention removes (beyond keep_last), whose
     manifest it deleted just before (a late publish finding it is told so, not "abandoned").
     ``committed_by``: that manifest's world size and nodes, so that a node still waiting on
-    the step can tell whether its own part was the one committed (:func:`committed_by`)."""
+    the step can tell whether its own part was the one committed (:func:`committed_by`); the
+    nodes only while the tombstone stays within _MAX_TOMBSTONE_BYTES."""
     body: dict[str, object] = {
         "abandoned_at": at,
         "format_version": FORMAT_VERSION,
@@ -48,16 +48,21 @@ def tombstone_json(job: str, step: int, node: str, at: float, *,
         body["was_committed"] = True
         if committed_by is not None:
             body["world_size"] = committed_by[0]
-            if len(committed_by[1]) <= MAX_TOMBSTONE_NODES:
-                body["nodes"] = sorted(committed_by[1])
+            named = _encoded(body | {"nodes": sorted(committed_by[1])})
+            if len(named) <= _MAX_TOMBSTONE_BYTES:
+                return named
+    return _encoded(body)
+
+
+def _encoded(body: dict[str, object]) -> bytes:
     return (json.dumps(body, sort_keys=True) + "\n").encode()
 
 
 def committed_by(data: bytes) -> tuple[int | None, frozenset[str] | None]:
     """The world size and nodes of the manifest a committed generation's tombstone replaced,
-    each None where it does not say (written before tombstones said, or past
-    MAX_TOMBSTONE_NODES nodes). A field that is there but no world size (a string, a
-    boolean) or no list of node names says none: -1 and no node."""
+    each None where it does not say (written by an older version; the nodes, where naming
+    them would make the tombstone too large for older readers). A field that is there but no
+    world size (a string, a boolean) or no list of node names says none: -1 and no node."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):

@@ -20,6 +20,7 @@ import pytest
 
 from ckptdrain.client import Backpressure, GenerationFailed
 from ckptdrain.client.manifest import PartRecord
+from ckptdrain.daemon.tombstone import tombstone_json
 from tests.conftest import CKPTDRAIN, DaemonProcess
 
 JOB = "ends"
@@ -302,9 +303,9 @@ def test_a_node_restarted_after_newer_steps_committed_keeps_its_committed_step(m
 
 
 @pytest.mark.parametrize(("saved", "keep_last"),
-                         [(True, "3"), (False, "3"), (True, "1"), (False, "1")],
+                         [(True, "3"), (False, "3"), (True, "1"), (False, "1"), (True, "old")],
                          ids=["other-bytes", "no-shard", "other-bytes-removed",
-                              "no-shard-removed"])
+                              "no-shard-removed", "removed-by-an-older-version"])
 def test_another_attempts_commit_of_the_step_is_not_this_nodes(make_daemon, saved,  # type: ignore[no-untyped-def]
                                                                keep_last) -> None:
     # The other side of the tests above: a commit of step 1 by another attempt (run-2, a
@@ -313,7 +314,8 @@ def test_another_attempts_commit_of_the_step_is_not_this_nodes(make_daemon, save
     # tombstone, node-a heard its step committed. The manifest must name node-a and the
     # world size; the tombstone now says both of the manifest.
     a: DaemonProcess = make_daemon("node-a")
-    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_RETENTION__KEEP_LAST=keep_last)
+    b: DaemonProcess = make_daemon("node-b", CKPTDRAIN_RETENTION__KEEP_LAST=keep_last
+                                   if keep_last != "old" else "3")
     with a.client().generation(JOB, 1, rank=0, world_size=2, attempt="run-1") as g:
         if saved:
             g.put("rank0.bin", b"a" * 1000)
@@ -331,6 +333,11 @@ def test_another_attempts_commit_of_the_step_is_not_this_nodes(make_daemon, save
                      "step 1 removed by retention, its tombstone left")
             tombstone = json.loads(manifest.read_bytes())
             assert tombstone["world_size"] == 1 and tombstone["nodes"] == ["node-b"]
+        if keep_last == "old":
+            # Found attacking a rolling upgrade: an older version's retention leaves a
+            # tombstone that names neither world size nor nodes, and it was taken as node-a's.
+            manifest.write_bytes(tombstone_json(JOB, 1, "old-node", time.time(),
+                                                was_committed=True))
     finally:
         a.proc.send_signal(signal.SIGCONT)
     fails_quickly(a, 1, r"cancelled: step 2 of this job committed first")
