@@ -179,6 +179,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(where, f"TOML syntax error: {exc}; fix the file") from None
+    except RecursionError:  # tomllib recurses per nesting level (found attacking: a traceback)
+        raise ConfigError(where, "nests arrays or tables too deeply for a config; fix the "
+                          "file") from None
 
 
 _SECTIONS: dict[str, type[BaseModel]] = {

@@ -646,6 +646,13 @@ def test_the_embedded_default_without_a_home_is_a_config_error(
     assert "XDG_STATE_HOME" in info.value.reason and "config file" in info.value.reason
 
 
+def test_a_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    # Found attacking the reload: tomllib recursed past the interpreter's limit (a traceback
+    # from `config check` and `serve`).
+    err = error_of(write(tmp_path, "a = " + "[" * 5000 + "]" * 5000 + "\n"))
+    assert "nests arrays or tables too deeply" in err.reason
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
 def test_a_config_that_is_no_regular_file_is_refused_without_reading_it(tmp_path: Path,
                                                                          kind: str) -> None:
