@@ -32,6 +32,14 @@ def recv_until(sock: socket.socket, wanted: str, timeout_s: float = 30.0) -> lis
     raise AssertionError(f"{wanted!r} never arrived; got {seen}")
 
 
+def notify_socket(directory: Path) -> tuple[socket.socket, str]:
+    """A datagram socket standing in for systemd's notify socket, and its path."""
+    path = directory / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    return sock, str(path)
+
+
 def sighup_handled(pid: int) -> bool:
     """Whether process ``pid`` ignores or catches SIGHUP (its default ends the process)."""
     fields = dict(line.split(":", 1) for line in
@@ -127,15 +135,13 @@ def test_a_reload_whose_config_never_reads_keeps_the_daemon_serving(make_daemon,
     # hand-offs' threads for good: with io_threads reloads, every hand-off failed. A config
     # is read only as a regular file now, in a thread of its own, and the reload fails
     # alone; systemd hears READY=1 after each RELOADING=1.
-    notify_path = short_tmp / "notify"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(notify_path))
+    notify, notify_path = notify_socket(short_tmp)
     config = tmp_path / "ckptdrain.toml"
     config.write_text('[limits]\nmax_staged_bytes = "1GiB"\n')
     d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config),
                                    CKPTDRAIN_LIMITS__IO_THREADS="1",
                                    CKPTDRAIN_LIMITS__IO_TIMEOUT_S="1",
-                                   NOTIFY_SOCKET=str(notify_path))
+                                   NOTIFY_SOCKET=notify_path)
     d.start()
     try:
         recv_until(notify, "READY=1")
@@ -168,13 +174,11 @@ def test_a_reload_asked_for_during_start_up_waits_for_it(make_daemon, tmp_path: 
     # was sampled (its clamp on max_staged_bytes undone) and sent READY=1 before the socket
     # was bound; one before the handler existed, or during the stop, ended the process by
     # SIGHUP. A reload now waits until the daemon is ready, and SIGHUP is ignored outside.
-    notify_path = short_tmp / "notify"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(notify_path))
+    notify, notify_path = notify_socket(short_tmp)
     config = tmp_path / "ckptdrain.toml"
     config.write_text('[limits]\nmax_staged_bytes = "800TiB"\n')  # clamped to the disk
     d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config),
-                                   NOTIFY_SOCKET=str(notify_path))
+                                   NOTIFY_SOCKET=notify_path)
     try:
         d.start()
         assert d.proc is not None
