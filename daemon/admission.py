@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ckptdrain.client import wire
 from ckptdrain.daemon.budget import AccountingError, Budget, BudgetFull, Reservation, TooLarge
 from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.sizes import human_amount
 from ckptdrain.daemon.state import GenerationState, ShardState
 
 if TYPE_CHECKING:
@@ -354,7 +355,8 @@ class Admission:
         else:
             message = (
                 f"backpressure: {exc}; oldest undrained shard {oldest_path or '-'} is "
-                f"{oldest_age:.1f} s old, draining at {rate / 1e6:.1f} MB/s; retry in about "
+                # In units that show a crawl (found attacking: 16 KiB/s read "0.0 MB/s").
+                f"{oldest_age:.1f} s old, draining at {human_amount(rate)}/s; retry in about "
                 f"{retry_after:.0f} s or checkpoint less often"
             )
         return RequestError(wire.BACKPRESSURE, message, details)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from ckptdrain.client import Client, DrainError
 from ckptdrain.daemon.cli_stop import stoppable
 from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.sizes import human_amount
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
 T = TypeVar("T")
@@ -32,12 +33,7 @@ class CommandFailed(DaemonError):
         self.code = code
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+human = human_amount
 
 
 def print_json(doc: Any) -> None:

@@ -98,3 +98,13 @@ def human_bytes(value: Any) -> str:
         if value >= size and value % size == 0:
             return f"{value // size}{unit}"
     return f"{value}B"
+
+
+def human_amount(n: float) -> str:
+    """``n`` bytes as a person reads them: ``512 B``, ``16.0 KiB``, ``1.5 GiB`` (a rate adds
+    ``/s``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

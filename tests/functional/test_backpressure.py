@@ -444,5 +444,9 @@ def test_a_put_waiting_for_a_slot_then_for_room_hears_backpressure_within_one_bl
             assert len(refused) == 1 and isinstance(refused[0], Backpressure), refused
             assert refused[0].details.get("limit") == "max_staged_bytes", refused[0].details
             assert "stayed full" in str(refused[0])
+            # A crawling drain is said in units that show it (it read "0.0 MB/s", as if
+            # stopped).
+            assert "draining at 0.0 MB/s" not in str(refused[0])
+            assert "KiB/s" in str(refused[0]) or " B/s" in str(refused[0]), refused[0]
             # The conversation goes on: the rank seals what it has, as a retry loop would.
     assert d.client().status()["blocked_handoffs"] == 0
