@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from ckptdrain.client.manifest import FORMAT_VERSION
 
@@ -63,11 +64,8 @@ def committed_by(data: bytes) -> tuple[int | None, frozenset[str] | None]:
     each None where it does not say (written by an older version; the nodes, where naming
     them would make the tombstone too large for older readers). A field that is there but no
     world size (a string, a boolean) or no list of node names says none: -1 and no node."""
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return -1, frozenset()
-    if not isinstance(obj, dict):
+    obj = _fields(data)
+    if obj is None:
         return -1, frozenset()
     size: int | None = None
     if "world_size" in obj:
@@ -83,39 +81,39 @@ def committed_by(data: bytes) -> tuple[int | None, frozenset[str] | None]:
 
 def names_step(data: bytes, job: str, step: int) -> bool:
     """Whether a tombstone says it is that of ``job`` step ``step``."""
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return (isinstance(obj, dict) and obj.get("job") == job
-            and obj.get("generation") == step and not isinstance(obj.get("generation"), bool))
+    obj = _fields(data) or {}
+    return (obj.get("job") == job and obj.get("generation") == step
+            and not isinstance(obj.get("generation"), bool))
 
 
 def placed_at(data: bytes) -> float | None:
     """When a tombstone says it was written (its writer's clock), or None where it says no
     finite time (written by hand, or damaged)."""
+    at = (_fields(data) or {}).get("abandoned_at")
     try:
-        at = json.loads(data).get("abandoned_at")
         when = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
-    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError, OverflowError):
+    except OverflowError:  # an integer too large for a float
         return None
     return when if when is not None and math.isfinite(when) else None
 
 
 def was_committed(data: bytes) -> bool:
     """Whether a tombstone (:func:`is_tombstone`) stands where a committed manifest was."""
-    try:
-        return bool(json.loads(data).get("was_committed") is True)
-    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
-        return False
+    return (_fields(data) or {}).get("was_committed") is True
 
 
 def is_tombstone(data: bytes) -> bool:
     """Whether these bytes, read from a MANIFEST.json key, are a tombstone."""
     if len(data) > _MAX_TOMBSTONE_BYTES:
         return False
+    return (_fields(data) or {}).get("kind") == TOMBSTONE_KIND
+
+
+def _fields(data: bytes) -> dict[str, Any] | None:
+    """A tombstone's fields, or None where the bytes are no JSON object (damaged, foreign):
+    every reader of a tombstone parses it here."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(obj, dict) and obj.get("kind") == TOMBSTONE_KIND
+        return None
+    return obj if isinstance(obj, dict) else None
