@@ -150,8 +150,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         # reload), and only a regular file is read.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                if stat.S_ISDIR(os.fstat(fd).st_mode):
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                if stat.S_ISDIR(mode):
                     raise IsADirectoryError
                 raise ConfigError(where, f"is not a regular file (a FIFO, a device?); {hint}")
             with os.fdopen(os.dup(fd), "rb") as f:
