@@ -117,13 +117,24 @@ def link_in(dir_fd: int, src: str, dst: str) -> None:
 
 def _unmounted(directory: Path) -> BackendError | None:
     """Why the missing root ``directory`` looks like a filesystem that is not mounted: its
-    parent is missing too (``/lustre`` left an empty directory), or it is a link to nowhere.
-    None when only the root itself is missing (a new destination)."""
+    parent is missing too (``/lustre`` left an empty directory), or is that empty directory
+    (:func:`_empty_unmounted_dir`), or the root is a link to nowhere. None when only the root
+    itself is missing (a new destination)."""
     parent = directory.parent
     if not os.path.lexists(parent):  # (a parent that is a file: mkdir says so itself)
         return BackendError(
             f"the destination root {directory} does not exist, and neither does {parent}: is "
             "its filesystem mounted? (a new destination: create the root once, mkdir -p)",
+            transient=True)
+    if not directory.is_symlink() and _empty_unmounted_dir(parent):
+        # The recommended layout, one directory below the mount point: unmounted, the mount
+        # point is an empty directory of the node's own disk, and making the root there
+        # committed checkpoints onto it, with `latest` answering "nothing committed" (found
+        # attacking). A mount point that is mounted is made into, as any other parent.
+        return BackendError(
+            f"the destination root {directory} does not exist, and its parent {parent} is an "
+            "empty directory that is not a mount point: is its filesystem mounted? (a new "
+            f"destination in a plain directory: create the root once, mkdir -p {directory})",
             transient=True)
     if directory.is_symlink() and not directory.exists():
         return BackendError(  # a link to a filesystem that is not mounted: the same wait
@@ -131,6 +142,20 @@ def _unmounted(directory: Path) -> BackendError | None:
             f"{os.readlink(directory)}, which does not exist: is its filesystem mounted?",
             transient=True)
     return None
+
+
+def _empty_unmounted_dir(path: Path) -> bool:
+    """Whether ``path`` looks like a mount point whose filesystem is not mounted: an empty
+    directory that nothing is mounted on, on the node's root filesystem. False where that
+    cannot be told, and for an empty directory of a mounted filesystem (a new project
+    directory on Lustre, where a new destination's root is made as before)."""
+    try:
+        if os.path.ismount(path) or os.stat(path).st_dev != os.stat("/").st_dev:
+            return False
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:  # (not a directory: mkdir says so itself)
+        return False
 
 
 def _make_root(directory: Path) -> None:

@@ -118,12 +118,47 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
         d.client().wait("job", 1, timeout_s=30)
     assert list(mount_point.iterdir()) == []
     assert "transient=true" in d.log()  # retried as the wait for a mount, not failed at once
-    (mount_point / "proj").mkdir()  # mounted: the root's parent is there, the root is made
+    # Mounted: the root's parent is there, holding what else the filesystem keeps (empty, on
+    # the node's root filesystem, it would be the mount point of another filesystem not
+    # mounted), and the root is made.
+    (mount_point / "proj" / "other-project").mkdir(parents=True)
     if through_a_link:
         (mount_point / "proj" / "ckpt").mkdir()
     d.client().retry("job", 1)
     d.client().wait("job", 1, timeout_s=30)
     assert (mount_point / "proj" / "ckpt" / "job" / f"{1:020d}" / "MANIFEST.json").exists()
+
+
+def test_a_root_one_directory_below_an_unmounted_mount_point_is_not_made_locally(
+        make_daemon: Any, small_tmpfs: Path) -> None:
+    # Found attacking: with the recommended layout (the root one directory below the mount
+    # point), unmounting the filesystem left the mount point an empty directory of the node's
+    # disk; the root was made there, step 2 was reported committed onto the node's own disk,
+    # and `latest` answered "nothing committed". A missing root whose parent is an empty
+    # directory that nothing is mounted on now reads as a filesystem not mounted.
+    root = small_tmpfs / "ckpt"
+    d: DaemonProcess = make_daemon(dest=f"file://{root}", CKPTDRAIN_DRAIN__RETRY_BUDGET_S="2")
+    client = d.client()
+    with client.generation("job", 1) as g:  # mounted: the root is made in the mount point
+        g.put("w.bin", b"w" * 4096)
+    client.wait("job", 1, timeout_s=30)
+    subprocess.run(["umount", "-l", str(small_tmpfs)], check=True)
+    try:
+        with pytest.raises(DestinationError, match="is its filesystem mounted"):
+            client.latest("job")
+        with client.generation("job", 2) as g:
+            g.put("w.bin", b"w" * 4096)
+        with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
+            client.wait("job", 2, timeout_s=30)
+        assert list(small_tmpfs.iterdir()) == []  # nothing written onto the node's disk
+        assert d.proc is not None and d.proc.poll() is None, d.log()
+    finally:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small_tmpfs)],
+                       check=True)
+    # Mounted again (empty: a fresh filesystem), the root is made as for a new destination.
+    client.retry("job", 2)
+    client.wait("job", 2, timeout_s=30)
+    assert (root / "job" / f"{2:020d}" / "MANIFEST.json").exists()
 
 
 def test_a_root_that_is_itself_a_mount_point_is_warned_of(
@@ -157,7 +192,7 @@ def test_status_says_what_a_generation_is_retrying_during_an_outage(
     shown = subprocess.run([CKPTDRAIN, "status", "--socket", str(d.socket_path)],
                            capture_output=True, text=True, timeout=30, check=True).stdout
     assert "    retrying: io: the destination root" in shown and "(try " in shown
-    (tmp_path / "lustre" / "proj").mkdir()  # mounted
+    (tmp_path / "lustre" / "proj" / "other-project").mkdir(parents=True)  # mounted
     d.client().wait("job", 1, timeout_s=60)
     assert state_of(d, "job", 1)["retrying"] == ""
 
@@ -170,7 +205,8 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_no_answer_to_latest(
     # daemon's own status listed the job's commits, so the documented resume recipe started
     # training again from step 0. A read of a root that looks unmounted fails like a write.
     mount_point = tmp_path / "lustre"
-    (mount_point / "proj").mkdir(parents=True)
+    # Mounted: the root's parent holds what else the filesystem keeps.
+    (mount_point / "proj" / "other-project").mkdir(parents=True)
     root = mount_point / "proj" / "ckpt"
     if through_a_link:
         (mount_point / "proj" / "ckpt").mkdir()
