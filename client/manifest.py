@@ -14,7 +14,6 @@ name is documented for users in ``docs/layout.md``::
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -229,12 +228,27 @@ def _checksum_string(algo: str, digest_hex: str, what: str) -> str:
 # --- typed field readers (shared by both formats) -------------------------------------------
 
 
+# No field of a record is larger (a step, a size in bytes, a uid); past it, a number a hostile
+# writer planted (10**400) crashed every reader that did arithmetic with it (found attacking).
+MAX_FIELD_INT = 2**63 - 1
+# The last second of year 9999: later, a clock is no time a reader can show (found attacking:
+# 1e20 crashed `ls`).
+MAX_CLOCK = 253402300799.0
+
+
+def _shown(number: int | float) -> str:
+    """``number`` for a message, short whatever its size (str() of a 5,000-digit int raises)."""
+    if isinstance(number, int) and abs(number) > MAX_FIELD_INT:
+        return f"an integer of {number.bit_length()} bits"
+    return f"{number:.6g}" if isinstance(number, float) else str(number)
+
+
 def _int(value: object, what: str, *, minimum: int = 0) -> int:
     # bool is an int subclass; ``true`` in a size field is corruption, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ManifestError(f"{what} must be an integer, not {type(value).__name__}")
-    if value < minimum:
-        raise ManifestError(f"{what} is {value}; it must be at least {minimum}")
+    if not minimum <= value <= MAX_FIELD_INT:
+        raise ManifestError(f"{what} is {_shown(value)}; it must be {minimum}..{MAX_FIELD_INT}")
     return value
 
 
@@ -278,9 +292,10 @@ def _clocks(value: object, names: tuple[str, ...], what: str) -> dict[str, float
         raw = value[name]
         if isinstance(raw, bool) or not isinstance(raw, int | float):
             raise ManifestError(f"{what} clock {name!r} must be a number of unix seconds")
+        if not 0 <= raw <= MAX_CLOCK:  # (compared before float(): 10**400 is no float)
+            raise ManifestError(f"{what} clock {name!r} is {_shown(raw)}; it must be a unix time "
+                                f"from 0 to {MAX_CLOCK:.0f}")
         number = float(raw)
-        if not math.isfinite(number) or number < 0:
-            raise ManifestError(f"{what} clock {name!r} is {raw}; it must be finite and >= 0")
         clocks[name] = number
     return clocks
 

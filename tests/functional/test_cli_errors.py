@@ -247,6 +247,40 @@ def test_a_manifest_nested_too_deeply_is_skipped(node: DaemonProcess, tmp_path: 
         shutil.rmtree(hostile)
 
 
+@pytest.mark.parametrize(("field", "number"), [("handoff", "1" + "0" * 400),
+                                               ("committed", "1e20"), ("size", "1" + "0" * 400)])
+def test_a_manifest_with_a_number_out_of_range_is_skipped(node: DaemonProcess, tmp_path: Path,
+                                                          field: str, number: str) -> None:
+    # Found attacking the read side: a clock of 10**400 (no float holds it), a committed
+    # clock of 1e20 (no time_t) or a size of 10**400 in one planted MANIFEST.json made ls,
+    # verify, restore and gc print an OverflowError traceback, for the whole destination.
+    hostile = node.dest / JOB / f"{9:020d}"
+    hostile.mkdir()
+    obj = json.loads((node.dest / JOB / f"{1:020d}" / "MANIFEST.json").read_text())
+    obj["generation"] = 9
+    text = json.dumps(obj)
+    if field == "size":  # the total stays the shards' sum: only the number is out of range
+        rest = obj["total_bytes"] - obj["shards"][0]["size"]
+        obj["shards"][0]["size"], obj["total_bytes"] = "@@", "@@total"
+        text = json.dumps(obj).replace('"@@total"', str(int(number) + rest))
+    else:
+        obj["clocks"][field] = "@@"
+        text = json.dumps(obj)
+    (hostile / "MANIFEST.json").write_text(text.replace('"@@"', number))
+    try:
+        for args in (("ls", node.dest_uri), ("ls", node.dest_uri, "--job", JOB),
+                     ("verify", node.dest_uri, "--job", JOB, "--generation", "1"),
+                     ("gc", node.dest_uri, "--dry-run"),
+                     ("restore", node.dest_uri, "--job", JOB, "--to", str(tmp_path / "r"))):
+            out = cli(node, *args)
+            assert "Traceback" not in out.stderr and out.returncode == 0, (args, out.stderr)
+        assert sorted(p.name for p in (tmp_path / "r").rglob("*.bin")) == ["w.bin", "y.bin"]
+        out = cli(node, "ls", node.dest_uri, "--job", JOB)
+        assert "9" not in out.stdout.split() and "1" in out.stdout.split(), out.stdout
+    finally:
+        shutil.rmtree(hostile)
+
+
 def test_a_restore_onto_a_full_disk_names_the_file(make_daemon, small_tmpfs: Path) -> None:  # type: ignore[no-untyped-def]
     # Found attacking: it said only "No space left on device; free space there and try
     # again", naming neither the file nor where.

@@ -198,7 +198,12 @@ def _mutated(record: PartRecord, **changes: object) -> bytes:
         ({"format_version": FORMAT_VERSION + 1}, "upgrade ckptdrain"),
         ({"kind": "manifest"}, "kind"),
         ({"extra": 1}, "unknown field"),
-        ({"clocks": {"handoff": 1, "staged": 2, "drained": float("inf")}}, "finite"),
+        ({"clocks": {"handoff": 1, "staged": 2, "drained": float("inf")}}, "unix time"),
+        # Found attacking: numbers no float holds, or no clock shows, crashed every reader
+        # (OverflowError) instead of reading as a damaged record.
+        ({"clocks": {"handoff": 10**400, "staged": 2, "drained": 3}}, "1329 bits"),
+        ({"clocks": {"handoff": 1, "staged": 1e20, "drained": 3}}, "unix time"),
+        ({"step": 10**400}, "1329 bits"),
         ({"job": "bad/job"}, "job name"),
     ],
 )
@@ -210,7 +215,9 @@ def test_part_record_from_json_is_strict(changes: dict[str, object], match: str)
 @pytest.mark.parametrize(
     ("shard_changes", "match"),
     [
-        ({"size": -1}, "at least 0"),
+        ({"size": -1}, "must be 0\\.\\."),
+        ({"size": 10**400}, "1329 bits"),
+        ({"size": 2**63}, "64 bits"),
         ({"size": 1.5}, "size must be an integer"),
         ({"checksum": "sha256:xyz"}, "digest"),
         ({"path": "../../etc/passwd"}, "'..'"),
