@@ -455,6 +455,11 @@ class Config(BaseModel):
     def journal_path(self) -> Path:
         return self.staging_dir / "journal.sqlite3"
 
+    @property
+    def root_devices_path(self) -> Path:
+        """Which filesystem the destination root was on (beneath.RootDevices)."""
+        return self.staging_dir / "destination-roots.json"
+
     def redacted_dict(self) -> dict[str, Any]:
         """JSON-ready dict for logging and ``status``, with credentials masked."""
         data = self.model_dump(mode="json")

@@ -28,6 +28,7 @@ from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
 from ckptdrain.daemon.allowance import ClientAllowance
 from ckptdrain.daemon.backends.base import open_backend
+from ckptdrain.daemon.backends.beneath import ROOT_DEVICES
 from ckptdrain.daemon.beginchecks import BeginChecks
 from ckptdrain.daemon.budget import Budget, Reservation
 from ckptdrain.daemon.commit import Committer
@@ -97,6 +98,8 @@ class Daemon:
         self.client_log = logs.per_user()  # clients' errors, per uid
         # ... and what they cost them (limits.client_errors_per_s)
         self.allowance = ClientAllowance(lambda: self.config.limits, self.metrics, self.client_log)
+        if config.destination.scheme == "file":
+            ROOT_DEVICES.keep_in(config.root_devices_path)
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)

@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import logging
 import os
 import stat
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,47 +117,80 @@ def link_in(dir_fd: int, src: str, dst: str) -> None:
     os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
 
 
+class RootDevices:
+    """The filesystem (``st_dev``) each destination root was on when this node last opened
+    it, kept in a file on the node's own disk where the daemon says (:meth:`keep_in`) so a
+    restart remembers it too (a node rebooted before its mounts came back)."""
+
+    MAX_ROOTS = 64
+
+    def __init__(self) -> None:
+        self._devs: dict[str, int] = {}
+        self._file: Path | None = None
+        self._lock = threading.Lock()
+
+    def keep_in(self, path: Path) -> None:
+        with self._lock:
+            self._file = path
+            with contextlib.suppress(OSError, ValueError):
+                loaded = json.loads(path.read_bytes()[:1 << 16])
+                if isinstance(loaded, dict):
+                    self._devs.update({str(k): v for k, v in loaded.items()
+                                       if isinstance(v, int) and not isinstance(v, bool)})
+
+    def get(self, root: Path) -> int | None:
+        return self._devs.get(str(root))
+
+    def note(self, root: Path, dev: int) -> None:
+        key = str(root)
+        if self._devs.get(key) == dev:
+            return
+        with self._lock:
+            self._devs[key] = dev
+            while len(self._devs) > self.MAX_ROOTS:
+                del self._devs[next(iter(self._devs))]
+            if self._file is None:
+                return
+            tmp = self._file.with_name(self._file.name + ".tmp")
+            with contextlib.suppress(OSError):  # best effort: the running daemon still knows
+                tmp.write_text(json.dumps(self._devs))
+                os.replace(tmp, self._file)
+
+
+ROOT_DEVICES = RootDevices()
+
+
 def _unmounted(directory: Path) -> BackendError | None:
     """Why the missing root ``directory`` looks like a filesystem that is not mounted: its
-    parent is missing too (``/lustre`` left an empty directory), or is that empty directory
-    (:func:`_empty_unmounted_dir`), or the root is a link to nowhere. None when only the root
-    itself is missing (a new destination)."""
+    parent is missing too (``/lustre`` left an empty directory), or is on another filesystem
+    than the root was when this node last opened it (:data:`ROOT_DEVICES`), or the root is a
+    link to nowhere. None when only the root itself is missing (a new destination)."""
     parent = directory.parent
     if not os.path.lexists(parent):  # (a parent that is a file: mkdir says so itself)
         return BackendError(
             f"the destination root {directory} does not exist, and neither does {parent}: is "
             "its filesystem mounted? (a new destination: create the root once, mkdir -p)",
             transient=True)
-    if not directory.is_symlink() and _empty_unmounted_dir(parent):
-        # The recommended layout, one directory below the mount point: unmounted, the mount
-        # point is an empty directory of the node's own disk, and making the root there
+    seen = ROOT_DEVICES.get(directory)
+    if seen is not None and not directory.is_symlink():
+        # The recommended layout, the root one directory below the mount point: unmounted,
+        # the mount point is a directory of the node's own disk, and making the root there
         # committed checkpoints onto it, with `latest` answering "nothing committed" (found
-        # attacking). A mount point that is mounted is made into, as any other parent.
-        return BackendError(
-            f"the destination root {directory} does not exist, and its parent {parent} is an "
-            "empty directory that is not a mount point: is its filesystem mounted? (a new "
-            f"destination in a plain directory: create the root once, mkdir -p {directory})",
-            transient=True)
+        # attacking). A root this node opened on another filesystem than its parent is on
+        # now is that filesystem not mounted; its mount point, mounted, is made into as before.
+        with contextlib.suppress(OSError):
+            if not os.path.ismount(parent) and os.stat(parent).st_dev != seen:
+                return BackendError(
+                    f"the destination root {directory} does not exist, and this node last "
+                    f"saw it on another filesystem than {parent} is on now: is its "
+                    "filesystem mounted? (if the root was removed on purpose, create it "
+                    f"again: mkdir -p {directory})", transient=True)
     if directory.is_symlink() and not directory.exists():
         return BackendError(  # a link to a filesystem that is not mounted: the same wait
             f"the destination root {directory} is a symbolic link to "
             f"{os.readlink(directory)}, which does not exist: is its filesystem mounted?",
             transient=True)
     return None
-
-
-def _empty_unmounted_dir(path: Path) -> bool:
-    """Whether ``path`` looks like a mount point whose filesystem is not mounted: an empty
-    directory that nothing is mounted on, on the node's root filesystem. False where that
-    cannot be told, and for an empty directory of a mounted filesystem (a new project
-    directory on Lustre, where a new destination's root is made as before)."""
-    try:
-        if os.path.ismount(path) or os.stat(path).st_dev != os.stat("/").st_dev:
-            return False
-        with os.scandir(path) as entries:
-            return next(entries, None) is None
-    except OSError:  # (not a directory: mkdir says so itself)
-        return False
 
 
 def _make_root(directory: Path) -> None:
@@ -184,6 +219,7 @@ class Beneath:
     def __init__(self, root: Path, *, use_openat2: bool | None = None) -> None:
         self.root = root
         self.openat2 = kernel_has_openat2() if use_openat2 is None else use_openat2
+        self._noted = False  # the root's filesystem, in ROOT_DEVICES once per process
 
     def _shown(self, parts: Sequence[str]) -> str:
         return str(self.root.joinpath(*parts))
@@ -217,7 +253,7 @@ class Beneath:
         if create and not self.root.is_dir():
             _make_root(self.root)
         try:
-            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             # A read of a root that looks unmounted is no answer: read as "nothing there",
             # `latest` told a restarting job that nothing was committed, and it started again
@@ -226,6 +262,11 @@ class Beneath:
             if unmounted is not None:
                 raise unmounted from None
             raise
+        if not self._noted:
+            with contextlib.suppress(OSError):
+                ROOT_DEVICES.note(self.root, os.fstat(fd).st_dev)
+                self._noted = True
+        return fd
 
     def _walk(self, root_fd: int, parts: Sequence[str], create: bool) -> int:
         fd = os.dup(root_fd)

@@ -118,10 +118,7 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_not_filled_locally(
         d.client().wait("job", 1, timeout_s=30)
     assert list(mount_point.iterdir()) == []
     assert "transient=true" in d.log()  # retried as the wait for a mount, not failed at once
-    # Mounted: the root's parent is there, holding what else the filesystem keeps (empty, on
-    # the node's root filesystem, it would be the mount point of another filesystem not
-    # mounted), and the root is made.
-    (mount_point / "proj" / "other-project").mkdir(parents=True)
+    (mount_point / "proj").mkdir()  # mounted: the root's parent is there, the root is made
     if through_a_link:
         (mount_point / "proj" / "ckpt").mkdir()
     d.client().retry("job", 1)
@@ -134,8 +131,9 @@ def test_a_root_one_directory_below_an_unmounted_mount_point_is_not_made_locally
     # Found attacking: with the recommended layout (the root one directory below the mount
     # point), unmounting the filesystem left the mount point an empty directory of the node's
     # disk; the root was made there, step 2 was reported committed onto the node's own disk,
-    # and `latest` answered "nothing committed". A missing root whose parent is an empty
-    # directory that nothing is mounted on now reads as a filesystem not mounted.
+    # and `latest` answered "nothing committed"; so after a restart. A missing root that this
+    # node last saw on another filesystem than its parent is on now (and the parent no mount
+    # point) reads as a filesystem not mounted, remembered on the node's disk.
     root = small_tmpfs / "ckpt"
     d: DaemonProcess = make_daemon(dest=f"file://{root}", CKPTDRAIN_DRAIN__RETRY_BUDGET_S="2")
     client = d.client()
@@ -150,8 +148,17 @@ def test_a_root_one_directory_below_an_unmounted_mount_point_is_not_made_locally
             g.put("w.bin", b"w" * 4096)
         with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
             client.wait("job", 2, timeout_s=30)
-        assert list(small_tmpfs.iterdir()) == []  # nothing written onto the node's disk
         assert d.proc is not None and d.proc.poll() is None, d.log()
+        d.kill()  # a node rebooted before its mounts came back
+        d.start()
+        client = d.client()
+        with pytest.raises(DestinationError, match="is its filesystem mounted"):
+            client.latest("job")
+        with client.generation("job", 3) as g:
+            g.put("w.bin", b"w" * 4096)
+        with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
+            client.wait("job", 3, timeout_s=30)
+        assert list(small_tmpfs.iterdir()) == []  # nothing written onto the node's disk
     finally:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small_tmpfs)],
                        check=True)
@@ -192,7 +199,7 @@ def test_status_says_what_a_generation_is_retrying_during_an_outage(
     shown = subprocess.run([CKPTDRAIN, "status", "--socket", str(d.socket_path)],
                            capture_output=True, text=True, timeout=30, check=True).stdout
     assert "    retrying: io: the destination root" in shown and "(try " in shown
-    (tmp_path / "lustre" / "proj" / "other-project").mkdir(parents=True)  # mounted
+    (tmp_path / "lustre" / "proj").mkdir()  # mounted
     d.client().wait("job", 1, timeout_s=60)
     assert state_of(d, "job", 1)["retrying"] == ""
 
@@ -205,8 +212,7 @@ def test_a_destination_whose_filesystem_is_not_mounted_is_no_answer_to_latest(
     # daemon's own status listed the job's commits, so the documented resume recipe started
     # training again from step 0. A read of a root that looks unmounted fails like a write.
     mount_point = tmp_path / "lustre"
-    # Mounted: the root's parent holds what else the filesystem keeps.
-    (mount_point / "proj" / "other-project").mkdir(parents=True)
+    (mount_point / "proj").mkdir(parents=True)
     root = mount_point / "proj" / "ckpt"
     if through_a_link:
         (mount_point / "proj" / "ckpt").mkdir()
