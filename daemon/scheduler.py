@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptdrain.scheduler")
 
+
+# What a system call of the drain's fails with when the daemon or the node runs short, not
+# because of the file: retried within drain.retry_budget_s.
+_RUN_OUT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 class _Discarded(DaemonError):
     """The copy was cancelled because its generation failed or was cancelled."""
@@ -392,10 +397,25 @@ class Scheduler:
                 # sweep's grace, an hour (found attacking `abort` after a restart).
                 await self.abort_upload(shard)
                 return False
-            except BackendError as exc:
-                self.metrics.drain_error(self.destination, exc.kind)
+            except (BackendError, OSError) as caught:
+                if isinstance(caught, BackendError):
+                    exc, kind = caught, caught.kind
+                elif caught.errno in _RUN_OUT:
+                    # The daemon (or the node) out of file descriptors or memory opening the
+                    # staged copy: it passes once others are closed. It failed acknowledged
+                    # generations for good (found attacking with idle connections).
+                    exc, kind = BackendError(
+                        f"could not open the staged copy of {shard.path}: {caught.strerror} "
+                        "(this daemon or the node ran short; retried)", transient=True,
+                        kind="io"), "staging"
+                else:
+                    # The staged copy itself is unreadable: nothing a retry can fix.
+                    self.metrics.drain_error(self.destination, "staging")
+                    await self._fail_shard(gen, shard, f"staged copy unreadable: {caught}")
+                    return False
+                self.metrics.drain_error(self.destination, kind)
                 self._error_log.log_event(
-                    log, logging.WARNING, "drain_error", cause=f"{self.destination}:{exc.kind}",
+                    log, logging.WARNING, "drain_error", cause=f"{self.destination}:{kind}",
                     job=gen.job, step=gen.step, path=shard.path, kind=exc.kind,
                     transient=exc.transient, attempt=attempt, error=str(exc))
                 if not exc.transient or time.monotonic() + backoff > deadline:
@@ -404,11 +424,6 @@ class Scheduler:
                 gen.retrying = retrying_note(exc, attempt)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
-            except OSError as exc:
-                # The staged copy itself is unreadable: nothing a retry can fix.
-                self.metrics.drain_error(self.destination, "staging")
-                await self._fail_shard(gen, shard, f"staged copy unreadable: {exc}")
-                return False
         if gen.terminal or shard.state is not ShardState.DRAINING:
             return False
         if shard.deferred and shard.checksum and checksum != shard.checksum:
