@@ -68,6 +68,11 @@ class IdleTimeout(DaemonError):
     hint = "raise limits.client_idle_timeout_s or limits.open_rank_idle_timeout_s"
 
 
+class DescriptorsShort(DaemonError):
+    """The daemon could not receive a client's fd for want of descriptors (EMFILE, ENFILE):
+    its shortage, not the client's doing; the connection ends with a retryable refusal."""
+
+
 class TooSlow(IdleTimeout):
     """A frame or a shard's bytes came slower than limits.client_min_bytes_per_s."""
 
@@ -129,14 +134,22 @@ class Channel:
                 return 0
             if floor is not None:
                 floor.got += n
+            got = 0
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds = array.array("i")
                     fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+                    got += len(fds)
                     self.fds.extend((fd, at, at + n) for fd in fds)
             if flags & socket.MSG_CTRUNC:
-                # More fds than we accept in one message: the kernel closed the rest. Refuse.
                 self.close_fds()
+                if got < MAX_FDS_PER_MESSAGE:
+                    # Room was left: the kernel could not give this process the fds (EMFILE,
+                    # ENFILE), the daemon's shortage. It was told to the client as its own
+                    # misuse, and charged to its uid (found attacking).
+                    raise DescriptorsShort("a file descriptor the client passed could not be "
+                                           "received")
+                # More fds than we accept in one message: the kernel closed the rest. Refuse.
                 raise ProtocolError(wire.BAD_REQUEST, "the client passed more than "
                                     f"{MAX_FDS_PER_MESSAGE} file descriptors in one message; "
                                     "pass exactly one, with the put_fd/put_memfd/fetch frame")

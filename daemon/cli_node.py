@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -37,6 +39,19 @@ def socket_path(ns: argparse.Namespace) -> str:
 
 
 # -- serve ------------------------------------------------------------------------------------
+def _raise_fd_limit() -> None:
+    """The soft RLIMIT_NOFILE raised to the hard one: started by hand, from a container or a
+    batch system, a daemon kept the usual soft 1024, and 1,020 idle connections (under both
+    limits.max_clients and its per-uid share) locked every user out, root's `status` too
+    (found attacking). Best effort: a limit that cannot be raised is left as it is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit is not a number the kernel takes for the soft one (fs.nr_open).
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon.logs import setup_logging
     from ckptdrain.daemon.server import Daemon
@@ -48,6 +63,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     config = load(ns)
     setup_logging(config.log_level)
+    _raise_fd_limit()
     try:
         inherited = listen_fds()
     except SocketActivationError as exc:

@@ -23,8 +23,8 @@ from ckptdrain.daemon import catalog, maintenance, owners, payloads, reads, wait
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.allowance import TurnedAway
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.channel import Channel, IdleTimeout, is_memfd
-from ckptdrain.daemon.errors import RequestError
+from ckptdrain.daemon.channel import Channel, DescriptorsShort, IdleTimeout, is_memfd
+from ckptdrain.daemon.errors import RequestError, descriptors_short
 from ckptdrain.daemon.journal import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
@@ -97,6 +97,12 @@ class ClientHandler:
             await self._last_word(wire.BACKPRESSURE, str(exc),
                                   {"limit": "client_errors_per_s",
                                    "retry_after_s": round(exc.retry_after_s, 1)})
+        except DescriptorsShort as exc:
+            self.charged = True  # the daemon's shortage: nothing for the client's uid to pay
+            self.d.client_log.log_event(log, logging.WARNING, "descriptors_short",
+                                        cause="descriptors_short", uid=self.uid, error=str(exc))
+            refusal = descriptors_short(str(exc))
+            await self._last_word(refusal.code, refusal.message, refusal.details)
         except IdleTimeout as exc:
             self._client_error("client_dropped", reason=str(exc))
             # Said before hanging up, so the client's next request reads why.

@@ -7,7 +7,10 @@ frame and the daemon carries on.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
+
+from ckptdrain.client import wire
 
 
 class DaemonError(Exception):
@@ -51,3 +54,18 @@ class StuckIO(DaemonError):
     The hand-off fails; the thread stays counted as stuck until the call returns, and the
     resources it holds are released then, by the thread's own clean-up.
     """
+
+
+# What a system call fails with when this process or the node runs short, not because of the
+# file or the request: it passes once others close theirs (drained, retried, or refused as
+# backpressure; never a generation's end nor a client's fault).
+RUN_OUT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def descriptors_short(what: str) -> RequestError:
+    """The refusal of a request the daemon could not serve for want of file descriptors (its
+    RLIMIT_NOFILE, or the node's): retryable, as any backpressure."""
+    return RequestError(wire.BACKPRESSURE, f"{what}: the daemon is short of file descriptors "
+                        "(its RLIMIT_NOFILE, or the node's file table); retry shortly, and if "
+                        "it persists raise LimitNOFILE or lower limits.max_clients",
+                        {"limit": "file_descriptors", "retry_after_s": 1.0})

@@ -26,7 +26,7 @@ from ckptdrain.client.manifest import MAX_RECORD_BYTES, entry_bytes
 from ckptdrain.daemon import payloads
 from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
 from ckptdrain.daemon.dataplane import SourceEnded, SourceUnreadable, kernel_copy
-from ckptdrain.daemon.errors import RequestError, StuckIO
+from ckptdrain.daemon.errors import RUN_OUT, RequestError, StuckIO, descriptors_short
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.staging import Staging, StagingFull
@@ -323,6 +323,10 @@ class Handoffs:
             if exc.errno in _DISK_FULL:
                 d.metrics.backpressure("rejected", "staging_filesystem")
                 raise _disk_full(path) from None
+            if exc.errno in RUN_OUT:
+                # The daemon's or the node's own shortage, which passes: it was "internal".
+                d.metrics.backpressure("rejected", "file_descriptors")
+                raise descriptors_short(f"could not stage {path!r}: {exc.strerror}") from None
             raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}") from None
         except StuckIO as exc:
             raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}; the disk or "

@@ -90,6 +90,8 @@ BACKPRESSURE_LIMITS = (
     "client_errors_per_s",
     # The jobs a node tracks at once, every one with a generation in flight.
     "max_jobs",
+    # The daemon's own file descriptors (RLIMIT_NOFILE) or the node's, run short.
+    "file_descriptors",
 )
 # The kinds a backend reports (daemon/backends/base.py BackendError.kind), and ``staging``: a
 # staged copy that could not be read back to drain it.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import itertools
 import logging
 import os
@@ -25,7 +24,7 @@ from ckptdrain.client.manifest import ManifestError, generation_prefix, shard_ke
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.drainqueue import BatchLanes, FairQueue
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.errors import RUN_OUT, DaemonError
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.publisher import Publisher
@@ -42,10 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptdrain.scheduler")
 
-
-# What a system call of the drain's fails with when the daemon or the node runs short, not
-# because of the file: retried within drain.retry_budget_s.
-_RUN_OUT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 class _Discarded(DaemonError):
     """The copy was cancelled because its generation failed or was cancelled."""
@@ -400,7 +395,7 @@ class Scheduler:
             except (BackendError, OSError) as caught:
                 if isinstance(caught, BackendError):
                     exc, kind = caught, caught.kind
-                elif caught.errno in _RUN_OUT:
+                elif caught.errno in RUN_OUT:
                     # The daemon (or the node) out of file descriptors or memory opening the
                     # staged copy: it passes once others are closed. It failed acknowledged
                     # generations for good (found attacking with idle connections).

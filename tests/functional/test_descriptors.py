@@ -8,8 +8,12 @@ import os
 import resource
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from ckptdrain.client import Backpressure
 from tests.conftest import DaemonProcess, wait_for
 
 MiB = 1 << 20
@@ -64,3 +68,48 @@ def test_a_drain_short_of_descriptors_waits_for_them(make_daemon: Any) -> None:
     for name, blob in data.items():
         assert (d.dest / "job" / f"{1:020d}" / name).read_bytes() == blob
     assert "staged copy unreadable" not in d.log()
+
+
+def test_a_passed_fd_the_daemon_cannot_take_is_its_shortage(make_daemon: Any,
+                                                            tmp_path: Path) -> None:
+    # Found attacking: with the daemon at its fd limit, the kernel could not give it the fd a
+    # put_file passed (MSG_CTRUNC), which the daemon read as the client passing too many:
+    # RejectedInput ("fix your code", not retryable), charged to the client's uid. It is the
+    # daemon's shortage: a retryable backpressure naming it.
+    d: DaemonProcess = make_daemon()
+    source = tmp_path / "shard.bin"
+    source.write_bytes(os.urandom(4096))
+    client = d.client(timeout_s=30)
+    with pytest.raises(Backpressure) as refused, client.generation("job", 1) as g:
+        g.put("a.bin", b"a" * 10)  # the connection is open before the shortage
+        with descriptors_short(d, spare=0):
+            g.put_file("b.bin", source)
+    assert refused.value.details["limit"] == "file_descriptors", refused.value
+    assert "short of file descriptors" in str(refused.value)
+    assert "client_protocol_error" not in d.log()
+    # Staging a put's bytes meets the same shortage creating its file: it was "internal".
+    with pytest.raises(Backpressure, match="short of file descriptors"):
+        with client.generation("job", 2) as g:
+            g.put("a.bin", b"a" * 10)
+            with descriptors_short(d, spare=0):
+                g.put("c.bin", b"c" * 10)
+    with client.generation("job", 3) as g:  # the shortage passed: hand-offs go on
+        g.put_file("b.bin", source)
+    client.wait("job", 3, timeout_s=30)
+
+
+def test_the_daemon_raises_its_soft_fd_limit(make_daemon: Any) -> None:
+    # Found attacking: started by hand, from a container or a batch system, the daemon kept
+    # the usual soft limit of 1024 fds, and 1,020 idle connections (under limits.max_clients
+    # and the per-uid share) locked every user out, root's `status` included. It raises its
+    # soft limit to the hard one at start.
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert before[1] == resource.RLIM_INFINITY or before[1] > 256
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, before[1]))
+    try:
+        d: DaemonProcess = make_daemon()  # inherits the soft 256
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+    assert d.proc is not None
+    soft, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
+    assert soft == hard or (hard == resource.RLIM_INFINITY and soft >= 1 << 20), (soft, hard)
