@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -262,6 +263,13 @@ async def _watched(future: asyncio.Future[T], stalled: Callable[[], bool]) -> T:
 def _close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+def readable(fd: int) -> bool:
+    """Whether ``fd`` was opened for reading (a client's; blocking: it may be on a hung mount)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    # An O_PATH descriptor reports O_RDONLY as its access mode, yet cannot be read.
+    return not flags & os.O_PATH and flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:

@@ -25,7 +25,7 @@ from ckptdrain.client import wire
 from ckptdrain.client.manifest import MAX_RECORD_BYTES, entry_bytes
 from ckptdrain.daemon import payloads
 from ckptdrain.daemon.budget import Budget, BudgetFull, Reservation, TooLarge
-from ckptdrain.daemon.dataplane import SourceEnded, SourceUnreadable, kernel_copy
+from ckptdrain.daemon.dataplane import SourceEnded, SourceUnreadable, kernel_copy, readable
 from ckptdrain.daemon.errors import RUN_OUT, RequestError, StuckIO, descriptors_short
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
@@ -62,12 +62,6 @@ def _close(*fds: int | None) -> None:
 # A part record's lines besides its shards' (its clocks, ranks, an abort reason): the room a
 # hand-off leaves them under MAX_RECORD_BYTES.
 RECORD_HEADER_BYTES = 1 << 20
-
-
-def _readable(fd: int) -> bool:
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    # An O_PATH descriptor reports O_RDONLY as its access mode, yet cannot be read.
-    return not flags & os.O_PATH and flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
 
 
 def _disk_full(path: str) -> RequestError:
@@ -109,7 +103,7 @@ class Handoffs:
                                f"limits.max_shard_bytes ({self.d.config.limits.max_shard_bytes})")
 
     async def _check_source(self, fd: int, path: str, size: int, what: str) -> None:
-        if not _readable(fd):
+        if not readable(fd):
             raise RequestError(wire.BAD_REQUEST, f"the {what} passed for {path!r} is not open for "
                                "reading; open it O_RDONLY or O_RDWR")
         # fstat of a file on a hung network mount can block: in the data plane, with a timeout.

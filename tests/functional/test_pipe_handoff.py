@@ -140,7 +140,7 @@ def test_a_pipe_that_ends_short_or_runs_over_is_a_size_error_and_the_conversatio
     still_serves(daemon)
 
 
-@pytest.mark.parametrize("what", ["regular file", "socket", "write end", "none"])
+@pytest.mark.parametrize("what", ["regular file", "socket", "write end", "none", "O_PATH"])
 def test_data_pipe_with_something_else_is_a_typed_refusal(
         daemon: DaemonProcess, tmp_path: Path, what: str) -> None:
     with RawClient(daemon.socket_path) as raw:
@@ -160,6 +160,13 @@ def test_data_pipe_with_something_else_is_a_typed_refusal(
             reply, fragment = data_pipe(raw, w), "not the read end of a pipe"
             os.close(r)
             os.close(w)
+        elif what == "O_PATH":
+            # Found attacking: an O_PATH fd of a FIFO (its access mode reads O_RDONLY) was
+            # taken for a pipe, and answered `internal` (EBADF), a daemon bug, logged nowhere.
+            os.mkfifo(tmp_path / "fifo")
+            fd = os.open(tmp_path / "fifo", os.O_PATH)
+            reply, fragment = data_pipe(raw, fd), "not the read end of a pipe"
+            os.close(fd)
         else:
             (tmp_path / "f").write_bytes(b"f" * 100)
             fd = os.open(tmp_path / "f", os.O_RDONLY)
