@@ -88,6 +88,29 @@ def test_reject_at_once_with_the_figures(make_daemon: Any) -> None:
     assert not list((d.staging / "shards").glob("*.tmp"))
 
 
+def test_the_wait_a_refusal_advises_is_bounded(make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking: with the drain at a crawl, "retry in about 770464737 s" (requested
+    # bytes / drain rate): a client sleeping its retry_after_s, as the docs' loop does, slept
+    # for good. The advice is bounded: what the drain frees is seen anew at each ask.
+    (tmp_path / "lustre" / "proj").mkdir(parents=True)
+    d: DaemonProcess = make_daemon(dest=f"file://{tmp_path}/lustre/proj/ckpt",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject")
+    client = d.client()
+    with client.generation("crawl", 1) as gen:
+        gen.put("tiny", b"t" * 4096)
+    client.wait("crawl", 1, timeout_s=30)  # drained: the drain rate is a few bytes a second
+    (tmp_path / "lustre" / "proj").rename(tmp_path / "away")  # and the drain stops
+    with client.generation("crawl", 2) as gen:
+        gen.put("first", os.urandom(3 * MiB))
+        with pytest.raises(Backpressure) as info:
+            gen.put("second", os.urandom(2 * MiB))
+        gen.abort("done")
+    assert info.value.details["drain_rate_bytes_per_s"] > 0, info.value.details
+    assert 1 <= info.value.retry_after_s <= 60, info.value.details
+    assert "retry in about" in info.value.message
+
+
 def test_block_timeout_gives_the_same_error(make_daemon: Any) -> None:
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="4MiB",
                                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="0.5",
