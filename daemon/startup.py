@@ -167,13 +167,34 @@ def staging_capacity(staging_dir: Path) -> int:
     return max(0, st.f_bavail * st.f_frsize + staged - reserve)
 
 
-def fit_staged_limit(config: Config, capacity: int) -> Config:
+def staging_size(staging_dir: Path) -> int:
+    """Bytes the staging filesystem could hold for us were it empty (its size less the
+    reserve): what tells a disk too small from one full for now."""
+    st = os.statvfs(staging_dir)
+    total = st.f_blocks * st.f_frsize
+    return max(0, total - min(FREE_SPACE_RESERVE_BYTES,
+                              int(total * FREE_SPACE_RESERVE_FRACTION)))
+
+
+def fit_staged_limit(config: Config, capacity: int, size: int | None = None) -> Config:
     """``config`` with ``limits.max_staged_bytes`` clamped to ``capacity`` (logged, naming
-    both figures), or StartupError when the filesystem cannot hold even MIN_STAGED_BYTES."""
+    both figures), or StartupError when the filesystem cannot hold even MIN_STAGED_BYTES.
+    ``size`` (:func:`staging_size`): a filesystem that could hold that much empty is full for
+    now, not too small: the daemon starts, drains what its journal holds and refuses new
+    work as backpressure until there is room (found attacking: a restart while another user
+    filled the disk exited 78, which systemd does not retry, and acknowledged shards waited
+    for an operator)."""
     wanted = config.limits.max_staged_bytes
     if wanted <= capacity:
         return config
     usable = capacity // _MiB * _MiB
+    if usable < MIN_STAGED_BYTES and size is not None and size >= MIN_STAGED_BYTES:
+        limit = min(wanted, size // _MiB * _MiB)
+        log_event(log, logging.WARNING, "staging_full_at_start", usable=capacity,
+                  staging_dir=str(config.staging_dir),
+                  action="the staging filesystem is full: shards already staged drain, new "
+                  "hand-offs are refused as backpressure until there is room; free space there")
+        return with_staged_limit(config, limit) if limit < wanted else config
     if usable < MIN_STAGED_BYTES:
         raise StartupError(
             "staging_dir", f"the filesystem of {config.staging_dir} has {capacity} bytes usable, "
@@ -206,12 +227,13 @@ def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, S
             socket_free(config.socket)
         try:
             capacity = staging_capacity(config.staging_dir)
+            size = staging_size(config.staging_dir)
         except OSError as exc:
             # Named as what it is (it was reported as the socket's: found attacking).
             raise StartupError("staging_dir", f"cannot read {config.staging_dir}: {exc}; make "
                                "it a directory the daemon may write, with nothing else in it"
                                ) from None
-        fitted = fit_staged_limit(config, capacity)
+        fitted = fit_staged_limit(config, capacity, size)
     except BaseException:
         lock.release()
         raise

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ckptdrain.client import Backpressure
 from ckptdrain.daemon.configload import load_config
 from ckptdrain.daemon.errors import StartupError
 from ckptdrain.daemon.startup import MIN_STAGED_BYTES, fit_staged_limit
@@ -152,6 +153,35 @@ def test_a_filesystem_too_small_to_clamp_to_is_refused(make_daemon: Any) -> None
     d: DaemonProcess = make_daemon(start=False)
     with small_filesystem(d.staging, 12):
         refused(serve(d), "staging_dir:", "free space there")
+
+
+def test_a_restart_onto_a_full_staging_disk_drains_what_it_holds(make_daemon: Any,
+                                                                  tmp_path: Path) -> None:
+    # Found attacking: a shard acknowledged, its drain waiting on the destination, another
+    # user filled the staging disk, and the daemon was killed: the restart exited 78 ("has 0
+    # bytes usable, under the 16777216 bytes a checkpoint needs"), which systemd does not
+    # retry (RestartPreventExitStatus=78), and the acknowledged shard waited for an operator.
+    # A disk that is full for now is not one too small: the daemon starts and refuses only
+    # new work.
+    (tmp_path / "lustre").mkdir()
+    root = tmp_path / "lustre" / "proj" / "ckpt"  # not mounted yet: the drain waits
+    d: DaemonProcess = make_daemon(dest=f"file://{root}", start=False,
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="600")
+    with small_filesystem(d.staging, 64):
+        d.start()
+        with d.client().generation("job", 1) as g:
+            g.put("w.bin", b"w" * (4 * MiB))
+        fill_up(d.staging)  # another user's files
+        d.kill()
+        d.start()  # exited 78 here
+        with pytest.raises(Backpressure), d.client().generation("job", 2) as g:
+            g.put("x.bin", b"x" * MiB)
+        assert "event=staging_full_at_start" in d.log()
+        (d.staging / "filler").unlink()
+        (tmp_path / "lustre" / "proj").mkdir()  # mounted
+        d.client().wait("job", 1, timeout_s=60)
+        assert (root / "job" / f"{1:020d}" / "w.bin").read_bytes() == b"w" * (4 * MiB)
+        d.stop()
 
 
 def test_fit_staged_limit() -> None:
