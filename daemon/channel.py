@@ -324,7 +324,12 @@ class Channel:
             self._pump.close()
         self.drop_frame_fds()
         self.close_fds()
-        self.sock.close()
+        # Closed like a passed fd, off the loop: the last close of a socket drops the fds
+        # queued in it unread, and one of a pipe whose lock its client holds blocked the
+        # event loop in that close (found attacking: a connection hung up on with its next
+        # frame, and a pipe, unread).
+        if self.sock.fileno() >= 0:
+            self.close_fd(self.sock.detach())
 
 
 

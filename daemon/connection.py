@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -24,7 +25,8 @@ from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.allowance import TurnedAway
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.channel import Channel, DescriptorsShort, IdleTimeout, is_memfd
-from ckptdrain.daemon.errors import RequestError, descriptors_short
+from ckptdrain.daemon.dataplane import MAX_PIPE_CLOSES_PER_UID
+from ckptdrain.daemon.errors import DaemonError, RequestError, descriptors_short
 from ckptdrain.daemon.journal import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
@@ -59,6 +61,10 @@ _METERED_READS = frozenset({"status"})
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
 
 
+class PipesHeld(DaemonError):
+    """The client's uid holds the locks of too many pipes it passed for them to be closed."""
+
+
 class ClientHandler:
     def __init__(self, daemon: Daemon, sock: socket.socket, peer: Peer) -> None:
         self.d = daemon
@@ -66,7 +72,8 @@ class ClientHandler:
         self.channel = Channel(sock, idle_timeout_s=limits.client_idle_timeout_s,
                                min_bytes_per_s=limits.client_min_bytes_per_s,
                                rate_grace_s=limits.client_rate_grace_s,
-                               close_fd=daemon.dataplane.close_client_fd)
+                               close_fd=functools.partial(daemon.dataplane.close_client_fd,
+                                                          owner=peer.uid))
         self.conn = wire.Connection(wire.Role.SERVER)
         self.peer = peer  # checked against [access] at accept (listener.py)
         self.uid = peer.uid
@@ -97,6 +104,11 @@ class ClientHandler:
             await self._last_word(wire.BACKPRESSURE, str(exc),
                                   {"limit": "client_errors_per_s",
                                    "retry_after_s": round(exc.retry_after_s, 1)})
+        except PipesHeld as exc:
+            self.charged = True  # its own wait: held off till its pipes close, not billed
+            self._client_error("request_refused", reason=str(exc))
+            await self._last_word(wire.BACKPRESSURE, str(exc),
+                                  {"limit": "pipes_held", "retry_after_s": 5.0})
         except DescriptorsShort as exc:
             self.charged = True  # the daemon's shortage: nothing for the client's uid to pay
             self.d.client_log.log_event(log, logging.WARNING, "descriptors_short",
@@ -217,7 +229,17 @@ class ClientHandler:
                 continue
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
 
+    def _pipes_held(self) -> None:
+        """Serve no more of a uid that holds the locks of MAX_PIPE_CLOSES_PER_UID pipes it
+        passed, whose closes wait for them: every message may bring one more (DataPlane)."""
+        held = self.d.dataplane.pipe_closes_of(self.uid)
+        if held >= MAX_PIPE_CLOSES_PER_UID:
+            raise PipesHeld(f"{held} pipes uid {self.uid} passed cannot be closed: a process "
+                            "of this user holds their locks (a read or splice on them that "
+                            "does not end); end it, then reconnect")
+
     async def _serve(self) -> None:
+        self._pipes_held()
         hello = await self.next_message()
         if hello is None:
             return
@@ -228,6 +250,7 @@ class ClientHandler:
         self._drop_unclaimed_fds()
         await self.send("welcome", {"version": wire.PROTOCOL_VERSION, "node_id": self.d.node_id})
         while True:
+            self._pipes_held()
             msg = await self.next_message()
             if msg is None:
                 return

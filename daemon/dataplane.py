@@ -34,8 +34,12 @@ from ckptdrain.daemon.errors import DaemonError, StuckIO
 T = TypeVar("T")
 
 COPY_CHUNK_BYTES = 64 << 20
-# Closes of clients' pipes in threads of their own at once; past it, in the closer's pool.
+# Closes of clients' pipes in threads of their own at once; past it, they wait for one.
 MAX_PIPE_CLOSERS = 256
+# A uid with this many pipe closes waiting for their lock (which only a process of its own can
+# hold) has its connections served no more till they end: it could pass such pipes as fast
+# as it liked, each an fd of the daemon's held open.
+MAX_PIPE_CLOSES_PER_UID = 16
 # How often a pump's watchdog looks at it.
 WATCH_SLICE_S = 1.0
 
@@ -126,6 +130,9 @@ class DataPlane:
         # Stuck pumps by who started them (a uid): such a client is offered no more pipes.
         self.stuck_owners: collections.Counter[object] = collections.Counter()
         self._pipe_closes = threading.BoundedSemaphore(MAX_PIPE_CLOSERS)
+        self._pipes_lock = threading.Lock()
+        self._pipes_closing: collections.Counter[object] = collections.Counter()
+        self._pipes_waiting: collections.deque[tuple[int, object]] = collections.deque()
 
     async def call(self, fn: Callable[..., T], *args: object,
                    cleanup: Callable[[], None] | None = None,
@@ -210,30 +217,58 @@ class DataPlane:
         self.busy -= 1
         return result
 
-    def close_client_fd(self, fd: int) -> None:
-        """Close an fd a client passed, in a thread: returns at once, whatever the fd is."""
+    def close_client_fd(self, fd: int, owner: object = None) -> None:
+        """Close an fd a client passed, in a thread: returns at once, whatever the fd is.
+        ``owner`` (the client's uid) is charged with the pipe closes of its that wait."""
         with contextlib.suppress(RuntimeError):  # shutting down: the process's exit closes it
-            self._closer.submit(self._close_client_fd, fd)
+            self._closer.submit(self._close_client_fd, fd, owner)
 
-    def _close_client_fd(self, fd: int) -> None:
+    def pipe_closes_of(self, owner: object) -> int:
+        """How many pipes (or connections) of ``owner`` are still being closed: their lock
+        held by a process of ``owner``'s."""
+        return self._pipes_closing.get(owner, 0)
+
+    def _close_client_fd(self, fd: int, owner: object = None) -> None:
         # The last close of a pipe waits for the pipe's lock, which its client can hold for
         # as long as it likes: such a close gets a thread of its own (up to MAX_PIPE_CLOSERS
-        # at once), so it never holds up the closes of other clients' fds.
-        with contextlib.suppress(OSError):
-            if stat.S_ISFIFO(os.fstat(fd).st_mode) and self._pipe_closes.acquire(blocking=False):
-                try:
-                    threading.Thread(target=self._close_pipe, args=(fd,), daemon=True,
-                                     name="ckptdrain-io-close-pipe").start()
-                    return
-                except RuntimeError:  # no thread to be had: close it here after all
-                    self._pipe_closes.release()
-        _close_quietly(fd)
-
-    def _close_pipe(self, fd: int) -> None:
+        # at once), so it never holds up the closes of other clients' fds. Past that, it
+        # waits its turn among them, never in this pool: 330 pipes held locked wedged both
+        # of its threads, and no fd any client passed was closed again till the daemon ran
+        # out (found attacking). Each is counted against its owner meanwhile, whose
+        # connections are served no more while it holds MAX_PIPE_CLOSES_PER_UID of them.
+        # A socket too: its last close drops the fds queued in it unread, a pipe among them
+        # (a connection hung up on before its next frame was read: found attacking, that
+        # close blocked the event loop, and the daemon with it).
         try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            mode = 0
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
             _close_quietly(fd)
-        finally:
-            self._pipe_closes.release()
+            return
+        with self._pipes_lock:
+            self._pipes_closing[owner] += 1
+            if not self._pipe_closes.acquire(blocking=False):
+                self._pipes_waiting.append((fd, owner))
+                return
+        try:
+            threading.Thread(target=self._close_pipes, args=(fd, owner), daemon=True,
+                             name="ckptdrain-io-close-pipe").start()
+        except RuntimeError:  # no thread to be had: closed in this one after all
+            self._close_pipes(fd, owner)
+
+    def _close_pipes(self, fd: int, owner: object) -> None:
+        """Close ``fd``, then the pipes waiting for a thread, one after another."""
+        while True:
+            _close_quietly(fd)
+            with self._pipes_lock:
+                self._pipes_closing[owner] -= 1
+                if self._pipes_closing[owner] <= 0:
+                    del self._pipes_closing[owner]
+                if not self._pipes_waiting:
+                    self._pipe_closes.release()
+                    return
+                fd, owner = self._pipes_waiting.popleft()
 
     def close(self) -> None:
         # Stuck threads cannot be joined: leave them to the process's exit.

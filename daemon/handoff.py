@@ -269,13 +269,13 @@ class Handoffs:
                     stop = threading.Event()
 
                     def give_up() -> None:
-                        d.dataplane.close_client_fd(src)
+                        d.dataplane.close_client_fd(src, h.uid)
                         _close(dst)
 
                     await d.dataplane.call(kernel_copy, src, dst, size, stop, cleanup=give_up,
                                            cancel=stop)
                     src_fd, tmp_fd = None, dst
-                    d.dataplane.close_client_fd(src)
+                    d.dataplane.close_client_fd(src, h.uid)
                 fd, tmp_fd = tmp_fd, None
                 await d.dataplane.call(functools.partial(d.staging.finish_later, fd, name, tail),
                                        cleanup=lambda: _close(fd))
@@ -331,7 +331,7 @@ class Handoffs:
                 gen.release_path(path)
             d.staging.pending_bytes -= promised
             if src_fd is not None:
-                d.dataplane.close_client_fd(src_fd)
+                d.dataplane.close_client_fd(src_fd, h.uid)
             _close(tmp_fd)
             self._give_back(None, room, slot)
             if created:
@@ -382,7 +382,7 @@ class Handoffs:
         except BaseException:
             if memory is not None:
                 memory.release()
-            d.dataplane.close_client_fd(fd)
+            d.dataplane.close_client_fd(fd, h.uid)
             raise
         finally:
             if receiving:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import grp
 import logging
 import os
@@ -107,9 +108,10 @@ def group_id(group: str) -> int:
                       "it or give a numeric gid") from None
 
 
-def refuse(conn: socket.socket, code: str, message: str, details: dict[str, object] | None = None
-           ) -> None:
-    """Say why, in one frame, and hang up: never waits (a fresh socket's buffer is empty)."""
+def refuse(conn: socket.socket, code: str, message: str, details: dict[str, object] | None = None,
+           close: Callable[[int], None] = os.close) -> None:
+    """Say why, in one frame, and hang up: never waits (a fresh socket's buffer is empty).
+    ``close``: how its fd is closed (off the loop: fds may be queued in it unread)."""
     try:
         conn.setblocking(False)
         conn.send(wire.Connection(wire.Role.SERVER).send_error(code, message, details))
@@ -117,15 +119,15 @@ def refuse(conn: socket.socket, code: str, message: str, details: dict[str, obje
     except OSError:
         pass
     finally:
-        conn.close()
+        close(conn.detach())
 
 
 class Listener:
     def __init__(self, sock: socket.socket, *, limits: Callable[[], LimitsConfig],
                  access: Callable[[], AccessConfig], metrics: Metrics,
                  handler: Callable[[socket.socket, Peer], ClientHandler],
-                 owns_path: str | None, charge: Callable[[int], None] = lambda uid: None
-                 ) -> None:
+                 owns_path: str | None, charge: Callable[[int], None] = lambda uid: None,
+                 close: Callable[[int, object], None] = lambda fd, uid: os.close(fd)) -> None:
         self.sock: socket.socket | None = sock
         self._limits = limits
         self._access = access
@@ -133,6 +135,9 @@ class Listener:
         self._handler = handler
         self._owns_path = owns_path
         self._charge = charge  # a uid's error allowance (allowance.py)
+        # How a refused connection's fd is closed (DataPlane.close_client_fd): a client may
+        # have queued fds in it already, and the last close of a pipe's can block.
+        self._close = close
         self.connections: dict[asyncio.Task[None], ClientHandler] = {}
         self.per_uid: dict[int, int] = {}
         self._refusals = OncePerCause(60.0)
@@ -182,7 +187,7 @@ class Listener:
         try:
             peer = access.peer_of(conn)
         except OSError as exc:
-            conn.close()
+            self._close(conn.detach(), None)
             self._refusals.log_event(log, logging.WARNING, "peer_credentials_unreadable",
                                      cause="peercred", error=str(exc))
             return None
@@ -190,7 +195,8 @@ class Listener:
             self._refusals.log_event(log, logging.WARNING, "client_refused",
                                      cause=f"not_allowed {peer.uid}",
                                      uid=peer.uid, reason="not in [access] allowed_uids / allowed_gids")
-            refuse(conn, wire.PERMISSION_DENIED, access.refusal(peer))
+            refuse(conn, wire.PERMISSION_DENIED, access.refusal(peer),
+                   close=functools.partial(self._close, owner=peer.uid))
             return None
         limits = self._limits()
         if len(self.connections) >= limits.max_clients:
@@ -211,7 +217,8 @@ class Listener:
                                  uid=peer.uid, reason=limit)
         refuse(conn, wire.BACKPRESSURE, f"backpressure: the daemon already serves {value} "
                f"{what} (limits.{limit}); close idle connections or retry in a moment",
-               {"limit": limit, "limit_value": value, "retry_after_s": 1.0})
+               {"limit": limit, "limit_value": value, "retry_after_s": 1.0},
+               close=functools.partial(self._close, owner=peer.uid))
         return None
 
     def _forget(self, task: asyncio.Task[None]) -> None:

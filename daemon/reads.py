@@ -176,7 +176,7 @@ async def fetch(h: ClientHandler, job: str, step: int, path: str, fd: int, *,
         owned = False
         try:
             await h.d.dataplane.call(_prepare_target, fd,
-                                     cleanup=lambda: h.d.dataplane.close_client_fd(fd))
+                                     cleanup=lambda: h.d.dataplane.close_client_fd(fd, h.uid))
         except _BadTarget as exc:
             raise RequestError(wire.BAD_REQUEST, str(exc)) from None
         except OSError as exc:
@@ -186,7 +186,7 @@ async def fetch(h: ClientHandler, job: str, step: int, path: str, fd: int, *,
         return await fetch_from_destination(h, job, step, path, fd)
     finally:
         if owned:
-            h.d.dataplane.close_client_fd(fd)
+            h.d.dataplane.close_client_fd(fd, h.uid)
 
 
 async def _fetch_local(h: ClientHandler, job: str, step: int, path: str, out_fd: int
@@ -212,7 +212,7 @@ async def _fetch_local(h: ClientHandler, job: str, step: int, path: str, out_fd:
         try:
             size, checksum = await h.d.dataplane.call(
                 _copy_to_client, h.d.staging, shard.staged_name, out_fd, algo,
-                cleanup=lambda: h.d.dataplane.close_client_fd(out_fd))
+                cleanup=lambda: h.d.dataplane.close_client_fd(out_fd, h.uid))
         except _BadTarget as exc:
             raise RequestError(wire.BAD_REQUEST, str(exc)) from None
         except FileNotFoundError:
@@ -225,7 +225,7 @@ async def _fetch_local(h: ClientHandler, job: str, step: int, path: str, out_fd:
         return {"path": path, "size": size, "checksum": checksum}
     finally:
         if owned:  # closing a client's file can block (NFS flushes on close): off the loop
-            h.d.dataplane.close_client_fd(out_fd)
+            h.d.dataplane.close_client_fd(out_fd, h.uid)
 
 
 class _BadTarget(DaemonError):

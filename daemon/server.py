@@ -217,6 +217,7 @@ class Daemon:
                         limits=lambda: self.config.limits, access=lambda: self.config.access,
                         metrics=self.metrics, handler=lambda conn, peer: ClientHandler(self, conn, peer),
                         charge=self.allowance.charge,
+                        close=self.dataplane.close_client_fd,
                         owns_path=owns)
                     stack.callback(self._listener.close)
                     background = [

@@ -88,11 +88,11 @@ def test_a_passed_fd_the_daemon_cannot_take_is_its_shortage(make_daemon: Any,
     assert "short of file descriptors" in str(refused.value)
     assert "client_protocol_error" not in d.log()
     # Staging a put's bytes meets the same shortage creating its file: it was "internal".
-    with pytest.raises(Backpressure, match="short of file descriptors"):
-        with client.generation("job", 2) as g:
-            g.put("a.bin", b"a" * 10)
-            with descriptors_short(d, spare=0):
-                g.put("c.bin", b"c" * 10)
+    with (pytest.raises(Backpressure, match="short of file descriptors"),
+          client.generation("job", 2) as g):
+        g.put("a.bin", b"a" * 10)
+        with descriptors_short(d, spare=0):
+            g.put("c.bin", b"c" * 10)
     with client.generation("job", 3) as g:  # the shortage passed: hand-offs go on
         g.put_file("b.bin", source)
     client.wait("job", 3, timeout_s=30)

@@ -5,6 +5,7 @@ hostile one gets (a typed refusal or a cut-off; the daemon and everyone else car
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import fcntl
@@ -20,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import DrainError, SizeMismatch, pipes, wire
+from ckptdrain.client import Backpressure, DrainError, SizeMismatch, pipes, wire
+from ckptdrain.daemon.dataplane import MAX_PIPE_CLOSES_PER_UID
 from tests.conftest import DaemonProcess, wait_for
 from tests.functional.test_bad_input import RawClient
 from tests.functional.test_failure_boundary import still_serves
@@ -416,3 +418,105 @@ def test_with_pipe_handoff_off_no_pipe_is_offered_or_taken(
         raw.hello_begin()
         pipe_not_offered(raw, "x.bin")
     saved_over_the_socket(d, "off", spliced)
+
+
+@contextlib.contextmanager
+def read_ends_held(count: int) -> Iterator[list[int]]:
+    """``count`` pipes' read ends, each pipe's lock held by a thread of this process (as in
+    pipe_lock_held); once passed, this process closes its own copy, so the daemon's close is
+    the last, and waits for the lock. The locks are let go on leaving."""
+    opened: list[int] = []
+    socks: list[socket.socket] = []
+    hogs: list[threading.Thread] = []
+    ends: list[int] = []
+    try:
+        for _ in range(count):
+            r, w = os.pipe()
+            other = os.open(f"/proc/self/fd/{w}", os.O_WRONLY)
+            opened += [w, other]
+            a, b = socket.socketpair()
+            socks += [a, b]
+            hog = threading.Thread(target=lambda a=a, other=other: os.splice(a.fileno(), other, 1))
+            hog.start()
+            hogs.append(hog)
+            ends.append(r)
+        for hog in hogs:
+            wait_for(lambda hog=hog: in_splice(hog), timeout_s=10)
+        yield ends
+    finally:
+        for b in socks[1::2]:
+            b.send(b"z")
+        for hog in hogs:
+            hog.join(10)
+        for fd in opened:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for s in socks:
+            s.close()
+
+
+def test_a_user_holding_the_locks_of_the_pipes_it_passed_is_served_no_more(
+        make_daemon: Any) -> None:
+    # Found attacking: the daemon closes a pipe a client passes in a thread of its own, as
+    # its last close waits for the pipe's lock, which the client can hold. 330 such pipes
+    # (passed on frames that take no fd) wedged all 256 of those threads, then both threads
+    # that close every other fd, and /dev/null fds passed after them were never closed: the
+    # daemon ran out of fds, and every user with it. Now a uid with MAX_PIPE_CLOSES_PER_UID
+    # closes waiting is served no more till they end, and past the threads they wait their
+    # turn, never in the shared closer.
+    d: DaemonProcess = make_daemon()
+    assert d.proc is not None
+    fds_before = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+    with read_ends_held(MAX_PIPE_CLOSES_PER_UID + 8) as ends:
+        with RawClient(d.socket_path) as raw:
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+            answers = []
+            for r in ends:
+                try:
+                    send_fds(raw, wire.encode_message("latest", {"job": "j"}), [r])
+                    os.close(r)  # the daemon's is the last close now
+                    answers.append(raw.reply())
+                except OSError:  # hung up on after its last word
+                    os.close(r)
+                    break
+                if answers[-1].kind == "error":
+                    break
+            refusal = answers[-1]
+            assert is_error(refusal, wire.BACKPRESSURE, "holds their locks"), answers
+            assert refusal.fields["details"]["limit"] == "pipes_held"
+            assert len(answers) <= MAX_PIPE_CLOSES_PER_UID + 1, len(answers)
+        with pytest.raises(Backpressure, match="holds their locks"):
+            d.client().status()  # a new connection of the same uid: not served either
+    # The locks let go, the closes end, and the uid is served again.
+    wait_for(lambda: len(os.listdir(f"/proc/{d.proc.pid}/fd")) <= fds_before + 2)
+    assert d.client().status()["node_id"]
+    still_serves(d)
+
+
+def test_a_connection_refused_with_a_locked_pipe_queued_never_blocks_the_event_loop(
+        make_daemon: Any) -> None:
+    # Found attacking: a connection's last close drops the fds queued in it unread. A client
+    # queued a pipe whose lock it holds behind its connect, and the daemon refused the
+    # connection (here at limits.max_clients) and closed it on the event loop, which waited
+    # in that close for the lock: every client of the node hung with it.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_CLIENTS="1")
+    assert d.proc is not None
+    with d.client(timeout_s=10) as first, read_ends_held(1) as (r,):
+        assert first.status()["node_id"]  # holds the one connection allowed
+        late = socket.socket(socket.AF_UNIX)
+        # Stopped, so that the pipe is queued before the daemon accepts (the kernel completes
+        # a connect into the listen backlog by itself).
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            late.connect(str(d.socket_path))
+            late.sendmsg([wire.encode_message("hello", {"version": wire.PROTOCOL_VERSION})],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r]))])
+            os.close(r)  # the daemon's reference, queued in the connection, is the last
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        refused = late.recv(65536)
+        assert b"max_clients" in refused
+        late.close()
+        # The loop goes on while that close waits for the lock.
+        assert first.status()["node_id"]
+        assert first.latest("nothing") is None
