@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import grp
 import logging
 import os
@@ -196,7 +195,7 @@ class Listener:
                                      cause=f"not_allowed {peer.uid}",
                                      uid=peer.uid, reason="not in [access] allowed_uids / allowed_gids")
             refuse(conn, wire.PERMISSION_DENIED, access.refusal(peer),
-                   close=functools.partial(self._close, owner=peer.uid))
+                   close=lambda fd, uid=peer.uid: self._close(fd, uid))
             return None
         limits = self._limits()
         if len(self.connections) >= limits.max_clients:
@@ -218,7 +217,7 @@ class Listener:
         refuse(conn, wire.BACKPRESSURE, f"backpressure: the daemon already serves {value} "
                f"{what} (limits.{limit}); close idle connections or retry in a moment",
                {"limit": limit, "limit_value": value, "retry_after_s": 1.0},
-               close=functools.partial(self._close, owner=peer.uid))
+               close=lambda fd, uid=peer.uid: self._close(fd, uid))
         return None
 
     def _forget(self, task: asyncio.Task[None]) -> None:
