@@ -180,6 +180,12 @@ class Listener:
             self.per_uid[peer.uid] = self.per_uid.get(peer.uid, 0) + 1
             task.add_done_callback(self._forget)
 
+    def _closer_for(self, uid: int) -> Callable[[int], None]:
+        """How a connection of ``uid`` refused at accept is closed (``close``, charged to it)."""
+        def close(fd: int) -> None:
+            self._close(fd, uid)
+        return close
+
     def _admit(self, conn: socket.socket) -> Peer | None:
         """The peer of a new connection, or None when it was refused (with a typed error,
         before any of its bytes are read, so a refused client holds nothing)."""
@@ -195,7 +201,7 @@ class Listener:
                                      cause=f"not_allowed {peer.uid}",
                                      uid=peer.uid, reason="not in [access] allowed_uids / allowed_gids")
             refuse(conn, wire.PERMISSION_DENIED, access.refusal(peer),
-                   close=lambda fd, uid=peer.uid: self._close(fd, uid))
+                   close=self._closer_for(peer.uid))
             return None
         limits = self._limits()
         if len(self.connections) >= limits.max_clients:
@@ -217,7 +223,7 @@ class Listener:
         refuse(conn, wire.BACKPRESSURE, f"backpressure: the daemon already serves {value} "
                f"{what} (limits.{limit}); close idle connections or retry in a moment",
                {"limit": limit, "limit_value": value, "retry_after_s": 1.0},
-               close=lambda fd, uid=peer.uid: self._close(fd, uid))
+               close=self._closer_for(peer.uid))
         return None
 
     def _forget(self, task: asyncio.Task[None]) -> None:
