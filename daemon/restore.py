@@ -22,6 +22,7 @@ from typing import Literal
 
 from ckptdrain.client.manifest import TMP_SUFFIX, Manifest, ShardEntry, manifest_key, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError
+from ckptdrain.daemon.backends.posixfs import NAME_MAX, RANDOM_HEX
 from ckptdrain.daemon.catalog import CatalogError, resolve
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.threads import in_thread, outlast
@@ -366,7 +367,7 @@ def _unlink(path: Path) -> None:
 
 
 def _write_file(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    tmp = path.with_name(_temp_name(path.name))
     fd = _open_temp(tmp)
     try:
         with open(fd, "wb", closefd=False) as f:
@@ -375,6 +376,17 @@ def _write_file(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
         os.close(fd)
+
+
+def _temp_name(name: str) -> str:
+    """``.<name>.<random>.ckptdrain-tmp``, the name part shortened to keep the whole within
+    NAME_MAX, as the daemon's own temp names are (``posixfs.temp_name``). Found attacking
+    restore: a shard's name may be 255 bytes (MAX_COMPONENT_BYTES), its temp name was 28
+    more, and every restore of it failed "File name too long", from the destination and
+    from the local copy alike. The sweep (:func:`_remove_stale_temps`) knows a temp file by
+    its leading '.' and its suffix alone, so a shortened one is swept as well."""
+    tail = f".{secrets.token_hex(RANDOM_HEX // 2)}{TMP_SUFFIX}"
+    return f".{name[:NAME_MAX - 1 - len(tail)]}{tail}"
 
 
 def _open_temp(tmp: Path) -> int:
@@ -389,7 +401,7 @@ def _open_temp(tmp: Path) -> int:
 async def _create_temp(target: Path) -> tuple[Path, int]:
     """A new temp file beside ``target`` and its fd. Cancelled once the thread has created
     it, the file is closed and removed here: nobody else knows it exists."""
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    tmp = target.with_name(_temp_name(target.name))
     future = asyncio.get_running_loop().run_in_executor(None, _open_temp, tmp)
     try:
         return tmp, await asyncio.shield(future)

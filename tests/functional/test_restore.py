@@ -229,3 +229,35 @@ def test_a_temp_file_a_live_restore_holds_is_left_by_another_restores_sweep(
     finally:
         os.close(fd)
     assert sorted(p.name for p in (into / "sub").iterdir()) == [live.name, "other.bin"]
+
+def test_a_shard_of_the_longest_legal_name_restores(daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking restore: a shard whose last component is 228 to 255 bytes (the longest
+    # a name may be) drained and committed, but every restore failed "File name too long":
+    # the temp name `.<name>.<random>.ckptdrain-tmp` is 28 bytes longer. The name part of
+    # the temp name is shortened, as the daemon's own are, and a killed restore's shortened
+    # temp file is still swept by the rerun.
+    longest, long = "n" * 255, "m" * 230
+    shards = {f"d/{longest}": os.urandom(20_000), f"d/{long}": os.urandom(10_000),
+              longest: b"at the top"}
+    with daemon.client().generation("rj", 8) as gen:
+        for name, data in shards.items():
+            gen.put(name, data)
+    daemon.client().wait("rj", 8, timeout_s=30)
+
+    remote = restore(daemon, tmp_path / "remote", "--no-local")
+    assert remote.returncode == 0, remote.stderr
+    local = restore(daemon, tmp_path / "local")
+    assert local.returncode == 0, local.stderr
+    assert "3 from this node's local copy" in local.stdout, local.stdout
+    for into in (tmp_path / "remote", tmp_path / "local"):
+        got = tree(into)
+        assert got.pop("MANIFEST.json")
+        assert got == shards
+
+    killed = tmp_path / "local" / "d" / f".{longest[:227]}.0123456789ab.ckptdrain-tmp"
+    killed.write_bytes(b"half a shard")
+    again = restore(daemon, tmp_path / "local", "--no-local", "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert not killed.exists()
+    assert not list((tmp_path / "local").rglob("*.ckptdrain-tmp"))
+
