@@ -76,6 +76,16 @@ def readers_arg(text: str) -> int:
     return int(text)
 
 
+def to_arg(text: str) -> str:
+    # An empty --to (an unset variable in a script: --to "$DIR") read as the current
+    # directory, and with --overwrite a restore wrote over it (found attacking restore).
+    if not text:
+        raise argparse.ArgumentTypeError("takes a directory to restore into, not an empty "
+                                         "string (an unset variable?); write --to . for the "
+                                         "current directory")
+    return text
+
+
 def generation_arg(text: str) -> str:
     # Bounded as step_arg is: a step past 2**63 - 1 came out of the manifest code as a
     # traceback (found attacking restore). Zero-padded steps (the generation directories'
@@ -397,7 +407,7 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
                            help="re-read every byte, also where the destination stores and "
                                 "validated each shard's checksum (S3)")
         if name == "restore":
-            p.add_argument("--to", required=True, help="directory to restore into (new or empty)")
+            p.add_argument("--to", required=True, type=to_arg, help="directory to restore into (new or empty)")
             p.add_argument("--overwrite", action="store_true",
                            help="restore into a non-empty directory, replacing files of the same name")
             p.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")

@@ -129,6 +129,18 @@ def test_restore_target_checks(node: DaemonProcess, tmp_path: Path) -> None:
     assert (full / "theirs.txt").read_text() == "keep" and (full / "a" / "b" / "w.bin").exists()
 
 
+def test_an_empty_to_is_a_usage_error(node: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking restore: `--to ""` (an unset variable in a script, --to "$DIR")
+    # restored into the current directory, with --overwrite over what was there.
+    (tmp_path / "notes.txt").write_text("mine")
+    for extra in ((), ("--overwrite",)):
+        one_sentence(subprocess.run(
+            [CKPTDRAIN, "restore", node.dest_uri, "--job", JOB, "--generation", "1", "--to", "",
+             "--no-local", *extra], env=node.env(), cwd=tmp_path, capture_output=True,
+            text=True, timeout=120), 2, "--to", "empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.parametrize("readers", ["-1", "65", "two", ""])
 def test_a_bad_readers_count_is_a_usage_error(node: DaemonProcess, readers: str,
                                               tmp_path: Path) -> None:
