@@ -256,16 +256,65 @@ def _check_restore_target(to: Path, overwrite: bool) -> None:
                             "or pass --overwrite to replace files of the same name in it")
 
 
+def _destination_root(dest: str) -> Path | None:
+    """The directory of a ``file://`` destination, its links resolved (None for S3)."""
+    from ckptdrain.daemon.uris import split_uri
+
+    scheme, location, _ = split_uri(dest)
+    return Path(os.path.realpath(location)) if scheme == "file" else None
+
+
+def _check_outside_destination(to: Path, dest: str) -> None:
+    """Refuse a ``--to`` that is a ``file://`` destination's root or inside it. Found attacking
+    restore: ``--to <a generation directory> --overwrite`` removed that committed generation's
+    MANIFEST.json first; stopped or failing, it left the step uncommitted, and gc removed it
+    as abandoned (and one that succeeded replaced committed shards). The root is looked for
+    among --to's directories by identity, so a link or a bind mount to it is caught too."""
+    root = _destination_root(dest)
+    if root is None:
+        return
+    try:
+        root_id = os.stat(root)
+    except OSError:
+        return  # no destination there: the command says so
+    here = Path(os.path.realpath(to))
+    for directory in (here, *here.parents):
+        try:
+            st = os.stat(directory)
+        except OSError:
+            continue  # not made yet
+        if (st.st_dev, st.st_ino) == (root_id.st_dev, root_id.st_ino):
+            raise CommandFailed(f"--to {to} is inside the destination {dest} (or is its root), "
+                                "where a restore would replace committed files; restore "
+                                "elsewhere")
+
+
+def _check_shards_outside_destination(to: Path, dest: str, paths: list[str]) -> None:
+    """Refuse a restore into a directory holding a ``file://`` destination when a shard would
+    land in the destination (--to /data, the destination /data/z, a shard z/y.bin)."""
+    root = _destination_root(dest)
+    here = Path(os.path.realpath(to))
+    if root is None or not root.is_relative_to(here):
+        return
+    for path in paths:
+        if here.joinpath(*path.split("/")).is_relative_to(root):
+            raise CommandFailed(f"{to / path} would be inside the destination {dest}, where a "
+                                "restore would write among committed files; restore elsewhere")
+
+
 def cmd_restore(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon import catalog
     from ckptdrain.daemon.restore import restore
 
     to = Path(ns.to)
+    _check_outside_destination(to, ns.dest)
     _check_restore_target(to, ns.overwrite)
 
     async def run(backend: Any) -> tuple[int, Any]:
         step = await _resolve_generation(backend, ns.job, ns.generation)
         manifest = await catalog.read_manifest(backend, ns.job, step)
+        if manifest is not None:
+            _check_shards_outside_destination(to, ns.dest, [s.path for s in manifest.shards])
         total = manifest.total_bytes if manifest is not None else 0
         bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
         try:

@@ -129,6 +129,31 @@ def test_restore_target_checks(node: DaemonProcess, tmp_path: Path) -> None:
     assert (full / "theirs.txt").read_text() == "keep" and (full / "a" / "b" / "w.bin").exists()
 
 
+def test_a_restore_into_the_destination_is_refused(node: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking restore: `--to <a generation directory> --overwrite` removed that
+    # committed generation's MANIFEST.json first; stopped or failing, it left the step
+    # uncommitted, and gc then removed it as abandoned. A --to that is the destination root
+    # or inside it (by a link too) is refused before anything is touched, and so is a
+    # restore into a directory holding the destination where a shard would land in it.
+    generation = node.dest / JOB / f"{1:020d}"
+    alias = tmp_path / "alias"
+    alias.symlink_to(generation)
+    before = sorted(p.relative_to(node.dest) for p in node.dest.rglob("*"))
+    for to in (generation, node.dest, node.dest / "new" / "dir", alias, alias / "a"):
+        one_sentence(cli(node, "restore", node.dest_uri, "--job", JOB, "--generation", "1",
+                         "--to", str(to), "--overwrite", "--no-local"), 1,
+                     str(to), "inside the destination", "restore elsewhere")
+    assert sorted(p.relative_to(node.dest) for p in node.dest.rglob("*")) == before
+    assert cli(node, "verify", node.dest_uri, "--job", JOB, "--generation", "1").returncode == 0
+    # A destination at z/ of --to: shard z/y.bin would land in it.
+    holder = tmp_path / "holder"
+    shutil.copytree(node.dest, holder / "z", symlinks=True)
+    one_sentence(cli(node, "restore", f"file://{holder / 'z'}", "--job", JOB, "--generation",
+                     "1", "--to", str(holder), "--overwrite", "--no-local"), 1,
+                 str(holder / "z" / "y.bin"), "inside the destination", "restore elsewhere")
+    assert not (holder / "z" / "y.bin").exists() and not (holder / "a").exists()
+
+
 def test_an_empty_to_is_a_usage_error(node: DaemonProcess, tmp_path: Path) -> None:
     # Found attacking restore: `--to ""` (an unset variable in a script, --to "$DIR")
     # restored into the current directory, with --overwrite over what was there.
