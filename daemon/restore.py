@@ -5,17 +5,24 @@ while it is written, and renamed into place only if they match; the manifest goe
 restored directory says what it holds. A failed restore leaves the target as it found it. A
 shard with a verified copy on this node is taken from it (the daemon's fast path) instead of
 the destination.
+
+Under the target, every directory is reached from a descriptor of the target one component at
+a time, never through a symbolic link, and every file is made, renamed and removed by its own
+name in its directory's descriptor: a link in the target is refused, naming it, before anything
+is written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable, Iterable
+import stat
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -77,7 +84,8 @@ async def restore(
     root = await in_thread(Path(to_dir).resolve)
     lock = await in_thread(_lock_target, root)  # refused: nothing of this restore's to undo
     try:
-        return await _restore_into(backend, manifest, root, concurrency, progress, local, made)
+        return await _restore_into(backend, manifest, root, lock, concurrency, progress, local,
+                                   made)
     except BaseException:
         # A failed restore leaves the target as it found it: no half checkpoint, no empty
         # directories (files it replaced under --overwrite are not brought back, and an
@@ -108,41 +116,46 @@ def _lock_target(root: Path) -> int:
     return fd
 
 
-async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concurrency: int,
-                        progress: Callable[[int], None] | None, local: LocalSource | None,
-                        made: _Made) -> RestoreReport:
+async def _restore_into(backend: Backend, manifest: Manifest, root: Path, root_fd: int,
+                        concurrency: int, progress: Callable[[int], None] | None,
+                        local: LocalSource | None, made: _Made) -> RestoreReport:
     job, step = manifest.job, manifest.generation
-    # Shard paths are validated when the manifest parses; this also refuses a symlink planted
-    # in to_dir that would carry a write elsewhere.
+    # Shard paths are validated when the manifest parses; checked here all the same.
     targets = {shard.path: _inside(root, shard.path) for shard in manifest.shards}
+    dirs = {tuple(shard.path.split("/")[:-1]) for shard in manifest.shards}
+    # A link among the shards' directories is refused before anything is changed.
+    await in_thread(_refuse_links, root_fd, root, dirs)
     written = local_files = local_rejected = 0
     # Under --overwrite the target may hold an earlier restore: its MANIFEST.json goes before
     # any file is replaced, so a restore that fails half-way leaves no directory claiming to
     # be a whole checkpoint (found attacking restore: the old manifest stayed, describing
     # files some of which were already another generation's).
     await in_thread(_unlink, root / "MANIFEST.json")
-    stale = await in_thread(_remove_stale_temps, root, targets.values())
+    stale = await in_thread(_remove_stale_temps, root_fd, root, dirs)
     if stale:
         log.info("removed %d temp files an earlier restore into %s left behind", stale, root)
 
     async def fetch(shard: ShardEntry) -> None:
         nonlocal written, local_files, local_rejected
         target = targets[shard.path]
-        await in_thread(_makedirs_inside, root, target, made)
-        if local is not None:
-            outcome = await _write_local(local, target, shard)
-            if outcome == "ok":
-                written += shard.size
-                local_files += 1
-                if progress is not None:
-                    progress(shard.size)
-                return
-            if outcome == "rejected":
-                local_rejected += 1
-        count = await _write_verified(
-            backend, shard_key(job, step, shard.path), target, shard, progress
-        )
-        written += count
+        where = await _open_fd(_shard_dir, root_fd, root, shard.path, made)
+        try:
+            if local is not None:
+                outcome = await _write_local(local, where, target, shard)
+                if outcome == "ok":
+                    written += shard.size
+                    local_files += 1
+                    if progress is not None:
+                        progress(shard.size)
+                    return
+                if outcome == "rejected":
+                    local_rejected += 1
+            count = await _write_verified(
+                backend, shard_key(job, step, shard.path), where, target, shard, progress
+            )
+            written += count
+        finally:
+            os.close(where)
 
     try:
         await for_each_bounded(manifest.shards, fetch, concurrency)
@@ -164,7 +177,7 @@ async def _restore_into(backend: Backend, manifest: Manifest, root: Path, concur
                     "them)")
         raise RestoreError(f"restore of {job!r} generation {step} failed: {exc}{hint}") from exc
     made.file(root / "MANIFEST.json")
-    await in_thread(_write_file, root / "MANIFEST.json", manifest.to_json())
+    await in_thread(_write_file, root_fd, root / "MANIFEST.json", manifest.to_json())
     return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root,
                          local_files=local_files, local_rejected=local_rejected)
 
@@ -178,11 +191,11 @@ async def _still_there(backend: Backend, job: str, step: int) -> bool:
         return True
 
 
-async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> str:
+async def _write_local(local: LocalSource, dir_fd: int, target: Path, shard: ShardEntry) -> str:
     """"ok" when the local copy was written and matches the manifest's checksum; "missing"
     when there is none; "rejected" when it did not match (never trusted: the caller fetches
-    the shard from the destination instead)."""
-    tmp, fd = await _create_temp(target)
+    the shard from the destination instead). ``dir_fd`` is ``target``'s directory."""
+    tmp, fd = await _create_temp(dir_fd, target)
     outcome = "missing"
     try:
         checksum = await local(shard, fd)
@@ -190,10 +203,10 @@ async def _write_local(local: LocalSource, target: Path, shard: ShardEntry) -> s
         if checksum is not None:
             outcome = "ok" if checksum == shard.checksum and size == shard.size else "rejected"
         if outcome == "ok":
-            await in_thread(os.replace, tmp, target)
+            await in_thread(_put_in_place, dir_fd, tmp, target)
     finally:
         if outcome != "ok":
-            await in_thread(_unlink, tmp)
+            await in_thread(_unlink_in, dir_fd, tmp)
         os.close(fd)  # (its lock held until the temp name is gone: _remove_stale_temps)
     if outcome == "rejected":
         log.warning("local copy of %s failed its checksum; restoring it from the destination",
@@ -245,19 +258,91 @@ class _Made:
                 d.rmdir()  # only if empty: never what was there before
 
 
-def _makedirs_inside(root: Path, target: Path, made: _Made) -> None:
-    directory = target.parent
-    made.makedirs(directory)
-    if not directory.resolve().is_relative_to(root):
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_dir(root_fd: int, root: Path, parts: Sequence[str], made: _Made | None) -> int | None:
+    """A descriptor of the directory ``root/parts``, reached from ``root_fd`` (the target's)
+    one component at a time, never through a link: a link on the way is refused, naming it.
+    Found attacking restore: with ``a -> .`` in the target, shards x.bin and a/x.bin were
+    written to one file, "checksums verified"; with ``a -> /outside``, a/x/y/b.bin's
+    directories were made in /outside before a check of the path refused it. A missing
+    directory is made (and recorded in ``made``), or None returned when ``made`` is None."""
+    fd = os.dup(root_fd)
+    try:
+        for i, name in enumerate(parts):
+            where = root.joinpath(*parts[: i + 1])
+            try:
+                nxt = _open_component(fd, name, where)
+            except FileNotFoundError:
+                if made is None:
+                    os.close(fd)
+                    return None
+                try:
+                    os.mkdir(name, dir_fd=fd)
+                    made.dirs.append(where)
+                except FileExistsError:
+                    pass  # another worker made it: theirs to record
+                nxt = _open_component(fd, name, where)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_component(dir_fd: int, name: str, where: Path) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        # O_NOFOLLOW says ELOOP of a link, or ENOTDIR with O_DIRECTORY; ENOTDIR of a file.
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        if not _is_link(dir_fd, name):
+            raise RestoreError(f"{where} exists and is not a directory; restore elsewhere") from None
         raise RestoreError(
-            f"{directory} resolves outside {root} (a symlink?); restore into an empty directory"
-        )
-    made.file(target)
+            f"{where} is a symbolic link, and restore writes nothing through a link in the "
+            "target directory (it can lead outside it, or onto another shard's file); remove "
+            "it, or restore into an empty directory") from None
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _refuse_links(root_fd: int, root: Path, dirs: Iterable[Sequence[str]]) -> None:
+    """Refuse a link (or a file) where any of ``dirs`` or their parents goes, before the
+    restore changes anything: a shard's own walk would meet it only once others were written."""
+    for parts in dirs:
+        fd = _open_dir(root_fd, root, parts, None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _shard_dir(root_fd: int, root: Path, rel: str, made: _Made) -> int:
+    """A descriptor of shard ``rel``'s directory, made where missing; a shard file that is not
+    there yet is recorded in ``made``."""
+    *parts, name = rel.split("/")
+    fd = _open_dir(root_fd, root, parts, made)
+    assert fd is not None  # (made: never None)
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        made.files.append(root.joinpath(*parts, name))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 async def _write_verified(
     backend: Backend,
     key: str,
+    dir_fd: int,
     target: Path,
     shard: ShardEntry,
     progress: Callable[[int], None] | None,
@@ -267,9 +352,9 @@ async def _write_verified(
     # and "the shard at the destination is damaged" sent operators to an older checkpoint
     # for nothing (found attacking). Twice the same way, it is the destination's. The second
     # read's bytes were counted by the first (no progress past 100%).
-    size, problem = await _write_checked(backend, key, target, shard, progress)
+    size, problem = await _write_checked(backend, key, dir_fd, target, shard, progress)
     if problem:
-        size, problem = await _write_checked(backend, key, target, shard, None)
+        size, problem = await _write_checked(backend, key, dir_fd, target, shard, None)
     if problem:
         raise RestoreError(f"{problem}, read twice; the shard at the destination is damaged: "
                            "restore an older generation (`ckptdrain ls` lists them)")
@@ -279,13 +364,15 @@ async def _write_verified(
 async def _write_checked(
     backend: Backend,
     key: str,
+    dir_fd: int,
     target: Path,
     shard: ShardEntry,
     progress: Callable[[int], None] | None,
 ) -> tuple[int, str]:
-    """Copy ``key`` into a temp file beside ``target`` and rename it into place if it is the
-    shard the manifest lists: (its size, "") or (its size, what is wrong with it)."""
-    tmp, fd = await _create_temp(target)
+    """Copy ``key`` into a temp file beside ``target`` (in ``dir_fd``) and rename it into
+    place if it is the shard the manifest lists: (its size, "") or (its size, what is wrong
+    with it)."""
+    tmp, fd = await _create_temp(dir_fd, target)
     # The temp exists from here: renamed when verified, unlinked on every other way out.
     done = False
     try:
@@ -306,55 +393,53 @@ async def _write_checked(
         if checksum != shard.checksum:
             return size, (f"{shard.path} does not match its checksum in the manifest "
                           f"({checksum} != {shard.checksum})")
-        try:
-            await in_thread(os.replace, tmp, target)
-        except OSError as exc:
-            # Named by the shard's place, not the temp's (a directory there under --overwrite
-            # said ".a.bin.<random>.ckptdrain-tmp: Is a directory"; found attacking restore).
-            raise OSError(exc.errno, exc.strerror, str(target)) from exc
+        await in_thread(_put_in_place, dir_fd, tmp, target)
         done = True
         return size, ""
     finally:
         if not done:
-            tmp.unlink(missing_ok=True)
+            _unlink_in(dir_fd, tmp)
         os.close(fd)  # (its lock held until the temp name is gone: _remove_stale_temps)
 
 
-def _remove_stale_temps(root: Path, targets: Iterable[Path]) -> int:
+def _remove_stale_temps(root_fd: int, root: Path, dirs: Iterable[Sequence[str]]) -> int:
     """Remove the temp files an earlier restore into ``root`` left when it was killed
     (``.<name>.<random>.ckptdrain-tmp`` beside a shard's place) from the directories this one
-    writes; how many. Found attacking restore: the rerun with ``--overwrite`` that the docs
-    advise after a kill left them beside the restored checkpoint, hundreds of MiB each. A
-    name with that suffix is never a shard's (refused at hand-off), and a directory that
-    resolves outside ``root`` (a planted link) is not looked into. A live restore holds a lock
-    on each of its temp files (:func:`_open_temp`) until its name is gone: such a file is
-    left (found attacking: a restore into a parent or a child of another's target removed
-    that one's temp files, and it failed)."""
+    writes (``dirs``, reached as :func:`_open_dir` does: never behind a link); how many. Found
+    attacking restore: the rerun with ``--overwrite`` that the docs advise after a kill left
+    them beside the restored checkpoint, hundreds of MiB each. A name with that suffix is
+    never a shard's (refused at hand-off). A live restore holds a lock on each of its temp
+    files (:func:`_open_temp`) until its name is gone: such a file is left (found attacking:
+    a restore into a parent or a child of another's target removed that one's temp files,
+    and it failed)."""
     removed = 0
-    for directory in {target.parent for target in targets}:
+    for parts in dirs:
+        fd = _open_dir(root_fd, root, parts, None)
+        if fd is None:
+            continue  # not there yet
         try:
-            if not directory.resolve().is_relative_to(root):
-                continue
-            entries = list(os.scandir(directory))
-        except OSError:  # not there yet (or not a directory: the restore says so)
-            continue
-        for entry in entries:
-            if (entry.name.startswith(".") and entry.name.endswith(TMP_SUFFIX)
-                    and entry.is_file(follow_symlinks=False)):
-                removed += _remove_unheld(entry.path)
+            with os.scandir(fd) as listing:
+                entries = list(listing)
+            for entry in entries:
+                if (entry.name.startswith(".") and entry.name.endswith(TMP_SUFFIX)
+                        and entry.is_file(follow_symlinks=False)):
+                    removed += _remove_unheld(fd, entry.name)
+        finally:
+            os.close(fd)
     return removed
 
 
-def _remove_unheld(path: str) -> bool:
-    """Unlink the temp file at ``path`` unless a live restore holds its lock (or it cannot be
-    told: a filesystem without flock); whether it was removed."""
+def _remove_unheld(dir_fd: int, name: str) -> bool:
+    """Unlink the temp file ``name`` in ``dir_fd`` unless a live restore holds its lock (or it
+    cannot be told: a filesystem without flock); whether it was removed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
     except OSError:
         return False  # gone, or not ours to open: left
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:  # held by a live restore (BlockingIOError), or cannot be told
         return False
     finally:
@@ -366,15 +451,31 @@ def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    tmp = path.with_name(_temp_name(path.name))
-    fd = _open_temp(tmp)
+def _unlink_in(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def _put_in_place(dir_fd: int, tmp: str, target: Path) -> None:
+    """Rename temp file ``tmp`` to ``target``'s name, both in ``dir_fd``."""
+    try:
+        os.replace(tmp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as exc:
+        # Named by the shard's place, not the temp's (a directory there under --overwrite
+        # said ".a.bin.<random>.ckptdrain-tmp: Is a directory"; found attacking restore).
+        raise OSError(exc.errno, exc.strerror, str(target)) from exc
+
+
+def _write_file(root_fd: int, path: Path, data: bytes) -> None:
+    """Write ``path``, a file directly in the target (``root_fd``), through a temp file."""
+    tmp = _temp_name(path.name)
+    fd = _open_temp(root_fd, tmp, path)
     try:
         with open(fd, "wb", closefd=False) as f:
             f.write(data)
-        os.replace(tmp, path)
+        _put_in_place(root_fd, tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        _unlink_in(root_fd, tmp)
         os.close(fd)
 
 
@@ -389,25 +490,39 @@ def _temp_name(name: str) -> str:
     return f".{name[:NAME_MAX - 1 - len(tail)]}{tail}"
 
 
-def _open_temp(tmp: Path) -> int:
-    """Create ``tmp`` (readable too: the POSIX backend checksums what it wrote by mapping
-    it) and lock it, so that another restore's sweep (:func:`_remove_unheld`) leaves it."""
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+def _open_temp(dir_fd: int, tmp: str, target: Path) -> int:
+    """Create ``tmp`` in ``dir_fd``, ``target``'s directory (readable too: the POSIX backend
+    checksums what it wrote by mapping it) and lock it, so that another restore's sweep
+    (:func:`_remove_unheld`) leaves it."""
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=dir_fd)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(target)) from exc  # (the temp's name is ours)
     with contextlib.suppress(OSError):  # a filesystem without flock: unlocked
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd
 
 
-async def _create_temp(target: Path) -> tuple[Path, int]:
-    """A new temp file beside ``target`` and its fd. Cancelled once the thread has created
-    it, the file is closed and removed here: nobody else knows it exists."""
-    tmp = target.with_name(_temp_name(target.name))
-    future = asyncio.get_running_loop().run_in_executor(None, _open_temp, tmp)
+async def _create_temp(dir_fd: int, target: Path) -> tuple[str, int]:
+    """A new temp file beside ``target`` (in ``dir_fd``): its name and fd. Cancelled once the
+    thread has created it, the file is closed and removed here: nobody else knows it exists."""
+    tmp = _temp_name(target.name)
+    return tmp, await _open_fd(_open_temp, dir_fd, tmp, target,
+                               lost=lambda: _unlink_in(dir_fd, tmp))
+
+
+async def _open_fd(opener: Callable[..., int], *args: object,
+                   lost: Callable[[], None] | None = None) -> int:
+    """``opener(*args)``, which returns a new fd, in a thread. Cancelled once the thread has
+    opened it, the fd is closed here (and ``lost`` called), since nobody else holds it."""
+    future = asyncio.get_running_loop().run_in_executor(None, opener, *args)
     try:
-        return tmp, await asyncio.shield(future)
+        return await asyncio.shield(future)
     except asyncio.CancelledError:
         await outlast(future)
         if not future.cancelled() and future.exception() is None:
             os.close(future.result())
-            tmp.unlink(missing_ok=True)
+            if lost is not None:
+                lost()
         raise

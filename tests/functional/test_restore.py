@@ -230,6 +230,7 @@ def test_a_temp_file_a_live_restore_holds_is_left_by_another_restores_sweep(
         os.close(fd)
     assert sorted(p.name for p in (into / "sub").iterdir()) == [live.name, "other.bin"]
 
+
 def test_a_shard_of_the_longest_legal_name_restores(daemon: DaemonProcess, tmp_path: Path) -> None:
     # Found attacking restore: a shard whose last component is 228 to 255 bytes (the longest
     # a name may be) drained and committed, but every restore failed "File name too long":
@@ -261,3 +262,47 @@ def test_a_shard_of_the_longest_legal_name_restores(daemon: DaemonProcess, tmp_p
     assert not killed.exists()
     assert not list((tmp_path / "local").rglob("*.ckptdrain-tmp"))
 
+
+def two_shards_one_nested(daemon: DaemonProcess, step: int, nested: str) -> None:
+    """Step ``step`` of "rj": x.bin and ``nested``, committed."""
+    with daemon.client().generation("rj", step) as gen:
+        gen.put("x.bin", b"top-level x.bin " * 1000)
+        gen.put(nested, b"nested " * 1000)
+    daemon.client().wait("rj", step, timeout_s=30)
+
+
+def test_a_link_inside_the_target_does_not_merge_two_shards(daemon: DaemonProcess,
+                                                            tmp_path: Path) -> None:
+    # Found attacking restore: with `a -> .` in the target, shards x.bin and a/x.bin were
+    # written to one file, and the restore said "checksums verified", exit 0. A link in a
+    # shard's directories is refused before anything is written, naming the link.
+    two_shards_one_nested(daemon, 9, "a/x.bin")
+    for extra in (("--no-local",), ()):
+        into = tmp_path / f"into{len(extra)}"
+        into.mkdir()
+        (into / "a").symlink_to(".")
+        out = restore(daemon, into, "--overwrite", *extra)
+        assert out.returncode == 1, out.stdout
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"{into / 'a'} is a symbolic link" in out.stderr, out.stderr
+        assert sorted(p.name for p in into.iterdir()) == ["a"]
+
+
+def test_a_link_inside_the_target_makes_no_directory_where_it_leads(daemon: DaemonProcess,
+                                                                   tmp_path: Path) -> None:
+    # Found attacking restore: with `a -> /outside` in the target, a shard a/x/y/b.bin had
+    # its directories made in /outside, through the link, before the restore refused the
+    # path (its undo removed them; a kill in between left them there). Nothing is made
+    # there now: `outside`'s time of change would say so.
+    two_shards_one_nested(daemon, 10, "a/x/y/b.bin")
+    into, outside = tmp_path / "into", tmp_path / "outside"
+    into.mkdir()
+    outside.mkdir()
+    (into / "a").symlink_to(outside)
+    os.utime(outside, (1_000_000_000, 1_000_000_000))
+    out = restore(daemon, into, "--overwrite", "--no-local")
+    assert out.returncode == 1, out.stdout
+    assert list(outside.iterdir()) == []
+    assert outside.stat().st_mtime == 1_000_000_000
+    assert f"{into / 'a'} is a symbolic link" in out.stderr, out.stderr
+    assert sorted(p.name for p in into.iterdir()) == ["a"]
