@@ -57,6 +57,9 @@ class Admission:
         self._held: dict[GenerationRecord, Reservation] = {}
         # Frees room on max_staged_bytes by evicting kept local copies (set by the daemon).
         self.make_room: Callable[[int], Awaitable[int]] | None = None
+        # What a uid's failed generations hold for `retry` (LocalCopies.held_for_retry: bytes,
+        # queue slots, the generations), told to a save they refuse (set by the daemon).
+        self.held_for_retry: Callable[[int], tuple[int, int, list[GenerationRecord]]] | None = None
         # on_full = "supersede": ends this job's older generations (set by the daemon).
         self.supersede: Callable[[str, int, Budget, int], Awaitable[bool]] | None = None
         # Set whenever a uid's share is given back: what hand-offs over their share wait on.
@@ -126,7 +129,8 @@ class Admission:
     # -- admission ----------------------------------------------------------------------------
     def charge(self, reservation: Reservation, uid: int) -> Reservation:
         """Count ``reservation`` against ``uid``'s share until it is released, or until its
-        shard drains (Reservation.settle: a kept local copy is not the uid's to carry)."""
+        shard drains (Reservation.settle: a drained shard's kept local copy is not the uid's
+        to carry; a failed generation's copies kept for `retry` are: LocalCopies)."""
         if reservation.then is not None:
             # Charged twice, the first charge would never be given back (a uid refused for
             # good): a bug to find, as a double release is.
@@ -190,12 +194,27 @@ class Admission:
         held = self._tally(budget or self.staged).get(uid, 0)
         self.metrics.backpressure(action, name)
         waited = " for limits.block_timeout_s" if action == "timed_out" else ""
+        details = {"limit": name, "limit_value": cap, "current": held, "requested": amount,
+                   "retry_after_s": 1.0}
+        advice = "wait for its shards to drain or checkpoint less often"
+        retry_bytes, retry_slots, failed = (self.held_for_retry(uid) if self.held_for_retry
+                                            else (0, 0, []))
+        kept = retry_slots if budget is self.shards else retry_bytes
+        if kept:
+            # They never drain by themselves: "wait for its shards to drain" alone left a user
+            # waiting for good on copies only an abort or a retry frees (found attacking).
+            details["held_for_retry"] = kept
+            steps = ", ".join(f"step {g.step} of job {g.job!r}" for g in failed[:4])
+            more = f" and {len(failed) - 4} more" if len(failed) > 4 else ""
+            advice = (f"{kept} of them are copies its failed generations keep for `retry` "
+                      f"({steps}{more}), which never drain by themselves: free them with "
+                      "`ckptdrain retry JOB STEP` once the destination takes them, or "
+                      "`ckptdrain abort JOB STEP` to give them up; else they go after "
+                      f"retention.forget_after_s ({self.config.retention.forget_after_s:g} s "
+                      "from the step's start) or past retention.keep_failed per job")
         raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already holds {held} "
                            f"{what} on this node{waited} and asks for {amount} more, over "
-                           f"limits.{name} ({cap}); wait for its shards to drain or "
-                           "checkpoint less often",
-                           {"limit": name, "limit_value": cap, "current": held,
-                            "requested": amount, "retry_after_s": 1.0})
+                           f"limits.{name} ({cap}); {advice}", details)
 
     async def hold_share(self, uid: int | None, amount: int, budget: Budget,
                          deadline: float | None = None) -> Callable[[], None]:

@@ -6,11 +6,12 @@ live here, keyed by the shard record, and are released exactly once: the slot wh
 drains or is dropped; the bytes after its file is unlinked (off the event loop) when it is
 evicted or dropped as it drains, at once when the decision to drop it is made otherwise.
 
-Copies kept after draining (for a fast restore, for a failed generation's ``retry``, for a
-generation still waiting on other nodes) stay inside ``max_staged_bytes``. When a hand-off
-needs room they are evicted oldest first; a shard not yet drained is never evicted, and the
-newest committed generation of a job, the copy a fast restore would use, goes only after
-every other candidate.
+Copies kept after draining (for a fast restore, for a generation still waiting on other
+nodes) stay inside ``max_staged_bytes``. When a hand-off needs room they are evicted oldest
+first; a shard not yet drained is never evicted (a failed generation's copies kept for
+``retry`` included: they stay charged to their uid's share instead), and the newest committed
+generation of a job, the copy a fast restore would use, goes only after every other
+candidate.
 """
 
 from __future__ import annotations
@@ -81,15 +82,16 @@ class LocalCopies:
 
     def recovered(self, shard: ShardRecord) -> None:
         """Recovery found ``shard``'s file: held against the limits whatever they are now,
-        its uid's share included while it is to drain (as at the hand-off that staged it)."""
+        its uid's share included while it is to drain or kept for ``retry`` (as at the
+        hand-off that staged it, and as :meth:`kept_for_retry` keeps it)."""
         room = self._room[shard] = self.admission.staged.adopt(shard.size)
         if shard.state is ShardState.DRAINED:
             # A reader may still hold an fd an earlier run lent it: dropping the copy asks.
             self._lent.add(shard.staged_name)
         if shard.state in (ShardState.STAGED, ShardState.FAILED):
             slot = self._slot[shard] = self.admission.shards.adopt(1)
-            self._charge_while_open(shard, room)
-            self._charge_while_open(shard, slot)
+            self._charge(shard, room)
+            self._charge(shard, slot)
 
     def vanished(self, shard: ShardRecord) -> None:
         """A drained shard went missing at the destination (failed, for ``retry`` to drain
@@ -99,31 +101,63 @@ class LocalCopies:
             self._slot[shard] = self.admission.shards.adopt(1)
 
     def kept_for_retry(self, gen: GenerationRecord) -> None:
-        """``gen`` failed and keeps its undrained copies for ``ckptdrain retry``: inside
-        max_staged_bytes still, but no longer against its uid's share. They wait for an
-        operator, not for a drain, and held against it they refused every later save of the
-        job (found attacking the per-uid limit)."""
+        """``gen`` failed and keeps its undrained copies for ``ckptdrain retry``: they stay
+        charged to its uid's share, bytes and queue slots, until they drain (retried) or go
+        (``ckptdrain abort``, retention.keep_failed, retention.forget_after_s). Left out of the
+        share, they still held max_staged_bytes and max_queued_shards, which no eviction
+        frees: one user failing its own saves again and again filled the node, and every
+        other user was refused (found attacking). A save they refuse is told so, and how to
+        free them (Admission.check_uid_share).
+
+        They are never evicted, not even for another uid's hand-off: each is the only copy of
+        acknowledged bytes that never reached the destination (a destination outage fails
+        every user's saves at once: evicted, they would have been lost to whoever saved
+        next). The share bounds what one uid holds through them instead. A shard that
+        vanished at the destination (drained, then failed) is charged again here too: its
+        room was given back to the share when it drained."""
         for shard in gen.shards.values():
-            for held in (self._room.get(shard), self._slot.get(shard)):
-                if held is not None:
-                    held.settle()
+            if shard.state is not ShardState.DRAINED:
+                for held in (self._room.get(shard), self._slot.get(shard)):
+                    if held is not None:
+                        self._charge(shard, held)
 
     def retried(self, shard: ShardRecord) -> None:
-        """Its failed generation is retried: the shard counts against its uid's share again
-        until it drains (an operator's retry is not refused for the share)."""
+        """Its failed generation is retried: the shard counts against its uid's share until
+        it drains, as it did while kept (an operator's retry is not refused for the share)."""
         for held in (self._room.get(shard), self._slot.get(shard)):
-            if held is not None and held.then is None:
-                self._charge_while_open(shard, held)
+            if held is not None:
+                self._charge(shard, held)
 
-    def _charge_while_open(self, shard: ShardRecord, room: Reservation) -> None:
-        """Charge ``room`` to the share of ``shard``'s job's owner, if its generation is still
-        open: not once it failed (again), since a retry's loop awaits a journal write per
-        shard and a shard it had queued could fail the generation meanwhile, after
-        kept_for_retry ran, leaving the rest charged for good (found attacking retry)."""
-        gen = self.ledger.get(shard.job, shard.step)
+    def _charge(self, shard: ShardRecord, room: Reservation) -> None:
+        """Charge ``room`` to the share of ``shard``'s job's owner, unless it already is: given
+        back when the shard drains (settled) or its copy goes (released). A generation that
+        fails (again) while a retry's loop still charges its shards leaves nothing charged
+        for good: the copies a failed generation keeps are charged anyway, and given back
+        with them."""
         owner = self.ledger.jobs.get(shard.job)
-        if owner is not None and gen is not None and not gen.terminal:
+        if (owner is not None and room.then is None
+                and self.ledger.get(shard.job, shard.step) is not None):
             self.admission.charge(room, owner)
+
+    def held_for_retry(self, uid: int) -> tuple[int, int, list[GenerationRecord]]:
+        """What ``uid``'s failed generations hold for ``retry``: bytes, queue slots, and the
+        generations, oldest step first (what a save over the share is told to free)."""
+        jobs = self.ledger.jobs
+        nbytes = slots = 0
+        gens = []
+        for gen in sorted(self.ledger.generations.values(), key=lambda g: (g.step, g.job)):
+            if gen.state is not GenerationState.FAILED or jobs.get(gen.job) != uid:
+                continue
+            before = (nbytes, slots)
+            for shard in gen.shards.values():
+                if shard.state is ShardState.DRAINED:
+                    continue
+                room, slot = self._room.get(shard), self._slot.get(shard)
+                nbytes += room.amount if room is not None else 0
+                slots += 1 if slot is not None else 0
+            if (nbytes, slots) != before:
+                gens.append(gen)
+        return nbytes, slots, gens
 
     @property
     def kept_bytes(self) -> int:

@@ -116,6 +116,7 @@ class Daemon:
                                   self.supervisor)
         self.copies.keep_after_drain = config.retention.keep_local_copy
         self.admission.make_room = self.copies.make_room
+        self.admission.held_for_retry = self.copies.held_for_retry
         self.admission.supersede = self.supersede
         self.scheduler = Scheduler(
             config=config, ledger=self.ledger, staging=self.staging, backend=self.backend,

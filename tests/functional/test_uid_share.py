@@ -117,15 +117,17 @@ def test_puts_queued_for_room_take_no_more_than_the_uids_share(make_daemon: Any)
     assert answers == ["OK", "OK", "REFUSED max_reserved_bytes_per_uid"], answers
 
 
-def test_a_failed_generations_copies_kept_for_retry_do_not_hold_the_share(
+def test_a_failed_generations_copies_kept_for_retry_hold_the_share_until_retried(
     make_daemon: Any, tmp_path: Path
 ) -> None:
-    # Found attacking the share: step 1 failed while the destination was unmounted; its
-    # copies, kept for `retry`, held 60 of the uid's 100 MiB, and every later save was refused
-    # ("wait for its shards to drain", which they never would) until it was aborted.
+    # Step 1 failed while the destination was unmounted; its copies, kept for `retry`, hold
+    # 60 of the uid's 100 MiB until it is retried (or aborted, or forgotten). Found attacking
+    # the share: left out of it (so that they would not refuse the job's later saves), such
+    # copies let one user fill the node through failed generations (see the next test); a
+    # save they refuse now says what holds the room and how to free it.
     mount = tmp_path / "mnt"
-    # keep_last 4: step 1, retried after 2, 3 and 4 committed, is kept (at 3 its retry is
-    # refused: retention would remove it as soon as it committed).
+    # keep_last 4: step 1, retried after 2 committed, is kept (retention would otherwise
+    # refuse the retry: it would remove it as soon as it committed).
     d: DaemonProcess = make_daemon(dest=f"file://{mount}/dest",
                                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="100MiB",
                                    CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5",
@@ -136,18 +138,65 @@ def test_a_failed_generations_copies_kept_for_retry_do_not_hold_the_share(
     with pytest.raises(GenerationFailed):
         c.wait("j", 1, timeout_s=60)
     mount.mkdir()
-    for step in (2, 3):
-        with c.generation("j", step) as gen:
-            gen.put("a", os.urandom(60 * MiB))
-        c.wait("j", step, timeout_s=120)
-    d.kill()  # and a restart does not charge them again
+    d.kill()  # a restart charges them again, once
     d.start()
     c = d.client(timeout_s=60)
-    with c.generation("j", 4) as gen:
+    with c.generation("j", 2) as gen:
+        gen.put("a", os.urandom(30 * MiB))  # 60 + 30 of 100: fits (counted twice, it would not)
+    c.wait("j", 2, timeout_s=120)
+    with pytest.raises(Backpressure) as info, c.generation("j", 3) as gen:
+        gen.put("a", os.urandom(60 * MiB))
+    assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
+    assert info.value.details["current"] == 60 * MiB
+    assert info.value.details["held_for_retry"] == 60 * MiB
+    message = str(info.value)
+    assert "step 1 of job 'j'" in message, message
+    assert "ckptdrain retry" in message and "ckptdrain abort" in message, message
+    c.retry("j", 1)  # the kept copy drains, and gives the share back
+    c.wait("j", 1, timeout_s=120)
+    with c.generation("j", 4) as gen:  # (step 3 failed with its refused hand-off)
         gen.put("a", os.urandom(60 * MiB))
     c.wait("j", 4, timeout_s=120)
-    c.retry("j", 1)  # the kept copy still drains
-    c.wait("j", 1, timeout_s=120)
+
+
+@needs_root
+@pytest.mark.parametrize("share", ["bytes", "shards"])
+def test_failed_generations_kept_for_retry_hold_no_more_than_the_uids_share(
+    make_daemon: Any, tmp_path: Path, share: str
+) -> None:
+    # Found attacking: copies of failed generations kept for `retry` were left out of their
+    # uid's share, but stayed in max_staged_bytes and max_queued_shards, and no eviction
+    # touches them. One user failing its own saves again and again (a drain that fails for
+    # good) filled the node's staging and shard queue, and every other user was refused.
+    limits = ({"CKPTDRAIN_LIMITS__MAX_STAGED_BYTES": "64MiB",
+               "CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID": "24MiB"} if share == "bytes" else
+              {"CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS": "12",
+               "CKPTDRAIN_LIMITS__MAX_QUEUED_SHARDS_PER_UID": "4"})
+    d = shared_node(make_daemon, dest=f"file://{tmp_path}/unmounted/dest",  # every drain fails
+                    CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5",
+                    CKPTDRAIN_LIMITS__BLOCK_TIMEOUT_S="5", **limits)
+    c = d.client(timeout_s=60)
+    failed = 0
+    with pytest.raises(Backpressure) as info:
+        for step in range(1, 9):
+            with c.generation("failing", step) as gen:
+                if share == "bytes":
+                    gen.put("w", os.urandom(8 * MiB))
+                else:
+                    gen.put("a", b"a")
+                    gen.put("b", b"b")
+            with pytest.raises(GenerationFailed):
+                c.wait("failing", step, timeout_s=60)
+            failed += 1
+    assert failed == (3 if share == "bytes" else 2)  # the share, and no more
+    limit = "max_reserved_bytes_per_uid" if share == "bytes" else "max_queued_shards_per_uid"
+    assert info.value.details["limit"] == limit
+    assert "failed generations" in str(info.value), str(info.value)
+
+    assert other_user_saves(d, os.urandom(16 * MiB) if share == "bytes" else b"x") == "SAVED"
+    c.abort_generation("failing", 1)  # what frees the share (as retry would)
+    with c.generation("failing", 10) as gen:
+        gen.put("w", os.urandom(8 * MiB) if share == "bytes" else b"w")
 
 
 def test_a_memory_handoff_is_charged_once_while_it_is_written(
@@ -209,7 +258,8 @@ def test_an_operators_handoff_counts_against_the_jobs_owner(make_daemon: Any) ->
 def test_a_retry_that_fails_again_leaves_nothing_charged(make_daemon: Any) -> None:
     # Found attacking retry: a retry's loop re-queues one failed shard after another, a
     # journal write each; the first ones drained, failed and failed the generation again
-    # meanwhile, and the loop went on charging the rest to the uid's share, for good.
+    # meanwhile, and the loop went on charging the rest to the uid's share, for good. (What
+    # the failed generation keeps for `retry` is charged, and nothing more.)
     ranks = 16
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="64MiB",
                                    CKPTDRAIN_DESTINATION__MAX_CONCURRENCY=str(ranks))
@@ -240,9 +290,14 @@ def test_a_retry_that_fails_again_leaves_nothing_charged(make_daemon: Any) -> No
             c.retry("j", 1)
             with pytest.raises(GenerationFailed):
                 c.wait("j", 1, timeout_s=60)
-            with c.generation("probe", probe) as gen:  # the whole share: nothing else charged
-                gen.put("all", os.urandom(64 * MiB))
-            c.wait("probe", probe, timeout_s=60)  # drained: the next probe has it again
+            with pytest.raises(Backpressure) as info, c.generation("probe", probe) as gen:
+                gen.put("all", os.urandom(64 * MiB))  # the whole share: told what holds it
+            held = info.value.details
+            assert held["current"] == held["held_for_retry"] > 0, held  # its copies, no more
+        c.abort_generation("j", 1)  # gives them back: the whole share is free again
+        with c.generation("probe", 3) as gen:
+            gen.put("all", os.urandom(64 * MiB))
+        c.wait("probe", 3, timeout_s=60)
     finally:
         # Only now: a rank whose connection goes unsealed is aborted, and no retry then.
         for gen in gens:
