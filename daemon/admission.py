@@ -216,6 +216,20 @@ class Admission:
                            f"{what} on this node{waited} and asks for {amount} more, over "
                            f"limits.{name} ({cap}); {advice}", details)
 
+    def lending_refused(self, uid: int, amount: int, held: int) -> RequestError:
+        """The refusal of an ``open`` that would take what ``uid``'s readers hold open past its
+        share (LocalCopies.may_lend)."""
+        cap = self.config.limits.max_reserved_bytes_per_uid
+        self.metrics.backpressure("rejected", "max_reserved_bytes_per_uid")
+        return RequestError(
+            wire.BACKPRESSURE, f"backpressure: uid {uid}'s readers already hold {held} bytes of "
+            f"this node's local copies open (lent by `open`, or dropped while still held) and "
+            f"ask for {amount} more, over limits.max_reserved_bytes_per_uid ({cap}): a copy "
+            "held open stays on the node's disk whatever evicts it; close the copies already "
+            "read, or read this shard from the destination (fetch_from_destination)",
+            {"limit": "max_reserved_bytes_per_uid", "limit_value": cap, "current": held,
+             "requested": amount, "retry_after_s": 1.0})
+
     async def hold_share(self, uid: int | None, amount: int, budget: Budget,
                          deadline: float | None = None) -> Callable[[], None]:
         """Wait for ``uid``'s share of ``budget`` as :meth:`admit` does and take it now, before

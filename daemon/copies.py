@@ -72,6 +72,14 @@ class LocalCopies:
         self._lent: set[str] = set()
         self._pinned: dict[str, Reservation] = {}
         self._rechecking = False
+        # What bounds `open` (may_lend): copies lent that a reader may hold open now, by
+        # staged name (the job's owner, the bytes, which lending: a serial), their bytes by
+        # owner, and the owner of each pinned copy. A name leaves the first when its copy is
+        # dropped (pinned: counted there) or a look finds no reader holds it.
+        self._lending: dict[str, tuple[int, int, int]] = {}
+        self._lending_bytes: dict[int, int] = {}
+        self._lendings = 0
+        self._pinned_by: dict[str, int] = {}
 
     # -- ownership ----------------------------------------------------------------------------
     def adopt(self, shard: ShardRecord, room: Reservation, slot: Reservation | None) -> None:
@@ -171,7 +179,59 @@ class LocalCopies:
     def lent(self, shard: ShardRecord) -> None:
         """``open`` gave a reader an fd of the shard's file: when the copy is dropped, it is
         removed only once no reader holds it (see :meth:`Staging.discard_unless_open`)."""
-        self._lent.add(shard.staged_name)
+        name = shard.staged_name
+        self._lent.add(name)
+        owner = self.ledger.jobs.get(shard.job)
+        if owner is None:
+            return
+        self._unlend(name)  # lent again: a look begun before this lending does not end it
+        self._lendings += 1
+        self._lending[name] = (owner, shard.size, self._lendings)
+        self._lending_bytes[owner] = self._lending_bytes.get(owner, 0) + shard.size
+
+    def _unlend(self, name: str) -> None:
+        entry = self._lending.pop(name, None)
+        if entry is not None:
+            owner, size, _ = entry
+            left = self._lending_bytes.get(owner, 0) - size
+            if left > 0:
+                self._lending_bytes[owner] = left
+            else:
+                self._lending_bytes.pop(owner, None)
+
+    def _held_open(self, owner: int, shard: ShardRecord) -> int:
+        """Bytes ``owner``'s readers may hold open with ``shard``'s copy lent too: copies
+        lent and not seen closed since, and dropped ones still held (pinned)."""
+        pinned = sum(room.amount for name, room in self._pinned.items()
+                     if self._pinned_by.get(name) == owner)
+        more = 0 if shard.staged_name in self._lending else shard.size
+        return self._lending_bytes.get(owner, 0) + pinned + more
+
+    async def may_lend(self, shard: ShardRecord) -> None:
+        """Refuse (backpressure) to lend ``shard``'s copy when what its job's owner holds open
+        through ``open`` would pass limits.max_reserved_bytes_per_uid; the caller lends it
+        (:meth:`lent`) with nothing awaited in between. A copy a reader holds stays on the
+        disk, and in max_staged_bytes, whatever evicts it: a user who saved one job after
+        another within its share and held every kept copy open filled the node, and another
+        user's hand-off was refused (found attacking). Counted from what was lent, the
+        kernel is asked which copies are still held (:meth:`Staging.held_open`) only when
+        the count passes the share, and copies seen closed leave it: a restore that reads
+        and closes more than the share is never refused, and asks about each copy about
+        once."""
+        owner = self.ledger.jobs.get(shard.job)
+        cap = self.admission.config.limits.max_reserved_bytes_per_uid
+        if owner is None or not cap or self._held_open(owner, shard) <= cap:
+            return
+        names = {name: serial for name, (uid, _, serial) in self._lending.items()
+                 if uid == owner and name != shard.staged_name}
+        held = await self.dataplane.call(self.staging.held_open, list(names)) if names else set()
+        for name, serial in names.items():
+            entry = self._lending.get(name)
+            if name not in held and entry is not None and entry[2] == serial:
+                self._unlend(name)
+        total = self._held_open(owner, shard)
+        if total > cap:
+            raise self.admission.lending_refused(owner, shard.size, total - shard.size)
 
     @property
     def pinned_bytes(self) -> int:
@@ -280,11 +340,14 @@ class LocalCopies:
         its share, and a file the kernel would not unlink (EIO) is counted until it goes."""
         name = shard.staged_name
         self._lent.discard(name)
+        self._unlend(name)  # counted as pinned from now on
         if room is None:
             room = self.admission.staged.adopt(shard.size)
         owner = self.ledger.jobs.get(shard.job)
-        if owner is not None and room.then is None:
-            self.admission.charge(room, owner)
+        if owner is not None:
+            self._pinned_by[name] = owner
+            if room.then is None:
+                self.admission.charge(room, owner)
         self._pinned[name] = room
         self._remove_pinned_soon()
 
@@ -294,6 +357,7 @@ class LocalCopies:
         job's, which its staged name begins with), until it can go."""
         room = self._pinned[name] = self.admission.staged.adopt(size)
         if owner is not None:
+            self._pinned_by[name] = owner
             self.admission.charge(room, owner)
         self._remove_pinned_soon()
 
@@ -318,6 +382,7 @@ class LocalCopies:
                               files=len(names), error=str(exc) or type(exc).__name__)
                     removed = []
                 for name in removed:
+                    self._pinned_by.pop(name, None)
                     room = self._pinned.pop(name, None)
                     if room is not None:
                         room.release()
@@ -413,6 +478,7 @@ class LocalCopies:
             # eviction behind it, found attacking).
             lent = shard.staged_name in self._lent
             self._lent.discard(shard.staged_name)
+            self._unlend(shard.staged_name)  # removed now, or pinned (counted there)
             if not await self._discard(shard, room, lent=lent):
                 continue
             freed += room.amount

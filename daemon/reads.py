@@ -99,6 +99,11 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
                            "the manifest; read it from the destination")
     if checked == "hashed" and shard.checksum == expected:
         shard.vouched = (seen, expected)  # the next reader need not hash it again
+    try:
+        await d.copies.may_lend(shard)  # what the job's owner holds open stays within its share
+    except BaseException:
+        close()
+        raise
     if not shard.local_copy:  # dropped while it was checked: the fd must not outlive it
         close()
         raise _gone(path)

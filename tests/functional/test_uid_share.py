@@ -355,8 +355,9 @@ def test_copies_a_reader_holds_open_count_against_its_share_until_closed(make_da
                 c.wait("hoarder", step, timeout_s=60)
                 held.append(c.open_local("hoarder", step, "w.bin"))
         assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
-        # Three copies held open (the newest still kept), and the fourth save refused.
-        assert len(held) == 4
+        # Three copies held open (dropped, as newer steps committed), and the fourth refused:
+        # opened, it would take what the reader holds past its share (see the next test).
+        assert len(held) == 3
         assert c.status()["held_open_copy_bytes"] == 3 * 8 * MiB
 
         assert other_user_saves(d, os.urandom(8 * MiB)) == "SAVED"
@@ -368,6 +369,43 @@ def test_copies_a_reader_holds_open_count_against_its_share_until_closed(make_da
     with c.generation("hoarder", 20) as gen:
         gen.put("w.bin", os.urandom(8 * MiB))
     c.wait("hoarder", 20, timeout_s=60)
+
+
+@needs_root
+def test_a_reader_may_hold_open_no_more_of_its_copies_than_its_share(make_daemon: Any) -> None:
+    # Found attacking: a user saved one job after another within its share, then opened
+    # every kept copy (`open_local`) and held the fds. Another user's hand-off evicted them
+    # for room, but a copy a reader holds stays on the disk and in max_staged_bytes until it
+    # is closed: the other user was refused. An `open` that would take what a uid holds open
+    # (lent, or dropped and still held) past its share is refused now.
+    d = shared_node(make_daemon, CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="64MiB",
+                    CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="24MiB",
+                    CKPTDRAIN_LIMITS__ON_FULL="reject",
+                    CKPTDRAIN_RETENTION__KEEP_LOCAL_COPY="true")
+    c = d.client(timeout_s=30)
+    for j in range(6):  # 48 MiB of kept copies, each saved within the share
+        with c.generation(f"hoard-{j}", 1) as gen:
+            gen.put("w.bin", os.urandom(8 * MiB))
+        c.wait(f"hoard-{j}", 1, timeout_s=60)
+    for j in range(6):  # a restore reads and closes each: more than the share, one at a time
+        os.close(c.open_local(f"hoard-{j}", 1, "w.bin"))
+    held: list[int] = []
+    try:
+        with pytest.raises(Backpressure) as info:
+            for j in range(6):
+                held.append(c.open_local(f"hoard-{j}", 1, "w.bin"))
+        assert len(held) == 3  # 24 MiB held open: the share
+        assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
+        assert info.value.details["current"] == 24 * MiB
+        assert "close" in str(info.value), str(info.value)
+
+        assert other_user_saves(d, os.urandom(24 * MiB)) == "SAVED"  # room: 64 - 24 held
+        os.close(held.pop())  # closed (and removed: it was evicted): room for another
+        wait_for(lambda: c.status()["held_open_copy_bytes"] == 16 * MiB, timeout_s=30)
+        held.append(c.open_local("hoard-5", 1, "w.bin"))
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def test_memory_hand_offs_waiting_to_be_staged_count_against_the_slot_share(
