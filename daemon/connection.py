@@ -336,9 +336,15 @@ class ClientHandler:
         if kind == "wait":
             # A waiter that hangs up ends its wait: it must not keep its slot till the timeout.
             with self.channel.hangup_watch() as gone:
-                return await waits.wait_for_commit(self.d, f["job"], f["step"],
-                                                   float(f["timeout_s"]), f.get("attempt") or "",
-                                                   gone=gone)
+                try:
+                    reply = await waits.wait_for_commit(
+                        self.d, f["job"], f["step"], float(f["timeout_s"]),
+                        f.get("attempt") or "", gone=gone)
+                except RequestError:
+                    await self._may_still_see(f["job"])  # a failure or a timeout says as much
+                    raise
+            await self._may_still_see(f["job"])
+            return reply
         if kind == "latest":
             return await self._latest(f["job"])
         if kind == "status":
@@ -371,6 +377,13 @@ class ClientHandler:
                 "root": f"{self.d.config.destination.uri.rstrip('/')}/{job}"}
 
     # -- hand-off requests -------------------------------------------------------------------
+    async def _may_still_see(self, job: str) -> None:
+        """What a `wait` found is told only to a waiter who may see ``job`` now: checked when
+        it began only, a wait on a name nobody used yet was told another user's commit of
+        it, with its time and attempt (found attacking)."""
+        await self.check_destination_owner(job)
+        self.check_job_visible(job)
+
     def check_job_visible(self, job: str) -> None:
         """A user learns nothing of another user's job (root and the daemon's uid see all)."""
         if not self.peer.may_see(self.d.ledger.jobs.get(job)):

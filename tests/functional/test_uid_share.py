@@ -223,6 +223,47 @@ def test_a_memory_handoff_is_charged_once_while_it_is_written(
     c.wait("mem2", 1, timeout_s=120)
 
 
+def asleep_in_io(pid: int) -> bool:
+    """Whether process ``pid`` sleeps reading a socket or polling it (a client waiting for
+    its reply, with or without a timeout)."""
+    with open(f"/proc/{pid}/wchan") as f:
+        return f.read().startswith(("unix_stream_read_generic", "poll_schedule_timeout"))
+
+
+@needs_root
+def test_a_wait_begun_before_another_user_owns_the_job_is_not_told_its_commit(
+    make_daemon: Any,
+) -> None:
+    # Found attacking: who may see a job was checked only when a `wait` began. A user
+    # waiting on a job name nobody used yet was told another user's commit of it, with its
+    # time and attempt id, as soon as that user saved it. The answer is checked against the
+    # job's owner when it comes, as it is when the wait begins.
+    d = shared_node(make_daemon)
+    c = d.client(timeout_s=30)
+    ready_r, ready_w = os.pipe()
+
+    def wait_first() -> str:
+        theirs = Client(d.socket_path, timeout_s=60)
+        theirs.status()  # connected: the wait's request is the next one on this connection
+        os.write(ready_w, b"1")
+        reply = theirs.wait("later", 1, timeout_s=30)
+        return f"TOLD {reply}"
+
+    waiter = start_as(OTHER_UID, wait_first)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+    finally:
+        os.close(ready_r)
+    wait_for(lambda: asleep_in_io(waiter[0]), timeout_s=10)  # its wait was sent
+    with c.generation("later", 1, attempt="secret-attempt") as gen:
+        gen.put("w", b"root's bytes")
+    c.wait("later", 1, timeout_s=30)
+    told = answer(waiter)
+    assert told.startswith("DENIED"), told
+    assert "secret-attempt" not in told
+
+
 @needs_root
 def test_an_operators_handoff_counts_against_the_jobs_owner(make_daemon: Any) -> None:
     # Found attacking the share: root saving into a user's job was charged to root at the
