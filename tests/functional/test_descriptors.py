@@ -63,7 +63,7 @@ def test_a_drain_short_of_descriptors_waits_for_them(make_daemon: Any) -> None:
         # Until the drain has met the shortage opening a staged copy (each try opens it, then
         # the destination's file), or failed the generation.
         wait_for(lambda: "could not open the staged copy" in d.log()
-                 or "event=generation_failed" in d.log(), timeout_s=20)
+                 or "event=generation_failed" in d.log(), timeout_s=60)
     client.wait("job", 1, timeout_s=60)
     for name, blob in data.items():
         assert (d.dest / "job" / f"{1:020d}" / name).read_bytes() == blob

@@ -423,8 +423,9 @@ def test_with_pipe_handoff_off_no_pipe_is_offered_or_taken(
 @contextlib.contextmanager
 def read_ends_held(count: int) -> Iterator[list[int]]:
     """``count`` pipes' read ends, each pipe's lock held by a thread of this process (as in
-    pipe_lock_held); once passed, this process closes its own copy, so the daemon's close is
-    the last, and waits for the lock. The locks are let go on leaving."""
+    pipe_lock_held); once passed, this process closes its own copy (taking it out of the
+    list), so the daemon's close is the last, and waits for the lock. The locks are let go
+    on leaving, and the ends still in the list closed then."""
     opened: list[int] = []
     socks: list[socket.socket] = []
     hogs: list[threading.Thread] = []
@@ -448,7 +449,7 @@ def read_ends_held(count: int) -> Iterator[list[int]]:
             b.send(b"z")
         for hog in hogs:
             hog.join(10)
-        for fd in opened:
+        for fd in opened + ends:
             with contextlib.suppress(OSError):
                 os.close(fd)
         for s in socks:
@@ -471,13 +472,21 @@ def test_a_user_holding_the_locks_of_the_pipes_it_passed_is_served_no_more(
         with RawClient(d.socket_path) as raw:
             assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
             answers = []
-            for r in ends:
+            while ends:
+                r = ends.pop()
+                # Stopped meanwhile, so that this process's close of its copy comes first
+                # (else it is the last close, and waits for the lock its own thread holds).
+                d.proc.send_signal(signal.SIGSTOP)
                 try:
                     send_fds(raw, wire.encode_message("latest", {"job": "j"}), [r])
-                    os.close(r)  # the daemon's is the last close now
-                    answers.append(raw.reply())
                 except OSError:  # hung up on after its last word
-                    os.close(r)
+                    break
+                finally:
+                    os.close(r)  # the daemon's is the last close now
+                    d.proc.send_signal(signal.SIGCONT)
+                try:
+                    answers.append(raw.reply())
+                except OSError:
                     break
                 if answers[-1].kind == "error":
                     break
@@ -501,7 +510,8 @@ def test_a_connection_refused_with_a_locked_pipe_queued_never_blocks_the_event_l
     # in that close for the lock: every client of the node hung with it.
     d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_CLIENTS="1")
     assert d.proc is not None
-    with d.client(timeout_s=10) as first, read_ends_held(1) as (r,):
+    with d.client(timeout_s=10) as first, read_ends_held(1) as ends:
+        r = ends.pop()
         assert first.status()["node_id"]  # holds the one connection allowed
         late = socket.socket(socket.AF_UNIX)
         # Stopped, so that the pipe is queued before the daemon accepts (the kernel completes
