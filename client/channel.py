@@ -191,6 +191,13 @@ def _room_grace_s(limit_s: float) -> float:
     return min(30.0, max(2.0, limit_s / 10))
 
 
+def reply_grace_s(kind: str, limit_s: float) -> float:
+    """How long past ``limit_s`` the reply to a ``kind`` request is waited for: a request that
+    may wait for room, and a ``wait`` (whose daemon reads the destination around its timer),
+    get a tenth more, 2 to 30 s; any other none."""
+    return _room_grace_s(limit_s) if kind in _MAY_WAIT_FOR_ROOM or kind == "wait" else 0.0
+
+
 def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -283,11 +290,13 @@ class Channel:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def request_fd(self, kind: str, fields: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def request_fd(
+        self, kind: str, fields: dict[str, Any], *, started: float | None = None
+    ) -> tuple[dict[str, Any], int]:
         """A request whose ``ok`` reply hands over one file descriptor (now the caller's)."""
         self._drop_fds()
         try:
-            reply = self.request(kind, fields)
+            reply = self.request(kind, fields, started=started)
             if len(self._fds) != 1:
                 raise DrainError(
                     f"the ckptdrain daemon answered {kind!r} with {len(self._fds)} file "
@@ -322,18 +331,21 @@ class Channel:
         fd: int | None = None,
         pipe: pipes.PipeHandOff | None = None,
         timeout_s: float | None = None,
+        started: float | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the fields of its ``ok`` (or ``welcome``) reply.
 
         An ``error`` reply raises its typed error and leaves the connection usable; any other
         failure raises and leaves it broken (``self.broken`` says why). With ``pipe`` (a
         ``data_pipe``), its read end goes with the frame and the rest of the shard is spliced
-        in before the reply is read; the caller closes the pipe.
+        in before the reply is read; the caller closes the pipe. ``started`` (monotonic) is
+        when the caller's call began, when that was before this request (a connection opened
+        for it): the time since counts against ``timeout_s``.
         """
         if self.broken is not None:
             raise self.broken
         limit_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit_s
+        deadline = (time.monotonic() if started is None else started) + limit_s
         try:
             header = self._wire.send(kind, fields, len(payload) if payload is not None else 0)
         except wire.ProtocolError as exc:
@@ -361,8 +373,7 @@ class Channel:
                 if message.kind == "error":
                     raise self._error_from(message) from None
                 raise self.broken from None
-            if kind in _MAY_WAIT_FOR_ROOM:
-                deadline += _room_grace_s(limit_s)
+            deadline += reply_grace_s(kind, limit_s)
             message = self._read_reply(deadline)
         except DrainError as exc:
             if self.broken is None:

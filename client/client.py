@@ -6,8 +6,10 @@ its own (its ``begin`` ... ``seal`` conversation); the other calls share a small
 connections, so several threads may use one :class:`Client`.
 
 Every wait has a timeout: a request, with its payload, must finish within ``timeout_s`` (the
-``wait`` call within its own timeout plus a 30 s margin for the reply to arrive). A ``put`` of
-bytes is two requests (admission, then the data), each within ``timeout_s``.
+``wait`` call within its own timeout); a ``wait``, ``begin`` or ``put`` gets a tenth more, 2 to
+30 s, for its reply to arrive. A connection opened for a call (its connect and ``hello``) waits
+at most ``connect_timeout_s`` and counts against the call's own bound. A ``put`` of bytes is
+two requests (admission, then the data), each within ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import forks, names, wire
-from ckptdrain.client.channel import Channel, default_socket_path
+from ckptdrain.client.channel import Channel, default_socket_path, reply_grace_s
 from ckptdrain.client.errors import (
     DrainError,
     RejectedInput,
@@ -30,10 +33,6 @@ from ckptdrain.client.memfd import MemfdPool
 
 if TYPE_CHECKING:
     pass
-
-# wait() gives the daemon this long beyond the requested timeout to deliver its answer.
-_WAIT_MARGIN_S = 30.0
-
 
 def default_rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """``rank`` and ``world_size`` as given, else torchrun's ``RANK`` / ``WORLD_SIZE``; neither
@@ -153,16 +152,20 @@ class Client:
         self._finalizer()
         self._memfd_finalizer()
 
-    def _open_channel(self) -> Channel:
+    def _open_channel(self, kind: str, limit_s: float) -> Channel:
+        """A new connection for a ``kind`` call bounded by ``limit_s``: its connect and hello
+        wait at most connect_timeout_s and never past the call's own bound (found attacking a
+        stopped daemon: wait(timeout_s=3) raised after the 10 s connect timeout)."""
         if self._closed:
             raise RejectedInput("this ckptdrain Client is closed; create a new one")
-        return Channel.open(
-            self.socket_path, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s
-        )
+        bound_s = min(self.connect_timeout_s, limit_s + reply_grace_s(kind, limit_s))
+        return Channel.open(self.socket_path, timeout_s=self.timeout_s, connect_timeout_s=bound_s)
 
     def _call(
         self, kind: str, fields: dict[str, Any], timeout_s: float | None = None
     ) -> dict[str, Any]:
+        started = time.monotonic()
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
         channel: Channel | None = None
         with self._lock:
             while self._idle and channel is None:
@@ -172,9 +175,9 @@ class Client:
                 else:
                     candidate.close()
         if channel is None:
-            channel = self._open_channel()
+            channel = self._open_channel(kind, limit_s)
         try:
-            return channel.request(kind, fields, timeout_s=timeout_s)
+            return channel.request(kind, fields, timeout_s=limit_s, started=started)
         finally:
             with self._lock:
                 if channel.broken is None and not self._closed:
@@ -232,7 +235,7 @@ class Client:
         return self._call(
             "wait",
             {"job": job, "step": step, "timeout_s": limit_s, "attempt": mine or None},
-            timeout_s=limit_s + _WAIT_MARGIN_S,
+            timeout_s=limit_s,
         )
 
     def latest(self, job: str) -> int | None:
@@ -272,9 +275,11 @@ class Client:
         names.validate_job(job)
         names.validate_step(step)
         names.validate_shard_path(path)
-        channel = self._open_channel()
+        started = time.monotonic()
+        channel = self._open_channel("open", self.timeout_s)
         try:
-            _reply, fd = channel.request_fd("open", {"job": job, "step": step, "path": path})
+            _reply, fd = channel.request_fd("open", {"job": job, "step": step, "path": path},
+                                            started=started)
         finally:
             channel.close()
         return fd
@@ -297,9 +302,11 @@ class Client:
         names.validate_step(step)
         names.validate_shard_path(path)
         fd = checked_fd(fd, "fd")
-        channel = self._open_channel()
+        started = time.monotonic()
+        channel = self._open_channel("fetch", self.timeout_s)
         try:
-            return channel.request("fetch", {"job": job, "step": step, "path": path}, fd=fd)
+            return channel.request("fetch", {"job": job, "step": step, "path": path}, fd=fd,
+                                   started=started)
         finally:
             channel.close()
 
@@ -312,10 +319,12 @@ class Client:
         names.validate_step(step)
         names.validate_shard_path(path)
         fd = checked_fd(fd, "fd")
-        channel = self._open_channel()
+        started = time.monotonic()
+        channel = self._open_channel("fetch", self.timeout_s)
         try:
             return channel.request(
-                "fetch", {"job": job, "step": step, "path": path, "source": "destination"}, fd=fd
+                "fetch", {"job": job, "step": step, "path": path, "source": "destination"}, fd=fd,
+                started=started,
             )
         finally:
             channel.close()

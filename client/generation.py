@@ -13,6 +13,7 @@ import hashlib
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -138,7 +139,8 @@ class Generation:
                 f"generation {self.job}/{self.step} rank {self.rank} was already begun; "
                 "create a new one with Client.generation()"
             )
-        channel = self._client._open_channel()
+        started = time.monotonic()
+        channel = self._client._open_channel("begin", self._client.timeout_s)
         try:
             reply = channel.request(
                 "begin",
@@ -150,6 +152,7 @@ class Generation:
                     "ack": self.ack,
                     "attempt": self.attempt or None,
                 },
+                started=started,
             )
         except BaseException:
             channel.close()
