@@ -29,7 +29,12 @@ from ckptdrain.daemon.dataplane import SourceEnded, SourceUnreadable, kernel_cop
 from ckptdrain.daemon.errors import RUN_OUT, RequestError, StuckIO, descriptors_short
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.staging import Staging, StagingFull
+from ckptdrain.daemon.staging import (
+    NO_BYTES_ADVICE,
+    NO_INODES_ADVICE,
+    Staging,
+    StagingFull,
+)
 from ckptdrain.daemon.state import ShardEvent, ShardState
 
 if TYPE_CHECKING:
@@ -64,9 +69,14 @@ def _close(*fds: int | None) -> None:
 RECORD_HEADER_BYTES = 1 << 20
 
 
-def _disk_full(path: str) -> RequestError:
-    return RequestError(wire.BACKPRESSURE, f"staging disk full while receiving {path!r}; free "
-                        "space on the staging disk or lower limits.max_staged_bytes",
+def _disk_full(path: str, free_inodes: int | None) -> RequestError:
+    """The refusal of a hand-off the staging filesystem refused (ENOSPC, EDQUOT): out of
+    inodes when ``free_inodes`` (sampled after the refusal) says so, else out of bytes."""
+    if free_inodes is not None and free_inodes < 2:
+        what, advice = "filesystem out of inodes (files)", NO_INODES_ADVICE
+    else:
+        what, advice = "disk full", NO_BYTES_ADVICE
+    return RequestError(wire.BACKPRESSURE, f"staging {what} while receiving {path!r}; {advice}",
                         {"limit": "staging_filesystem", "retry_after_s": 5.0})
 
 
@@ -114,6 +124,13 @@ class Handoffs:
             raise RequestError(wire.SIZE_MISMATCH, f"shard {path!r} declared {size} bytes but "
                                f"the {what} passed holds {st.st_size}")
 
+    async def _free_inodes(self) -> int | None:
+        """The staging filesystem's free inodes now; None when they cannot be read."""
+        try:
+            return (await self.d.dataplane.call(self.d.staging.free))[1]
+        except Exception:  # a sick disk: the refusal says "full", as it did
+            return None
+
     async def _reserve_disk(self, size: int, room: tuple[int, int, int]) -> int:
         """Promise ``size`` bytes of the staging filesystem to this hand-off, evicting kept
         copies first when the disk itself is short; else refuse it (staging_filesystem)."""
@@ -123,8 +140,8 @@ class Handoffs:
             staging.check_room(size, room)  # (no await between the check and the promise)
         except StagingFull as exc:
             self.d.metrics.backpressure("rejected", "staging_filesystem")
-            raise RequestError(wire.BACKPRESSURE, f"{exc.strerror}; free space on the staging "
-                               "disk or lower limits.max_staged_bytes",
+            advice = NO_INODES_ADVICE if exc.out_of_inodes else NO_BYTES_ADVICE
+            raise RequestError(wire.BACKPRESSURE, f"{exc.strerror}; {advice}",
                                {"limit": "staging_filesystem", "retry_after_s": 5.0}) from None
         staging.pending_bytes += size
         return size
@@ -316,7 +333,7 @@ class Handoffs:
         except OSError as exc:
             if exc.errno in _DISK_FULL:
                 d.metrics.backpressure("rejected", "staging_filesystem")
-                raise _disk_full(path) from None
+                raise _disk_full(path, await self._free_inodes()) from None
             if exc.errno in RUN_OUT:
                 # The daemon's or the node's own shortage, which passes: it was "internal".
                 d.metrics.backpressure("rejected", "file_descriptors")
@@ -566,7 +583,9 @@ class Handoffs:
                 if pause == 0.05:
                     log_event(log, logging.WARNING, "memory_handoff_waits_for_disk", job=gen.job,
                               step=gen.step, path=shard.path, error=str(exc),
-                              action="free space on the staging filesystem; the hand-off waits "
-                              "up to limits.block_timeout_s, then its generation fails")
+                              action=(NO_INODES_ADVICE if exc.out_of_inodes else
+                                      "free space on the staging filesystem")
+                              + "; the hand-off waits up to limits.block_timeout_s, then its "
+                              "generation fails")
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)

@@ -51,7 +51,18 @@ _HELD = _Lease(-1)  # another open file description holds the file: no lease
 
 
 class StagingFull(DaemonError, OSError):
-    """The staging filesystem has no room for the shard."""
+    """The staging filesystem has no room for the shard; ``out_of_inodes``: no file can be
+    created on it, whatever bytes it has free."""
+
+    out_of_inodes = False
+
+
+# What to do when the staging filesystem has no inode left: lowering max_staged_bytes (the
+# advice for bytes) frees none (found attacking: another user's tiny files took them all).
+NO_INODES_ADVICE = ("free files on the staging filesystem (small files there, another user's "
+                    "included, may hold its inodes), or save fewer, larger shards; lowering "
+                    "limits.max_staged_bytes frees no inode")
+NO_BYTES_ADVICE = "free space on the staging disk or lower limits.max_staged_bytes"
 
 
 class Staging:
@@ -137,7 +148,15 @@ class Staging:
         :meth:`room` taken off the event loop; the comparison with ``pending_bytes`` runs on
         the loop, so two concurrent hand-offs never both count the same free bytes."""
         free_bytes, free_inodes, reserve = room if room is not None else self.room()
-        if self.shortfall(size, (free_bytes, free_inodes, reserve)) > 0 or free_inodes < 2:
+        if free_inodes < 2:
+            full = StagingFull(
+                errno.ENOSPC,
+                f"staging filesystem {self.dir} is out of inodes (files): {free_inodes} free, "
+                f"though {free_bytes} bytes are",
+            )
+            full.out_of_inodes = True
+            raise full
+        if self.shortfall(size, (free_bytes, free_inodes, reserve)) > 0:
             raise StagingFull(
                 errno.ENOSPC,
                 f"staging filesystem {self.dir} has {free_bytes} bytes free ({self.pending_bytes} "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -209,3 +210,37 @@ def test_a_begin_refused_for_a_full_journal_claims_no_job(
     assert run_as(first, begin) == "BACKPRESSURE staging_filesystem"
     filler.unlink()
     assert run_as(second, begin) == "OK"
+
+
+@pytest.mark.parametrize("left", [0, 1], ids=["no-inode-left", "one-inode-left"])
+@pytest.mark.parametrize("size", [10, 2 * MiB], ids=["put_bytes", "put"])
+def test_a_staging_filesystem_out_of_inodes_says_so(
+    make_daemon: Any, tmp_path: Path, size: int, left: int
+) -> None:
+    # Found attacking the staging side: with the staging filesystem out of inodes (another
+    # user's tiny files) and bytes free, a put was refused as "staging disk full ... lower
+    # limits.max_staged_bytes", which frees no inode.
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=200", "tmpfs",
+                          str(mnt)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.decode().strip()}")
+    try:
+        d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(mnt / "staging"))
+        c = d.client(timeout_s=30)
+        (mnt / "other").mkdir()
+        with contextlib.suppress(OSError):
+            for n in range(1000):
+                (mnt / "other" / f"f{n}").touch()
+        for n in range(left):  # one left: the file is created, the room check refuses it
+            (mnt / "other" / f"f{n}").unlink()
+        assert os.statvfs(mnt).f_favail == left
+        with pytest.raises(Backpressure) as info, c.generation("j", 1) as gen:
+            gen.put("a", os.urandom(size))
+        assert info.value.details["limit"] == "staging_filesystem"
+        assert "inodes" in info.value.message, info.value.message
+        assert "or lower limits.max_staged_bytes" not in info.value.message, info.value.message
+        d.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
