@@ -175,11 +175,51 @@ def run_on(ns: argparse.Namespace, fn: Callable[[Any], Coroutine[Any, Any, T]]) 
     return uvloop.run(main)
 
 
+# -- ls, gc: what DEST and --job name ------------------------------------------------------------
+async def _refuse_a_job_directory(backend: Any, ns: argparse.Namespace) -> None:
+    """Refuse a DEST that is a job's directory (one level too deep): it holds a LATEST file,
+    or a generation directory (20 digits) with a MANIFEST.json or a ``_parts/`` in it (a job
+    may itself be named with 20 digits). Found attacking the CLI: `ls` and `gc` of one exited
+    0 saying nothing, as for an empty destination."""
+    from ckptdrain.client.manifest import LATEST_NAME, parse_generation_dir
+    from ckptdrain.client.names import MANIFEST_NAME
+
+    holds = ""
+    if await backend.stat(LATEST_NAME, checksum=False) is not None:
+        holds = f"a {LATEST_NAME} file"
+    else:
+        steps = [name for name in await backend.list_dirs("") if parse_generation_dir(name) is not None]
+        for step in steps[:-3:-1]:  # the newest two: the newest may be one in flight
+            if (await backend.stat(f"{step}/{MANIFEST_NAME}", checksum=False) is not None
+                    or "_parts" in await backend.list_dirs(f"{step}/")):
+                holds = f"generation directories ({step})"
+                break
+    if holds:
+        parent, _, name = ns.dest.rstrip("/").rpartition("/")
+        raise CommandFailed(f"{ns.dest} is a job's directory, not a destination: it holds {holds} "
+                            f"at its top; give its parent as DEST and the job with --job: "
+                            f"`ckptdrain {ns.command} {parent} --job {name}`")
+
+
+async def _refuse_an_unknown_job(backend: Any, job: str) -> None:
+    """Refuse a --job with nothing of it at the destination (no generation directory, no
+    LATEST), as restore and verify refuse one with no committed generation: a typo'd name
+    must not read as a job with nothing to list or remove (found attacking: `gc --job jl`
+    exited 0)."""
+    from ckptdrain.client.manifest import latest_key
+
+    if not await backend.list_dirs(f"{job}/") and await backend.stat(
+            latest_key(job), checksum=False) is None:
+        raise CommandFailed(f"no job {job!r} at {backend.uri}: nothing of it is there; check "
+                            f"the job name with `ckptdrain ls {backend.uri}`")
+
+
 # -- ls ---------------------------------------------------------------------------------------
 def cmd_ls(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon import catalog
 
     async def run(backend: Any) -> list[dict[str, Any]]:
+        await _refuse_a_job_directory(backend, ns)
         jobs = [ns.job] if ns.job else await catalog.list_jobs(backend)
         rows = []
         for job in jobs:
@@ -188,6 +228,8 @@ def cmd_ls(ns: argparse.Namespace) -> int:
                     "job": info.job, "generation": info.step, "shards": info.shards,
                     "bytes": info.bytes, "committed_at": info.committed_at, "nodes": list(info.nodes),
                 })
+        if ns.job and not rows:
+            await _refuse_an_unknown_job(backend, ns.job)
         return rows
 
     rows = run_on(ns, run)
@@ -401,6 +443,9 @@ def cmd_gc(ns: argparse.Namespace) -> int:
                             EXIT_USAGE)
 
     async def run(backend: Any) -> list[Any]:
+        await _refuse_a_job_directory(backend, ns)
+        if ns.job:
+            await _refuse_an_unknown_job(backend, ns.job)
         jobs = [ns.job] if ns.job else None
         return await retention.gc(backend, jobs, keep_last, grace_s, ns.dry_run)
 

@@ -188,6 +188,39 @@ def test_a_destination_that_does_not_exist_is_an_error(node: DaemonProcess, comm
     assert not missing.exists()
 
 
+@pytest.mark.parametrize("command", ["ls", "gc"])
+@pytest.mark.parametrize("holds", ["generations", "LATEST"])
+def test_a_job_directory_given_as_the_destination_is_named_as_such(
+    node: DaemonProcess, command: str, holds: str, tmp_path: Path
+) -> None:
+    # Found attacking the CLI: `ls file://$D/j1` and `gc file://$D/j1` (a job's directory as
+    # DEST, one level too deep) exited 0 saying nothing, as for an empty destination.
+    if holds == "generations":
+        job_dir = node.dest / JOB
+    else:
+        job_dir = tmp_path / "dest" / "j1"
+        job_dir.mkdir(parents=True)
+        (job_dir / "LATEST").write_text("1\n")
+    before = sorted(p.name for p in job_dir.iterdir())
+    extra = ["--dry-run"] if command == "gc" else []
+    one_sentence(cli(node, command, f"file://{job_dir}", *extra), 1, "job's directory",
+                 f"file://{job_dir.parent}", f"--job {job_dir.name}")
+    assert sorted(p.name for p in job_dir.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["ls", "gc"])
+def test_a_job_with_nothing_at_the_destination_is_named_as_such(
+    node: DaemonProcess, command: str
+) -> None:
+    # Found attacking the CLI: `gc --job jl` (a typo'd job name) exited 0 saying nothing
+    # done, where `restore --job` and `verify --job` say the job has nothing there (exit 1).
+    extra = ["--dry-run"] if command == "gc" else []
+    one_sentence(cli(node, command, node.dest_uri, "--job", "cli-errorz", *extra), 1,
+                 "'cli-errorz'", "no job", "ckptdrain ls")
+    listed = cli(node, command, node.dest_uri, "--job", JOB, *extra)
+    assert listed.returncode == 0 and JOB in listed.stdout, listed.stderr
+
+
 def test_a_closed_pipe_exits_quietly(node: DaemonProcess) -> None:
     # The reader is gone before the first write (what `status | head -2` races into): the
     # command exits 0 with nothing on stderr, every time.
