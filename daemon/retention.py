@@ -13,7 +13,9 @@ Rules (docs/layout.md, "Retention"):
   nothing under it has been written for ``abandoned_grace_s``: a node died or a rank aborted.
   Uncommitted generations newer than the newest committed one may be in flight: never touched.
 - A generation whose manifest exists but cannot be read is not counted as committed and is
-  kept for inspection until ``keep_last`` newer valid generations exist.
+  kept for inspection until ``keep_last`` newer valid generations exist. One whose manifest
+  key no reader reads (a link, an oversized object) is kept for good: retention can neither
+  read it nor take the key with a tombstone, so it deletes nothing of it.
 
 Removing an abandoned generation races a late publish of it (a slow node may still hold every
 part record), and so does removing a committed one (another node of the job running its own
@@ -57,6 +59,7 @@ from ckptdrain.client.manifest import (
 )
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
+from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.latest import NOT_A_COMMIT, parse_manifest, raise_latest, read_latest
@@ -156,7 +159,7 @@ async def apply_retention(
         try:
             # Only the kept generations' manifests were read: a committed one older than them
             # may be a removal under way already (its tombstone at the manifest key).
-            held = (await backend.get_bytes(manifest_key(job, step))
+            held = (await _read_manifest_key(backend, job, step)
                     if committed or dry_run else None)
             tomb = held if held is not None and is_tombstone(held) else None
             if dry_run and committed and tomb is None:
@@ -180,6 +183,14 @@ async def apply_retention(
                                           "(its shards were all there); kept"))
                 continue
             outcome = await _delete_abandoned(backend, job, gen, now, abandoned_grace_s)
+        except _NotUsable as exc:
+            # Found attacking: a link at an old generation's manifest key failed every run
+            # ("the next run retries it", exit 1, the dry run too), where a run that read it
+            # among the kept ones left it for inspection. No run can remove it or take the key
+            # with a tombstone, so it is left, as an unreadable manifest is, whatever keep_last.
+            log.warning("retention: %s: %s", manifest_key(job, step), exc)
+            skipped.append((step, f"manifest not usable ({exc}); kept for inspection"))
+            continue
         except BackendError as exc:
             failed.append((step, f"removal interrupted: {exc}; the next run retries it"))
             continue
@@ -409,7 +420,7 @@ async def _delete_committed(backend: Backend, job: str, gen: GenerationKeys,
     tombstone = tombstone_json(job, gen.step, backend.node_id, now,
                                was_committed=by is not None, committed_by=by)
     if not await backend.put_bytes(key, tombstone, exclusive=True):
-        data = await backend.get_bytes(key)
+        data = await _read_manifest_key(backend, job, gen.step)
         if data is not None and not is_tombstone(data):
             return False
     # Part records before shards: once they are gone no node re-running the commit step for
@@ -467,7 +478,7 @@ async def _delete_abandoned(
     retired = False
     written: float | None = now  # this run's own tombstone
     if not await backend.put_bytes(key, tombstone, exclusive=True):
-        data = await backend.get_bytes(key)
+        data = await _read_manifest_key(backend, job, gen.step)
         if data is not None and not is_tombstone(data):
             # A node published before our create: it is committed now, and its shards stay.
             # (A damaged manifest stays too: the rules keep those for inspection.)
@@ -485,6 +496,22 @@ async def _delete_abandoned(
         # period to reach its create and meet the tombstone: the key can go now.
         await backend.delete(key)
     return _settled(retired, bool(parts or rest), goes)
+
+
+class _NotUsable(DaemonError):
+    """The manifest key of a generation to remove holds what no reader takes for a commit
+    and retention may neither read nor replace (a link, an oversized object)."""
+
+
+async def _read_manifest_key(backend: Backend, job: str, step: int) -> bytes | None:
+    """What the manifest key of ``step`` holds; :class:`_NotUsable` when it is no object a
+    reader would read, before anything of the generation is deleted."""
+    try:
+        return await backend.get_bytes(manifest_key(job, step))
+    except BackendError as exc:
+        if exc.kind not in NOT_A_COMMIT:
+            raise
+        raise _NotUsable(str(exc)) from None
 
 
 async def _delete_all(backend: Backend, keys: Sequence[str]) -> None:
