@@ -14,7 +14,7 @@ Rules (docs/layout.md, "Retention"):
   Uncommitted generations newer than the newest committed one may be in flight: never touched.
 - A generation whose manifest exists but cannot be read is not counted as committed and is
   kept for inspection until ``keep_last`` newer valid generations exist. One whose manifest
-  key no reader reads (a link, an oversized object) is kept for good: retention can neither
+  key no reader reads (a link, an oversized object, no regular file) is kept for good: retention can neither
   read it nor take the key with a tombstone, so it deletes nothing of it.
 
 Removing an abandoned generation races a late publish of it (a slow node may still hold every
@@ -500,7 +500,8 @@ async def _delete_abandoned(
 
 class _NotUsable(DaemonError):
     """The manifest key of a generation to remove holds what no reader takes for a commit
-    and retention may neither read nor replace (a link, an oversized object)."""
+    and retention may neither read nor replace (a link, an oversized object, a FIFO, a
+    directory: anything but a regular file)."""
 
 
 async def _read_manifest_key(backend: Backend, job: str, step: int) -> bytes | None:

@@ -189,7 +189,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def get_bytes(self, key: str, *, max_bytes: int = MAX_RECORD_BYTES) -> bytes | None:
-        """Read a small object, or None when it does not exist."""
+        """Read a small object, or None when it does not exist. What takes the key but no
+        reader may read raises BackendError with a kind in latest.NOT_A_COMMIT: "unsafe" (a
+        link) or "integrity" (over ``max_bytes``; on POSIX, no regular file: a FIFO, a
+        directory)."""
 
     @abc.abstractmethod
     async def list(self, prefix: str) -> list[ObjectInfo]:

@@ -249,7 +249,8 @@ def stat_files(fs: Beneath, many: list[list[str]], xattr: ChecksumXattr,
 
 def read_small(fs: Beneath, parts: list[str], max_bytes: int,
                stop: threading.Event) -> bytes | None:
-    """The whole file at ``parts`` (at most ``max_bytes``), or None when there is none."""
+    """The whole file at ``parts`` (at most ``max_bytes``), or None when there is none; a
+    BackendError ("integrity") when something that is not a regular file takes the name."""
     del stop
     path = fs.root.joinpath(*parts)
     try:
@@ -259,7 +260,15 @@ def read_small(fs: Beneath, parts: list[str], max_bytes: int,
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return None
+            # Not "no key": found attacking gc, a FIFO at an old MANIFEST.json read as none,
+            # so retention, whose tombstone could not take the name, took it for a key
+            # removed since and deleted the shards with no tombstone there. Like a link
+            # (UnsafePath), it is no object any reader takes for one.
+            raise BackendError(
+                f"{path} is not a regular file (a FIFO, a directory, a device or a socket); "
+                "remove it, and keep the destination writable only by the daemon",
+                kind="integrity",
+            )
         if st.st_size > max_bytes:
             raise BackendError(
                 f"{path} is {st.st_size} bytes, over the {max_bytes}-byte limit for a "

@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -885,3 +886,33 @@ def test_a_manifest_that_is_a_link_in_an_old_generation_is_left_and_said_so(
         assert "Traceback" not in out.stderr
     assert manifest.is_symlink() and planted.is_file()
     assert {f for f in files_of(root) if f.startswith(generation_prefix(JOB, 100))} == shards
+
+
+def test_a_manifest_key_that_is_no_regular_file_is_left_with_its_shards(tmp_path: Path) -> None:
+    """Found attacking: with a FIFO at an old generation's MANIFEST.json, `gc` said "deleted
+    abandoned" and removed its shards without a tombstone at the manifest key first (it could
+    not create one there and read the FIFO as no key at all); the FIFO stayed and no later run
+    mentioned it. Such a key (a FIFO, a directory) is no commit and takes no tombstone: the
+    generation is left whole and said so, by the dry run too, on every run."""
+    root = tmp_path / "dest"
+    populate(root)
+    fifo, directory = root / manifest_key(JOB, 100), root / manifest_key(JOB, 200)
+    fifo.unlink()
+    os.mkfifo(fifo)
+    directory.unlink()
+    directory.mkdir()
+    for step in (100, 200):
+        _age(root / generation_prefix(JOB, step))
+    before = files_of(root)
+
+    for out in _gc_twice(f"file://{root}", 2):
+        assert out.returncode == 0, out.stderr
+        for step in (100, 200):
+            assert f"left {step}: manifest not usable" in out.stdout, out.stdout
+        assert "not a regular file" in out.stdout
+        assert "deleted 200" not in out.stdout and "abandoned 100" not in out.stdout
+        assert "Traceback" not in out.stderr
+    # Only the abandoned 150 went (its tombstone stays the grace period).
+    assert {f for f in before - files_of(root)} == {
+        f for f in before if f.startswith(generation_prefix(JOB, 150))} - {manifest_key(JOB, 150)}
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and directory.is_dir()
