@@ -90,7 +90,8 @@ class RetentionReport:
     """What one run decided for one job. Steps are sorted newest first.
 
     ``deleted``: committed (or damaged-manifest) generations removed; ``abandoned_deleted``:
-    uncommitted ones removed; ``skipped``: generations left alone and why; ``failed``:
+    uncommitted ones removed (and generation directories that held no key, only empty
+    directories: those removed); ``skipped``: generations left alone and why; ``failed``:
     generations whose removal an error interrupted (the next run retries them). With
     ``dry_run`` nothing was removed and the lists say what a real run would remove.
     """
@@ -212,10 +213,20 @@ async def apply_retention(
             skipped.append((step, _kept_tombstone(abandoned_grace_s)))
         else:
             skipped.append((step, "committed while retention was removing it; kept"))
-    if not dry_run and empty:
+    if empty:
+        # Reported as abandoned generations, and foreseen by a dry run as a real run removes
+        # them (found attacking gc: the dry run said "would delete none" of an old, empty
+        # generation directory, and the real run removed it and said "deleted none").
         try:
-            await backend.remove_empty(
-                [generation_prefix(job, step) for step in empty], now - abandoned_grace_s)
+            gone = await backend.remove_empty(
+                [generation_prefix(job, step) for step in empty], now - abandoned_grace_s,
+                dry_run=dry_run)
+            for step in empty:
+                if generation_prefix(job, step) in gone:
+                    if not dry_run:
+                        log.info("retention removed the empty directories of generation %d "
+                                 "of job %r", step, job)
+                    abandoned.append(step)
         except BackendError as exc:
             log.warning("retention: could not remove the empty directories of %s: %s",
                         ", ".join(generation_prefix(job, step) for step in empty), exc)

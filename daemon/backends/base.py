@@ -277,12 +277,16 @@ class Backend(abc.ABC):
 
         await for_each_bounded(keys, self.delete, DELETE_CONCURRENCY)
 
-    async def remove_empty(self, prefixes: Sequence[str],  # noqa: B027 - optional hook
-                           unchanged_since: float) -> None:
+    async def remove_empty(self, prefixes: Sequence[str], unchanged_since: float, *,
+                           dry_run: bool = False) -> builtins.list[str]:
         """Remove what is left of the generation directories ``prefixes`` when they hold no
         key: empty directories not changed since ``unchanged_since`` (Unix time), deepest
         first, never following a link (POSIX: a removal interrupted before its directories
-        went, a generation that never wrote a shard). Stores without directories have none."""
+        went, a generation that never wrote a shard). Returns the prefixes whose directory
+        went; with ``dry_run`` removes nothing and returns those whose directory would go.
+        Stores without directories have none."""
+        del unchanged_since, dry_run
+        return []
 
     async def prepare_prefix(self, prefix: str) -> None:  # noqa: B027 - optional hook
         """Called once before the first object under a generation prefix is written

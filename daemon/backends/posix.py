@@ -464,10 +464,15 @@ class PosixBackend(Backend):
     def _remove_keys(self, keys: Sequence[str], stop: threading.Event) -> None:
         remove_many(self.fs, [self._entry(key) for key in keys], stop)
 
-    async def remove_empty(self, prefixes: Sequence[str], unchanged_since: float) -> None:
+    async def remove_empty(self, prefixes: Sequence[str], unchanged_since: float, *,
+                           dry_run: bool = False) -> builtins.list[str]:
+        removed = []
         for prefix in prefixes:
-            await self._run(f"removing the empty directories of {prefix}", remove_empty_tree,
-                            self.fs, self._parts(prefix.rstrip("/")), unchanged_since)
+            if await self._run(f"removing the empty directories of {prefix}", remove_empty_tree,
+                               self.fs, self._parts(prefix.rstrip("/")), unchanged_since,
+                               dry_run):
+                removed.append(prefix)
+        return removed
 
     # --- reads ------------------------------------------------------------------------------
 

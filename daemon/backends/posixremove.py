@@ -73,13 +73,18 @@ def remove_many(fs: Beneath, entries: Sequence[Entry], stop: threading.Event) ->
             removed.add(here)
 
 
-def remove_empty_tree(fs: Beneath, parts: list[str], unchanged_since: float,
-                      stop: threading.Event) -> None:
+def remove_empty_tree(fs: Beneath, parts: list[str], unchanged_since: float, dry_run: bool,
+                      stop: threading.Event) -> bool:
     """Remove the directory ``parts`` and the directories under it that hold no file and were
     not changed since ``unchanged_since``, deepest first. Ages are taken before anything is
     removed (a removal changes its parent's mtime); a directory that holds a file, a link or
-    anything else, or that something wrote to meanwhile, stays (its rmdir fails)."""
-    found: list[tuple[tuple[str, ...], float]] = []  # directories, parents before children
+    anything else, or that something wrote to meanwhile, stays (its rmdir fails). Returns
+    whether ``parts`` itself went; with ``dry_run`` nothing is removed, and it returns whether
+    it would have (found attacking gc: `gc --dry-run` said nothing of an old, empty generation
+    directory that `gc` then removed, saying nothing either)."""
+    # Directories, parents before children: age, and whether it holds what is no directory.
+    found: list[tuple[tuple[str, ...], float, bool]] = []
+    subdirs_of: dict[tuple[str, ...], int] = {}
     pending = [tuple(parts)]
     while pending and not stop.is_set():
         here = pending.pop()
@@ -87,16 +92,30 @@ def remove_empty_tree(fs: Beneath, parts: list[str], unchanged_since: float,
             with fs.dir(here) as dir_fd:
                 changed = os.fstat(dir_fd).st_mtime
                 with os.scandir(dir_fd) as entries:
-                    subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+                    listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
         except (OSError, BackendError):
             # Gone, not ours to read (another user's), or a link on the way: it stays, and
             # so does every directory above it (their rmdir finds them not empty).
             continue
-        found.append((here, changed))
+        subdirs = [name for name, is_dir in listed if is_dir]
+        found.append((here, changed, len(subdirs) < len(listed)))
+        subdirs_of[here] = len(subdirs)
         pending += [(*here, name) for name in subdirs]
-    for here, changed in sorted(found, key=lambda f: len(f[0]), reverse=True):
+    gone: set[tuple[str, ...]] = set()
+    gone_under: dict[tuple[str, ...], int] = {}
+    for here, changed, holds_more in sorted(found, key=lambda f: len(f[0]), reverse=True):
         if stop.is_set() or changed >= unchanged_since:
             continue
-        # ENOTEMPTY (a file, a link, or a directory that stayed), gone, or refused: it stays.
-        with contextlib.suppress(OSError, BackendError), fs.dir(here[:-1]) as parent_fd:
-            os.rmdir(here[-1], dir_fd=parent_fd)
+        if dry_run:
+            # What rmdir would answer: empty once every subdirectory went before it.
+            if holds_more or gone_under.get(here, 0) < subdirs_of[here]:
+                continue
+        else:
+            try:
+                with fs.dir(here[:-1]) as parent_fd:
+                    os.rmdir(here[-1], dir_fd=parent_fd)
+            except (OSError, BackendError):
+                continue  # ENOTEMPTY (a file, a link, a directory that stayed), gone, refused
+        gone.add(here)
+        gone_under[here[:-1]] = gone_under.get(here[:-1], 0) + 1
+    return tuple(parts) in gone

@@ -356,9 +356,14 @@ async def test_directories_left_without_keys_go_once_they_are_old(tmp_path: Path
     young = await apply_retention(backend, JOB, keep_last=1, abandoned_grace_s=GRACE_S)
     assert young.kept == [3] and (job / f"{1:020d}").is_dir()  # changed within the grace
     later = time.time() + 2 * GRACE_S
+    foreseen = await apply_retention(backend, JOB, keep_last=1, abandoned_grace_s=GRACE_S,
+                                     now=later, dry_run=True)
+    assert (job / f"{1:020d}" / "optim" / "deeper").is_dir()
     old = await apply_retention(backend, JOB, keep_last=1, abandoned_grace_s=GRACE_S, now=later)
 
     assert old.kept == [3]
+    # 1 went and says so, as its dry run did; 2 holds a link, and stays.
+    assert young.abandoned_deleted == [] and foreseen.abandoned_deleted == old.abandoned_deleted == [1]
     assert not (job / f"{1:020d}").exists()
     assert (job / f"{2:020d}" / "model" / "link").is_symlink() and elsewhere.is_dir()
     assert not (job / f"{2:020d}" / "optim").exists()  # its empty siblings went
@@ -886,6 +891,27 @@ def test_a_manifest_that_is_a_link_in_an_old_generation_is_left_and_said_so(
         assert "Traceback" not in out.stderr
     assert manifest.is_symlink() and planted.is_file()
     assert {f for f in files_of(root) if f.startswith(generation_prefix(JOB, 100))} == shards
+
+
+def test_gc_dry_run_foresees_the_empty_directories_the_real_run_removes(tmp_path: Path) -> None:
+    """Found attacking: an old generation directory holding only empty directories was
+    removed by `gc`, which said "deleted none", after `gc --dry-run` said "would delete none"."""
+    root = tmp_path / "dest"
+    populate(root)
+    empty = root / generation_prefix(JOB, 50)
+    (empty / "a" / "b").mkdir(parents=True)
+    _age(empty)
+    uri = f"file://{root}"
+    args = ("gc", uri, "--keep-last", "2", "--grace-s", str(GRACE_S), "--json")
+
+    dry = run_cli(*args, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert empty.is_dir()
+    real = run_cli(*args)
+    assert real.returncode == 0, real.stderr
+    assert not empty.exists()
+    [foreseen], [done] = json.loads(dry.stdout), json.loads(real.stdout)
+    assert foreseen["abandoned_deleted"] == done["abandoned_deleted"] == [150, 50]
 
 
 def test_a_manifest_key_that_is_no_regular_file_is_left_with_its_shards(tmp_path: Path) -> None:
