@@ -140,29 +140,29 @@ def test_a_root_one_directory_below_an_unmounted_mount_point_is_not_made_locally
     with client.generation("job", 1) as g:  # mounted: the root is made in the mount point
         g.put("w.bin", b"w" * 4096)
     client.wait("job", 1, timeout_s=30)
-    subprocess.run(["umount", "-l", str(small_tmpfs)], check=True)
-    try:
-        with pytest.raises(DestinationError, match="is its filesystem mounted"):
-            client.latest("job")
-        with client.generation("job", 2) as g:
-            g.put("w.bin", b"w" * 4096)
-        with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
-            client.wait("job", 2, timeout_s=30)
-        assert d.proc is not None and d.proc.poll() is None, d.log()
-        d.kill()  # a node rebooted before its mounts came back
-        d.start()
+
+    def not_mounted_says_so(step: int) -> None:
         client = d.client()
         with pytest.raises(DestinationError, match="is its filesystem mounted"):
             client.latest("job")
-        with client.generation("job", 3) as g:
+        with client.generation("job", step) as g:
             g.put("w.bin", b"w" * 4096)
         with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
-            client.wait("job", 3, timeout_s=30)
+            client.wait("job", step, timeout_s=30)
+
+    subprocess.run(["umount", "-l", str(small_tmpfs)], check=True)
+    try:
+        not_mounted_says_so(2)
+        assert d.proc is not None and d.proc.poll() is None, d.log()
+        d.kill()  # a node rebooted before its mounts came back
+        d.start()
+        not_mounted_says_so(3)
         assert list(small_tmpfs.iterdir()) == []  # nothing written onto the node's disk
     finally:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small_tmpfs)],
                        check=True)
     # Mounted again (empty: a fresh filesystem), the root is made as for a new destination.
+    client = d.client()
     client.retry("job", 2)
     client.wait("job", 2, timeout_s=30)
     assert (root / "job" / f"{2:020d}" / "MANIFEST.json").exists()
