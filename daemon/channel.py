@@ -41,7 +41,12 @@ MAX_FDS_PER_MESSAGE = 4
 # Fds waiting for a frame to claim them. A client that passes fds on frames that take none,
 # or pipelines many, is cut off here instead of growing the daemon's fd table.
 MAX_QUEUED_FDS = 8
-_ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+# Room for as many fds as one sendmsg can carry (the kernel's SCM_MAX_FD): fds past the room
+# were dropped by the kernel inside recvmsg, on the event loop, and the last close of a pipe
+# among them waited there for a lock its client held (found attacking: one frame of 5 fds,
+# the fifth such a pipe, hung the daemon). Received, every one is closed off the loop.
+_SCM_MAX_FD = 253
+_ANC_BYTES = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
 
 
 # What one read takes at most: a shard sent inline (put_bytes) in one read, several frames too.
@@ -142,14 +147,15 @@ class Channel:
                     got += len(fds)
                     self.fds.extend((fd, at, at + n) for fd in fds)
             if flags & socket.MSG_CTRUNC:
+                # Room was left for every fd one message can carry: the kernel could not give
+                # this process the fds (EMFILE, ENFILE), the daemon's shortage. It was told to
+                # the client as its own misuse, and charged to its uid (found attacking).
                 self.close_fds()
-                if got < MAX_FDS_PER_MESSAGE:
-                    # Room was left: the kernel could not give this process the fds (EMFILE,
-                    # ENFILE), the daemon's shortage. It was told to the client as its own
-                    # misuse, and charged to its uid (found attacking).
-                    raise DescriptorsShort("a file descriptor the client passed could not be "
-                                           "received")
-                # More fds than we accept in one message: the kernel closed the rest. Refuse.
+                raise DescriptorsShort("a file descriptor the client passed could not be "
+                                       "received")
+            if got > MAX_FDS_PER_MESSAGE:
+                # More fds than we accept in one message: closed (off the loop). Refuse.
+                self.close_fds()
                 raise ProtocolError(wire.BAD_REQUEST, "the client passed more than "
                                     f"{MAX_FDS_PER_MESSAGE} file descriptors in one message; "
                                     "pass exactly one, with the put_fd/put_memfd/fetch frame")

@@ -530,3 +530,28 @@ def test_a_connection_refused_with_a_locked_pipe_queued_never_blocks_the_event_l
         # The loop goes on while that close waits for the lock.
         assert first.status()["node_id"]
         assert first.latest("nothing") is None
+
+
+def test_a_frame_with_more_fds_than_taken_never_blocks_the_event_loop(
+        make_daemon: Any) -> None:
+    # Found attacking the fix above: the daemon received at most 4 fds a message, and the
+    # kernel dropped the rest inside recvmsg, on the event loop; a fifth fd, a pipe whose lock
+    # its client held, made that drop its last close, and the loop waited for the lock. Every
+    # fd a message can carry is received now, and the ones too many are closed off the loop.
+    d: DaemonProcess = make_daemon()
+    assert d.proc is not None
+    nulls = [os.open(os.devnull, os.O_RDONLY) for _ in range(4)]
+    with d.client(timeout_s=10) as other, read_ends_held(1) as ends:
+        r = ends.pop()
+        with RawClient(d.socket_path) as raw:
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+            d.proc.send_signal(signal.SIGSTOP)  # so that this process's close comes first
+            try:
+                send_fds(raw, wire.encode_message("status", {}), [*nulls, r])
+            finally:
+                os.close(r)
+                for fd in nulls:
+                    os.close(fd)
+                d.proc.send_signal(signal.SIGCONT)
+            assert is_error(raw.reply(), wire.BAD_REQUEST, "more than 4 file descriptors")
+        assert other.status()["node_id"]  # the loop goes on while that close waits
