@@ -61,6 +61,9 @@ _METERED_READS = frozenset({"status"})
 _NOT_BUSY = frozenset({"wait", "status", "latest", "drain", "resume", "open"})
 
 
+# How long a connection of a uid with closes waiting waits for them before it is refused.
+CLOSES_GRACE_S = 1.0
+
 class PipesHeld(DaemonError):
     """The client's uid holds the locks of too many pipes it passed for them to be closed."""
 
@@ -229,17 +232,23 @@ class ClientHandler:
                 continue
             raise ProtocolError(wire.BAD_REQUEST, f"unexpected {type(event).__name__}")
 
-    def _pipes_held(self) -> None:
-        """Serve no more of a uid that holds the locks of MAX_PIPE_CLOSES_PER_UID pipes it
-        passed, whose closes wait for them: every message may bring one more (DataPlane)."""
-        held = self.d.dataplane.pipe_closes_of(self.uid)
-        if held >= MAX_PIPE_CLOSES_PER_UID:
-            raise PipesHeld(f"{held} pipes uid {self.uid} passed cannot be closed: a process "
-                            "of this user holds their locks (a read or splice on them that "
-                            "does not end); end it, then reconnect")
+    async def _pipes_held(self) -> None:
+        """Serve no more of a uid with MAX_PIPE_CLOSES_PER_UID closes of its fds (or of its
+        connections) waiting: a pipe whose lock a process of its holds makes its last close
+        wait, and every message may bring one more (DataPlane.close_client_fd). A burst of
+        closes that end at once (200 fds passed in one message) is waited out first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSES_GRACE_S
+        while (held := self.d.dataplane.closes_of(self.uid)) >= MAX_PIPE_CLOSES_PER_UID:
+            if loop.time() >= deadline:
+                raise PipesHeld(f"{held} fds uid {self.uid} passed cannot be closed yet: a "
+                                "process of this user holds the lock of a pipe among them (a "
+                                "read or splice on it that does not end), or they are on a "
+                                "mount that does not answer; end it, then reconnect")
+            await asyncio.sleep(0.02)
 
     async def _serve(self) -> None:
-        self._pipes_held()
+        await self._pipes_held()
         hello = await self.next_message()
         if hello is None:
             return
@@ -250,7 +259,7 @@ class ClientHandler:
         self._drop_unclaimed_fds()
         await self.send("welcome", {"version": wire.PROTOCOL_VERSION, "node_id": self.d.node_id})
         while True:
-            self._pipes_held()
+            await self._pipes_held()
             msg = await self.next_message()
             if msg is None:
                 return

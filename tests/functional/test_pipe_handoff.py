@@ -491,10 +491,10 @@ def test_a_user_holding_the_locks_of_the_pipes_it_passed_is_served_no_more(
                 if answers[-1].kind == "error":
                     break
             refusal = answers[-1]
-            assert is_error(refusal, wire.BACKPRESSURE, "holds their locks"), answers
+            assert is_error(refusal, wire.BACKPRESSURE, "holds the lock of a pipe"), answers
             assert refusal.fields["details"]["limit"] == "pipes_held"
             assert len(answers) <= MAX_PIPE_CLOSES_PER_UID + 1, len(answers)
-        with pytest.raises(Backpressure, match="holds their locks"):
+        with pytest.raises(Backpressure, match="holds the lock of a pipe"):
             d.client().status()  # a new connection of the same uid: not served either
     # The locks let go, the closes end, and the uid is served again.
     wait_for(lambda: len(os.listdir(f"/proc/{d.proc.pid}/fd")) <= fds_before + 2)
@@ -555,3 +555,4 @@ def test_a_frame_with_more_fds_than_taken_never_blocks_the_event_loop(
                 d.proc.send_signal(signal.SIGCONT)
             assert is_error(raw.reply(), wire.BAD_REQUEST, "more than 4 file descriptors")
         assert other.status()["node_id"]  # the loop goes on while that close waits
+
