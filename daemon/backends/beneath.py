@@ -133,7 +133,7 @@ class RootDevices:
         with self._lock:
             self._file = path
             with contextlib.suppress(OSError, ValueError):
-                loaded = json.loads(path.read_bytes()[:1 << 16])
+                loaded = json.loads(_read_no_link(path, 1 << 16))
                 if isinstance(loaded, dict):
                     self._devs.update({str(k): v for k, v in loaded.items()
                                        if isinstance(v, int) and not isinstance(v, bool)})
@@ -153,11 +153,42 @@ class RootDevices:
                 return
             tmp = self._file.with_name(self._file.name + ".tmp")
             with contextlib.suppress(OSError):  # best effort: the running daemon still knows
-                tmp.write_text(json.dumps(self._devs))
+                # Never through a link planted at the temp name (found attacking): a fresh
+                # file, made durable before it replaces the last.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, json.dumps(self._devs).encode())
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 os.replace(tmp, self._file)
 
 
 ROOT_DEVICES = RootDevices()
+
+
+def _read_no_link(path: Path, limit: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def _unmounted_mount_point(directory: Path) -> bool:
+    """Whether ``directory`` is empty, nothing is mounted on it, and its parent is no mount
+    point either (a root made anew below a mount point whose filesystem came back fresh, on
+    a new device, is no unmounted one)."""
+    try:
+        if os.path.ismount(directory) or os.path.ismount(directory.parent):
+            return False
+        with os.scandir(directory) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
 
 
 def _unmounted(directory: Path) -> BackendError | None:
@@ -262,10 +293,24 @@ class Beneath:
             if unmounted is not None:
                 raise unmounted from None
             raise
-        if not self._noted:
-            with contextlib.suppress(OSError):
-                ROOT_DEVICES.note(self.root, os.fstat(fd).st_dev)
-                self._noted = True
+        try:
+            dev = os.fstat(fd).st_dev
+        except OSError:
+            return fd
+        seen = ROOT_DEVICES.get(self.root)
+        if seen is not None and dev != seen and _unmounted_mount_point(self.root):
+            # The root itself the mount point, unmounted: an empty directory of the node's
+            # disk, which was written into, and `latest` said "nothing committed" (found
+            # attacking: and the filesystem remembered was overwritten with the node's).
+            os.close(fd)
+            raise BackendError(
+                f"the destination root {self.root} is an empty directory that is no mount "
+                "point, on another filesystem than this node last saw it on: is its "
+                "filesystem mounted? (if the destination moved there on purpose, put the "
+                "destination one directory below the mount point)", transient=True)
+        if not self._noted or dev != seen:
+            ROOT_DEVICES.note(self.root, dev)
+            self._noted = True
         return fd
 
     def _walk(self, root_fd: int, parts: Sequence[str], create: bool) -> int:

@@ -168,6 +168,45 @@ def test_a_root_one_directory_below_an_unmounted_mount_point_is_not_made_locally
     assert (root / "job" / f"{2:020d}" / "MANIFEST.json").exists()
 
 
+def test_a_root_that_is_itself_an_unmounted_mount_point_is_not_written_locally(
+        make_daemon: Any, small_tmpfs: Path, tmp_path: Path) -> None:
+    # Found attacking the check above: with the root itself the mount point, unmounted, the
+    # root is an empty directory of the node's disk that opens fine: step 2 was committed
+    # into it, `latest` said "nothing committed", and the filesystem remembered was
+    # overwritten with the node's. An empty root that is no mount point, on another
+    # filesystem than this node last saw it on, reads as not mounted now. The file that
+    # remembers it is never written through a link planted at its temp name either.
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    staging = tmp_path / "node-a" / "staging"
+    staging.mkdir(parents=True)
+    (staging / "destination-roots.json.tmp").symlink_to(victim)
+    d: DaemonProcess = make_daemon(dest=f"file://{small_tmpfs}", CKPTDRAIN_DRAIN__RETRY_BUDGET_S="2")
+    client = d.client()
+    with client.generation("job", 1) as g:
+        g.put("w.bin", b"w" * 4096)
+    client.wait("job", 1, timeout_s=30)
+    assert victim.read_text() == "untouched"
+    assert not (staging / "destination-roots.json").is_symlink()
+    subprocess.run(["umount", "-l", str(small_tmpfs)], check=True)
+    try:
+        for restarted in (False, True):
+            if restarted:
+                d.kill()
+                d.start()
+            client = d.client()
+            with pytest.raises(DestinationError, match="is its filesystem mounted"):
+                client.latest("job")
+            with client.generation("job", 2 + restarted) as g:
+                g.put("w.bin", b"w" * 4096)
+            with pytest.raises(GenerationFailed, match="is its filesystem mounted"):
+                client.wait("job", 2 + restarted, timeout_s=30)
+        assert list(small_tmpfs.iterdir()) == []  # nothing written onto the node's disk
+    finally:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small_tmpfs)],
+                       check=True)
+
+
 def test_a_root_that_is_itself_a_mount_point_is_warned_of(
         make_daemon: Any, small_tmpfs: Path) -> None:
     # Found attacking: with the destination root the mount point itself (file:///lustre),
