@@ -250,7 +250,6 @@ class Beneath:
     def __init__(self, root: Path, *, use_openat2: bool | None = None) -> None:
         self.root = root
         self.openat2 = kernel_has_openat2() if use_openat2 is None else use_openat2
-        self._noted = False  # the root's filesystem, in ROOT_DEVICES once per process
 
     def _shown(self, parts: Sequence[str]) -> str:
         return str(self.root.joinpath(*parts))
@@ -308,9 +307,7 @@ class Beneath:
                 "point, on another filesystem than this node last saw it on: is its "
                 "filesystem mounted? (if the destination moved there on purpose, put the "
                 "destination one directory below the mount point)", transient=True)
-        if not self._noted or dev != seen:
-            ROOT_DEVICES.note(self.root, dev)
-            self._noted = True
+        ROOT_DEVICES.note(self.root, dev)  # (written only when it changed)
         return fd
 
     def _walk(self, root_fd: int, parts: Sequence[str], create: bool) -> int:
