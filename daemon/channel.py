@@ -30,6 +30,7 @@ from ckptdrain.client import wire
 from ckptdrain.client.wire import ProtocolError
 from ckptdrain.daemon.dataplane import RateFloor
 from ckptdrain.daemon.errors import DaemonError, RequestError
+from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, FdCloser
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.pumps import SocketPump
 
@@ -62,11 +63,6 @@ def _shared_buffer() -> memoryview:
     return view
 
 
-def _close(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
 class IdleTimeout(DaemonError):
     """The client sent nothing for longer than the idle timeout."""
 
@@ -86,11 +82,17 @@ class TooSlow(IdleTimeout):
 
 class Channel:
     def __init__(self, sock: socket.socket, *, idle_timeout_s: float, min_bytes_per_s: int,
-                 rate_grace_s: float, close_fd: Callable[[int], None] = _close) -> None:
+                 rate_grace_s: float, closer: FdCloser, owner: object,
+                 held_off: Callable[[], Awaitable[None]]) -> None:
         sock.setblocking(False)
-        # How a passed fd is closed: off the loop (DataPlane.close_client_fd), since a close
-        # can block (a lingering socket, a FUSE file).
-        self.close_fd = close_fd
+        # Every fd the client passes is charged to ``owner`` (its uid) from the read that
+        # brings it, and closed off the loop (a close can block: a lingering socket, a FUSE
+        # file, a pipe whose lock the client holds). While the uid has MAX_FDS_HELD_PER_UID in
+        # the daemon's hands, ``held_off`` is waited for before each read: it returns once
+        # they are fewer, or raises.
+        self._closer = closer
+        self._owner = owner
+        self._held_off = held_off
         self.sock = sock
         self.idle_timeout_s = idle_timeout_s
         self.min_bytes_per_s = min_bytes_per_s
@@ -126,6 +128,10 @@ class Channel:
         connection's read can overwrite the bytes before they are copied out."""
         view = _shared_buffer()
         while True:
+            if self._closer.fds_of(self._owner) >= MAX_FDS_HELD_PER_UID:
+                # Checked before the read, not after: the fds a read brings are in the fd
+                # table already, and every connection of the uid may be mid-read at once.
+                await self._held_off()
             floor = self.transfer
             if floor is not None and (now := time.monotonic()) > floor.deadline():
                 raise TooSlow(str(floor.too_slow(now)))
@@ -146,6 +152,7 @@ class Channel:
                     fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
                     got += len(fds)
                     self.fds.extend((fd, at, at + n) for fd in fds)
+                    self._closer.received(self._owner, len(fds))
             if flags & socket.MSG_CTRUNC:
                 # Room was left for every fd one message can carry: the kernel could not give
                 # this process the fds (EMFILE, ENFILE), the daemon's shortage. It was told to
@@ -292,14 +299,14 @@ class Channel:
         handed to a later frame."""
         self.drop_frame_fds()
         while self.fds and self.fds[0][2] <= frame_start:
-            self.close_fd(self.fds.popleft()[0])
+            self._drop(self.fds.popleft()[0])
         while self.fds and self.fds[0][1] <= frame_start < self.fds[0][2]:
             self.frame_fds.append(self.fds.popleft()[0])
 
     def drop_frame_fds(self) -> None:
         fds, self.frame_fds = self.frame_fds, []
         for fd in fds:
-            self.close_fd(fd)
+            self._drop(fd)
         if fds:
             log_event(log, logging.DEBUG, "unclaimed_fds_closed", fds=len(fds))
 
@@ -308,9 +315,10 @@ class Channel:
         refusal when it came with none or several."""
         fds, self.frame_fds = self.frame_fds, []
         if len(fds) == 1:
+            self._closer.handed_on(self._owner, 1)
             return fds[0]
         for fd in fds:
-            self.close_fd(fd)
+            self._drop(fd)
         if not fds:
             raise RequestError(wire.BAD_REQUEST, f"{kind} arrived without a file descriptor; "
                                "attach exactly one (SCM_RIGHTS) to the frame's first byte")
@@ -321,9 +329,18 @@ class Channel:
         """Close every fd no frame claimed; returns how many."""
         closed = 0
         while self.fds:
-            self.close_fd(self.fds.popleft()[0])
+            self._drop(self.fds.popleft()[0])
             closed += 1
         return closed
+
+    def close_fd(self, fd: int) -> None:
+        """Close, off the loop, an fd this client passed (and a handler took), or its socket."""
+        self._closer.close(fd, self._owner)
+
+    def _drop(self, fd: int) -> None:
+        """Close a passed fd no handler took."""
+        self._closer.handed_on(self._owner, 1)
+        self.close_fd(fd)
 
     def close(self) -> None:
         if self._pump is not None:

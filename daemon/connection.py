@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
@@ -25,8 +25,8 @@ from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.allowance import TurnedAway
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.channel import Channel, DescriptorsShort, IdleTimeout, is_memfd
-from ckptdrain.daemon.dataplane import MAX_PIPE_CLOSES_PER_UID
 from ckptdrain.daemon.errors import DaemonError, RequestError, descriptors_short
+from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, MAX_PIPE_CLOSES_PER_UID
 from ckptdrain.daemon.journal import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
@@ -75,8 +75,8 @@ class ClientHandler:
         self.channel = Channel(sock, idle_timeout_s=limits.client_idle_timeout_s,
                                min_bytes_per_s=limits.client_min_bytes_per_s,
                                rate_grace_s=limits.client_rate_grace_s,
-                               close_fd=functools.partial(daemon.dataplane.close_client_fd,
-                                                          owner=peer.uid))
+                               closer=daemon.dataplane.closer, owner=peer.uid,
+                               held_off=self._fds_held)
         self.conn = wire.Connection(wire.Role.SERVER)
         self.peer = peer  # checked against [access] at accept (listener.py)
         self.uid = peer.uid
@@ -235,11 +235,19 @@ class ClientHandler:
     async def _pipes_held(self) -> None:
         """Serve no more of a uid with MAX_PIPE_CLOSES_PER_UID closes of its fds (or of its
         connections) waiting: a pipe whose lock a process of its holds makes its last close
-        wait, and every message may bring one more (DataPlane.close_client_fd). A burst of
-        closes that end at once (200 fds passed in one message) is waited out first."""
+        wait, and every message may bring one more (fdcloser.py). A burst of closes that end
+        at once (200 fds passed in one message) is waited out first."""
+        await self._held_off(self.d.dataplane.closer.closes_of, MAX_PIPE_CLOSES_PER_UID)
+
+    async def _fds_held(self) -> None:
+        """Read no more from a uid with MAX_FDS_HELD_PER_UID fds in the daemon's hands
+        (Channel.receive, before each read)."""
+        await self._held_off(self.d.dataplane.closer.fds_of, MAX_FDS_HELD_PER_UID)
+
+    async def _held_off(self, count: Callable[[object], int], limit: int) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CLOSES_GRACE_S
-        while (held := self.d.dataplane.closes_of(self.uid)) >= MAX_PIPE_CLOSES_PER_UID:
+        while (held := count(self.uid)) >= limit:
             if loop.time() >= deadline:
                 raise PipesHeld(f"{held} fds uid {self.uid} passed cannot be closed yet: a "
                                 "process of this user holds the lock of a pipe among them (a "

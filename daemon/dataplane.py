@@ -16,16 +16,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import ctypes
 import errno
 import fcntl
 import mmap
 import os
-import socket
-import stat
-import struct
-import termios
 import threading
 import time
 from collections.abc import Callable
@@ -33,16 +28,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckptdrain.daemon.errors import DaemonError, StuckIO
+from ckptdrain.daemon.fdcloser import FdCloser
 
 T = TypeVar("T")
 
 COPY_CHUNK_BYTES = 64 << 20
-# Closes of clients' pipes in threads of their own at once; past it, they wait for one.
-MAX_PIPE_CLOSERS = 256
-# A uid with this many pipe closes waiting for their lock (which only a process of its own can
-# hold) has its connections served no more till they end: it could pass such pipes as fast
-# as it liked, each an fd of the daemon's held open.
-MAX_PIPE_CLOSES_PER_UID = 16
 # How often a pump's watchdog looks at it.
 WATCH_SLICE_S = 1.0
 
@@ -124,18 +114,12 @@ class DataPlane:
         # thread must never keep a socket hand-off waiting for a free one.
         self._pipe_pumps = concurrent.futures.ThreadPoolExecutor(
             pumps, thread_name_prefix="ckptdrain-pipe", initializer=name_os_thread)
-        # Closing a client's fd can block: a TCP socket lingering on unsent data, a FUSE file
-        # whose server holds the flush. Never on the loop, nor in a hand-off's thread.
-        self._closer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ckptdrain-io-close",
-                                                             initializer=name_os_thread)
+        # Closing a client's fd can block: never on the loop, nor in a hand-off's thread.
+        self.closer = FdCloser(name_os_thread)
         self.stuck = 0
         self.busy = 0
         # Stuck pumps by who started them (a uid): such a client is offered no more pipes.
         self.stuck_owners: collections.Counter[object] = collections.Counter()
-        self._pipe_closes = threading.BoundedSemaphore(MAX_PIPE_CLOSERS)
-        self._pipes_lock = threading.Lock()
-        self._closing: collections.Counter[object] = collections.Counter()
-        self._pipes_waiting: collections.deque[tuple[int, object]] = collections.deque()
 
     async def call(self, fn: Callable[..., T], *args: object,
                    cleanup: Callable[[], None] | None = None,
@@ -221,78 +205,15 @@ class DataPlane:
         return result
 
     def close_client_fd(self, fd: int, owner: object = None) -> None:
-        """Close an fd a client passed, in a thread: returns at once, whatever the fd is.
-        ``owner`` (the client's uid) is charged with it until it is closed: counted here, on
-        the loop, so that a uid's next frame sees it (counted in the thread, 80 connections
-        each passed 4 locked pipes before any count rose: found attacking)."""
-        with self._pipes_lock:
-            self._closing[owner] += 1
-        try:
-            self._closer.submit(self._close_client_fd, fd, owner)
-        except RuntimeError:  # shutting down: the process's exit closes it
-            self._closed(owner)
-
-    def closes_of(self, owner: object) -> int:
-        """How many fds (a connection's included) of ``owner`` are still being closed."""
-        return self._closing.get(owner, 0)
-
-    def _closed(self, owner: object) -> None:
-        with self._pipes_lock:
-            self._closing[owner] -= 1
-            if self._closing[owner] <= 0:
-                del self._closing[owner]
-
-    def _close_client_fd(self, fd: int, owner: object = None) -> None:
-        # The last close of a pipe waits for the pipe's lock, which its client can hold for
-        # as long as it likes: such a close gets a thread of its own (up to MAX_PIPE_CLOSERS
-        # at once), so it never holds up the closes of other clients' fds. Past that, it
-        # waits its turn among them, never in this pool: 330 pipes held locked wedged both
-        # of its threads, and no fd any client passed was closed again till the daemon ran
-        # out (found attacking). Its owner stays charged with it meanwhile, and is served no
-        # more while it has MAX_PIPE_CLOSES_PER_UID closes waiting.
-        # A socket too when fds may be queued in it unread: its last close drops them, a
-        # pipe among them (a connection hung up on before its next frame was read: found
-        # attacking, that close blocked the event loop, and the daemon with it). Shut down
-        # first, nothing more can come; with nothing queued it closes here at once, as every
-        # client's connection does when it ends (through the threads, an innocent user's
-        # closes queued behind an attacker's pipes, and were charged to it: found attacking).
-        try:
-            mode = os.fstat(fd).st_mode
-        except OSError:
-            mode = 0
-        if stat.S_ISSOCK(mode) and not _queued(fd):
-            mode = 0
-        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-            _close_quietly(fd)
-            self._closed(owner)
-            return
-        with self._pipes_lock:
-            if not self._pipe_closes.acquire(blocking=False):
-                self._pipes_waiting.append((fd, owner))
-                return
-        try:
-            threading.Thread(target=self._close_pipes, args=(fd, owner), daemon=True,
-                             name="ckptdrain-io-close-pipe").start()
-        except RuntimeError:  # no thread to be had: closed in this one after all
-            self._close_pipes(fd, owner)
-
-    def _close_pipes(self, fd: int, owner: object) -> None:
-        """Close ``fd``, then the pipes waiting for a thread, one after another."""
-        while True:
-            _close_quietly(fd)
-            self._closed(owner)
-            with self._pipes_lock:
-                if not self._pipes_waiting:
-                    self._pipe_closes.release()
-                    return
-                fd, owner = self._pipes_waiting.popleft()
+        """Close an fd a client passed, in a thread, charged to ``owner`` (FdCloser.close)."""
+        self.closer.close(fd, owner)
 
     def close(self) -> None:
         # Stuck threads cannot be joined: leave them to the process's exit.
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pumps.shutdown(wait=False, cancel_futures=True)
         self._pipe_pumps.shutdown(wait=False, cancel_futures=True)
-        self._closer.shutdown(wait=False)
+        self.closer.shutdown()
 
 
 class PumpStalled(StuckIO):
@@ -312,11 +233,6 @@ async def _watched(future: asyncio.Future[T], stalled: Callable[[], bool]) -> T:
 
 
 # -- blocking steps, run in the pool ---------------------------------------------------------
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
 def readable(fd: int) -> bool:
     """Whether ``fd`` was opened for reading (a client's; blocking: it may be on a hung mount)."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -324,24 +240,6 @@ def readable(fd: int) -> bool:
     return not flags & os.O_PATH and flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
 
 
-def _queued(sock_fd: int) -> bool:
-    """Whether bytes (and so maybe fds) wait unread in a socket, shut down first so that no
-    more can come; True where that cannot be told."""
-    try:
-        with contextlib.suppress(OSError):
-            _shutdown(sock_fd)
-        (unread,) = struct.unpack("i", fcntl.ioctl(sock_fd, termios.FIONREAD, b"\0" * 4))
-        return bool(unread)
-    except OSError:
-        return True
-
-
-def _shutdown(sock_fd: int) -> None:
-    s = socket.socket(fileno=sock_fd)
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    finally:
-        s.detach()
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import Backpressure, DrainError, SizeMismatch, pipes, wire
-from ckptdrain.daemon.dataplane import MAX_PIPE_CLOSES_PER_UID
+from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, MAX_PIPE_CLOSES_PER_UID
 from tests.conftest import DaemonProcess, wait_for
 from tests.functional.test_bad_input import RawClient
 from tests.functional.test_failure_boundary import still_serves
@@ -556,3 +556,48 @@ def test_a_frame_with_more_fds_than_taken_never_blocks_the_event_loop(
             assert is_error(raw.reply(), wire.BAD_REQUEST, "more than 4 file descriptors")
         assert other.status()["node_id"]  # the loop goes on while that close waits
 
+
+
+def test_a_uid_is_not_read_from_while_it_holds_too_many_fds_however_many_connections_it_has(
+        make_daemon: Any) -> None:
+    # Found attacking the per-uid cap on pipe closes: it was checked between requests only.
+    # 80 connections of one uid (60 here), each already waiting for its next frame, got a frame
+    # with 4 pipes whose locks the uid held, and every one was read and served: 240 fds in
+    # the daemon's table, and as many closes waiting, from one user (with 512 connections of
+    # 253 fds each, more than the unit's LimitNOFILE). Now a uid holding MAX_FDS_HELD_PER_UID
+    # fds is not read from: what it sends stays in its sockets, and it is refused.
+    d: DaemonProcess = make_daemon()
+    assert d.proc is not None
+    connections = 60
+    with contextlib.ExitStack() as stack, read_ends_held(4 * connections) as ends:
+        raws = [stack.enter_context(RawClient(d.socket_path)) for _ in range(connections)]
+        for raw in raws:
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        before = daemon_fds(d)
+        # Stopped meanwhile, so that this process's close of its copies comes first.
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            for raw in raws:
+                passed, ends[:4] = ends[:4], []
+                send_fds(raw, wire.encode_message("status", {}), passed)
+                for fd in passed:
+                    os.close(fd)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        answers = []
+        for raw in raws:
+            try:
+                answers.append(raw.reply())
+            except OSError:  # hung up on after its last word
+                answers.append(None)
+        served = sum(1 for a in answers if a is not None and a.kind == "ok")
+        refused = [a for a in answers if a is not None and a.kind == "error"]
+        assert served <= MAX_FDS_HELD_PER_UID // 4 + 1, answers
+        assert refused and all(is_error(a, wire.BACKPRESSURE, "holds the lock of a pipe")
+                               and a.fields["details"]["limit"] == "pipes_held"
+                               for a in refused), refused
+        # At most one message's fds past the cap reached the daemon's fd table.
+        assert daemon_fds(d) - before <= MAX_FDS_HELD_PER_UID + 4, daemon_fds(d) - before
+    # The locks let go, every close ends, and the uid is served again.
+    wait_for(lambda: daemon_fds(d) <= before - connections + 2, timeout_s=20)
+    still_serves(d)
