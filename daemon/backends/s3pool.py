@@ -41,6 +41,7 @@ from ckptdrain.daemon.backends.s3messages import (
 )
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3procs import (
+    MIN_ALIVE_S,
     STOP_TIMEOUT_S,
     WORKER_LOST,
     WorkerProcess,
@@ -103,6 +104,10 @@ class WorkerSenders(PartSender):
         # worker that answers nothing for longer is stuck and is replaced.
         self._answer_timeout_s = config.max_attempts * (
             float(config.connect_timeout_s) + float(config.read_timeout_s) + 60.0)
+        # A worker's event loop answers a ping at once, whatever its requests wait for: one
+        # silent for longer than a connection takes to open is stuck, and replaced (not
+        # sooner than MIN_ALIVE_S: a loaded node may not run it for a second or two).
+        self._alive_s = max(float(config.connect_timeout_s), MIN_ALIVE_S)
 
     async def start(self) -> None:
         await self._worker()
@@ -161,7 +166,8 @@ class WorkerSenders(PartSender):
         finally:
             theirs.close()
         ours.setblocking(False)
-        worker = WorkerProcess(index, proc, ours, self._role, self._dying)
+        worker = WorkerProcess(index, proc, ours, self._role, self._dying,
+                               alive_s=self._alive_s)
         try:
             await send_message(ours, {"config": self._config.model_dump(mode="json"),
                                       "node_id": self._node_id}, timeout_s=10.0)
@@ -333,8 +339,7 @@ class WorkerSenders(PartSender):
             worker.pending.pop(request_id, None)
             raise
         try:
-            async with asyncio.timeout(answer_timeout_s):
-                reply, got = await asyncio.shield(answer)
+            reply, got = await worker.answer(answer, answer_timeout_s, self._ids)
         except TimeoutError:
             worker.lost(f"{what} got no answer in {answer_timeout_s:g} s")
             if answer.done() and not answer.cancelled():

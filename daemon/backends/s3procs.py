@@ -7,19 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import time
 from typing import Any
 
 from ckptdrain.daemon.backends.s3errors import S3Failure
-from ckptdrain.daemon.backends.s3messages import close_all, receive_ready
+from ckptdrain.daemon.backends.s3messages import close_all, receive_ready, send_message
 from ckptdrain.daemon.logs import log_event
 
 log = logging.getLogger("ckptdrain.daemon.backends.s3pool")
 
 # How long a stopping pool waits for a worker to exit after its socket closed, then kills it.
 STOP_TIMEOUT_S = 5.0
+# How long a worker may take to start (import botocore, build its client) before it is lost:
+# till it says it started, its loop cannot answer a ping.
+START_GRACE_S = 60.0
+# The least silence after which a started worker is pinged (destination.connect_timeout_s
+# above it).
+MIN_ALIVE_S = 5.0
 # The code of the failure a request gets when its worker died or could not be reached.
 WORKER_LOST = "ckptdrain.WorkerLost"
 
@@ -31,7 +38,7 @@ class WorkerProcess:
     exited before doing its work again."""
 
     def __init__(self, index: int, proc: asyncio.subprocess.Process, sock: socket.socket,
-                 role: str, dying: list[asyncio.subprocess.Process]) -> None:
+                 role: str, dying: list[asyncio.subprocess.Process], *, alive_s: float) -> None:
         self.index = index
         self.proc = proc
         self.sock = sock
@@ -41,6 +48,11 @@ class WorkerProcess:
         self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
         self.alive = True
         self.spawned = time.monotonic()
+        # When it last said anything; one silent for ``alive_s`` is asked whether its event
+        # loop still runs (a ping), and lost if it does not answer within as long.
+        self.heard = self.spawned
+        self.alive_s = alive_s
+        self.ready = False  # it said it started
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
 
     def _readable(self) -> None:
@@ -56,9 +68,11 @@ class WorkerProcess:
             if got is None:
                 self.lost("it exited")
                 return
+            self.heard = time.monotonic()
             answer, fds = got
             if "started" in answer:
                 close_all(fds)
+                self.ready = True
                 self._started(answer["started"])
                 continue
             request_id = answer.get("id")
@@ -73,6 +87,52 @@ class WorkerProcess:
                 future.set_result((answer, fds))
             else:
                 close_all(fds)  # nobody waits for it any more: never leak what arrives
+
+    async def answer(self, answer: asyncio.Future[tuple[dict[str, Any], list[int]]],
+                     limit_s: float, ids: itertools.count[int]) -> tuple[dict[str, Any], list[int]]:
+        """``answer`` (a request's), within ``limit_s`` (TimeoutError past it). Meanwhile a
+        worker silent for ``alive_s`` is pinged, and one that answers no ping in as long is
+        lost: its requests fail as transient at once. A stopped worker (SIGSTOP, a wedged
+        event loop) held the parts it had for ``limit_s``, 650 s by default, before (found
+        attacking). ``answer`` itself is never cancelled here (asyncio.wait leaves it be)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            done, _ = await asyncio.wait({answer}, timeout=min(left, self.alive_s))
+            if done:
+                return answer.result()
+            silent_s = time.monotonic() - self.heard
+            if not self.ready:
+                if silent_s >= max(START_GRACE_S, self.alive_s):
+                    self.lost(f"it did not start in {silent_s:.0f} s")
+            elif silent_s >= self.alive_s and not await self._pinged(next(ids)):
+                self.lost(f"it answered no ping in {self.alive_s:g} s (the process is stopped, "
+                          "or its event loop is stuck)")
+
+    async def _pinged(self, request_id: int) -> bool:
+        """Whether the worker answered a ping within ``alive_s`` (True too where it was lost
+        meanwhile: the request's own answer says so)."""
+        if not self.alive:
+            return True
+        pong: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
+            asyncio.get_running_loop().create_future())
+        self.pending[request_id] = pong
+        try:
+            async with asyncio.timeout(self.alive_s):
+                await send_message(self.sock, {"id": request_id, "op": "ping"}, [],
+                                   timeout_s=self.alive_s)
+                _, fds = await pong
+            close_all(fds)
+            return True
+        except S3Failure:
+            return True
+        except (OSError, TimeoutError):
+            return False
+        finally:
+            self.pending.pop(request_id, None)
 
     def _started(self, figures: Any) -> None:
         if not isinstance(figures, dict):

@@ -228,6 +228,11 @@ async def serve(sock: socket.socket) -> None:
                 if got is None:
                     break  # the daemon closed the socket: stop
                 message, fds = got
+                if message.get("op") == "ping":
+                    # Answered from this loop, not a task: proof that the loop still runs.
+                    close_all(fds)
+                    answers.put_nowait({"id": int(message["id"])})
+                    continue
                 if "cancel" in message:
                     for fd in fds:
                         os.close(fd)

@@ -5,6 +5,7 @@ gone with a killed daemon), and ``verify`` from stored checksums without reading
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import signal
 import subprocess
@@ -139,6 +140,38 @@ def test_a_killed_worker_is_replaced_and_its_parts_are_sent_again(
     assert replaced and first[0] not in replaced
     assert get(seaweedfs, s3_bucket, f"killjob/{1:020d}/model.bin") == data
     assert manifest(seaweedfs, s3_bucket, "killjob", 1).shards[0].checksum == of_bytes(data)
+    wait_for(lambda: uploads(seaweedfs, s3_bucket) == [], timeout_s=30)
+
+
+def test_a_stopped_worker_is_replaced_within_seconds_and_its_parts_are_sent_again(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    # Found attacking: a worker stopped mid-upload (SIGSTOP; or an event loop stuck) held its
+    # parts till their answer's bound, max_attempts x (connect + read + 60) s, 650 s here by
+    # default, with no error said. Now a worker silent for destination.connect_timeout_s is
+    # pinged, and one that answers no ping in as long is replaced.
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
+                  CKPTDRAIN_DRAIN__WORKERS="1", CKPTDRAIN_DESTINATION__CONNECT_TIMEOUT_S="2",
+                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="8MiB")
+    data = os.urandom(48 * MiB)
+    with d.client(timeout_s=300).generation("stopjob", 1) as gen:
+        gen.put("model.bin", data)
+
+    def drained() -> int:
+        status = d.client(timeout_s=30).status()
+        return sum(int(s["drained_bytes"]) for s in status["shards_draining"])
+
+    wait_for(lambda: drained() >= 8 * MiB, timeout_s=60)
+    first = workers_of(d.pid)
+    os.kill(first[0], signal.SIGSTOP)
+    try:
+        # Well within the 650 s the parts it held waited before (the pace adds ~5 s).
+        d.client(timeout_s=300).wait("stopjob", 1, timeout_s=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first[0], signal.SIGCONT)
+    assert "answered no ping" in d.log()
+    assert first[0] not in alive_workers(workers_of(d.pid))
+    assert get(seaweedfs, s3_bucket, f"stopjob/{1:020d}/model.bin") == data
     wait_for(lambda: uploads(seaweedfs, s3_bucket) == [], timeout_s=30)
 
 

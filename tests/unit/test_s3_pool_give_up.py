@@ -67,7 +67,7 @@ class _Scripted(WorkerSenders):
         theirs.setblocking(False)
         self.ends.append(theirs)
         proc = cast(asyncio.subprocess.Process, _Process(10_000 + len(self.ends)))
-        worker = WorkerProcess(index, proc, ours, "upload", self._dying)
+        worker = WorkerProcess(index, proc, ours, "upload", self._dying, alive_s=self._alive_s)
         self.started.append(worker)
         return worker
 
