@@ -484,7 +484,7 @@ class ClientHandler:
                                    "is not a memfd; pass a memfd_create() fd, or use put_fd")
         except BaseException:
             if fd is not None:
-                self.d.dataplane.close_client_fd(fd)
+                self.d.dataplane.close_client_fd(fd, self.uid)
             raise
         # From here the hand-off owns the fd (closes it, or leaves it to a stuck thread).
         if kind == "put_memfd" and self.ack == "memory" and fd is not None:

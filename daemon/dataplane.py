@@ -115,7 +115,7 @@ class DataPlane:
         self._pipe_pumps = concurrent.futures.ThreadPoolExecutor(
             pumps, thread_name_prefix="ckptdrain-pipe", initializer=name_os_thread)
         # Closing a client's fd can block: never on the loop, nor in a hand-off's thread.
-        self.closer = FdCloser(name_os_thread)
+        self.closer = FdCloser()
         self.stuck = 0
         self.busy = 0
         # Stuck pumps by who started them (a uid): such a client is offered no more pipes.
@@ -204,8 +204,9 @@ class DataPlane:
         self.busy -= 1
         return result
 
-    def close_client_fd(self, fd: int, owner: object = None) -> None:
-        """Close an fd a client passed, in a thread, charged to ``owner`` (FdCloser.close)."""
+    def close_client_fd(self, fd: int, owner: object) -> None:
+        """Close an fd a client passed, in a thread, charged to ``owner`` (its uid; None only
+        where no client is known): FdCloser.close."""
         self.closer.close(fd, owner)
 
     def close(self) -> None:
@@ -213,7 +214,6 @@ class DataPlane:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pumps.shutdown(wait=False, cancel_futures=True)
         self._pipe_pumps.shutdown(wait=False, cancel_futures=True)
-        self.closer.shutdown()
 
 
 class PumpStalled(StuckIO):

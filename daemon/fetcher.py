@@ -81,10 +81,10 @@ class Fetcher:
     """Copies of destination objects into clients' files, off the daemon's event loop."""
 
     def __init__(self, open_reader: Callable[[], Backend], *,
-                 close_fd: Callable[[int], None]) -> None:
+                 close_fd: Callable[[int, int], None]) -> None:
         """``open_reader``: a new backend for the daemon's destination (called once, on the
         reading loop; it is synchronous and does no I/O); ``close_fd``: how a duplicate of a
-        client's fd is closed (without blocking the caller)."""
+        client's fd is closed (without blocking the caller), charged to the client's uid."""
         self._open_reader = open_reader
         self._close_fd = close_fd
         self._intake: _Intake | None = None
@@ -101,21 +101,21 @@ class Fetcher:
         """The reading loop's thread, once started."""
         return self._thread
 
-    async def copy_into(self, key: str, into: int, *, algo: str = checksums.ALGO,
+    async def copy_into(self, key: str, into: int, owner: int, *, algo: str = checksums.ALGO,
                         expected_size: int | None = None,
                         gone: asyncio.Future[None] | None = None) -> tuple[int, str]:
         """``Backend.copy_into`` of ``key`` into ``into``, a duplicate of a client's fd that
-        this fetcher owns from the call on and closes once the read has ended, however it
-        ends. ``gone``: done once the client has hung up; the read is then stopped and
+        this fetcher owns from the call on and closes (charged to ``owner``, the client's
+        uid) once the read has ended, however it ends. ``gone``: done once the client has hung up; the read is then stopped and
         ConnectionError raised (no reply is owed to a client that left)."""
         try:
             intake, reader = await self._started()
         except BaseException:
-            self._close_fd(into)
+            self._close_fd(into, owner)
             raise
         return await self._there(
             intake, lambda: reader.copy_into(key, into, algo=algo, expected_size=expected_size),
-            grace_s=CANCEL_GRACE_S, after=lambda: self._close_fd(into), gone=gone)
+            grace_s=CANCEL_GRACE_S, after=lambda: self._close_fd(into, owner), gone=gone)
 
     async def _started(self) -> tuple[_Intake, Backend]:
         async with self._starting:

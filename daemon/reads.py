@@ -146,7 +146,7 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
         with h.channel.hangup_watch() as gone:
             # Read on the fetcher's own loop: this one serves every client.
             size, checksum = await d.fetcher.copy_into(
-                shard_key(job, step, path), into, algo=entry.algo, expected_size=entry.size,
+                shard_key(job, step, path), into, h.uid, algo=entry.algo, expected_size=entry.size,
                 gone=gone)
     except (BackendError, ManifestError) as exc:
         raise destination_error(job, step, exc) from None

@@ -104,7 +104,7 @@ class Daemon:
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)
         self.fetcher = Fetcher(lambda: open_backend(config.destination, config.node_id),
-                               close_fd=lambda fd: self.dataplane.close_client_fd(fd))
+                               close_fd=lambda fd, uid: self.dataplane.close_client_fd(fd, uid))
         self.dataplane = DataPlane(io_threads(limits.io_threads), limits.io_timeout_s,
                                    pumps=limits.max_clients)
         self.supervisor = Supervisor()

@@ -601,3 +601,32 @@ def test_a_uid_is_not_read_from_while_it_holds_too_many_fds_however_many_connect
     # The locks let go, every close ends, and the uid is served again.
     wait_for(lambda: daemon_fds(d) <= before - connections + 2, timeout_s=20)
     still_serves(d)
+
+
+def test_the_closes_of_refused_put_fds_are_charged_to_their_uid(make_daemon: Any) -> None:
+    # Found attacking the per-uid accounting: a put_fd refused before its hand-off (here: its
+    # rank aborted) closed the fd charged to nobody. 600 pipes whose locks the client held,
+    # passed that way on one connection, were all served, 604 fds in the daemon's table, and
+    # their closes queued where other users' waited. Every close is now charged to an owner.
+    d: DaemonProcess = make_daemon()
+    with read_ends_held(MAX_PIPE_CLOSES_PER_UID + 8) as ends, RawClient(d.socket_path) as raw:
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        shard = {"job": "refused", "step": 1, "rank": 0}
+        assert raw.call("begin", **shard, world_size=1).kind == "ok"
+        assert raw.call("abort", **shard, reason="to refuse the puts").kind == "ok"
+        answers = []
+        for i in range(len(ends)):
+            r = ends.pop()
+            frame = wire.encode_message("put_fd", {**shard, "path": f"p{i}", "size": 10})
+            send_fds(raw, frame[:1], [r])  # on the first byte, the rest after our close:
+            os.close(r)  # the daemon's close is then the last, and waits for the lock
+            raw.sock.sendall(frame[1:])
+            try:
+                answers.append(raw.reply())
+            except OSError:  # hung up on after its last word
+                break
+            if is_error(answers[-1], wire.BACKPRESSURE, "holds the lock of a pipe"):
+                break
+        assert is_error(answers[-1], wire.BACKPRESSURE, "holds the lock of a pipe"), answers
+        assert len(answers) <= MAX_PIPE_CLOSES_PER_UID + 1, len(answers)
+    still_serves(d)

@@ -1,10 +1,15 @@
-"""FdCloser: closes of the fds clients pass, off the loop, charged to their uid; a pipe whose
-lock its client holds ties up one thread, and one uid no more than its share of them."""
+"""FdCloser: closes of the fds clients pass, off the loop, charged to their uid; a close that
+blocks (a pipe whose lock its client holds, a lingering socket) ties up one thread, and one
+uid no more than its share of them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import struct
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,7 +20,7 @@ from tests.functional.test_pipe_handoff import read_ends_held
 
 
 def close_threads() -> int:
-    return sum(t.name == "ckptdrain-io-close-pipe" for t in threading.enumerate())
+    return sum(t.name == "ckptdrain-io-close" for t in threading.enumerate())
 
 
 def test_one_uids_locked_pipes_never_keep_another_uids_closes_waiting(
@@ -24,43 +29,71 @@ def test_one_uids_locked_pipes_never_keep_another_uids_closes_waiting(
     # served. One user's pipes whose locks it held (passed over many connections) took every
     # thread, and other users' pipes waited behind them, charged to those users till they
     # were refused as pipes_held themselves. Now one uid has at most its share of threads.
-    monkeypatch.setattr(fdcloser, "MAX_PIPE_CLOSERS", 4)
-    monkeypatch.setattr(fdcloser, "MAX_PIPE_CLOSE_THREADS_PER_UID", 2)
-    closer = FdCloser(lambda: None)
+    monkeypatch.setattr(fdcloser, "MAX_CLOSE_THREADS", 4)
+    monkeypatch.setattr(fdcloser, "MAX_CLOSE_THREADS_PER_UID", 2)
+    closer = FdCloser()
     threads_before = close_threads()
-    try:
-        with read_ends_held(6) as ends:  # more than every thread
-            while ends:  # the closer's is the last close of each: it waits for the lock
-                closer.close(ends.pop(), owner="attacker")
-            closer.received("attacker", 6)  # (counted the way a channel counts them)
-            closer.handed_on("attacker", 6)
-            wait_for(lambda: close_threads() - threads_before == 2, timeout_s=10)
-            r, w = os.pipe()
-            try:
-                closer.close(r, owner="innocent")
-                wait_for(lambda: closer.closes_of("innocent") == 0, timeout_s=10)
-                assert closer.closes_of("attacker") == 6
-                assert closer.fds_of("attacker") == 6
-                assert close_threads() - threads_before == 2  # the attacker's two, still stuck
-            finally:
-                os.close(w)
-        # The lock let go: the attacker's closes end, one after another, in its two threads.
-        wait_for(lambda: closer.fds_of("attacker") == 0, timeout_s=10)
-        wait_for(lambda: close_threads() == threads_before, timeout_s=10)
-    finally:
-        closer.shutdown()
+    with read_ends_held(6) as ends:  # more than every thread
+        while ends:  # the closer's is the last close of each: it waits for the lock
+            closer.close(ends.pop(), owner="attacker")
+        wait_for(lambda: close_threads() - threads_before == 2, timeout_s=10)
+        r, w = os.pipe()
+        try:
+            closer.close(r, owner="innocent")
+            wait_for(lambda: closer.closes_of("innocent") == 0, timeout_s=10)
+            assert closer.closes_of("attacker") == 6
+            assert closer.fds_of("attacker") == 6
+            assert close_threads() - threads_before == 2  # the attacker's two, still stuck
+        finally:
+            os.close(w)
+    # The lock let go: the attacker's closes end, one after another, in its two threads.
+    wait_for(lambda: closer.fds_of("attacker") == 0, timeout_s=10)
+    wait_for(lambda: close_threads() == threads_before, timeout_s=10)
 
 
 def test_fds_received_count_against_their_uid_until_handed_on() -> None:
-    closer = FdCloser(lambda: None)
+    closer = FdCloser()
+    closer.received(1000, 3)
+    assert closer.fds_of(1000) == 3 and closer.closes_of(1000) == 0
+    closer.handed_on(1000, 1)  # taken by a hand-off: no longer this account's
+    r, w = os.pipe()
+    closer.handed_on(1000, 2)  # ...and two given to close
+    for fd in (r, w):
+        closer.close(fd, owner=1000)
+    wait_for(lambda: closer.fds_of(1000) == 0, timeout_s=10)  # both closed
+
+
+@contextlib.contextmanager
+def lingering_socket() -> Iterator[int]:
+    """A TCP socket whose close waits (SO_LINGER, 30 s) for unsent bytes its peer never
+    reads; the peer is closed on leaving, and the close ends then."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
     try:
-        closer.received(1000, 3)
-        assert closer.fds_of(1000) == 3 and closer.closes_of(1000) == 0
-        closer.handed_on(1000, 1)  # taken by a hand-off: no longer this account's
-        r, w = os.pipe()
-        closer.handed_on(1000, 2)  # ...and two given to close
-        for fd in (r, w):
-            closer.close(fd, owner=1000)
-        wait_for(lambda: closer.fds_of(1000) == 0, timeout_s=10)  # both closed
+        sender.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                sender.send(b"x" * 65536)
+        sender.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 30))
+        yield sender.detach()
     finally:
-        closer.shutdown()
+        peer.close()
+
+
+def test_one_uids_lingering_sockets_never_keep_another_uids_closes_waiting() -> None:
+    # Found attacking: a socket with nothing queued in it closed in the pool of two threads
+    # every user shared. Two TCP sockets lingering on unsent data their peer never read held
+    # both threads, and every other user's connections closed behind them, charged to those
+    # users till they were refused as pipes_held. Every close now runs in its owner's threads.
+    closer = FdCloser()
+    with lingering_socket() as first, lingering_socket() as second:
+        closer.close(first, owner="attacker")
+        closer.close(second, owner="attacker")
+        wait_for(lambda: close_threads() >= 2, timeout_s=10)
+        r, w = os.pipe()
+        closer.close(r, owner="innocent")
+        closer.close(w, owner="innocent")
+        wait_for(lambda: closer.closes_of("innocent") == 0, timeout_s=10)
+        assert closer.closes_of("attacker") == 2  # still lingering
+    wait_for(lambda: closer.closes_of("attacker") == 0, timeout_s=10)

@@ -65,15 +65,21 @@ def client_fd() -> Iterator[int]:
     os.close(fd)
 
 
+UID = 4242
+
+
 class Closes:
-    """The fetcher's ``close_fd``: closes each fd and records it, in order."""
+    """The fetcher's ``close_fd``: closes each fd and records it, in order, and whom it was
+    charged to."""
 
     def __init__(self) -> None:
         self.closed: list[int] = []
+        self.owners: list[int] = []
 
-    def __call__(self, fd: int) -> None:
+    def __call__(self, fd: int, owner: int) -> None:
         os.close(fd)
         self.closed.append(fd)
+        self.owners.append(owner)
 
 
 def fetcher_with(reader: ThreadedReads, closes: Closes | None = None) -> Fetcher:
@@ -100,13 +106,14 @@ async def test_reads_run_on_the_fetch_thread_and_their_errors_come_back_as_raise
     fetcher = fetcher_with(reader, closes)
     try:
         into = [os.dup(client_fd), os.dup(client_fd)]
-        assert await fetcher.copy_into("k", into[0]) == (7, "crc64nvme:0")
+        assert await fetcher.copy_into("k", into[0], UID) == (7, "crc64nvme:0")
         reader.copy = lambda fd: copy(-1)
         with pytest.raises(BackendError, match="does not exist") as raised:
-            await fetcher.copy_into("k", into[1])
+            await fetcher.copy_into("k", into[1], UID)
         assert raised.value.kind == "not_found"
         assert reader.read_on == ["ckptdrain-fetch", "ckptdrain-fetch"]
         assert closes.closed == into  # each read's own fd, closed once it ended
+        assert closes.owners == [UID, UID]  # charged to the client's uid
     finally:
         await fetcher.aclose()
 
@@ -127,7 +134,7 @@ async def test_a_caller_cancelled_twice_waits_for_its_read_to_end(client_fd: int
 
     fetcher = fetcher_with(ThreadedReads(copy))
     try:
-        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
+        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd), UID))
         still_waiting = await _cancel_twice_while_the_thread_runs(started, task)
         go.set()
         with pytest.raises(asyncio.CancelledError):
@@ -148,7 +155,7 @@ async def test_a_client_that_hangs_up_stops_its_read_and_gets_no_answer(
     try:
         gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         into = os.dup(client_fd)
-        task = asyncio.create_task(fetcher.copy_into("waits", into, gone=gone))
+        task = asyncio.create_task(fetcher.copy_into("waits", into, UID, gone=gone))
         async with asyncio.timeout(10):
             while not reader.read_on:
                 await asyncio.sleep(0.01)
@@ -183,7 +190,7 @@ async def test_a_write_stuck_in_the_kernel_holds_a_cancelled_caller_only_for_the
     closes = Closes()
     fetcher = fetcher_with(ThreadedReads(stuck), closes)
     try:
-        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
+        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd), UID))
         await asyncio.to_thread(started.wait, 30)
         task.cancel()
         async with asyncio.timeout(10):  # returns after the grace, the write still stuck
@@ -221,7 +228,7 @@ async def test_closing_is_not_held_by_a_write_stuck_in_the_kernel(
 
     fetcher = fetcher_with(ThreadedReads(stuck))
     try:
-        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
+        task = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd), UID))
         await asyncio.to_thread(started.wait, 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -255,10 +262,10 @@ async def test_a_fetch_cancelled_before_its_read_began_returns_at_once(
     closes = Closes()
     fetcher = fetcher_with(ThreadedReads(hold_the_loop), closes)
     try:
-        holding = asyncio.create_task(fetcher.copy_into("on-the-loop", os.dup(client_fd)))
+        holding = asyncio.create_task(fetcher.copy_into("on-the-loop", os.dup(client_fd), UID))
         await asyncio.to_thread(held.wait, 30)
         into = os.dup(client_fd)
-        queued = asyncio.create_task(fetcher.copy_into("queued", into))
+        queued = asyncio.create_task(fetcher.copy_into("queued", into, UID))
         await asyncio.sleep(0)  # the request is on its way to the busy loop
         queued.cancel()
         go.set()
@@ -281,7 +288,7 @@ async def test_a_read_that_reaches_the_loop_as_it_stops_gets_a_transient_error(
     fetcher = fetcher_with(ThreadedReads(lambda fd: 1))
     inside, gate = threading.Event(), threading.Event()
     try:
-        await fetcher.copy_into("k", os.dup(client_fd))
+        await fetcher.copy_into("k", os.dup(client_fd), UID)
         intake = fetcher._intake
         assert intake is not None
         loop = intake.loop
@@ -293,7 +300,7 @@ async def test_a_read_that_reaches_the_loop_as_it_stops_gets_a_transient_error(
 
         loop.call_soon_threadsafe(hold_then_stop)
         await asyncio.to_thread(inside.wait, 30)
-        read = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd)))
+        read = asyncio.create_task(fetcher.copy_into("k", os.dup(client_fd), UID))
         await asyncio.sleep(0)  # the read is taken in: its start queued behind the held turn
         gate.set()
         async with asyncio.timeout(30):
@@ -311,7 +318,7 @@ async def test_closing_stops_the_thread_and_a_later_fetch_gets_a_transient_error
     reader = ThreadedReads(lambda fd: 1)
     closes = Closes()
     fetcher = fetcher_with(reader, closes)
-    await fetcher.copy_into("k", os.dup(client_fd))
+    await fetcher.copy_into("k", os.dup(client_fd), UID)
     thread = fetcher.thread
     assert thread is not None and thread.is_alive()
     await fetcher.aclose()
@@ -319,7 +326,7 @@ async def test_closing_stops_the_thread_and_a_later_fetch_gets_a_transient_error
     assert reader.closed == 1
     late = os.dup(client_fd)
     with pytest.raises(BackendError, match="stopping") as raised:
-        await fetcher.copy_into("k", late)
+        await fetcher.copy_into("k", late, UID)
     assert raised.value.transient
     assert closes.closed[-1] == late  # refused, and its duplicate closed all the same
     await fetcher.aclose()  # twice is harmless
