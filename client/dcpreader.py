@@ -32,7 +32,7 @@ from torch.futures import Future
 from ckptdrain.client import dcpload, names
 from ckptdrain.client.client import Client
 from ckptdrain.client.dcpfiles import METADATA_NAME
-from ckptdrain.client.errors import DaemonUnavailable, NotFound, RejectedInput
+from ckptdrain.client.errors import Backpressure, DaemonUnavailable, NotFound, RejectedInput
 
 __all__ = ["DrainReader"]
 
@@ -84,7 +84,10 @@ class _GenerationFiles(FileSystemBase):
         try:
             fd = self.client.open_local(self.job, self.step, name)
             source = LOCAL
-        except (NotFound, DaemonUnavailable):
+        except (NotFound, DaemonUnavailable, Backpressure):
+            # Backpressure: the uid holds its share of local copies open already (other ranks
+            # loading at once); the destination is where to read it then. Not falling back
+            # failed every rank's load on a node with per-uid shares (found attacking).
             fd, source = self._from_destination(name), DESTINATION
         self.sources[name] = source
         return fd

@@ -93,6 +93,24 @@ def test_loads_the_newest_from_the_local_copy_then_from_the_destination(
     assert path == str(generation_dir(daemon.dest, JOB, 8))
 
 
+def test_a_reader_refused_a_local_copy_for_its_uids_share_reads_from_the_destination(
+        make_daemon: Any) -> None:
+    # Found attacking: on a node with per-uid shares, a rank loading while another held its
+    # local copies open was refused open_local (backpressure: "read this shard from the
+    # destination"), and DrainReader did not: dcp.load failed on every rank.
+    # The share holds the data file (149,735 bytes) but not it and .metadata (1,644) at once.
+    daemon: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="150600")
+    save(daemon, 1, seed=1)
+    with daemon.client() as other_rank:
+        held = other_rank.open_local(JOB, 1, "__0_0.distcp")  # another rank reading it
+        try:
+            loaded, sources = load(daemon, step=1)
+        finally:
+            os.close(held)
+    assert compare(saved_state(1), loaded) == 7
+    assert sources[".metadata"] == "destination"
+
+
 @pytest.mark.s3
 def test_loads_from_an_s3_destination_through_the_daemon(make_daemon: Any, seaweedfs: Any,
                                                          s3_bucket: str) -> None:
