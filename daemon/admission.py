@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
@@ -66,6 +67,8 @@ class Admission:
         self._share_freed = asyncio.Event()
         # Hand-offs waiting for their uid's share, by the share's limit.
         self.share_waiting: collections.Counter[str] = collections.Counter()
+        # Hand-offs past admission and not yet in the ledger, by uid (not deferred ones).
+        self._incoming: collections.Counter[int] = collections.Counter()
 
     def set_limits(self, config: Config) -> None:
         self.config = config
@@ -273,11 +276,34 @@ class Admission:
         finally:
             self.share_waiting[name] -= 1
 
+    @contextlib.contextmanager
+    def incoming(self, uid: int, deferred: bool) -> Iterator[None]:
+        """A hand-off of ``uid``'s, admitted (its share taken) and on its way into the ledger:
+        one that will drain (not ``deferred``), so a hand-off over the share waits for it as
+        for a staged shard. Counted from the ledger alone, the second of two ranks handing off
+        at once was refused at once while the first's bytes were still coming (found
+        attacking: every DCP save of a 2-rank job failed on a node with a per-uid share).
+        Waiters look again when it ends: landed (it drains), or failed (nothing may drain)."""
+        if deferred:
+            yield
+            return
+        self._incoming[uid] += 1
+        try:
+            yield
+        finally:
+            self._incoming[uid] -= 1
+            if self._incoming[uid] <= 0:
+                del self._incoming[uid]
+            self._share_freed.set()
+
     def _draining_for(self, uid: int) -> bool:
-        """Whether some shard of ``uid``'s will drain and give its share back: a share held
-        only by deferred shards (drained once every rank's are, right before the commit) or
-        failed ones is waited for in vain (a rank's second put beside its deferred first
-        waited out block_timeout_s, found in CI): refused at once, as before."""
+        """Whether some shard of ``uid``'s will drain and give its share back: one coming in
+        (:meth:`incoming`), or in the ledger. A share held only by deferred shards (drained
+        once every rank's are, right before the commit) or failed ones is waited for in vain
+        (a rank's second put beside its deferred first waited out block_timeout_s, found in
+        CI): refused at once, as before."""
+        if self._incoming.get(uid):
+            return True
         jobs = self.ledger.jobs
         return any(not s.deferred and s.state in _WILL_DRAIN
                    for g in self.ledger.generations.values()

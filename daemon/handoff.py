@@ -249,6 +249,7 @@ class Handoffs:
             admitted = await h.channel.unless_hung_up(self._admit(gen, owner, size),
                                                       "its hand-off waited for room")
             slot, room = admitted[0], admitted[1]
+            yielding.enter_context(d.admission.incoming(owner, deferred))
             yielding.enter_context(d.scheduler.yielding.handoff(h.channel))
             # The fsyncs that make the bytes and the rename durable come with the journal
             # commit of concurrent hand-offs (GroupCommit, in add_shard below): the staged
@@ -364,6 +365,7 @@ class Handoffs:
         started = time.perf_counter()
         memory: Reservation | None = None
         receiving = False
+        incoming = contextlib.ExitStack()
         try:
             self.check_new_shard(gen, path, size, rank)
             owner = d.ledger.jobs.get(gen.job, h.uid)
@@ -378,6 +380,7 @@ class Handoffs:
             # taken now, with the RAM's, and moves to the slot at staging: only checked here,
             # held memfds got past it until staged (found attacking the share).
             d.admission.take_share_with(memory, d.admission.shards, owner, 1)
+            incoming.enter_context(d.admission.incoming(owner, deferred))
             h.still_open(gen, rank)
             try:
                 # Marks the memfd busy for the client's pool until we close it (memfd.py).
@@ -402,6 +405,7 @@ class Handoffs:
             d.dataplane.close_client_fd(fd, h.uid)
             raise
         finally:
+            incoming.close()
             if receiving:
                 gen.release_path(path)
         held = memory

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import Backpressure, Client, DrainError, GenerationFailed
+from ckptdrain.client import Backpressure, Client, DrainError, GenerationFailed, wire
 from tests.conftest import DaemonProcess, wait_for
 from tests.functional.otheruser import answer, start_as
+from tests.functional.test_bad_input import RawClient, frame
 
 MiB = 1 << 20
 OTHER_UID = 65534
@@ -619,3 +620,38 @@ def _second_of_mine(d: DaemonProcess) -> None:
     with contextlib.suppress(Backpressure, DrainError), \
             Client(d.socket_path, timeout_s=90).generation("mine", 2) as gen:
         gen.put("a", os.urandom(30 * MiB))  # over root's share: waits for it
+
+
+def test_a_rank_over_its_uids_share_waits_for_another_ranks_shard_still_coming_in(
+        make_daemon: Any) -> None:
+    # Found attacking the training-job path: with a per-uid share, the second of two ranks
+    # handing off at once (as DCP does) was refused at once while the first rank's bytes were
+    # still coming: only shards already in the ledger counted as "will drain". Every save of a
+    # 2-rank job failed on such a node. It waits for the first to drain now.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="64MiB")
+    size = 40 * MiB
+    data = os.urandom(size)
+    outcome: list[str] = []
+
+    def second_rank() -> None:
+        try:
+            with Client(d.socket_path, timeout_s=60).generation("two", 1, rank=1,
+                                                                world_size=2) as gen:
+                gen.put("r1", data)
+            outcome.append("OK")
+        except DrainError as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+
+    with RawClient(d.socket_path) as first:
+        assert first.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        assert first.call("begin", job="two", step=1, rank=0, world_size=2).kind == "ok"
+        # Admitted (its share taken); its bytes are still to come.
+        assert first.call("put", job="two", step=1, rank=0, path="r0", size=size).kind == "ok"
+        rank = threading.Thread(target=second_rank)
+        rank.start()
+        with d.client() as c:
+            wait_for(lambda: outcome or c.status()["blocked_handoffs"] == 1, timeout_s=30)
+        first.sock.sendall(frame({"type": "data"}, payload_len=size) + data)
+        assert first.reply().kind == "ok"
+        rank.join(60)
+    assert outcome == ["OK"], outcome
