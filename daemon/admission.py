@@ -194,6 +194,14 @@ class Admission:
         if not self._over_share(uid, amount, budget):
             return
         name, cap, what = self._share(budget)
+        if amount > cap:
+            # Never fits, however much drains: no backpressure (whose retry loop spun for good,
+            # found attacking), the refusal a shard larger than a whole node-wide limit gets.
+            self.metrics.backpressure(action, name)
+            raise RequestError(wire.BAD_REQUEST, f"{amount} {what} exceeds the whole per-uid "
+                               f"share limits.{name} of {cap}; raise limits.{name} or split "
+                               "the shard", {"limit": name, "limit_value": cap,
+                                             "requested": amount})
         held = self._tally(budget or self.staged).get(uid, 0)
         self.metrics.backpressure(action, name)
         waited = " for limits.block_timeout_s" if action == "timed_out" else ""

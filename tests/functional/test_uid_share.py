@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import Backpressure, Client, DrainError, GenerationFailed, wire
+from ckptdrain.client import Backpressure, Client, DrainError, GenerationFailed, RejectedInput, wire
 from tests.conftest import DaemonProcess, wait_for
 from tests.functional.otheruser import answer, start_as
 from tests.functional.test_bad_input import RawClient, frame
@@ -564,10 +564,10 @@ def test_a_save_over_its_share_waits_for_its_own_shards_to_drain(make_daemon: An
         c.wait("j", 2, timeout_s=60)
     finally:
         saver.join(60)
-    # Larger than the share itself: it could never fit, refused at once.
-    with pytest.raises(Backpressure) as info, c.generation("j", 3) as gen:
+    # Larger than the share itself: it could never fit, refused at once (not backpressure).
+    with pytest.raises(RejectedInput, match="per-uid share"), \
+            c.generation("j", 3) as gen:
         gen.put("a", os.urandom(41 * MiB))
-    assert info.value.details["limit"] == "max_reserved_bytes_per_uid"
 
 
 def test_a_reload_raising_the_share_lets_its_waiters_in(make_daemon: Any, tmp_path: Path) -> None:
@@ -655,3 +655,16 @@ def test_a_rank_over_its_uids_share_waits_for_another_ranks_shard_still_coming_i
         assert first.reply().kind == "ok"
         rank.join(60)
     assert outcome == ["OK"], outcome
+
+
+def test_a_shard_larger_than_the_whole_share_is_rejected_not_backpressure(
+        make_daemon: Any) -> None:
+    # Found attacking: it was backpressure (retry_after_s 1.0, "wait for its shards to
+    # drain"), and the retry loop the client docs show spun for good on a shard that can never
+    # fit. A shard larger than a whole node-wide limit was already RejectedInput.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_RESERVED_BYTES_PER_UID="1MiB")
+    with d.client() as c, c.generation("big", 1) as gen:
+        with pytest.raises(RejectedInput, match="exceeds the whole per-uid share"):
+            gen.put("w", os.urandom(2 * MiB))
+        gen.put("fits", os.urandom(MiB // 2))  # the conversation goes on
+    assert d.client().wait("big", 1, timeout_s=60)["committed"]
