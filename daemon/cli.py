@@ -1,9 +1,11 @@
 """``ckptdrain``: the command line. The only place that maps errors to exit codes.
 
-Exit codes: 0 ok, 1 the operation failed, 2 usage, 78 configuration or environment (EX_CONFIG:
-a bad config, an unwritable path, a port in use, a lock held). An expected failure prints one
-sentence naming the cause and the fix, never a traceback. The commands live in
-:mod:`.cli_node` (the daemon on this node) and :mod:`.cli_destination` (a destination).
+Exit codes: 0 ok, 1 the operation failed, 2 usage, 75 a disk the daemon must write to start
+is full for now (EX_TEMPFAIL: ``Restart=on-failure`` retries it), 78 configuration or
+environment (EX_CONFIG: a bad config, an unwritable path, a port in use, a lock held). An
+expected failure prints one sentence naming the cause and the fix, never a traceback. The
+commands live in :mod:`.cli_node` (the daemon on this node) and :mod:`.cli_destination` (a
+destination).
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ from ckptdrain.daemon.cli_destination import (
     CommandFailed,
 )
 from ckptdrain.daemon.cli_stop import Stopped
-from ckptdrain.daemon.errors import ConfigError, DaemonError, StartupError
+from ckptdrain.daemon.errors import ConfigError, DaemonError, DiskFull, StartupError
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "CommandFailed", "main"]
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_TEMPFAIL", "EXIT_USAGE",
+           "CommandFailed", "main"]
+
+# sysexits' EX_TEMPFAIL: systemd restarts the unit after it (Restart=on-failure prevents only 78).
+EXIT_TEMPFAIL = 75
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
@@ -151,6 +157,9 @@ def _run(ns: argparse.Namespace) -> int:
         return code
     except ConfigError as exc:
         _fail(f"bad configuration: {exc}", EXIT_CONFIG)
+    except DiskFull as exc:  # a StartupError, but one a later start gets past
+        _fail(f"cannot start: {exc} (exit 75, a temporary failure: systemd's "
+              "Restart=on-failure retries it)", EXIT_TEMPFAIL)
     except StartupError as exc:
         _fail(f"cannot start: {exc}", EXIT_CONFIG)
     except CommandFailed as exc:

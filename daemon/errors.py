@@ -48,6 +48,14 @@ class StartupError(DaemonError):
         self.reason = reason
 
 
+class DiskFull(StartupError):
+    """A filesystem the daemon must write to start (``staging_dir``: its lock, its journal)
+    is full for now, another user's files most likely. Not a configuration error: the same
+    start succeeds once there is room, so the CLI exits 75 (EX_TEMPFAIL), which
+    ``Restart=on-failure`` retries, where 78 would leave the node without a daemon until an
+    operator came."""
+
+
 class StuckIO(DaemonError):
     """A blocking call (a client's fd on a hung mount, an fsync) outlived ``io_timeout_s``.
 

@@ -36,11 +36,12 @@ from ckptdrain.daemon.config import Config
 from ckptdrain.daemon.connection import ClientHandler
 from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane, io_threads
-from ckptdrain.daemon.errors import RequestError, StartupError
+from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.expiry import Expiry
 from ckptdrain.daemon.fetcher import Fetcher
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
+from ckptdrain.daemon.journalroom import JournalReserve, open_journal
 from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
@@ -89,7 +90,9 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self._inherited = inherited
         limits = config.limits
-        self.staging = Staging(config.staging_dir)
+        # Files kept for the journal's next start on a full disk (journalroom.py).
+        self.journal_reserve = JournalReserve(config.journal_path)
+        self.staging = Staging(config.staging_dir, self.journal_reserve)
         self.journal = Journal(config.journal_path)
         self.acknowledge = GroupCommit(self.journal, before=self.staging.fsync_dir)
         self.ledger = Ledger(self.journal, acknowledge=self.acknowledge)
@@ -178,17 +181,12 @@ class Daemon:
 
     async def _run(self) -> None:
         # Before anything changes: no journal replayed, nothing swept, nothing bound yet.
-        fitted, lock = startup.check(self.config, inherited=self._inherited)
+        fitted, lock = startup.check(self.config, inherited=self._inherited,
+                                     journal_reserve=self.journal_reserve)
         self.config = self.scheduler.config = fitted
         self.admission.set_limits(fitted)
         try:
-            try:
-                self.staging.prepare()
-            except OSError as exc:
-                # Named as what it is (it was reported as the socket's: found attacking).
-                raise StartupError("staging_dir", f"cannot prepare {self.config.staging_dir}: "
-                                   f"{exc}; make it a directory the daemon may write") from None
-            await self.journal.open()
+            await open_journal(self.journal, self.staging, self.journal_reserve)
         except BaseException:
             lock.release()
             raise
@@ -255,6 +253,9 @@ class Daemon:
                     for task in (*background, supervisor):
                         task.cancel()
         finally:
+            # A clean close deletes the journal's -wal and -shm: without a reserve, their
+            # blocks become it (journalroom.py).
+            self.journal_reserve.keep_side_files()
             await self.journal.close()
             self.dataplane.close()
             if slow_stop is not None:
@@ -510,6 +511,8 @@ class Daemon:
 
     async def _refresh_free(self) -> None:
         with contextlib.suppress(Exception):  # a sick disk shows as stale numbers, not a crash
+            # Given to the journal at start, or not made yet: made once there is room.
+            await self.dataplane.call(self.journal_reserve.remake)
             free_bytes, free_inodes, reserve = await self.dataplane.call(self.staging.room)
             self.staging_free = (free_bytes, free_inodes)
             self.staging_reserve = reserve

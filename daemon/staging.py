@@ -17,11 +17,15 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.filecopy import copy_and_checksum, hash_file, start_writeback
 from ckptdrain.daemon.logs import log_event
+
+if TYPE_CHECKING:
+    from ckptdrain.daemon.journalroom import JournalReserve
 
 TMP = ".tmp"
 DATA = ".data"
@@ -35,6 +39,12 @@ _OWNER_PREFIX = "u"
 # and the rest of the node never hit ENOSPC because of us: 64 MiB, or 5% of a small disk.
 FREE_SPACE_RESERVE_BYTES = 64 << 20
 FREE_SPACE_RESERVE_FRACTION = 0.05
+
+
+def free_space_reserve(st: os.statvfs_result) -> int:
+    """The bytes kept free on a filesystem of ``st`` (FREE_SPACE_RESERVE_*)."""
+    return min(FREE_SPACE_RESERVE_BYTES,
+               int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +76,11 @@ NO_BYTES_ADVICE = "free space on the staging disk or lower limits.max_staged_byt
 
 
 class Staging:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, journal_reserve: JournalReserve | None = None) -> None:
         self.root = root
+        # Files held for the journal's next start (journalroom.py): part of the free-space
+        # reserve already, so the room left to shards is the same whether they exist or not.
+        self._journal_reserve = journal_reserve
         self.dir = root / "shards"
         self._dir = str(self.dir)  # opened per shard on the loop: no Path built each time
         # Bytes promised to hand-offs being received right now: not on disk yet, so statvfs
@@ -131,16 +144,12 @@ class Staging:
         st = self._statvfs()
         return st.f_bavail * st.f_frsize, st.f_favail
 
-    def reserve_bytes(self) -> int:
-        st = self._statvfs()
-        return min(FREE_SPACE_RESERVE_BYTES, int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
-
     def room(self) -> tuple[int, int, int]:
-        """(free bytes, free inodes, reserve): one statvfs (blocking: run in the data plane)."""
+        """(free bytes, free inodes, reserve still to keep free): one statvfs (blocking: run
+        in the data plane)."""
         st = self._statvfs()
-        reserve = min(FREE_SPACE_RESERVE_BYTES,
-                      int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
-        return st.f_bavail * st.f_frsize, st.f_favail, reserve
+        held = self._journal_reserve.held if self._journal_reserve is not None else 0
+        return st.f_bavail * st.f_frsize, st.f_favail, max(0, free_space_reserve(st) - held)
 
     def check_room(self, size: int, room: tuple[int, int, int] | None = None) -> None:
         """Refuse before any byte is accepted when the filesystem itself cannot hold ``size``

@@ -7,7 +7,8 @@ live daemon on ``socket``), this daemon holds the lock on ``staging_dir`` (a sec
 the same directory would adopt the first one's shards), and ``limits.max_staged_bytes`` fits the
 staging filesystem (clamped, with a warning, when it does not). Each failure is a
 :class:`StartupError` naming the config key; the CLI exits 78 (EX_CONFIG) for it, so a unit
-with ``Restart=on-failure`` does not loop on a problem a restart cannot fix.
+with ``Restart=on-failure`` does not loop on a problem a restart cannot fix. A filesystem full
+for now is :class:`DiskFull` instead (exit 75): a later start gets past it, so it is retried.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptdrain.daemon.config import Config
-from ckptdrain.daemon.errors import StartupError
+from ckptdrain.daemon.errors import DiskFull, StartupError
+from ckptdrain.daemon.journalroom import JournalReserve
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.staging import DATA, FREE_SPACE_RESERVE_BYTES, FREE_SPACE_RESERVE_FRACTION
+from ckptdrain.daemon.staging import DATA, free_space_reserve
 
 log = logging.getLogger("ckptdrain.startup")
 
@@ -43,11 +45,18 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc) or type(exc).__name__
 
 
+def _full(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def writable_dir(key: str, directory: Path, mode: int = 0o700) -> None:
     """Create ``directory`` if needed and prove a file can be made in it."""
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=mode)
     except OSError as exc:
+        if _full(exc):
+            raise DiskFull(key, f"cannot create the directory {directory} ({_why(exc)}): its "
+                           "filesystem is full; free space there") from None
         raise StartupError(key, f"cannot create the directory {directory} ({_why(exc)}); create "
                            "it with the daemon's user as owner, or set another path") from None
     probe = directory / f".ckptdrain-probe-{os.getpid()}"
@@ -56,6 +65,9 @@ def writable_dir(key: str, directory: Path, mode: int = 0o700) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
+        if _full(exc):
+            raise DiskFull(key, f"cannot write in {directory} ({_why(exc)}): its filesystem is "
+                           "full; free space there") from None
         raise StartupError(key, f"{directory} is not writable by uid {os.getuid()} "
                            f"({_why(exc)}); fix its owner or mode, or set another path") from None
 
@@ -132,16 +144,23 @@ class StagingLock:
                 "staging_dir", f"{self.path.parent} is in use by another ckptdrain daemon "
                 f"(pid {holder}); stop it, or give this daemon its own staging_dir") from None
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            # Written over the last owner's pid, then cut to length: a lock that has held a
+            # pid keeps its block, so a restart onto a full filesystem writes it (truncated
+            # first, its block went back and had to be allocated again).
+            pid = f"{os.getpid()}\n".encode()
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
         except OSError as exc:
             # Found attacking: on a full staging filesystem this came out as "socket: cannot
-            # serve: [Errno 28] No space left on device", naming the wrong key.
+            # serve: [Errno 28] No space left on device", naming the wrong key; and then as
+            # exit 78, which systemd does not retry, for a disk that is only full for now.
             os.close(fd)
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            if _full(exc):
+                raise DiskFull("staging_dir", f"cannot write the lock {self.path} "
+                               f"({_why(exc)}): its filesystem is full; free space there"
+                               ) from None
             raise StartupError("staging_dir", f"cannot write the lock {self.path} "
-                               f"({_why(exc)}); " + ("free space on its filesystem" if full
-                               else "check its filesystem")) from None
+                               f"({_why(exc)}); check its filesystem") from None
         self._fd = fd
 
     def release(self) -> None:
@@ -150,10 +169,11 @@ class StagingLock:
             os.close(fd)  # the file stays: unlinking it would race a daemon that opened it
 
 
-def staging_capacity(staging_dir: Path) -> int:
+def staging_capacity(staging_dir: Path, journal_held: int = 0) -> int:
     """Bytes the staging filesystem can hold for us: free space plus the shards already
     staged there (they count against the limit already), less the reserve kept for the journal
-    and the rest of the node."""
+    and the rest of the node (``journal_held`` of it is in the journal's reserve files
+    already: Staging.room)."""
     st = os.statvfs(staging_dir)
     staged = 0
     shards = staging_dir / "shards"
@@ -162,8 +182,7 @@ def staging_capacity(staging_dir: Path) -> int:
             if entry.name.endswith(DATA):
                 with contextlib.suppress(FileNotFoundError):
                     staged += entry.stat(follow_symlinks=False).st_size
-    reserve = min(FREE_SPACE_RESERVE_BYTES,
-                  int(st.f_blocks * st.f_frsize * FREE_SPACE_RESERVE_FRACTION))
+    reserve = max(0, free_space_reserve(st) - journal_held)
     return max(0, st.f_bavail * st.f_frsize + staged - reserve)
 
 
@@ -171,9 +190,7 @@ def staging_size(staging_dir: Path) -> int:
     """Bytes the staging filesystem could hold for us were it empty (its size less the
     reserve): what tells a disk too small from one full for now."""
     st = os.statvfs(staging_dir)
-    total = st.f_blocks * st.f_frsize
-    return max(0, total - min(FREE_SPACE_RESERVE_BYTES,
-                              int(total * FREE_SPACE_RESERVE_FRACTION)))
+    return max(0, st.f_blocks * st.f_frsize - free_space_reserve(st))
 
 
 def fit_staged_limit(config: Config, capacity: int, size: int | None = None) -> Config:
@@ -212,9 +229,12 @@ def with_staged_limit(config: Config, limit: int) -> Config:
     return config.model_copy(update={"limits": limits})
 
 
-def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, StagingLock]:
+def check(config: Config, *, inherited: socket.socket | None,
+          journal_reserve: JournalReserve) -> tuple[Config, StagingLock]:
     """Every start-up check, in order; returns the config to run with (the staged limit fitted
-    to the disk) and the lock, which the caller holds until it stops."""
+    to the disk) and the lock, which the caller holds until it stops. Once the lock is held
+    and the socket known free, the journal's reserve is handed over (journalroom.py), before
+    the room is measured: what it gave the journal is no longer room for shards."""
     writable_dir("staging_dir", config.staging_dir)
     if inherited is None:
         writable_dir("socket", config.socket.parent, mode=0o755)
@@ -225,8 +245,9 @@ def check(config: Config, *, inherited: socket.socket | None) -> tuple[Config, S
     try:
         if inherited is None:
             socket_free(config.socket)
+        journal_reserve.hand_over()
         try:
-            capacity = staging_capacity(config.staging_dir)
+            capacity = staging_capacity(config.staging_dir, journal_reserve.held)
             size = staging_size(config.staging_dir)
         except OSError as exc:
             # Named as what it is (it was reported as the socket's: found attacking).

@@ -134,8 +134,9 @@ def test_put_bytes_refused_by_a_full_staging_disk_leaves_no_file(
     d: DaemonProcess = make_daemon(CKPTDRAIN_STAGING_DIR=str(small_tmpfs / "staging"),
                                    CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
     st = os.statvfs(small_tmpfs)
-    # Room for the bytes themselves, not for them and the filesystem's reserve.
-    (small_tmpfs / "someone-else").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (2 << 20)))
+    # Room for the bytes themselves, not for them and the filesystem's reserve (3.2 MiB
+    # here, 1.6 MiB of it held in the journal's reserve files: 1.6 MiB still to keep free).
+    (small_tmpfs / "someone-else").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (1 << 20)))
     c = d.client()
     with c.generation("full", 1) as gen, pytest.raises(Backpressure) as info:
         gen.put("b", os.urandom(200 << 10))
