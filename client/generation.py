@@ -325,7 +325,10 @@ class Generation:
                 fd, owned = checked_fd(file, "shard file"), False
             elif isinstance(file, str | bytes | os.PathLike):
                 try:
-                    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                    # O_NONBLOCK: opening a FIFO with no writer (or a device) waited for one,
+                    # before any check or timeout (found attacking); it is refused below.
+                    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+                    os.set_blocking(fd, True)  # the daemon reads through the same file
                 except OSError as exc:
                     raise RejectedInput(
                         f"cannot open shard file {os.fspath(file)!r}: {exc.strerror}"

@@ -3,15 +3,18 @@ against a daemon that answers nothing, whether its connection is new or pooled."
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptdrain.client import Timeout
+from ckptdrain.client import RejectedInput, Timeout
 from tests.conftest import DaemonProcess
 
 
@@ -57,3 +60,28 @@ def test_calls_against_a_stopped_daemon_end_within_their_timeout_and_grace(
                           2 + _grace_s(2) + 1)
         _times_out_within(short.status, 2 + 1)
 
+
+
+def test_put_file_of_a_fifo_with_no_writer_is_refused_not_waited_on(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking the client: put_file(path) opened the path blocking, and a FIFO with
+    # no writer held the call (and the job) past any timeout, 20 s and more with timeout_s=5.
+    fifo = tmp_path / "shard.fifo"
+    os.mkfifo(fifo)
+    refused: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            with daemon.client(timeout_s=5).generation("fifo", 1) as gen:
+                gen.put_file("w", fifo)
+        except RejectedInput as exc:
+            refused.append(exc)
+
+    putter = threading.Thread(target=put, daemon=True)
+    putter.start()
+    putter.join(15)
+    if putter.is_alive():  # let it go before failing: a writer's open ends its wait
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        putter.join(10)
+        pytest.fail("put_file waited on a FIFO with no writer")
+    assert refused and "must be a regular file or memfd" in str(refused[0]), refused
