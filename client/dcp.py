@@ -24,6 +24,7 @@ This module imports torch; the rest of :mod:`ckptdrain.client` uses the standard
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -85,6 +86,22 @@ def _save_attempt(run: str) -> str:
         run = hashlib.sha256(run.encode()).hexdigest()[:32]
         room = MAX_ATTEMPT_CHARS - len(run) - 1 - len("dcp:")
     return f"{run}/{token[:len('dcp:') + room]}"
+
+
+# Saves this process began, by job, step and the attempt their plan named. DCP's plan caching
+# (DefaultSavePlanner(enable_plan_caching=True)) hands later saves the first one's plan, and
+# the attempt the coordinator put in it with it: a failed step saved again came as the failed
+# attempt, refused for good (found attacking). Every rank counts its own saves, and DCP saves
+# on every rank alike, so each rank comes to the same attempt.
+_PLANNED: collections.Counter[tuple[str, int, str]] = collections.Counter()
+
+
+def _this_save(job: str, step: int, planned: str) -> str:
+    """This save's attempt: the plan's, its last characters replaced by how many saves of
+    ``job`` and ``step`` under it came before (none: the plan's as it is)."""
+    earlier = _PLANNED[(job, step, planned)]
+    _PLANNED[(job, step, planned)] += 1
+    return planned if not earlier else f"{planned[:-8]}{earlier:08x}"
 
 
 def agreed_attempt(group: dist.ProcessGroup | None = None) -> str:
@@ -258,10 +275,10 @@ class DrainWriter(StorageWriter, AsyncStager):
                 "create a DrainWriter(job, step) for each save"
             )
         self._state = "writing"
-        self._attempt = rank_plan.attempt
+        self._attempt = _this_save(self.job, self.step, rank_plan.attempt)
         generation = self._client.generation(
             self.job, self.step, rank=rank_plan.rank, world_size=rank_plan.world_size,
-            ack=self.ack, attempt=rank_plan.attempt,
+            ack=self.ack, attempt=self._attempt,
         )
         try:
             with contextlib.ExitStack() as stack:

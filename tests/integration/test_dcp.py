@@ -561,3 +561,31 @@ def test_writer_pickles_without_its_sockets_for_a_checkpoint_process(make_daemon
         with pytest.raises(RejectedInput, match="cannot be copied"):
             pickle.dumps(copy)
     assert (generation_dir(daemon.dest, JOB, 10) / ".metadata").exists()
+
+
+def test_a_failed_save_retried_under_plan_caching_is_a_new_attempt(make_daemon: Any) -> None:
+    # Found attacking: DCP's plan caching gives later saves the first save's plan, and the
+    # attempt DrainWriter's coordinator named in it with it. The retry of a failed step came
+    # as the failed attempt: GenerationFailed ("failed for this attempt"), save after save.
+    daemon = make_daemon(CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="24MiB",
+                         CKPTDRAIN_LIMITS__ON_FULL="reject")
+    sd = {"w": torch.ones(4 << 20)}  # 16 MiB
+    with daemon.client() as client:
+        hog = client.generation("hog", 1, rank=0, world_size=2)
+        hog.__enter__()
+        hog.put("big", b"h" * (16 << 20), deferred=True)  # the room the first save needs
+        with DrainWriter(JOB, 10, socket_path=daemon.socket_path) as writer, \
+                pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING), \
+                pytest.raises(CheckpointException, match="backpressure"):
+            dcp.save(sd, storage_writer=writer,
+                     planner=DefaultSavePlanner(enable_plan_caching=True))
+        hog.abort("room back")
+        hog.__exit__(None, None, None)
+        failed = writer._attempt
+        with DrainWriter(JOB, 10, socket_path=daemon.socket_path) as writer, \
+                pytest.warns(UserWarning, match=SINGLE_PROCESS_WARNING):
+            dcp.save(sd, storage_writer=writer,
+                     planner=DefaultSavePlanner(enable_plan_caching=True))
+            assert writer._attempt != failed
+            assert writer.wait(COMMIT_TIMEOUT_S)["committed"]
+        assert client.latest(JOB) == 10
