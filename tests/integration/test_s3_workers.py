@@ -115,29 +115,35 @@ def test_the_server_refuses_a_complete_whose_full_object_checksum_is_wrong(
         client.abort_multipart_upload(Bucket=s3_bucket, Key=key, UploadId=upload)
 
 
-def test_a_killed_worker_is_replaced_and_its_parts_are_sent_again(
-        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
-    # Paced so the upload is still running when the worker is killed.
+def uploading(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, job: str,
+              **env: str) -> tuple[DaemonProcess, bytes, int]:
+    """A daemon with one upload worker, paced so that an upload of 48 MiB is still running:
+    returned once its first part is in (the upload's create was answered: a create whose
+    answer dies with its worker leaves an upload nobody knows of, for the orphan sweep), with
+    the bytes and the worker's pid. The next parts take ~5 s at this pace."""
     d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
                   CKPTDRAIN_DRAIN__WORKERS="1",
-                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="8MiB")
+                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="8MiB", **env)
     data = os.urandom(48 * MiB)
-    with d.client(timeout_s=300).generation("killjob", 1) as gen:
+    with d.client(timeout_s=300).generation(job, 1) as gen:
         gen.put("model.bin", data)
-    # Killed once a first part is in (the upload's create was answered: a create whose answer
-    # dies with its worker leaves an upload nobody knows of, for the orphan sweep) and while
-    # the next parts are sent, ~5 s at this pace.
+
     def drained() -> int:
         status = d.client(timeout_s=30).status()
         return sum(int(s["drained_bytes"]) for s in status["shards_draining"])
 
     wait_for(lambda: drained() >= 8 * MiB, timeout_s=60)
-    first = workers_of(d.pid)
-    os.kill(first[0], signal.SIGKILL)
+    return d, data, workers_of(d.pid)[0]
+
+
+def test_a_killed_worker_is_replaced_and_its_parts_are_sent_again(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str) -> None:
+    d, data, worker = uploading(make_daemon, seaweedfs, s3_bucket, "killjob")
+    os.kill(worker, signal.SIGKILL)
     d.client(timeout_s=300).wait("killjob", 1, timeout_s=240)
     assert "s3_worker_lost" in d.log()
     replaced = workers_of(d.pid)
-    assert replaced and first[0] not in replaced
+    assert replaced and worker not in replaced
     assert get(seaweedfs, s3_bucket, f"killjob/{1:020d}/model.bin") == data
     assert manifest(seaweedfs, s3_bucket, "killjob", 1).shards[0].checksum == of_bytes(data)
     wait_for(lambda: uploads(seaweedfs, s3_bucket) == [], timeout_s=30)
@@ -149,28 +155,17 @@ def test_a_stopped_worker_is_replaced_within_seconds_and_its_parts_are_sent_agai
     # parts till their answer's bound, max_attempts x (connect + read + 60) s, 650 s here by
     # default, with no error said. Now a worker silent for destination.connect_timeout_s is
     # pinged, and one that answers no ping in as long is replaced.
-    d = s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
-                  CKPTDRAIN_DRAIN__WORKERS="1", CKPTDRAIN_DESTINATION__CONNECT_TIMEOUT_S="2",
-                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="8MiB")
-    data = os.urandom(48 * MiB)
-    with d.client(timeout_s=300).generation("stopjob", 1) as gen:
-        gen.put("model.bin", data)
-
-    def drained() -> int:
-        status = d.client(timeout_s=30).status()
-        return sum(int(s["drained_bytes"]) for s in status["shards_draining"])
-
-    wait_for(lambda: drained() >= 8 * MiB, timeout_s=60)
-    first = workers_of(d.pid)
-    os.kill(first[0], signal.SIGSTOP)
+    d, data, worker = uploading(make_daemon, seaweedfs, s3_bucket, "stopjob",
+                                CKPTDRAIN_DESTINATION__CONNECT_TIMEOUT_S="2")
+    os.kill(worker, signal.SIGSTOP)
     try:
         # Well within the 650 s the parts it held waited before (the pace adds ~5 s).
         d.client(timeout_s=300).wait("stopjob", 1, timeout_s=90)
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(first[0], signal.SIGCONT)
+            os.kill(worker, signal.SIGCONT)
     assert "answered no ping" in d.log()
-    assert first[0] not in alive_workers(workers_of(d.pid))
+    assert worker not in alive_workers(workers_of(d.pid))
     assert get(seaweedfs, s3_bucket, f"stopjob/{1:020d}/model.bin") == data
     wait_for(lambda: uploads(seaweedfs, s3_bucket) == [], timeout_s=30)
 
