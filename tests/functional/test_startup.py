@@ -183,6 +183,16 @@ def test_a_filesystem_too_small_to_clamp_to_is_refused(make_daemon: Any) -> None
         refused(serve(d), "staging_dir:", "free space there")
 
 
+def destination_not_mounted(make_daemon: Any, tmp_path: Path) -> tuple[DaemonProcess, Path]:
+    """A daemon (not started) whose file:// root's parent is missing, as a Lustre mount that
+    is not there yet: its drains wait. Mount it with ``(tmp_path / "lustre" / "proj").mkdir()``."""
+    (tmp_path / "lustre").mkdir()
+    root = tmp_path / "lustre" / "proj" / "ckpt"
+    d: DaemonProcess = make_daemon(dest=f"file://{root}", start=False,
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="600")
+    return d, root
+
+
 def test_a_restart_onto_a_full_staging_disk_drains_what_it_holds(make_daemon: Any,
                                                                   tmp_path: Path) -> None:
     # Found attacking: a shard acknowledged, its drain waiting on the destination, another
@@ -191,10 +201,7 @@ def test_a_restart_onto_a_full_staging_disk_drains_what_it_holds(make_daemon: An
     # retry (RestartPreventExitStatus=78), and the acknowledged shard waited for an operator.
     # A disk that is full for now is not one too small: the daemon starts and refuses only
     # new work.
-    (tmp_path / "lustre").mkdir()
-    root = tmp_path / "lustre" / "proj" / "ckpt"  # not mounted yet: the drain waits
-    d: DaemonProcess = make_daemon(dest=f"file://{root}", start=False,
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="600")
+    d, root = destination_not_mounted(make_daemon, tmp_path)
     with small_filesystem(d.staging, 64):
         d.start()
         with d.client().generation("job", 1) as g:
@@ -218,10 +225,7 @@ def test_a_restart_after_a_clean_stop_onto_a_full_staging_disk_drains_what_it_ho
     # checkpointed its journal and SQLite deleted its -wal and -shm; another user filled the
     # disk, and the restart exited 1 ("cannot open the journal: disk I/O error"): SQLite
     # could not make them again. The journal's reserve becomes them (journalroom.py).
-    (tmp_path / "lustre").mkdir()
-    root = tmp_path / "lustre" / "proj" / "ckpt"  # not mounted yet: the drain waits
-    d: DaemonProcess = make_daemon(dest=f"file://{root}", start=False,
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="600")
+    d, root = destination_not_mounted(make_daemon, tmp_path)
     with small_filesystem(d.staging, 64):
         d.start()
         with d.client().generation("job", 1) as g:
