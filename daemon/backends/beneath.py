@@ -128,6 +128,8 @@ class RootDevices:
         self._devs: dict[str, int] = {}
         self._file: Path | None = None
         self._lock = threading.Lock()
+        # What the file lacks (its write failed: a full disk); written at the next note.
+        self._unsaved = False
 
     def keep_in(self, path: Path) -> None:
         with self._lock:
@@ -143,7 +145,7 @@ class RootDevices:
 
     def note(self, root: Path, dev: int) -> None:
         key = str(root)
-        if self._devs.get(key) == dev:
+        if self._devs.get(key) == dev and not self._unsaved:
             return
         with self._lock:
             self._devs[key] = dev
@@ -152,6 +154,9 @@ class RootDevices:
             if self._file is None:
                 return
             tmp = self._file.with_name(self._file.name + ".tmp")
+            self._unsaved = True  # till the file has it: a write that failed (a full staging
+            # disk) was not tried again till the root's filesystem changed (found fixing a full
+            # staging disk's restart)
             with contextlib.suppress(OSError):  # best effort: the running daemon still knows
                 # Never through a link planted at the temp name (found attacking): a fresh
                 # file, made durable before it replaces the last.
@@ -165,6 +170,7 @@ class RootDevices:
                 finally:
                     os.close(fd)
                 os.replace(tmp, self._file)
+                self._unsaved = False
 
 
 ROOT_DEVICES = RootDevices()
