@@ -102,11 +102,13 @@ class FdCloser:
         try:
             threading.Thread(target=self._close, args=(fd, owner), daemon=True,
                              name="ckptdrain-io-close").start()
-        except RuntimeError:  # no thread to be had (or shutting down): closed here after all
+        except RuntimeError:
+            # No thread to be had (or the interpreter is exiting). Never closed here: this is
+            # the event loop, and the close may block. It waits its turn; the next thread to
+            # end, or to start, takes it.
             with self._lock:
                 self._waiting.setdefault(owner, collections.deque()).appendleft(fd)
                 self._ended(owner)
-            self._close_waiting()
 
     def _started(self, owner: object) -> None:
         self._threads += 1
@@ -132,15 +134,6 @@ class FdCloser:
                     return
                 fd, owner = turn
                 self._started(owner)
-
-    def _close_waiting(self) -> None:
-        """Where no thread could be started: the waiting closes, in the caller's thread."""
-        with self._lock:
-            turn = self._next_waiting()
-            if turn is None:
-                return
-            self._started(turn[1])
-        self._close(*turn)
 
     def _next_waiting(self) -> tuple[int, object] | None:
         """The oldest waiting close of the first owner under its share of threads; that

@@ -97,3 +97,29 @@ def test_one_uids_lingering_sockets_never_keep_another_uids_closes_waiting() -> 
         wait_for(lambda: closer.closes_of("innocent") == 0, timeout_s=10)
         assert closer.closes_of("attacker") == 2  # still lingering
     wait_for(lambda: closer.closes_of("attacker") == 0, timeout_s=10)
+
+
+def test_with_no_thread_to_be_had_a_close_waits_and_never_runs_in_the_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found reviewing: closes are handed over on the event loop, and where no thread could be
+    # started the close ran in the caller, there the loop: a pipe whose lock its client held
+    # stopped the daemon. It waits its turn now, and the next thread takes it.
+    closer = FdCloser()
+    with read_ends_held(1) as ends:
+        locked = ends.pop()
+        real_start = threading.Thread.start
+
+        def no_thread(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+        caller = threading.Thread(target=closer.close, args=(locked, "owner"), daemon=True)
+        real_start(caller)
+        caller.join(5)
+        assert not caller.is_alive(), "the close ran in the caller"
+        monkeypatch.undo()
+        assert closer.closes_of("owner") == 1
+        r, w = os.pipe()
+        closer.close(r, owner="owner")  # a thread now: it closes this one, then the locked one
+        closer.close(w, owner="owner")
+    wait_for(lambda: closer.closes_of("owner") == 0, timeout_s=10)  # the lock let go: all closed
