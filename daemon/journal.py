@@ -90,6 +90,11 @@ CREATE TABLE IF NOT EXISTS upload_parts (
 """
 
 
+# The write-ahead log's size after a checkpoint: its blocks are kept for the next writes (the
+# journal's reserve on a full staging disk is this large, journalroom.py).
+WAL_KEPT_BYTES = 8 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything the journal holds, read once at start-up for recovery."""
@@ -197,6 +202,8 @@ class Journal:
             db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             db.execute("VACUUM")
         db.execute("PRAGMA journal_mode=WAL")
+        # A WAL reset after a checkpoint is cut back to this, never to nothing (compact).
+        db.execute(f"PRAGMA journal_size_limit={WAL_KEPT_BYTES}")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA foreign_keys=OFF")
         db.executescript(SCHEMA)
@@ -374,13 +381,16 @@ class Journal:
         return outcomes
 
     async def compact(self) -> None:
-        """Give back the pages of forgotten rows and empty the write-ahead log, so the
-        journal's size follows what the node holds now, not everything it ever held."""
+        """Give back the pages of forgotten rows and checkpoint the write-ahead log, so the
+        journal's size follows what the node holds now, not everything it ever held. The WAL
+        keeps its blocks, up to WAL_KEPT_BYTES: emptied (TRUNCATE), a full staging disk's
+        other user took them at once, and the journal could write nothing more, nor its
+        reserve be kept at the stop (found attacking the journal's reserve)."""
         def run() -> None:
             assert self._db is not None
             # Run to completion: through execute() the pragma frees a single page.
             self._db.executescript("PRAGMA incremental_vacuum;")
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.execute("PRAGMA wal_checkpoint(RESTART)")
 
         await self._run(run)
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdrain.daemon.errors import DiskFull, StartupError
-from ckptdrain.daemon.journal import JournalError
+from ckptdrain.daemon.journal import WAL_KEPT_BYTES, JournalError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.staging import free_space_reserve
 
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # The WAL a restart writes before its first checkpoint (SQLite's comes every 1,000 pages,
 # 4 MiB): recovery's records and the drain of what the journal holds. On a small staging
 # filesystem, half its free-space reserve (the other half stays free for the running WAL).
-WAL_RESERVE_BYTES = 8 << 20
+WAL_RESERVE_BYTES = WAL_KEPT_BYTES
 # The -shm's first region: the wal-index of 4,062 frames, more than the WAL reserve holds.
 SHM_RESERVE_BYTES = 32 << 10
 _PAGE = 4096
@@ -97,7 +97,9 @@ class JournalReserve:
             with contextlib.suppress(OSError):
                 st = os.stat(reserve, follow_symlinks=False)
                 if not _same_file(st, side):  # still linked to the live side file: the journal's
-                    held += st.st_size
+                    # What it holds on the disk: a sparse one (a staging_dir copied with
+                    # rsync -S) counted at its length took every shard's room (found attacking).
+                    held += min(st.st_size, st.st_blocks * 512)
         self.held = held
         return held
 

@@ -10,6 +10,9 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from ckptdrain.daemon.journal import WAL_KEPT_BYTES, Journal
 from ckptdrain.daemon.journalroom import SHM_RESERVE_BYTES, JournalReserve, wal_reserve_bytes
 from ckptdrain.daemon.staging import Staging
 
@@ -81,3 +84,35 @@ def test_a_stop_keeps_the_side_files_blocks_for_the_reserve(tmp_path: Path) -> N
     reserve.hand_over()
     with _journal(path) as db:
         assert db.execute("SELECT x FROM t").fetchall() == [(1,)]
+
+
+@pytest.mark.asyncio
+async def test_a_compaction_keeps_the_write_ahead_logs_blocks(tmp_path: Path) -> None:
+    # Found attacking the journal's reserve: on a staging disk full for the whole run, the
+    # reserve had become the journal's WAL, and a compaction (after retention forgot a
+    # generation) emptied it (wal_checkpoint(TRUNCATE)): another user took its blocks, the
+    # journal could write nothing more (journal_full), and the stop kept an empty reserve.
+    journal = Journal(tmp_path / "journal.sqlite3")
+    await journal.open()
+    try:
+        for n in range(200):
+            await journal.write(("INSERT INTO jobs (job, uid) VALUES (?, ?)", (f"j{n}", n)))
+        wal = Path(f"{journal.path}-wal")
+        written = wal.stat().st_size
+        assert written > 0
+        await journal.compact()
+        assert wal.stat().st_size == written  # checkpointed, its blocks kept for the next writes
+        await journal.write(("INSERT INTO jobs (job, uid) VALUES (?, ?)", ("after", 1)))
+        assert wal.stat().st_size <= max(written, WAL_KEPT_BYTES)
+    finally:
+        await journal.close()
+
+
+def test_a_sparse_reserve_counts_what_it_holds_on_the_disk(tmp_path: Path) -> None:
+    # Found attacking: counted at its length, a sparse 1 GiB journal.reserve-wal (a staging
+    # directory copied with rsync -S) read as the whole free-space reserve already held, and
+    # shards took the room the reserve was to keep free.
+    reserve = JournalReserve(tmp_path / "journal.sqlite3")
+    with open(reserve.wal, "wb") as f:
+        f.truncate(1 << 30)
+    assert reserve.count() == reserve.wal.stat().st_blocks * 512 < 1 << 20
