@@ -35,6 +35,8 @@ import threading
 MAX_CLOSE_THREADS = 256
 # Of those, one uid's at most: the others' closes always find a thread.
 MAX_CLOSE_THREADS_PER_UID = 16
+# How long a closing thread with nothing to close waits for more before it ends.
+CLOSER_IDLE_S = 2.0
 # A uid with this many closes waiting (for a pipe's lock, which only a process of its own can
 # hold) has its connections served no more till they end: it could pass such pipes as fast
 # as it liked, each an fd of the daemon's held open.
@@ -53,19 +55,24 @@ def close_quietly(fd: int) -> None:
 class FdCloser:
     """The one owner of every fd a client passed from the moment it is received (counted by
     :meth:`received`) until it is handed on (:meth:`handed_on`, to the hand-off that uses it,
-    which closes it through :meth:`close` in turn) or closed. Nothing to shut down: a close
+    which closes it through :meth:`close` in turn) or closed. Closes run in worker threads,
+    started as needed and kept while there is work (a thread started for each close cost the
+    event loop a thread start per connection, and under strace far more: found in CI), one
+    uid's at most :data:`MAX_CLOSE_THREADS_PER_UID` at once. Nothing to shut down: a close
     still waiting when the daemon exits is left to the process's exit."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
         # By owner: fds whose close is queued or under way (changed in threads, under _lock),
         # and fds received and not yet handed on or to close (changed on the loop only).
         self._closing: collections.Counter[object] = collections.Counter()
         self._held: collections.Counter[object] = collections.Counter()
-        # Closing threads running, by owner, and the closes waiting for one (the owner that
-        # waited longest first, so each owner's turn comes round).
+        # Worker threads alive and idle; closes under way by owner, and those waiting (the
+        # owner that waited longest first, so each owner's turn comes round).
         self._threads = 0
-        self._threads_of: collections.Counter[object] = collections.Counter()
+        self._idle = 0
+        self._busy_of: collections.Counter[object] = collections.Counter()
         self._waiting: dict[object, collections.deque[int]] = {}
 
     # -- accounting, on the loop ---------------------------------------------------------------
@@ -88,58 +95,58 @@ class FdCloser:
 
     # -- closing ---------------------------------------------------------------------------------
     def close(self, fd: int, owner: object) -> None:
-        """Close ``fd`` in a thread of ``owner``'s: returns at once, whatever the fd is.
-        ``owner`` is charged with it until it is closed: counted here, on the loop, so that
-        its next read sees it (counted in the thread, a burst of closes was not seen till it
-        had been served)."""
+        """Close ``fd`` in a worker thread: returns at once, whatever the fd is. ``owner`` is
+        charged with it until it is closed: counted here, on the loop, so that its next read
+        sees it (counted in the thread, a burst of closes was not seen till it had been
+        served)."""
         with self._lock:
             self._closing[owner] += 1
-            if (self._threads >= MAX_CLOSE_THREADS
-                    or self._threads_of[owner] >= MAX_CLOSE_THREADS_PER_UID):
-                self._waiting.setdefault(owner, collections.deque()).append(fd)
+            self._waiting.setdefault(owner, collections.deque()).append(fd)
+            if self._idle:
+                self._work.notify()
                 return
-            self._started(owner)
+            if (self._threads >= MAX_CLOSE_THREADS
+                    or self._busy_of[owner] >= MAX_CLOSE_THREADS_PER_UID):
+                return  # a worker takes it when one comes free (one of its owner's, there)
+            self._threads += 1
         try:
-            threading.Thread(target=self._close, args=(fd, owner), daemon=True,
-                             name="ckptdrain-io-close").start()
+            threading.Thread(target=self._serve, daemon=True, name="ckptdrain-io-close").start()
         except RuntimeError:
             # No thread to be had (or the interpreter is exiting). Never closed here: this is
-            # the event loop, and the close may block. It waits its turn; the next thread to
-            # end, or to start, takes it.
+            # the event loop, and the close may block. It waits for the next worker.
             with self._lock:
-                self._waiting.setdefault(owner, collections.deque()).appendleft(fd)
-                self._ended(owner)
+                self._threads -= 1
 
-    def _started(self, owner: object) -> None:
-        self._threads += 1
-        self._threads_of[owner] += 1
-
-    def _ended(self, owner: object) -> None:
-        self._threads -= 1
-        self._threads_of[owner] -= 1
-        if self._threads_of[owner] <= 0:
-            del self._threads_of[owner]
-
-    def _close(self, fd: int, owner: object) -> None:
-        """Close ``fd``, then the closes waiting for a thread, one after another."""
+    def _serve(self) -> None:
+        """A worker: close what waits, owner by owner in turn; leave once idle for
+        CLOSER_IDLE_S."""
         while True:
+            with self._lock:
+                turn = self._next_waiting()
+                while turn is None:
+                    self._idle += 1
+                    woken = self._work.wait(CLOSER_IDLE_S)
+                    self._idle -= 1
+                    turn = self._next_waiting()
+                    if turn is None and not woken:
+                        self._threads -= 1
+                        return
+                fd, owner = turn
+                self._busy_of[owner] += 1
             _close_now(fd)
             with self._lock:
+                self._busy_of[owner] -= 1
+                if self._busy_of[owner] <= 0:
+                    del self._busy_of[owner]
                 self._closing[owner] -= 1
                 if self._closing[owner] <= 0:
                     del self._closing[owner]
-                self._ended(owner)
-                turn = self._next_waiting()
-                if turn is None:
-                    return
-                fd, owner = turn
-                self._started(owner)
 
     def _next_waiting(self) -> tuple[int, object] | None:
         """The oldest waiting close of the first owner under its share of threads; that
         owner goes to the back of the line (called under _lock)."""
         for owner, fds in self._waiting.items():
-            if self._threads_of[owner] < MAX_CLOSE_THREADS_PER_UID:
+            if self._busy_of[owner] < MAX_CLOSE_THREADS_PER_UID:
                 fd = fds.popleft()
                 del self._waiting[owner]
                 if fds:
