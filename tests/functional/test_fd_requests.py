@@ -9,6 +9,7 @@ import array
 import contextlib
 import fcntl
 import os
+import signal
 import socket
 import struct
 import threading
@@ -226,8 +227,15 @@ def test_closing_a_passed_fd_does_not_freeze_the_loop(daemon: DaemonProcess) -> 
 
     with lingering_socket(60) as hostile, RawClient(daemon.socket_path) as raw:
         assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
-        send_fds(raw, wire.encode_message("status", {}), [hostile.fileno()])
-        hostile.close()  # the daemon now holds the last reference: its close lingers
+        # Stopped meanwhile, so that this close comes first and the daemon's is the last,
+        # the one that lingers (else this one lingered, 60 s: seen in CI).
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            send_fds(raw, wire.encode_message("status", {}), [hostile.fileno()])
+            hostile.close()
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
         other = threading.Thread(target=bystander)
         other.start()
         assert served.wait(30), failures or "another client was not served while a close lingered"
