@@ -65,8 +65,12 @@ def report(d: Daemon) -> dict[str, Any]:
         receiving += len(gen.receiving)
         # From the generation's tallies (records.py), not a walk of its shards.
         if gen.terminal:
-            failed += gen.by_state[ShardState.FAILED]
-            failed_bytes += gen.bytes_by_state[ShardState.FAILED]
+            # A failed generation's copies kept for `retry`: its failed shards and those it
+            # never drained (staged ones were left out, and `drain` said "nothing left" over
+            # a failed checkpoint's only copies: found attacking). A committed one has none.
+            for state in (ShardState.FAILED, *_UNDRAINED):
+                failed += gen.by_state[state]
+                failed_bytes += gen.bytes_by_state[state]
             continue
         if any(st in _UNRECORDED for st in gen.ranks.values()):
             open_generations += 1

@@ -382,3 +382,24 @@ def test_status_columns_stay_in_line_with_long_job_names_and_steps(daemon: Daemo
         # STATE starts where the header says, and each row is as long as the header.
         assert row[header.index("STATE"):].startswith("committed"), (header, row)
         assert len(row) == len(header), (header, row)
+
+
+def test_drain_counts_every_copy_a_failed_generation_keeps(make_daemon: Any,
+                                                           tmp_path: Path) -> None:
+    # Found attacking: only shards in the failed state were counted. A generation that failed
+    # with its shards still staged (its destination gone before any drained) left `drain
+    # --wait` saying "nothing is left to drain; it is safe to stop", over 6 shards whose only
+    # copy was on the node and that `ckptdrain retry` committed once the destination was back.
+    root = tmp_path / "mnt" / "proj" / "ckpt"  # nothing mounted: no drain can start
+    d: DaemonProcess = make_daemon(dest=root.as_uri(), CKPTDRAIN_DRAIN__RETRY_BUDGET_S="3")
+    c = d.client()
+    with c.generation("gone", 1) as gen:
+        for i in range(6):
+            gen.put(f"s{i}.bin", os.urandom(4096))
+    with pytest.raises(GenerationFailed):
+        c.wait("gone", 1, timeout_s=60)
+    report = json.loads(cli(d, "drain", "--json").stdout)
+    assert report["left"]["shards_failed"] == 6, report
+    assert report["left"]["bytes_failed"] == 6 * 4096, report
+    out = cli(d, "drain", "--wait", "--timeout", "30")
+    assert "6 failed shard(s)" in out.stdout and "safe to stop" not in out.stdout, out.stdout
