@@ -210,6 +210,9 @@ def oldest_undrained(gens: Iterable[GenerationRecord]) -> dict[str, float | None
     return oldest
 
 
+_KEPT_FOR_RETRY = frozenset({ShardState.HELD, ShardState.STAGED, ShardState.DRAINING})
+
+
 def refresh_snapshot(d: Daemon) -> None:
     shards_by_state: dict[str, int] = {}
     oldest = oldest_undrained(d.ledger.generations.values())
@@ -217,8 +220,13 @@ def refresh_snapshot(d: Daemon) -> None:
     for g in d.ledger.generations.values():
         if not g.terminal:
             in_flight[g.job] = in_flight.get(g.job, 0) + 1
+        failed = g.state is GenerationState.FAILED
         for st, n in g.by_state.items():
             if n:
+                # A failed generation's copies are failed, whatever state their drain reached:
+                # kept for `retry`, they read "staged", which the runbook takes for a stuck
+                # scheduler (found attacking).
+                st = ShardState.FAILED if failed and st in _KEPT_FOR_RETRY else st
                 shards_by_state[st] = shards_by_state.get(st, 0) + n
         if g.receiving:
             shards_by_state["receiving"] = shards_by_state.get("receiving", 0) + len(g.receiving)

@@ -17,7 +17,8 @@ import pytest
 
 from ckptdrain.client import Backpressure, DrainError, GenerationFailed, NodeDraining
 from ckptdrain.daemon.configload import load_config
-from tests.conftest import CKPTDRAIN, DaemonProcess, fill_up
+from tests.conftest import CKPTDRAIN, DaemonProcess, fill_up, wait_for
+from tests.functional.test_startup import scrape
 
 
 def cli(d: DaemonProcess, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -403,3 +404,6 @@ def test_drain_counts_every_copy_a_failed_generation_keeps(make_daemon: Any,
     assert report["left"]["bytes_failed"] == 6 * 4096, report
     out = cli(d, "drain", "--wait", "--timeout", "30")
     assert "6 failed shard(s)" in out.stdout and "safe to stop" not in out.stdout, out.stdout
+    # And the shard-state gauge says failed, not staged (a scheduler stuck, to the runbook).
+    wait_for(lambda: scrape(d).get('ckptdrain_queue_shards{state="failed"}') == 6)
+    assert scrape(d).get('ckptdrain_queue_shards{state="staged"}', 0) == 0
