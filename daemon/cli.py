@@ -54,8 +54,10 @@ class _Parser(argparse.ArgumentParser):
     """A usage mistake is one line naming the argument and pointing at --help, exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        _fail(f"{self.prog.removeprefix('ckptdrain ')}: {message}; see `{self.prog} --help`",
-              EXIT_USAGE)
+        # "status: ..." for a subcommand's; the top level's is said once ("ckptdrain:
+        # ckptdrain: ..." before: found attacking).
+        where = self.prog.removeprefix("ckptdrain").strip()
+        _fail(f"{where + ': ' if where else ''}{message}; see `{self.prog} --help`", EXIT_USAGE)
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

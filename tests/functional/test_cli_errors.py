@@ -375,3 +375,12 @@ def test_a_staging_directory_that_cannot_be_prepared_is_named_as_such(make_daemo
     message = str(info.value)
     assert "staging_dir: cannot" in message and "socket:" not in message, message
     assert "Traceback" not in message
+
+
+@pytest.mark.parametrize("argv", [[], ["nosuchcommand"]], ids=["none", "unknown"])
+def test_a_missing_or_unknown_command_names_the_program_once(argv: list[str]) -> None:
+    # Found attacking: "ckptdrain: ckptdrain: argument COMMAND: invalid choice ...".
+    out = subprocess.run([CKPTDRAIN, *argv], capture_output=True, text=True, check=False)
+    assert out.returncode == 2
+    assert out.stderr.startswith("ckptdrain: ") and "ckptdrain: ckptdrain" not in out.stderr
+    assert out.stderr.rstrip().endswith("see `ckptdrain --help`"), out.stderr
