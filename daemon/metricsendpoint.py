@@ -28,6 +28,10 @@ CLOSE_TIMEOUT_S = 5.0
 # goes to let a new one in (idle connections holding every slot shut out every scrape and
 # /healthz: found attacking the cap). Only when all are being answered is a new one closed.
 MAX_CONNECTIONS = 64
+# At the cap, failing an idle one, a connection whose answer has been under way this long goes:
+# its client is not reading it (a scrape of a 2 MB exposition over loopback takes ms). Held
+# till REQUEST_TIMEOUT_S, 64 such connections kept Prometheus out (found attacking).
+STALLED_ANSWER_S = 1.0
 # A rendered exposition is served again to scrapes within this long of it. With 1,000 jobs one
 # render is ~1 MB of text and ~75 ms of CPU: four scrape loops rendering it each time took
 # most of a core from the daemon (found attacking /metrics).
@@ -45,8 +49,10 @@ class MetricsEndpoint:
         self.render = render
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
-        # Those still waiting for their request head, by when they came.
+        # Those still waiting for their request head, by when they came; those being answered,
+        # by when their answer began.
         self._unasked: dict[asyncio.Task[None], float] = {}
+        self._answering: dict[asyncio.Task[None], float] = {}
         # The last exposition and when it was rendered, and the render in progress: scrapes
         # that come while one runs share it.
         self._rendered: tuple[float, bytes] | None = None
@@ -120,7 +126,7 @@ class MetricsEndpoint:
         # asyncio.start_server creates this task; owning it here lets aclose() end it.
         task = asyncio.current_task()
         assert task is not None
-        if len(self._connections) >= MAX_CONNECTIONS and not self._evict_unasked():
+        if len(self._connections) >= MAX_CONNECTIONS and not self._evict():
             writer.transport.abort()  # not even read: a flood of connections costs one accept each
             return
         self._connections[task] = writer
@@ -136,25 +142,36 @@ class MetricsEndpoint:
         finally:
             self._connections.pop(task, None)
             self._unasked.pop(task, None)
+            self._answering.pop(task, None)
             writer.close()
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
                     await writer.wait_closed()
 
-    def _evict_unasked(self) -> bool:
-        """Close the connection that has waited longest without sending its request; False
-        when every connection has sent one (they are being answered)."""
-        if not self._unasked:
-            return False
-        oldest = min(self._unasked, key=self._unasked.__getitem__)
-        del self._unasked[oldest]
+    def _evict(self) -> bool:
+        """Close the connection that has waited longest without sending its request, else the
+        one whose answer has stalled longest (its client not reading); False when every one
+        is being answered and none stalls."""
+        if self._unasked:
+            victim = min(self._unasked, key=self._unasked.__getitem__)
+            del self._unasked[victim]
+        else:
+            stalled_since = asyncio.get_running_loop().time() - STALLED_ANSWER_S
+            stalled = [t for t, began in self._answering.items() if began <= stalled_since]
+            if not stalled:
+                return False
+            victim = min(stalled, key=self._answering.__getitem__)
+            del self._answering[victim]
         # Out of the count now, so the next arrival does not evict another in the meantime.
-        self._connections.pop(oldest).transport.abort()  # its task ends on its own
+        self._connections.pop(victim).transport.abort()  # its task ends on its own
         return True
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        self._unasked.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+        task = asyncio.current_task()
+        assert task is not None
+        self._unasked.pop(task, None)
+        self._answering[task] = asyncio.get_running_loop().time()
         request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
         parts = request_line.split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
