@@ -155,6 +155,11 @@ def cmd_status(ns: argparse.Namespace) -> int:
     print(f"node {status['node_id']}  ack={status['ack']}  destination {status['destination']}")
     if status.get("draining"):
         print("DRAINING for maintenance: new generations are refused (`ckptdrain resume` undoes it)")
+    config = status.get("config") or {}
+    if config.get("reload_failed"):
+        print(f"CONFIG RELOAD FAILED, the old config runs on: {_printable(config['reload_failed'])}")
+    if config.get("needs_restart"):
+        print(f"config changed, waiting for a restart: {', '.join(config['needs_restart'])}")
     print(
         f"staged {_human(status['staged_bytes'])} of {_human(limits['max_staged_bytes'])}"
         f"  queued shards {status['queued_shards']}/{limits['max_queued_shards']}"

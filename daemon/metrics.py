@@ -137,6 +137,8 @@ class Snapshot:
     generations_in_flight: dict[str, int] = field(default_factory=dict)  # job -> count
     blocked_handoffs: int = 0
     drain_rate_bytes_per_s: float = 0.0
+    config_reload_failed: bool = False  # the last SIGHUP's config did not load
+    config_needs_restart: int = 0  # changed keys only a restart applies
 
 
 def _bounded(value: str, allowed: Iterable[str]) -> str:
@@ -230,6 +232,16 @@ class _SnapshotCollector(Collector):
             "ckptdrain_staging_free_inodes",
             "Free inodes of the filesystem holding the staging directory.",
             value=float(snap.staging_free_inodes),
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_config_reload_failed",
+            "1 when the last reload (SIGHUP) failed and the daemon runs on its old config.",
+            value=float(snap.config_reload_failed),
+        )
+        yield GaugeMetricFamily(
+            "ckptdrain_config_needs_restart_keys",
+            "Config keys changed since the start that only a restart applies.",
+            value=float(snap.config_needs_restart),
         )
         in_flight = GaugeMetricFamily(
             "ckptdrain_generations_in_flight",

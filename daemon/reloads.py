@@ -53,6 +53,12 @@ class Reloads:
         self.d = d
         self._one_at_a_time = asyncio.Lock()
         self._reading = threading.Event()  # set while a read's thread has not returned
+        # What `status` and the metrics say of the last reload: why it failed (None: it did
+        # not, or none came yet), and the keys changed since the start that wait for a
+        # restart. Logged only, a failed reload or a destination change left the operator
+        # believing the file's config applied (found attacking).
+        self.failed: str | None = None
+        self.needs_restart: list[str] = []
 
     async def run(self) -> None:
         d = self.d
@@ -63,12 +69,16 @@ class Reloads:
             d.notifier.reloading("reloading limits")
             try:
                 await self._reload()
+                self.failed = None
             except (ConfigError, StartupError) as exc:
+                self.failed = str(exc)
                 log_event(log, logging.ERROR, "reload_failed", error=str(exc))
             except ReadStuck as exc:
+                self.failed = str(exc)
                 log_event(log, logging.ERROR, "reload_failed", error=str(exc),
                           action="the daemon runs on with its old config")
             except Exception as exc:
+                self.failed = f"{type(exc).__name__}: {exc}"
                 log_event(log, logging.ERROR, "reload_failed", exc_info=True,
                           error=f"{type(exc).__name__}: {exc}; the daemon runs on with its old "
                                 "config (the traceback says where)")
@@ -106,6 +116,7 @@ class Reloads:
         new = new.model_copy(update={"drain": new.drain.model_copy(update={
             "max_bandwidth_bytes_per_s": loaded.drain.max_bandwidth_bytes_per_s})})
         restart = startup.needs_restart(startup.changed_keys(d.loaded_config, loaded))
+        self.needs_restart = list(restart)
         free_bytes, _ = d.staging_free
         # From the refresh loop's last sample: a reload never waits on the staging disk.
         capacity = free_bytes + d.admission.staged.used - d.staging_reserve

@@ -84,6 +84,10 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         "uptime_s": round(now - d.started_mono, 3),
         "ack": d.config.ack,
         "destination": d.config.destination.uri,
+        # The last SIGHUP: why it failed (the old config runs on), and the keys changed since
+        # the start that only a restart applies.
+        "config": {"reload_failed": d.reloads.failed,
+                   "needs_restart": d.reloads.needs_restart},
         "metrics": f"http://{d.metrics_address[0]}:{d.metrics_address[1]}/metrics"
         if d.metrics_address else None,
         # Every byte on staging counted against max_staged_bytes; of those, kept_copy_bytes
@@ -235,6 +239,8 @@ def refresh_snapshot(d: Daemon) -> None:
     d.metrics.set_snapshot(Snapshot(
         oldest_undrained_since=oldest,
         shards_by_state=shards_by_state,
+        config_reload_failed=d.reloads.failed is not None,
+        config_needs_restart=len(d.reloads.needs_restart),
         staged_bytes={"local": a.staged.used, "memory": a.memory.used},
         kept_copy_bytes=d.copies.kept_bytes,
         limit_bytes={"local": a.staged.limit, "memory": d.config.limits.max_memory_bytes},

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ckptdrain.client import Client
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
+from tests.functional.test_startup import scrape
 
 
 def recv_until(sock: socket.socket, wanted: str, timeout_s: float = 30.0) -> list[str]:
@@ -217,3 +218,29 @@ def test_a_reload_asked_for_during_start_up_waits_for_it(make_daemon, tmp_path: 
                 proc.wait()
     finally:
         notify.close()
+
+
+def test_status_and_the_metrics_say_a_reload_failed_or_waits_for_a_restart(  # type: ignore[no-untyped-def]
+        make_daemon, tmp_path: Path) -> None:
+    # Found attacking: a failed reload, or a changed key only a restart applies (the
+    # destination), was in the log alone; `status` and the metrics said nothing, and `config
+    # show` printed the file's new destination while the daemon drained to the old one.
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text('[limits]\nmax_staged_bytes = "1GiB"\n')
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    d.start()
+    assert d.client().status()["config"] == {"reload_failed": None, "needs_restart": []}
+    config.write_text("[limits]\nmax_staged_bytes = 'lots'\n")
+    os.kill(d.pid, signal.SIGHUP)
+    wait_for(lambda: d.client().status()["config"]["reload_failed"])
+    wait_for(lambda: scrape(d).get("ckptdrain_config_reload_failed") == 1)
+    # (--socket: the CLI itself finds the socket through the config, which does not load)
+    out = subprocess.run([CKPTDRAIN, "status", "--socket", str(d.socket_path)], env=d.env(),
+                         capture_output=True, text=True, check=False)
+    assert "CONFIG RELOAD FAILED, the old config runs on" in out.stdout, out.stdout
+    config.write_text('[limits]\nmax_staged_bytes = "1GiB"\n[destination]\nmax_concurrency = 3\n')
+    os.kill(d.pid, signal.SIGHUP)
+    wait_for(lambda: d.client().status()["config"]["reload_failed"] is None)
+    assert d.client().status()["config"]["needs_restart"] == ["destination.max_concurrency"]
+    wait_for(lambda: scrape(d).get("ckptdrain_config_needs_restart_keys") == 1)
+    wait_for(lambda: scrape(d).get("ckptdrain_config_reload_failed") == 0)

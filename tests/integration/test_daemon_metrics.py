@@ -144,6 +144,7 @@ def test_status_json_schema(daemon: DaemonProcess) -> None:
                          env=daemon.env(), capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
     top = {"node_id": str, "version": str, "uptime_s": float, "ack": str, "destination": str,
+           "config": dict,
            "metrics": str, "staged_bytes": int, "kept_copy_bytes": int,
            "held_open_copy_bytes": int, "memory_bytes": int,
            "limits": dict, "queued_shards": int, "io_threads": dict, "generations_omitted": int,

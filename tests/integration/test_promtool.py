@@ -56,6 +56,7 @@ EXPECTED_ALERTS = {
     "CkptdrainGenerationFailed",
     "CkptdrainInternalError",
     "CkptdrainNoRecentCommit",
+    "CkptdrainConfigNotApplied",
     "CkptdrainDown",
 }
 
