@@ -113,8 +113,13 @@ class BeginChecks:
         except StepUnusable as exc:
             raise RequestError(wire.COMMITTED, str(exc)) from None
         except (BackendError, OSError, TimeoutError) as exc:
+            # A timeout says which, and what follows (it said "TimeoutError" alone: found
+            # attacking the operator's view of a stalled destination).
+            error = (f"the destination did not answer within {COMMITTED_CHECK_TIMEOUT_S:g} s"
+                     if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__)
             log_event(log, logging.WARNING, "committed_check_failed", job=job, step=step,
-                      error=str(exc) or type(exc).__name__)
+                      error=error, action="the begin goes on; the create-once shard writes "
+                      "still keep a committed step from being overwritten")
             return False
 
     async def _committed_above(self, job: str, step: int) -> list[int] | _Uncounted:
