@@ -22,6 +22,7 @@ from ckptdrain.client import Client, wire
 from ckptdrain.client.channel import default_socket_path
 from ckptdrain.daemon.cli_destination import EXIT_OK, EXIT_USAGE, CommandFailed, job_arg, step_arg
 from ckptdrain.daemon.cli_destination import human as _human
+from ckptdrain.daemon.errors import ConfigError
 
 
 def load(ns: argparse.Namespace) -> Any:
@@ -34,7 +35,13 @@ def socket_path(ns: argparse.Namespace) -> str:
     if getattr(ns, "socket", None):
         return str(ns.socket)
     if getattr(ns, "config", None) or os.environ.get("CKPTDRAIN_CONFIG"):
-        return str(load(ns).socket)
+        try:
+            return str(load(ns).socket)
+        except ConfigError as exc:
+            # The running daemon has its old config (a reload of a broken file is refused):
+            # the operator who broke the file still needs to see it (found attacking).
+            raise ConfigError(exc.key, f"{exc.reason}; to reach the running daemon meanwhile, "
+                              "name its socket: --socket PATH") from None
     return default_socket_path()
 
 

@@ -234,7 +234,10 @@ def test_status_and_the_metrics_say_a_reload_failed_or_waits_for_a_restart(  # t
     os.kill(d.pid, signal.SIGHUP)
     wait_for(lambda: d.client().status()["config"]["reload_failed"])
     wait_for(lambda: scrape(d).get("ckptdrain_config_reload_failed") == 1)
-    # (--socket: the CLI itself finds the socket through the config, which does not load)
+    # The CLI finds the socket through the config, which does not load: it says how else.
+    out = subprocess.run([CKPTDRAIN, "status"], env=d.env(), capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 78 and "name its socket: --socket PATH" in out.stderr, out.stderr
     out = subprocess.run([CKPTDRAIN, "status", "--socket", str(d.socket_path)], env=d.env(),
                          capture_output=True, text=True, check=False)
     assert "CONFIG RELOAD FAILED, the old config runs on" in out.stdout, out.stdout
