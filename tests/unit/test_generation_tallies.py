@@ -241,4 +241,5 @@ def _daemon(ledger: Ledger) -> SimpleNamespace:
         scheduler=SimpleNamespace(drain_rate_bytes_per_s=lambda: 0.0,
                                   yielding=SimpleNamespace(yielded=0)),
         dataplane=SimpleNamespace(threads=1, busy=0, stuck=0), draining=0,
-        journal=SimpleNamespace(open_uploads={}), metrics=metrics)
+        journal=SimpleNamespace(open_uploads={}), metrics=metrics,
+        reloads=SimpleNamespace(failed=None, needs_restart=[]))
