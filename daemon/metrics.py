@@ -213,36 +213,26 @@ class _SnapshotCollector(Collector):
             "Configured limit of staged bytes, by tier; 0 means the tier is disabled.",
             snap.limit_bytes,
         )
-        yield GaugeMetricFamily(
-            "ckptdrain_queued_shards",
-            "Shards queued in the daemon (every state but drained).",
-            value=float(snap.queued_shards),
-        )
-        yield GaugeMetricFamily(
-            "ckptdrain_queued_shards_limit",
-            "Configured limit of queued shards (limits.max_queued_shards).",
-            value=float(snap.max_queued_shards),
-        )
-        yield GaugeMetricFamily(
-            "ckptdrain_staging_free_bytes",
-            "Free bytes of the filesystem holding the staging directory.",
-            value=float(snap.staging_free_bytes),
-        )
-        yield GaugeMetricFamily(
-            "ckptdrain_staging_free_inodes",
-            "Free inodes of the filesystem holding the staging directory.",
-            value=float(snap.staging_free_inodes),
-        )
-        yield GaugeMetricFamily(
-            "ckptdrain_config_reload_failed",
-            "1 when the last reload (SIGHUP) failed and the daemon runs on its old config.",
-            value=float(snap.config_reload_failed),
-        )
-        yield GaugeMetricFamily(
-            "ckptdrain_config_needs_restart_keys",
-            "Config keys changed since the start that only a restart applies.",
-            value=float(snap.config_needs_restart),
-        )
+        for name, text, value in (
+            ("ckptdrain_queued_shards", "Shards queued in the daemon (every state but drained).",
+             snap.queued_shards),
+            ("ckptdrain_queued_shards_limit",
+             "Configured limit of queued shards (limits.max_queued_shards).",
+             snap.max_queued_shards),
+            ("ckptdrain_staging_free_bytes",
+             "Free bytes of the filesystem holding the staging directory.",
+             snap.staging_free_bytes),
+            ("ckptdrain_staging_free_inodes",
+             "Free inodes of the filesystem holding the staging directory.",
+             snap.staging_free_inodes),
+            ("ckptdrain_config_reload_failed",
+             "1 when the last reload (SIGHUP) failed and the daemon runs on its old config.",
+             snap.config_reload_failed),
+            ("ckptdrain_config_needs_restart_keys",
+             "Config keys changed since the start that only a restart applies.",
+             snap.config_needs_restart),
+        ):
+            yield GaugeMetricFamily(name, text, value=float(value))
         in_flight = GaugeMetricFamily(
             "ckptdrain_generations_in_flight",
             "Generations begun on this node and not yet committed or failed, by job.",
