@@ -178,25 +178,25 @@ class Channel:
         await self._ready(self._loop.add_reader, self._loop.remove_reader)
 
     async def _ready(self, add: Callable[..., None], remove: Callable[[int], object]) -> None:
-        fut: asyncio.Future[None] = self._loop.create_future()
+        # A bare timer, not asyncio.timeout: this runs for nearly every read of every
+        # connection, and the context (a Timeout, the task lookup, its cancel bookkeeping)
+        # was a measurable part of the loop's time per small shard.
+        fut: asyncio.Future[bool] = self._loop.create_future()
         fd = self.sock.fileno()
-
-        def wake() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
         floor = self.transfer
         due = floor.deadline() - time.monotonic() if floor is not None else self.idle_timeout_s
-        add(fd, wake)
+        add(fd, _settle, fut, True)
+        timer = self._loop.call_later(max(0.0, min(due, self.idle_timeout_s)), _settle, fut,
+                                      False)
         try:
-            async with asyncio.timeout(max(0.0, min(due, self.idle_timeout_s))):
-                await fut
-        except TimeoutError:
-            if floor is not None and due < self.idle_timeout_s:
-                raise TooSlow(str(floor.too_slow(time.monotonic()))) from None
-            raise IdleTimeout(f"client idle for {self.idle_timeout_s:g} s") from None
+            ready = await fut
         finally:
+            timer.cancel()
             remove(fd)
+        if not ready:
+            if floor is not None and due < self.idle_timeout_s:
+                raise TooSlow(str(floor.too_slow(time.monotonic())))
+            raise IdleTimeout(f"client idle for {self.idle_timeout_s:g} s")
 
     async def send_with_fd(self, data: bytes, fd: int) -> None:
         """Send ``data`` with ``fd`` riding on its first byte (SCM_RIGHTS): a reply that
@@ -284,8 +284,14 @@ class Channel:
         return result
 
     async def sendall(self, data: bytes) -> None:
-        async with asyncio.timeout(self.idle_timeout_s):
-            await self._loop.sock_sendall(self.sock, data)
+        # Most replies fit the socket's buffer: sent at once, with no timeout context.
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            async with asyncio.timeout(self.idle_timeout_s):
+                await self._loop.sock_sendall(self.sock, memoryview(data)[sent:])
 
     def socket_pump(self) -> SocketPump:
         """The thread-side mover of this connection's shard bytes (see pumps.SocketPump)."""
@@ -368,3 +374,9 @@ def is_memfd(fd: int) -> bool:
 
 def writable(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+def _settle(fut: asyncio.Future[bool], ready: bool) -> None:
+    """A readiness wait's end: the fd is ready (True), or its time is up (False)."""
+    if not fut.done():
+        fut.set_result(ready)

@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from ckptdrain.daemon.errors import DaemonError, StuckIO
 from ckptdrain.daemon.fdcloser import FdCloser
+from ckptdrain.daemon.iolane import IoLane, Job
 
 T = TypeVar("T")
 
@@ -104,8 +105,7 @@ class DataPlane:
     def __init__(self, threads: int, timeout_s: float, *, pumps: int) -> None:
         self.threads = threads
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ckptdrain-io",
-                                                           initializer=name_os_thread)
+        self._lane = IoLane(threads, "ckptdrain-io", timeout_s, initializer=name_os_thread)
         # Socket pumps wait on their clients, so they get threads of their own (at most one
         # per connection, created as needed): a slow client never takes an fsync's thread.
         self._pumps = concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump",
@@ -134,8 +134,43 @@ class DataPlane:
         that can stop part-way (a long copy stops at its next chunk). ``abandoned`` releases
         what such a call returns once its thread does (an fd it opened after the caller
         stopped waiting: nobody else holds it)."""
-        return await self._run(self._pool, fn, args, self.timeout_s, cancel, cleanup,
-                               abandoned=abandoned)
+        self.busy += 1
+        job = self._lane.submit(fn, args)
+        try:
+            result = await job.waiter
+        except BaseException as exc:
+            if cancel is not None:
+                cancel.set()
+            if job.finished:
+                self.busy -= 1
+                if abandoned is not None and job.error is None:
+                    abandoned(job.result)  # type: ignore[arg-type]  # done; its caller left
+                if cleanup is not None:
+                    cleanup()
+            else:
+                self._outlived(job, isinstance(exc, TimeoutError), cleanup, abandoned)
+            if isinstance(exc, TimeoutError):
+                raise StuckIO(f"a blocking call ({getattr(fn, '__name__', fn)}) took longer than "
+                              f"{self.timeout_s:g} s (limits.io_timeout_s)") from None
+            raise
+        self.busy -= 1
+        return result
+
+    def _outlived(self, job: Job[T], stuck: bool, cleanup: Callable[[], None] | None,
+                  abandoned: Callable[[T], None] | None) -> None:
+        """A call its caller stopped waiting for: counted in ``stuck`` (timed out) until its
+        thread returns; then what it made is ``abandoned``, and ``cleanup`` runs."""
+        self.stuck += stuck
+
+        def late(result: T | None, error: BaseException | None) -> None:
+            self.stuck -= stuck
+            self.busy -= 1
+            if error is None and abandoned is not None:
+                abandoned(result)  # type: ignore[arg-type]  # what it made has nobody else
+            if cleanup is not None:
+                cleanup()
+
+        job.late = late
 
     async def pump(self, fn: Callable[..., T], *args: object, cancel: threading.Event,
                    stalled: Callable[[], bool], pipe: bool = False, owner: object = None,
@@ -211,7 +246,7 @@ class DataPlane:
 
     def close(self) -> None:
         # Stuck threads cannot be joined: leave them to the process's exit.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lane.close()
         self._pumps.shutdown(wait=False, cancel_futures=True)
         self._pipe_pumps.shutdown(wait=False, cancel_futures=True)
 
