@@ -11,6 +11,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
@@ -34,10 +35,13 @@ from ckptdrain.daemon.backends.s3parts import (
 )
 from ckptdrain.daemon.backends.s3pool import WorkerSenders, open_sender
 from ckptdrain.daemon.checksums import from_s3_header
+from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.threads import settled
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import DestinationConfig
+
+log = logging.getLogger(__name__)
 
 # Connections beyond the part uploads, so a Complete, a listing or a manifest write never
 # queues behind max_concurrency parts in flight.
@@ -116,6 +120,9 @@ class S3Client:
         self._client_lock = asyncio.Lock()
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
+        # Clients built with credentials the server has since refused (see renew_credentials):
+        # requests still in flight on them end there; closed with this backend.
+        self._retired: list[AsyncExitStack] = []
         self._closed = False
         # Uploads this process has open: a sweep never aborts them, journalled or not.
         self._live_uploads: set[str] = set()
@@ -225,8 +232,45 @@ class S3Client:
         async with self._client_lock:
             self._closed = True
             stack, self._stack, self._client = self._stack, None, None
+            retired, self._retired = self._retired, []
+        for old in retired:
+            with contextlib.suppress(Exception):
+                await old.aclose()
         if stack is not None:
             await stack.aclose()
+
+    async def renew_credentials(self, refused: Any = None) -> bool:
+        """After the server refused this process's credentials (``auth``, not transient):
+        whether the credential chain now resolves other ones, with which the client is built
+        again (the request may then be sent once more). botocore resolves static credentials
+        (the environment, a shared credentials file, a profile) once, when a client is built,
+        so a daemon whose credentials file an operator fixed failed every save and every
+        ``retry`` with the refused key until it was restarted (found attacking the S3 drain;
+        operations.md says new checkpoints use the new credentials). ``refused`` is the client
+        that was refused: one built since counts as renewed. Costs one resolution of the chain
+        per refused request, and a client (the service model, about 0.13 CPU s) only when the
+        credentials really changed."""
+        async with self._client_lock:
+            if self._closed:
+                return False
+            if refused is not None and self._client is not refused:
+                return True
+            fresh = AioSession()
+            try:
+                now = await _frozen(fresh)
+                then = await _frozen(self._session)
+            except S3_FAILURES:
+                return False  # the chain fails to resolve: the refusal stands
+            if now is None or now == then:
+                return False
+            self._session = fresh
+            if self._stack is not None:
+                self._retired.append(self._stack)
+            self._stack, self._client = None, None
+        log_event(log, logging.WARNING, "s3_credentials_renewed", destination=self.uri,
+                  action="the server refused the credentials this process had; the chain "
+                  "now gives other ones, used from the next request on")
+        return True
 
     @contextlib.contextmanager
     def _translating(self, what: str) -> Iterator[None]:
@@ -248,6 +292,14 @@ class S3Client:
         return S3Failure(message, transient=transient, kind=kind, code=code, status=status)
 
     async def _call(self, what: str, operation: str, **params: Any) -> Any:
+        client = await self._s3()
+        try:
+            with self._translating(what):
+                return await getattr(client, operation)(**params)
+        except S3Failure as exc:
+            if exc.kind != "auth" or exc.transient or not await self.renew_credentials(client):
+                raise
+        # Refused, and the chain gives other credentials now: once more, with them.
         client = await self._s3()
         with self._translating(what):
             return await getattr(client, operation)(**params)
@@ -322,6 +374,15 @@ class S3Client:
             modified=unix_time(head.get("LastModified")), checksum=checksum,
             validated=validated,
         )
+
+
+async def _frozen(session: AioSession) -> tuple[str, str, str | None] | None:
+    """The credentials ``session``'s chain resolves (cached by the session once resolved)."""
+    found = await session.get_credentials()
+    if found is None:
+        return None
+    frozen = await found.get_frozen_credentials()
+    return (frozen.access_key, frozen.secret_key, frozen.token)
 
 
 def unix_time(last_modified: Any) -> float | None:

@@ -195,15 +195,22 @@ class CrtEngine:
                     headers: list[tuple[str, str]], fd: int | None = None, size: int = 0
                     ) -> list[tuple[str, str]]:
         """The answer's headers, after up to ``max_attempts`` attempts."""
-        for attempt in range(1, self._attempts + 1):
+        attempt, renewed = 0, False
+        while True:
+            attempt += 1
             try:
                 return await self._attempt(what, operation, method, full, headers, fd, size)
             except S3Failure as exc:
-                if attempt == self._attempts or not (exc.transient
+                if (exc.kind == "auth" and not exc.transient and not renewed
+                        and await self._owner.renew_credentials()):
+                    # Credentials an operator fixed since they were resolved (S3Client's
+                    # renew_credentials): sent again at once, signed with the new ones.
+                    attempt, renewed = attempt - 1, True
+                    continue
+                if attempt >= self._attempts or not (exc.transient
                                                      and exc.kind in _RETRIED_KINDS):
                     raise
             await asyncio.sleep(random.uniform(0, min(_MAX_BACKOFF_S, 0.5 * 2 ** attempt)))
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _attempt(self, what: str, operation: str, method: str, full: str,
                        headers: list[tuple[str, str]], fd: int | None, size: int
