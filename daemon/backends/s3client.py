@@ -24,7 +24,14 @@ from botocore.exceptions import ClientError
 from ckptdrain.client.manifest import ManifestError, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
 from ckptdrain.daemon.backends.s3crt import CrtEngine
-from ckptdrain.daemon.backends.s3errors import S3_FAILURES, S3Failure, advice, classify
+from ckptdrain.daemon.backends.s3errors import (
+    ANSWERED_WITH_ETAG,
+    S3_FAILURES,
+    S3Failure,
+    advice,
+    classify,
+    no_s3_answer,
+)
 from ckptdrain.daemon.backends.s3parts import (
     CHECKSUM_METADATA_KEY,
     CLEANUP_TIMEOUT_S,
@@ -295,14 +302,21 @@ class S3Client:
         client = await self._s3()
         try:
             with self._translating(what):
-                return await getattr(client, operation)(**params)
+                answer = await getattr(client, operation)(**params)
         except S3Failure as exc:
             if exc.kind != "auth" or exc.transient or not await self.renew_credentials(client):
                 raise
-        # Refused, and the chain gives other credentials now: once more, with them.
-        client = await self._s3()
-        with self._translating(what):
-            return await getattr(client, operation)(**params)
+            # Refused, and the chain gives other credentials now: once more, with them.
+            client = await self._s3()
+            with self._translating(what):
+                answer = await getattr(client, operation)(**params)
+        if operation in ANSWERED_WITH_ETAG and not answer.get("ETag"):
+            body = answer.get("Body")
+            if body is not None:
+                with contextlib.suppress(Exception):
+                    body.close()
+            raise no_s3_answer(what, self.uri)
+        return answer
 
     async def _small(self, what: str, operation: str, *, body: bytes | None = None,
                      read_max: int | None = None, **params: Any) -> Any:

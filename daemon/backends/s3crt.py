@@ -36,7 +36,7 @@ from urllib.parse import quote, urlsplit
 from botocore.exceptions import ClientError
 
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.backends.s3errors import S3Failure, no_s3_answer
 from ckptdrain.daemon.backends.s3parts import crc64_header
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.threads import outlast
@@ -178,7 +178,10 @@ class CrtEngine:
         if exclusive:
             headers.append(("If-None-Match", "*"))
         answer = await self._send(what, "PutObject", "PUT", full, headers, fd, size)
-        return next((value for name, value in answer if name.lower() == "etag"), "")
+        etag = next((value for name, value in answer if name.lower() == "etag"), "")
+        if not etag:
+            raise no_s3_answer(what, self._owner.uri)
+        return etag
 
     async def head(self, what: str, full: str) -> dict[str, Any]:
         """HeadObject with its stored checksum, as botocore's answer (ContentLength,
@@ -186,10 +189,13 @@ class CrtEngine:
         headers = await self._send(what, "HeadObject", "HEAD", full,
                                    [("Host", self._host), ("x-amz-checksum-mode", "ENABLED")])
         try:
-            return head_answer(headers)
+            answer = head_answer(headers)
         except (KeyError, ValueError, TypeError) as exc:
             raise S3Failure(f"{what}: the answer was malformed ({type(exc).__name__}: {exc}); "
                             "it will be sent again", transient=True, kind="io") from exc
+        if not answer.get("ETag"):
+            raise no_s3_answer(what, self._owner.uri)
+        return answer
 
     async def _send(self, what: str, operation: str, method: str, full: str,
                     headers: list[tuple[str, str]], fd: int | None = None, size: int = 0

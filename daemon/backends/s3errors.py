@@ -102,6 +102,24 @@ def classify(exc: BaseException) -> tuple[bool, str]:
     return True, "io"
 
 
+# Operations whose every S3 answer names the object's (or part's) ETag. A 200 without one is
+# no S3 server's answer: a web server or a proxy's page answering at the endpoint. Taken for a
+# PutObject that landed, it dropped the only copy of an acknowledged shard, and the generation
+# could never commit; taken for a GET or a HEAD, an HTML page was a damaged manifest or another
+# attempt's shard, which failed the step for good (found attacking the S3 drain).
+ANSWERED_WITH_ETAG = frozenset({"put_object", "upload_part", "complete_multipart_upload",
+                                "get_object", "head_object"})
+
+
+def no_s3_answer(what: str, uri: str) -> S3Failure:
+    """The transient failure of a request answered without the ETag every S3 answer has."""
+    return S3Failure(
+        f"{what} at {uri}: the server answered without an ETag, which every S3 server gives: "
+        "not an S3 answer (a web server, a proxy or a load balancer answering at "
+        "destination.endpoint_url?); nothing is taken as written or read, and it is sent "
+        "again while drain.retry_budget_s lasts", transient=True, kind="io")
+
+
 def advice(kind: str, transient: bool, endpoint: str, code: str = "") -> str:
     if code == "MalformedXML":
         # (An integrity kind, retried, but no checksum was refused: found attacking.)

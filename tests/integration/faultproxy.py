@@ -26,6 +26,8 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
   ``endless_listing``: the same with a new token every time; ``tokenless_listing``: with no
   token at all; ``growing_listing``: a new token and a new key under the prefix every time
   (a listing without end).
+- ``web_page``: ``200 OK`` with an HTML page and no ETag (a web server, a proxy or a load
+  balancer answering in the S3 server's place); the request is not forwarded.
 
 Faults come first from the scripted queue (``inject``), then at random from ``set_rates`` with
 a seeded generator. ``unreachable`` resets every connection, old and new (the request head is
@@ -48,7 +50,7 @@ from typing import Any
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
           "delete_denied", "stuck_listing", "endless_listing", "tokenless_listing",
-          "growing_listing", "wrong_etag")
+          "growing_listing", "wrong_etag", "web_page")
 # Faults applied to a request that is still forwarded to the server.
 _FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag"})
 _MAX_HEAD = 64 * 1024
@@ -441,6 +443,12 @@ def _fault_response(fault: str, target: str) -> bytes:
             "HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\nx-amz-request-id: faultproxy\r\n\r\n"
         ).encode() + body
+    if fault == "web_page":
+        page = b"<html><body><h1>Welcome to nginx!</h1></body></html>"
+        return (
+            "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\n"
+            f"Content-Length: {len(page)}\r\n\r\n"
+        ).encode() + page
     if fault == "slowdown":
         status, code, message = "503 Slow Down", "SlowDown", "Please reduce your request rate."
     else:  # error200
