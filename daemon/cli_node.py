@@ -60,6 +60,7 @@ def _raise_fd_limit() -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon import collector
     from ckptdrain.daemon.logs import setup_logging
     from ckptdrain.daemon.server import Daemon
     from ckptdrain.daemon.systemd import SocketActivationError, listen_fds
@@ -70,6 +71,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     config = load(ns)
     setup_logging(config.log_level)
+    collector.tune()
     _raise_fd_limit()
     try:
         inherited = listen_fds()

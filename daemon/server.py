@@ -22,7 +22,16 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from ckptdrain.daemon import __version__, logs, maintenance, owners, reloads, startup, waits
+from ckptdrain.daemon import (
+    __version__,
+    collector,
+    logs,
+    maintenance,
+    owners,
+    reloads,
+    startup,
+    waits,
+)
 from ckptdrain.daemon import status as status_view
 from ckptdrain.daemon.access import Peer, is_operator
 from ckptdrain.daemon.admission import Admission
@@ -230,6 +239,7 @@ class Daemon:
                             self.spawn_advance(gen)
                     await self._refresh_free()
                     status_view.refresh_snapshot(self)
+                    collector.freeze_started()
                     log_event(log, logging.INFO, "ready", node=self.node_id,
                               socket=str(self.config.socket), destination=self.config.destination.uri,
                               metrics=self.metrics_address)
