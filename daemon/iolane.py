@@ -156,7 +156,8 @@ class IoLane:
     def close(self) -> None:
         """No more calls; idle threads end, a running call ends its thread when it returns.
         Queued calls are dropped, their callers cancelled (as the executor's
-        ``cancel_futures`` did)."""
+        ``cancel_futures`` did); a dropped call whose caller had already left is handed to
+        its ``late`` as one that failed (``error`` a CancelledError: it made nothing)."""
         self._closed = True
         while True:
             try:
@@ -164,8 +165,16 @@ class IoLane:
             except queue.Empty:
                 break
             if job is not None:
-                job.finished = True
-                job.waiter.cancel()
+                job.fn, job.args, job.finished = None, (), True
+                job.error = asyncio.CancelledError()
+                if job.timer is not None:
+                    job.timer.cancel()
+                    job.timer = None
+                if not job.waiter.done():
+                    job.waiter.cancel()
+                elif job.late is not None:
+                    late, job.late = job.late, None
+                    late(None, job.error)
         for _ in self._started:
             self._queue.put(None)
 

@@ -186,3 +186,38 @@ async def test_what_a_call_returns_as_its_caller_is_cancelled_is_released(tmp_pa
         assert len(released) == 1
     finally:
         plane.close()
+
+
+@pytest.mark.asyncio
+async def test_a_call_a_close_drops_unstarted_is_cleaned_up_and_abandons_nothing() -> None:
+    # Found attacking the lane of threads: a queued call dropped by close() went down the
+    # path of a call that had returned, so ``abandoned`` was handed None for a result that
+    # was never made (a hand-off's ``late[0]`` raised TypeError there, and its cleanup was
+    # skipped); and one whose caller had already timed out was never cleaned up at all,
+    # staying in ``busy`` and ``stuck``.
+    plane = DataPlane(1, 10.0, pumps=1)
+    gate = threading.Event()
+    started = threading.Event()
+    abandoned: list[object] = []
+    cleaned: list[str] = []
+    try:
+        running = asyncio.ensure_future(plane.call(lambda: started.set() or gate.wait(10.0)))
+        waiting = asyncio.ensure_future(plane.call(
+            os.getpid, abandoned=abandoned.append, cleanup=lambda: cleaned.append("waiting")))
+        await asyncio.sleep(0)
+        assert started.wait(10)
+        plane.timeout_s = plane._lane.limit_s = 0.05
+        with pytest.raises(StuckIO):
+            await plane.call(os.getpid, abandoned=abandoned.append,
+                             cleanup=lambda: cleaned.append("left"))
+        assert plane.stuck == 1 and plane.busy == 3
+        plane.close()  # both queued calls are dropped: neither ever runs
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert abandoned == [] and sorted(cleaned) == ["left", "waiting"]
+        gate.set()
+        assert await running is True
+        assert plane.stuck == 0 and plane.busy == 0
+    finally:
+        gate.set()
+        plane.close()
