@@ -116,6 +116,8 @@ class IoLane:
             assert fn is not None
             try:
                 job.result = fn(*args)
+            except StopIteration as exc:
+                job.error = _stop_iteration(fn, exc)
             except BaseException as exc:
                 job.error = exc
             del fn, args
@@ -150,8 +152,7 @@ class IoLane:
                 else:
                     waiter.set_exception(job.error)
             elif job.late is not None:
-                late, job.late = job.late, None
-                late(job.result, job.error)
+                _hand_late(job)
 
     def close(self) -> None:
         """No more calls; idle threads end, a running call ends its thread when it returns.
@@ -173,10 +174,30 @@ class IoLane:
                 if not job.waiter.done():
                     job.waiter.cancel()
                 elif job.late is not None:
-                    late, job.late = job.late, None
-                    late(None, job.error)
+                    _hand_late(job)
         for _ in self._started:
             self._queue.put(None)
+
+
+def _stop_iteration(fn: Callable[..., Any], exc: StopIteration) -> RuntimeError:
+    """What a call that raised StopIteration fails with: no future takes a StopIteration
+    (``set_exception`` refuses it), so settling it failed and its caller waited forever."""
+    error = RuntimeError(f"{getattr(fn, '__name__', fn)} raised StopIteration")
+    error.__cause__ = exc
+    return error
+
+
+def _hand_late(job: Job[Any]) -> None:
+    """Call ``job.late``; what it raises is reported as a failed loop callback is, and never
+    keeps the other calls of its batch from being settled (found attacking: a cleanup that
+    raised left every result after it unsettled, their callers failing as stuck)."""
+    late, job.late = job.late, None
+    assert late is not None
+    try:
+        late(job.result, job.error)
+    except Exception as exc:
+        job.waiter.get_loop().call_exception_handler({
+            "message": "a data-plane call's late callback failed", "exception": exc})
 
 
 def _expire(job: Job[Any]) -> None:

@@ -118,3 +118,54 @@ async def test_a_closed_lane_cancels_what_it_had_not_started_and_takes_no_more()
         assert await running.waiter is True  # a running call still ends normally
     finally:
         gate.set()
+
+
+@pytest.mark.asyncio
+async def test_a_late_callback_that_raises_keeps_no_other_result_from_its_caller() -> None:
+    # Found attacking the lane: results are settled in batches, and a ``late`` that raised
+    # (a cleanup whose close failed) ended the batch, every result after it left unsettled:
+    # its caller failed as stuck though its call had returned.
+    lane = IoLane(2, "test-lane", 0.05)
+    first_gate, second_gate = threading.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+
+    def fail(result: object, error: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    try:
+        first = lane.submit(first_gate.wait, (10.0,))
+        with pytest.raises(LaneTimeout):
+            await first.waiter
+        first.late = fail
+        lane.limit_s = 10.0
+        second = lane.submit(second_gate.wait, (10.0,))
+        await asyncio.sleep(0)
+        first_gate.set()
+        _wait_until(lambda: len(lane._done) == 1, "the first result")
+        second_gate.set()
+        # The loop is held here until both are posted: they settle in one batch, in order.
+        _wait_until(lambda: len(lane._done) == 2, "the second result")
+        assert await asyncio.wait_for(second.waiter, 5.0) is True
+        assert [type(c["exception"]) for c in reported] == [OSError]
+    finally:
+        first_gate.set()
+        second_gate.set()
+        loop.set_exception_handler(None)
+        lane.close()
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_raises_stopiteration_fails_its_caller() -> None:
+    # Found attacking the lane: a future refuses a StopIteration, so its settle raised
+    # TypeError, its timer already cancelled: the caller waited forever (and the results
+    # settled after it in the batch were stranded).
+    lane = IoLane(1, "test-lane", 10.0)
+    try:
+        job = lane.submit(next, (iter(()),))
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await asyncio.wait_for(job.waiter, 5.0)
+        assert await lane.submit(len, ("four",)).waiter == 4
+    finally:
+        lane.close()
