@@ -134,8 +134,15 @@ class DataPlane:
         that can stop part-way (a long copy stops at its next chunk). ``abandoned`` releases
         what such a call returns once its thread does (an fd it opened after the caller
         stopped waiting: nobody else holds it)."""
+        try:
+            job = self._lane.submit(fn, args)
+        except BaseException:
+            # Nothing was queued (a closed data plane, a thread that could not start): what
+            # was handed over is released now, as the rule above says.
+            if cleanup is not None:
+                cleanup()
+            raise
         self.busy += 1
-        job = self._lane.submit(fn, args)
         try:
             result = await job.waiter
         except BaseException as exc:

@@ -85,23 +85,26 @@ class IoLane:
             self._loop = loop
         elif loop is not self._loop:
             raise RuntimeError("an IoLane serves the one event loop that first used it")
-        job: Job[T] = Job(fn, args, loop.create_future())
-        if self.limit_s is not None:
-            job.timer = loop.call_later(self.limit_s, _expire, job)
         with self._lock:
             idle = self._idle
             if idle:
                 self._idle = idle - 1  # this call is that thread's
         if not idle and len(self._started) < self.threads:
-            self._start()
+            self._start()  # first: when it fails, nothing is queued and no timer is left
+        job: Job[T] = Job(fn, args, loop.create_future())
+        if self.limit_s is not None:
+            job.timer = loop.call_later(self.limit_s, _expire, job)
         self._queue.put(job)
         return job
 
     def _start(self) -> None:
         t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._started)}",
                              daemon=True)
-        self._started.append(t)
+        # Counted once started only: a start that failed (the process's thread limit, for a
+        # moment) is tried again by the next call, where counting it had left the lane a
+        # thread short for good (with one thread, every later call queued till StuckIO).
         t.start()
+        self._started.append(t)
 
     def _work(self) -> None:
         if self._initializer is not None:

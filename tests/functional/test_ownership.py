@@ -221,3 +221,32 @@ async def test_a_call_a_close_drops_unstarted_is_cleaned_up_and_abandons_nothing
     finally:
         gate.set()
         plane.close()
+
+
+@pytest.mark.asyncio
+async def test_a_call_whose_thread_could_not_start_leaves_the_lane_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found attacking the lane of threads: a thread whose start failed (the process's thread
+    # limit, for a moment) was counted as started, so the lane never started another: with
+    # one thread, every later call waited in the queue till io_timeout_s (StuckIO). The call
+    # that failed also stayed in ``busy``, and its ``cleanup`` never ran.
+    plane = DataPlane(1, 1.0, pumps=1)
+    real_start = threading.Thread.start
+    starts: list[str] = []
+    cleaned: list[bool] = []
+
+    def start_once_failing(thread: threading.Thread) -> None:
+        starts.append(thread.name)
+        if len(starts) == 1:
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    try:
+        with pytest.raises(RuntimeError, match="start new thread"):
+            await plane.call(os.getpid, cleanup=lambda: cleaned.append(True))
+        assert cleaned == [True] and plane.busy == 0
+        assert await plane.call(len, "four") == 4
+        assert plane.busy == 0 and plane.stuck == 0
+    finally:
+        plane.close()
