@@ -108,18 +108,39 @@ class DataPlane:
         self._lane = IoLane(threads, "ckptdrain-io", timeout_s, initializer=name_os_thread)
         # Socket pumps wait on their clients, so they get threads of their own (at most one
         # per connection, created as needed): a slow client never takes an fsync's thread.
-        self._pumps = concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump",
-                                                            initializer=name_os_thread)
         # Pipe pumps apart: a client can wedge one (it holds its pipe's lock), and a wedged
         # thread must never keep a socket hand-off waiting for a free one.
-        self._pipe_pumps = concurrent.futures.ThreadPoolExecutor(
-            pumps, thread_name_prefix="ckptdrain-pipe", initializer=name_os_thread)
+        self.pump_threads = 0
+        self._pumps, self._pipe_pumps = self._pump_pools(pumps)
+        # Pools a reload replaced by larger ones: their pumps finish there (close() ends them).
+        self._old_pools: list[concurrent.futures.ThreadPoolExecutor] = []
         # Closing a client's fd can block: never on the loop, nor in a hand-off's thread.
         self.closer = FdCloser()
         self.stuck = 0
         self.busy = 0
         # Stuck pumps by who started them (a uid): such a client is offered no more pipes.
         self.stuck_owners: collections.Counter[object] = collections.Counter()
+
+    def _pump_pools(self, pumps: int) -> tuple[concurrent.futures.ThreadPoolExecutor,
+                                               concurrent.futures.ThreadPoolExecutor]:
+        self.pump_threads = pumps
+        return (concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pump",
+                                                      initializer=name_os_thread),
+                concurrent.futures.ThreadPoolExecutor(pumps, thread_name_prefix="ckptdrain-pipe",
+                                                      initializer=name_os_thread))
+
+    def grow_pumps(self, pumps: int) -> None:
+        """At least ``pumps`` threads for each kind of pump from now on (a reload raising
+        limits.max_clients): one per connection, as at start. Found attacking the reload: the
+        pools kept the size of the max_clients the daemon started with, so a reload raising
+        it admitted connections whose hand-offs then waited for a pump thread and were given
+        up on as stalled (a `timeout` error). Never shrunk: threads are made as needed."""
+        if pumps <= self.pump_threads:
+            return
+        self._old_pools += (self._pumps, self._pipe_pumps)
+        for pool in (self._pumps, self._pipe_pumps):
+            pool.shutdown(wait=False)  # what it runs or holds queued still runs there
+        self._pumps, self._pipe_pumps = self._pump_pools(pumps)
 
     async def call(self, fn: Callable[..., T], *args: object,
                    cleanup: Callable[[], None] | None = None,
@@ -254,8 +275,8 @@ class DataPlane:
     def close(self) -> None:
         # Stuck threads cannot be joined: leave them to the process's exit.
         self._lane.close()
-        self._pumps.shutdown(wait=False, cancel_futures=True)
-        self._pipe_pumps.shutdown(wait=False, cancel_futures=True)
+        for pool in (*self._old_pools, self._pumps, self._pipe_pumps):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class PumpStalled(StuckIO):

@@ -126,6 +126,9 @@ class Reloads:
         d.config = new
         d.scheduler.config = new
         d.admission.set_limits(new)
+        # One pump thread per connection, as at start: a reload admitting more connections
+        # than the data plane has pumps left the ones beyond waiting for a thread.
+        d.dataplane.grow_pumps(new.limits.max_clients)
         if rate_changed:
             d.scheduler.set_bandwidth(new.drain.max_bandwidth_bytes_per_s)
         setup_logging(new.log_level)

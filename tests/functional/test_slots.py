@@ -367,3 +367,58 @@ def test_an_abort_racing_a_begin_leaves_no_slot_held(make_daemon) -> None:  # ty
             save(step, 0, 1)  # a new step of the job still begins
         except Backpressure as exc:
             raise AssertionError(f"a slot was left held after round {round_}: {exc}") from None
+
+
+def _pump_threads(pid: int) -> int:
+    """The daemon's socket-pump threads alive now (named ``ckptdrain-pump`` in the kernel)."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            count += (task / "comm").read_text().startswith("ckptdrain-pump")
+    return count
+
+
+def test_a_reload_raising_max_clients_gives_the_new_connections_pumps(  # type: ignore[no-untyped-def]
+        make_daemon, tmp_path: Path) -> None:
+    # Found attacking the reload: the socket pumps (one thread per connection) were sized by
+    # the max_clients the daemon started with. A reload raising it admitted more connections,
+    # and a hand-off beyond the first max_clients waited for a pump while the others' slow
+    # clients held theirs, and was given up on as stalled (a `timeout` error) mid-save.
+    config = tmp_path / "c.toml"
+    limits = ('[limits]\nclient_min_bytes_per_s = 1\nclient_idle_timeout_s = 3\n'
+              'pipe_handoff = false\n')
+    config.write_text(limits + "max_clients = 2\nmax_clients_per_uid = 2\n")
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    d.start()
+    config.write_text(limits + "max_clients = 8\nmax_clients_per_uid = 8\n")
+    os.kill(d.pid, signal.SIGHUP)
+    wait_for(lambda: "event=reloaded" in d.log(), timeout_s=20)
+    size = 1 << 20
+    done = threading.Event()
+
+    def trickle(job: str) -> None:
+        # A slow client: a byte every 0.2 s, within its idle timeout, holding its pump.
+        with RawClient(d.socket_path) as raw:
+            raw.hello_begin(job=job)
+            assert raw.call("put", job=job, step=1, rank=0, path="a", size=size).kind == "ok"
+            raw.sock.sendall(frame({"type": "data"}, payload_len=size) + b"x")
+            while not done.wait(0.2):
+                raw.sock.sendall(b"x")
+
+    slow = [threading.Thread(target=trickle, args=(f"slow{i}",), daemon=True) for i in range(2)]
+    for t in slow:
+        t.start()
+    try:
+        wait_for(lambda: _pump_threads(d.pid) >= 2, timeout_s=20)
+        with RawClient(d.socket_path) as raw:
+            raw.hello_begin(job="fast")
+            assert raw.call("put", job="fast", step=1, rank=0, path="a", size=size).kind == "ok"
+            # (Refused, the daemon answers and closes before it has read every byte.)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                raw.sock.sendall(frame({"type": "data"}, payload_len=size) + b"y" * size)
+            reply = raw.reply()
+            assert reply.kind == "ok", reply.fields
+    finally:
+        done.set()
+        for t in slow:
+            t.join(20)
