@@ -145,6 +145,18 @@ async def read_manifest(backend: Backend, job: str, step: int) -> Manifest | Non
     return manifest
 
 
+async def still_committed(backend: Backend, job: str, step: int) -> bool:
+    """Whether ``job`` step ``step``'s manifest key still holds a manifest (not nothing, not
+    retention's tombstone), asked of a generation found committed a moment ago whose shards
+    went missing: False means it was removed meanwhile, not damaged. True when that cannot be
+    told (the destination failed): the damage stays the likelier reading."""
+    try:
+        data = await backend.get_bytes(manifest_key(job, step))
+    except BackendError:
+        return True
+    return data is not None and not is_tombstone(data)
+
+
 async def list_generations(backend: Backend, job: str) -> list[GenerationInfo]:
     """Committed generations of ``job`` (manifest present and valid), newest first."""
     steps = await _manifest_steps(backend, job)
@@ -279,10 +291,26 @@ async def verify(
                 (shard.path, f"{digest.value()} != {shard.checksum} in the manifest")
             )
 
-    await for_each_bounded(manifest.shards, check, concurrency)
+    try:
+        await for_each_bounded(manifest.shards, check, concurrency)
+    except BackendError as exc:
+        if exc.kind == "not_found" and not await still_committed(backend, job, step):
+            raise _removed_while_verified(job, step) from exc
+        raise
+    if report.bad and not await still_committed(backend, job, step):
+        # Found attacking: retention removing the generation under a verify (its manifest
+        # first, then its shards) had it report missing shards and say "restore an older
+        # generation", which retention removes first.
+        raise _removed_while_verified(job, step)
     report.bad.sort()
     report.ok = not report.bad
     return report
+
+
+def _removed_while_verified(job: str, step: int) -> NotCommitted:
+    return NotCommitted(f"generation {step} of job {job!r} was removed while it was verified "
+                        "(retention keeps the newest retention.keep_last): verify a newer one "
+                        "(`ckptdrain ls` lists them)")
 
 
 async def hash_chunk(digest: checksums.Digest, chunk: bytes) -> None:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ckptdrain.client.manifest import TMP_SUFFIX, Manifest, ShardEntry, manifest_key, shard_key
+from ckptdrain.client.manifest import TMP_SUFFIX, Manifest, ShardEntry, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.backends.posixfs import NAME_MAX, RANDOM_HEX
-from ckptdrain.daemon.catalog import CatalogError, resolve
+from ckptdrain.daemon.catalog import CatalogError, resolve, still_committed
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.threads import in_thread, outlast
 
@@ -184,11 +184,11 @@ async def _restore_into(backend: Backend, manifest: Manifest, root: Path, root_f
 
 async def _still_there(backend: Backend, job: str, step: int) -> bool:
     """Whether the generation's manifest is still at the destination (True when that cannot
-    be told: the damage stays the likelier reading)."""
-    try:
-        return await backend.stat(manifest_key(job, step)) is not None
-    except BackendError:
-        return True
+    be told: the damage stays the likelier reading). A tombstone at its key is retention's
+    removal under way, not the manifest (found attacking: retention puts one there right
+    after it deletes a committed generation's manifest, before the shards go, so a key that
+    merely existed sent a restore that lost the race to "damaged: restore an older one")."""
+    return await still_committed(backend, job, step)
 
 
 async def _write_local(local: LocalSource, dir_fd: int, target: Path, shard: ShardEntry) -> str:

@@ -730,6 +730,69 @@ async def test_a_reader_never_sees_a_manifest_whose_shards_are_gone_posix(tmp_pa
                   if not is_tombstone(p.read_bytes())) == [f"{7:020d}", f"{8:020d}"]
 
 
+class RemovedWhileRead(PosixBackend):
+    """A POSIX destination where retention (``keep_last = 1``, another node's run) removes
+    generation ``step`` the moment a reader first reads one of its shards' bytes."""
+
+    step = 1
+    removal: RetentionReport | None = None
+
+    async def _retention_first(self, key: str) -> None:
+        if key.startswith(generation_prefix(JOB, self.step)) and self.removal is None:
+            other = PosixBackend(DestinationConfig(uri=self.uri), "gpu2")
+            try:
+                self.removal = await retain(other, 1)
+            finally:
+                await other.aclose()
+
+    async def copy_into(self, key: str, *args: object, **kw: object) -> tuple[int, str]:
+        await self._retention_first(key)
+        return await super().copy_into(key, *args, **kw)  # type: ignore[arg-type]
+
+    async def read_chunks(self, key: str, **kw: int) -> AsyncIterator[bytes]:  # type: ignore[override]
+        await self._retention_first(key)
+        async for chunk in super().read_chunks(key, **kw):
+            yield chunk
+
+
+@pytest.mark.asyncio
+async def test_a_restore_or_verify_retention_overtakes_says_so(tmp_path: Path) -> None:
+    # Found attacking: retention puts a tombstone at a committed generation's MANIFEST.json
+    # right after deleting its manifest, before the shards go. A restore that lost the race
+    # took the key's mere presence for the manifest and said "the generation at the
+    # destination is damaged: restore an older generation" (retention removes the older
+    # ones first), and a verify reported its shards missing with the same advice.
+    from ckptdrain.daemon.restore import RestoreError, restore
+
+    root = tmp_path / "dest"
+    writer = PosixBackend(DestinationConfig(uri=f"file://{root}"), NODE)
+    await commit(writer, 1)
+    await commit(writer, 2)
+    await writer.aclose()
+
+    reader = RemovedWhileRead(DestinationConfig(uri=f"file://{root}"), NODE)
+    try:
+        with pytest.raises(RestoreError) as restored:
+            await restore(reader, JOB, 1, tmp_path / "restored")
+        assert reader.removal is not None and reader.removal.deleted == [1]
+        assert "removed while it was restored" in str(restored.value), restored.value
+        assert "damaged" not in str(restored.value)
+    finally:
+        await reader.aclose()
+
+    await commit(writer := PosixBackend(DestinationConfig(uri=f"file://{root}"), NODE), 3)
+    await writer.aclose()
+    reader = RemovedWhileRead(DestinationConfig(uri=f"file://{root}"), NODE)
+    reader.step = 2
+    try:
+        with pytest.raises(catalog.NotCommitted) as verified:
+            await catalog.verify(reader, JOB, 2)
+        assert reader.removal is not None and reader.removal.deleted == [2]
+        assert "removed while it was verified" in str(verified.value), verified.value
+    finally:
+        await reader.aclose()
+
+
 @pytest.mark.asyncio
 async def test_gc_covers_every_job_with_a_committed_generation() -> None:
     backend = MemoryBackend(NODE)
