@@ -170,19 +170,24 @@ class DataPlane:
             if cancel is not None:
                 cancel.set()
             if job.finished:
-                self.busy -= 1
-                if abandoned is not None and job.error is None:
-                    abandoned(job.result)  # type: ignore[arg-type]  # done; its caller left
-                if cleanup is not None:
-                    cleanup()
+                self._left(job.result, job.error, cleanup, abandoned)
             else:
                 self._outlived(job, isinstance(exc, TimeoutError), cleanup, abandoned)
             if isinstance(exc, TimeoutError):
-                raise StuckIO(f"a blocking call ({getattr(fn, '__name__', fn)}) took longer than "
-                              f"{self.timeout_s:g} s (limits.io_timeout_s)") from None
+                raise _stuck(fn, self.timeout_s) from None
             raise
         self.busy -= 1
         return result
+
+    def _left(self, result: T | None, error: BaseException | None,
+              cleanup: Callable[[], None] | None, abandoned: Callable[[T], None] | None) -> None:
+        """A call that is done, whose caller did not take what it made: that goes to
+        ``abandoned`` (nobody else holds it), and ``cleanup`` runs."""
+        self.busy -= 1
+        if error is None and abandoned is not None:
+            abandoned(result)  # type: ignore[arg-type]  # a call that returned made it
+        if cleanup is not None:
+            cleanup()
 
     def _outlived(self, job: Job[T], stuck: bool, cleanup: Callable[[], None] | None,
                   abandoned: Callable[[T], None] | None) -> None:
@@ -192,11 +197,7 @@ class DataPlane:
 
         def late(result: T | None, error: BaseException | None) -> None:
             self.stuck -= stuck
-            self.busy -= 1
-            if error is None and abandoned is not None:
-                abandoned(result)  # type: ignore[arg-type]  # what it made has nobody else
-            if cleanup is not None:
-                cleanup()
+            self._left(result, error, cleanup, abandoned)
 
         job.late = late
 
@@ -232,12 +233,7 @@ class DataPlane:
             if cancel is not None:
                 cancel.set()
             if future.done():
-                self.busy -= 1
-                if (abandoned is not None and not future.cancelled()
-                        and future.exception() is None):
-                    abandoned(future.result())  # done, but its caller stopped waiting
-                if cleanup is not None:
-                    cleanup()
+                self._left(*_outcome(future), cleanup, abandoned)
             else:
                 # Still running: a timeout means stuck (shown in status); a cancellation only
                 # waits for the pump to see its cancel flag.
@@ -253,16 +249,11 @@ class DataPlane:
                         self.stuck_owners[owner] -= 1
                         if self.stuck_owners[owner] <= 0:
                             del self.stuck_owners[owner]
-                    self.busy -= 1
-                    if not done.cancelled() and done.exception() is None and abandoned:
-                        abandoned(done.result())  # what it made has nobody else
-                    if cleanup is not None:
-                        cleanup()
+                    self._left(*_outcome(done), cleanup, abandoned)
 
                 future.add_done_callback(finished)
             if isinstance(exc, TimeoutError):
-                raise StuckIO(f"a blocking call ({getattr(fn, '__name__', fn)}) took longer than "
-                              f"{limit or 0:g} s (limits.io_timeout_s)") from None
+                raise _stuck(fn, limit or 0) from None
             raise
         self.busy -= 1
         return result
@@ -277,6 +268,19 @@ class DataPlane:
         self._lane.close()
         for pool in (*self._old_pools, self._pumps, self._pipe_pumps):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _outcome(future: asyncio.Future[T]) -> tuple[T | None, BaseException | None]:
+    """A done future's (result, error); a cancelled one made nothing."""
+    if future.cancelled():
+        return None, asyncio.CancelledError()
+    error = future.exception()
+    return (future.result() if error is None else None), error
+
+
+def _stuck(fn: Callable[..., object], limit_s: float) -> StuckIO:
+    return StuckIO(f"a blocking call ({getattr(fn, '__name__', fn)}) took longer than "
+                   f"{limit_s:g} s (limits.io_timeout_s)")
 
 
 class PumpStalled(StuckIO):
