@@ -275,31 +275,53 @@ class Generation:
                     )
                 with view.cast("B") as flat:
                     if self.effective_ack == "memory":
-                        return self._put_memory(channel, path, flat, deferred)
-                    fields = self._shard_fields(path, flat.nbytes, deferred)
-                    if flat.nbytes <= self._inline_bytes:
-                        # A small shard in one round trip: a refusal costs little of the wire.
-                        return channel.request("put_bytes", fields, payload=flat)
-                    # Two round trips: the daemon admits the shard (or pushes back) before any of
-                    # its bytes are on the wire, then takes them: through a pipe where it offers
-                    # one (one copy, see pipes.py), else in one data frame.
-                    ready = channel.request("put", fields)
-                    pipe = pipes.PipeHandOff.start(flat) if ready.get("pipe") is True else None
-                    if pipe is None:
-                        return channel.request("data", {}, payload=flat)
-                    try:
-                        return channel.request("data_pipe", {}, pipe=pipe)
-                    finally:
-                        pipe.close()
+                        reply = self._put_memory(channel, path, flat, deferred)
+                        if reply is not None:
+                            return reply
+                    return self._put_bytes(channel, path, flat, deferred)
+
+    def _put_bytes(
+        self, channel: Channel, path: str, flat: memoryview, deferred: bool
+    ) -> dict[str, Any]:
+        """The shard's bytes over the connection: the daemon stages them (ack=local)."""
+        fields = self._shard_fields(path, flat.nbytes, deferred)
+        if flat.nbytes <= self._inline_bytes:
+            # A small shard in one round trip: a refusal costs little of the wire.
+            return channel.request("put_bytes", fields, payload=flat)
+        # Two round trips: the daemon admits the shard (or pushes back) before any of
+        # its bytes are on the wire, then takes them: through a pipe where it offers
+        # one (one copy, see pipes.py), else in one data frame.
+        ready = channel.request("put", fields)
+        pipe = pipes.PipeHandOff.start(flat) if ready.get("pipe") is True else None
+        if pipe is None:
+            return channel.request("data", {}, payload=flat)
+        try:
+            return channel.request("data_pipe", {}, pipe=pipe)
+        finally:
+            pipe.close()
 
     def _put_memory(
         self, channel: Channel, path: str, data: memoryview, deferred: bool
-    ) -> dict[str, Any]:
-        """ack=memory: copy into a pooled memfd and pass it; the daemon owns it from here."""
+    ) -> dict[str, Any] | None:
+        """ack=memory: copy into a pooled memfd and pass it; the daemon owns it from here.
+        None, with nothing sent, when no memfd can be made or filled (the process's fd table
+        full, or the memfd refused the bytes: RLIMIT_FSIZE, memory short): the caller sends
+        the bytes over the connection and the daemon stages them, a stronger boundary than
+        asked for. The bare OSError went up before, outside DrainError (found attacking)."""
         pool = self._client._memfds
-        fd = pool.acquire()
+        try:
+            fd = pool.acquire()
+        except OSError:
+            return None
         try:
             fill(fd, data)
+        except OSError:
+            pool.discard(fd)
+            return None
+        except BaseException:
+            pool.discard(fd)
+            raise
+        try:
             reply = channel.request(
                 "put_memfd", self._shard_fields(path, data.nbytes, deferred), fd=fd
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -142,3 +143,50 @@ def test_a_memfd_cut_short_after_its_acknowledgement_fails_as_the_jobs_doing(mak
                            reason="aborted") == 1)
     assert count(scrape(d), "ckptdrain_generations_failed_total", job="cut",
                  reason="drain") == 0
+
+
+OUT_OF_MEMFDS = textwrap.dedent("""
+    import os, resource, sys
+    from ckptdrain.client import Client, DrainError
+    data = bytes(range(256)) * 4096 * 3           # 3 MiB: over the inline and pipe sizes
+    with Client(sys.argv[1]).generation("nomemfd", 1) as gen:
+        # A full fd table: no memfd can be made (EMFILE).
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for path, blob in (("small", b"s" * 1000), ("big", data)):
+            try:
+                print(path, gen.put(path, blob)["size"], flush=True)
+            except DrainError as exc:
+                print(path, "DrainError", exc, flush=True)
+        for fd in held:
+            os.close(fd)
+        # A memfd that refuses the bytes (RLIMIT_FSIZE: EFBIG, as a short tmpfs says ENOSPC).
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        try:
+            print("capped", gen.put("capped", data)["size"], flush=True)
+        except DrainError as exc:
+            print("capped", "DrainError", exc, flush=True)
+    print("SEALED", flush=True)
+""")
+
+
+def test_a_put_that_cannot_make_or_fill_a_memfd_is_staged_as_local(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the client under resource exhaustion: with its fd table full (EMFILE) or
+    # a memfd refusing the bytes (RLIMIT_FSIZE's EFBIG, ENOSPC, ENOMEM), an ack=memory put
+    # raised the bare OSError, outside DrainError (the root of every error the client
+    # raises), and the save failed where the socket would have carried the bytes.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory")
+    out = subprocess.run([sys.executable, "-c", OUT_OF_MEMFDS, str(d.socket_path)],
+                         capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    assert out.stdout.split("\n")[:4] == ["small 1000", f"big {3 << 20}", f"capped {3 << 20}",
+                                          "SEALED"], out.stdout + out.stderr
+    d.client().wait("nomemfd", 1, timeout_s=60)
+    data = bytes(range(256)) * 4096 * 3
+    assert shard_path(d, "nomemfd", 1, "small").read_bytes() == b"s" * 1000
+    assert shard_path(d, "nomemfd", 1, "big").read_bytes() == data
+    assert shard_path(d, "nomemfd", 1, "capped").read_bytes() == data
