@@ -29,7 +29,7 @@ from ckptdrain.client.errors import (
     RejectedInput,
 )
 from ckptdrain.client.generation import Generation, checked_fd, default_attempt
-from ckptdrain.client.memfd import MemfdPool
+from ckptdrain.client.memfd import DEFAULT_MAX_IDLE_BYTES, MemfdPool
 
 if TYPE_CHECKING:
     pass
@@ -85,8 +85,10 @@ def _close_channels(channels: list[Channel], lock: threading.RLock) -> None:
         channel.close()
 
 
-def _client_for(socket_path: str, timeout_s: float, connect_timeout_s: float) -> Client:
-    return Client(socket_path, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+def _client_for(socket_path: str, timeout_s: float, connect_timeout_s: float,
+                memfd_pool_bytes: int = DEFAULT_MAX_IDLE_BYTES) -> Client:
+    return Client(socket_path, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                  memfd_pool_bytes=memfd_pool_bytes)
 
 
 class Client:
@@ -98,6 +100,7 @@ class Client:
         *,
         timeout_s: float = 300.0,
         connect_timeout_s: float = 10.0,
+        memfd_pool_bytes: int = DEFAULT_MAX_IDLE_BYTES,
     ) -> None:
         try:
             self.socket_path = (
@@ -115,7 +118,11 @@ class Client:
         self._idle: list[Channel] = []
         # A Client dropped without close() (Client().latest(job) is a fine one-liner) still
         # closes its pooled sockets when collected; the finalizer holds the list, not the Client.
-        self._memfds = MemfdPool()
+        if (isinstance(memfd_pool_bytes, bool) or not isinstance(memfd_pool_bytes, int)
+                or memfd_pool_bytes < 0):
+            raise RejectedInput(f"memfd_pool_bytes is {memfd_pool_bytes!r}; use a whole number "
+                                "of bytes, 0 or more (0 keeps no memfd between saves)")
+        self._memfds = MemfdPool(max_idle_bytes=memfd_pool_bytes)
         self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
         self._memfd_finalizer = weakref.finalize(self, self._memfds.close)
         self._closed = False
@@ -124,7 +131,8 @@ class Client:
     def __reduce__(self) -> tuple[Any, ...]:
         # A client for the same daemon, with none of this one's connections (a spawned
         # DataLoader worker or a Pool gets its arguments pickled).
-        return (_client_for, (self.socket_path, self.timeout_s, self.connect_timeout_s))
+        return (_client_for, (self.socket_path, self.timeout_s, self.connect_timeout_s,
+                              self._memfds.max_idle_bytes))
 
     def _forget_in_child(self) -> None:
         """In a child just forked (forks.py): start with an empty pool. Its connections'

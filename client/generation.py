@@ -328,7 +328,7 @@ class Generation:
         except BaseException:
             pool.discard(fd)
             raise
-        pool.release(fd)  # reused once the daemon lets go of it
+        pool.release(fd, data.nbytes)  # reused once the daemon lets go of it
         return reply
 
     def put_file(

@@ -663,3 +663,17 @@ def test_the_connect_and_the_hello_share_one_connect_timeout(
     # The connect took at least 0.6 s of the 1.0: the hello had what was left, not 1.0.
     [hello_timeout] = hello_timeouts
     assert hello_timeout <= 0.4, hello_timeout
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1GiB", True, None])
+def test_a_memfd_pool_size_that_is_no_byte_count_is_refused(bad: object) -> None:
+    with pytest.raises(RejectedInput, match="memfd_pool_bytes"):
+        Client("/nonexistent.sock", memfd_pool_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_a_pickled_client_keeps_its_memfd_pool_size() -> None:
+    import pickle
+
+    c = Client("/nonexistent.sock", memfd_pool_bytes=12345)
+    assert pickle.loads(pickle.dumps(c))._memfds.max_idle_bytes == 12345
+    c.close()
