@@ -560,6 +560,9 @@ class JournalUploadLog:
         await self.journal.write(*end_upload(self.shard_id))
         self.journal.open_uploads.pop(self.shard_id, None)
 
+    def is_open(self) -> bool:
+        return self.shard_id in self.journal.open_uploads
+
 
 class GroupCommit:
     """Acknowledging a staged shard takes three fsyncs: the staged file's (its bytes), the

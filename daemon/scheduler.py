@@ -419,6 +419,7 @@ class Scheduler:
                 gen.retrying = retrying_note(exc, attempt)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
+        await self._abort_stale_upload(shard)
         if gen.terminal or shard.state is not ShardState.DRAINING:
             return False
         if shard.deferred and shard.checksum and checksum != shard.checksum:
@@ -492,6 +493,17 @@ class Scheduler:
 
     async def _abort_uploads(self, shards: list[ShardRecord]) -> None:
         for shard in shards:
+            await self.abort_upload(shard)
+
+    async def _abort_stale_upload(self, shard: ShardRecord) -> None:
+        """A multipart upload journalled for ``shard`` before a restart, which the shard's copy
+        just now did not complete (it went as one PutObject: multipart_threshold_bytes was
+        raised meanwhile), is aborted: it was left to the orphan sweep's grace, an hour by
+        default (found attacking the S3 drain). A dict lookup when there is none."""
+        if self._upload_log_for is None:
+            return
+        upload_log = self._upload_log_for(shard)
+        if upload_log is not None and upload_log.is_open():
             await self.abort_upload(shard)
 
     async def abort_upload(self, shard: ShardRecord) -> None:

@@ -119,6 +119,10 @@ class UploadLog(Protocol):
 
     async def finished(self) -> None: ...
 
+    def is_open(self) -> bool:
+        """Whether an upload is journalled as begun and not finished (no I/O)."""
+        ...
+
 
 class Backend(abc.ABC):
     """One destination. Instances are used from one event loop; methods are coroutine-safe."""

@@ -83,6 +83,9 @@ class RecordingUploadLog:
     async def finished(self) -> None:
         self.calls.append(("finished",))
 
+    def is_open(self) -> bool:
+        return self.upload_id is not None
+
     def ops(self, name: str) -> list[tuple[Any, ...]]:
         return [c for c in self.calls if c[0] == name]
 

@@ -309,6 +309,9 @@ class DyingUploadLog:
             raise RuntimeError("the daemon was killed")
         self.upload_id, self.parts = None, {}
 
+    def is_open(self) -> bool:
+        return self.upload_id is not None
+
 
 async def test_a_restarted_drain_recognises_its_own_completed_upload(
     nodes: Nodes, tmp_path: Path, seaweedfs: SeaweedFS, s3_bucket: str

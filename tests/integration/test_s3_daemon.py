@@ -225,6 +225,33 @@ def test_a_restart_mid_multipart_resumes(make_daemon: Any, seaweedfs: SeaweedFS,
     assert uploads(seaweedfs, s3_bucket) == []
 
 
+def test_an_upload_a_restart_with_a_larger_threshold_leaves_unfinished_is_aborted(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found attacking the S3 drain: killed mid-multipart and restarted with a larger
+    # multipart_threshold_bytes, the shard went up as one PutObject and the generation
+    # committed, but the upload journalled before the kill stayed open until the orphan
+    # sweep's grace (an hour by default).
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1",
+                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="16MiB")
+    data = os.urandom(1 << 20) * 40  # 5 parts of 8 MiB
+    with d.client().generation("grown", 1) as gen:
+        gen.put("big.bin", data)
+    deadline = time.monotonic() + 120
+    while _journalled_uploads(d) == 0 or not uploads(seaweedfs, s3_bucket):
+        assert time.monotonic() < deadline, "the multipart upload never began"
+        time.sleep(0.05)
+    d.kill()
+    d.overrides["CKPTDRAIN_DESTINATION__MULTIPART_THRESHOLD_BYTES"] = "64MiB"
+    d.start()
+    d.client().wait("grown", 1, timeout_s=180)
+    assert get(seaweedfs, s3_bucket, f"grown/{1:020d}/big.bin") == data
+    deadline = time.monotonic() + 30
+    while uploads(seaweedfs, s3_bucket) or _journalled_uploads(d):
+        assert time.monotonic() < deadline, "the upload begun before the kill is still open"
+        time.sleep(0.1)
+
+
 def test_a_part_answered_with_a_wrong_etag_is_sent_again(
         make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
     # Found attacking a misbehaving server: one UploadPart answered with a wrong ETag made the
