@@ -78,6 +78,20 @@ def connect_error(path: str, exc: OSError) -> DrainError:
     )
 
 
+def socket_error(path: str, exc: OSError) -> DrainError:
+    """The typed error for a socket this process could not make (its fd table full: EMFILE,
+    the node's: ENFILE; memory short): no connection to the daemon can be opened now. The bare
+    OSError went up before, outside DrainError, from every call that opens a connection
+    (``begin``, ``latest``, ``wait``, ``DrainWriter``'s save; found attacking a rank at a low
+    RLIMIT_NOFILE)."""
+    return DaemonUnavailable(
+        f"cannot open a connection to the ckptdrain daemon at {path}: this process could not "
+        f"make a socket ({exc.strerror or exc}); close file descriptors it no longer needs, or "
+        "raise its RLIMIT_NOFILE (`ulimit -n`), and retry",
+        details={"errno": exc.errno},
+    )
+
+
 def check_listener(sock: socket.socket, path: str) -> None:
     """Refuse a daemon run by someone the caller has no reason to trust.
 
@@ -234,7 +248,10 @@ class Channel:
     @classmethod
     def open(cls, path: str, *, timeout_s: float, connect_timeout_s: float) -> Channel:
         with forks.creating():  # a fork never falls between the socket and its registration
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError as exc:
+                raise socket_error(path, exc) from exc
             channel = cls(sock, path, timeout_s)
         # One deadline for the connect and the `hello`: a connect that waited out a full
         # backlog leaves the hello only what is left (found attacking: open took twice

@@ -1,5 +1,6 @@
 """The daemon short of file descriptors: a shortage that passes is waited out, and said to be
-the daemon's, never a client's fault nor a generation's end."""
+the daemon's, never a client's fault nor a generation's end. A client short of them gets a
+typed error, never a bare OSError."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import contextlib
 import os
 import resource
 import socket
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,3 +117,48 @@ def test_the_daemon_raises_its_soft_fd_limit(make_daemon: Any) -> None:
     assert d.proc is not None
     soft, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
     assert soft == hard or (hard == resource.RLIM_INFINITY and soft >= 1 << 20), (soft, hard)
+
+
+CLIENT_OUT_OF_FDS = textwrap.dedent("""
+    import os, sys
+    from ckptdrain.client import Client, DrainError
+    client = Client(sys.argv[1])
+    held = []
+    try:
+        while True:  # this process's fd table full (EMFILE)
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    calls = {
+        "latest": lambda: client.latest("fdjob"),
+        "begin": lambda: client.generation("fdjob", 1, rank=0, world_size=1).__enter__(),
+        "wait": lambda: client.wait("fdjob", 1, timeout_s=5),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            print(name, "answered", flush=True)
+        except DrainError as exc:
+            print(name, type(exc).__name__, flush=True)
+        except BaseException as exc:
+            print(name, "untyped", type(exc).__name__, exc, flush=True)
+    for fd in held:
+        os.close(fd)
+    with client.generation("fdjob", 1, rank=0, world_size=1) as gen:  # fds back: it works
+        gen.put("a", b"x" * 100)
+    print("committed", client.wait("fdjob", 1, timeout_s=60)["committed"], flush=True)
+""")
+
+
+def test_a_client_out_of_descriptors_gets_a_typed_error(make_daemon: Any) -> None:
+    # Found attacking a DCP rank at a low RLIMIT_NOFILE: with the process's fd table full,
+    # every call that opens a connection (begin, latest, wait; DrainWriter's save) raised the
+    # bare OSError of socket() (EMFILE), outside DrainError, the root of every error the
+    # client raises. It is DaemonUnavailable now, and the client works once fds are free.
+    d: DaemonProcess = make_daemon()
+    out = subprocess.run([sys.executable, "-c", CLIENT_OUT_OF_FDS, str(d.socket_path)],
+                         capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    assert out.stdout.split("\n")[:4] == [
+        "latest DaemonUnavailable", "begin DaemonUnavailable", "wait DaemonUnavailable",
+        "committed True"], out.stdout + out.stderr
