@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import os
 import socket
 import stat
@@ -243,6 +244,7 @@ class Channel:
         self.broken: DrainError | None = None
         self.node_id = ""
         self._fds: list[int] = []  # fds that came with replies (`open`)
+        self._fds_dropped = False  # the kernel dropped some (MSG_CTRUNC: our fd table full)
         forks.register(self)
 
     @classmethod
@@ -312,8 +314,21 @@ class Channel:
     ) -> tuple[dict[str, Any], int]:
         """A request whose ``ok`` reply hands over one file descriptor (now the caller's)."""
         self._drop_fds()
+        self._fds_dropped = False
         try:
             reply = self.request(kind, fields, started=started)
+            if not self._fds and self._fds_dropped:
+                # The kernel could not install the passed fd: this process's fd table is full
+                # (EMFILE). It was "the daemon answered with 0 file descriptors ... check that
+                # client and daemon versions match" (found attacking a resume at a low
+                # RLIMIT_NOFILE).
+                raise DaemonUnavailable(
+                    f"the ckptdrain daemon at {self.path} passed a file descriptor for "
+                    f"{kind!r} that this process could not take (the kernel dropped it: its "
+                    "fd table is full); close file descriptors it no longer needs, or raise its "
+                    "RLIMIT_NOFILE (`ulimit -n`), and retry",
+                    details={"errno": errno.EMFILE},
+                )
             if len(self._fds) != 1:
                 raise DrainError(
                     f"the ckptdrain daemon answered {kind!r} with {len(self._fds)} file "
@@ -467,9 +482,12 @@ class Channel:
             if event is wire.NEED_DATA:
                 self._settimeout(deadline)
                 try:
-                    n, anc, _flags, _ = self._sock.recvmsg_into([self._view], _ANC_BYTES)
+                    n, anc, flags, _ = self._sock.recvmsg_into([self._view], _ANC_BYTES)
                 except ConnectionResetError:
-                    n, anc = 0, []  # Linux reports a peer that closed with our bytes unread so.
+                    # Linux reports a peer that closed with our bytes unread so.
+                    n, anc, flags = 0, [], 0
+                if flags & socket.MSG_CTRUNC:
+                    self._fds_dropped = True
                 for level, kind, data in anc:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds = array.array("i")

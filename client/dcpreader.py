@@ -94,7 +94,17 @@ class _GenerationFiles(FileSystemBase):
 
     def _from_destination(self, name: str) -> int:
         # The daemon copies the file into memory of ours and checks it as it copies.
-        fd = os.memfd_create(f"ckptdrain-read-{name}", os.MFD_CLOEXEC)
+        try:
+            fd = os.memfd_create(f"ckptdrain-read-{name}", os.MFD_CLOEXEC)
+        except OSError as exc:
+            # This process out of fds (EMFILE) or memory: the bare OSError went up before,
+            # outside DrainError (found attacking a resume at a low RLIMIT_NOFILE).
+            raise DaemonUnavailable(
+                f"cannot read {name!r} of {self.job}/{self.step} from the destination: this "
+                f"process could not make a memfd to receive it ({exc.strerror or exc}); close "
+                "file descriptors it no longer needs, or raise its RLIMIT_NOFILE, and retry",
+                details={"errno": exc.errno},
+            ) from exc
         try:
             self.client.fetch_from_destination(self.job, self.step, name, fd)
             os.lseek(fd, 0, os.SEEK_SET)

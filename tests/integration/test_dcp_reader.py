@@ -4,6 +4,9 @@ DrainWriter's one-copy staging for async_save, against real daemons and torch's 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -431,3 +434,60 @@ def test_quantized_tensors_save_and_load_as_with_file_system_writer(make_daemon:
     for key, value in expected.items():
         assert torch.equal(stock[key], value), key
         assert torch.equal(ours[key], value), key
+
+
+READER_OUT_OF_FDS = textwrap.dedent("""
+    import os, resource, sys, warnings
+    import torch.distributed.checkpoint as dcp
+    from ckptdrain.client import Client, DrainError
+    from ckptdrain.client.dcp import DrainReader
+    from tests.integration.test_dcp import compare
+    from tests.integration.test_dcp_reader import JOB, blank, saved_state
+    warnings.simplefilter("ignore")
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 64, open_now + 64))
+    client = Client(sys.argv[1])
+    client.latest(JOB)  # an idle connection the reader's first request reuses
+    for free, shared in ((0, False), (1, False), (0, True), (1, True)):
+        held = []
+        try:
+            while True:  # this process's fd table full (EMFILE)
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for fd in held[len(held) - free:]:
+            os.close(fd)
+        try:
+            kw = {"client": client} if shared else {"socket_path": sys.argv[1]}
+            with DrainReader(JOB, 1, **kw) as reader:
+                dcp.load(blank(), storage_reader=reader)
+            print(free, "loaded", flush=True)
+        except DrainError as exc:
+            print(free, type(exc).__name__, "versions match" in str(exc), flush=True)
+        except BaseException as exc:
+            print(free, "untyped", type(exc).__name__, exc, flush=True)
+        for fd in held[:len(held) - free]:
+            os.close(fd)
+    target = blank()
+    with DrainReader(JOB, 1, socket_path=sys.argv[1]) as reader:  # fds back: it loads
+        dcp.load(target, storage_reader=reader)
+    print("compared", compare(saved_state(1), target), sorted(set(reader.sources.values())),
+          flush=True)
+""")
+
+
+def test_a_reader_out_of_descriptors_gets_a_typed_error(make_daemon: Any) -> None:
+    # Found attacking a resume at a low RLIMIT_NOFILE: with the process's fd table full, the
+    # fallback to the destination raised the bare OSError of memfd_create (outside DrainError,
+    # the root of every error the client raises), and with one fd free, which the connection
+    # took, the local copy's fd the kernel dropped (MSG_CTRUNC) read as "the daemon answered
+    # 'open' with 0 file descriptors ... check that client and daemon versions match".
+    d: DaemonProcess = make_daemon()
+    save(d, 1, seed=1)
+    out = subprocess.run([sys.executable, "-c", READER_OUT_OF_FDS, str(d.socket_path)],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[2])
+    assert out.stdout.split("\n")[:5] == [
+        "0 DaemonUnavailable False", "1 DaemonUnavailable False",
+        "0 DaemonUnavailable False", "1 DaemonUnavailable False",
+        "compared 7 ['local']"], out.stdout + out.stderr
