@@ -67,16 +67,20 @@ class Scheduler:
         self.backend = backend
         self.metrics = metrics
         self._on_drained = on_drained
+        self._on_terminal = on_terminal
         self._upload_log_for = upload_log_for
         self.publisher = Publisher(
             config=config, ledger=ledger, committer=committer, metrics=metrics,
-            drain=self._drain_deferred, on_terminal=on_terminal, on_ended=self._discard_copies,
+            drain=self._drain_deferred, on_terminal=self._terminal, on_ended=self._discard_copies,
             on_published=on_published, on_vanished=on_vanished,
         )
         self.config = config
         self._queue = FairQueue()
         self._lanes = BatchLanes(lambda: self.backend.batch_lanes)
         self._seq = itertools.count()
+        # Generation prefixes whose destination directory exists (prepare_prefix ran), while
+        # their generation is live: forgotten when it ends (_terminal), or a daemon that runs
+        # for months kept one string per generation it ever drained.
         self._prepared: set[str] = set()
         self._drained_bytes_window: list[tuple[float, int]] = []
         self.destination = config.destination.scheme
@@ -303,10 +307,7 @@ class Scheduler:
         fds: list[int] = []
         scope: asyncio.Timeout | None = None
         try:
-            prefix = generation_prefix(gen.job, gen.step)
-            if prefix not in self._prepared:
-                await self.backend.prepare_prefix(prefix)
-                self._prepared.add(prefix)
+            await self._prepare(gen)
             for shard in shards:
                 fds.append(self.staging.open_data(shard.staged_name))
             befores = [identity(os.fstat(fd)) for fd in fds]
@@ -373,7 +374,6 @@ class Scheduler:
     async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
                             then_advance: bool) -> bool:
         await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
-        prefix = generation_prefix(gen.job, gen.step)
         budget_s = self.config.drain.retry_budget_s
         backoff = self.config.drain.retry_initial_backoff_s
         deadline = time.monotonic() + budget_s
@@ -381,9 +381,7 @@ class Scheduler:
         while True:
             attempt += 1
             try:
-                if prefix not in self._prepared:
-                    await self.backend.prepare_prefix(prefix)
-                    self._prepared.add(prefix)
+                await self._prepare(gen)
                 checksum = await self._put(shard)
                 break
             except _Discarded:
@@ -474,6 +472,21 @@ class Scheduler:
         if not gen.terminal:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",
                                        kind="drain")
+
+    async def _prepare(self, gen: GenerationRecord) -> None:
+        """The destination's directory of ``gen`` (prepare_prefix), once per live generation."""
+        prefix = generation_prefix(gen.job, gen.step)
+        if prefix in self._prepared:
+            return
+        await self.backend.prepare_prefix(prefix)
+        if not gen.terminal:  # one that ended meanwhile is not forgotten again (_terminal)
+            self._prepared.add(prefix)
+
+    def _terminal(self, gen: GenerationRecord) -> None:
+        """``gen`` committed, failed or was cancelled: forget its prepared prefix (a retry
+        prepares it again: prepare_prefix is idempotent), then tell the daemon."""
+        self._prepared.discard(generation_prefix(gen.job, gen.step))
+        self._on_terminal(gen)
 
     def _discard_copies(self, gen: GenerationRecord) -> None:
         """Its generation ended: cancel its copies in flight, and give up the resumable

@@ -296,3 +296,30 @@ async def test_a_new_drain_rate_does_not_let_paced_bytes_through(tmp_path: Path)
         scheduler.set_bandwidth(0)  # unlimited: it goes
         async with asyncio.timeout(10):
             await waiter
+
+
+@pytest.mark.asyncio
+async def test_the_directories_prepared_for_generations_are_forgotten_once_they_end(
+    tmp_path: Path,
+) -> None:
+    """Found soaking a daemon through 1,000 generations: the scheduler kept the prefix of
+    every generation it ever drained (prepare_prefix's "done" set), one string per generation
+    for the daemon's whole life, while everything else a generation holds goes when it ends.
+    Committed or failed, an ended generation leaves nothing of it there."""
+    backend = MemoryBackend("n0")
+    backend.inject("put_file", BackendError("disk on fire", kind="auth"), times=10,
+                   key_contains="fails/")
+    jobs = [f"job-{i}" for i in range(12)] + ["fails"]
+    async with running_scheduler(tmp_path, backend) as (scheduler, ledger, staging, ended):
+        gens = [await _staged_generation(ledger, staging, job) for job in jobs]
+        await drain_all(scheduler, gens)
+        deadline = time.monotonic() + 5
+        while len(ended) < len(gens):
+            assert time.monotonic() < deadline, ended
+            await asyncio.sleep(0.01)
+        assert [g.state for g in gens] == [GenerationState.COMMITTED] * 12 + [
+            GenerationState.FAILED]
+        # Each directory was still prepared once while its generation drained ...
+        assert backend.count("prepare_prefix") == len(jobs)
+        # ... and none is remembered after.
+        assert scheduler._prepared == set()
