@@ -6,8 +6,10 @@ finish together wake the loop once, and a closed lane drops what it had not star
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,9 +25,21 @@ def _wait_until(check: object, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+@contextlib.contextmanager
+def _opened(threads: int, limit_s: float, *gates: threading.Event) -> Iterator[IoLane]:
+    """A lane for one test; on the way out its ``gates`` are opened (no thread is left
+    waiting on one) and the lane is closed."""
+    lane = IoLane(threads, "test-lane", limit_s)
+    try:
+        yield lane
+    finally:
+        for gate in gates:
+            gate.set()
+        lane.close()
+
+
 @pytest.mark.asyncio
 async def test_calls_run_in_at_most_the_lanes_threads_and_return_their_own_results() -> None:
-    lane = IoLane(3, "test-lane", 10.0)
     seen: set[str] = set()
     lock = threading.Lock()
 
@@ -35,11 +49,9 @@ async def test_calls_run_in_at_most_the_lanes_threads_and_return_their_own_resul
         time.sleep(0.001)
         return i * i
 
-    try:
+    with _opened(3, 10.0) as lane:
         jobs = [lane.submit(work, (i,)) for i in range(60)]
         results = await asyncio.gather(*(job.waiter for job in jobs))
-    finally:
-        lane.close()
     assert results == [i * i for i in range(60)]
     assert seen and len(seen) <= 3
     assert all(name.startswith("test-lane_") for name in seen)
@@ -48,17 +60,14 @@ async def test_calls_run_in_at_most_the_lanes_threads_and_return_their_own_resul
 
 @pytest.mark.asyncio
 async def test_an_exception_reaches_its_caller_and_the_thread_goes_on() -> None:
-    lane = IoLane(1, "test-lane", 10.0)
 
     def fail() -> None:
         raise OSError(28, "No space left on device")
 
-    try:
+    with _opened(1, 10.0) as lane:
         with pytest.raises(OSError, match="No space left"):
             await lane.submit(fail, ()).waiter
         assert await lane.submit(len, ("four",)).waiter == 4
-    finally:
-        lane.close()
 
 
 @pytest.mark.asyncio
@@ -66,9 +75,8 @@ async def test_results_that_finish_together_wake_the_loop_once() -> None:
     # The point of the lane: a busy loop settles every call that returned meanwhile in one
     # wake-up, where the executor posted one callback (and one write to the loop's wake-up
     # fd) per result.
-    lane = IoLane(8, "test-lane", 10.0)
     go = threading.Event()
-    try:
+    with _opened(8, 10.0, go) as lane:
         jobs = [lane.submit(go.wait, (10.0,)) for _ in range(8)]
         await asyncio.sleep(0)
         before = lane.wakeups
@@ -77,17 +85,13 @@ async def test_results_that_finish_together_wake_the_loop_once() -> None:
         _wait_until(lambda: len(lane._done) == 8, "the 8 results")
         assert all(await asyncio.gather(*(job.waiter for job in jobs)))
         assert lane.wakeups - before == 1
-    finally:
-        go.set()
-        lane.close()
 
 
 @pytest.mark.asyncio
 async def test_a_call_past_the_limit_fails_its_caller_and_hands_its_result_to_late() -> None:
-    lane = IoLane(2, "test-lane", 0.05)
     gate = threading.Event()
     handed: list[tuple[object, object]] = []
-    try:
+    with _opened(2, 0.05, gate) as lane:
         job = lane.submit(lambda: gate.wait(10.0) and "made late", ())
         with pytest.raises(LaneTimeout):
             await job.waiter
@@ -97,9 +101,6 @@ async def test_a_call_past_the_limit_fails_its_caller_and_hands_its_result_to_la
         while not handed:
             await asyncio.sleep(0.01)
         assert handed == [("made late", None)] and job.finished
-    finally:
-        gate.set()
-        lane.close()
 
 
 @pytest.mark.asyncio
@@ -125,7 +126,6 @@ async def test_a_late_callback_that_raises_keeps_no_other_result_from_its_caller
     # Found attacking the lane: results are settled in batches, and a ``late`` that raised
     # (a cleanup whose close failed) ended the batch, every result after it left unsettled:
     # its caller failed as stuck though its call had returned.
-    lane = IoLane(2, "test-lane", 0.05)
     first_gate, second_gate = threading.Event(), threading.Event()
     loop = asyncio.get_running_loop()
     reported: list[dict[str, object]] = []
@@ -135,25 +135,23 @@ async def test_a_late_callback_that_raises_keeps_no_other_result_from_its_caller
         raise OSError(5, "Input/output error")
 
     try:
-        first = lane.submit(first_gate.wait, (10.0,))
-        with pytest.raises(LaneTimeout):
-            await first.waiter
-        first.late = fail
-        lane.limit_s = 10.0
-        second = lane.submit(second_gate.wait, (10.0,))
-        await asyncio.sleep(0)
-        first_gate.set()
-        _wait_until(lambda: len(lane._done) == 1, "the first result")
-        second_gate.set()
-        # The loop is held here until both are posted: they settle in one batch, in order.
-        _wait_until(lambda: len(lane._done) == 2, "the second result")
-        assert await asyncio.wait_for(second.waiter, 5.0) is True
-        assert [type(c["exception"]) for c in reported] == [OSError]
+        with _opened(2, 0.05, first_gate, second_gate) as lane:
+            first = lane.submit(first_gate.wait, (10.0,))
+            with pytest.raises(LaneTimeout):
+                await first.waiter
+            first.late = fail
+            lane.limit_s = 10.0
+            second = lane.submit(second_gate.wait, (10.0,))
+            await asyncio.sleep(0)
+            first_gate.set()
+            _wait_until(lambda: len(lane._done) == 1, "the first result")
+            second_gate.set()
+            # The loop is held here until both are posted: they settle in one batch, in order.
+            _wait_until(lambda: len(lane._done) == 2, "the second result")
+            assert await asyncio.wait_for(second.waiter, 5.0) is True
+            assert [type(c["exception"]) for c in reported] == [OSError]
     finally:
-        first_gate.set()
-        second_gate.set()
         loop.set_exception_handler(None)
-        lane.close()
 
 
 @pytest.mark.asyncio
@@ -161,11 +159,8 @@ async def test_a_call_that_raises_stopiteration_fails_its_caller() -> None:
     # Found attacking the lane: a future refuses a StopIteration, so its settle raised
     # TypeError, its timer already cancelled: the caller waited forever (and the results
     # settled after it in the batch were stranded).
-    lane = IoLane(1, "test-lane", 10.0)
-    try:
+    with _opened(1, 10.0) as lane:
         job = lane.submit(next, (iter(()),))
         with pytest.raises(RuntimeError, match="StopIteration"):
             await asyncio.wait_for(job.waiter, 5.0)
         assert await lane.submit(len, ("four",)).waiter == 4
-    finally:
-        lane.close()
