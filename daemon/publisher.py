@@ -219,6 +219,15 @@ class Publisher:
                 else:
                     log_event(log, logging.ERROR if state is _G.FAILED else logging.WARNING,
                               f"generation_{state}", job=gen.job, step=gen.step, reason=reason)
+        # Memory hand-offs of an ended generation never reach local storage (their copy stops
+        # at the end, and the memfd goes with it): lost, so discarded here, the one place a
+        # generation ends, as recovery does after a restart. Left held, they showed as
+        # `held: N` in status and counted as the job's oldest undrained shard until the job
+        # committed a newer step, paging about bytes no drain would ever move (found
+        # truncating a memfd after its acknowledgement).
+        lost = [(s, {}) for s in gen.shards.values() if s.state is ShardState.HELD]
+        if lost:
+            await self.ledger.apply_shards(lost, ShardEvent.DISCARDED)
 
     # -- advance: part record, coverage, publish ----------------------------------------------
     async def advance(self, gen: GenerationRecord) -> None:

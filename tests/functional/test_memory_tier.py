@@ -179,6 +179,15 @@ def test_a_memfd_cut_short_after_its_acknowledgement_fails_as_the_jobs_doing(mak
                            reason="aborted") == 1)
     assert count(scrape(d), "ckptdrain_generations_failed_total", job="cut",
                  reason="drain") == 0
+    # Its shard never reached local storage and never will: discarded, as after a restart.
+    # Left held, status showed `held: 1` and the job's oldest undrained shard aged on (the
+    # alert's metric) until the job committed a newer step.
+    wait_for(lambda: c.status()["generations"][0]["shards"] == {"discarded": 1})
+    status = c.status()
+    assert [(g["job"], g["state"]) for g in status["generations"]] == [("cut", "failed"),
+                                                                        ("holder", "failed")]
+    assert not status["oldest_undrained_age_s"].get("cut"), status["oldest_undrained_age_s"]
+    assert count(scrape(d), "ckptdrain_oldest_undrained_age_seconds", job="cut") == 0
 
 
 OUT_OF_MEMFDS = textwrap.dedent("""
