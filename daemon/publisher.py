@@ -225,7 +225,8 @@ class Publisher:
         # `held: N` in status and counted as the job's oldest undrained shard until the job
         # committed a newer step, paging about bytes no drain would ever move (found
         # truncating a memfd after its acknowledgement).
-        lost = [(s, {}) for s in gen.shards.values() if s.state is ShardState.HELD]
+        lost: list[tuple[ShardRecord, dict[str, Any]]] = [
+            (s, {}) for s in gen.shards.values() if s.state is ShardState.HELD]
         if lost:
             await self.ledger.apply_shards(lost, ShardEvent.DISCARDED)
 
