@@ -120,15 +120,12 @@ def test_the_daemon_raises_its_soft_fd_limit(make_daemon: Any) -> None:
 
 
 CLIENT_OUT_OF_FDS = textwrap.dedent("""
-    import os, sys
+    import contextlib, sys
     from ckptdrain.client import Client, DrainError
+    from tests.fdtable import fd_table_full
     client = Client(sys.argv[1])
-    held = []
-    try:
-        while True:  # this process's fd table full (EMFILE)
-            held.append(os.open("/dev/null", os.O_RDONLY))
-    except OSError:
-        pass
+    full = contextlib.ExitStack()
+    full.enter_context(fd_table_full())  # this process's fd table full (EMFILE)
     calls = {
         "latest": lambda: client.latest("fdjob"),
         "begin": lambda: client.generation("fdjob", 1, rank=0, world_size=1).__enter__(),
@@ -142,8 +139,7 @@ CLIENT_OUT_OF_FDS = textwrap.dedent("""
             print(name, type(exc).__name__, flush=True)
         except BaseException as exc:
             print(name, "untyped", type(exc).__name__, exc, flush=True)
-    for fd in held:
-        os.close(fd)
+    full.close()
     with client.generation("fdjob", 1, rank=0, world_size=1) as gen:  # fds back: it works
         gen.put("a", b"x" * 100)
     print("committed", client.wait("fdjob", 1, timeout_s=60)["committed"], flush=True)
@@ -157,7 +153,7 @@ def test_a_client_out_of_descriptors_gets_a_typed_error(make_daemon: Any) -> Non
     # client raises. It is DaemonUnavailable now, and the client works once fds are free.
     d: DaemonProcess = make_daemon()
     out = subprocess.run([sys.executable, "-c", CLIENT_OUT_OF_FDS, str(d.socket_path)],
-                         capture_output=True, text=True, timeout=60,
+                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
     assert out.stdout.split("\n")[:4] == [
         "latest DaemonUnavailable", "begin DaemonUnavailable", "wait DaemonUnavailable",

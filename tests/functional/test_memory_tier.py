@@ -191,24 +191,17 @@ def test_a_memfd_cut_short_after_its_acknowledgement_fails_as_the_jobs_doing(mak
 
 
 OUT_OF_MEMFDS = textwrap.dedent("""
-    import os, resource, sys
+    import resource, sys
     from ckptdrain.client import Client, DrainError
+    from tests.fdtable import fd_table_full
     data = bytes(range(256)) * 4096 * 3           # 3 MiB: over the inline and pipe sizes
     with Client(sys.argv[1]).generation("nomemfd", 1) as gen:
-        # A full fd table: no memfd can be made (EMFILE).
-        held = []
-        try:
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
-        for path, blob in (("small", b"s" * 1000), ("big", data)):
-            try:
-                print(path, gen.put(path, blob)["size"], flush=True)
-            except DrainError as exc:
-                print(path, "DrainError", exc, flush=True)
-        for fd in held:
-            os.close(fd)
+        with fd_table_full():  # no memfd can be made (EMFILE)
+            for path, blob in (("small", b"s" * 1000), ("big", data)):
+                try:
+                    print(path, gen.put(path, blob)["size"], flush=True)
+                except DrainError as exc:
+                    print(path, "DrainError", exc, flush=True)
         # A memfd that refuses the bytes (RLIMIT_FSIZE: EFBIG, as a short tmpfs says ENOSPC).
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         try:
@@ -226,7 +219,7 @@ def test_a_put_that_cannot_make_or_fill_a_memfd_is_staged_as_local(make_daemon) 
     # raises), and the save failed where the socket would have carried the bytes.
     d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory")
     out = subprocess.run([sys.executable, "-c", OUT_OF_MEMFDS, str(d.socket_path)],
-                         capture_output=True, text=True, timeout=60,
+                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
     assert out.stdout.split("\n")[:4] == ["small 1000", f"big {3 << 20}", f"capped {3 << 20}",
                                           "SEALED"], out.stdout + out.stderr

@@ -441,6 +441,7 @@ READER_OUT_OF_FDS = textwrap.dedent("""
     import torch.distributed.checkpoint as dcp
     from ckptdrain.client import Client, DrainError
     from ckptdrain.client.dcp import DrainReader
+    from tests.fdtable import fd_table_full
     from tests.integration.test_dcp import compare
     from tests.integration.test_dcp_reader import JOB, blank, saved_state
     warnings.simplefilter("ignore")
@@ -449,25 +450,15 @@ READER_OUT_OF_FDS = textwrap.dedent("""
     client = Client(sys.argv[1])
     client.latest(JOB)  # an idle connection the reader's first request reuses
     for free, shared in ((0, False), (1, False), (0, True), (1, True)):
-        held = []
-        try:
-            while True:  # this process's fd table full (EMFILE)
-                held.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
-        for fd in held[len(held) - free:]:
-            os.close(fd)
         try:
             kw = {"client": client} if shared else {"socket_path": sys.argv[1]}
-            with DrainReader(JOB, 1, **kw) as reader:
+            with fd_table_full(free), DrainReader(JOB, 1, **kw) as reader:
                 dcp.load(blank(), storage_reader=reader)
             print(free, "loaded", flush=True)
         except DrainError as exc:
             print(free, type(exc).__name__, "versions match" in str(exc), flush=True)
         except BaseException as exc:
             print(free, "untyped", type(exc).__name__, exc, flush=True)
-        for fd in held[:len(held) - free]:
-            os.close(fd)
     target = blank()
     with DrainReader(JOB, 1, socket_path=sys.argv[1]) as reader:  # fds back: it loads
         dcp.load(target, storage_reader=reader)
@@ -491,3 +482,46 @@ def test_a_reader_out_of_descriptors_gets_a_typed_error(make_daemon: Any) -> Non
         "0 DaemonUnavailable False", "1 DaemonUnavailable False",
         "0 DaemonUnavailable False", "1 DaemonUnavailable False",
         "compared 7 ['local']"], out.stdout + out.stderr
+
+
+WRITER_OUT_OF_FDS = textwrap.dedent("""
+    import resource, sys, warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from ckptdrain.client import Client, DrainError
+    from ckptdrain.client.dcp import DrainWriter
+    from tests.fdtable import fd_table_full
+    from tests.integration.test_dcp_reader import JOB, saved_state
+    warnings.simplefilter("ignore")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    client = Client(sys.argv[1])
+    for step, free in ((1, 0), (2, 1)):
+        client.status()  # an idle connection the save's first request reuses
+        try:
+            with DrainWriter(JOB, step, client=client) as writer, fd_table_full(free):
+                dcp.save(saved_state(step), storage_writer=writer)
+            print(step, "saved", flush=True)
+        except BaseException as exc:
+            # DCP reports a rank's failure inside a CheckpointException: (error, traceback).
+            inner = ([e for e, _ in exc.failures.values()]
+                     if isinstance(exc, CheckpointException) else [exc])
+            print(step, *(type(e).__name__ if isinstance(e, DrainError) else
+                          f"untyped {type(e).__name__}: {e}" for e in inner), flush=True)
+    with DrainWriter(JOB, 3, client=client) as writer:  # fds back: it saves
+        dcp.save(saved_state(3), storage_writer=writer)
+    print("committed", writer.wait(60)["committed"], flush=True)
+""")
+
+
+def test_a_writer_out_of_descriptors_gets_a_typed_error(make_daemon: Any) -> None:
+    # Found attacking a save at a low RLIMIT_NOFILE: with the rank's fd table full, the memfd
+    # each data file is serialized into could not be made, and the bare OSError reached the
+    # caller inside DCP's CheckpointException, outside DrainError.
+    d: DaemonProcess = make_daemon()
+    out = subprocess.run([sys.executable, "-c", WRITER_OUT_OF_FDS, str(d.socket_path)],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[2])
+    assert out.stdout.split("\n")[:3] == [
+        "1 DaemonUnavailable", "2 DaemonUnavailable", "committed True"], out.stdout + out.stderr
+    assert not generation_dir(d.dest, JOB, 1).exists()
+    assert not generation_dir(d.dest, JOB, 2).exists()
