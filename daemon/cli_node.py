@@ -205,6 +205,15 @@ def cmd_status(ns: argparse.Namespace) -> int:
     if status.get("generations_omitted"):
         print(f"... and {status['generations_omitted']} more generations (ended ones with no "
               "failed copies kept left out first); show one job's with --job JOB")
+    draining = status.get("shards_draining", [])
+    if draining:
+        # "Stuck or slow?": a destination that stopped answering shows here as a copy whose
+        # last progress grows older, long before its request times out.
+        print("draining now, the longest-waiting first:")
+        for s in draining:
+            print(f"    {s['job']} {s['step']} {_printable(s['path'])}: "
+                  f"{_human(s['drained_bytes'])} of {_human(s['size'])}, last progress "
+                  f"{s.get('idle_s', 0.0):.0f}s ago")
     uploads = status.get("uploads_open", [])
     if uploads:
         print(f"multipart uploads open: {status.get('uploads_open_count', len(uploads))}, oldest first")

@@ -102,6 +102,9 @@ class ShardRecord:
     local_copy: bool = True  # the staged file still exists
     # Bytes of the drain in progress already at the destination (not journalled: progress).
     moved_bytes: int = 0
+    # When the drain in progress last moved bytes, or began (time.monotonic()): how long a
+    # copy has made no progress, which tells a hung destination from a slow one.
+    progress_mono: float = 0.0
     # staged_at on this process's monotonic clock (monotonic_of): what its age is read from.
     staged_mono: float = field(init=False)
     # Its line in a part record or manifest, its node name left out (manifest.entry_bytes):

@@ -313,8 +313,10 @@ class Scheduler:
             befores = [identity(os.fstat(fd)) for fd in fds]
             # One cancel scope for the batch: ending the generation cancels all of it.
             async with asyncio.timeout(None) as scope:
+                began = time.monotonic()
                 for shard in shards:
                     self._inflight[shard.id] = scope
+                    shard.progress_mono = began
                 try:
                     await self.pace(sum(s.size for s in shards))
                     outcomes = await self.backend.put_files(
@@ -368,7 +370,8 @@ class Scheduler:
         """``nbytes`` of ``shard`` reached the destination: drained bytes, the drain rate and
         the shard's progress move now, not when the whole shard is done."""
         shard.moved_bytes += nbytes
-        self._drained_bytes_window.append((time.monotonic(), nbytes))
+        shard.progress_mono = now = time.monotonic()
+        self._drained_bytes_window.append((now, nbytes))
         self.metrics.drained(shard.job, nbytes, self.destination)
 
     async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
@@ -453,6 +456,7 @@ class Scheduler:
                 self._inflight[shard.id] = scope
                 try:
                     shard.moved_bytes = 0  # this attempt's progress
+                    shard.progress_mono = time.monotonic()
                     return await self.backend.put_file(
                         shard_key(shard.job, shard.step, shard.path), fd, shard.size,
                         upload_log=upload_log, flow=_ShardFlow(self, shard),

@@ -33,12 +33,17 @@ MAX_STATUS_DRAINING = 32
 
 def shards_draining(gens: list[Any]) -> list[dict[str, Any]]:
     """The shards of ``gens`` being drained now and how far each is (bytes at the destination
-    of its size), the longest-waiting first: "stuck or slow?" answered per shard."""
+    of its size, and ``idle_s``: seconds since its copy last moved bytes, or began), the
+    longest-waiting first: "stuck or slow?" answered per shard. A hung destination shows
+    here long before a request to it times out (read_timeout_s)."""
     found = [(g, s) for g in gens for s in g.open_shards.values()
              if s.state is ShardState.DRAINING]
     found.sort(key=lambda gs: gs[1].staged_at)
+    now = time.monotonic()
     return [{"job": g.job, "step": g.step, "path": s.path, "size": s.size,
-             "drained_bytes": s.moved_bytes} for g, s in found[:MAX_STATUS_DRAINING]]
+             "drained_bytes": s.moved_bytes,
+             "idle_s": round(max(0.0, now - s.progress_mono), 1) if s.progress_mono else 0.0}
+            for g, s in found[:MAX_STATUS_DRAINING]]
 
 
 def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> dict[str, Any]:
