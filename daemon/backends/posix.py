@@ -22,6 +22,7 @@ import asyncio
 import builtins
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import stat
@@ -93,6 +94,7 @@ from ckptdrain.daemon.filecopy import (
     parallel_copy_and_checksum,
     yield_to_handoffs,
 )
+from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.threads import settled
 
 # Re-exported: the names tests and older imports know this module by.
@@ -100,6 +102,8 @@ __all__ = ["COPY_RANGE_BYTES", "LFS_TIMEOUT_S", "NAME_MAX", "PosixBackend", "Rea
            "UnsafePath", "backend_error", "temp_name"]
 
 _T = TypeVar("_T")
+
+log = logging.getLogger(__name__)
 
 # Threads beyond max_concurrency, for small metadata operations during a full drain.
 EXTRA_THREADS = 4
@@ -311,9 +315,22 @@ class PosixBackend(Backend):
             raise
 
     def _unlink_temp(self, dir_fd: int, tmp: Entry) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        """Remove a temp file this process is done with. One whose directory refuses the
+        removal (made read-only or immutable under the write, its permissions changed) is
+        logged and left to the sweep, which takes this node's temps at any age: raised here,
+        the refusal replaced the write's own error and skipped the ``_live`` discard, so every
+        sweep passed the temp over as being written, and a full-size shard's temp stayed at
+        the destination until the daemon restarted (found attacking)."""
+        try:
             os.unlink(tmp.name, dir_fd=dir_fd)
-        self._live.discard(self._live_key(tmp))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log_event(log, logging.WARNING, "destination_temp_left", path=self._live_key(tmp),
+                      error=exc.strerror or str(exc),
+                      action="the next sweep removes it once its directory takes changes")
+        finally:
+            self._live.discard(self._live_key(tmp))
 
     def _create_sync(
         self, final: Entry, src_fd: int, size: int, flow: ThreadFlow | None,

@@ -1,0 +1,97 @@
+"""A ``file://`` destination whose directories stop taking changes under the drain (made
+immutable, as ``chattr +i`` does; a read-only or permission change acts the same way): the
+write fails with the destination's error, and what it could not clean up is left to the
+sweep, which removes it once the directory takes changes again.
+
+Found attacking the destination: a directory made immutable while a shard's temp file was
+written failed the write (``link`` refused, EPERM) and the temp's removal too; the failed
+removal left the temp marked as being written, so no sweep ever took it, and the 16 MiB temp
+stayed beside the shard the retry committed until the daemon restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptdrain.client.manifest import TMP_SUFFIX
+from ckptdrain.daemon.backends.base import BackendError, open_backend
+from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.config import DestinationConfig
+
+
+def temps(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.name.endswith(TMP_SUFFIX))
+
+
+@contextlib.contextmanager
+def immutable_allowed(tmp_path: Path) -> Iterator[list[Path]]:
+    """Directories the test makes immutable (``chattr +i``), made mutable again at the end so
+    the temp tree can be removed; skips where chattr cannot (not root, a filesystem without
+    the flag)."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    out = subprocess.run(["chattr", "+i", str(probe)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot make a directory immutable here: {out.stderr.decode().strip()}")
+    subprocess.run(["chattr", "-i", str(probe)], check=True)
+    made: list[Path] = []
+    try:
+        yield made
+    finally:
+        for directory in made:
+            subprocess.run(["chattr", "-i", str(directory)], check=False)
+
+
+class FreezesOnFirstRange:
+    """A drain's pacing that makes ``directory`` immutable before the first range is copied:
+    the temp file exists and stays writable, but no name in its directory can change."""
+
+    def __init__(self, directory: Path, made: list[Path]) -> None:
+        self.directory, self.made = directory, made
+
+    async def pace(self, nbytes: int) -> None:
+        del nbytes
+        if self.directory not in self.made:
+            subprocess.run(["chattr", "+i", str(self.directory)], check=True)
+            self.made.append(self.directory)
+
+    def moved(self, nbytes: int) -> None:
+        del nbytes
+
+
+def make(root: Path) -> PosixBackend:
+    backend = open_backend(DestinationConfig(uri=f"file://{root}"), "node-a")
+    assert isinstance(backend, PosixBackend)
+    return backend
+
+
+@pytest.mark.asyncio
+async def test_a_temp_its_write_could_not_remove_is_left_to_the_sweep(tmp_path: Path) -> None:
+    with immutable_allowed(tmp_path) as made:
+        root = tmp_path / "dest"
+        gen = root / "j" / f"{1:020d}"
+        gen.mkdir(parents=True)
+        staged = tmp_path / "staged.bin"
+        staged.write_bytes(os.urandom(256 << 10))
+        backend = make(root)
+        fd = os.open(staged, os.O_RDONLY)
+        try:
+            with pytest.raises(BackendError, match="permission denied") as info:
+                await backend.put_file(f"j/{1:020d}/w.bin", fd, 256 << 10,
+                                       flow=FreezesOnFirstRange(gen, made))
+            assert info.value.kind == "auth"
+            assert len(temps(root)) == 1  # the removal was refused too
+            subprocess.run(["chattr", "-i", str(gen)], check=True)
+            # This node's temp, written by no one now: the next sweep removes it. Before, it
+            # stayed marked as being written, and every sweep passed over it.
+            assert await backend.sweep_orphans(set(), grace_s=3600) == 1
+            assert temps(root) == []
+        finally:
+            os.close(fd)
+            await backend.aclose()
