@@ -27,6 +27,7 @@ from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
 from ckptdrain.daemon.backends.beneath import Beneath, link_in
 from ckptdrain.daemon.checksums import Stopped
 from ckptdrain.daemon.filecopy import hash_file
+from ckptdrain.daemon.logs import log_event
 
 # Logged under the backend's name: operators filter on it.
 log = logging.getLogger("ckptdrain.daemon.backends.posix")
@@ -50,6 +51,9 @@ _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIME
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _AUTH_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+# What refuses a sweep one file (its directory's permissions, an immutable or append-only
+# directory), not the destination as a whole (EROFS, EIO: the sweep stops and says so).
+_STUCK_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EBUSY})
 
 # Filesystems whose clients write ranges of one file at once (statfs f_type): Lustre, NFS,
 # GPFS, BeeGFS, CephFS. On a local filesystem (ext4, XFS, tmpfs) buffered writes to one file
@@ -475,6 +479,15 @@ def _sweep_dir(root: Path, dirpath: str, dirs: list[str], files: list[str], dir_
             continue
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                continue
+            if exc.errno in _STUCK_ERRNOS:
+                # This one file's directory refuses it (made immutable, its permissions
+                # changed): raised, it ended every sweep there, and each temp the walk met
+                # after it stayed (found attacking). The next sweep tries it again.
+                log_event(log, logging.WARNING, "destination_temp_left", path=path,
+                          error=exc.strerror or str(exc),
+                          action="let the daemon's user change that directory; the next "
+                                 "sweep removes it")
                 continue
             raise
         watch.watched.pop(path, None)

@@ -21,7 +21,7 @@ import pytest
 
 from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.daemon.backends.base import BackendError, open_backend
-from ckptdrain.daemon.backends.posix import PosixBackend
+from ckptdrain.daemon.backends.posix import PosixBackend, temp_name
 from ckptdrain.daemon.config import DestinationConfig
 
 
@@ -94,4 +94,29 @@ async def test_a_temp_its_write_could_not_remove_is_left_to_the_sweep(tmp_path: 
             assert temps(root) == []
         finally:
             os.close(fd)
+            await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_temp_the_sweep_cannot_remove_does_not_stop_it(tmp_path: Path) -> None:
+    # Found attacking: one temp in a directory made immutable (or unwritable to the daemon)
+    # failed the whole sweep at it, every time, so every temp the walk met after it stayed.
+    with immutable_allowed(tmp_path) as made:
+        root = tmp_path / "dest"
+        gen = root / "j" / f"{1:020d}"
+        gen.mkdir(parents=True)
+        stuck = root / temp_name("LATEST", "node-a")  # the walk meets the root first
+        left = gen / temp_name("w.bin", "node-a")
+        stuck.write_bytes(b"s")
+        left.write_bytes(b"l")
+        subprocess.run(["chattr", "+i", str(root)], check=True)
+        made.append(root)
+        backend = make(root)
+        try:
+            assert await backend.sweep_orphans(set(), grace_s=3600) == 1
+            assert temps(root) == [stuck]
+            subprocess.run(["chattr", "-i", str(root)], check=True)
+            assert await backend.sweep_orphans(set(), grace_s=3600) == 1
+            assert temps(root) == []
+        finally:
             await backend.aclose()
