@@ -369,13 +369,34 @@ class PosixBackend(Backend):
         return checksum, None
 
     def _link_sync(self, tmp: Entry, final: Entry, stop: threading.Event) -> bool:
+        """Link the temp in place where ``stat`` found no file; False when the name is taken
+        again (by a regular file made meanwhile: the caller looks again)."""
         del stop
         with self.fs.dir(final.dir) as dir_fd:
             if not link_temp(dir_fd, tmp.name, final.name, f"writing {final.name} at {self.uri}"):
+                self._check_squatter(dir_fd, final)
                 return False
             self._unlink_temp(dir_fd, tmp)
             os.fsync(dir_fd)
         return True
+
+    def _check_squatter(self, dir_fd: int, final: Entry) -> None:
+        """Raise when what holds ``final``'s name is no regular file (``stat`` reads such a
+        name as no file): a directory or a FIFO someone made where a shard goes read as a file
+        "appearing and vanishing", a transient error retried for drain.retry_budget_s before
+        failing with that wrong reason (found attacking a generation directory made first by
+        someone else). Nothing is written over it: it is not ckptdrain's."""
+        found = self.fs.check_entry(dir_fd, final.name, final.parts)  # (a link: UnsafePath)
+        if found is None or stat.S_ISREG(found.st_mode):
+            return
+        what = ("directory" if stat.S_ISDIR(found.st_mode) else
+                "FIFO" if stat.S_ISFIFO(found.st_mode) else
+                "socket" if stat.S_ISSOCK(found.st_mode) else "device")
+        raise BackendError(
+            f"{self.root.joinpath(*final.parts)} is a {what}, where a shard of that name goes; "
+            "ckptdrain writes nothing over it: remove it (someone other than the daemon made "
+            "it: keep the destination writable only by the daemon), then `ckptdrain retry` "
+            "the step", kind="conflict")
 
     def _replace_sync(self, tmp: Entry, final: Entry, stop: threading.Event) -> None:
         """Put the temp file over a leftover no manifest names (collision.py decided)."""

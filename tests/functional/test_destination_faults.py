@@ -120,3 +120,39 @@ async def test_a_temp_the_sweep_cannot_remove_does_not_stop_it(tmp_path: Path) -
             assert temps(root) == []
         finally:
             await backend.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("squatter", ["directory", "fifo"])
+@pytest.mark.parametrize("size", [4096, 2 << 20])  # a small shard's batch, a put of its own
+async def test_a_shard_name_taken_by_no_regular_file_fails_at_once_saying_so(
+    tmp_path: Path, squatter: str, size: int,
+) -> None:
+    # Found attacking a generation directory someone else made first: a directory or a FIFO
+    # at a shard's name read as "kept appearing and vanishing while it was written; something
+    # else is writing or deleting it", transient, so the drain retried it for
+    # drain.retry_budget_s (5 minutes) before failing with that wrong reason.
+    root = tmp_path / "dest"
+    gen = root / "j" / f"{1:020d}"
+    gen.mkdir(parents=True)
+    if squatter == "fifo":
+        os.mkfifo(gen / "w.bin")
+    else:
+        (gen / "w.bin").mkdir()
+        (gen / "w.bin" / "theirs").write_bytes(b"t")
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(os.urandom(size))
+    backend = make(root)
+    fd = os.open(staged, os.O_RDONLY)
+    try:
+        with pytest.raises(BackendError, match=f"(?i)is a {squatter}.*remove it") as info:
+            if size < (1 << 20):
+                [outcome] = await backend.put_files([(f"j/{1:020d}/w.bin", fd, size)])
+                assert outcome is None  # taken: the drain sends it through put_file
+            await backend.put_file(f"j/{1:020d}/w.bin", fd, size)
+        assert not info.value.transient
+        assert info.value.kind == "conflict"
+        assert temps(root) == []
+    finally:
+        os.close(fd)
+        await backend.aclose()
