@@ -239,13 +239,20 @@ class PosixBackend(Backend):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.max_threads, thread_name_prefix="posix-dest",
                                                 initializer=yield_to_handoffs)
-        future = loop.run_in_executor(self._executor, lambda: fn(*args, stop))
+
+        def call() -> _T:
+            try:
+                return fn(*args, stop)
+            except OSError as exc:
+                # Mapped in the thread: an ENOSPC asks the root's filesystem whether it is
+                # out of inodes (statvfs, which may wait on a server), never on the loop.
+                raise backend_error(exc, f"{what} at {self.uri}", self._root_str) from exc
+
+        future = loop.run_in_executor(self._executor, call)
         try:
             # Cancelled, the thread finishes its current chunk (bounded by one buffer's I/O)
             # and cleans up before we return.
             return await settled(future, stop=stop)
-        except OSError as exc:
-            raise backend_error(exc, f"{what} at {self.uri}") from exc
         except Truncated as exc:
             raise BackendError(str(exc), kind="integrity") from exc
 

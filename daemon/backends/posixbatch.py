@@ -80,7 +80,7 @@ def create_many(backend: PosixBackend, items: Sequence[tuple[Entry, int, int]],
                 backend._parallel_writes(dir_fd)  # learns batch_lanes (once)
                 _one_directory(backend, dir_fd, items, indexes, outcomes, stop)
         except OSError as exc:
-            error = backend_error(exc, f"{what} at {backend.uri}")
+            error = backend_error(exc, f"{what} at {backend.uri}", backend._root_str)
             for i in indexes:
                 if outcomes[i] is None or isinstance(outcomes[i], str):
                     # A name not durable yet is not written: the retry finds it and settles.
@@ -105,7 +105,8 @@ def _one_directory(backend: PosixBackend, dir_fd: int, items: Sequence[tuple[Ent
             try:
                 tmp, out = backend._open_temp(dir_fd, entry)
             except OSError as exc:
-                outcomes[i] = backend_error(exc, f"writing {entry.name} at {backend.uri}")
+                outcomes[i] = backend_error(exc, f"writing {entry.name} at {backend.uri}",
+                                             backend._root_str)
                 continue
             o = _Open(i, entry, tmp, out)
             opened.append(o)
@@ -114,7 +115,8 @@ def _one_directory(backend: PosixBackend, dir_fd: int, items: Sequence[tuple[Ent
                                                mapped=src_fd)
                 backend._xattr.record(out, o.checksum)  # (its writeback began in the copy)
             except OSError as exc:
-                outcomes[i] = backend_error(exc, f"writing {entry.name} at {backend.uri}")
+                outcomes[i] = backend_error(exc, f"writing {entry.name} at {backend.uri}",
+                                             backend._root_str)
             except Truncated as exc:
                 outcomes[i] = BackendError(str(exc), kind="integrity")
         for o in opened:
@@ -123,7 +125,7 @@ def _one_directory(backend: PosixBackend, dir_fd: int, items: Sequence[tuple[Ent
                     os.fsync(o.fd)
                 except OSError as exc:
                     outcomes[o.index] = backend_error(
-                        exc, f"writing {o.entry.name} at {backend.uri}")
+                        exc, f"writing {o.entry.name} at {backend.uri}", backend._root_str)
         for o in opened:
             os.close(o.fd)
             o.fd = -1
@@ -139,7 +141,8 @@ def _one_directory(backend: PosixBackend, dir_fd: int, items: Sequence[tuple[Ent
             except BackendError as exc:
                 outcomes[o.index] = exc
             except OSError as exc:
-                outcomes[o.index] = backend_error(exc, f"writing {o.entry.name} at {backend.uri}")
+                outcomes[o.index] = backend_error(exc, f"writing {o.entry.name} at {backend.uri}",
+                                                  backend._root_str)
     finally:
         for o in opened:
             if o.fd >= 0:

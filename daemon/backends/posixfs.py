@@ -93,9 +93,19 @@ def writes_direct(fd: int) -> bool:
     return filesystem_type(fd) in DIRECT_WRITE_FILESYSTEMS
 
 
-def backend_error(exc: OSError, what: str) -> BackendError:
-    """Map an OSError to the BackendError kind operators see in metrics and alerts."""
+def backend_error(exc: OSError, what: str, root: str | None = None) -> BackendError:
+    """Map an OSError to the BackendError kind operators see in metrics and alerts; with the
+    destination's ``root``, an ENOSPC there says whether it is out of inodes."""
     code = exc.errno
+    if code == errno.ENOSPC and root is not None and out_of_inodes(root):
+        # With bytes free, "free space" sent the operator to `df -h`, which showed room (found
+        # attacking: another user's small files took every inode, or a job's many small shards).
+        return BackendError(
+            f"{what}: the destination's filesystem is out of inodes (files), though it has "
+            "bytes free (`df -i`); remove files there (old generations, others' small files) "
+            "or raise its inode quota, or save fewer, larger shards",
+            kind="full",
+        )
     if code in _FULL_ERRNOS:
         return BackendError(
             f"{what}: the destination is full ({exc.strerror}); free space or raise the quota",
@@ -109,6 +119,17 @@ def backend_error(exc: OSError, what: str) -> BackendError:
     if code == errno.ETIMEDOUT:
         return BackendError(f"{what}: {exc.strerror}", transient=True, kind="timeout")
     return BackendError(f"{what}: {exc.strerror or exc}", transient=code in _TRANSIENT_ERRNOS)
+
+
+def out_of_inodes(path: str) -> bool:
+    """Whether the filesystem at ``path`` has no inode left for the daemon but bytes free
+    (False where it cannot be asked, or counts no inodes: btrfs reports none; and where it is
+    out of bytes as well, which "full" says)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0 and st.f_bavail > 0
 
 
 def temp_vanished(what: str) -> BackendError:

@@ -12,6 +12,7 @@ stayed beside the shard the retry committed until the daemon restarted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import pytest
 
 from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.daemon.backends.base import BackendError, open_backend
-from ckptdrain.daemon.backends.posix import PosixBackend, temp_name
+from ckptdrain.daemon.backends.posix import PosixBackend, backend_error, temp_name
 from ckptdrain.daemon.config import DestinationConfig
 
 
@@ -156,3 +157,66 @@ async def test_a_shard_name_taken_by_no_regular_file_fails_at_once_saying_so(
     finally:
         os.close(fd)
         await backend.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [4096, 2 << 20])  # a small shard's batch, a put of its own
+async def test_a_destination_out_of_inodes_says_so(tmp_path: Path, size: int) -> None:
+    # Found attacking the destination: with its filesystem out of inodes and bytes free (a
+    # job's many small shards, another user's small files), a drain failed with "the
+    # destination is full ...; free space or raise the quota", and `df -h` showed room.
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=8", "tmpfs",
+                          str(mnt)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.decode().strip()}")
+    staged = tmp_path / "staged.bin"
+    staged.write_bytes(os.urandom(size))
+    fd = os.open(staged, os.O_RDONLY)
+    backend = make(mnt / "dest")
+    try:
+        (mnt / "dest" / "j" / f"{1:020d}").mkdir(parents=True)
+        with contextlib.suppress(OSError):
+            for n in range(100):
+                (mnt / f"someone-else-{n}").touch()
+        assert os.statvfs(mnt).f_favail == 0
+        key = f"j/{1:020d}/w.bin"
+        with pytest.raises(BackendError, match=r"out of inodes.*df -i") as info:
+            if size < (1 << 20):
+                [outcome] = await backend.put_files([(key, fd, size)])
+                assert isinstance(outcome, BackendError)
+                raise outcome
+            await backend.put_file(key, fd, size)
+        assert info.value.kind == "full"
+        assert "free space or raise the quota" not in str(info.value)
+    finally:
+        os.close(fd)
+        await backend.aclose()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_out_of_inodes_and_bytes_is_said_as_full(tmp_path: Path) -> None:
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs",
+                          str(mnt)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.decode().strip()}")
+    try:
+        fd = os.open(mnt / "bytes", os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, bytes(4096))
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            for n in range(100):
+                (mnt / f"inode-{n}").touch()
+        st = os.statvfs(mnt)
+        assert (st.f_bavail, st.f_favail) == (0, 0)
+        error = backend_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "writing x",
+                              str(mnt))
+        assert "free space or raise the quota" in str(error)
+        assert "inodes" not in str(error)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
