@@ -19,6 +19,7 @@ import os
 import stat
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# What a staging directory that takes no new files answers: a filesystem remounted read-only
+# (after a disk error), an immutable directory, permissions changed under the daemon.
+_REFUSED = (errno.EROFS, errno.EPERM, errno.EACCES)
 
 
 def _copy_held(staging: Staging, src: int, dst: int, size: int, name: str) -> OSError | None:
@@ -78,6 +82,18 @@ def _disk_full(path: str, free_inodes: int | None) -> RequestError:
         what, advice = "disk full", NO_BYTES_ADVICE
     return RequestError(wire.BACKPRESSURE, f"staging {what} while receiving {path!r}; {advice}",
                         {"limit": "staging_filesystem", "retry_after_s": 5.0})
+
+
+def _staging_refused(path: str, directory: Path, exc: OSError) -> RequestError:
+    """The refusal of a hand-off whose staged file the staging directory would not take: the
+    node's condition, not a daemon bug (it was ``internal``, found attacking the staging side
+    with the directory made immutable), and one no wait of the client's fixes."""
+    return RequestError(
+        wire.UNAVAILABLE,
+        f"could not stage {path!r}: the staging directory {directory} refuses new files "
+        f"({exc.strerror}); no hand-off is taken until an operator makes it writable again "
+        "(a filesystem remounted read-only after a disk error: see dmesg), then save the "
+        "step again")
 
 
 class Handoffs:
@@ -130,6 +146,15 @@ class Handoffs:
             return (await self.d.dataplane.call(self.d.staging.free))[1]
         except Exception:  # a sick disk: the refusal says "full", as it did
             return None
+
+    async def _staging_writable(self) -> bool:
+        """Whether the staging directory takes new files now: ``access(W_OK)`` says EROFS on
+        a read-only filesystem and EPERM on an immutable directory, to root too (the caller's
+        fd, which a hand-off also reads, may refuse with the same errnos)."""
+        try:
+            return await self.d.dataplane.call(os.access, self.d.staging.dir, os.W_OK)
+        except Exception:  # a sick disk: the refusal stays what it was
+            return True
 
     async def _reserve_disk(self, size: int, room: tuple[int, int, int]) -> int:
         """Promise ``size`` bytes of the staging filesystem to this hand-off, evicting kept
@@ -339,6 +364,8 @@ class Handoffs:
                 # The daemon's or the node's own shortage, which passes: it was "internal".
                 d.metrics.backpressure("rejected", "file_descriptors")
                 raise descriptors_short(f"could not stage {path!r}: {exc.strerror}") from None
+            if exc.errno in _REFUSED and not await self._staging_writable():
+                raise _staging_refused(path, d.staging.dir, exc) from None
             raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}") from None
         except StuckIO as exc:
             raise RequestError(wire.INTERNAL, f"could not stage {path!r}: {exc}; the disk or "

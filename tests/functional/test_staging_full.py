@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import Backpressure
+from ckptdrain.client import Backpressure, DaemonUnavailable
 from tests.chaos.killer import STRACE, ChaosDaemon, Injection
 from tests.conftest import DaemonProcess, wait_for
 
@@ -244,3 +244,29 @@ def test_a_staging_filesystem_out_of_inodes_says_so(
         d.stop()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("ack", ["local", "memory"])
+def test_a_staging_directory_that_refuses_new_files_is_no_internal_error(
+    daemon: DaemonProcess, ack: str
+) -> None:
+    # Found attacking the staging side: with the shards directory refusing new files (made
+    # immutable here; a filesystem remounted read-only after a disk error, its permissions
+    # changed), every hand-off was refused as `internal`, which the docs call a daemon bug,
+    # and the message did not name the staging directory or what to do.
+    shards = daemon.staging / "shards"
+    if subprocess.run(["chattr", "+i", str(shards)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a directory immutable here (needs root, and a filesystem "
+                    "with the flag)")
+    c = daemon.client(timeout_s=30)
+    try:
+        with pytest.raises(DaemonUnavailable, match=r"staging directory.*refuses new files") \
+                as info, c.generation("j", 1, ack=ack) as gen:
+            gen.put("a", os.urandom(3 * MiB))
+        assert str(shards) in info.value.message
+        assert info.value.code == "unavailable"
+    finally:
+        subprocess.run(["chattr", "-i", str(shards)], check=True)
+    with c.generation("j", 2, ack=ack) as gen:
+        gen.put("a", b"after")
+    c.wait("j", 2, timeout_s=60)
