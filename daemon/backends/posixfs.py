@@ -118,6 +118,12 @@ def backend_error(exc: OSError, what: str, root: str | None = None) -> BackendEr
         )
     if code == errno.ETIMEDOUT:
         return BackendError(f"{what}: {exc.strerror}", transient=True, kind="timeout")
+    if code == errno.EROFS:
+        # Said bare ("Read-only file system"), it named no way out (found attacking).
+        return BackendError(
+            f"{what}: the destination's filesystem is read-only ({exc.strerror}); remount it "
+            "read-write (a mount that turned read-only after a disk or server error: see "
+            "dmesg), then `ckptdrain retry` the failed steps")
     return BackendError(f"{what}: {exc.strerror or exc}", transient=code in _TRANSIENT_ERRNOS)
 
 

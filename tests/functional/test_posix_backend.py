@@ -598,6 +598,13 @@ def test_os_errors_map_to_backend_error_kinds(code: int, kind: str, transient: b
     assert str(error).startswith("writing x: ")
 
 
+def test_a_read_only_destination_says_what_to_do() -> None:
+    # Found attacking a file:// destination remounted read-only mid-drain: the generation
+    # failed with a bare "Read-only file system", naming no way out.
+    error = backend_error(OSError(errno.EROFS, os.strerror(errno.EROFS)), "writing x")
+    assert "remount it read-write" in str(error) and "ckptdrain retry" in str(error)
+
+
 @pytest.mark.asyncio
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 async def test_unwritable_destination_is_an_auth_error(
