@@ -207,25 +207,34 @@ class Admission:
         waited = " for limits.block_timeout_s" if action == "timed_out" else ""
         details = {"limit": name, "limit_value": cap, "current": held, "requested": amount,
                    "retry_after_s": 1.0}
-        advice = "wait for its shards to drain or checkpoint less often"
-        retry_bytes, retry_slots, failed = (self.held_for_retry(uid) if self.held_for_retry
-                                            else (0, 0, []))
-        kept = retry_slots if budget is self.shards else retry_bytes
+        kept, advice = self._retry_advice(uid, budget is self.shards)
         if kept:
-            # They never drain by themselves: "wait for its shards to drain" alone left a user
-            # waiting for good on copies only an abort or a retry frees (found attacking).
             details["held_for_retry"] = kept
-            steps = ", ".join(f"step {g.step} of job {g.job!r}" for g in failed[:4])
-            more = f" and {len(failed) - 4} more" if len(failed) > 4 else ""
-            advice = (f"{kept} of them are copies its failed generations keep for `retry` "
+        raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already holds {held} "
+                           f"{what} on this node{waited} and asks for {amount} more, over "
+                           f"limits.{name} ({cap}); "
+                           f"{advice or 'wait for its shards to drain or checkpoint less often'}",
+                           details)
+
+    def _retry_advice(self, uid: int | None, slots: bool) -> tuple[int, str]:
+        """What ``uid``'s failed generations keep for ``retry`` (queue slots, or bytes), and
+        what frees it ("" when they keep none). They never drain by themselves: "wait for its
+        shards to drain" alone left a user waiting for good on copies only an abort or a retry
+        frees (found attacking)."""
+        if uid is None or self.held_for_retry is None:
+            return 0, ""
+        retry_bytes, retry_slots, failed = self.held_for_retry(uid)
+        kept = retry_slots if slots else retry_bytes
+        if not kept:
+            return 0, ""
+        steps = ", ".join(f"step {g.step} of job {g.job!r}" for g in failed[:4])
+        more = f" and {len(failed) - 4} more" if len(failed) > 4 else ""
+        return kept, (f"{kept} of them are copies its failed generations keep for `retry` "
                       f"({steps}{more}), which never drain by themselves: free them with "
                       "`ckptdrain retry JOB STEP` once the destination takes them, or "
                       "`ckptdrain abort JOB STEP` to give them up; else they go after "
                       f"retention.forget_after_s ({self.config.retention.forget_after_s:g} s "
                       "from the step's start) or past retention.keep_failed per job")
-        raise RequestError(wire.BACKPRESSURE, f"backpressure: uid {uid} already holds {held} "
-                           f"{what} on this node{waited} and asks for {amount} more, over "
-                           f"limits.{name} ({cap}); {advice}", details)
 
     def lending_refused(self, uid: int, amount: int, held: int) -> RequestError:
         """The refusal of an ``open`` that would take what ``uid``'s readers hold open past its
@@ -432,6 +441,15 @@ class Admission:
                 f"{oldest_age:.1f} s old, draining at {human_amount(rate)}/s; retry in about "
                 f"{retry_after:.0f} s or checkpoint less often"
             )
+            # After a destination outage the node fills with copies failed generations keep
+            # for `retry`, which no wait frees; the refusal blamed the drain rate alone (found
+            # attacking a full destination). Told to their owner only.
+            kept, advice = (self._retry_advice(owner, exc.name == "max_queued_shards")
+                            if exc.name in ("max_staged_bytes", "max_queued_shards")
+                            else (0, ""))
+            if kept:
+                details["held_for_retry"] = kept
+                message += f"; uid {owner} holds part of it: {advice}"
         return RequestError(wire.BACKPRESSURE, message, details)
 
     def _slots_full(self, exc: BudgetFull, job: str) -> str:

@@ -668,3 +668,26 @@ def test_a_shard_larger_than_the_whole_share_is_rejected_not_backpressure(
             gen.put("w", os.urandom(2 * MiB))
         gen.put("fits", os.urandom(MiB // 2))  # the conversation goes on
     assert d.client().wait("big", 1, timeout_s=60)["committed"]
+
+
+def test_a_node_full_of_copies_kept_for_retry_says_so(make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking a full destination: after an outage the node's max_staged_bytes held
+    # the copies failed generations keep for `retry`, which no wait frees, and a save refused
+    # at that limit heard only of the oldest shard and the drain rate.
+    mount = tmp_path / "mnt"
+    d: DaemonProcess = make_daemon(dest=f"file://{mount}/dest",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="100MiB",
+                                   CKPTDRAIN_LIMITS__ON_FULL="reject",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
+    c = d.client(timeout_s=60)
+    with c.generation("j", 1) as gen:
+        gen.put("a", os.urandom(60 * MiB))
+    with pytest.raises(GenerationFailed):
+        c.wait("j", 1, timeout_s=60)
+    with pytest.raises(Backpressure) as info, c.generation("j", 2) as gen:
+        gen.put("a", os.urandom(60 * MiB))
+    assert info.value.details["limit"] == "max_staged_bytes"
+    assert info.value.details["held_for_retry"] == 60 * MiB
+    message = str(info.value)
+    assert "step 1 of job 'j'" in message, message
+    assert "ckptdrain retry" in message and "ckptdrain abort" in message, message
