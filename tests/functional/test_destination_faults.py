@@ -220,3 +220,27 @@ def test_out_of_inodes_and_bytes_is_said_as_full(tmp_path: Path) -> None:
         assert "inodes" not in str(error)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.asyncio
+async def test_a_checksum_not_recorded_is_still_checked_on_a_read_only_destination(
+        small_tmpfs: Path) -> None:
+    # Found attacking: a shard whose checksum was not recorded with it (an older version wrote
+    # it, or it was copied in by hand) is hashed when checked, and the result recorded so the
+    # next check is cheap; on a destination that takes no writes (read-only, full) that record
+    # failed, and the check with it, though the record is only a convenience.
+    root = small_tmpfs / "dest"
+    (root / "j").mkdir(parents=True)
+    (root / "j" / "a").write_bytes(b"x" * 1000)
+    backend = make(root)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+        try:
+            read_only = await backend.stat("j/a")
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=True)
+        writable = await backend.stat("j/a")
+    finally:
+        await backend.aclose()
+    assert read_only is not None and writable is not None
+    assert read_only.checksum and read_only.checksum == writable.checksum
