@@ -44,6 +44,7 @@ from ckptdrain.daemon.backends.s3procs import (
     MIN_ALIVE_S,
     STOP_TIMEOUT_S,
     WORKER_LOST,
+    Restarts,
     WorkerProcess,
     exited,
     stopped,
@@ -96,6 +97,7 @@ class WorkerSenders(PartSender):
         self._node_id = node_id
         self._count = count
         self._workers: list[WorkerProcess | None] = [None] * count
+        self._restarts = Restarts(count, role)
         self._ids = itertools.count(1)
         self._lanes = itertools.count()
         self._start_lock = asyncio.Lock()
@@ -119,14 +121,23 @@ class WorkerSenders(PartSender):
 
     async def _worker(self, lane: int | None = None) -> WorkerProcess:
         """The worker in slot ``lane`` (modulo the count), or else the least busy; every dead
-        one started again first."""
+        one started again first, unless its slot waits (s3procs.Restarts)."""
         async with self._start_lock:
             if self._closed:
                 raise S3Failure("the S3 backend is closed", transient=False, kind="io")
             for i, worker in enumerate(self._workers):
-                if worker is None or not worker.alive:
+                if worker is not None and worker.alive:
+                    if worker.ready:
+                        self._restarts.started(i)
+                    continue
+                if worker is not None:
+                    self._restarts.lost(worker)
+                    self._workers[i] = None
+                if self._restarts.may_start(i):
                     self._workers[i] = await self._start(i)
             alive = [w for w in self._workers if w is not None]
+        if not alive:
+            raise self._restarts.failure()  # every slot waits: its workers die at start
         if lane is not None:
             return alive[lane % len(alive)]
         return min(alive, key=lambda w: len(w.pending))

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import socket
 import time
 from typing import Any
@@ -29,6 +30,11 @@ START_GRACE_S = 60.0
 MIN_ALIVE_S = 5.0
 # The code of the failure a request gets when its worker died or could not be reached.
 WORKER_LOST = "ckptdrain.WorkerLost"
+# A slot whose workers keep exiting before they start waits this long before its next start
+# after its second such failure in a row, doubling up to the most.
+RESTART_BACKOFF_FIRST_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+EXITED_EARLY = "it exited before it started"
 
 
 class WorkerProcess:
@@ -53,6 +59,7 @@ class WorkerProcess:
         self.heard = self.spawned
         self.alive_s = alive_s
         self.ready = False  # it said it started
+        self.why = ""  # why it was found lost
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
 
     def _readable(self) -> None:
@@ -62,11 +69,16 @@ class WorkerProcess:
                 got = receive_ready(self.sock)
             except BlockingIOError:
                 return
+            except ConnectionResetError:
+                # It exited with a message of ours unread (a worker dying at start never reads
+                # its configuration): an exit, not the network "Connection reset by peer"
+                # names, which is what every request of a crash-looping worker said.
+                got = None
             except (OSError, ValueError) as exc:
                 self.lost(f"its socket failed ({exc})")
                 return
             if got is None:
-                self.lost("it exited")
+                self.lost("it exited" if self.ready else EXITED_EARLY)
                 return
             self.heard = time.monotonic()
             answer, fds = got
@@ -147,6 +159,7 @@ class WorkerProcess:
         if not self.alive:
             return
         self.alive = False
+        self.why = why
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
         self.sock.close()
@@ -167,6 +180,70 @@ class WorkerProcess:
             if not future.done():
                 future.set_exception(failure)
         self.pending.clear()
+
+    def ended(self) -> str:
+        """How its process ended, where that is known yet ("" where not)."""
+        code = self.proc.returncode
+        if code is None:
+            return ""
+        return f"exit status {code}" if code >= 0 else f"killed by signal {-code}"
+
+
+class Restarts:
+    """When each worker slot of a pool may start its next worker: at once, unless its workers
+    keep exiting before they start (a broken installation, a memory limit too low to start in).
+    Found attacking: such a worker was started again for every request and every retry (dozens
+    a second, each start costing up to a CPU second), and each request failed saying "its
+    socket failed (Connection reset by peer)", which points at the network. Now from its second
+    failed start in a row the slot waits (RESTART_BACKOFF_FIRST_S, doubling), and requests that
+    find no worker to send them fail at once saying why and what to look at."""
+
+    def __init__(self, count: int, role: str) -> None:
+        self._role = role
+        self._failed = [0] * count  # failed starts in a row, per slot
+        self._not_before = [0.0] * count  # monotonic time of the slot's next start
+        self._why = [""] * count
+
+    def started(self, index: int) -> None:
+        """Slot ``index``'s worker said it started: its next loss starts the next at once."""
+        self._failed[index] = 0
+        self._not_before[index] = 0.0
+
+    def lost(self, worker: WorkerProcess) -> None:
+        """``worker`` was found lost (called once for it, before its slot starts another)."""
+        i = worker.index
+        if worker.ready:
+            self.started(i)
+            return
+        self._failed[i] += 1
+        said = [] if worker.why == EXITED_EARLY else [worker.why]
+        self._why[i] = ", ".join(said + ([worker.ended()] if worker.ended() else []))
+        if self._failed[i] < 2:
+            return  # once is an accident (a kill, the OOM killer): started again at once
+        delay_s = min(RESTART_BACKOFF_MAX_S,
+                      RESTART_BACKOFF_FIRST_S * 2 ** (self._failed[i] - 2))
+        self._not_before[i] = time.monotonic() + delay_s
+        log_event(log, logging.WARNING, "s3_worker_restart_delayed", role=self._role,
+                  worker=i, failed_starts=self._failed[i], delay_s=delay_s, why=self._why[i],
+                  action=self._action())
+
+    def may_start(self, index: int) -> bool:
+        return time.monotonic() >= self._not_before[index]
+
+    def failure(self) -> S3Failure:
+        """What a request gets while no slot has a worker and none may start one yet."""
+        i = min(range(len(self._not_before)), key=self._not_before.__getitem__)
+        wait_s = max(0.0, self._not_before[i] - time.monotonic())
+        why = f" ({self._why[i]})" if self._why[i] else ""
+        return S3Failure(f"the S3 {self._role} worker {i} exited before it started, "
+                         f"{self._failed[i]} times in a row{why}; the next is started in "
+                         f"{math.ceil(wait_s)} s. {self._action()}", transient=True, kind="io")
+
+    def _action(self) -> str:
+        instead = ("drain.workers = 0 sends from the daemon itself meanwhile"
+                   if self._role == "upload" else "--readers 0 reads without them")
+        return ("What it printed is in the daemon's log (journalctl -u ckptdrain): look for a "
+                "broken installation or a memory limit too low for it to start; " + instead)
 
 
 async def exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
