@@ -27,6 +27,9 @@ INLINE_MESSAGE_BYTES = MAX_MESSAGE_BYTES // 2
 # Longest memfd a message may carry: a small object's bytes (get_bytes reads at most 64 MiB) or
 # a spilled request or answer; a longer one is refused, not read.
 MESSAGE_FD_MAX_BYTES = 256 << 20
+# The longest message a failure's answer carries: as JSON (a character up to 12 bytes, as a
+# surrogate pair's escapes) it stays within INLINE_MESSAGE_BYTES.
+ERROR_MESSAGE_CHARS = 2000
 # Up to this many bytes are copied into or out of a memfd on the loop; more, in a thread.
 _COPY_ON_LOOP_BYTES = 64 << 10
 
@@ -152,15 +155,29 @@ def close_all(fds: list[int]) -> None:
 
 
 def failure_message(exc: BaseException) -> dict[str, Any]:
-    """How a worker reports a failed part (rebuilt by :func:`failure_from`)."""
+    """How a worker reports a failed part (rebuilt by :func:`failure_from`), its message cut
+    to fit one datagram (:func:`_fitting`)."""
     if isinstance(exc, S3Failure):
-        return {"message": str(exc), "transient": exc.transient, "kind": exc.kind,
+        return {"message": _fitting(str(exc)), "transient": exc.transient, "kind": exc.kind,
                 "code": exc.code, "status": exc.status}
     if isinstance(exc, OSError):
         # The errno is sent apart: OSError(errno, message) puts "[Errno N]" in front again.
-        return {"message": exc.strerror or str(exc), "oserror": exc.errno or 0}
-    return {"message": f"{type(exc).__name__}: {exc}", "transient": True, "kind": "io",
-            "internal": True}
+        return {"message": _fitting(exc.strerror or str(exc)), "oserror": exc.errno or 0}
+    return {"message": _fitting(f"{type(exc).__name__}: {exc}"), "transient": True,
+            "kind": "io", "internal": True}
+
+
+def _fitting(message: str) -> str:
+    """``message`` cut in its middle to at most ERROR_MESSAGE_CHARS: its start says what
+    failed, its end what to do. A failure's message carries the server's own, of any length,
+    and an answer is not spilled into a memfd. Found attacking the workers: an S3 error whose
+    message was 300 KB made its answer too long to send (EMSGSIZE, dropped by the worker: the
+    request waited for it, 650 s by default, while the worker answered every ping), and one
+    over 64 KiB was cut by the daemon's read, which replaced the worker at every retry."""
+    if len(message) <= ERROR_MESSAGE_CHARS:
+        return message
+    half = ERROR_MESSAGE_CHARS // 2
+    return f"{message[:half]} [... {len(message) - 2 * half} characters cut ...] {message[-half:]}"
 
 
 def failure_from(error: dict[str, Any]) -> BaseException:

@@ -15,7 +15,14 @@ from collections.abc import Iterator
 import pytest
 
 from ckptdrain.daemon.backends.s3errors import S3Failure
-from ckptdrain.daemon.backends.s3messages import from_memfd, to_memfd
+from ckptdrain.daemon.backends.s3messages import (
+    failure_from,
+    failure_message,
+    from_memfd,
+    receive_ready,
+    send_message,
+    to_memfd,
+)
 from ckptdrain.daemon.backends.s3pool import WorkerSenders
 from ckptdrain.daemon.config import DestinationConfig
 
@@ -208,3 +215,36 @@ def test_a_malformed_head_answer_is_a_transient_failure(head: dict[str, object])
     with pytest.raises(S3Failure) as failed:
         S3Client._info("job/1/a.bin", head)
     assert failed.value.transient and "checking job/1/a.bin" in str(failed.value)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("filler", ["x", "\U0001f600"], ids=["ascii", "escaped"])
+async def test_a_failure_whose_server_message_is_huge_is_answered_cut_to_fit(
+        filler: str) -> None:
+    # Found attacking the workers: a server's error message of 300 KB made a worker's answer
+    # too long for a datagram (EMSGSIZE: dropped, and the request waited 650 s for it while
+    # the worker answered every ping); one over 64 KiB was cut by the daemon's read, which
+    # replaced the worker at every retry. The message is cut in its middle instead: what
+    # failed at its start, what to do at its end.
+    advice = "check the credentials and the bucket's policy"
+    failure = S3Failure(f"reading k at s3://bucket/prefix: An error occurred (AccessDenied): "
+                        f"{filler * 300_000}; {advice}", transient=False, kind="auth",
+                        code="AccessDenied", status=403)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    theirs.setblocking(False)
+    try:
+        await send_message(ours, {"id": 7, "error": failure_message(failure)}, timeout_s=30)
+        got = receive_ready(theirs)
+    finally:
+        ours.close()
+        theirs.close()
+    assert got is not None
+    reply, fds = got
+    assert reply["id"] == 7 and not fds
+    again = failure_from(reply["error"])
+    assert isinstance(again, S3Failure)
+    assert (again.kind, again.transient, again.code, again.status) == (
+        "auth", False, "AccessDenied", 403)
+    assert str(again).startswith("reading k at s3://bucket/prefix: An error occurred")
+    assert str(again).endswith(advice) and "characters cut" in str(again)
