@@ -37,7 +37,6 @@ from ckptdrain.daemon.backends.s3messages import (
     malformed,
     memfd_of,
     read_memfd,
-    send_message,
 )
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3procs import (
@@ -47,6 +46,7 @@ from ckptdrain.daemon.backends.s3procs import (
     Restarts,
     WorkerProcess,
     exited,
+    settled,
     stopped,
 )
 from ckptdrain.daemon.backends.s3ranges import Range
@@ -180,8 +180,8 @@ class WorkerSenders(PartSender):
         worker = WorkerProcess(index, proc, ours, self._role, self._dying,
                                alive_s=self._alive_s)
         try:
-            await send_message(ours, {"config": self._config.model_dump(mode="json"),
-                                      "node_id": self._node_id}, timeout_s=10.0)
+            await worker.send({"config": self._config.model_dump(mode="json"),
+                               "node_id": self._node_id}, timeout_s=10.0)
         except (OSError, TimeoutError) as exc:
             worker.lost(f"it did not take its configuration ({exc})")
         log_event(log, logging.INFO, "s3_worker_started", role=self._role, worker=index,
@@ -338,16 +338,18 @@ class WorkerSenders(PartSender):
         worker.pending[request_id] = answer
         request = {"id": request_id, **body}
         try:
-            await send_message(worker.sock, request, fds, timeout_s=10.0)
+            await worker.send(request, fds, timeout_s=10.0)
         except (OSError, TimeoutError) as exc:
             worker.pending.pop(request_id, None)
-            worker.lost(f"a request could not be sent ({exc})")
+            settled(answer)
+            worker.lost(f"a request could not be sent ({exc or 'no room in 10 s'})")
             raise S3Failure(f"the S3 {self._role} worker {worker.index} could not be reached "
                             f"for {what}; a new one is started for the next request",
                             transient=True, kind="io", code=WORKER_LOST) from exc
         except BaseException:
             # Cancelled while the socket was full: nothing was sent, so nothing to give up.
             worker.pending.pop(request_id, None)
+            settled(answer)
             raise
         try:
             reply, got = await worker.answer(answer, answer_timeout_s, self._ids)
@@ -425,7 +427,7 @@ class WorkerSenders(PartSender):
         # seconds is stopped or stuck, and a restore's Ctrl-C must not wait a minute for it.
         wait_s = READ_DRAIN_TIMEOUT_S if self._role == "upload" else READER_CANCEL_TIMEOUT_S
         try:
-            await send_message(worker.sock, {"cancel": request_id}, timeout_s=5.0)
+            await worker.send({"cancel": request_id}, timeout_s=5.0)
             await asyncio.wait([answer], timeout=wait_s)
         except (OSError, TimeoutError):
             pass
@@ -441,10 +443,7 @@ class WorkerSenders(PartSender):
             self._workers = [None] * self._count
         for worker in workers:
             if worker.alive:
-                worker.alive = False
-                with contextlib.suppress(ValueError, OSError):
-                    asyncio.get_running_loop().remove_reader(worker.sock.fileno())
-                worker.sock.close()  # the worker sees EOF and exits
+                worker.close()  # the worker sees EOF and exits
             closed = S3Failure(f"the S3 backend closed while its {self._role} worker had "
                                "the request", transient=True, kind="io")
             for future in worker.pending.values():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import math
@@ -15,7 +16,7 @@ import time
 from typing import Any
 
 from ckptdrain.daemon.backends.s3errors import S3Failure
-from ckptdrain.daemon.backends.s3messages import close_all, receive_ready, send_message
+from ckptdrain.daemon.backends.s3messages import close_all, encode, receive_ready
 from ckptdrain.daemon.logs import log_event
 
 log = logging.getLogger("ckptdrain.daemon.backends.s3pool")
@@ -60,7 +61,59 @@ class WorkerProcess:
         self.alive_s = alive_s
         self.ready = False  # it said it started
         self.why = ""  # why it was found lost
+        # Senders take turns (see send), and the one waiting for room in the socket waits on
+        # ``_room``, which close() sets.
+        self._sending = asyncio.Lock()
+        self._room: asyncio.Future[None] | None = None
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
+
+    async def send(self, message: dict[str, Any], fds: list[int] | None = None, *,
+                   timeout_s: float) -> None:
+        """Send one message (``fds`` attached, still the caller's) within ``timeout_s``;
+        OSError once the worker is lost. One sender at a time: the event loop keeps one
+        writer callback per fd, so where several waited for room in a full socket only the
+        last was woken, and the others' sends timed out after 10 s and replaced a healthy
+        worker (found attacking: 400 reads at once while a worker started, 122 of them failed
+        and the fresh worker was killed). The waiter is woken by close(), never left with a
+        writer callback on an fd closed under it: uvloop aborted the daemon then (SIGABRT),
+        and the fd's number, reused by the next worker's socket, was another's to remove."""
+        data = encode(message)
+        async with asyncio.timeout(timeout_s), self._sending:
+            while True:
+                if not self.alive:
+                    raise OSError(errno.EPIPE, f"the S3 {self.role} worker {self.index} was "
+                                  f"lost ({self.why})")
+                try:
+                    socket.send_fds(self.sock, [data], fds or [])
+                    return
+                except BlockingIOError:
+                    await self._wait_for_room()
+
+    async def _wait_for_room(self) -> None:
+        loop = asyncio.get_running_loop()
+        room: asyncio.Future[None] = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_writer(fd, _settle, room)
+        self._room = room
+        try:
+            await room
+        finally:
+            self._room = None
+            if self.alive:  # else close() removed it, before the fd was closed
+                loop.remove_writer(fd)
+
+    def close(self) -> None:
+        """Stop hearing from and sending to the worker and close its socket (it sees EOF);
+        a sender waiting for room is woken, and finds the worker lost."""
+        self.alive = False
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(self.sock.fileno())
+        if self._room is not None:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_writer(self.sock.fileno())
+            _settle(self._room)
+        self.sock.close()
 
     def _readable(self) -> None:
         # A reader callback, not a task: it only matches answers to the futures awaiting them.
@@ -134,17 +187,17 @@ class WorkerProcess:
         self.pending[request_id] = pong
         try:
             async with asyncio.timeout(self.alive_s):
-                await send_message(self.sock, {"id": request_id, "op": "ping"}, [],
-                                   timeout_s=self.alive_s)
+                await self.send({"id": request_id, "op": "ping"}, timeout_s=self.alive_s)
                 _, fds = await pong
             close_all(fds)
             return True
         except S3Failure:
             return True
         except (OSError, TimeoutError):
-            return False
+            return not self.alive  # lost meanwhile: the request's own answer says why
         finally:
             self.pending.pop(request_id, None)
+            settled(pong)
 
     def _started(self, figures: Any) -> None:
         if not isinstance(figures, dict):
@@ -158,11 +211,8 @@ class WorkerProcess:
         """The worker is gone: what it had in flight fails as transient (the drain retries)."""
         if not self.alive:
             return
-        self.alive = False
         self.why = why
-        with contextlib.suppress(ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
-        self.sock.close()
+        self.close()
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         # Those seen to exit are dropped first: a daemon that loses a worker now and then
@@ -187,6 +237,19 @@ class WorkerProcess:
         if code is None:
             return ""
         return f"exit status {code}" if code >= 0 else f"killed by signal {-code}"
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def settled(future: asyncio.Future[Any]) -> None:
+    """Mark a request's answer, failed by the worker's loss after its caller stopped waiting,
+    as read: asyncio would log "Future exception was never retrieved" for each at error level
+    (found attacking: one per request whose send was cut short by the loss)."""
+    if future.done() and not future.cancelled():
+        future.exception()
 
 
 class Restarts:
