@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
-from ckptdrain.client.errors import DaemonUnavailable, DrainError
+from ckptdrain.client import memfd
+from ckptdrain.client.errors import DrainError
 
 # The file whose presence makes a DCP directory loadable; DrainWriter sends it last.
 METADATA_NAME = ".metadata"
@@ -165,18 +166,9 @@ class MemfdFile:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        try:
-            self.fd = os.memfd_create(f"ckptdrain-dcp-{name}", os.MFD_CLOEXEC)
-        except OSError as exc:
-            # This process out of fds (EMFILE) or memory: the bare OSError reached the caller
-            # inside DCP's CheckpointException, outside DrainError (found attacking a save at
-            # a low RLIMIT_NOFILE), as DrainReader's memfd did.
-            raise DaemonUnavailable(
-                f"cannot save {name!r}: this process could not make a memfd to serialize it "
-                f"into ({exc.strerror or exc}); close file descriptors it no longer needs, or "
-                "raise its RLIMIT_NOFILE, and save again",
-                details={"errno": exc.errno},
-            ) from exc
+        # Out of fds, a typed error inside DCP's CheckpointException, not a bare OSError.
+        self.fd = memfd.create(f"ckptdrain-dcp-{name}", f"cannot save {name!r}",
+                               "to serialize it into")
         self.stream = _Sink(self.fd)
 
     def tell(self) -> int:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ckptdrain.client import dcpload, names
+from ckptdrain.client import dcpload, memfd, names
 from ckptdrain.client.client import Client
 from ckptdrain.client.dcpfiles import METADATA_NAME
 from ckptdrain.client.errors import Backpressure, DaemonUnavailable, NotFound, RejectedInput
@@ -94,17 +94,9 @@ class _GenerationFiles(FileSystemBase):
 
     def _from_destination(self, name: str) -> int:
         # The daemon copies the file into memory of ours and checks it as it copies.
-        try:
-            fd = os.memfd_create(f"ckptdrain-read-{name}", os.MFD_CLOEXEC)
-        except OSError as exc:
-            # This process out of fds (EMFILE) or memory: the bare OSError went up before,
-            # outside DrainError (found attacking a resume at a low RLIMIT_NOFILE).
-            raise DaemonUnavailable(
-                f"cannot read {name!r} of {self.job}/{self.step} from the destination: this "
-                f"process could not make a memfd to receive it ({exc.strerror or exc}); close "
-                "file descriptors it no longer needs, or raise its RLIMIT_NOFILE, and retry",
-                details={"errno": exc.errno},
-            ) from exc
+        fd = memfd.create(f"ckptdrain-read-{name}",
+                          f"cannot read {name!r} of {self.job}/{self.step} from the destination",
+                          "to receive it")
         try:
             self.client.fetch_from_destination(self.job, self.step, name, fd)
             os.lseek(fd, 0, os.SEEK_SET)

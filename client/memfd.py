@@ -22,10 +22,27 @@ import os
 import threading
 
 from ckptdrain.client import forks
+from ckptdrain.client.errors import DaemonUnavailable
 
 DEFAULT_MAX_FDS = 8
 # Idle memfds' bytes kept for reuse (Client(memfd_pool_bytes=...)).
 DEFAULT_MAX_IDLE_BYTES = 1 << 30
+
+
+def create(name: str, doing: str, what_for: str) -> int:
+    """A new memfd (close-on-exec), or the typed error saying why none could be made: this
+    process out of fds (EMFILE) or memory. The bare OSError reached callers outside DrainError
+    (found attacking a resume and a save at a low RLIMIT_NOFILE). ``doing``: what could not
+    be done ("cannot read 'x' ..."); ``what_for``: what the memfd was to hold."""
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    except OSError as exc:
+        raise DaemonUnavailable(
+            f"{doing}: this process could not make a memfd {what_for} "
+            f"({exc.strerror or exc}); close file descriptors it no longer needs, or raise its "
+            "RLIMIT_NOFILE, and retry",
+            details={"errno": exc.errno},
+        ) from exc
 
 
 def in_use_elsewhere(fd: int) -> bool:
