@@ -331,19 +331,6 @@ def _check_outside_destination(to: Path, dest: str) -> None:
                                 "elsewhere")
 
 
-def _check_shards_outside_destination(to: Path, dest: str, paths: list[str]) -> None:
-    """Refuse a restore into a directory holding a ``file://`` destination when a shard would
-    land in the destination (--to /data, the destination /data/z, a shard z/y.bin)."""
-    root = _destination_root(dest)
-    here = Path(os.path.realpath(to))
-    if root is None or not root.is_relative_to(here):
-        return
-    for path in paths:
-        if here.joinpath(*path.split("/")).is_relative_to(root):
-            raise CommandFailed(f"{to / path} would be inside the destination {dest}, where a "
-                                "restore would write among committed files; restore elsewhere")
-
-
 def cmd_restore(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon import catalog
     from ckptdrain.daemon.restore import restore
@@ -355,13 +342,14 @@ def cmd_restore(ns: argparse.Namespace) -> int:
     async def run(backend: Any) -> tuple[int, Any]:
         step = await _resolve_generation(backend, ns.job, ns.generation)
         manifest = await catalog.read_manifest(backend, ns.job, step)
-        if manifest is not None:
-            _check_shards_outside_destination(to, ns.dest, [s.path for s in manifest.shards])
         total = manifest.total_bytes if manifest is not None else 0
         bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
         try:
+            # A shard landing in the destination (mounted below --to) is refused by identity
+            # as restore walks --to's directories (restore._open_dir).
             report = await restore(backend, ns.job, step, to, progress=bar.advance,
-                                   local=None if ns.no_local else _local_source(ns, step))
+                                   local=None if ns.no_local else _local_source(ns, step),
+                                   keep_out=_destination_root(ns.dest))
         finally:
             bar.close()
         return step, report

@@ -7,9 +7,9 @@ shard with a verified copy on this node is taken from it (the daemon's fast path
 the destination.
 
 Under the target, every directory is reached from a descriptor of the target one component at
-a time, never through a symbolic link, and every file is made, renamed and removed by its own
-name in its directory's descriptor: a link in the target is refused, naming it, before anything
-is written.
+a time, never through a symbolic link nor into the destination's own directory, and every file
+is made, renamed and removed by its own name in its directory's descriptor: a link in the
+target, or the destination met below it, is refused, naming it, before anything is written.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ async def restore(
     concurrency: int = 8,
     progress: Callable[[int], None] | None = None,
     local: LocalSource | None = None,
+    keep_out: Path | None = None,
 ) -> RestoreReport:
     """Copy a committed generation into ``to_dir`` (a loadable checkpoint directory).
 
@@ -75,7 +76,9 @@ async def restore(
     while writing, and renamed into place only if they match; a mismatch stops the restore with
     RestoreError naming the file. ``progress`` is called with each number of bytes written.
     The manifest is copied last, so a restored directory says what it holds and ``verify``
-    can be re-run against it. Files are not fsynced: a restore is repeatable.
+    can be re-run against it. Files are not fsynced: a restore is repeatable. ``keep_out``
+    (a ``file://`` destination's root) is a directory no file may land in: met below
+    ``to_dir``, under any path, it is refused before anything is written.
     """
     manifest = await resolve(backend, job, step)
     step = manifest.generation
@@ -84,8 +87,8 @@ async def restore(
     root = await in_thread(Path(to_dir).resolve)
     lock = await in_thread(_lock_target, root)  # refused: nothing of this restore's to undo
     try:
-        return await _restore_into(backend, manifest, root, lock, concurrency, progress, local,
-                                   made)
+        walk = _Walk(lock, root, await in_thread(_identity, keep_out))
+        return await _restore_into(backend, manifest, walk, concurrency, progress, local, made)
     except BaseException:
         # A failed restore leaves the target as it found it: no half checkpoint, no empty
         # directories (files it replaced under --overwrite are not brought back, and an
@@ -116,29 +119,31 @@ def _lock_target(root: Path) -> int:
     return fd
 
 
-async def _restore_into(backend: Backend, manifest: Manifest, root: Path, root_fd: int,
+async def _restore_into(backend: Backend, manifest: Manifest, walk: _Walk,
                         concurrency: int, progress: Callable[[int], None] | None,
                         local: LocalSource | None, made: _Made) -> RestoreReport:
     job, step = manifest.job, manifest.generation
+    root, root_fd = walk.root, walk.root_fd
     # Shard paths are validated when the manifest parses; checked here all the same.
     targets = {shard.path: _inside(root, shard.path) for shard in manifest.shards}
     dirs = {tuple(shard.path.split("/")[:-1]) for shard in manifest.shards}
-    # A link among the shards' directories is refused before anything is changed.
-    await in_thread(_refuse_links, root_fd, root, dirs)
+    # A link (or the destination) among the shards' directories is refused before anything
+    # is changed.
+    await in_thread(_refuse_links, walk, dirs)
     written = local_files = local_rejected = 0
     # Under --overwrite the target may hold an earlier restore: its MANIFEST.json goes before
     # any file is replaced, so a restore that fails half-way leaves no directory claiming to
     # be a whole checkpoint (found attacking restore: the old manifest stayed, describing
     # files some of which were already another generation's).
     await in_thread(_unlink, root / "MANIFEST.json")
-    stale = await in_thread(_remove_stale_temps, root_fd, root, dirs)
+    stale = await in_thread(_remove_stale_temps, walk, dirs)
     if stale:
         log.info("removed %d temp files an earlier restore into %s left behind", stale, root)
 
     async def fetch(shard: ShardEntry) -> None:
         nonlocal written, local_files, local_rejected
         target = targets[shard.path]
-        where = await _open_fd(_shard_dir, root_fd, root, shard.path, made)
+        where = await _open_fd(_shard_dir, walk, shard.path, made)
         try:
             if local is not None:
                 outcome = await _write_local(local, where, target, shard)
@@ -261,17 +266,42 @@ class _Made:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _open_dir(root_fd: int, root: Path, parts: Sequence[str], made: _Made | None) -> int | None:
-    """A descriptor of the directory ``root/parts``, reached from ``root_fd`` (the target's)
-    one component at a time, never through a link: a link on the way is refused, naming it.
+@dataclass(frozen=True)
+class _Walk:
+    """The target as its directories are walked: its locked descriptor, its path, and the
+    (st_dev, st_ino) of the directory no file may land in (a file:// destination's root)."""
+
+    root_fd: int
+    root: Path
+    keep_out: tuple[int, int] | None
+
+
+def _identity(path: Path | None) -> tuple[int, int] | None:
+    """``path``'s (st_dev, st_ino), links followed; None for no path, or none there."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_dir(walk: _Walk, parts: Sequence[str], made: _Made | None) -> int | None:
+    """A descriptor of the directory ``root/parts``, reached from the target's descriptor one
+    component at a time, never through a link: a link on the way is refused, naming it.
     Found attacking restore: with ``a -> .`` in the target, shards x.bin and a/x.bin were
     written to one file, "checksums verified"; with ``a -> /outside``, a/x/y/b.bin's
-    directories were made in /outside before a check of the path refused it. A missing
-    directory is made (and recorded in ``made``), or None returned when ``made`` is None."""
-    fd = os.dup(root_fd)
+    directories were made in /outside before a check of the path refused it. The
+    destination's directory is refused as a link is, known by identity: found attacking,
+    with the destination bind-mounted at z/ of an --overwrite target (its path names no
+    destination), a shard z/<job>/<step>/a.bin replaced another job's committed shard. A
+    missing directory is made (and recorded in ``made``), or None returned when ``made`` is
+    None."""
+    fd = os.dup(walk.root_fd)
     try:
         for i, name in enumerate(parts):
-            where = root.joinpath(*parts[: i + 1])
+            where = walk.root.joinpath(*parts[: i + 1])
             try:
                 nxt = _open_component(fd, name, where)
             except FileNotFoundError:
@@ -286,6 +316,7 @@ def _open_dir(root_fd: int, root: Path, parts: Sequence[str], made: _Made | None
                 nxt = _open_component(fd, name, where)
             os.close(fd)
             fd = nxt
+            _refuse_destination(walk, fd, where)
         return fd
     except BaseException:
         os.close(fd)
@@ -307,6 +338,17 @@ def _open_component(dir_fd: int, name: str, where: Path) -> int:
             "it, or restore into an empty directory") from None
 
 
+def _refuse_destination(walk: _Walk, fd: int, where: Path) -> None:
+    """Refuse directory ``where`` (open as ``fd``) if it is the destination's."""
+    if walk.keep_out is None:
+        return
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) == walk.keep_out:
+        raise RestoreError(f"{where} is inside the destination (it is the destination's "
+                           "directory, under another path or a bind mount), where a restore "
+                           "would write among committed files; restore elsewhere")
+
+
 def _is_link(dir_fd: int, name: str) -> bool:
     try:
         return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
@@ -314,20 +356,23 @@ def _is_link(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _refuse_links(root_fd: int, root: Path, dirs: Iterable[Sequence[str]]) -> None:
-    """Refuse a link (or a file) where any of ``dirs`` or their parents goes, before the
-    restore changes anything: a shard's own walk would meet it only once others were written."""
+def _refuse_links(walk: _Walk, dirs: Iterable[Sequence[str]]) -> None:
+    """Refuse a link (or a file, or the destination) where any of ``dirs`` or their parents
+    goes, before the restore changes anything: a shard's own walk would meet it only once
+    others were written."""
+    _refuse_destination(walk, walk.root_fd, walk.root)
     for parts in dirs:
-        fd = _open_dir(root_fd, root, parts, None)
+        fd = _open_dir(walk, parts, None)
         if fd is not None:
             os.close(fd)
 
 
-def _shard_dir(root_fd: int, root: Path, rel: str, made: _Made) -> int:
+def _shard_dir(walk: _Walk, rel: str, made: _Made) -> int:
     """A descriptor of shard ``rel``'s directory, made where missing; a shard file that is not
     there yet is recorded in ``made``."""
     *parts, name = rel.split("/")
-    fd = _open_dir(root_fd, root, parts, made)
+    root = walk.root
+    fd = _open_dir(walk, parts, made)
     assert fd is not None  # (made: never None)
     try:
         os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -402,7 +447,7 @@ async def _write_checked(
         os.close(fd)  # (its lock held until the temp name is gone: _remove_stale_temps)
 
 
-def _remove_stale_temps(root_fd: int, root: Path, dirs: Iterable[Sequence[str]]) -> int:
+def _remove_stale_temps(walk: _Walk, dirs: Iterable[Sequence[str]]) -> int:
     """Remove the temp files an earlier restore into ``root`` left when it was killed
     (``.<name>.<random>.ckptdrain-tmp`` beside a shard's place) from the directories this one
     writes (``dirs``, reached as :func:`_open_dir` does: never behind a link); how many. Found
@@ -414,7 +459,7 @@ def _remove_stale_temps(root_fd: int, root: Path, dirs: Iterable[Sequence[str]])
     and it failed)."""
     removed = 0
     for parts in dirs:
-        fd = _open_dir(root_fd, root, parts, None)
+        fd = _open_dir(walk, parts, None)
         if fd is None:
             continue  # not there yet
         try:

@@ -150,8 +150,40 @@ def test_a_restore_into_the_destination_is_refused(node: DaemonProcess, tmp_path
     shutil.copytree(node.dest, holder / "z", symlinks=True)
     one_sentence(cli(node, "restore", f"file://{holder / 'z'}", "--job", JOB, "--generation",
                      "1", "--to", str(holder), "--overwrite", "--no-local"), 1,
-                 str(holder / "z" / "y.bin"), "inside the destination", "restore elsewhere")
+                 str(holder / "z"), "inside the destination", "restore elsewhere")
     assert not (holder / "z" / "y.bin").exists() and not (holder / "a").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a bind mount needs root (CI runs as root) and unshare")
+def test_a_restore_into_a_bind_mount_of_the_destination_is_refused(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking restore: with the destination bind-mounted at z/ of an --overwrite
+    # target, whose path names no destination, the shard z/<job>/<step>/w.bin of one job
+    # replaced another job's committed shard ("checksums verified"; its verify then failed).
+    # The destination is known by identity as restore walks the target's directories. The
+    # mount is made in a mount namespace of the command's own, gone with it.
+    c = daemon.client()
+    with c.generation("victim", 1) as gen:
+        gen.put("w.bin", b"the committed shard")
+    with c.generation("binder", 1) as gen:
+        gen.put(f"z/victim/{1:020d}/w.bin", b"not the committed shard")
+        gen.put("other.bin", b"x")
+    for job in ("victim", "binder"):
+        c.wait(job, 1, timeout_s=60)
+    holder = tmp_path / "holder"
+    (holder / "z").mkdir(parents=True)
+    (holder / "notes.txt").write_text("mine")
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount --bind "$1" "$2" && exec "$3" restore "$4" --job binder --to "$5" --overwrite '
+         "--no-local", "sh", str(daemon.dest), str(holder / "z"), CKPTDRAIN, daemon.dest_uri,
+         str(holder)], env=daemon.env(), capture_output=True, text=True, timeout=120,
+        check=False)
+    one_sentence(out, 1, str(holder / "z"), "inside the destination", "restore elsewhere")
+    assert cli(daemon, "verify", daemon.dest_uri, "--job", "victim").returncode == 0
+    assert sorted(p.name for p in holder.iterdir()) == ["notes.txt", "z"]
+    assert list((holder / "z").iterdir()) == []  # (the mount went with its namespace)
 
 
 def test_an_empty_to_is_a_usage_error(node: DaemonProcess, tmp_path: Path) -> None:
