@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
+import pwd
 import secrets
 import stat
 import subprocess
@@ -112,8 +114,12 @@ def backend_error(exc: OSError, what: str, root: str | None = None) -> BackendEr
             kind="full",
         )
     if code in _AUTH_ERRNOS:
+        # Whoever this process runs as: the daemon, or a user's `ckptdrain restore` (found
+        # attacking: a read refused to a restoring user said "let the daemon's user write
+        # there", which was neither the user nor the access refused).
         return BackendError(
-            f"{what}: permission denied ({exc.strerror}); let the daemon's user write there",
+            f"{what}: permission denied ({exc.strerror}); let {running_as()}, whom this runs "
+            "as, have access there",
             kind="auth",
         )
     if code == errno.ETIMEDOUT:
@@ -136,6 +142,16 @@ def out_of_inodes(path: str) -> bool:
     except OSError:
         return False
     return st.f_files > 0 and st.f_favail == 0 and st.f_bavail > 0
+
+
+@functools.cache  # (a name service may be slow; an error path repeats it)
+def running_as() -> str:
+    """The user this process runs as, for a message: ``user 'name' (uid N)``."""
+    uid = os.geteuid()
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name!r} (uid {uid})"
+    except KeyError:  # a uid with no name (a container's)
+        return f"uid {uid}"
 
 
 def temp_vanished(what: str) -> BackendError:

@@ -186,6 +186,32 @@ def test_a_restore_into_a_bind_mount_of_the_destination_is_refused(
     assert list((holder / "z").iterdir()) == []  # (the mount went with its namespace)
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="a root without its file capabilities needs root and setpriv")
+def test_a_shard_the_user_may_not_read_says_who_needs_access(node: DaemonProcess,
+                                                             tmp_path: Path) -> None:
+    # Found attacking restore: a shard the restoring user may not read failed "permission
+    # denied ...; let the daemon's user write there", neither the user nor the access that
+    # was refused. It names the user the command runs as (here root without
+    # CAP_DAC_OVERRIDE, whom a file of another owner's with mode 000 refuses).
+    dest = tmp_path / "dest"
+    shutil.copytree(node.dest, dest, symlinks=True)
+    shard = dest / JOB / f"{1:020d}" / "z" / "y.bin"
+    os.chown(shard, 65534, 65534)
+    shard.chmod(0)
+    caps = "-dac_override,-dac_read_search"
+    for command in ("restore", "verify"):
+        out = subprocess.run(
+            ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", CKPTDRAIN,
+             command, f"file://{dest}", "--job", JOB, "--generation", "1",
+             *(["--to", str(tmp_path / "r"), "--no-local"] if command == "restore" else [])],
+            env=node.env(), capture_output=True, text=True, timeout=120, check=False)
+        line = one_sentence(out, 1, "z/y.bin", "permission denied", "user 'root' (uid 0)",
+                            "have access there")
+        assert "daemon's user" not in line
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_empty_to_is_a_usage_error(node: DaemonProcess, tmp_path: Path) -> None:
     # Found attacking restore: `--to ""` (an unset variable in a script, --to "$DIR")
     # restored into the current directory, with --overwrite over what was there.
