@@ -82,19 +82,20 @@ async def restore(
     """
     manifest = await resolve(backend, job, step)
     step = manifest.generation
+    keep_out_id = await in_thread(_identity, keep_out)
     made = _Made()
     await in_thread(made.makedirs, Path(to_dir))
     root = await in_thread(Path(to_dir).resolve)
     lock = await in_thread(_lock_target, root)  # refused: nothing of this restore's to undo
+    walk = _Walk(lock, root, keep_out_id)
     try:
-        walk = _Walk(lock, root, await in_thread(_identity, keep_out))
         return await _restore_into(backend, manifest, walk, concurrency, progress, local, made)
     except BaseException:
         # A failed restore leaves the target as it found it: no half checkpoint, no empty
         # directories (files it replaced under --overwrite are not brought back, and an
         # earlier restore's MANIFEST.json there is gone, so the mix is no checkpoint). Every
         # thread call is settled before this runs, so none creates a file after it.
-        await in_thread(made.undo)
+        await in_thread(made.undo, walk)
         raise
     finally:
         os.close(lock)
@@ -254,13 +255,35 @@ class _Made:
         if not os.path.lexists(path):
             self.files.append(path)
 
-    def undo(self) -> None:
+    def undo(self, walk: _Walk) -> None:
+        """Remove what was made, below the target as the restore reached it: by name in its
+        directory's descriptor, never through a link. Found attacking restore: removed by
+        path, a directory it made, swapped for a link while a later shard was read, led the
+        undo out of the target to unlink a file of a shard's name where the link pointed.
+        ``--to`` and the parents made for it are removed by path (empty only, as they are
+        the operator's own path)."""
         for f in self.files:
-            with contextlib.suppress(OSError):
-                f.unlink(missing_ok=True)
+            _remove_below(walk, f, os.unlink)
         for d in sorted(self.dirs, key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):
-                d.rmdir()  # only if empty: never what was there before
+            if d.is_absolute() and d != walk.root and d.is_relative_to(walk.root):
+                _remove_below(walk, d, os.rmdir)  # only if empty: never what was there before
+            else:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+
+
+def _remove_below(walk: _Walk, path: Path, remove: Callable[..., None]) -> None:
+    """``remove(name, dir_fd=...)`` of ``path``, below the target, in its directory reached
+    as :func:`_open_dir` does; left where that meets a link (or it is gone)."""
+    *parts, name = path.relative_to(walk.root).parts
+    with contextlib.suppress(OSError, RestoreError):
+        fd = _open_dir(walk, parts, None)
+        if fd is None:
+            return
+        try:
+            remove(name, dir_fd=fd)
+        finally:
+            os.close(fd)
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

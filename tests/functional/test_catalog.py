@@ -3,6 +3,7 @@ directory (POSIX) and on the in-memory fake."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -451,3 +452,33 @@ async def test_a_failed_restore_over_an_earlier_one_leaves_no_manifest(
     with pytest.raises(RestoreError):
         await restore(backend, JOB, 200, into, concurrency=1)
     assert not (into / "MANIFEST.json").exists()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_restore_removes_nothing_through_a_link_swapped_in_meanwhile(
+    tmp_path: Path
+) -> None:
+    # Found attacking restore: a failed restore removed what it had made by path, so a
+    # directory it made, swapped for a link while a later shard was read (a target others
+    # may write in), led its undo out of the target: it unlinked the file of the shard's name
+    # where the link led, and left the shard it had restored. The undo reaches each file as
+    # the restore does, from the target's descriptor and never through a link.
+    backend = MemoryBackend("gpu1", store=MemoryStore())
+    await commit(backend, tmp_path, 100, PATHS)
+    backend.store.objects[shard_key(JOB, 100, "optim/rank0.pt")] = b"damaged"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "rank0.pt").write_text("not the restore's")
+    target = tmp_path / "restored"
+    held = backend.hold("read_chunks", "optim/rank0.pt")
+    # One shard at a time, in the manifest's order: model/rank0.pt is in place when
+    # optim/rank0.pt's read is held.
+    task = asyncio.create_task(restore(backend, JOB, 100, target, concurrency=1))
+    await held.wait_reached()
+    assert (target / "model" / "rank0.pt").is_file()
+    (target / "model").rename(tmp_path / "moved")
+    (target / "model").symlink_to(elsewhere)
+    held.release()
+    with pytest.raises(RestoreError, match="the shard at the destination is damaged"):
+        await task
+    assert (elsewhere / "rank0.pt").read_text() == "not the restore's"
