@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from ckptdrain.daemon.sizes import human_amount
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class CommandFailed(DaemonError):
@@ -382,10 +384,26 @@ def _local_source(ns: argparse.Namespace, step: int) -> Any:
     except (DrainError, DaemonError):
         return None  # no daemon here, or not ours: the destination has everything
 
+    gone: list[str] = []  # why the daemon did not serve a local copy, once it did not
+
     async def fetch(shard: Any, fd: int) -> str | None:
+        if gone:
+            return None
         try:
             reply = await asyncio.to_thread(client.fetch_local, ns.job, step, shard.path, fd)
         except NotFound:
+            return None
+        except DrainError as exc:
+            # The fast path is only that: the destination has every shard. Found attacking
+            # restore: the daemon stopped (killed, hung, restarted for an upgrade) part-way
+            # through a restore failed it, "start it with `ckptdrain serve`", and removed
+            # what it had restored, though the destination was fine; so would its refusal
+            # (another user's job, a reader's share used up). Asked no more after its first
+            # failure (a hung daemon costs each ask a timeout).
+            if not gone:
+                gone.append(exc.message)
+                log.warning("this node's daemon did not serve a local copy (%s); restoring "
+                            "the rest from %s", exc.message, ns.dest)
             return None
         return str(reply["checksum"])
 

@@ -3,6 +3,8 @@ without the manifest's checksums: a corrupted local copy is detected and fetched
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
 import signal
 import subprocess
@@ -11,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ckptdrain.daemon import restore as restoring
+from ckptdrain.daemon.backends.posix import PosixBackend, ReadSettings
+from ckptdrain.daemon.cli_destination import _local_source
 from tests.conftest import CKPTDRAIN, DaemonProcess
 
 
@@ -306,3 +311,35 @@ def test_a_link_inside_the_target_makes_no_directory_where_it_leads(daemon: Daem
     assert outside.stat().st_mtime == 1_000_000_000
     assert f"{into / 'a'} is a symbolic link" in out.stderr, out.stderr
     assert sorted(p.name for p in into.iterdir()) == ["a"]
+
+
+def test_a_daemon_gone_part_way_through_leaves_the_restore_to_the_destination(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    # Found attacking restore: this node's daemon killed (or hung, or restarted) after the
+    # restore had asked it which destination it drains to failed the restore with "cannot
+    # reach the ckptdrain daemon ...: start it with `ckptdrain serve`", and removed what it
+    # had restored, though every shard was at the destination. The local copies are a fast
+    # path only: the shards come from the destination instead. The restore runs in this
+    # process, so that the daemon goes at that exact point.
+    with daemon.client().generation("rj", 3) as gen:
+        for i in range(4):
+            gen.put(f"s{i}.bin", os.urandom(100_000 + i))
+    daemon.client().wait("rj", 3, timeout_s=30)
+    ns = argparse.Namespace(job="rj", dest=daemon.dest_uri, socket=daemon.socket_path,
+                            config=None)
+    local = _local_source(ns, 3)
+    assert local is not None  # the daemon answered: it drains to this destination
+    daemon.kill()
+    backend = PosixBackend(ReadSettings(daemon.dest_uri, daemon.dest), "restorer")
+
+    async def run() -> restoring.RestoreReport:
+        try:
+            return await restoring.restore(backend, "rj", 3, tmp_path / "r", local=local)
+        finally:
+            await backend.aclose()
+
+    report = asyncio.run(run())
+    assert (report.files, report.local_files) == (4, 0)
+    committed = daemon.dest / "rj" / f"{3:020d}"
+    assert tree(tmp_path / "r") == {name: data for name, data in tree(committed).items()
+                                    if not name.startswith("_parts/")}
