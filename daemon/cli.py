@@ -36,7 +36,13 @@ from ckptdrain.daemon.cli_destination import (
     CommandFailed,
 )
 from ckptdrain.daemon.cli_stop import Stopped
-from ckptdrain.daemon.errors import ConfigError, DaemonError, DiskFull, StartupError
+from ckptdrain.daemon.errors import (
+    ConfigError,
+    DaemonError,
+    DiskFull,
+    StartupError,
+    one_line,
+)
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_TEMPFAIL", "EXIT_USAGE",
            "CommandFailed", "main"]
@@ -46,7 +52,9 @@ EXIT_TEMPFAIL = 75
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    print(f"ckptdrain: {message}", file=sys.stderr)
+    # One line whatever the message carries: an S3 server's error message with a newline in
+    # it made two (found attacking the destination commands).
+    print(f"ckptdrain: {one_line(message)}", file=sys.stderr)
     raise SystemExit(code)
 
 

@@ -22,7 +22,7 @@ from ckptdrain.client import Client, wire
 from ckptdrain.client.channel import default_socket_path
 from ckptdrain.daemon.cli_destination import EXIT_OK, EXIT_USAGE, CommandFailed, job_arg, step_arg
 from ckptdrain.daemon.cli_destination import human as _human
-from ckptdrain.daemon.errors import ConfigError
+from ckptdrain.daemon.errors import ConfigError, one_line
 
 
 def load(ns: argparse.Namespace) -> Any:
@@ -147,13 +147,6 @@ def _flush_and_exit(code: int) -> None:
 
 
 # -- status -----------------------------------------------------------------------------------
-def _printable(text: str) -> str:
-    """``text`` on one line, its control characters escaped: an error may be a client's own
-    text (an exception's message), and a newline or a terminal escape in it forged lines of the
-    table and reached the operator's terminal raw (found attacking)."""
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
-
-
 def cmd_status(ns: argparse.Namespace) -> int:
     with Client(socket_path(ns), timeout_s=30) as client:
         status = client.status(ns.job)
@@ -166,7 +159,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
         print("DRAINING for maintenance: new generations are refused (`ckptdrain resume` undoes it)")
     config = status.get("config") or {}
     if config.get("reload_failed"):
-        print(f"CONFIG RELOAD FAILED, the old config runs on: {_printable(config['reload_failed'])}")
+        print(f"CONFIG RELOAD FAILED, the old config runs on: {one_line(config['reload_failed'])}")
     if config.get("needs_restart"):
         print(f"config changed, waiting for a restart: {', '.join(config['needs_restart'])}")
     print(
@@ -199,9 +192,9 @@ def cmd_status(ns: argparse.Namespace) -> int:
             f" {g['oldest_undrained_age_s']:>7.1f}s"
         )
         if g.get("error"):
-            print(f"    error: {_printable(g['error'])}")
+            print(f"    error: {one_line(g['error'])}")
         elif g.get("retrying"):
-            print(f"    retrying: {_printable(g['retrying'])}")
+            print(f"    retrying: {one_line(g['retrying'])}")
     if status.get("generations_omitted"):
         print(f"... and {status['generations_omitted']} more generations (ended ones with no "
               "failed copies kept left out first); show one job's with --job JOB")

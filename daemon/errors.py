@@ -77,3 +77,12 @@ def descriptors_short(what: str) -> RequestError:
                         "(its RLIMIT_NOFILE, or the node's file table); retry shortly, and if "
                         "it persists raise LimitNOFILE or lower limits.max_clients",
                         {"limit": "file_descriptors", "retry_after_s": 1.0})
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line, its control and formatting characters escaped (``\\n``,
+    ``\\x1b``, ``\\u202e``): an error may carry someone else's text (a client's exception, an S3
+    server's message), and a newline or a terminal escape in it forged lines of ``status`` or
+    broke the one line an expected failure is, and reached the user's terminal raw (found
+    attacking)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)

@@ -4,11 +4,13 @@ never a traceback. Each case is the real ``ckptdrain`` in a subprocess."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,6 +212,43 @@ def test_a_shard_the_user_may_not_read_says_who_needs_access(node: DaemonProcess
                             "have access there")
         assert "daemon's user" not in line
     assert not (tmp_path / "r").exists()
+
+
+def test_a_servers_message_stays_on_the_one_line_of_the_failure(node: DaemonProcess) -> None:
+    # Found attacking the destination commands: an S3 server's error message with a newline
+    # and a right-to-left override in it came out as two lines, the second drawn backwards.
+    # A real HTTP server on loopback answers every request so.
+    body = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+            "<Message>line one\nline two \u202eDENIED\u202c end</Message></Error>").encode()
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            self.send_response(403)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        out = cli(node, "verify", "s3://bucket/prefix", "--job", JOB,
+                  CKPTDRAIN_DESTINATION__ENDPOINT_URL=f"http://127.0.0.1:{server.server_port}",
+                  CKPTDRAIN_DESTINATION__MAX_ATTEMPTS="1", AWS_ACCESS_KEY_ID="k",
+                  AWS_SECRET_ACCESS_KEY="s")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    line = one_sentence(out, 1, "AccessDenied", "line one\\nline two \\u202eDENIED", "end")
+    assert "\u202e" not in line
 
 
 def test_an_empty_to_is_a_usage_error(node: DaemonProcess, tmp_path: Path) -> None:
