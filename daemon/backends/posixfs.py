@@ -22,9 +22,11 @@ import secrets
 import stat
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, parse_checksum
+from ckptdrain.client.names import MAX_PATH_BYTES
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
 from ckptdrain.daemon.backends.beneath import Beneath, link_in
 from ckptdrain.daemon.checksums import Stopped
@@ -337,6 +339,24 @@ def read_small(fs: Beneath, parts: list[str], max_bytes: int,
         os.close(fd)
 
 
+# The deepest directory under the root a key of ours can be in: <job>/<step>/ and a shard
+# path's directories (MAX_PATH_BYTES holds at most half as many components, one byte and a
+# '/' each).
+MAX_KEY_DEPTH = 2 + MAX_PATH_BYTES // 2
+
+
+def walk(top_fd: int, depth: int) -> Iterator[tuple[str, list[str], list[str], int]]:
+    """``os.fwalk`` of the directory ``top_fd``, ``depth`` levels below the root, going no
+    deeper than MAX_KEY_DEPTH, where nothing is a key of ours. Found attacking gc: a
+    directory chain some thousand levels deep planted under a generation made fwalk (which
+    recurses once per level, holding each level's descriptor) raise RecursionError, a
+    traceback from `gc`, `verify` and the daemon's retention and temp sweep on every run."""
+    for dirpath, dirs, files, dir_fd in os.fwalk(".", dir_fd=top_fd):
+        if depth + (0 if dirpath == "." else dirpath.count(os.sep)) >= MAX_KEY_DEPTH:
+            dirs[:] = []  # (topdown: fwalk goes into what is left of dirs)
+        yield dirpath, dirs, files, dir_fd
+
+
 def list_files(fs: Beneath, base: list[str], prefix: str, stop: threading.Event) -> list[ObjectInfo]:
     """Every regular file under ``base`` whose key (path relative to the root) starts with
     ``prefix``, sorted by key; temp files excluded. Links are neither listed nor followed
@@ -344,7 +364,7 @@ def list_files(fs: Beneath, base: list[str], prefix: str, stop: threading.Event)
     found: list[ObjectInfo] = []
     try:
         with fs.dir(base) as base_fd:
-            for dirpath, _dirs, files, dir_fd in os.fwalk(".", dir_fd=base_fd):
+            for dirpath, _dirs, files, dir_fd in walk(base_fd, len(base)):
                 if stop.is_set():
                     raise Stopped
                 rel = os.path.normpath(dirpath)
@@ -476,8 +496,7 @@ def sweep_temps(
     # fwalk removes by name in a directory it holds open: a directory swapped for a link
     # mid-sweep cannot send an unlink elsewhere.
     with fs.dir([]) as root_fd:
-        walk = os.fwalk(".", dir_fd=root_fd)
-        for dirpath, dirs, files, dir_fd in walk:
+        for dirpath, dirs, files, dir_fd in walk(root_fd, 0):
             if stop.is_set():
                 raise Stopped
             removed += _sweep_dir(root, dirpath, dirs, files, dir_fd, node_id, live,

@@ -251,6 +251,40 @@ def test_a_servers_message_stays_on_the_one_line_of_the_failure(node: DaemonProc
     assert "\u202e" not in line
 
 
+def test_a_directory_chain_deeper_than_any_key_is_passed_over(node: DaemonProcess,
+                                                              tmp_path: Path) -> None:
+    # Found attacking gc: a directory chain 1,500 levels deep planted in a generation made
+    # the listing of it (os.fwalk, recursive) raise RecursionError: a traceback from `verify`
+    # and from `gc` (and from the daemon's retention and temp sweep) on every run. Nothing
+    # deeper than a shard path can go is a key of ours: it is not walked.
+    dest = tmp_path / "dest"
+    shutil.copytree(node.dest, dest, symlinks=True)
+    top = dest / JOB / f"{1:020d}"
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1500):
+            os.mkdir("q", dir_fd=fd)
+            deeper = os.open("q", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    finally:
+        os.close(fd)
+    try:
+        out = cli(node, "verify", f"file://{dest}", "--job", JOB, "--generation", "1")
+        assert out.returncode == 0 and "2 shards" in out.stdout, out.stderr[-2000:]
+        out = cli(node, "gc", f"file://{dest}", "--job", JOB, "--keep-last", "2", "--dry-run")
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    finally:
+        # One level at a time from the top: the fixture's rmtree recurses once per level too.
+        while (top / "q").exists():
+            if (top / "q" / "q").exists():
+                os.rename(top / "q" / "q", top / "r")
+                os.rmdir(top / "q")
+                os.rename(top / "r", top / "q")
+            else:
+                os.rmdir(top / "q")
+
+
 def test_an_empty_to_is_a_usage_error(node: DaemonProcess, tmp_path: Path) -> None:
     # Found attacking restore: `--to ""` (an unset variable in a script, --to "$DIR")
     # restored into the current directory, with --overwrite over what was there.
