@@ -204,7 +204,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
         # last progress grows older, long before its request times out.
         print("draining now, the longest-waiting first:")
         for s in draining:
-            print(f"    {s['job']} {s['step']} {_printable(s['path'])}: "
+            print(f"    {s['job']} {s['step']} {one_line(s['path'])}: "
                   f"{_human(s['drained_bytes'])} of {_human(s['size'])}, last progress "
                   f"{s.get('idle_s', 0.0):.0f}s ago")
     uploads = status.get("uploads_open", [])
