@@ -49,7 +49,7 @@ from ckptdrain.daemon.backends.s3procs import (
     settled,
     stopped,
 )
-from ckptdrain.daemon.backends.s3ranges import Range
+from ckptdrain.daemon.backends.s3ranges import MIN_RANGE_BYTES_PER_S, Range
 from ckptdrain.daemon.backends.s3senders import (
     BATCH_AT_ONCE,
     BATCHED_OPERATIONS,
@@ -74,9 +74,6 @@ log = logging.getLogger(__name__)
 # How long a cancelled range waits for its reader to say it gave the range up, before the
 # reader is killed (an upload worker's part waits READ_DRAIN_TIMEOUT_S: its read thread).
 READER_CANCEL_TIMEOUT_S = 5.0
-# A range read by a reader gets this much more time to answer per byte (its bound grows with
-# its length: a 5 GiB part over a slow link is not a stuck worker).
-MIN_RANGE_BYTES_PER_S = 1 << 20
 # Requests that only read, sent once more when their worker is lost (writes are the drain's to
 # retry: it knows whether a create-once write landed).
 _RESENT_WHEN_LOST = frozenset({"head_object", "get_object", "list_objects_v2", "list_parts",
@@ -226,7 +223,9 @@ class WorkerSenders(PartSender):
         request = {"op": "range", "key": rng.key, "full": rng.full, "offset": rng.offset,
                    "length": rng.length, "etag": rng.etag, "on_loop": on_loop}
         what = f"reading {rng.key} at byte {rng.offset}"
-        # A range's answer comes when all of it is read: its bound grows with its length.
+        # A range's answer comes when all of it is read: its bound grows with its length (a
+        # 5 GiB part over a slow link is not a stuck worker), and is later than the range's
+        # own (s3ranges.fetch_range), whose error then comes first.
         timeout_s = self._answer_timeout_s + rng.length / MIN_RANGE_BYTES_PER_S
         # A range is read again by a fresh reader when its own died: the same bytes (of the
         # same ETag) written at the same offset, once the dead one has exited, so that no

@@ -15,7 +15,7 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -45,6 +45,14 @@ MAX_PIECES = 256
 # botocore's model), which a smaller object, read in a quarter of a second or less, would not
 # pay back.
 READERS_FROM = 256 << 20
+
+# The slowest a range may come, over all its attempts: a range gets the time its attempts may
+# take (max_attempts x (connect + read timeouts)) and this much more per byte. A server that
+# trickles (a byte now and then, so no read ever times out) held a restore for good: 64 MiB at
+# 512 bytes/s is a day and a half (found attacking restore through a proxy). A reader
+# process's range is bounded the same way, and a little later (s3pool), so the range's own
+# error comes first.
+MIN_RANGE_BYTES_PER_S = 1 << 20
 
 # Writes one batch of pieces at an offset, continuing a CRC64NVME: the new one.
 Writer = Callable[[builtins.list[bytes], int, int], Awaitable[int]]
@@ -106,23 +114,56 @@ async def fetch_range(client: S3Client, rng: Range, write: Writer,
     (found attacking with a proxy that resets a range once)."""
     done = _Done()
     resumes = 0
-    while True:
-        try:
-            await _read_on(client, rng, write, progress, done)
-            return done.crc
-        except S3Failure as exc:
-            if done.written == rng.length:
-                # Every byte came, and then the answer failed (a Content-Length that claimed
-                # more): there is nothing left to ask for, and the ask was an invalid range
-                # that failed the restore for good (found attacking the resume).
-                return done.crc
-            # A conflict (the object replaced) or a permanent error is not read again here.
-            if (not exc.transient or exc.kind == "conflict"
-                    or resumes + 1 >= client._max_attempts):
-                raise
+    async with at_least_min_rate(client, f"reading {rng.key}", rng.length, done):
+        while not await _attempt(client, rng, write, progress, done, resumes):
             resumes += 1
-            log_event(log, logging.INFO, "s3_read_resumed", key=rng.key,
-                      offset=rng.offset + done.written, error=str(exc))
+    return done.crc
+
+
+@contextlib.asynccontextmanager
+async def at_least_min_rate(client: S3Client, what: str, length: int,
+                            done: _Done | None = None) -> AsyncIterator[None]:
+    """Bound a read of ``length`` bytes (every attempt of it) by the time its attempts may
+    take, max_attempts x (connect + read timeouts), and 1 s more per MIN_RANGE_BYTES_PER_S;
+    past it, a transient ``timeout`` failure saying so (``done``: how far it got)."""
+    config = client._config
+    limit_s = (client._max_attempts * (float(config.connect_timeout_s)
+                                       + float(config.read_timeout_s))
+               + length / MIN_RANGE_BYTES_PER_S)
+    try:
+        async with asyncio.timeout(limit_s) as scope:
+            yield
+    except TimeoutError as exc:
+        if not scope.expired():
+            raise
+        got = "" if done is None else f"{done.written} of "
+        raise S3Failure(
+            f"{what} at {client.uri}: {got}its {length} bytes did not come in {limit_s:.0f} "
+            f"s, at less than {MIN_RANGE_BYTES_PER_S >> 20} MiB/s: the server or the network "
+            "to it is failing; retry, or read from another endpoint", transient=True,
+            kind="timeout") from exc
+
+
+async def _attempt(client: S3Client, rng: Range, write: Writer,
+                   progress: Callable[[int], None] | None, done: _Done, resumes: int) -> bool:
+    """One GET of what of ``rng`` is not written yet: True once all of it is, False when
+    its answer was cut short and is worth reading on (``resumes`` so far); raises when not."""
+    try:
+        await _read_on(client, rng, write, progress, done)
+        return True
+    except S3Failure as exc:
+        if done.written == rng.length:
+            # Every byte came, and then the answer failed (a Content-Length that claimed
+            # more): there is nothing left to ask for, and the ask was an invalid range
+            # that failed the restore for good (found attacking the resume).
+            return True
+        # A conflict (the object replaced) or a permanent error is not read again here.
+        if (not exc.transient or exc.kind == "conflict"
+                or resumes + 1 >= client._max_attempts):
+            raise
+        log_event(log, logging.INFO, "s3_read_resumed", key=rng.key,
+                  offset=rng.offset + done.written, error=str(exc))
+        return False
 
 
 @dataclass(slots=True)

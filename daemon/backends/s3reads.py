@@ -19,7 +19,14 @@ from ckptdrain.daemon.backends.posixfs import writes_in_parallel
 from ckptdrain.daemon.backends.s3client import S3Client, unix_time
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.backends.s3proof import Listed
-from ckptdrain.daemon.backends.s3ranges import READERS_FROM, Range, fetch_range, replaced, writer
+from ckptdrain.daemon.backends.s3ranges import (
+    READERS_FROM,
+    Range,
+    at_least_min_rate,
+    fetch_range,
+    replaced,
+    writer,
+)
 from ckptdrain.daemon.logs import log_event
 
 log = logging.getLogger("ckptdrain.daemon.backends.s3")
@@ -199,8 +206,11 @@ class S3Reads(S3Client, Backend):
         if head is not None and expected_size is not None and size != expected_size:
             return size, ""  # the caller reports the size; nothing read for nothing
         if head is None or size <= self._part_size:  # one stream: no HEAD asked, or small
-            return await super().copy_into(key, out_fd, algo=algo, progress=progress,
-                                           expected_size=expected_size)
+            length = size if head is not None else expected_size
+            async with (contextlib.nullcontext() if length is None
+                        else at_least_min_rate(self, f"reading {key}", length)):
+                return await super().copy_into(key, out_fd, algo=algo, progress=progress,
+                                               expected_size=expected_size)
         etag = str(head.get("ETag") or "")
         ranges = [Range(key, full, offset, min(self._part_size, size - offset), etag)
                   for offset in range(0, size, self._part_size)]

@@ -26,6 +26,8 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
   ``endless_listing``: the same with a new token every time; ``tokenless_listing``: with no
   token at all; ``growing_listing``: a new token and a new key under the prefix every time
   (a listing without end).
+- ``trickle``: the request is forwarded and its answer's body relayed at ``trickle_bytes_per_s``
+  (a byte every now and then: no read of the client's ever times out);
 - ``web_page``: ``200 OK`` with an HTML page and no ETag (a web server, a proxy or a load
   balancer answering in the S3 server's place); the request is not forwarded.
 
@@ -50,11 +52,12 @@ from typing import Any
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
           "delete_denied", "stuck_listing", "endless_listing", "tokenless_listing",
-          "growing_listing", "wrong_etag", "web_page")
+          "growing_listing", "wrong_etag", "web_page", "trickle")
 # Faults applied to a request that is still forwarded to the server.
-_FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag"})
+_FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag", "trickle"})
 _MAX_HEAD = 64 * 1024
 _RELAY_CHUNK = 1 << 20
+_TRICKLE_PIECE = 1024
 
 
 @dataclass
@@ -88,9 +91,11 @@ class _Head:
 
 class FaultProxy:
     def __init__(self, upstream_host: str, upstream_port: int, *, seed: int = 0,
-                 stall_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
+                 stall_s: float = 30.0, connect_timeout_s: float = 5.0,
+                 trickle_bytes_per_s: float = 64 * 1024) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.stall_s = stall_s
+        self.trickle_bytes_per_s = trickle_bytes_per_s
         self.connect_timeout_s = connect_timeout_s
         self.requests: list[ProxiedRequest] = []
         self._rng = random.Random(seed)
@@ -263,8 +268,10 @@ class FaultProxy:
                     await _relay_response(up_reader, writer, method, truncate=True)
                     _reset(writer)
                     return
-                keep = await _relay_response(up_reader, writer, method,
-                                             wrong_etag=request.fault == "wrong_etag")
+                keep = await _relay_response(
+                    up_reader, writer, method, wrong_etag=request.fault == "wrong_etag",
+                    trickle_bytes_per_s=(self.trickle_bytes_per_s if request.fault == "trickle"
+                                         else None))
                 if not keep:
                     return
         except (OSError, asyncio.IncompleteReadError, ValueError):
@@ -359,11 +366,13 @@ async def _discard(reader: asyncio.StreamReader, length: int) -> None:
 
 async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter | None,
                           method: str, *, truncate: bool = False,
-                          wrong_etag: bool = False) -> bool:
+                          wrong_etag: bool = False,
+                          trickle_bytes_per_s: float | None = None) -> bool:
     """Relay one response (after any 1xx interim ones) to ``client`` (None: read and drop
     it); True if the connection stays open. With ``truncate``, stop half-way through a
     ``Content-Length`` body (the caller then resets both connections); with ``wrong_etag``,
-    its ETag header says another ETag."""
+    its ETag header says another ETag; with ``trickle_bytes_per_s``, a ``Content-Length``
+    body goes at that rate."""
 
     def out(data: bytes) -> None:
         if client is not None:
@@ -395,6 +404,14 @@ async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter
                 out(line)
                 break
             await _copy(up, client, size + 2)
+    elif "content-length" in head.headers and trickle_bytes_per_s and client is not None:
+        left = int(head.headers["content-length"])
+        while left:
+            piece = await up.readexactly(min(left, _TRICKLE_PIECE))
+            client.write(piece)
+            await client.drain()
+            left -= len(piece)
+            await asyncio.sleep(len(piece) / trickle_bytes_per_s)
     elif "content-length" in head.headers:
         length = int(head.headers["content-length"])
         await _copy(up, client, length // 2 if truncate else length)

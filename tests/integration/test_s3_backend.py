@@ -651,6 +651,33 @@ async def test_a_small_object_cut_mid_body_is_read_again(seaweedfs: SeaweedFS, s
             await via_proxy.aclose()
 
 
+@pytest.mark.s3
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [3 * MiB, 6 * MiB])
+async def test_a_restore_from_a_trickling_server_fails_in_bounded_time(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any,
+        proxy: FaultProxy, tmp_path: Path, size: int) -> None:
+    # Found attacking restore: a server (or a path to it) that sends a byte now and then, so
+    # that no read ever times out, held `ckptdrain restore` for good: 64 MiB at 512 bytes/s is
+    # a day and a half. Each read now has the time its attempts may take and 1 s per MiB
+    # more, then fails saying so (one stream for an object of a part or less, ranges else).
+    direct = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    shard = staged(size, seed=93)
+    assert await direct.put_file("job/x", shard.fd, shard.size) == shard.checksum
+    via_proxy = backends(dest_config(s3_bucket, proxy.endpoint_url, max_attempts=1,
+                                     connect_timeout_s=1.0, read_timeout_s=2.0,
+                                     part_size_bytes=5 * MiB, multipart_threshold_bytes=5 * MiB))
+    proxy.inject("trickle", times=100, match=lambda r: r.method == "GET")  # 64 KiB/s
+    fd = os.open(tmp_path / "x", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with pytest.raises(BackendError) as slow:
+            await via_proxy.copy_into("job/x", fd, expected_size=size)
+    finally:
+        os.close(fd)
+    assert (slow.value.kind, slow.value.transient) == ("timeout", True)
+    assert "MiB/s" in str(slow.value) and "did not come in" in str(slow.value)
+
+
 class _Progress:
     def __init__(self) -> None:
         self.calls: list[int] = []
