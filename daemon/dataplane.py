@@ -116,6 +116,8 @@ class DataPlane:
         self._old_pools: list[concurrent.futures.ThreadPoolExecutor] = []
         # Closing a client's fd can block: never on the loop, nor in a hand-off's thread.
         self.closer = FdCloser()
+        # Steps on an fd a client passed (client_call), by the client's uid: a lane each.
+        self._client_lanes: dict[object, IoLane] = {}
         self.stuck = 0
         self.busy = 0
         # Stuck pumps by who started them (a uid): such a client is offered no more pipes.
@@ -142,11 +144,30 @@ class DataPlane:
             pool.shutdown(wait=False)  # what it runs or holds queued still runs there
         self._pumps, self._pipe_pumps = self._pump_pools(pumps)
 
+    async def client_call(self, owner: object, fn: Callable[..., T], *args: object,
+                          cleanup: Callable[[], None] | None = None,
+                          cancel: threading.Event | None = None,
+                          abandoned: Callable[[T], None] | None = None) -> T:
+        """:meth:`call` for a step on an fd a client passed, in a lane of ``owner``'s (the
+        client's uid) own, as many threads as the shared one: the client's file may sit on a
+        mount that hangs for good (one it serves itself: sshfs, any FUSE), and a call stuck
+        there holds its thread until then. In the shared lane, six fetches into files on a
+        frozen filesystem held all its threads, and every other user's hand-offs waited
+        behind them until io_timeout_s failed them (found attacking). A uid's stuck calls
+        now wait only for its own threads."""
+        lane = self._client_lanes.get(owner)
+        if lane is None:
+            lane = IoLane(self.threads, "ckptdrain-fd", self.timeout_s,
+                          initializer=name_os_thread)
+            self._client_lanes[owner] = lane
+        return await self._call(lane, fn, args, cleanup, cancel, abandoned)
+
     async def call(self, fn: Callable[..., T], *args: object,
                    cleanup: Callable[[], None] | None = None,
                    cancel: threading.Event | None = None,
                    abandoned: Callable[[T], None] | None = None) -> T:
-        """Run ``fn(*args)`` in the pool, within ``io_timeout_s``.
+        """Run ``fn(*args)`` in the pool, within ``io_timeout_s``. Never a step on a client's
+        fd: that is :meth:`client_call`'s.
 
         Ownership rule: when ``cleanup`` is given and the call raises, for whatever reason,
         ``cleanup`` has run or will run once the thread returns: the caller must not release
@@ -155,8 +176,13 @@ class DataPlane:
         that can stop part-way (a long copy stops at its next chunk). ``abandoned`` releases
         what such a call returns once its thread does (an fd it opened after the caller
         stopped waiting: nobody else holds it)."""
+        return await self._call(self._lane, fn, args, cleanup, cancel, abandoned)
+
+    async def _call(self, lane: IoLane, fn: Callable[..., T], args: tuple[object, ...],
+                    cleanup: Callable[[], None] | None, cancel: threading.Event | None,
+                    abandoned: Callable[[T], None] | None) -> T:
         try:
-            job = self._lane.submit(fn, args)
+            job = lane.submit(fn, args)
         except BaseException:
             # Nothing was queued (a closed data plane, a thread that could not start): what
             # was handed over is released now, as the rule above says.
@@ -266,6 +292,8 @@ class DataPlane:
     def close(self) -> None:
         # Stuck threads cannot be joined: leave them to the process's exit.
         self._lane.close()
+        for lane in self._client_lanes.values():
+            lane.close()
         for pool in (*self._old_pools, self._pumps, self._pipe_pumps):
             pool.shutdown(wait=False, cancel_futures=True)
 

@@ -128,12 +128,13 @@ class Handoffs:
             raise RequestError(wire.BAD_REQUEST, f"shard {path!r} is {size} bytes, over "
                                f"limits.max_shard_bytes ({self.d.config.limits.max_shard_bytes})")
 
-    async def _check_source(self, fd: int, path: str, size: int, what: str) -> None:
+    async def _check_source(self, uid: int, fd: int, path: str, size: int, what: str) -> None:
         if not readable(fd):
             raise RequestError(wire.BAD_REQUEST, f"the {what} passed for {path!r} is not open for "
                                "reading; open it O_RDONLY or O_RDWR")
-        # fstat of a file on a hung network mount can block: in the data plane, with a timeout.
-        st = await self.d.dataplane.call(os.fstat, fd)
+        # fstat of a file on a hung network mount can block: in the client's own lane of the
+        # data plane, with a timeout.
+        st = await self.d.dataplane.client_call(uid, os.fstat, fd)
         if not stat.S_ISREG(st.st_mode):
             raise RequestError(wire.BAD_REQUEST, f"the {what} passed for {path!r} is not a regular file")
         if st.st_size != size:
@@ -268,7 +269,7 @@ class Handoffs:
         try:
             self.check_new_shard(gen, path, size, rank)
             if src_fd is not None:
-                await self._check_source(src_fd, path, size, "descriptor")
+                await self._check_source(h.uid, src_fd, path, size, "descriptor")
             gen.reserve_path(path)
             receiving = True
             admitted = await h.channel.unless_hung_up(self._admit(gen, owner, size),
@@ -315,8 +316,9 @@ class Handoffs:
                         d.dataplane.close_client_fd(src, h.uid)
                         _close(dst)
 
-                    await d.dataplane.call(kernel_copy, src, dst, size, stop, cleanup=give_up,
-                                           cancel=stop)
+                    # Reads the client's file: in its own lane (DataPlane.client_call).
+                    await d.dataplane.client_call(h.uid, kernel_copy, src, dst, size, stop,
+                                                  cleanup=give_up, cancel=stop)
                     src_fd, tmp_fd = None, dst
                     d.dataplane.close_client_fd(src, h.uid)
                 fd, tmp_fd = tmp_fd, None
@@ -396,7 +398,7 @@ class Handoffs:
         try:
             self.check_new_shard(gen, path, size, rank)
             owner = d.ledger.jobs.get(gen.job, h.uid)
-            await self._check_source(fd, path, size, "memfd")
+            await self._check_source(h.uid, fd, path, size, "memfd")
             # Reserved across every await below: a concurrent duplicate is refused.
             gen.reserve_path(path)
             receiving = True

@@ -175,8 +175,8 @@ async def _receive_pipe(d: Daemon, h: ClientHandler, fd: int, size: int, path: s
     try:
         # In the data plane: a client's fd may be anything, even a file on a hung mount.
         # Closed off the loop too (close_fd): the last close of a pipe takes its lock.
-        is_read_end = await d.dataplane.call(_pipe_read_end, pipe_fd,
-                                             cleanup=lambda: h.channel.close_fd(pipe_fd))
+        is_read_end = await d.dataplane.client_call(h.uid, _pipe_read_end, pipe_fd,
+                                                    cleanup=lambda: h.channel.close_fd(pipe_fd))
     except OSError as exc:
         raise RequestError(wire.BAD_REQUEST, f"the fd passed with data_pipe for {path!r} "
                            f"cannot be used ({exc.strerror or exc})") from None

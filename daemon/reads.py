@@ -180,8 +180,9 @@ async def fetch(h: ClientHandler, job: str, step: int, path: str, fd: int, *,
         # (a pipe or socket is the client's mistake, not a destination error).
         owned = False
         try:
-            await h.d.dataplane.call(_prepare_target, fd,
-                                     cleanup=lambda: h.d.dataplane.close_client_fd(fd, h.uid))
+            await h.d.dataplane.client_call(
+                h.uid, _prepare_target, fd,
+                cleanup=lambda: h.d.dataplane.close_client_fd(fd, h.uid))
         except _BadTarget as exc:
             raise RequestError(wire.BAD_REQUEST, str(exc)) from None
         except OSError as exc:
@@ -215,8 +216,8 @@ async def _fetch_local(h: ClientHandler, job: str, step: int, path: str, out_fd:
         # drain), so the client's comparison with the manifest is like for like.
         algo = parse_checksum(shard.checksum)[0] if shard.checksum else checksums.ALGO
         try:
-            size, checksum = await h.d.dataplane.call(
-                _copy_to_client, h.d.staging, shard.staged_name, out_fd, algo,
+            size, checksum = await h.d.dataplane.client_call(
+                h.uid, _copy_to_client, h.d.staging, shard.staged_name, out_fd, algo,
                 cleanup=lambda: h.d.dataplane.close_client_fd(out_fd, h.uid))
         except _BadTarget as exc:
             raise RequestError(wire.BAD_REQUEST, str(exc)) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ckptdrain.client import (
     GenerationFailed,
     PermissionDenied,
 )
-from tests.conftest import DaemonProcess, wait_for
+from tests.conftest import DaemonProcess, strace_attached, wait_for
 from tests.functional import otheruser
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -274,3 +275,58 @@ def test_a_socket_another_user_put_in_a_shared_directory_is_refused(
     said = run_as(victims_daemon, uid=SERVICE_UID, gid=SERVICE_UID)
     assert f"held by a process of uid {OTHER_UID}, not this daemon's user" in said, said
     assert otheruser.answer(squatter) == "GOT 0 bytes"  # not even the hello
+
+
+def test_one_users_calls_stuck_on_its_own_files_never_hold_up_another_users_saves(
+        make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Found attacking: the daemon's shared data-plane threads also ran the steps on a file a
+    client passed (a fetch's target, a put_fd's source). A user's fetches into files on a
+    frozen filesystem (fsfreeze; one it serves itself, sshfs or any FUSE mount, hangs at its
+    will) held every one of those threads, and every other user's save waited behind them
+    until the client timed out. Here strace holds each ftruncate of a fetch's target back, as
+    a frozen filesystem does; the other user's save needs no ftruncate, only a thread."""
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]",
+                                   CKPTDRAIN_LIMITS__IO_THREADS="4")
+    open_to_all(d)
+
+    def save_theirs() -> str:
+        save(d.socket_path, "theirs")
+        Client(d.socket_path, timeout_s=20).wait("theirs", 1, timeout_s=30)
+        return "SAVED"
+
+    assert run_as(save_theirs) == "SAVED"
+    # Opened here and inherited by the child (its uid cannot reach tmp_path): more fetches
+    # than the daemon has data-plane threads.
+    targets = [os.open(tmp_path / f"target{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(6)]
+
+    def fetch_all() -> str:
+        got: list[str] = []
+
+        def fetch(fd: int) -> None:
+            Client(d.socket_path, timeout_s=120).fetch_local("theirs", 1, "w", fd)
+            got.append("fetched")
+
+        threads = [threading.Thread(target=fetch, args=(fd,)) for fd in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return " ".join(got)
+
+    try:
+        with strace_attached(d.pid, "-e", "trace=ftruncate",
+                             "-e", "inject=ftruncate:delay_enter=60000000"):
+            fetcher = otheruser.start_as(OTHER_UID, fetch_all)
+            c = Client(d.socket_path, timeout_s=15)
+            wait_for(lambda: c.status()["io_threads"]["busy"] >= len(targets))
+            # Not one of its fetches has come back (each is held for a minute), and root's
+            # save goes through all the same.
+            with c.generation("mine", 1, rank=0, world_size=1) as gen:
+                gen.put("w", b"root's bytes")
+            assert c.wait("mine", 1, timeout_s=30)["committed"]
+        # Let go, the other user's fetches end too.
+        assert otheruser.answer(fetcher) == " ".join(["fetched"] * len(targets))
+    finally:
+        for fd in targets:
+            os.close(fd)
