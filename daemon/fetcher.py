@@ -253,6 +253,41 @@ class Fetcher:
                 outcome.exception()  # retrieved: a caller gone already is not an error
 
 
+class Fetchers:
+    """A :class:`Fetcher` per uid, started on its first fetch: a read writes into the
+    client's file, which may sit on a mount that hangs for good (sshfs or any FUSE mount its
+    user serves hangs at will), and a write stuck there holds its reading loop's thread or a
+    thread of its backend. Through one fetcher for all, a user's fetches into files on a
+    frozen filesystem held every thread of its backend, and every other user's fetch from
+    the destination (a DrainReader's read of a shard with no local copy here) timed out
+    behind them (found attacking). At most one per uid allowed to connect."""
+
+    def __init__(self, open_reader: Callable[[], Backend], *,
+                 close_fd: Callable[[int, int], None]) -> None:
+        self._open_reader = open_reader
+        self._close_fd = close_fd
+        self._of: dict[int, Fetcher] = {}
+        self._closed = False
+
+    async def copy_into(self, key: str, into: int, owner: int, *, algo: str = checksums.ALGO,
+                        expected_size: int | None = None,
+                        gone: asyncio.Future[None] | None = None) -> tuple[int, str]:
+        """:meth:`Fetcher.copy_into`, by ``owner``'s own fetcher."""
+        fetcher = self._of.get(owner)
+        if fetcher is None:
+            if self._closed:
+                self._close_fd(into, owner)
+                raise _stopping()
+            fetcher = self._of[owner] = Fetcher(self._open_reader, close_fd=self._close_fd)
+        return await fetcher.copy_into(key, into, owner, algo=algo,
+                                       expected_size=expected_size, gone=gone)
+
+    async def aclose(self) -> None:
+        """Close every uid's fetcher, at once: each may wait for a stuck thread."""
+        self._closed = True
+        await asyncio.gather(*(f.aclose() for f in self._of.values()))
+
+
 def _stopping() -> BackendError:
     return BackendError("the daemon is stopping and its reads from the destination have "
                         "ended; retry once it is back", transient=True)

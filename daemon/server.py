@@ -47,7 +47,7 @@ from ckptdrain.daemon.copies import LocalCopies
 from ckptdrain.daemon.dataplane import DataPlane, io_threads
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.expiry import Expiry
-from ckptdrain.daemon.fetcher import Fetcher
+from ckptdrain.daemon.fetcher import Fetchers
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
 from ckptdrain.daemon.journalroom import JournalReserve, open_journal
@@ -115,8 +115,9 @@ class Daemon:
         self.backend = open_backend(config.destination, config.node_id,
                                     workers=config.drain.worker_count)
         self.committer = Committer(self.backend, config.node_id)
-        self.fetcher = Fetcher(lambda: open_backend(config.destination, config.node_id),
-                               close_fd=lambda fd, uid: self.dataplane.close_client_fd(fd, uid))
+        # A reading loop and backend per uid: a client's file may hang its writes.
+        self.fetcher = Fetchers(lambda: open_backend(config.destination, config.node_id),
+                                close_fd=lambda fd, uid: self.dataplane.close_client_fd(fd, uid))
         self.dataplane = DataPlane(io_threads(limits.io_threads), limits.io_timeout_s,
                                    pumps=limits.max_clients)
         self.supervisor = Supervisor()

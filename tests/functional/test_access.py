@@ -330,3 +330,62 @@ def test_one_users_calls_stuck_on_its_own_files_never_hold_up_another_users_save
     finally:
         for fd in targets:
             os.close(fd)
+
+
+def test_one_users_fetches_stuck_writing_its_files_never_hold_up_another_users_fetch(
+        make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Found attacking: the reads from the destination for every client ran on one fetcher,
+    whose backend writes into the client's file in a few threads (destination.max_concurrency
+    + 4). A user's fetches into files on a frozen filesystem held them all, and every other
+    user's fetch from the destination timed out behind them. Here the other user fetches
+    into memfds, which the kernel copies into with sendfile (a memfd is not on the
+    destination's filesystem), and strace holds each sendfile back as a frozen filesystem
+    holds a write; root's fetch into a file beside the destination needs none."""
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=f"[{OTHER_UID}]",
+                                   CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1")
+    open_to_all(d)
+    stuck = 1 + 4 + 2  # more than the threads of one fetcher's POSIX backend
+
+    def save_theirs() -> str:
+        save(d.socket_path, "theirs")
+        Client(d.socket_path, timeout_s=20).wait("theirs", 1, timeout_s=30)
+        return "SAVED"
+
+    assert run_as(save_theirs) == "SAVED"
+    save(d.socket_path, "mine")
+    c = Client(d.socket_path, timeout_s=15)
+    c.wait("mine", 1, timeout_s=30)
+
+    def fetch_all() -> str:
+        got: list[str] = []
+
+        def fetch() -> None:
+            into = os.memfd_create("target")
+            try:
+                Client(d.socket_path, timeout_s=120).fetch_from_destination("theirs", 1, "w",
+                                                                            into)
+                got.append("fetched")
+            finally:
+                os.close(into)
+
+        threads = [threading.Thread(target=fetch) for _ in range(stuck)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return " ".join(got)
+
+    log = tmp_path / "strace.log"
+    with strace_attached(d.pid, "-e", "trace=sendfile", "-e",
+                         "inject=sendfile:delay_enter=60000000", log=log):
+        fetcher = otheruser.start_as(OTHER_UID, fetch_all)
+        # Every thread of a fetcher's backend is inside a held sendfile.
+        wait_for(lambda: log.read_text().count("sendfile(") >= stuck - 2)
+        mine = os.open(tmp_path / "mine.bin", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            assert c.fetch_from_destination("mine", 1, "w", mine)["size"] == len(b"bytes")
+        finally:
+            os.close(mine)
+    # Let go, the other user's fetches end too.
+    assert otheruser.answer(fetcher) == " ".join(["fetched"] * stuck)
