@@ -30,7 +30,7 @@ from ckptdrain.client import wire
 from ckptdrain.client.wire import ProtocolError
 from ckptdrain.daemon.dataplane import RateFloor
 from ckptdrain.daemon.errors import DaemonError, RequestError
-from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, FdCloser
+from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, FdCloser, closed_if_nothing_queued
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.pumps import SocketPump
 
@@ -353,11 +353,11 @@ class Channel:
             self._pump.close()
         self.drop_frame_fds()
         self.close_fds()
-        # Closed like a passed fd, off the loop: the last close of a socket drops the fds
-        # queued in it unread, and one of a pipe whose lock its client holds blocked the
-        # event loop in that close (found attacking: a connection hung up on with its next
-        # frame, and a pipe, unread).
-        if self.sock.fileno() >= 0:
+        # Closed like a passed fd, off the loop, unless nothing queued in it carries an fd:
+        # its last close drops the fds queued in it unread, and one of a pipe whose lock its
+        # client holds blocked the event loop in that close (found attacking: a connection
+        # hung up on with its next frame, and a pipe, unread).
+        if self.sock.fileno() >= 0 and not closed_if_nothing_queued(self.sock):
             self.close_fd(self.sock.detach())
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ckptdrain.client import wire
 from ckptdrain.daemon import access
 from ckptdrain.daemon.access import Peer
+from ckptdrain.daemon.fdcloser import closed_if_nothing_queued
 from ckptdrain.daemon.logs import OncePerCause
 
 if TYPE_CHECKING:
@@ -118,7 +119,8 @@ def refuse(conn: socket.socket, code: str, message: str, details: dict[str, obje
     except OSError:
         pass
     finally:
-        close(conn.detach())
+        if not closed_if_nothing_queued(conn):
+            close(conn.detach())
 
 
 class Listener:

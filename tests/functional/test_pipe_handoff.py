@@ -502,6 +502,55 @@ def test_a_user_holding_the_locks_of_the_pipes_it_passed_is_served_no_more(
     still_serves(d)
 
 
+def test_the_connections_of_a_user_whose_closes_are_wedged_hold_no_fds_of_the_daemons(
+        make_daemon: Any) -> None:
+    # Found attacking a shared node: once a uid's closes were wedged (it held the locks of
+    # the pipes it passed), each connection it opened after was refused (pipes_held) and its
+    # socket's close waited in that uid's line behind them, an fd of the daemon's held open.
+    # One user reconnecting in a loop had the daemon at its fd limit within a minute, and
+    # every other user's connect timed out. A socket with no fd queued in it is closed at
+    # once: its close cannot wait on anything.
+    d: DaemonProcess = make_daemon()
+    assert d.proc is not None
+    with read_ends_held(MAX_PIPE_CLOSES_PER_UID + 2) as ends:
+        with RawClient(d.socket_path) as raw:
+            assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+            while ends:
+                r = ends.pop()
+                d.proc.send_signal(signal.SIGSTOP)  # so that this process's close comes first
+                try:
+                    send_fds(raw, wire.encode_message("latest", {"job": "j"}), [r])
+                except OSError:  # hung up on after its last word
+                    break
+                finally:
+                    os.close(r)  # the daemon's is the last close now
+                    d.proc.send_signal(signal.SIGCONT)
+                try:
+                    if raw.reply().kind == "error":
+                        break
+                except OSError:
+                    break
+        with pytest.raises(Backpressure, match="holds the lock of a pipe"):
+            d.client().status()
+        before = daemon_fds(d)
+        for _ in range(3):  # rounds of connections, each refused as pipes_held
+            socks = []
+            for _ in range(50):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(str(d.socket_path))
+                s.sendall(wire.encode_message("hello", {"version": wire.PROTOCOL_VERSION}))
+                socks.append(s)
+            for s in socks:
+                s.settimeout(30)
+                assert b"pipes_held" in s.recv(65536)
+                s.close()
+        # Every one of their sockets is closed while the pipes' closes still wait.
+        wait_for(lambda: daemon_fds(d) <= before + 2, timeout_s=20)
+    # The locks let go, the pipes' closes end (and the uid is served again).
+    wait_for(lambda: daemon_fds(d) < before)
+    still_serves(d)
+
+
 def test_a_connection_refused_with_a_locked_pipe_queued_never_blocks_the_event_loop(
         make_daemon: Any) -> None:
     # Found attacking: a connection's last close drops the fds queued in it unread. A client
