@@ -9,7 +9,7 @@ are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from ckptdrain.client.manifest import (
     Manifest,
@@ -29,6 +29,7 @@ __all__ = [
     "held_part",
     "holds_part",
     "missing_ranks",
+    "not_this_nodes",
     "owners_disagree",
     "same_contents",
 ]
@@ -69,6 +70,32 @@ def owners_disagree(parts: Sequence[PartRecord]) -> str:
     named = ", ".join(f"uid {uid} on node {node!r}" for uid, node in sorted(owners.items()))
     return (f"part records of this generation were written for different owners ({named}); "
             "two users saved the same job name, and no node merges them: use another job name")
+
+
+def not_this_nodes(parts: Sequence[PartRecord], node: str, began: Set[int],
+                   recorded: Set[int]) -> str:
+    """Why the part record at ``node``'s own key is not the one ``node`` wrote, having begun
+    the ranks ``began`` and recorded ``recorded`` of them there (``""`` when it is, or when
+    there is none to judge).
+
+    Only another daemon running as ``node`` rewrites that key with other ranks: each rewrites
+    the other's record, no record ever covers both daemons' ranks, and every node waited out
+    drain.commit_wait_s, told the ranks of the one whose record was overwritten had "no part
+    record (is their node down?)", that node included (found attacking: two daemons with one
+    node_id, as containers sharing their host's name have). Only a record that names a rank
+    this node never began counts: an older record of its own, read stale, never does."""
+    mine = next((p for p in parts if p.node == node), None)
+    if mine is None:
+        return ""
+    lacking = sorted(recorded - set(mine.ranks))
+    foreign = sorted({*mine.ranks, *mine.aborted_ranks} - began)
+    if not lacking or not foreign:
+        return ""
+    return (f"the part record _parts/{node}.json names rank(s) {describe_ranks(foreign)}, which "
+            f"this node never saved, and not rank(s) {describe_ranks(lacking)}, which it "
+            f"recorded there: another daemon runs with node_id {node!r} and rewrites the "
+            "record. Give every daemon sharing the destination its own node_id, restart them, "
+            "and save a new step")
 
 
 def describe_aborted(parts: Sequence[PartRecord]) -> str:

@@ -37,6 +37,7 @@ from ckptdrain.daemon.assembly import (
     held_part,
     holds_part,
     missing_ranks,
+    not_this_nodes,
 )
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer, parse_latest
@@ -300,6 +301,16 @@ class Publisher:
         it can never commit. Called with ``gen.lock`` held, for a RECORDED generation."""
         parts = await self._read_parts(gen)
         if parts is None or gen.terminal:
+            return
+        recorded = {r for r, st in gen.ranks.items() if st is RankState.RECORDED}
+        twin = not_this_nodes(parts, self.config.node_id, set(gen.ranks), recorded)
+        if twin:
+            # This node's part can never stand at its key: its ranks are aborted, so the
+            # failure record the end writes there tells the other daemon and every other
+            # node at their next look, rather than after drain.commit_wait_s.
+            for r in recorded:
+                await self.ledger.apply((gen, r), RankEvent.ABORTED)
+            await self.end(gen, twin, kind="conflict")
             return
         aborted = describe_aborted(parts)
         if aborted:

@@ -406,3 +406,27 @@ def test_retention_of_a_step_whose_manifest_was_damaged_says_nothing_was_committ
     finally:
         a.proc.send_signal(signal.SIGCONT)
     fails_quickly(a, 1, r"cancelled: step 3 of this job committed first")
+
+
+def test_two_daemons_with_one_node_id_end_the_step_at_once_saying_so(make_daemon, tmp_path,  # type: ignore[no-untyped-def]
+                                                                     short_tmp) -> None:
+    # Found attacking multi-node commits: two daemons running as node-a (containers sharing
+    # their host's name) rewrote each other's _parts/node-a.json, so no record ever covered
+    # both one's ranks and the other's. Every node waited out drain.commit_wait_s (an hour by
+    # default) and then said that the ranks of the overwritten twin had "no part record (is
+    # their node down?)", that twin included. The daemon whose record is gone sees it at its
+    # next look and aborts its ranks; its failure record ends the step everywhere.
+    a: DaemonProcess = make_daemon("node-a")
+    (tmp_path / "twin").mkdir()
+    twin = DaemonProcess(root=tmp_path / "twin", socket_path=short_tmp / "twin.sock",
+                         node_id="node-a", dest_uri=a.dest_uri).start()
+    b: DaemonProcess = make_daemon("node-b")
+    try:
+        seal(a, 1, 0, world_size=3)
+        seal(twin, 1, 1, world_size=3)
+        seal(b, 1, 2, world_size=3)
+        for d in (a, twin, b):
+            fails_quickly(d, 1, r"another daemon runs with node_id 'node-a'")
+        assert not (a.dest / JOB / f"{1:020d}" / "MANIFEST.json").exists()
+    finally:
+        twin.stop(timeout_s=20)
