@@ -25,6 +25,7 @@ __all__ = [
     "MISSING_RANKS_LISTED",
     "build_manifest",
     "describe_aborted",
+    "describe_missing",
     "describe_ranks",
     "held_part",
     "holds_part",
@@ -56,6 +57,35 @@ def missing_ranks(parts: Sequence[PartRecord], world_size: int,
             missing.append(rank)
         rank += 1
     return missing
+
+
+def describe_missing(missing: Sequence[int], others: Sequence[PartRecord]) -> str:
+    """Why ``missing`` (ascending, from :func:`missing_ranks`) are not covered, for the end of
+    a wait: ``others``, the records of other attempts at the step, say which of those ranks a
+    node did save, under another attempt's name. Found attacking: nodes whose launchers named
+    the attempt differently (torchrun counts restarts per node) waited out
+    drain.commit_wait_s and then asked of each other "is their node down?"."""
+    elsewhere: dict[str, tuple[str, list[int]]] = {}
+    wanted = set(missing)
+    for part in sorted(others, key=lambda p: p.node):
+        ranks = sorted(wanted.intersection(part.ranks))
+        if ranks:
+            elsewhere[part.node] = (part.attempt, ranks)
+    lonely = sorted(wanted.difference(*(r for _, r in elsewhere.values())))
+    clauses = []
+    if lonely:
+        clauses.append(f"rank(s) {describe_ranks(lonely)} have no part record (is their node "
+                       "down?)")
+    if elsewhere:
+        shown = sorted(elsewhere.items())[:3]
+        named = ", ".join(f"node {node!r} saved rank(s) {describe_ranks(ranks)} as attempt "
+                          f"{attempt!r}" for node, (attempt, ranks) in shown)
+        more = f" and {len(elsewhere) - 3} more nodes" if len(elsewhere) > 3 else ""
+        clauses.append(f"{named}{more}, not as this node's attempt: every rank of a run must "
+                       "save the step under one attempt name (with DCP, agreed_attempt(); "
+                       "else the same $CKPTDRAIN_ATTEMPT on every node), unless that attempt "
+                       "is a restart that replaced this one")
+    return "; ".join(clauses)
 
 
 def owners_disagree(parts: Sequence[PartRecord]) -> str:

@@ -360,10 +360,12 @@ class Committer:
     # --- steps ------------------------------------------------------------------------------
 
     async def read_parts(
-        self, job: str, step: int, world_size: int, attempt: str = ""
+        self, job: str, step: int, world_size: int, attempt: str = "", *,
+        others: list[PartRecord] | None = None,
     ) -> tuple[list[PartRecord], str]:
         """Every readable part record of ``attempt``, or a reason why they cannot be trusted.
-        Records of another attempt at the same step are stale: not counted, not a conflict.
+        Records of another attempt at the same step are stale: not counted, not a conflict
+        (appended to ``others`` when given: what a wait that never ends names).
         A destination error is raised as itself (BackendError), not inside an ExceptionGroup,
         so callers can retry it; records are parsed off the event loop."""
         prefix = parts_prefix(job, step)
@@ -393,6 +395,8 @@ class Committer:
             if (part.job, part.step) != (job, step):
                 return [], f"part record {key} is for {part.job!r} step {part.step}"
             if part.attempt != attempt:
+                if others is not None:
+                    others.append(part)
                 continue  # left by another attempt at this step; its node will rewrite it
             if part.world_size != world_size:
                 return [], (

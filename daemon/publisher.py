@@ -33,7 +33,7 @@ from ckptdrain.client.manifest import (
 from ckptdrain.daemon import owners
 from ckptdrain.daemon.assembly import (
     describe_aborted,
-    describe_ranks,
+    describe_missing,
     held_part,
     holds_part,
     missing_ranks,
@@ -120,8 +120,9 @@ class Publisher:
         self._part_locks = KeyedLocks()
         self._failures = FailureRecords(config=config, ledger=ledger, committer=committer,
                                         locks=self._part_locks, retrying=self._with_retries)
-        # Ranks with no part record at the last look, for the commit_wait_s message.
-        self._missing: dict[GenKey, list[int]] = {}
+        # Ranks with no part record of this attempt at the last look, said for the
+        # commit_wait_s message (describe_missing: records of other attempts included).
+        self._missing: dict[GenKey, str] = {}
         # Why a generation could not commit at its last poll: its part records unreadable, or
         # shards of other nodes missing at the destination (its expiry names that, not a
         # manifest that never appeared).
@@ -299,7 +300,8 @@ class Publisher:
     async def _settle(self, gen: GenerationRecord) -> None:
         """Publish when the part records cover every rank; end the generation when they say
         it can never commit. Called with ``gen.lock`` held, for a RECORDED generation."""
-        parts = await self._read_parts(gen)
+        others: list[PartRecord] = []
+        parts = await self._read_parts(gen, others)
         if parts is None or gen.terminal:
             return
         recorded = {r for r, st in gen.ranks.items() if st is RankState.RECORDED}
@@ -318,7 +320,7 @@ class Publisher:
             return
         missing = missing_ranks(parts, gen.world_size)
         if missing:
-            self._missing[gen.key] = missing
+            self._missing[gen.key] = describe_missing(missing, others)
             return  # other nodes are not done: the poller looks again
         for shard in gen.pending_deferred():
             if not await self._drain(gen, shard):
@@ -326,16 +328,18 @@ class Publisher:
         if not gen.terminal:
             await self._try_publish(gen)
 
-    async def _read_parts(self, gen: GenerationRecord) -> list[PartRecord] | None:
-        """This attempt's part records; None when they cannot be read now (the poller asks
-        again) or cannot be trusted (the generation has failed)."""
+    async def _read_parts(self, gen: GenerationRecord,
+                          others: list[PartRecord]) -> list[PartRecord] | None:
+        """This attempt's part records (other attempts' into ``others``); None when they
+        cannot be read now (the poller asks again) or cannot be trusted (the generation has
+        failed)."""
         bound = min(PART_READ_MAX_S, max(PART_READ_MIN_S, self.config.drain.commit_wait_s))
         try:
             # The Committer's own reader: the records must count the same here as in
             # try_publish, which decides the commit.
             async with asyncio.timeout(bound) as reading:
                 parts, problem = await self.committer.read_parts(
-                    gen.job, gen.step, gen.world_size, gen.attempt)
+                    gen.job, gen.step, gen.world_size, gen.attempt, others=others)
             self._why_waiting.pop(gen.key, None)
         except Exception as caught:
             if isinstance(caught, TimeoutError) and reading.expired():
@@ -641,9 +645,8 @@ class Publisher:
         wait_s = self.config.drain.commit_wait_s
         since = gen.created_mono if gen.drained_mono is None else gen.drained_mono
         if gen.state is _G.RECORDED and time.monotonic() - since >= wait_s:
-            missing = self._missing.get(gen.key)
-            why = (f"rank(s) {describe_ranks(missing)} have no part record (is their node down?)"
-                   if missing else self._why_waiting.get(gen.key, "the manifest never appeared"))
+            why = (self._missing.get(gen.key)
+                   or self._why_waiting.get(gen.key, "the manifest never appeared"))
             await self.end(gen, f"not committed within drain.commit_wait_s = {wait_s:g} s of "
                                 f"this node recording its part: {why}", kind="timeout",
                            event=GenerationEvent.EXPIRED)

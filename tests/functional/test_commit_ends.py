@@ -430,3 +430,19 @@ def test_two_daemons_with_one_node_id_end_the_step_at_once_saying_so(make_daemon
         assert not (a.dest / JOB / f"{1:020d}" / "MANIFEST.json").exists()
     finally:
         twin.stop(timeout_s=20)
+
+
+def test_commit_wait_s_names_ranks_saved_under_another_attempt(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking multi-node commits: torchrun counts restarts per node, so the ranks of
+    # one run saved step 1 as attempts ...:0 and ...:1. Each node waited out
+    # drain.commit_wait_s for the other's record of its own attempt and then asked "is their
+    # node down?" of a node that was up and had saved its rank.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2")
+    b: DaemonProcess = make_daemon("node-b")
+    for d, rank in ((a, 0), (b, 1)):  # rank 2's node never saves
+        with d.client().generation(JOB, 1, rank=rank, world_size=3,
+                                   attempt=f"torchelastic:job7:{rank}") as g:
+            g.put(f"rank{rank}.bin", bytes([rank]) * 1000)
+    fails_quickly(a, 1, r"rank\(s\) 2 have no part record \(is their node down\?\); node "
+                        r"'node-b' saved rank\(s\) 1 as attempt 'torchelastic:job7:1', not as "
+                        r"this node's attempt: .*agreed_attempt")
