@@ -283,8 +283,10 @@ class Restarts:
         self._why[i] = ", ".join(said + ([worker.ended()] if worker.ended() else []))
         if self._failed[i] < 2:
             return  # once is an accident (a kill, the OOM killer): started again at once
-        delay_s = min(RESTART_BACKOFF_MAX_S,
-                      RESTART_BACKOFF_FIRST_S * 2 ** (self._failed[i] - 2))
+        # Doubled no further than the most: 2 ** n as a float overflows past n = 1023 (some
+        # 8.5 hours of failed starts), and raised OverflowError out of every request.
+        doublings = min(self._failed[i] - 2, 32)
+        delay_s = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_FIRST_S * 2 ** doublings)
         self._not_before[i] = time.monotonic() + delay_s
         log_event(log, logging.WARNING, "s3_worker_restart_delayed", role=self._role,
                   worker=i, failed_starts=self._failed[i], delay_s=delay_s, why=self._why[i],

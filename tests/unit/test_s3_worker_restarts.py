@@ -64,3 +64,18 @@ async def test_a_worker_that_exits_at_start_is_not_started_again_at_every_reques
     assert sum("event=s3_worker_started" in m for m in events) == 2, events
     assert sum("event=s3_worker_restart_delayed" in m for m in events) == 1, events
     assert not any("Connection reset" in m for m in events), events
+
+
+def test_a_slot_whose_workers_never_start_keeps_waiting_the_most_however_long_it_fails() -> None:
+    """Found attacking the restart backoff: the wait doubled as a float product of 2 **
+    (failed starts - 2), which past 1,025 failed starts in a row (about 8.5 hours of a
+    broken worker at the 30 s most) raised OverflowError out of the pool's worker lookup, an
+    untyped error in place of its S3Failure, for every request from then on."""
+    restarts = s3procs.Restarts(1, "upload")
+    worker = cast(s3procs.WorkerProcess, SimpleNamespace(
+        index=0, ready=False, why=s3procs.EXITED_EARLY, ended=lambda: "exit status 1"))
+    for _ in range(1100):
+        restarts.lost(worker)
+    assert not restarts.may_start(0)
+    said = str(restarts.failure())
+    assert "1100 times in a row" in said, said
