@@ -162,6 +162,17 @@ class DataPlane:
             self._client_lanes[owner] = lane
         return await self._call(lane, fn, args, cleanup, cancel, abandoned)
 
+    def release(self, owner: object) -> None:
+        """``owner``'s last connection has ended: its lane's threads end too, unless a call
+        of its own still runs there (stuck on its file: kept, so that its next connection's
+        calls still wait for its own threads, never for more of them). Kept for good, each
+        uid that ever passed an fd held as many threads as it once ran at once, up to
+        limits.io_threads, to the daemon's end (found attacking the per-uid lanes)."""
+        lane = self._client_lanes.get(owner)
+        if lane is not None and lane.idle:
+            del self._client_lanes[owner]
+            lane.close()
+
     async def call(self, fn: Callable[..., T], *args: object,
                    cleanup: Callable[[], None] | None = None,
                    cancel: threading.Event | None = None,

@@ -52,6 +52,10 @@ T = TypeVar("T")
 CLOSE_TIMEOUT_S = 10.0
 # How long a cancelled fetch waits for its read to end (see above).
 CANCEL_GRACE_S = 5.0
+# Fetchers kept for uids with no connection now, the most recently used: a reader fetches
+# each shard on a connection of its own, so a uid's fetcher closed with its last connection
+# was built again (an S3 client, its connections) for nearly every fetch of a lone reader.
+MAX_IDLE_FETCHERS = 4
 
 
 class _Intake:
@@ -95,6 +99,13 @@ class Fetcher:
         # Outcomes callers await, until each is settled: what closing settles if the reading
         # loop could not answer them (its thread stuck past the join).
         self._waiting: set[asyncio.Future[Any]] = set()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a read (or the backend's start) is still running on the reading loop, or
+        a caller waits for one: a read whose caller gave up after CANCEL_GRACE_S counts
+        until it ends (a write stuck in a client's file)."""
+        return bool(self._waiting) or self._starting.locked()
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -260,32 +271,74 @@ class Fetchers:
     thread of its backend. Through one fetcher for all, a user's fetches into files on a
     frozen filesystem held every thread of its backend, and every other user's fetch from
     the destination (a DrainReader's read of a shard with no local copy here) timed out
-    behind them (found attacking). At most one per uid allowed to connect."""
+    behind them (found attacking). At most one per uid connected now or with a read still
+    running, and :data:`MAX_IDLE_FETCHERS` more (:meth:`release`)."""
 
     def __init__(self, open_reader: Callable[[], Backend], *,
                  close_fd: Callable[[int, int], None]) -> None:
         self._open_reader = open_reader
         self._close_fd = close_fd
         self._of: dict[int, Fetcher] = {}
+        self._calls: dict[int, int] = {}  # copy_into calls in progress, by uid
+        # Uids whose last connection has ended, the longest gone first (dicts keep order).
+        self._gone: dict[int, None] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
     async def copy_into(self, key: str, into: int, owner: int, *, algo: str = checksums.ALGO,
                         expected_size: int | None = None,
                         gone: asyncio.Future[None] | None = None) -> tuple[int, str]:
         """:meth:`Fetcher.copy_into`, by ``owner``'s own fetcher."""
+        self._gone.pop(owner, None)
         fetcher = self._of.get(owner)
         if fetcher is None:
             if self._closed:
                 self._close_fd(into, owner)
                 raise _stopping()
             fetcher = self._of[owner] = Fetcher(self._open_reader, close_fd=self._close_fd)
-        return await fetcher.copy_into(key, into, owner, algo=algo,
-                                       expected_size=expected_size, gone=gone)
+        self._calls[owner] = self._calls.get(owner, 0) + 1
+        try:
+            return await fetcher.copy_into(key, into, owner, algo=algo,
+                                           expected_size=expected_size, gone=gone)
+        finally:
+            left = self._calls.pop(owner) - 1
+            if left:
+                self._calls[owner] = left
+
+    def release(self, owner: int) -> None:
+        """``owner``'s last connection has ended: past :data:`MAX_IDLE_FETCHERS` such uids,
+        the fetchers of those gone longest are closed (each in a task of its own), but not
+        one whose read still runs (stuck writing into its file: kept, so that its uid's
+        next reads share its threads rather than add more). Kept for good, each uid that
+        ever read from the destination held a thread, an event loop's fds and a backend (an
+        S3 client and its connections) to the daemon's end (found attacking the per-uid
+        fetchers: 3 threads and 3 fds more per uid, file://)."""
+        self._gone.pop(owner, None)  # (re)placed last: gone the most recently
+        if owner in self._of:
+            self._gone[owner] = None
+        for uid in list(self._gone)[:max(0, len(self._gone) - MAX_IDLE_FETCHERS)]:
+            fetcher = self._of[uid]
+            if self._calls.get(uid) or fetcher.busy:
+                continue  # looked at again at the next release
+            del self._of[uid], self._gone[uid]
+            task = asyncio.get_running_loop().create_task(fetcher.aclose(),
+                                                          name="ckptdrain-fetch-close")
+            self._closing.add(task)
+            task.add_done_callback(_closed_one)
+            task.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
         """Close every uid's fetcher, at once: each may wait for a stuck thread."""
         self._closed = True
-        await asyncio.gather(*(f.aclose() for f in self._of.values()))
+        await asyncio.gather(*(f.aclose() for f in self._of.values()), *self._closing)
+
+
+def _closed_one(task: asyncio.Task[None]) -> None:
+    # Fetcher.aclose logs what it could not close; anything else is logged here, never
+    # left as "Task exception was never retrieved".
+    if not task.cancelled() and task.exception() is not None:
+        log_event(log, logging.WARNING, "fetch_close_failed",
+                  error=repr(task.exception()))
 
 
 def _stopping() -> BackendError:

@@ -157,6 +157,14 @@ class IoLane:
             elif job.late is not None:
                 _hand_late(job)
 
+    @property
+    def idle(self) -> bool:
+        """Whether no call is queued or running here (every thread started waits for one):
+        a call taken in claims an idle thread or starts one, and a thread counts itself idle
+        again only once its call has returned."""
+        with self._lock:
+            return self._idle == len(self._started)
+
     def close(self) -> None:
         """No more calls; idle threads end, a running call ends its thread when it returns.
         Queued calls are dropped, their callers cancelled (as the executor's

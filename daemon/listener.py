@@ -128,7 +128,8 @@ class Listener:
                  access: Callable[[], AccessConfig], metrics: Metrics,
                  handler: Callable[[socket.socket, Peer], ClientHandler],
                  owns_path: str | None, charge: Callable[[int], None] = lambda uid: None,
-                 close: Callable[[int, object], None] = lambda fd, uid: os.close(fd)) -> None:
+                 close: Callable[[int, object], None] = lambda fd, uid: os.close(fd),
+                 last_gone: Callable[[int], None] = lambda uid: None) -> None:
         self.sock: socket.socket | None = sock
         self._limits = limits
         self._access = access
@@ -139,6 +140,9 @@ class Listener:
         # How a refused connection's fd is closed (DataPlane.close_client_fd): a client may
         # have queued fds in it already, and the last close of a pipe's can block.
         self._close = close
+        # Told when a uid's last connection has ended: what the daemon keeps per uid for
+        # its connections (data-plane lane, fetcher) is let go then.
+        self._last_gone = last_gone
         self.connections: dict[asyncio.Task[None], ClientHandler] = {}
         self.per_uid: dict[int, int] = {}
         self._refusals = OncePerCause(60.0)
@@ -237,6 +241,7 @@ class Listener:
                 self.per_uid[uid] = left
             else:
                 self.per_uid.pop(uid, None)
+                self._last_gone(uid)
 
     def close(self) -> None:
         if self.sock is None:

@@ -227,6 +227,7 @@ class Daemon:
                         metrics=self.metrics, handler=lambda conn, peer: ClientHandler(self, conn, peer),
                         charge=self.allowance.charge,
                         close=self.dataplane.close_client_fd,
+                        last_gone=self._last_connection_gone,
                         owns_path=owns)
                     stack.callback(self._listener.close)
                     background = [
@@ -283,6 +284,12 @@ class Daemon:
         except Exception as exc:  # started again on first use; the drain reports what fails
             log_event(log, logging.WARNING, "destination_start_failed", error=str(exc),
                       action="started again when the first shard drains")
+
+    def _last_connection_gone(self, uid: int) -> None:
+        """A uid's last connection ended: its own data-plane lane and fetcher go (each
+        keeps what still runs on a file of its own)."""
+        self.dataplane.release(uid)
+        self.fetcher.release(uid)
 
     def spawn_advance(self, gen: GenerationRecord) -> None:
         """Queue a commit attempt for ``gen`` to the supervisor (it outlives any request)."""

@@ -18,6 +18,7 @@ from ckptdrain.client import (
     GenerationFailed,
     PermissionDenied,
 )
+from ckptdrain.daemon.fetcher import MAX_IDLE_FETCHERS
 from tests.conftest import DaemonProcess, strace_attached, wait_for
 from tests.functional import otheruser
 
@@ -389,3 +390,56 @@ def test_one_users_fetches_stuck_writing_its_files_never_hold_up_another_users_f
             os.close(mine)
     # Let go, the other user's fetches end too.
     assert otheruser.answer(fetcher) == " ".join(["fetched"] * stuck)
+
+
+def _threads_named(pid: int, prefix: str) -> int:
+    """How many of the process's threads have a kernel name starting with ``prefix``."""
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        count += name.startswith(prefix)
+    return count
+
+
+def test_a_users_own_threads_end_with_its_last_connection(
+        make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Found attacking the per-uid lanes and fetchers: each uid that ever passed an fd kept
+    its data-plane lane's threads, and each that ever read from the destination its fetcher
+    (a thread, an event loop's fds, a backend: on s3:// an S3 client and its connections),
+    to the daemon's end; on a node shared by many users over weeks, a thread count and fds
+    that only grow. A uid's lane now ends with its last connection, and of the fetchers of
+    uids with none, only the MAX_IDLE_FETCHERS most recently used are kept."""
+    users = [OTHER_UID - 1 - i for i in range(MAX_IDLE_FETCHERS + 3)]
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS=str(users))
+    open_to_all(d)
+    (tmp_path / "source").write_bytes(b"theirs" * 1000)
+    per_fetcher = 0
+    for uid in users:
+        # Opened here and inherited by the child (its uid cannot reach tmp_path).
+        source = os.open(tmp_path / "source", os.O_RDONLY)
+        target = os.open(tmp_path / f"target{uid}", os.O_RDWR | os.O_CREAT, 0o600)
+
+        def save_and_read(job: str = f"theirs{uid}", source: int = source,
+                          target: int = target) -> str:
+            c = Client(d.socket_path, timeout_s=20)
+            with c.generation(job, 1, rank=0, world_size=1) as gen:
+                gen.put_file("w", source)  # its fstat and copy: in the uid's own lane
+            c.wait(job, 1, timeout_s=30)
+            got = c.fetch_from_destination(job, 1, "w", target)  # by the uid's fetcher
+            return f"READ {got['size']}"
+
+        try:
+            assert run_as(save_and_read, uid=uid, gid=uid) == "READ 6000"
+        finally:
+            os.close(source)
+            os.close(target)
+        # Its process has ended, and its connections with it.
+        wait_for(lambda: _threads_named(d.pid, "ckptdrain-fd") == 0)
+        per_fetcher = per_fetcher or _threads_named(d.pid, "ckptdrain-fetch")
+    assert per_fetcher
+    wait_for(lambda: _threads_named(d.pid, "ckptdrain-fetch")
+             <= per_fetcher * MAX_IDLE_FETCHERS)
