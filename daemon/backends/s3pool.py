@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.backends.base import BackendError
@@ -41,6 +42,7 @@ from ckptdrain.daemon.backends.s3messages import (
 from ckptdrain.daemon.backends.s3parts import READ_DRAIN_TIMEOUT_S
 from ckptdrain.daemon.backends.s3procs import (
     MIN_ALIVE_S,
+    START_GRACE_S,
     STOP_TIMEOUT_S,
     WORKER_LOST,
     Restarts,
@@ -74,6 +76,9 @@ log = logging.getLogger(__name__)
 # How long a cancelled range waits for its reader to say it gave the range up, before the
 # reader is killed (an upload worker's part waits READ_DRAIN_TIMEOUT_S: its read thread).
 READER_CANCEL_TIMEOUT_S = 5.0
+# How long a request waits for room in its worker's socket before the worker is taken for
+# stuck; one still starting reads nothing before it has (s3procs.START_GRACE_S).
+SEND_TIMEOUT_S = 10.0
 # Requests that only read, sent once more when their worker is lost (writes are the drain's to
 # retry: it knows whether a create-once write landed).
 _RESENT_WHEN_LOST = frozenset({"head_object", "get_object", "list_objects_v2", "list_parts",
@@ -337,11 +342,17 @@ class WorkerSenders(PartSender):
         worker.pending[request_id] = answer
         request = {"id": request_id, **body}
         try:
-            await worker.send(request, fds, timeout_s=10.0)
+            # A worker still starting reads no request until it has: given the start's
+            # grace, as its answers are (WorkerProcess.answer). Within 10 s, the requests
+            # queued past the socket's few (net.unix.max_dgram_qlen) had a worker slow to
+            # start on a loaded node killed as unreachable, and its next start likewise.
+            send_s = (SEND_TIMEOUT_S if worker.ready else
+                      max(SEND_TIMEOUT_S, START_GRACE_S - (time.monotonic() - worker.spawned)))
+            await worker.send(request, fds, timeout_s=send_s)
         except (OSError, TimeoutError) as exc:
             worker.pending.pop(request_id, None)
             settled(answer)
-            worker.lost(f"a request could not be sent ({exc or 'no room in 10 s'})")
+            worker.lost(f"a request could not be sent ({exc or f'no room in {send_s:.0f} s'})")
             raise S3Failure(f"the S3 {self._role} worker {worker.index} could not be reached "
                             f"for {what}; a new one is started for the next request",
                             transient=True, kind="io", code=WORKER_LOST) from exc

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ckptdrain.daemon.backends import s3pool
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3pool import WORKER_LOST
 from tests.unit.test_s3_pool_give_up import _answer, _receive, _Scripted
@@ -95,3 +96,31 @@ def test_a_worker_lost_while_senders_wait_for_room_fails_them_under_uvloop() -> 
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     assert run.stdout.strip() == f"{MANY} of {MANY} lost", run.stdout
     assert "never retrieved" not in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.asyncio
+async def test_a_worker_still_starting_is_not_replaced_for_the_requests_queued_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found attacking the send bound: a worker reads no request until it has started (its
+    imports, botocore's model: START_GRACE_S allows a loaded node 60 s), and a SOCK_SEQPACKET
+    socket holds few requests unread (net.unix.max_dgram_qlen, 10 by default). The eleventh
+    request queued meanwhile waited for room for SEND_TIMEOUT_S (10 s) and then had the
+    starting worker killed as unreachable, its requests failed, and the next start (as
+    slow) went the same way, counted as a start that failed. Here the bound is shortened
+    and the worker starts slower than it; it must be waited for."""
+    monkeypatch.setattr(s3pool, "SEND_TIMEOUT_S", 0.2)
+    pool = _Scripted()
+    try:
+        calls = await _filled(pool, "head_object")
+        await asyncio.sleep(1.0)  # the worker still starting: nothing read
+        end = pool.ends[0]
+        for _ in range(MANY):
+            request = await _receive(end)
+            _answer(end, {"id": request["id"], "answer": {"ContentLength": 1}})
+        answers = await asyncio.gather(*calls)
+        assert all(a["ContentLength"] == 1 for a in answers)
+        assert len(pool.started) == 1, "a worker still starting was replaced"
+    finally:
+        await pool.aclose()
+        for end in pool.ends:
+            end.close()
