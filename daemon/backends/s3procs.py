@@ -88,6 +88,12 @@ class WorkerProcess:
                     return
                 except BlockingIOError:
                     await self._wait_for_room()
+                except (ConnectionResetError, BrokenPipeError):
+                    # It exited (with a message of ours unread: ECONNRESET), and this send
+                    # came before the reader callback heard so: the same exit, said the same
+                    # way, not the network "Connection reset by peer" names (found attacking:
+                    # one request in four to a worker dying at start said that).
+                    self.lost("it exited" if self.ready else EXITED_EARLY)
 
     async def _wait_for_room(self) -> None:
         loop = asyncio.get_running_loop()

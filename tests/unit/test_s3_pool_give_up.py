@@ -24,6 +24,7 @@ from typing import Any, cast
 import pytest
 import pytest_asyncio
 
+from ckptdrain.daemon.backends import s3procs
 from ckptdrain.daemon.backends.s3client import S3Client
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3pool import WORKER_LOST, WorkerSenders
@@ -354,3 +355,25 @@ async def test_a_batch_may_take_as_long_as_its_rounds_of_requests(pool: _Scripte
     got = await checking
     assert [r["ContentLength"] for r in got if isinstance(r, dict)] == list(range(len(keys)))
     assert pool.ends == [end] and pool_processes_killed(pool) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_worker_gone_with_a_message_unread_is_said_to_have_exited_when_sent_to(
+        pool: _Scripted) -> None:
+    """Found attacking the workers' restarts: a worker that exits at start leaves its
+    configuration unread, and the kernel then fails the daemon's next send on its socket
+    with ECONNRESET. The reader callback, when it ran first, said the worker exited before it
+    started; a request sent first failed and logged 'a request could not be sent ([Errno 104]
+    Connection reset by peer)', which points at the network (a flaky failure of
+    test_s3_worker_restarts.py, about one run in four on a loaded machine). Here the send
+    comes first, as it did there."""
+    await pool.start()
+    worker = pool.started[0]
+    await worker.send({"config": {}}, timeout_s=5.0)  # never read: the worker exits
+    pool.ends[0].close()
+    with pytest.raises(OSError) as sent:
+        # No turn of the loop before the send: the reader callback has not run.
+        await worker.send({"id": 1, "op": "ping"}, timeout_s=5.0)
+    assert "Connection reset" not in str(sent.value), sent.value
+    assert "exited before it started" in str(sent.value), sent.value
+    assert not worker.alive and worker.why == s3procs.EXITED_EARLY
