@@ -461,8 +461,12 @@ class WorkerSenders(PartSender):
                     future.set_exception(closed)
             worker.pending.clear()
         # Waited for together, each killed after STOP_TIMEOUT_S and given as long again to
-        # exit (one stuck in the kernel, writing to a hung network filesystem, is left).
-        await asyncio.gather(*(stopped(w.proc) for w in workers))
+        # exit (one stuck in the kernel, writing to a hung network filesystem, is left); the
+        # lost ones' too, killed already: never waited for, each left its transport to the
+        # collector ("unclosed transport", an error under pytest's warnings).
+        procs = {id(p): p for p in [*(w.proc for w in workers), *self._dying]}
+        self._dying.clear()
+        await asyncio.gather(*(stopped(p) for p in procs.values()))
 
 
 def open_sender(client: S3Client, config: DestinationConfig, node_id: str,
