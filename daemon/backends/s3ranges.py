@@ -140,7 +140,8 @@ async def at_least_min_rate(client: S3Client, what: str, length: int,
         raise S3Failure(
             f"{what} at {client.uri}: {got}its {length} bytes did not come in {limit_s:.0f} "
             f"s, at less than {MIN_RANGE_BYTES_PER_S >> 20} MiB/s: the server or the network "
-            "to it is failing; retry, or read from another endpoint", transient=True,
+            "to it is failing, or the writes into the file it is read into are stuck (a hung "
+            "filesystem); retry, or read from another endpoint", transient=True,
             kind="timeout") from exc
 
 
