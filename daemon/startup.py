@@ -122,14 +122,70 @@ def socket_free(path: Path) -> None:
 
 
 class StagingLock:
-    """An exclusive ``flock`` on ``staging_dir/daemon.lock``, holding the owner's pid. The
-    kernel drops it when the process dies, so a crash never leaves it stuck."""
+    """An exclusive ``flock`` on ``staging_dir`` itself and on ``staging_dir/daemon.lock``,
+    which holds the owner's pid. The kernel drops both when the process dies, so a crash
+    never leaves them stuck.
+
+    The directory's lock is the one that counts: the file can be removed while its lock is
+    held (an operator clearing what looks like a stale lock file, as one does for a pidfile),
+    and the next daemon then locked a new file and shared the staging directory and journal
+    with the running one, which removed the other's temp files at the destination as its
+    own (found attacking). The directory's lock goes with the directory: nothing in it can
+    be removed to free it. The file's lock is kept too: a daemon of an older version, during
+    an upgrade's hand-over, locks only that."""
 
     def __init__(self, staging_dir: Path) -> None:
         self.path = staging_dir / LOCK_NAME
         self._fd: int | None = None
+        self._dir_fd: int | None = None
+
+    def _in_use(self, fd: int | None) -> StartupError:
+        """The refusal naming the holder's pid, read from the lock file (``fd``, or the path
+        when only the directory's lock was tried)."""
+        holder = ""
+        with contextlib.suppress(OSError):
+            own = (os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK) if fd is None
+                   else fd)
+            try:
+                holder = os.pread(own, 32, 0).decode(errors="replace").strip()
+            finally:
+                if fd is None:
+                    os.close(own)
+        return StartupError(
+            "staging_dir", f"{self.path.parent} is in use by another ckptdrain daemon "
+            f"(pid {holder or 'unknown'}); stop it, or give this daemon its own staging_dir")
+
+    def _lock_dir(self) -> None:
+        try:
+            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StartupError("staging_dir", f"cannot open {self.path.parent} "
+                               f"({_why(exc)}); fix the directory's owner or mode") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._in_use(None) from None
+        except OSError as exc:
+            # A filesystem whose directories take no flock: the file's lock alone, as before.
+            os.close(fd)
+            log_event(log, logging.WARNING, "staging_dir_not_lockable",
+                      staging_dir=str(self.path.parent), error=_why(exc),
+                      action=f"none: only {self.path} is locked, and removing it while this "
+                      "daemon runs lets a second daemon share staging_dir; put staging_dir "
+                      "on a local filesystem")
+            return
+        self._dir_fd = fd
 
     def acquire(self) -> None:
+        self._lock_dir()
+        try:
+            self._lock_file()
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock_file(self) -> None:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -138,11 +194,9 @@ class StagingLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            error = self._in_use(fd)
             os.close(fd)
-            raise StartupError(
-                "staging_dir", f"{self.path.parent} is in use by another ckptdrain daemon "
-                f"(pid {holder}); stop it, or give this daemon its own staging_dir") from None
+            raise error from None
         try:
             # Written over the last owner's pid, then cut to length: a lock that has held a
             # pid keeps its block, so a restart onto a full filesystem writes it (truncated
@@ -164,9 +218,10 @@ class StagingLock:
         self._fd = fd
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # the file stays: unlinking it would race a daemon that opened it
+        fds, self._fd, self._dir_fd = (self._fd, self._dir_fd), None, None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)  # the file stays: unlinking it would race a daemon that opened it
 
 
 def staging_capacity(staging_dir: Path, journal_held: int = 0) -> int:

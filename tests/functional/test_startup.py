@@ -105,6 +105,28 @@ def test_a_second_daemon_on_the_same_staging_dir(make_daemon: Any, short_tmp: Pa
     first.start()
 
 
+def test_a_second_daemon_is_refused_after_the_lock_file_was_removed(make_daemon: Any,
+                                                                     short_tmp: Path) -> None:
+    # Found attacking restarts: an operator removing daemon.lock as a stale lock file (as one
+    # does a pidfile) let a second daemon lock a new file and share the staging directory and
+    # journal with the running one; it adopted its shards, and its orphan sweep removed the
+    # first one's temp file at the destination as its own. The directory itself is locked.
+    first: DaemonProcess = make_daemon()
+    gen = first.client().generation("held", 1, rank=0, world_size=2)
+    gen.__enter__()
+    gen.put("w", b"in flight")
+    (first.staging / "daemon.lock").unlink()
+    line = refused(serve(first, CKPTDRAIN_SOCKET=str(short_tmp / "second.sock")),
+                   "staging_dir:", "in use by another ckptdrain daemon")
+    assert "own staging_dir" in line
+    assert not (short_tmp / "second.sock").exists()
+    gen.__exit__(None, None, None)
+    [state] = first.client().status()["generations"]
+    assert state["job"] == "held" and state["state"] == "open"
+    assert first.stop() == 0
+    first.start()
+
+
 @contextlib.contextmanager
 def small_filesystem(path: Path, size_mib: int) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
