@@ -113,7 +113,10 @@ class JournalReserve:
             return
         self._handed_over = True
         try:
-            holds = os.stat(self.journal, follow_symlinks=False).st_size > 0
+            st = os.stat(self.journal, follow_symlinks=False)
+            # Not a file (a directory, a link: misplaced below) is refused before the journal
+            # opens; its side files are left alone for the operator to look at.
+            holds = stat.S_ISREG(st.st_mode) and st.st_size > 0
         except OSError:  # none yet; or unreadable, which the journal's open reports
             holds = False
         for reserve, side in self._pairs() if holds else ():
@@ -238,7 +241,8 @@ def _make(path: Path, size: int) -> OSError | None:
 
 async def open_journal(journal: Journal, staging: Staging, reserve: JournalReserve) -> None:
     """Prepare the staging directory and open the journal (the reserve handed over by then),
-    a full filesystem reported as :class:`DiskFull`: a start that is retried. Then the
+    a full filesystem reported as :class:`DiskFull`: a start that is retried; something not
+    a file in the journal's place as :class:`StartupError` (:func:`misplaced`). Then the
     reserve is made again where there is room, before anything is served (left to the
     refresh loop, the descriptor it holds for a moment came and went while clients were
     served, which a test that counts the daemon's descriptors may have met once)."""
@@ -249,6 +253,10 @@ async def open_journal(journal: Journal, staging: Staging, reserve: JournalReser
         error = DiskFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else StartupError
         raise error("staging_dir", f"cannot prepare {staging.root}: {exc}; make it a "
                     "directory the daemon may write, with room on its filesystem") from None
+    for path in (journal.path, Path(f"{journal.path}-wal"), Path(f"{journal.path}-shm")):
+        why = misplaced(path)
+        if why is not None:
+            raise StartupError("staging_dir", why)
     try:
         await journal.open()
     except JournalError:
@@ -261,6 +269,30 @@ async def open_journal(journal: Journal, staging: Staging, reserve: JournalReser
                        ) from None
     with contextlib.suppress(OSError):  # a sick disk: the refresh loop tries again
         reserve.remake()
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+          (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+def misplaced(path: Path) -> str | None:
+    """Why ``path`` (the journal, its ``-wal`` or ``-shm``) is not a file the journal can
+    use, or None: a regular file, or none yet. A directory, a link (the journal is opened
+    with O_NOFOLLOW: a link could make it some other file) or a pipe there failed the start
+    with exit 1, which systemd restarts for good, as "disk I/O error" or "Too many levels of
+    symbolic links" and advice to check the disk for I/O errors (found attacking restarts):
+    it is an operator's doing that no restart undoes."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # none yet; or unreadable, which the journal's open says
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return (f"{path} is {kind}, not the journal's file: the daemon keeps its journal in "
+            "regular files in staging_dir, never through a link; move it out of the way (a "
+            "journal moved elsewhere: move the file itself back in its place), then start the "
+            "daemon again")
 
 
 def _free_bytes(directory: Path) -> int | None:

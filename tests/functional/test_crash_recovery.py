@@ -251,3 +251,33 @@ def test_a_journal_damaged_past_its_header_stops_the_start_with_one_line(make_da
     assert "cannot read the journal" in str(info.value) and "check the staging disk" in str(info.value)
     assert "Traceback" not in d.log()
     assert sorted(p.name for p in (d.staging / "shards").iterdir()) == staged
+
+
+@pytest.mark.parametrize(("side", "kind"), [("", "directory"), ("", "symlink"), ("", "fifo"),
+                                            ("-wal", "directory")])
+def test_something_not_a_file_where_the_journal_goes_stops_the_start_with_exit_78(
+        make_daemon, side: str, kind: str) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking restarts: a directory, a link or a pipe in place of the journal (or its
+    # -wal) failed the start with exit 1 (systemd restarts it, for good) and "disk I/O error"
+    # or "Too many levels of symbolic links", saying to check the disk for I/O errors. It is
+    # an operator's doing that a restart cannot undo: exit 78, naming what is there.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1")
+    with d.client().generation("misplaced", 1) as gen:
+        gen.put("s.bin", os.urandom(10_000))
+    d.kill()
+    path = d.staging / f"journal.sqlite3{side}"
+    path.rename(d.root / "moved")
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "symlink":
+        path.symlink_to(d.root / "moved")
+    else:
+        os.mkfifo(path)
+    before = sorted(p.name for p in d.staging.rglob("*"))
+    with pytest.raises(RuntimeError, match="exited 78") as info:
+        d.start()
+    words = {"directory": "a directory", "symlink": "a symbolic link", "fifo": "a named pipe"}
+    assert f"{path} is {words[kind]}, not the journal's file" in str(info.value)
+    assert "move it out of the way" in str(info.value)
+    assert "Traceback" not in d.log()
+    assert sorted(p.name for p in d.staging.rglob("*")) == before
