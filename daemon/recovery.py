@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptdrain.daemon.errors import StartupError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.records import SAVE_AGAIN
 from ckptdrain.daemon.state import (
@@ -36,6 +37,18 @@ log = logging.getLogger("ckptdrain.recovery")
 
 
 async def recover(d: Daemon) -> None:
+    """Rebuild from the journal and sweep the staging directory; what the staging directory
+    does not let it do ends the start naming ``staging_dir`` (any OSError escaping here was
+    reported as "socket: cannot serve": found attacking restarts)."""
+    try:
+        await _recover(d)
+    except OSError as exc:
+        raise StartupError("staging_dir", f"cannot recover what {d.config.staging_dir} holds "
+                           f"({exc.strerror or exc}: {exc.filename or ''}); make it a "
+                           "directory of the daemon's own files, writable by it") from None
+
+
+async def _recover(d: Daemon) -> None:
     uploads = await d.ledger.load()
     keep: set[str] = set()
     requeue: list[tuple[GenerationRecord, ShardRecord]] = []

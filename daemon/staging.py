@@ -292,8 +292,7 @@ class Staging:
         moved = 0
         for entry in os.scandir(self.dir):
             if entry.name.endswith(TMP):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+                _remove_temp(entry.path)
             elif entry.name.endswith(DATA):
                 if not moved:
                     into.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -381,11 +380,7 @@ class Staging:
             if not dot:
                 continue
             if ("." + ext) == TMP:
-                try:
-                    os.unlink(entry.path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+                removed += _remove_temp(entry.path)
             elif ("." + ext) == DATA and stem not in keep:
                 strays.append(stem)
         gone = set(self.discard_unless_open(strays))
@@ -396,3 +391,19 @@ class Staging:
             with contextlib.suppress(FileNotFoundError):
                 held.append((name, os.stat(self.data_path(name)).st_size, self.owner_of(name)))
         return removed + len(gone), held
+
+
+def _remove_temp(path: str) -> bool:
+    """Unlink a temp file a stopped daemon left; whether it went. Anything that is no file (a
+    directory of such a name, not the daemon's) is left where it is, and said: its EISDIR
+    ended the start, as "socket: cannot serve" (found attacking restarts)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log_event(log, logging.WARNING, "staging_entry_not_removed", path=path,
+                  error=exc.strerror or str(exc),
+                  action="the daemon makes only files there: move it out of staging_dir")
+        return False
+    return True
