@@ -134,16 +134,24 @@ async def _recover(d: Daemon) -> None:
     for gen in newest.values():
         d.copies.drop_older_committed(gen)
         d.metrics.recovered_commit(gen.job, gen.step, gen.committed_at or gen.created_at)
-    if d.journal.fresh and exists:
+    # A journal that knows no generation knows nothing: every hand-off journals its
+    # generation before its first shard file is staged, so a stray left by a crash always has
+    # its generation's row. Only the size of the journal's file was asked, and one whose
+    # -wal and -shm were removed after a kill -9 (taken for SQLite's leftovers) is the
+    # database header alone: the shards it had acknowledged went as strays, with one info
+    # line (found attacking restarts).
+    if (d.journal.fresh or not d.ledger.generations) and exists:
         # Shard files staged under a journal that knows nothing: it was lost (deleted,
-        # truncated), and they are acknowledged shards whose records went with it. Kept, out
-        # of the way, and said loudly; removed as strays, they went with one info line.
+        # truncated, its -wal removed), and they are acknowledged shards whose records went
+        # with it. Kept, out of the way, and said loudly; removed as strays, they went with
+        # one info line.
         aside = d.staging.dir.parent / "journal-lost" / time.strftime("%Y%m%dT%H%M%SZ",
                                                                      time.gmtime())
         moved = await d.dataplane.call(d.staging.set_aside, aside)
         log_event(log, logging.ERROR, "journal_lost_shards_set_aside", files=moved,
                   directory=str(aside),
-                  action=f"the journal {d.journal.path} was new or empty while staging held "
+                  action=f"the journal {d.journal.path} was new, or held no generation (its "
+                         "-wal removed after a crash?), while staging held "
                          "shard files (hand-offs not yet drained, or copies kept of drained "
                          "ones): its records of them are lost, and so is every generation it "
                          "had not committed yet; the files are kept there, outside "
