@@ -137,6 +137,19 @@ class JournalFull(JournalError):
                          "there (the staging filesystem, staging_dir) and try again")
 
 
+def _is_damaged(exc: sqlite3.Error) -> bool:
+    return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in (sqlite3.SQLITE_CORRUPT,
+                                                           sqlite3.SQLITE_NOTADB)
+
+
+def _damaged(path: Path, exc: sqlite3.Error) -> JournalError:
+    return JournalError(
+        f"cannot read the journal {path}: {exc}; check the staging disk (staging_dir) for I/O "
+        "errors. Its records of acknowledged shards are in no other place: copy the staging "
+        "directory before trying to repair the file (`sqlite3 FILE .recover`), then start the "
+        "daemon again")
+
+
 def _is_full(exc: BaseException) -> bool:
     return (isinstance(exc, sqlite3.Error)
             and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL)
@@ -171,11 +184,20 @@ class Journal:
     async def open(self) -> None:
         try:
             await self._run(self._open)
+        except sqlite3.DatabaseError as exc:
+            if _is_damaged(exc):
+                # A journal cut short (a truncated copy, a partial restore) or damaged in its
+                # first pages said "check the disk for I/O errors and free space", and not
+                # that its records are nowhere else, nor how to recover them (found attacking).
+                raise _damaged(self.path, exc) from None
+            raise self._unopened(exc) from None
         except (sqlite3.Error, OSError) as exc:
-            raise JournalError(
-                f"cannot open the journal {self.path}: {exc}; check the staging disk "
-                "(staging_dir) for I/O errors and free space, then start the daemon again"
-            ) from None
+            raise self._unopened(exc) from None
+
+    def _unopened(self, exc: BaseException) -> JournalError:
+        return JournalError(
+            f"cannot open the journal {self.path}: {exc}; check the staging disk "
+            "(staging_dir) for I/O errors and free space, then start the daemon again")
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -401,12 +423,7 @@ class Journal:
         except sqlite3.DatabaseError as exc:
             # Damage past the header opens fine and fails here (found attacking: a page of
             # zeros ended start-up in a traceback).
-            raise JournalError(
-                f"cannot read the journal {self.path}: {exc}; check the staging disk "
-                "(staging_dir) for I/O errors. Its records of acknowledged shards are in no "
-                "other place: copy the staging directory before trying to repair the file "
-                "(`sqlite3 FILE .recover`), then start the daemon again"
-            ) from None
+            raise _damaged(self.path, exc) from None
 
     def _load(self) -> Snapshot:
         assert self._db is not None

@@ -261,6 +261,28 @@ def test_a_journal_damaged_past_its_header_stops_the_start_with_one_line(make_da
     assert sorted(p.name for p in (d.staging / "shards").iterdir()) == staged
 
 
+def test_a_journal_cut_short_says_its_records_are_nowhere_else(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking restarts: a journal cut short (a truncated copy, a partial restore)
+    # fails as it opens, and said only "database disk image is malformed; check the staging
+    # disk for I/O errors and free space", where damage found a moment later, as it is read,
+    # says that its records are nowhere else and how to recover them. Both say so now.
+    d: DaemonProcess = make_daemon()
+    for step in (1, 2, 3):
+        with d.client().generation("cut", step) as gen:
+            for i in range(20):
+                gen.put(f"s/{i}.bin", os.urandom(1000))
+        d.client().wait("cut", step, timeout_s=30)
+    assert d.stop() == 0
+    journal = d.staging / "journal.sqlite3"
+    assert journal.stat().st_size > 3 * 4096
+    os.truncate(journal, 2 * 4096)
+    with pytest.raises(RuntimeError, match="exited 1") as info:
+        d.start()
+    assert "cannot read the journal" in str(info.value), str(info.value)[-600:]
+    assert "copy the staging directory before trying to repair" in str(info.value)
+    assert "Traceback" not in d.log()
+
+
 @pytest.mark.parametrize(("side", "kind"), [("", "directory"), ("", "symlink"), ("", "fifo"),
                                             ("-wal", "directory")])
 def test_something_not_a_file_where_the_journal_goes_stops_the_start_with_exit_78(
