@@ -129,12 +129,19 @@ class JournalError(DaemonError):
 
 
 class JournalFull(JournalError):
-    """The journal's filesystem has no room for a new record: nothing new (a generation, a
-    rank, a shard's acknowledgement) is taken until it has. A hand-off gets backpressure."""
+    """The journal's filesystem has no room for a new record, or takes no writes for now
+    (``unwritable``: the error it gave): nothing new (a generation, a rank, a shard's
+    acknowledgement) is taken until it does. A hand-off gets backpressure."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(f"the journal {path} cannot grow: its filesystem is full; free space "
-                         "there (the staging filesystem, staging_dir) and try again")
+    def __init__(self, path: Path, unwritable: str = "") -> None:
+        if unwritable:
+            super().__init__(
+                f"the journal {path} cannot be written ({unwritable}): its filesystem (the "
+                "staging filesystem, staging_dir) may have gone read-only after a disk error "
+                "(see dmesg); make it writable again, or restart the daemon once it is")
+        else:
+            super().__init__(f"the journal {path} cannot grow: its filesystem is full; free "
+                             "space there (the staging filesystem, staging_dir) and try again")
 
 
 def _is_damaged(exc: sqlite3.Error) -> bool:
@@ -155,6 +162,23 @@ def _is_full(exc: BaseException) -> bool:
             and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL)
 
 
+def _unwritable(exc: BaseException) -> str:
+    """What SQLite said, for a write its file refused (SQLITE_IOERR: a filesystem remounted
+    read-only after a disk error fails the open -wal's writes with EROFS; SQLITE_READONLY), or
+    ''. Such a write waits as a full disk's does: failed, it ended the generation of a drain
+    that had gone through as an internal error ("OperationalError: disk I/O error") while the
+    journal, which the next start goes by, still held it open, and a begin was "an internal
+    error" (found attacking with EROFS injected on the -wal's writes)."""
+    if isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in (
+            sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY):
+        return str(exc) or type(exc).__name__
+    return ""
+
+
+def _cannot_write(exc: BaseException) -> bool:
+    return _is_full(exc) or bool(_unwritable(exc))
+
+
 class Journal:
     """Async facade over one SQLite connection owned by one thread."""
 
@@ -169,6 +193,9 @@ class Journal:
         # Set by the journal's thread while its disk is full and records wait for room: a new
         # record is refused at once meanwhile (write(new=True)) instead of queueing behind.
         self.full = False
+        # While ``full``: what the journal's file said if it refused writes rather than
+        # ran out of room (_unwritable), for the refusals and the log.
+        self._unwritable = ""
         # Set when the journal closes: records still waiting for room give up then.
         self._closing = threading.Event()
         # Counted for tests and benchmarks: write() batches, and SQLite transactions committed
@@ -288,7 +315,7 @@ class Journal:
             # of new records: checked outside it, a new record could slip in behind the
             # waiting ones and wait with them (found attacking it: 2 in 600 tries).
             if new and self.full:
-                raise JournalFull(self.path)
+                raise JournalFull(self.path, self._unwritable)
             self._queue.append(_Write(statements, tuple(before), done, new))
             if self._flush_scheduled:
                 submit = False
@@ -333,8 +360,8 @@ class Journal:
             self.batches += 1
             return outcomes
         except Exception as exc:
-            if _is_full(exc):
-                return self._wait_for_room(batch, todo, outcomes, loop)
+            if _cannot_write(exc):
+                return self._wait_for_room(batch, todo, outcomes, loop, _unwritable(exc))
             if len(todo) == 1:
                 outcomes[todo[0]] = exc
                 return outcomes
@@ -342,40 +369,55 @@ class Journal:
             try:
                 self._tx(batch[i].statements)
             except Exception as exc:
-                if _is_full(exc):
+                if _cannot_write(exc):
                     # This one and every one after it wait, in order: a later write made
                     # durable before an earlier one waiting for room broke the queue's order
                     # (found attacking it).
-                    return self._wait_for_room(batch, todo[k:], outcomes, loop)
+                    return self._wait_for_room(batch, todo[k:], outcomes, loop,
+                                               _unwritable(exc))
                 outcomes[i] = exc
         return outcomes
 
     def _wait_for_room(self, batch: list[_Write], todo: list[int],
                        outcomes: list[BaseException | None],
-                       loop: asyncio.AbstractEventLoop) -> list[BaseException | None]:
+                       loop: asyncio.AbstractEventLoop,
+                       unwritable: str = "") -> list[BaseException | None]:
         """The disk is full: refuse the new records, this batch's and those queued behind it,
         now (their callers hold slots and room, and must hear at once), and write the rest
         once it has room (see :meth:`write`), trying again with a growing pause; the journal
-        closing ends the wait. Each record is written on its own, as a failed batch's are."""
+        closing ends the wait. Each record is written on its own, as a failed batch's are.
+        ``unwritable``: the journal's file refused the write (:func:`_unwritable`) rather than
+        ran out of room; it waits the same way, until it takes writes again."""
         refused = [batch[i] for i in todo if batch[i].new]
         with self._queue_lock:
+            self._unwritable = unwritable
             self.full = True  # from here write(new=True) refuses without queueing
             refused += [w for w in self._queue if w.new]
             self._queue = [w for w in self._queue if not w.new]
         if refused:
-            errors: list[BaseException | None] = [JournalFull(self.path) for _ in refused]
+            errors: list[BaseException | None] = [JournalFull(self.path, unwritable)
+                                                  for _ in refused]
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody awaits
                 loop.call_soon_threadsafe(_settle, refused, errors)
         for i in todo:
             if batch[i].new:
-                outcomes[i] = JournalFull(self.path)  # settled above; _settle skips it
+                outcomes[i] = JournalFull(self.path, unwritable)  # settled above
         waiting = [i for i in todo if not batch[i].new]
         if not waiting:
-            self.full = False
+            self.full, self._unwritable = False, ""
             return outcomes
-        log_event(log, logging.ERROR, "journal_full", path=str(self.path), waiting=len(waiting),
-                  action="free space on the staging filesystem (staging_dir): records of "
-                  "what the daemon did wait for room, and new hand-offs are refused until then")
+        if unwritable:
+            log_event(log, logging.ERROR, "journal_unwritable", path=str(self.path),
+                      waiting=len(waiting), error=unwritable,
+                      action="the staging filesystem (staging_dir) refuses writes: read-only "
+                      "after a disk error? (dmesg) Records of what the daemon did wait until "
+                      "it takes them, and new hand-offs are refused until then; make it "
+                      "writable, or restart the daemon once it is")
+        else:
+            log_event(log, logging.ERROR, "journal_full", path=str(self.path),
+                      waiting=len(waiting), action="free space on the staging filesystem "
+                      "(staging_dir): records of what the daemon did wait for room, and new "
+                      "hand-offs are refused until then")
         pause = FULL_RETRY_FIRST_S
         try:
             while waiting:
@@ -383,12 +425,14 @@ class Journal:
                 try:
                     self._tx(batch[i].statements)
                 except Exception as exc:
-                    if not _is_full(exc):
+                    if not _cannot_write(exc):
                         outcomes[i] = exc
                     elif self._closing.wait(pause):
                         for k in waiting:
                             outcomes[k] = JournalError(
-                                f"the journal {self.path} stayed full until the daemon stopped; "
+                                f"the journal {self.path} stayed "
+                                f"{'unwritable' if unwritable else 'full'} until the daemon "
+                                "stopped; "
                                 "this record was not written (the next start goes by the last "
                                 "one that was)")
                         return outcomes
@@ -399,6 +443,7 @@ class Journal:
                 pause = FULL_RETRY_FIRST_S
         finally:
             self.full = False
+            self._unwritable = ""
         log_event(log, logging.INFO, "journal_writable", path=str(self.path))
         return outcomes
 

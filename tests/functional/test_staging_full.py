@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 
 from ckptdrain.client import Backpressure, DaemonUnavailable
 from tests.chaos.killer import STRACE, ChaosDaemon, Injection
-from tests.conftest import DaemonProcess, wait_for
+from tests.conftest import DaemonProcess, traced, wait_for
 
 MiB = 1 << 20
 
@@ -270,3 +271,57 @@ def test_a_staging_directory_that_refuses_new_files_is_no_internal_error(
     with c.generation("j", 2, ack=ack) as gen:
         gen.put("a", b"after")
     c.wait("j", 2, timeout_s=60)
+
+
+@contextlib.contextmanager
+def refusing_writes(d: DaemonProcess, path: Path) -> Iterator[None]:
+    """Every write to ``path`` fails with EROFS for the block's duration, as on a filesystem
+    remounted read-only (strace attached to the running daemon; the daemon may stop in it)."""
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(d.pid), "-P", str(path),
+         "-e", "trace=pwrite64,write", "-e", "inject=pwrite64,write:error=EROFS"],
+        stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: traced(d.pid))
+        yield
+    finally:
+        tracer.terminate()
+        tracer.wait(10)
+    if d.proc is not None and d.proc.poll() is None:
+        wait_for(lambda: not traced(d.pid))
+
+
+@pytest.mark.parametrize("then", ["writable", "stop, restart"])
+def test_a_drain_recorded_while_the_journal_refuses_writes_waits_for_it(
+        make_daemon: Any, then: str) -> None:
+    # Found attacking restarts and the journal: a staging filesystem that goes read-only
+    # under the daemon (ext4's errors=remount-ro after a disk error) fails the open -wal's
+    # writes with EROFS, which SQLite reports as "disk I/O error". The drained record of a
+    # drain that had gone through failed, and ended its generation as an internal error
+    # ("failed unexpectedly (OperationalError: disk I/O error)") while the journal still held
+    # it open, and a begin was "an internal error". Now such a record waits, as one on a full
+    # disk does, and new work is backpressure naming the cause.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="2MiB")
+    c = d.client(timeout_s=30)
+    data = os.urandom(8 * MiB)
+    with c.generation("j", 1) as gen:
+        gen.put("a", data)
+    wal = d.staging / "journal.sqlite3-wal"
+    drained = d.dest / "j" / f"{1:020d}" / "a"
+    with refusing_writes(d, wal):
+        wait_for(drained.exists, timeout_s=60)
+        wait_for(lambda: "event=journal_unwritable" in d.log(), timeout_s=60)
+        (step,) = [g for g in c.status()["generations"] if g["job"] == "j"]
+        assert step["state"] not in ("failed", "cancelled"), step
+        assert "drain_crashed" not in d.log()
+        with pytest.raises(Backpressure, match=r"cannot be written .* read-only"), \
+                c.generation("j", 2) as gen:
+            gen.put("b", b"b")
+        if then != "writable":
+            assert d.stop() == 0
+    if then != "writable":
+        d.start()
+        c = d.client(timeout_s=30)
+    c.wait("j", 1, timeout_s=120)
+    assert drained.read_bytes() == data
+    assert c.latest("j") == 1
