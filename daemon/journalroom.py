@@ -83,6 +83,8 @@ class JournalReserve:
         self.shm = journal_path.with_name("journal.reserve-shm")
         self.held = 0
         self._handed_over = False
+        # The journal's -wal was missing at a start after a crash (see hand_over).
+        self.tail_lost = False
         # One maker at a time: the refresh loop and start-up's first refresh both call
         # remake, each in a data-plane thread, and one unlinked the other's temporary file.
         self._making = threading.Lock()
@@ -103,12 +105,18 @@ class JournalReserve:
         self.held = held
         return held
 
-    def hand_over(self) -> None:
+    def hand_over(self, after_crash: bool = False) -> None:
         """Before the journal opens (blocking; the staging lock held, so the reserve is this
         daemon's): each reserve file becomes the side file it stands for where that is
         missing. Only for a journal that holds something: SQLite deletes the WAL of an empty
         database, blocks and all, and a new journal has nothing to drain. A second call in
-        one run does nothing: the reserve made since is kept for the next start."""
+        one run does nothing: the reserve made since is kept for the next start.
+
+        ``after_crash``: the last daemon did not stop cleanly (StagingLock.unclean). SQLite
+        keeps the -wal of a journal not closed, its newest records in it; missing then, it
+        was removed (taken for SQLite's leftovers), and with it the records of the latest
+        hand-offs: ``tail_lost``, and recovery sets their staged files aside instead of
+        removing them as strays (found attacking restarts)."""
         if self._handed_over:
             return
         self._handed_over = True
@@ -119,9 +127,14 @@ class JournalReserve:
             holds = stat.S_ISREG(st.st_mode) and st.st_size > 0
         except OSError:  # none yet; or unreadable, which the journal's open reports
             holds = False
+        self.tail_lost = after_crash and holds and not os.path.lexists(self._pairs()[0][1])
         for reserve, side in self._pairs() if holds else ():
             try:
                 if os.path.lexists(side) or not _regular(reserve):
+                    continue
+                if reserve is self.wal and self.tail_lost:
+                    # Left missing: a start that fails before recovery ends leaves the
+                    # next one to find it so (and the pid in daemon.lock: StagingLock).
                     continue
                 if reserve is self.wal:
                     _blank_header(reserve)

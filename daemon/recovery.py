@@ -139,23 +139,27 @@ async def _recover(d: Daemon) -> None:
     # its generation's row. Only the size of the journal's file was asked, and one whose
     # -wal and -shm were removed after a kill -9 (taken for SQLite's leftovers) is the
     # database header alone: the shards it had acknowledged went as strays, with one info
-    # line (found attacking restarts).
-    if (d.journal.fresh or not d.ledger.generations) and exists:
-        # Shard files staged under a journal that knows nothing: it was lost (deleted,
-        # truncated, its -wal removed), and they are acknowledged shards whose records went
-        # with it. Kept, out of the way, and said loudly; removed as strays, they went with
-        # one info line.
+    # line (found attacking restarts). A journal that knows older generations lost only the
+    # newest records with its -wal (JournalReserve.tail_lost): the files it does not know go
+    # aside likewise.
+    lost = d.journal.fresh or not d.ledger.generations
+    unknown = exists - keep
+    if unknown and (lost or d.journal_reserve.tail_lost):
         aside = d.staging.dir.parent / "journal-lost" / time.strftime("%Y%m%dT%H%M%SZ",
                                                                      time.gmtime())
-        moved = await d.dataplane.call(d.staging.set_aside, aside)
+        moved = await d.dataplane.call(d.staging.set_aside, aside, frozenset(keep))
+        why = (f"the journal {d.journal.path} was new, or held no generation (its -wal "
+               "removed after a crash?), while staging held shard files (hand-offs not yet "
+               "drained, or copies kept of drained ones): its records of them are lost, and "
+               "so is every generation it had not committed yet" if lost else
+               f"the journal's -wal ({d.journal.path}-wal) was missing after a daemon that "
+               "did not stop cleanly (removed as SQLite's leftovers? it held the newest "
+               "records): staging held shard files it does not know, acknowledged hand-offs "
+               "whose records went with it (their generations fail)")
         log_event(log, logging.ERROR, "journal_lost_shards_set_aside", files=moved,
                   directory=str(aside),
-                  action=f"the journal {d.journal.path} was new, or held no generation (its "
-                         "-wal removed after a crash?), while staging held "
-                         "shard files (hand-offs not yet drained, or copies kept of drained "
-                         "ones): its records of them are lost, and so is every generation it "
-                         "had not committed yet; the files are kept there, outside "
-                         "max_staged_bytes, for inspection: delete them when done")
+                  action=f"{why}; the files are kept there, outside max_staged_bytes, for "
+                         "inspection: delete them when done")
         removed, still_read = 0, list[tuple[str, int, int | None]]()
     else:
         removed, still_read = await d.dataplane.call(d.staging.sweep, keep)

@@ -210,6 +210,7 @@ class Daemon:
                     # First, so that what recovery queues (aborts of failed uploads) runs.
                     supervisor = tg.create_task(self.supervisor.run(), name="supervisor")
                     await recover(self)
+                    lock.settled = True  # a clean stop may say so now (StagingLock.release)
                     if self.config.access.check_destination_owner:
                         # Whether the journal's owners were checked at the destination is not
                         # journalled: each is asked again at its job's next use (owners.settle).

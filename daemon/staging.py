@@ -284,16 +284,17 @@ class Staging:
                           error=exc.strerror or str(exc))
         return kept
 
-    def set_aside(self, into: Path) -> int:
-        """Move every shard file into ``into`` (made here) and remove temp files; how many
-        shard files moved. For a start whose journal is new while shard files are staged: the
-        journal was lost (deleted, truncated), and the files are acknowledged shards it would
-        have named. Removed as strays, they went with one info line (found attacking)."""
+    def set_aside(self, into: Path, keep: frozenset[str] = frozenset()) -> int:
+        """Move every shard file but those named in ``keep`` into ``into`` (made here) and
+        remove temp files; how many shard files moved. For a start whose journal is new while
+        shard files are staged, or lost its newest records: the files are acknowledged shards
+        it would have named. Removed as strays, they went with one info line (found
+        attacking)."""
         moved = 0
         for entry in os.scandir(self.dir):
             if entry.name.endswith(TMP):
                 _remove_temp(entry.path)
-            elif entry.name.endswith(DATA):
+            elif entry.name.endswith(DATA) and entry.name[: -len(DATA)] not in keep:
                 if not moved:
                     into.mkdir(parents=True, exist_ok=True, mode=0o700)
                 os.rename(entry.path, into / entry.name)

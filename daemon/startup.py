@@ -33,6 +33,7 @@ from ckptdrain.daemon.staging import DATA, free_space_reserve
 log = logging.getLogger("ckptdrain.startup")
 
 LOCK_NAME = "daemon.lock"
+STOPPED = b"-\n"  # in the lock file after a clean stop, where a pid was
 # Below this much room a staging filesystem cannot hold a useful checkpoint: refuse to start
 # rather than clamp the limit to nothing.
 MIN_STAGED_BYTES = 16 << 20
@@ -138,6 +139,13 @@ class StagingLock:
         self.path = staging_dir / LOCK_NAME
         self._fd: int | None = None
         self._dir_fd: int | None = None
+        # Whether the last owner died without a clean stop: its pid is still in the file
+        # (a clean stop writes STOPPED over it). Read by the journal's reserve.
+        self.unclean = False
+        # Set once recovery has dealt with what an unclean stop left: until then a release
+        # keeps the last owner's pid, so a start that fails before (a full disk's exit 75,
+        # retried) does not hide the crash from the next one.
+        self.settled = False
 
     def _in_use(self, fd: int | None) -> StartupError:
         """The refusal naming the holder's pid, read from the lock file (``fd``, or the path
@@ -202,6 +210,7 @@ class StagingLock:
             # pid keeps its block, so a restart onto a full filesystem writes it (truncated
             # first, its block went back and had to be allocated again).
             pid = f"{os.getpid()}\n".encode()
+            self.unclean = os.pread(fd, 32, 0).strip().isdigit()
             os.pwrite(fd, pid, 0)
             os.ftruncate(fd, len(pid))
         except OSError as exc:
@@ -218,6 +227,11 @@ class StagingLock:
         self._fd = fd
 
     def release(self) -> None:
+        """Unlock; the file says the owner stopped cleanly (its journal closed by then)."""
+        if self._fd is not None and (self.settled or not self.unclean):
+            with contextlib.suppress(OSError):  # the next start then takes it for a crash
+                os.pwrite(self._fd, STOPPED, 0)
+                os.ftruncate(self._fd, len(STOPPED))  # never to 0: the block is kept
         fds, self._fd, self._dir_fd = (self._fd, self._dir_fd), None, None
         for fd in fds:
             if fd is not None:
@@ -300,7 +314,7 @@ def check(config: Config, *, inherited: socket.socket | None,
     try:
         if inherited is None:
             socket_free(config.socket)
-        journal_reserve.hand_over()
+        journal_reserve.hand_over(after_crash=lock.unclean)
         try:
             capacity = staging_capacity(config.staging_dir, journal_reserve.held)
             size = staging_size(config.staging_dir)

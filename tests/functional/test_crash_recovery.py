@@ -236,6 +236,52 @@ def test_a_lost_journal_sets_the_staged_shards_aside_not_removes_them(make_daemo
     still_serves(d)
 
 
+@pytest.mark.parametrize("side_files", ["removed", "removed, a failed start between", "kept"])
+def test_a_journal_that_lost_its_newest_records_sets_their_shards_aside(
+        make_daemon, side_files: str) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking restarts: after a kill -9, the journal's newest records are in its
+    # -wal. Removed with the -shm (taken for SQLite's leftovers), the journal still knew the
+    # generations of before the last clean stop, and the restart removed the shard files of
+    # the newest hand-offs, acknowledged, as strays with one info line. A daemon that does
+    # not stop cleanly leaves its pid in daemon.lock; a -wal missing then was removed.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1",
+                                   CKPTDRAIN_LOG_LEVEL="info")
+    with d.client().generation("tail", 1) as gen:
+        gen.put("old.bin", os.urandom(10_000))
+    assert d.stop() == 0  # the journal's file holds step 1 now
+    d.start()
+    with d.client().generation("tail", 2) as gen:
+        for i in range(3):
+            gen.put(f"s{i}.bin", os.urandom(10_000))
+    d.kill()
+    shards = d.staging / "shards"
+    staged = {p.name: p.read_bytes() for p in shards.glob("*.data")}
+    assert len(staged) == 4
+    if side_files != "kept":
+        for suffix in ("-wal", "-shm"):
+            (d.staging / f"journal.sqlite3{suffix}").unlink()
+    d.overrides.pop("CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S")
+    if side_files == "removed, a failed start between":
+        # A start that ends before recovery does (here: exit 78) leaves the crash to be
+        # found by the next one.
+        (d.staging / "journal.sqlite3-shm").mkdir()
+        with pytest.raises(RuntimeError, match="exited 78"):
+            d.start()
+        (d.staging / "journal.sqlite3-shm").rmdir()
+    d.start()
+    d.client().wait("tail", 1, timeout_s=30)
+    if side_files == "kept":  # the usual crash: everything drains, nothing is set aside
+        d.client().wait("tail", 2, timeout_s=30)
+        assert not (d.staging / "journal-lost").exists()
+        return
+    [aside] = (d.staging / "journal-lost").iterdir()
+    moved = {p.name: p.read_bytes() for p in aside.glob("*.data")}
+    assert len(moved) == 3 and all(staged[name] == data for name, data in moved.items())
+    assert "level=error event=journal_lost_shards_set_aside files=3" in d.log()
+    assert "-wal" in d.log()
+    still_serves(d)
+
+
 def test_a_journal_damaged_past_its_header_stops_the_start_with_one_line(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the operator's surface: a page of zeros past the header opened fine,
     # then start-up died in an ExceptionGroup traceback ("database disk image is
