@@ -161,7 +161,8 @@ class StagingLock:
                     os.close(own)
         return StartupError(
             "staging_dir", f"{self.path.parent} is in use by another ckptdrain daemon "
-            f"(pid {holder or 'unknown'}); stop it, or give this daemon its own staging_dir")
+            f"(pid {holder if holder.isdigit() else 'unknown'}); stop it, or give this daemon "
+            "its own staging_dir")
 
     def _lock_dir(self) -> None:
         try:
