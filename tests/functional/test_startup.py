@@ -121,8 +121,9 @@ def test_a_second_daemon_is_refused_after_the_lock_file_was_removed(make_daemon:
     assert "own staging_dir" in line
     assert not (short_tmp / "second.sock").exists()
     gen.__exit__(None, None, None)
+    # Its own (recorded once its rank 0 drained: this node's part is done).
     [state] = first.client().status()["generations"]
-    assert state["job"] == "held" and state["state"] == "open"
+    assert state["job"] == "held" and state["state"] in ("open", "recorded"), state
     assert first.stop() == 0
     first.start()
 
