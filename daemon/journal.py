@@ -206,6 +206,7 @@ class Journal:
         # kept beside the uploads table so `status` answers from memory.
         self.open_uploads: dict[int, tuple[str, float]] = {}
         self.fresh = False  # made (or found empty) by open(): it knew nothing
+        self._said_not_remade = False  # keep_linked's failure is logged once
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def open(self) -> None:
@@ -446,6 +447,52 @@ class Journal:
             self._unwritable = ""
         log_event(log, logging.INFO, "journal_writable", path=str(self.path))
         return outcomes
+
+    async def keep_linked(self) -> bool:
+        """Write the journal again at its path if something removed it (with its -wal and
+        -shm) under the running daemon, and go on in that file; True if it did. SQLite
+        writes on into the files it holds open, unlinked: every record since, and all before,
+        went with them at the next stop, and the restart found no journal (the generations
+        in flight lost, their shards set aside: found attacking restarts). The copy is made
+        in the journal's thread, between writes, so it holds every record made so far."""
+        try:
+            return await self._run(self._keep_linked)
+        except (sqlite3.Error, OSError) as exc:  # (staging_dir itself gone) tried again later
+            if not self._said_not_remade:  # tried every second: said once
+                self._said_not_remade = True
+                log_event(log, logging.ERROR, "journal_not_remade", path=str(self.path),
+                          error=str(exc), action="the journal was removed under the running "
+                          "daemon and cannot be written again there: make staging_dir "
+                          "writable (records go on into the removed file meanwhile)")
+            return False
+
+    def _keep_linked(self) -> bool:
+        if self._db is None or os.path.lexists(self.path):
+            return False
+        tmp = self.path.with_name(f"{self.path.name}.remade")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        self._db.execute("VACUUM INTO ?", (str(tmp),))
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path)  # never a journal cut short at the path
+        old, self._db = self._db, None
+        with contextlib.suppress(sqlite3.Error):
+            old.close()
+        self._open()  # the new file's own -wal and -shm
+        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        log_event(log, logging.ERROR, "journal_removed_remade", path=str(self.path),
+                  action="something removed the journal under the running daemon; it was "
+                  "written again from the open one, no record lost: keep tmp cleaners and "
+                  "people out of staging_dir")
+        return True
 
     async def compact(self) -> None:
         """Give back the pages of forgotten rows and checkpoint the write-ahead log, so the

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import time
@@ -142,6 +143,7 @@ class Daemon:
         self.begin_checks = BeginChecks(self)
         self.expiry = Expiry(self)
         self.retired = waits.Retired()
+        self._relinking = False  # a remake of a removed journal is queued (_refresh_free)
         self.reloads = reloads.Reloads(self)
         self.started_at = time.time()
         self.started_mono = time.monotonic()  # what uptime is read from
@@ -528,10 +530,22 @@ class Daemon:
     def status_line(self) -> str:
         return status_view.status_line(self)
 
+    async def _keep_journal_linked(self) -> None:
+        try:
+            await self.journal.keep_linked()
+        finally:
+            self._relinking = False
+
     async def _refresh_free(self) -> None:
         with contextlib.suppress(Exception):  # a sick disk shows as stale numbers, not a crash
             # Given to the journal at start, or not made yet: made once there is room.
             await self.dataplane.call(self.journal_reserve.remake)
+            # Made again in the journal's thread, never awaited here: that thread may wait
+            # for room, and this loop is the watchdog's (Journal.keep_linked).
+            if not self._relinking and not await self.dataplane.call(os.path.lexists,
+                                                                      self.journal.path):
+                self._relinking = True
+                self.supervisor.spawn(self._keep_journal_linked, what="remake the journal")
             free_bytes, free_inodes, reserve = await self.dataplane.call(self.staging.room)
             self.staging_free = (free_bytes, free_inodes)
             self.staging_reserve = reserve
