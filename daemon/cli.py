@@ -40,6 +40,7 @@ from ckptdrain.daemon.errors import (
     ConfigError,
     DaemonError,
     DiskFull,
+    OperatorNeeded,
     StartupError,
     one_line,
 )
@@ -171,6 +172,8 @@ def _run(ns: argparse.Namespace) -> int:
         _fail(f"cannot start: {exc} (exit 75, a temporary failure: systemd's "
               "Restart=on-failure retries it)", EXIT_TEMPFAIL)
     except StartupError as exc:
+        _fail(f"cannot start: {exc}", EXIT_CONFIG)
+    except OperatorNeeded as exc:
         _fail(f"cannot start: {exc}", EXIT_CONFIG)
     except CommandFailed as exc:
         _fail(str(exc), exc.code)

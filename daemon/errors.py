@@ -48,6 +48,12 @@ class StartupError(DaemonError):
         self.reason = reason
 
 
+class OperatorNeeded(DaemonError):
+    """What stops the start is something only an operator can mend (a damaged journal): the
+    CLI exits 78, as for a bad configuration, so that systemd does not restart it every few
+    seconds for good (``RestartPreventExitStatus=78``), each start failing the same way."""
+
+
 class DiskFull(StartupError):
     """A filesystem the daemon must write to start (``staging_dir``: its lock, its journal)
     is full for now, another user's files most likely. Not a configuration error: the same

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckptdrain.daemon.errors import DaemonError
+from ckptdrain.daemon.errors import DaemonError, OperatorNeeded
 from ckptdrain.daemon.logs import log_event
 
 T = TypeVar("T")
@@ -149,8 +149,14 @@ def _is_damaged(exc: sqlite3.Error) -> bool:
                                                            sqlite3.SQLITE_NOTADB)
 
 
+class JournalDamaged(JournalError, OperatorNeeded):
+    """The journal's file is damaged (SQLite says corrupt, or not a database): no restart
+    mends it. It exited 1, which systemd restarted every 5 s for good (found attacking
+    restarts)."""
+
+
 def _damaged(path: Path, exc: sqlite3.Error) -> JournalError:
-    return JournalError(
+    return JournalDamaged(
         f"cannot read the journal {path}: {exc}; check the staging disk (staging_dir) for I/O "
         "errors. Its records of acknowledged shards are in no other place: copy the staging "
         "directory before trying to repair the file (`sqlite3 FILE .recover`), then start the "
