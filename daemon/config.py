@@ -92,7 +92,10 @@ class LimitsConfig(BaseModel):
     open_rank_idle_timeout_s: float = Field(default=3600.0, gt=0)
     max_clients: int = Field(default=1024, ge=1)
     # Shares of the node one uid may take, so one user cannot starve the others.
-    max_clients_per_uid: int = Field(default=512, ge=1)
+    # max_clients_per_uid 0 = half of max_clients (512 of the default 1024): a share still
+    # where max_clients alone is lowered (a fixed 512 let one uid take all 256 of a node set
+    # so: found attacking a shared node). Read it as clients_per_uid.
+    max_clients_per_uid: int = Field(default=0, ge=0)
     max_generations_per_uid: int = Field(default=16, ge=1)
     max_jobs: int = Field(default=1000, ge=1)  # jobs tracked on this node at once
     max_reserved_bytes_per_uid: ByteSize = Field(default=0, ge=0)  # 0 = no per-uid cap
@@ -120,6 +123,22 @@ class LimitsConfig(BaseModel):
     # stuck, and it keeps a stopping daemon's process from exiting until the client lets
     # go): where local users are not trusted that far, turn it off.
     pipe_handoff: bool = True
+
+    @property
+    def clients_per_uid(self) -> int:
+        """``max_clients_per_uid``, with 0 resolved: half of ``max_clients``, at least 1."""
+        return self.max_clients_per_uid or max(1, self.max_clients // 2)
+
+    @model_validator(mode="after")
+    def _check_clients_per_uid(self) -> LimitsConfig:
+        if self.max_clients_per_uid > self.max_clients:
+            raise _cross_field(
+                "max_clients_per_uid",
+                f"{self.max_clients_per_uid} is more than max_clients ({self.max_clients}): "
+                "one uid could take every connection; set it lower, or to 0 (half of "
+                "max_clients)",
+            )
+        return self
 
 
 class DestinationConfig(BaseModel):

@@ -212,8 +212,8 @@ class Listener:
         limits = self._limits()
         if len(self.connections) >= limits.max_clients:
             limit, value, what = "max_clients", limits.max_clients, "connections"
-        elif self.per_uid.get(peer.uid, 0) >= limits.max_clients_per_uid:
-            limit, value, what = ("max_clients_per_uid", limits.max_clients_per_uid,
+        elif self.per_uid.get(peer.uid, 0) >= limits.clients_per_uid:
+            limit, value, what = ("max_clients_per_uid", limits.clients_per_uid,
                                   f"connections of uid {peer.uid}")
         else:
             return peer

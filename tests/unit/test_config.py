@@ -339,6 +339,10 @@ def test_config_is_frozen() -> None:
         ('[destination]\nstripe_count = -2', "destination.stripe_count", "must be >= -1"),
         ('[drain]\nretry_initial_backoff_s = 10\nretry_max_backoff_s = 1',
          "drain.retry_max_backoff_s", "below retry_initial_backoff_s"),
+        # Found attacking a shared node: over max_clients, the per-uid share let one uid
+        # take every connection, which the share is there to prevent.
+        ('[limits]\nmax_clients = 256\nmax_clients_per_uid = 512',
+         "limits.max_clients_per_uid", "more than max_clients (256)"),
         ('[retention]\nkeep_last = 0', "retention.keep_last", "must be >= 1"),
         ('[retention]\nkeep_local_copy = "yes"', "retention.keep_local_copy",
          "expected true or false"),
@@ -668,3 +672,12 @@ def test_a_config_that_is_no_regular_file_is_refused_without_reading_it(tmp_path
     err = error_of(path)
     assert err.key == str(path)
     assert ("not a regular file" if kind != "huge" else "larger than 1 MiB") in err.reason
+
+
+def test_the_per_uid_client_share_is_half_of_max_clients_unless_set() -> None:
+    # Found attacking a shared node: a fixed 512 per uid was no share at all on a node whose
+    # max_clients an operator lowered to 256 (one uid could take every connection).
+    assert LimitsConfig().clients_per_uid == 512
+    assert LimitsConfig(max_clients=256).clients_per_uid == 128
+    assert LimitsConfig(max_clients=1).clients_per_uid == 1
+    assert LimitsConfig(max_clients=256, max_clients_per_uid=200).clients_per_uid == 200
