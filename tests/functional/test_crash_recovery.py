@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -284,20 +285,27 @@ def test_a_journal_that_lost_its_newest_records_sets_their_shards_aside(
     still_serves(d)
 
 
+def stopped_with_a_journal_of_pages(d: DaemonProcess, job: str) -> Path:
+    """Commit 3 steps of 20 shards of ``job`` and stop ``d`` cleanly: its journal, more than
+    3 pages of 4096 bytes, for a test to damage."""
+    for step in (1, 2, 3):
+        with d.client().generation(job, step) as gen:
+            for i in range(20):
+                gen.put(f"s/{i}.bin", os.urandom(1000))
+        d.client().wait(job, step, timeout_s=30)
+    assert d.stop() == 0
+    journal = d.staging / "journal.sqlite3"
+    assert journal.stat().st_size > 3 * 4096
+    return journal
+
+
 def test_a_journal_damaged_past_its_header_stops_the_start_with_one_line(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the operator's surface: a page of zeros past the header opened fine,
     # then start-up died in an ExceptionGroup traceback ("database disk image is
     # malformed") where a damaged header gave one line. Both say what to check now, and
     # nothing of the staging directory is touched.
     d: DaemonProcess = make_daemon()
-    for step in (1, 2, 3):
-        with d.client().generation("damaged", step) as gen:
-            for i in range(20):
-                gen.put(f"s/{i}.bin", os.urandom(1000))
-        d.client().wait("damaged", step, timeout_s=30)
-    assert d.stop() == 0
-    journal = d.staging / "journal.sqlite3"
-    assert journal.stat().st_size > 3 * 4096
+    journal = stopped_with_a_journal_of_pages(d, "damaged")
     with journal.open("r+b") as f:  # page 3 of 4096 bytes
         f.seek(2 * 4096)
         f.write(bytes(4096))
@@ -317,14 +325,7 @@ def test_a_journal_cut_short_says_its_records_are_nowhere_else(make_daemon) -> N
     # disk for I/O errors and free space", where damage found a moment later, as it is read,
     # says that its records are nowhere else and how to recover them. Both say so now.
     d: DaemonProcess = make_daemon()
-    for step in (1, 2, 3):
-        with d.client().generation("cut", step) as gen:
-            for i in range(20):
-                gen.put(f"s/{i}.bin", os.urandom(1000))
-        d.client().wait("cut", step, timeout_s=30)
-    assert d.stop() == 0
-    journal = d.staging / "journal.sqlite3"
-    assert journal.stat().st_size > 3 * 4096
+    journal = stopped_with_a_journal_of_pages(d, "cut")
     os.truncate(journal, 2 * 4096)
     with pytest.raises(RuntimeError, match="exited 78") as info:
         d.start()
