@@ -135,9 +135,9 @@ def run_memory(ctx: Context, section: Section) -> None:
              f"fresh memfd + `put_file`, {size_text(size)} shard"]
     missing = memory_tier_available(ctx)
     if missing:
-        for case in cases:
+        for case, target in zip(cases, (Target("<=", 1.25), None), strict=True):
             section.rows.append(Row(case=case, baseline_name="copy into a reused memfd",
-                                    target=Target("<=", 1.25), status="not available yet",
+                                    target=target, status="not available yet",
                                     bound="memory copy bandwidth"))
         section.notes.append(f"not available yet: {missing}.")
         return
@@ -198,12 +198,16 @@ def run_memory(ctx: Context, section: Section) -> None:
     for case, key in zip(cases, ("put", "memfd"), strict=True):
         section.rows.append(Row(
             case=case, baseline_name="copy into a reused memfd", ours=figure(times[key], "s"),
-            baseline=base, target=Target("<=", 1.25),
+            # The target is for put(bytes), the pooled memfd. A memfd the caller made fresh
+            # pays its own first-touch page faults in its own process before the daemon
+            # sees it: a figure to show what the pool saves, not one the daemon can move.
+            baseline=base, target=Target("<=", 1.25) if key == "put" else None,
             bound=(f"memory copy bandwidth: the training process {busy(own_cpu[key], times[key])}"
                    f" (ours), {busy(own_cpu['baseline'], times['baseline'])} (baseline)")))
     section.notes.append(
         "ours: `put(bytes)` copies into a memfd from the client's pool and passes it; a fresh "
-        "memfd also pays for its first-touch page faults. After the acknowledgement the daemon "
+        "memfd also pays for its first-touch page faults, in the calling process before the "
+        "daemon is involved, so that row has no target: it shows what the pool saves. After the acknowledgement the daemon "
         "writes the memfd to local storage in the background; each run waits for the commit "
         "before the next, so no run pays for the previous one's write.")
 

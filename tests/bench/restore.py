@@ -158,9 +158,10 @@ def run_restore(ctx: Context, section: Section) -> None:
     _fetch_row(ctx, section, runs, f"s3://{bucket}/ckpt", endpoint, count, size)
     verify_rows(ctx, runs, [CKPTDRAIN, "verify", "--job", JOB, "--generation", "1",
                             f"s3://{bucket}/ckpt"], env, case, section,
-                bound="start-up bound at this size: the command's start-up (about 0.5 s, most "
-                      "of it importing the S3 stack) is a large part of --read's whole run; the "
-                      "`s3` benchmark has the same row for a 16 GiB generation")
+                bound="no target at this size: the command's start-up (about 0.4 s, most of it "
+                      "importing the S3 stack) is a large part of --read's whole run of 1 GiB, "
+                      "so 0.05 would need a start-up under 0.06 s; the `s3` benchmark has the "
+                      "row with the target, for a 16 GiB generation")
     startup = run_timed([CKPTDRAIN, "ls", f"file://{ctx.fresh('empty-dest')}"], timeout_s=120,
                         env=env)
     section.notes.append(f"`ckptdrain restore` times include the command's start-up; "
@@ -288,11 +289,12 @@ def _posix_row(ctx: Context, section: Section, runs: int, case: str, total: int,
 
 
 def verify_rows(ctx: Context, runs: int, verify: list[str], env: dict[str, str], case: str,
-                section: Section, *, bound: str = "") -> None:
+                section: Section, *, bound: str = "", target: Target | None = None) -> None:
     """``verify`` (the checksums S3 stored, one HEAD per shard) against ``verify --read``
     (every byte read back and checksummed), alternating. ``verify``'s own time is its start-up
     and one request per shard, whatever the size, so the ratio says something only for a
-    generation large enough that reading it takes many times the start-up."""
+    generation large enough that reading it takes many times the start-up: ``target`` is
+    given where it is (the issue's 0.05 is a statement about node-sized generations)."""
     ctx.say(f"verify: {runs} runs of {case} on S3, without and with --read")
     walls: dict[str, list[float]] = {"stored": [], "read": []}
     cpus: dict[str, list[float]] = {"stored": [], "read": []}
@@ -306,7 +308,7 @@ def verify_rows(ctx: Context, runs: int, verify: list[str], env: dict[str, str],
     section.rows.append(Row(
         case=f"`verify` of {case} on S3 (stored checksums, no bytes read)",
         baseline_name="verify --read", ours=figure(walls["stored"], "s"),
-        baseline=figure(walls["read"], "s"), target=Target("<=", 0.05),
+        baseline=figure(walls["read"], "s"), target=target,
         bound=(f"{bound + '; ' if bound else ''}ours is the command's start-up and one HEAD per "
                f"shard; --read downloads and checksums every byte; CPU: ours "
                f"{busy(cpus['stored'], walls['stored'])}, --read "
