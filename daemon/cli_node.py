@@ -91,7 +91,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # interpreter would wait for it forever, in the event loop's shutdown or at exit.
     daemon.on_stopped = lambda: threading.Thread(target=_exit_if_stuck, args=(ran,),
                                                  daemon=True).start()
-    from ckptdrain.daemon.journal import JournalError
+    from ckptdrain.daemon.journalfaults import JournalError
     from ckptdrain.daemon.metricsendpoint import MetricsServerError
 
     try:
@@ -109,7 +109,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def _expected(exc: BaseException) -> BaseException:
     """The typed error to report for a failed ``serve`` (the first of a group), or ``exc``."""
     from ckptdrain.daemon.errors import DaemonError, StartupError
-    from ckptdrain.daemon.journal import JournalError
+    from ckptdrain.daemon.journalfaults import JournalError
     from ckptdrain.daemon.metricsendpoint import MetricsServerError
 
     if isinstance(exc, BaseExceptionGroup):

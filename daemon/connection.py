@@ -27,7 +27,7 @@ from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.channel import Channel, DescriptorsShort, IdleTimeout, is_memfd
 from ckptdrain.daemon.errors import DaemonError, RequestError, descriptors_short
 from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, MAX_PIPE_CLOSES_PER_UID
-from ckptdrain.daemon.journal import JournalFull
+from ckptdrain.daemon.journalfaults import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.records import SAVE_AGAIN

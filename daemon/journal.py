@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckptdrain.daemon.errors import DaemonError, OperatorNeeded
+from ckptdrain.daemon.journalfaults import (
+    JournalError,
+    JournalFull,
+    cannot_write,
+    damaged,
+    is_damaged,
+    unwritable,
+)
+from ckptdrain.daemon.journalrows import SCHEMA
 from ckptdrain.daemon.logs import log_event
 
 T = TypeVar("T")
@@ -32,62 +40,6 @@ log = logging.getLogger(__name__)
 FULL_RETRY_FIRST_S = 0.05
 FULL_RETRY_MAX_S = 1.0
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job TEXT PRIMARY KEY,
-    uid INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS generations (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    world_size INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    ack TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    handoff_at REAL,
-    staged_at REAL,
-    drained_at REAL,
-    committed_at REAL,
-    error TEXT NOT NULL DEFAULT '',
-    attempt TEXT NOT NULL DEFAULT '',
-    PRIMARY KEY (job, step)
-);
-CREATE TABLE IF NOT EXISTS ranks (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    rank INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    PRIMARY KEY (job, step, rank)
-);
-CREATE TABLE IF NOT EXISTS shards (
-    id INTEGER PRIMARY KEY,
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    rank INTEGER NOT NULL,
-    path TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    staged_name TEXT NOT NULL,
-    state TEXT NOT NULL,
-    checksum TEXT NOT NULL DEFAULT '',
-    handed_at REAL NOT NULL,
-    staged_at REAL NOT NULL,
-    drained_at REAL,
-    error TEXT NOT NULL DEFAULT '',
-    deferred INTEGER NOT NULL DEFAULT 0,
-    UNIQUE (job, step, path)
-);
-CREATE TABLE IF NOT EXISTS uploads (
-    shard_id INTEGER PRIMARY KEY,
-    upload_id TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS upload_parts (
-    shard_id INTEGER NOT NULL,
-    number INTEGER NOT NULL,
-    etag TEXT NOT NULL,
-    checksum TEXT NOT NULL,
-    PRIMARY KEY (shard_id, number)
-);
-"""
 
 
 # The write-ahead log's size after a checkpoint: its blocks are kept for the next writes (the
@@ -124,67 +76,6 @@ def _settle(batch: list[_Write], outcomes: list[BaseException | None]) -> None:
             w.done.set_exception(outcome)
 
 
-class JournalError(DaemonError):
-    """The journal cannot be opened or written: the daemon cannot promise durability."""
-
-
-class JournalFull(JournalError):
-    """The journal's filesystem has no room for a new record, or takes no writes for now
-    (``unwritable``: the error it gave): nothing new (a generation, a rank, a shard's
-    acknowledgement) is taken until it does. A hand-off gets backpressure."""
-
-    def __init__(self, path: Path, unwritable: str = "") -> None:
-        if unwritable:
-            super().__init__(
-                f"the journal {path} cannot be written ({unwritable}): its filesystem (the "
-                "staging filesystem, staging_dir) may have gone read-only after a disk error "
-                "(see dmesg); make it writable again, or restart the daemon once it is")
-        else:
-            super().__init__(f"the journal {path} cannot grow: its filesystem is full; free "
-                             "space there (the staging filesystem, staging_dir) and try again")
-
-
-def _is_damaged(exc: sqlite3.Error) -> bool:
-    return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in (sqlite3.SQLITE_CORRUPT,
-                                                           sqlite3.SQLITE_NOTADB)
-
-
-class JournalDamaged(JournalError, OperatorNeeded):
-    """The journal's file is damaged (SQLite says corrupt, or not a database): no restart
-    mends it. It exited 1, which systemd restarted every 5 s for good (found attacking
-    restarts)."""
-
-
-def _damaged(path: Path, exc: sqlite3.Error) -> JournalError:
-    return JournalDamaged(
-        f"cannot read the journal {path}: {exc}; check the staging disk (staging_dir) for I/O "
-        "errors. Its records of acknowledged shards are in no other place: copy the staging "
-        "directory before trying to repair the file (`sqlite3 FILE .recover`), then start the "
-        "daemon again")
-
-
-def _is_full(exc: BaseException) -> bool:
-    return (isinstance(exc, sqlite3.Error)
-            and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL)
-
-
-def _unwritable(exc: BaseException) -> str:
-    """What SQLite said, for a write its file refused (SQLITE_IOERR: a filesystem remounted
-    read-only after a disk error fails the open -wal's writes with EROFS; SQLITE_READONLY), or
-    ''. Such a write waits as a full disk's does: failed, it ended the generation of a drain
-    that had gone through as an internal error ("OperationalError: disk I/O error") while the
-    journal, which the next start goes by, still held it open, and a begin was "an internal
-    error" (found attacking with EROFS injected on the -wal's writes)."""
-    if isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in (
-            sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY):
-        return str(exc) or type(exc).__name__
-    return ""
-
-
-def _cannot_write(exc: BaseException) -> bool:
-    return _is_full(exc) or bool(_unwritable(exc))
-
-
 class Journal:
     """Async facade over one SQLite connection owned by one thread."""
 
@@ -219,11 +110,11 @@ class Journal:
         try:
             await self._run(self._open)
         except sqlite3.DatabaseError as exc:
-            if _is_damaged(exc):
+            if is_damaged(exc):
                 # A journal cut short (a truncated copy, a partial restore) or damaged in its
                 # first pages said "check the disk for I/O errors and free space", and not
                 # that its records are nowhere else, nor how to recover them (found attacking).
-                raise _damaged(self.path, exc) from None
+                raise damaged(self.path, exc) from None
             raise self._unopened(exc) from None
         except (sqlite3.Error, OSError) as exc:
             raise self._unopened(exc) from None
@@ -367,8 +258,8 @@ class Journal:
             self.batches += 1
             return outcomes
         except Exception as exc:
-            if _cannot_write(exc):
-                return self._wait_for_room(batch, todo, outcomes, loop, _unwritable(exc))
+            if cannot_write(exc):
+                return self._wait_for_room(batch, todo, outcomes, loop, unwritable(exc))
             if len(todo) == 1:
                 outcomes[todo[0]] = exc
                 return outcomes
@@ -376,12 +267,12 @@ class Journal:
             try:
                 self._tx(batch[i].statements)
             except Exception as exc:
-                if _cannot_write(exc):
+                if cannot_write(exc):
                     # This one and every one after it wait, in order: a later write made
                     # durable before an earlier one waiting for room broke the queue's order
                     # (found attacking it).
                     return self._wait_for_room(batch, todo[k:], outcomes, loop,
-                                               _unwritable(exc))
+                                               unwritable(exc))
                 outcomes[i] = exc
         return outcomes
 
@@ -393,7 +284,7 @@ class Journal:
         now (their callers hold slots and room, and must hear at once), and write the rest
         once it has room (see :meth:`write`), trying again with a growing pause; the journal
         closing ends the wait. Each record is written on its own, as a failed batch's are.
-        ``unwritable``: the journal's file refused the write (:func:`_unwritable`) rather than
+        ``unwritable``: the journal's file refused the write (:func:`~ckptdrain.daemon.journalfaults.unwritable`) rather than
         ran out of room; it waits the same way, until it takes writes again."""
         refused = [batch[i] for i in todo if batch[i].new]
         with self._queue_lock:
@@ -432,7 +323,7 @@ class Journal:
                 try:
                     self._tx(batch[i].statements)
                 except Exception as exc:
-                    if not _cannot_write(exc):
+                    if not cannot_write(exc):
                         outcomes[i] = exc
                     elif self._closing.wait(pause):
                         for k in waiting:
@@ -521,7 +412,7 @@ class Journal:
         except sqlite3.DatabaseError as exc:
             # Damage past the header opens fine and fails here (found attacking: a page of
             # zeros ended start-up in a traceback).
-            raise _damaged(self.path, exc) from None
+            raise damaged(self.path, exc) from None
 
     def _load(self) -> Snapshot:
         assert self._db is not None
@@ -559,146 +450,3 @@ class Journal:
             return int(row[0]) + 1
 
         return await self._run(read)
-
-
-# Statement builders: keep SQL in one place so callers compose them into one transaction.
-
-
-def claim_job(job: str, uid: int) -> tuple[str, tuple[Any, ...]]:
-    return ("INSERT OR IGNORE INTO jobs (job, uid) VALUES (?, ?)", (job, uid))
-
-
-def forget_job(job: str) -> tuple[str, tuple[Any, ...]]:
-    return ("DELETE FROM jobs WHERE job = ?", (job,))
-
-
-def put_generation(g: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    return (
-        "INSERT OR REPLACE INTO generations (job, step, world_size, state, ack, created_at,"
-        " handoff_at, staged_at, drained_at, committed_at, error, attempt)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            g["job"], g["step"], g["world_size"], g["state"], g["ack"], g["created_at"],
-            g["handoff_at"], g["staged_at"], g["drained_at"], g["committed_at"], g["error"],
-            g["attempt"],
-        ),
-    )
-
-
-def put_rank(job: str, step: int, rank: int, state: str) -> tuple[str, tuple[Any, ...]]:
-    return (
-        "INSERT OR REPLACE INTO ranks (job, step, rank, state) VALUES (?, ?, ?, ?)",
-        (job, step, rank, state),
-    )
-
-
-def put_shard(s: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    return (
-        "INSERT OR REPLACE INTO shards (id, job, step, rank, path, size, staged_name, state,"
-        " checksum, handed_at, staged_at, drained_at, error, deferred)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            s["id"], s["job"], s["step"], s["rank"], s["path"], s["size"], s["staged_name"],
-            s["state"], s["checksum"], s["handed_at"], s["staged_at"], s["drained_at"], s["error"],
-            int(s["deferred"]),
-        ),
-    )
-
-
-def delete_generation(job: str, step: int, attempt: str) -> list[tuple[str, tuple[Any, ...]]]:
-    """Forget one attempt at a step. Keyed by the attempt: the rows at ``(job, step)`` go
-    only while the generation row there is still that attempt's, so forgetting an old attempt
-    late can never take a newer attempt's rows with it."""
-    ours = "step IN (SELECT step FROM generations WHERE job = ? AND step = ? AND attempt = ?)"
-    key = (job, step, job, step, attempt)
-    shard_ids = f"SELECT id FROM shards WHERE job = ? AND step = ? AND {ours}"
-    return [
-        (f"DELETE FROM upload_parts WHERE shard_id IN ({shard_ids})", key),
-        (f"DELETE FROM uploads WHERE shard_id IN ({shard_ids})", key),
-        (f"DELETE FROM shards WHERE job = ? AND step = ? AND {ours}", key),
-        (f"DELETE FROM ranks WHERE job = ? AND step = ? AND {ours}", key),
-        ("DELETE FROM generations WHERE job = ? AND step = ? AND attempt = ?", (job, step, attempt)),
-    ]
-
-
-def begin_upload(shard_id: int, upload_id: str) -> list[tuple[str, tuple[Any, ...]]]:
-    return [
-        ("DELETE FROM upload_parts WHERE shard_id = ?", (shard_id,)),
-        ("INSERT OR REPLACE INTO uploads (shard_id, upload_id) VALUES (?, ?)", (shard_id, upload_id)),
-    ]
-
-
-def part_done(shard_id: int, number: int, etag: str, checksum: str) -> tuple[str, tuple[Any, ...]]:
-    return (
-        "INSERT OR REPLACE INTO upload_parts (shard_id, number, etag, checksum) VALUES (?, ?, ?, ?)",
-        (shard_id, number, etag, checksum),
-    )
-
-
-def end_upload(shard_id: int) -> list[tuple[str, tuple[Any, ...]]]:
-    return [
-        ("DELETE FROM upload_parts WHERE shard_id = ?", (shard_id,)),
-        ("DELETE FROM uploads WHERE shard_id = ?", (shard_id,)),
-    ]
-
-
-class JournalUploadLog:
-    """The journal-backed :class:`~ckptdrain.daemon.backends.base.UploadLog` of one shard:
-    where a multipart upload records its id and finished parts, so a restarted daemon resumes
-    it (ListParts) instead of sending every part again, and the orphan sweep knows it is ours."""
-
-    def __init__(self, journal: Journal, shard_id: int) -> None:
-        self.journal = journal
-        self.shard_id = shard_id
-
-    async def load(self) -> tuple[str | None, dict[int, tuple[str, str]]]:
-        snap_id = await self.journal._run(self._upload_id)
-        if snap_id is None:
-            return None, {}
-        return snap_id, await self.journal.upload_parts(self.shard_id)
-
-    def _upload_id(self) -> str | None:
-        assert self.journal._db is not None
-        row = self.journal._db.execute(
-            "SELECT upload_id FROM uploads WHERE shard_id = ?", (self.shard_id,)
-        ).fetchone()
-        return None if row is None else str(row[0])
-
-    async def begun(self, upload_id: str) -> None:
-        await self.journal.write(*begin_upload(self.shard_id, upload_id))
-        self.journal.open_uploads[self.shard_id] = (upload_id, time.monotonic())
-
-    async def part_done(self, number: int, etag: str, checksum: str) -> None:
-        await self.journal.write(part_done(self.shard_id, number, etag, checksum))
-
-    async def finished(self) -> None:
-        await self.journal.write(*end_upload(self.shard_id))
-        self.journal.open_uploads.pop(self.shard_id, None)
-
-    def is_open(self) -> bool:
-        return self.shard_id in self.journal.open_uploads
-
-
-class GroupCommit:
-    """Acknowledging a staged shard takes three fsyncs: the staged file's (its bytes), the
-    staging directory's (its rename) and the journal's (its record). Hand-offs that finish
-    together share them: every journal write queued while the journal is busy goes in one
-    transaction (:meth:`Journal.write`), the staged files of the batch are fsynced one after
-    the other in the journal's thread (their writeback was started when each was renamed, so
-    the first fsync's filesystem commit serves the rest), and the directory once.
-    """
-
-    def __init__(self, journal: Journal, before: Callable[[], None]) -> None:
-        self.journal = journal
-        self.before = before
-        self.batches = 0  # for tests and status: how many commits served the hand-offs
-
-    def _before(self) -> None:
-        self.batches += 1
-        self.before()
-
-    async def __call__(self, *statements: tuple[str, tuple[Any, ...]],
-                       before: Sequence[Callable[[], None]] = (), new: bool = False) -> None:
-        """Journal ``statements`` once ``before`` (this hand-off's own fsyncs) and the
-        shared directory fsync are done."""
-        await self.journal.write(*statements, before=(*before, self._before), new=new)

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdrain.daemon.errors import DiskFull, StartupError
-from ckptdrain.daemon.journal import WAL_KEPT_BYTES, JournalError
+from ckptdrain.daemon.journal import WAL_KEPT_BYTES
+from ckptdrain.daemon.journalfaults import JournalError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.staging import free_space_reserve
 

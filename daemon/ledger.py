@@ -16,8 +16,9 @@ from typing import Any, overload
 from ckptdrain.client import names, wire
 from ckptdrain.client.errors import DrainError
 from ckptdrain.client.manifest import parents
-from ckptdrain.daemon import journal as j
-from ckptdrain.daemon.journal import Journal, JournalError
+from ckptdrain.daemon import journalrows as j
+from ckptdrain.daemon.journal import Journal
+from ckptdrain.daemon.journalfaults import JournalError
 from ckptdrain.daemon.records import (
     MAX_ERROR_CHARS,
     SUMMARY_ERROR_CHARS,

@@ -50,8 +50,9 @@ from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.expiry import Expiry
 from ckptdrain.daemon.fetcher import Fetchers
 from ckptdrain.daemon.handoff import Handoffs
-from ckptdrain.daemon.journal import GroupCommit, Journal, JournalUploadLog
+from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.journalroom import JournalReserve, open_journal
+from ckptdrain.daemon.journalrows import GroupCommit, JournalUploadLog
 from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind

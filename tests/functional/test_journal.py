@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.daemon import journal as j
-from ckptdrain.daemon.journal import GroupCommit, Journal
+from ckptdrain.daemon import journalrows as j
+from ckptdrain.daemon.journal import Journal
+from ckptdrain.daemon.journalfaults import JournalError, JournalFull
+from ckptdrain.daemon.journalrows import GroupCommit
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.state import (
     GenerationEvent,
@@ -370,10 +372,10 @@ async def test_a_full_disk_refuses_new_records_at_once_and_keeps_the_rest_waitin
     try:
         happened = asyncio.ensure_future(journal.write(j.put_shard(shard_row(1))))
         new_in_batch = asyncio.ensure_future(journal.write(j.put_shard(shard_row(2)), new=True))
-        with pytest.raises(j.JournalFull):
+        with pytest.raises(JournalFull):
             await asyncio.wait_for(new_in_batch, timeout=10)
         assert journal.full and not happened.done()  # refused while the other still waits
-        with pytest.raises(j.JournalFull):
+        with pytest.raises(JournalFull):
             await journal.write(j.put_shard(shard_row(3)), new=True)  # refused without queueing
         disk.full = False
         await asyncio.wait_for(happened, timeout=10)
@@ -395,7 +397,7 @@ async def test_a_record_waiting_for_room_gives_up_when_the_journal_closes(tmp_pa
     while not journal.full:
         await asyncio.sleep(0.01)
     closing = asyncio.ensure_future(journal.close())
-    with pytest.raises(j.JournalError, match="stayed full until the daemon stopped"):
+    with pytest.raises(JournalError, match="stayed full until the daemon stopped"):
         await asyncio.wait_for(waiting, timeout=10)
     await asyncio.wait_for(closing, timeout=10)
     assert disk.refused >= 2

@@ -35,7 +35,7 @@ def test_the_root_covers_the_errors_users_meet() -> None:
     from ckptdrain.daemon.backends.base import BackendError
     from ckptdrain.daemon.catalog import CatalogError
     from ckptdrain.daemon.config import ConfigError
-    from ckptdrain.daemon.journal import JournalError
+    from ckptdrain.daemon.journalfaults import JournalError
 
     for cls in (BackendError, CatalogError, ConfigError, JournalError):
         assert issubclass(cls, DaemonError)

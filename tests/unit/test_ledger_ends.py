@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.daemon.journal import JournalFull
+from ckptdrain.daemon.journalfaults import JournalFull
 from ckptdrain.daemon.ledger import Ledger
 from ckptdrain.daemon.records import GenerationRecord
 from ckptdrain.daemon.state import GenerationEvent, GenerationState
