@@ -5,8 +5,11 @@ A node writes its part record once every rank begun here has drained (the publis
 advance): the ranks, every shard of theirs, the four clocks so far. A generation that then
 fails here gets the record rewritten with the ranks it can no longer deliver marked aborted
 (its *failure record*), so the other nodes end the generation at their next look rather
-than after ``drain.commit_wait_s``. Both writes of one generation hold the same per-generation
-lock, so the failure record, written last, is the one that stands.
+than after ``drain.commit_wait_s``. A node whose own ``drain.commit_wait_s`` runs out writes
+it too, before it ends the generation, with every rank of its own aborted: a slower node that
+came later otherwise published the step from the record that said "recorded". Both writes of
+one generation hold the same per-generation lock, so the failure record, written last, is the
+one that stands.
 """
 
 from __future__ import annotations
@@ -101,39 +104,93 @@ class FailureRecords:
             recorded = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
             failed = [r for r in gen.ranks if r not in recorded]
             if not failed:
-                return  # it failed at the commit itself; the other nodes see the same
+                # It failed at the commit itself, or on another node's record; the other
+                # nodes see the same. (An expiry writes its record before it ends the step:
+                # write_expired.)
+                return
             if len(gen.ranks) >= gen.world_size:
                 # Every rank began here: no other node waits on this generation, and the
                 # destination is spared a record per aborted generation.
                 return
-            owner = self.ledger.jobs.get(gen.job)
-            if owner is not None and self.config.access.check_destination_owner:
-                try:
-                    theirs = await self._retrying(
-                        lambda: self.committer.owners.someone_else(gen.job, owner))
-                except (BackendError, ManifestError) as exc:
-                    # Cannot tell whose job it is: nothing is written into what may be
-                    # another user's (the other nodes end it after commit_wait_s).
-                    log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
-                              step=gen.step, error=str(exc),
-                              action="the other nodes end it after drain.commit_wait_s")
-                    return
-                if theirs is not None:
-                    return  # another user's job: nothing of this node's goes there
-            part = await part_record(self.config, self.ledger, gen, recorded, failed,
-                                     gen.error or "failed on this node")
-            key = part_key(gen.job, gen.step, part.node)
-            try:
-                if unless_present and await self._already(key, part):
-                    return
-                await self._retrying(lambda: self.committer.record_part(part))
-            except (BackendError, ManifestError) as exc:
-                log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
-                          step=gen.step, error=str(exc),
-                          action="the other nodes end it after drain.commit_wait_s")
+            if not await self._put(gen, recorded, failed, gen.error or "failed on this node",
+                                   unless_present=unless_present):
                 return
         log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
                   aborted_ranks=describe_ranks(failed))
+
+    async def write_expired(self, gen: GenerationRecord, reason: str) -> bool:
+        """Before ``drain.commit_wait_s`` ends a RECORDED generation here: rewrite this node's
+        part record with every rank of this node marked aborted (they stay RECORDED in the
+        ledger, so ``ckptdrain retry`` can bring them back). Its ranks are about to hear the
+        step failed; left saying "recorded", the record let a slower node cover every rank
+        and publish the step from it (found attacking multi-node commits). True when written;
+        False when there was nothing to write (every rank began here, no other node waits)
+        or it could not be written (logged; the step ends all the same)."""
+        async with self._locks.hold(gen.key):
+            if (gen.state is not GenerationState.RECORDED
+                    or self.ledger.get(gen.job, gen.step) is not gen):
+                return False
+            ranks = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
+            if not ranks or len(gen.ranks) >= gen.world_size:
+                return False
+            if not await self._put(gen, [], ranks, reason, action=(
+                    "a node that comes later may still commit the step from this node's "
+                    "earlier record")):
+                return False
+        log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
+                  aborted_ranks=describe_ranks(ranks), why="drain.commit_wait_s")
+        return True
+
+    async def write_recorded(self, gen: GenerationRecord) -> None:
+        """This node's part record as its advance writes it (its recorded ranks), over a
+        failure record that :meth:`write_expired` wrote for a step that did not end after
+        all: it committed meanwhile, or a rank began here. Not for an ended generation, but a
+        committed one (its failure record would tell every node still waiting that it can
+        never commit). Errors are logged: those nodes then end the step at their next look."""
+        async with self._locks.hold(gen.key):
+            if (gen.state in (GenerationState.FAILED, GenerationState.CANCELLED)
+                    or self.ledger.get(gen.job, gen.step) is not gen):
+                return
+            recorded = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
+            part = await part_record(self.config, self.ledger, gen, recorded)
+            try:
+                await self._retrying(lambda: self.committer.record_part(part))
+            except (BackendError, ManifestError) as exc:
+                log_event(log, logging.WARNING, "part_record_restore_failed", job=gen.job,
+                          step=gen.step, error=str(exc),
+                          action="nodes that read this node's failure record end the step")
+                return
+        log_event(log, logging.INFO, "failure_record_withdrawn", job=gen.job, step=gen.step,
+                  state=str(gen.state))
+
+    async def _put(self, gen: GenerationRecord, recorded: list[int], failed: list[int],
+                   reason: str, *, unless_present: bool = False,
+                   action: str = "the other nodes end it after drain.commit_wait_s") -> bool:
+        """Write the failure record (held: the part lock); False when it was not written."""
+        owner = self.ledger.jobs.get(gen.job)
+        if owner is not None and self.config.access.check_destination_owner:
+            try:
+                theirs = await self._retrying(
+                    lambda: self.committer.owners.someone_else(gen.job, owner))
+            except (BackendError, ManifestError) as exc:
+                # Cannot tell whose job it is: nothing is written into what may be
+                # another user's (the other nodes end it after commit_wait_s).
+                log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
+                          step=gen.step, error=str(exc), action=action)
+                return False
+            if theirs is not None:
+                return False  # another user's job: nothing of this node's goes there
+        part = await part_record(self.config, self.ledger, gen, recorded, failed, reason)
+        key = part_key(gen.job, gen.step, part.node)
+        try:
+            if unless_present and await self._already(key, part):
+                return False
+            await self._retrying(lambda: self.committer.record_part(part))
+        except (BackendError, ManifestError) as exc:
+            log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
+                      step=gen.step, error=str(exc), action=action)
+            return False
+        return True
 
     async def _already(self, key: str, part: PartRecord) -> bool:
         data = await self.committer.backend.get_bytes(key)

@@ -7,9 +7,10 @@ through the :class:`~ckptdrain.daemon.commit.Committer`. A generation waiting fo
 record marks a rank aborted, or ``drain.commit_wait_s`` passed since this node's drained clock,
 which is journalled), or CANCELLED (a newer step of the job committed). A node that fails a
 generation it cannot deliver rewrites its record with those ranks aborted, so the others end
-it too. Around every step, a failure boundary: a destination error fails that generation with
-its message, anything else is logged once with its traceback and fails that generation;
-nothing reaches the TaskGroup.
+it too; so does one whose commit_wait_s ran out, with all of its ranks, before it ends the
+step (_expire: no node may commit a step whose ranks were told it failed). Around every step,
+a failure boundary: a destination error fails that generation with its message, anything else
+is logged once with its traceback and fails that generation; nothing reaches the TaskGroup.
 """
 
 from __future__ import annotations
@@ -251,7 +252,12 @@ class Publisher:
                for r, st in gen.ranks.items()):
             return
         ready = [r for r, st in gen.ranks.items() if st is RankState.SEALED]
-        if ready and not await self._record_part(gen, ready):
+        # Open with nothing new to record: retried (or recovered between its record and
+        # RECORDED). Written again all the same: the record at the destination may be the
+        # failure record of its expiry, every rank aborted, which ended the step on every
+        # node that read it, this one's retried commit included.
+        rewrite = not ready and gen.state is _G.OPEN
+        if (ready or rewrite) and not await self._record_part(gen, ready):
             return
         if gen.state is _G.OPEN:
             await self.ledger.apply(gen, GenerationEvent.RECORDED)
@@ -291,10 +297,12 @@ class Publisher:
             # the commit as an internal error).
             if gen.ranks.get(r) is RankState.SEALED:
                 await self.ledger.apply((gen, r), RankEvent.RECORDED)
-        # The drained clock is also where drain.commit_wait_s counts from (journalled with
-        # the RECORDED state right after this).
-        assign(gen, "staged_at", part.clocks["staged"])
-        assign(gen, "drained_at", part.clocks["drained"])
+        if ready:
+            # The drained clock is also where drain.commit_wait_s counts from (journalled
+            # with the RECORDED state right after this). Not for a record only written again:
+            # a retry's wait counts from the retry (maintenance.retry).
+            assign(gen, "staged_at", part.clocks["staged"])
+            assign(gen, "drained_at", part.clocks["drained"])
         return True
 
     async def _settle(self, gen: GenerationRecord) -> None:
@@ -316,7 +324,15 @@ class Publisher:
             return
         aborted = describe_aborted(parts)
         if aborted:
-            await self.end(gen, aborted, kind="aborted", event=GenerationEvent.PEER_ABORTED)
+            # Another node's expiry writes its failure record over a record that said
+            # "recorded" (_expire), and a node that read the records just before may have
+            # published from them: the manifest, if there is one with this node's part,
+            # decides (at the commit point: not in the middle of an operator's abort). A
+            # destination that cannot say now: the abort stands, as before.
+            async with gen.commit_point:
+                if not gen.terminal and not await self._found_committed(gen):
+                    await self.end(gen, aborted, kind="aborted",
+                                   event=GenerationEvent.PEER_ABORTED)
             return
         missing = missing_ranks(parts, gen.world_size)
         if missing:
@@ -579,8 +595,11 @@ class Publisher:
         None when the destination cannot say now."""
         return (await self._look(gen))[0]
 
-    async def _look(self, gen: GenerationRecord) -> tuple[bool | None, Manifest | None]:
-        """:meth:`committed_here`, and the manifest that says so (None when a tombstone does)."""
+    async def _look(self, gen: GenerationRecord, *, newer: bool = True
+                    ) -> tuple[bool | None, Manifest | None]:
+        """:meth:`committed_here`, and the manifest that says so (None when a tombstone does).
+        ``newer``: asked because a newer step committed (what an unreadable manifest makes
+        the generation wait for, said at its expiry)."""
         try:
             manifest, removed = await self.committer.committed_or_removed(gen.job, gen.step)
         except BackendError as exc:
@@ -588,8 +607,9 @@ class Publisher:
             self._error_log.log_event(log, logging.WARNING, "commit_poll_error",
                                       cause=f"own:{exc.kind}", job=gen.job, step=gen.step,
                                       error=str(exc))
-            self._why_waiting[gen.key] = (f"a newer step committed, and this step's "
-                                          f"MANIFEST.json could not be read: {exc}")
+            if newer:
+                self._why_waiting[gen.key] = (f"a newer step committed, and this step's "
+                                              f"MANIFEST.json could not be read: {exc}")
             return None, None
         except ManifestError:
             return False, None  # damaged: no commit of this step's
@@ -647,9 +667,54 @@ class Publisher:
         if gen.state is _G.RECORDED and time.monotonic() - since >= wait_s:
             why = (self._missing.get(gen.key)
                    or self._why_waiting.get(gen.key, "the manifest never appeared"))
-            await self.end(gen, f"not committed within drain.commit_wait_s = {wait_s:g} s of "
-                                f"this node recording its part: {why}", kind="timeout",
-                           event=GenerationEvent.EXPIRED)
+            await self._expire(gen, wait_s, why)
+
+    async def _expire(self, gen: GenerationRecord, wait_s: float, why: str) -> None:
+        """End ``gen`` at drain.commit_wait_s, on every node: its ranks are told the step
+        failed, so no other node may commit it afterwards. This node's part record said its
+        ranks were recorded, and a slower node that came later covered every rank with it and
+        published the step its ranks had heard had failed (found attacking multi-node
+        commits). The record is rewritten with them aborted first (the failure record other
+        failures write), so a node that reads it later ends the step as aborted.
+
+        The manifest decides a race with a node publishing meanwhile: looked for before the
+        failure record (there: committed here, the record left as it is) and after it (there:
+        committed here, and the record written back as recorded, so nodes still waiting do
+        not end a committed step). One window stays open: a node that read the records just
+        before the failure record landed and creates the manifest after this second look
+        commits a step this node's ranks heard had failed. It is as wide as that node's
+        publish (its shard checks and create), and only a node whose own wait ran out within
+        that much of this one's meets it; a commit_wait_s longer than the nodes' lag keeps it
+        shut. The looks and the end hold the commit point, as a publish does (an abort never
+        lands between them); the record's writes and their retries do not (an abort waits
+        for nothing longer: records.py)."""
+        reason = (f"not committed within drain.commit_wait_s = {wait_s:g} s of this node "
+                  f"recording its part: {why}")
+        told = (f"the step expired on node {self.config.node_id!r} after drain.commit_wait_s "
+                f"= {wait_s:g} s without a commit ({why}); its ranks were told it failed")
+        async with gen.commit_point:
+            if gen.state is not _G.RECORDED or await self._found_committed(gen):
+                return
+        written = await self._failures.write_expired(gen, told)
+        async with gen.commit_point:
+            # Not RECORDED now: a rank began here (REOPENED: the step goes on), or an abort
+            # ended it (its own failure record follows this one).
+            goes_on = gen.state is not _G.RECORDED or (
+                written and await self._found_committed(gen))
+            if not goes_on:
+                await self.end(gen, reason, kind="timeout", event=GenerationEvent.EXPIRED)
+        if goes_on and written:
+            await self._failures.write_recorded(gen)  # not over an abort's record
+
+    async def _found_committed(self, gen: GenerationRecord) -> bool:
+        """Whether ``gen``'s step is committed at the destination with this node's part
+        (committed_here), and if so, COMMITTED here. False when the destination cannot say."""
+        here, manifest = await self._look(gen, newer=False)
+        if not here:
+            return False
+        if not gen.terminal:
+            await self._committed(gen, manifest, "accepted")
+        return True
 
     async def _newest_commits(self, waiting: list[GenerationRecord]) -> dict[str, int]:
         """Per job, a committed step newer than one of ``waiting``, from the LATEST hint and
