@@ -687,7 +687,7 @@ class Publisher:
         that much of this one's meets it; a commit_wait_s longer than the nodes' lag keeps it
         shut. The looks and the end hold the commit point, as a publish does (an abort never
         lands between them); the record's writes and their retries do not (an abort waits
-        for nothing longer: records.py)."""
+        for nothing longer: partrecords.py)."""
         reason = (f"not committed within drain.commit_wait_s = {wait_s:g} s of this node "
                   f"recording its part: {why}")
         told = (f"the step expired on node {self.config.node_id!r} after drain.commit_wait_s "
