@@ -488,7 +488,7 @@ class ClientHandler:
             raise
         # From here the hand-off owns the fd (closes it, or leaves it to a stuck thread).
         if kind == "put_memfd" and self.ack == "memory" and fd is not None:
-            return await self.d.handoffs.hold(self, gen, rank, path, size, fd, deferred)
+            return await self.d.held.hold(self, gen, rank, path, size, fd, deferred)
         return await self.d.handoffs.stage(self, gen, rank, path, size, fd, deferred)
 
     async def begin(self, job: str, step: int, rank: int, world_size: int, ack: str | None,

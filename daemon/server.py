@@ -50,6 +50,7 @@ from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.expiry import Expiry
 from ckptdrain.daemon.fetcher import Fetchers
 from ckptdrain.daemon.handoff import Handoffs
+from ckptdrain.daemon.heldhandoffs import HeldHandoffs
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.journalroom import JournalReserve, open_journal
 from ckptdrain.daemon.journalrows import GroupCommit, JournalUploadLog
@@ -141,6 +142,7 @@ class Daemon:
             upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
         self.handoffs = Handoffs(self)
+        self.held = HeldHandoffs(self.handoffs)
         self.begin_checks = BeginChecks(self)
         self.expiry = Expiry(self)
         self.retired = waits.Retired()
