@@ -348,7 +348,7 @@ def cmd_restore(ns: argparse.Namespace) -> int:
         bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
         try:
             # A shard landing in the destination (mounted below --to) is refused by identity
-            # as restore walks --to's directories (restore._open_dir).
+            # as restore walks --to's directories (restoretarget.open_dir).
             report = await restore(backend, ns.job, step, to, progress=bar.advance,
                                    local=None if ns.no_local else _local_source(ns, step),
                                    keep_out=_destination_root(ns.dest))
