@@ -1,46 +1,53 @@
-"""The on-storage formats: destination keys, part records and the generation manifest (pure).
+"""The on-storage records (pure): part records and the generation manifest.
 
 Both the daemon (which writes them) and readers such as ``ckptdrain ls`` or a restart script
-(which trust them) use this module, so parsing is strict: every field is typed and checked, and
-anything unexpected is a :class:`ManifestError` rather than a guess. The layout these functions
-name is documented for users in ``docs/layout.md``::
-
-    <root>/<job>/<step, 20 digits>/<shard paths>
-    <root>/<job>/<step, 20 digits>/_parts/<node>.json    one part record per node
-    <root>/<job>/<step, 20 digits>/MANIFEST.json         the commit point, written last, once
-    <root>/<job>/LATEST                                  a hint only
+(which trust them) use this module, so parsing is strict: every field is typed and checked
+(``recordfields.py``), and anything unexpected is a :class:`ManifestError` rather than a guess.
+Where each record lives at the destination is ``keys.py``'s (the layout, documented for users
+in ``docs/layout.md``); the shard entries both list are ``shardentries.py``'s.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from ckptdrain.client.errors import RejectedInput
+# The `X as X` imports re-export names that moved to keys.py, recordfields.py and
+# shardentries.py: daemon modules others are editing still import them from here.
+from ckptdrain.client.keys import generation_prefix as generation_prefix
+from ckptdrain.client.keys import latest_key as latest_key
+from ckptdrain.client.keys import part_key as part_key
+from ckptdrain.client.keys import shard_key as shard_key
+from ckptdrain.client.keys import validate_node_id
 from ckptdrain.client.names import (
-    MANIFEST_NAME,
-    PARTS_DIR,
     TEMP_SUFFIX,
     validate_job,
     validate_rank,
-    validate_shard_path,
     validate_step,
     validate_world_size,
 )
+from ckptdrain.client.recordfields import ManifestError as ManifestError
+from ckptdrain.client.recordfields import (
+    checked,
+    clocks_field,
+    int_field,
+    list_field,
+    load_json,
+    object_field,
+    str_field,
+)
+from ckptdrain.client.shardentries import ShardEntry as ShardEntry
+from ckptdrain.client.shardentries import check_shards, sorted_shards
 
 # Format 2 (this version writes it): each checksum names its algorithm, crc64nvme for new
-# shards (the value S3 validates as the object's full-object checksum). Format 1 manifests
-# carry sha256 only; they are still read, verified and restored.
-CHECKSUM_ALGO = "crc64nvme"
+# shards (recordfields.CHECKSUM_ALGO). Format 1 manifests carry sha256 only; they are still
+# read, verified and restored.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = frozenset({1, 2})
 FORMAT_1_ALGO = "sha256"
 TMP_SUFFIX = TEMP_SUFFIX
-LATEST_NAME = "LATEST"
-STEP_DIGITS = 20
 
 # The clocks a part record carries (unix seconds): when the first hand-off of the node's ranks
 # began, when the last shard was staged, and when the last shard drained.
@@ -48,14 +55,6 @@ PART_CLOCKS = ("handoff", "staged", "drained")
 # The manifest adds the moment the generation was committed.
 MANIFEST_CLOCKS = (*PART_CLOCKS, "committed")
 
-# Node ids become file names (part records, temp files): same narrow charset as job names.
-MAX_NODE_BYTES = 128
-_NODE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-_GENERATION_RE = re.compile(r"[0-9]{20}")
-_HEX_DIGITS = {"sha256": 64, "crc64nvme": 16}
-_HEX_RE = re.compile(r"[0-9a-f]+")
-
-_SHARD_FIELDS = frozenset({"path", "size", "checksum", "rank", "node"})
 _PART_FIELDS = frozenset(
     {
         "format_version", "kind", "job", "step", "world_size", "node", "ranks", "shards",
@@ -87,13 +86,6 @@ _MANIFEST_FIELDS = frozenset(
 )
 
 
-_T = TypeVar("_T")
-
-
-class ManifestError(ValueError):
-    """A part record or manifest is malformed or inconsistent; the message names the field."""
-
-
 class RecordTooLarge(ManifestError):
     """A manifest or part record would pass :data:`MAX_RECORD_BYTES`: no reader would take it."""
 
@@ -119,200 +111,8 @@ def checked_size(body: bytes, what: str, shards: int) -> None:
             "save fewer, larger files (with DCP, single_file_per_rank=True)")
 
 
-# --- keys -----------------------------------------------------------------------------------
-
-
-def validate_node_id(node: object) -> str:
-    """Return ``node`` if it can name a part record and a temp file, else raise ManifestError."""
-    if not isinstance(node, str) or not _NODE_RE.fullmatch(node):
-        raise ManifestError(
-            f"node id {node!r} is not acceptable; use 1-{MAX_NODE_BYTES} letters, digits, "
-            "'.', '_', '-', not starting with '.' or '-' (set node_id in the config)"
-        )
-    return node
-
-
-def _checked(fn: Callable[..., _T], value: object, *args: object) -> _T:
-    """Run a names.py validator, turning its client-facing error into a ManifestError."""
-    try:
-        return fn(value, *args)
-    except RejectedInput as exc:
-        raise ManifestError(exc.message) from exc
-
-
-def generation_prefix(job: str, step: int) -> str:
-    """``<job>/<step as 20 zero-padded digits>/``: zero padding makes key order step order."""
-    _checked(validate_job, job)
-    _checked(validate_step, step)
-    return f"{job}/{step:0{STEP_DIGITS}d}/"
-
-
-def shard_key(job: str, step: int, path: str) -> str:
-    _checked(validate_shard_path, path)
-    return generation_prefix(job, step) + path
-
-
-def parts_prefix(job: str, step: int) -> str:
-    return f"{generation_prefix(job, step)}{PARTS_DIR}/"
-
-
-def part_key(job: str, step: int, node_id: str) -> str:
-    return f"{parts_prefix(job, step)}{validate_node_id(node_id)}.json"
-
-
-def manifest_key(job: str, step: int) -> str:
-    return f"{generation_prefix(job, step)}{MANIFEST_NAME}"
-
-
-def latest_key(job: str) -> str:
-    _checked(validate_job, job)
-    return f"{job}/{LATEST_NAME}"
-
-
-def parse_generation_dir(name: str) -> int | None:
-    """The step a generation directory name stands for, or None if it is not one."""
-    if not _GENERATION_RE.fullmatch(name):
-        return None
-    step = int(name)
-    try:
-        validate_step(step)
-    except RejectedInput:
-        return None
-    return step
-
-
-def parse_manifest_key(key: str) -> tuple[str, int] | None:
-    """``(job, step)`` when ``key`` is ``<job>/<20 digits>/MANIFEST.json``, else None."""
-    parts = key.split("/")
-    if len(parts) != 3 or parts[2] != MANIFEST_NAME:
-        return None
-    step = parse_generation_dir(parts[1])
-    if step is None:
-        return None
-    try:
-        validate_job(parts[0])
-    except RejectedInput:
-        return None
-    return parts[0], step
-
-
-# --- checksums ------------------------------------------------------------------------------
-
-
-def format_checksum(algo: str, digest_hex: str) -> str:
-    """``"<algo>:<hex>"``, the form every checksum takes on storage and on the wire."""
-    return _checksum_string(algo, digest_hex, "checksum")
-
-
-def parse_checksum(checksum: str) -> tuple[str, str]:
-    """Split ``"crc64nvme:<16 hex>"`` (or format 1's ``"sha256:<64 hex>"``) into
-    ``(algo, hex)``; anything else is a ManifestError."""
-    if not isinstance(checksum, str) or ":" not in checksum:
-        raise ManifestError(f"checksum {checksum!r} is not of the form '{CHECKSUM_ALGO}:<hex>'")
-    algo, _, digest = checksum.partition(":")
-    _checksum_string(algo, digest, "checksum")
-    return algo, digest
-
-
-def _checksum_string(algo: str, digest_hex: str, what: str) -> str:
-    expected = _HEX_DIGITS.get(algo)
-    if expected is None:
-        raise ManifestError(f"{what} algorithm {algo!r} is not supported; use {CHECKSUM_ALGO!r}")
-    if len(digest_hex) != expected or not _HEX_RE.fullmatch(digest_hex):
-        raise ManifestError(
-            f"{what} digest {digest_hex!r} is not {expected} lowercase hex digits for {algo}"
-        )
-    return f"{algo}:{digest_hex}"
-
-
-# --- typed field readers (shared by both formats) -------------------------------------------
-
-
-# No field of a record is larger (a step, a size in bytes, a uid); past it, a number a hostile
-# writer planted (10**400) crashed every reader that did arithmetic with it (found attacking).
-MAX_FIELD_INT = 2**63 - 1
-# The last second of year 9999: later, a clock is no time a reader can show (found attacking:
-# 1e20 crashed `ls`).
-MAX_CLOCK = 253402300799.0
-
-
-def _shown(number: int | float) -> str:
-    """``number`` for a message, short whatever its size (str() of a 5,000-digit int raises)."""
-    if isinstance(number, int) and abs(number) > MAX_FIELD_INT:
-        return f"an integer of {number.bit_length()} bits"
-    return f"{number:.6g}" if isinstance(number, float) else str(number)
-
-
-def _int(value: object, what: str, *, minimum: int = 0) -> int:
-    # bool is an int subclass; ``true`` in a size field is corruption, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ManifestError(f"{what} must be an integer, not {type(value).__name__}")
-    if not minimum <= value <= MAX_FIELD_INT:
-        raise ManifestError(f"{what} is {_shown(value)}; it must be {minimum}..{MAX_FIELD_INT}")
-    return value
-
-
-def _str(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise ManifestError(f"{what} must be a string, not {type(value).__name__}")
-    return value
-
-
-def _list(value: object, what: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ManifestError(f"{what} must be a list, not {type(value).__name__}")
-    return value
-
-
-def _object(
-    value: object, what: str, fields: frozenset[str], optional: frozenset[str] = frozenset()
-) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ManifestError(f"{what} must be an object, not {type(value).__name__}")
-    missing = sorted(fields - value.keys())
-    if missing:
-        raise ManifestError(f"{what} lacks {', '.join(missing)}")
-    # Strict: an unknown field means a newer or foreign writer; format_version is how the
-    # format grows, so guessing past an unknown field could hide a changed meaning.
-    unknown = sorted(value.keys() - fields - optional)
-    if unknown:
-        raise ManifestError(f"{what} has unknown field(s) {', '.join(unknown)}")
-    return value
-
-
-def _clocks(value: object, names: tuple[str, ...], what: str) -> dict[str, float]:
-    if not isinstance(value, Mapping):
-        raise ManifestError(f"{what} clocks must be an object, not {type(value).__name__}")
-    if set(value.keys()) != set(names):
-        raise ManifestError(
-            f"{what} clocks are {sorted(value.keys())}; expected exactly {list(names)}"
-        )
-    clocks: dict[str, float] = {}
-    for name in names:
-        raw = value[name]
-        if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise ManifestError(f"{what} clock {name!r} must be a number of unix seconds")
-        if not 0 <= raw <= MAX_CLOCK:  # (compared before float(): 10**400 is no float)
-            raise ManifestError(f"{what} clock {name!r} is {_shown(raw)}; it must be a unix time "
-                                f"from 0 to {MAX_CLOCK:.0f}")
-        number = float(raw)
-        clocks[name] = number
-    return clocks
-
-
-def _load_json(data: bytes, what: str) -> object:
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
-    except RecursionError:
-        # Arrays nested a few thousand deep exhaust the decoder's stack: what a hostile
-        # writer at the destination leaves; every reader must skip it, not crash on it.
-        raise ManifestError(f"{what} is not valid JSON: nested too deeply") from None
-
-
 def _check_version(obj: dict[str, Any], kind: str, what: str) -> None:
-    version = _int(obj["format_version"], f"{what} format_version", minimum=1)
+    version = int_field(obj["format_version"], f"{what} format_version", minimum=1)
     if version > FORMAT_VERSION:
         raise ManifestError(
             f"{what} has format_version {version}, newer than this ckptdrain understands "
@@ -342,89 +142,6 @@ def _render(header: dict[str, object], shards: Sequence[ShardEntry]) -> bytes:
     lines.append(" ]")
     lines.append("}")
     return ("\n".join(lines) + "\n").encode("utf-8")
-
-
-# --- shard entries --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ShardEntry:
-    """One shard as committed: its path in the generation, size, checksum and writer."""
-
-    path: str
-    size: int
-    checksum: str
-    rank: int
-    node: str
-
-    def __post_init__(self) -> None:
-        _checked(validate_shard_path, self.path)
-        _int(self.size, f"shard {self.path!r} size")
-        parse_checksum(self.checksum)
-        _int(self.rank, f"shard {self.path!r} rank")
-        validate_node_id(self.node)
-
-    @property
-    def digest(self) -> str:
-        """The hex digest without the algorithm prefix."""
-        return parse_checksum(self.checksum)[1]
-
-    @property
-    def algo(self) -> str:
-        """The checksum's algorithm: ``crc64nvme`` (format 2), ``sha256`` (format 1)."""
-        return parse_checksum(self.checksum)[0]
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "path": self.path,
-            "size": self.size,
-            "checksum": self.checksum,
-            "rank": self.rank,
-            "node": self.node,
-        }
-
-    @classmethod
-    def from_dict(cls, value: object, what: str) -> ShardEntry:
-        obj = _object(value, what, _SHARD_FIELDS)
-        path = _str(obj["path"], f"{what} path")
-        try:
-            return cls(
-                path=path,
-                size=_int(obj["size"], f"{what} size"),
-                checksum=_str(obj["checksum"], f"{what} checksum"),
-                rank=_int(obj["rank"], f"{what} rank"),
-                node=_str(obj["node"], f"{what} node"),
-            )
-        except ManifestError as exc:
-            raise ManifestError(f"{what}: {exc}") from exc
-
-
-def _check_shards(
-    shards: Sequence[ShardEntry], world_size: int, what: str, nodes: Sequence[str]
-) -> None:
-    seen: set[str] = set()
-    allowed_nodes = set(nodes)
-    for shard in shards:
-        if not isinstance(shard, ShardEntry):
-            raise ManifestError(f"{what} shards must be ShardEntry, not {type(shard).__name__}")
-        if shard.path in seen:
-            raise ManifestError(f"{what} lists shard path {shard.path!r} twice")
-        seen.add(shard.path)
-        _checked(validate_rank, shard.rank, world_size)
-        if shard.node not in allowed_nodes:
-            raise ManifestError(
-                f"{what} shard {shard.path!r} names node {shard.node!r}, "
-                f"not one of {sorted(allowed_nodes)}"
-            )
-    for shard in shards:
-        # What the write side refuses (a shard that is a directory of another) in a manifest
-        # written by something else: listed as committed, it could never be restored.
-        for parent in parents(shard.path):
-            if parent in seen:
-                raise ManifestError(
-                    f"{what} lists shard {parent!r} and shard {shard.path!r}: one is a "
-                    "directory of the other, so it cannot be restored to a filesystem"
-                )
 
 
 # --- part records ---------------------------------------------------------------------------
@@ -469,17 +186,17 @@ class PartRecord:
             raise ManifestError(f"{what}: attempt must be a string")
         if not isinstance(self.aborted_ranks, tuple) or not isinstance(self.abort_reason, str):
             raise ManifestError(f"{what}: aborted_ranks must be a tuple, abort_reason a string")
-        _checked(validate_job, self.job)
-        _checked(validate_step, self.step)
-        _checked(validate_world_size, self.world_size)
+        checked(validate_job, self.job)
+        checked(validate_step, self.step)
+        checked(validate_world_size, self.world_size)
         validate_node_id(self.node)
         if not isinstance(self.ranks, tuple) or not isinstance(self.shards, tuple):
             raise ManifestError(f"{what}: ranks and shards must be tuples")
         for rank in self.ranks:
-            _checked(validate_rank, rank, self.world_size)
+            checked(validate_rank, rank, self.world_size)
         if len(set(self.ranks)) != len(self.ranks):
             raise ManifestError(f"{what} lists a rank twice: {sorted(self.ranks)}")
-        _check_shards(self.shards, self.world_size, what, (self.node,))
+        check_shards(self.shards, self.world_size, what, (self.node,))
         ranks = set(self.ranks)
         self._check_aborted(what, ranks)
         for shard in self.shards:
@@ -492,11 +209,11 @@ class PartRecord:
         object.__setattr__(self, "ranks", tuple(sorted(self.ranks)))
         object.__setattr__(self, "aborted_ranks", tuple(sorted(self.aborted_ranks)))
         object.__setattr__(self, "shards", sorted_shards(self.shards))
-        object.__setattr__(self, "clocks", _clocks(self.clocks, PART_CLOCKS, what))
+        object.__setattr__(self, "clocks", clocks_field(self.clocks, PART_CLOCKS, what))
 
     def _check_aborted(self, what: str, ranks: set[int]) -> None:
         for rank in self.aborted_ranks:
-            _checked(validate_rank, rank, self.world_size)
+            checked(validate_rank, rank, self.world_size)
         if len(set(self.aborted_ranks)) != len(self.aborted_ranks):
             raise ManifestError(f"{what} lists an aborted rank twice: {sorted(self.aborted_ranks)}")
         both = ranks.intersection(self.aborted_ranks)
@@ -532,36 +249,33 @@ class PartRecord:
     @classmethod
     def from_json(cls, data: bytes) -> PartRecord:
         what = "part record"
-        obj = _object(_load_json(data, what), what, _PART_FIELDS, _PART_OPTIONAL_FIELDS)
+        obj = object_field(load_json(data, what), what, _PART_FIELDS, _PART_OPTIONAL_FIELDS)
         _check_version(obj, "part", what)
-        node = _str(obj["node"], f"{what} node")
+        node = str_field(obj["node"], f"{what} node")
         what = f"part record of node {node!r}"
         shards = tuple(
             ShardEntry.from_dict(item, f"{what} shard {i}")
-            for i, item in enumerate(_list(obj["shards"], f"{what} shards"))
+            for i, item in enumerate(list_field(obj["shards"], f"{what} shards"))
         )
-        ranks = tuple(_int(r, f"{what} rank") for r in _list(obj["ranks"], f"{what} ranks"))
+        ranks = tuple(int_field(r, f"{what} rank") for r in list_field(obj["ranks"], f"{what} ranks"))
         return cls(
-            job=_str(obj["job"], f"{what} job"),
-            step=_int(obj["step"], f"{what} step"),
-            world_size=_int(obj["world_size"], f"{what} world_size", minimum=1),
+            job=str_field(obj["job"], f"{what} job"),
+            step=int_field(obj["step"], f"{what} step"),
+            world_size=int_field(obj["world_size"], f"{what} world_size", minimum=1),
             node=node,
             ranks=ranks,
             shards=shards,
-            clocks=_clocks(obj["clocks"], PART_CLOCKS, what),
-            attempt=_str(obj["attempt"], f"{what} attempt"),
+            clocks=clocks_field(obj["clocks"], PART_CLOCKS, what),
+            attempt=str_field(obj["attempt"], f"{what} attempt"),
             aborted_ranks=tuple(
-                _int(r, f"{what} aborted rank")
-                for r in _list(obj.get("aborted_ranks", []), f"{what} aborted_ranks")
+                int_field(r, f"{what} aborted rank")
+                for r in list_field(obj.get("aborted_ranks", []), f"{what} aborted_ranks")
             ),
-            abort_reason=_str(obj.get("abort_reason", ""), f"{what} abort_reason"),
+            abort_reason=str_field(obj.get("abort_reason", ""), f"{what} abort_reason"),
             owner_uid=None if obj.get("owner_uid") is None
-            else _int(obj["owner_uid"], f"{what} owner_uid"),
+            else int_field(obj["owner_uid"], f"{what} owner_uid"),
         )
 
-
-def sorted_shards(shards: Sequence[ShardEntry]) -> tuple[ShardEntry, ...]:
-    return tuple(sorted(shards, key=lambda s: (s.rank, s.path)))
 
 
 # --- manifests ------------------------------------------------------------------------------
@@ -581,9 +295,9 @@ class Manifest:
 
     def __post_init__(self) -> None:
         what = f"manifest of {self.job!r} generation {self.generation!r}"
-        _checked(validate_job, self.job)
-        _checked(validate_step, self.generation)
-        _checked(validate_world_size, self.world_size)
+        checked(validate_job, self.job)
+        checked(validate_step, self.generation)
+        checked(validate_world_size, self.world_size)
         if self.format_version not in READABLE_VERSIONS:
             raise ManifestError(f"{what}: unsupported format_version {self.format_version}")
         if self.format_version == 1 and any(
@@ -596,8 +310,8 @@ class Manifest:
             validate_node_id(node)
         if len(set(self.nodes)) != len(self.nodes):
             raise ManifestError(f"{what} lists a node twice: {list(self.nodes)}")
-        _check_shards(self.shards, self.world_size, what, self.nodes)
-        object.__setattr__(self, "clocks", _clocks(self.clocks, MANIFEST_CLOCKS, what))
+        check_shards(self.shards, self.world_size, what, self.nodes)
+        object.__setattr__(self, "clocks", clocks_field(self.clocks, MANIFEST_CLOCKS, what))
 
     @property
     def total_bytes(self) -> int:
@@ -620,31 +334,25 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         what = "manifest"
-        obj = _object(_load_json(data, what), what, _MANIFEST_FIELDS)
+        obj = object_field(load_json(data, what), what, _MANIFEST_FIELDS)
         _check_version(obj, "manifest", what)
         shards = tuple(
             ShardEntry.from_dict(item, f"{what} shard {i}")
-            for i, item in enumerate(_list(obj["shards"], f"{what} shards"))
+            for i, item in enumerate(list_field(obj["shards"], f"{what} shards"))
         )
-        nodes = tuple(_str(n, f"{what} node") for n in _list(obj["nodes"], f"{what} nodes"))
+        nodes = tuple(str_field(n, f"{what} node") for n in list_field(obj["nodes"], f"{what} nodes"))
         manifest = cls(
-            job=_str(obj["job"], f"{what} job"),
-            generation=_int(obj["generation"], f"{what} generation"),
-            world_size=_int(obj["world_size"], f"{what} world_size", minimum=1),
+            job=str_field(obj["job"], f"{what} job"),
+            generation=int_field(obj["generation"], f"{what} generation"),
+            world_size=int_field(obj["world_size"], f"{what} world_size", minimum=1),
             shards=shards,
             nodes=nodes,
-            clocks=_clocks(obj["clocks"], MANIFEST_CLOCKS, what),
-            format_version=_int(obj["format_version"], f"{what} format_version", minimum=1),
+            clocks=clocks_field(obj["clocks"], MANIFEST_CLOCKS, what),
+            format_version=int_field(obj["format_version"], f"{what} format_version", minimum=1),
         )
-        total = _int(obj["total_bytes"], f"{what} total_bytes")
+        total = int_field(obj["total_bytes"], f"{what} total_bytes")
         if total != manifest.total_bytes:
             raise ManifestError(
                 f"{what} total_bytes is {total} but its shards sum to {manifest.total_bytes}"
             )
         return manifest
-
-
-def parents(path: str) -> list[str]:
-    """The directories a shard path lies in: ``a/b/c`` -> ``["a", "a/b"]``."""
-    parts = path.split("/")
-    return ["/".join(parts[:i]) for i in range(1, len(parts))]

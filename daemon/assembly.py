@@ -11,14 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Set
 
-from ckptdrain.client.manifest import (
-    Manifest,
-    ManifestError,
-    PartRecord,
-    ShardEntry,
-    parents,
-    sorted_shards,
-)
+from ckptdrain.client.manifest import Manifest, PartRecord
+from ckptdrain.client.recordfields import ManifestError
+from ckptdrain.client.shardentries import ShardEntry, parents, sorted_shards
 from ckptdrain.daemon.tombstone import committed_by, names_step
 
 __all__ = [

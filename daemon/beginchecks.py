@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError
+from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon import owners
 from ckptdrain.daemon.access import is_operator
 from ckptdrain.daemon.backends.base import BackendError

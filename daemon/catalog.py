@@ -14,16 +14,11 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from ckptdrain.client.errors import RejectedInput
-from ckptdrain.client.manifest import (
-    Manifest,
-    ManifestError,
-    ShardEntry,
-    generation_prefix,
-    manifest_key,
-    parse_generation_dir,
-    shard_key,
-)
+from ckptdrain.client.keys import generation_prefix, manifest_key, parse_generation_dir, shard_key
+from ckptdrain.client.manifest import Manifest
 from ckptdrain.client.names import validate_job
+from ckptdrain.client.recordfields import ManifestError
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError

@@ -19,7 +19,7 @@ import threading
 from types import ModuleType
 from typing import Protocol
 
-from ckptdrain.client.manifest import format_checksum, parse_checksum
+from ckptdrain.client.recordfields import format_checksum, parse_checksum
 from ckptdrain.daemon.errors import DaemonError
 
 # What the daemon writes; manifests say which algorithm each checksum is.

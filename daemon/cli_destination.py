@@ -183,7 +183,7 @@ async def _refuse_a_job_directory(backend: Any, ns: argparse.Namespace) -> None:
     or a generation directory (20 digits) with a MANIFEST.json or a ``_parts/`` in it (a job
     may itself be named with 20 digits). Found attacking the CLI: `ls` and `gc` of one exited
     0 saying nothing, as for an empty destination."""
-    from ckptdrain.client.manifest import LATEST_NAME, parse_generation_dir
+    from ckptdrain.client.keys import LATEST_NAME, parse_generation_dir
     from ckptdrain.client.names import MANIFEST_NAME
 
     holds = ""
@@ -208,7 +208,7 @@ async def _refuse_an_unknown_job(backend: Any, job: str) -> None:
     LATEST), as restore and verify refuse one with no committed generation: a typo'd name
     must not read as a job with nothing to list or remove (found attacking: `gc --job jl`
     exited 0)."""
-    from ckptdrain.client.manifest import latest_key
+    from ckptdrain.client.keys import latest_key
 
     if not await backend.list_dirs(f"{job}/") and await backend.stat(
             latest_key(job), checksum=False) is None:

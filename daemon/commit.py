@@ -27,12 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckptdrain.client.manifest import (
-    Manifest,
-    ManifestError,
-    PartRecord,
-    ShardEntry,
-    checked_size,
+from ckptdrain.client.keys import (
     generation_prefix,
     latest_key,
     manifest_key,
@@ -40,6 +35,9 @@ from ckptdrain.client.manifest import (
     parts_prefix,
     validate_node_id,
 )
+from ckptdrain.client.manifest import Manifest, PartRecord, checked_size
+from ckptdrain.client.recordfields import ManifestError
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.assembly import (
     build_manifest,
     describe_ranks,

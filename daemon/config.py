@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ckptdrain.client.manifest import MAX_NODE_BYTES
+from ckptdrain.client.keys import MAX_NODE_BYTES
 from ckptdrain.client.names import MAX_WORLD_SIZE
 from ckptdrain.daemon.errors import ConfigError
 from ckptdrain.daemon.sizes import GiB, KiB, MiB, TiB, as_written, parse_size

@@ -15,16 +15,10 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-from ckptdrain.client.manifest import (
-    STEP_DIGITS,
-    Manifest,
-    ManifestError,
-    PartRecord,
-    latest_key,
-    manifest_key,
-    parse_generation_dir,
-)
+from ckptdrain.client.keys import STEP_DIGITS, latest_key, manifest_key, parse_generation_dir
+from ckptdrain.client.manifest import Manifest, PartRecord
 from ckptdrain.client.names import MAX_STEP
+from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.tombstone import is_tombstone
 

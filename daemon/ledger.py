@@ -15,7 +15,7 @@ from typing import Any, overload
 
 from ckptdrain.client import names, wire
 from ckptdrain.client.errors import DrainError
-from ckptdrain.client.manifest import parents
+from ckptdrain.client.shardentries import parents
 from ckptdrain.daemon import journalrows as j
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.journalfaults import JournalError

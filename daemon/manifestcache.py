@@ -16,7 +16,8 @@ import collections
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ckptdrain.client.manifest import Manifest, ShardEntry
+from ckptdrain.client.manifest import Manifest
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.locks import KeyedLocks
 
 # Generations kept: a node loads one checkpoint at a time; a few cover a job restarting from

@@ -21,7 +21,9 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import Manifest, ManifestError, part_key
+from ckptdrain.client.keys import part_key
+from ckptdrain.client.manifest import Manifest
+from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.access import is_operator as operator
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.errors import RequestError

@@ -25,7 +25,7 @@ import stat
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import parse_checksum
+from ckptdrain.client.recordfields import parse_checksum
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.channel import writable
 from ckptdrain.daemon.errors import DaemonError, RequestError
@@ -121,7 +121,8 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
     its shard into a file nobody will open) and its connection ends with no reply. The
     watch ends at a pipelined request's first byte (channel.hangup_watch); the stdlib client
     never pipelines."""
-    from ckptdrain.client.manifest import ManifestError, shard_key
+    from ckptdrain.client.keys import shard_key
+    from ckptdrain.client.recordfields import ManifestError
     from ckptdrain.daemon.backends.base import BackendError
     from ckptdrain.daemon.connection import destination_error
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptdrain.client.manifest import entry_bytes, parents
+from ckptdrain.client.manifest import entry_bytes
+from ckptdrain.client.shardentries import parents
 from ckptdrain.daemon.state import (
     INITIAL_GENERATION,
     TERMINAL_GENERATION,

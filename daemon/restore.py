@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ckptdrain.client.manifest import Manifest, ShardEntry, shard_key
+from ckptdrain.client.keys import shard_key
+from ckptdrain.client.manifest import Manifest
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.catalog import resolve, still_committed
 from ckptdrain.daemon.fanout import for_each_bounded

@@ -50,13 +50,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ckptdrain.client.manifest import (
-    ManifestError,
-    generation_prefix,
-    latest_key,
-    manifest_key,
-    parse_generation_dir,
-)
+from ckptdrain.client.keys import generation_prefix, latest_key, manifest_key, parse_generation_dir
+from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ObjectInfo
 from ckptdrain.daemon.errors import DaemonError

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ckptdrain.client.manifest import manifest_key, parse_generation_dir, parts_prefix
+from ckptdrain.client.keys import manifest_key, parse_generation_dir, parts_prefix
 from ckptdrain.daemon.backends.base import ObjectInfo
 
 

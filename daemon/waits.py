@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError
+from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.ledger import GenerationRecord

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import logging
 
-from ckptdrain.client.manifest import (
-    Manifest,
-    ManifestError,
-    ShardEntry,
-    manifest_key,
-    parse_generation_dir,
-)
+from ckptdrain.client.keys import manifest_key, parse_generation_dir
+from ckptdrain.client.manifest import Manifest
 from ckptdrain.client.names import MANIFEST_NAME
+from ckptdrain.client.recordfields import ManifestError
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.backends.base import Backend, ObjectInfo, ShardConflict
 from ckptdrain.daemon.latest import parse_manifest
 from ckptdrain.daemon.tombstone import is_tombstone

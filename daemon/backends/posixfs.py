@@ -25,8 +25,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ckptdrain.client.manifest import TMP_SUFFIX, ManifestError, parse_checksum
+from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.client.names import MAX_PATH_BYTES
+from ckptdrain.client.recordfields import ManifestError, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
 from ckptdrain.daemon.backends.beneath import Beneath, link_in
 from ckptdrain.daemon.checksums import Stopped

@@ -21,7 +21,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore.exceptions import ClientError
 
-from ckptdrain.client.manifest import ManifestError, parse_checksum
+from ckptdrain.client.recordfields import ManifestError, parse_checksum
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
 from ckptdrain.daemon.backends.s3crt import CrtEngine
 from ckptdrain.daemon.backends.s3errors import (

@@ -12,7 +12,7 @@ import os
 import zlib
 from dataclasses import dataclass
 
-from ckptdrain.client.manifest import ManifestError, format_checksum
+from ckptdrain.client.recordfields import ManifestError, format_checksum
 from ckptdrain.daemon import checksums
 
 KiB = 1 << 10

@@ -14,14 +14,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from ckptdrain.client.manifest import (
-    TMP_SUFFIX,
-    PartRecord,
-    ShardEntry,
-    latest_key,
-    manifest_key,
-    shard_key,
-)
+from ckptdrain.client.keys import latest_key, manifest_key, shard_key
+from ckptdrain.client.manifest import TMP_SUFFIX, PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore

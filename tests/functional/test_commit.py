@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from ckptdrain.client.manifest import (
-    Manifest,
-    PartRecord,
-    ShardEntry,
-    latest_key,
-    manifest_key,
-    part_key,
-    shard_key,
-)
+from ckptdrain.client.keys import latest_key, manifest_key, part_key, shard_key
+from ckptdrain.client.manifest import Manifest, PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.assembly import same_contents
 from ckptdrain.daemon.backends.base import Backend, BackendError, ShardConflict
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from ckptdrain.client.manifest import Manifest, PartRecord, ShardEntry, manifest_key, shard_key
+from ckptdrain.client.keys import manifest_key, shard_key
+from ckptdrain.client.manifest import Manifest, PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError, ShardConflict
 from ckptdrain.daemon.backends.collision import check_replaced

@@ -16,14 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ckptdrain.client.manifest import (
-    Manifest,
-    PartRecord,
-    ShardEntry,
-    manifest_key,
-    part_key,
-    shard_key,
-)
+from ckptdrain.client.keys import manifest_key, part_key, shard_key
+from ckptdrain.client.manifest import Manifest, PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog, partrecords
 from ckptdrain.daemon.backends.collision import check_replaced
 from ckptdrain.daemon.backends.memory import MemoryBackend

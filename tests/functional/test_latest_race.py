@@ -15,14 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client.manifest import (
-    PartRecord,
-    ShardEntry,
-    latest_key,
-    manifest_key,
-    parse_manifest_key,
-    shard_key,
-)
+from ckptdrain.client.keys import latest_key, manifest_key, parse_manifest_key, shard_key
+from ckptdrain.client.manifest import PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore

@@ -15,16 +15,15 @@ from types import SimpleNamespace
 import pytest
 
 from ckptdrain.client import wire
+from ckptdrain.client.keys import manifest_key, part_key
 from ckptdrain.client.manifest import (
     MAX_RECORD_BYTES,
     PartRecord,
     RecordTooLarge,
-    ShardEntry,
     _dumps,
     entry_bytes,
-    manifest_key,
-    part_key,
 )
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.errors import RequestError

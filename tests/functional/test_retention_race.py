@@ -20,17 +20,16 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from ckptdrain.client.manifest import (
-    Manifest,
-    ManifestError,
-    PartRecord,
-    ShardEntry,
+from ckptdrain.client.keys import (
     generation_prefix,
     latest_key,
     manifest_key,
     parse_manifest_key,
     shard_key,
 )
+from ckptdrain.client.manifest import Manifest, PartRecord
+from ckptdrain.client.recordfields import ManifestError
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore

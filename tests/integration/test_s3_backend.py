@@ -998,7 +998,7 @@ async def test_a_restore_missing_a_shard_on_s3_says_what_to_do(seaweedfs: Seawee
     # "restore an older generation"; and a large shard deleted between its HEAD and its
     # ranged GETs (retention, mid-restore) was "NoSuchKey ...; check destination.uri (bucket
     # and prefix) and that the bucket exists".
-    from ckptdrain.client.manifest import shard_key
+    from ckptdrain.client.keys import shard_key
     from ckptdrain.daemon.restore import RestoreError, restore
     from tests.functional.test_catalog import JOB, PATHS, commit
 

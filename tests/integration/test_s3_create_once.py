@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from ckptdrain.client.manifest import PartRecord, ShardEntry, manifest_key, shard_key
+from ckptdrain.client.keys import manifest_key, shard_key
+from ckptdrain.client.manifest import PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.s3 import MiB, S3Backend

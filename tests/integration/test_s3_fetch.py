@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import Client, DaemonUnavailable, DestinationError
-from ckptdrain.client.manifest import shard_key
+from ckptdrain.client.keys import shard_key
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.backends.s3reads import S3Reads

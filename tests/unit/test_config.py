@@ -185,7 +185,7 @@ def test_unusable_hostname_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_node_id_is_no_longer_than_a_manifest_takes() -> None:
     # Found attacking the config: 129-253 characters passed `config check`, and `serve` then
     # died with a ManifestError traceback (exit 1) writing its first record.
-    from ckptdrain.client.manifest import MAX_NODE_BYTES, validate_node_id
+    from ckptdrain.client.keys import MAX_NODE_BYTES, validate_node_id
 
     longest = "n" * MAX_NODE_BYTES
     config = load_config(env={**BASE_ENV, "CKPTDRAIN_NODE_ID": longest})

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from ckptdrain.client.manifest import MAX_ABORT_REASON_CHARS, ManifestError, PartRecord, ShardEntry
+from ckptdrain.client.manifest import MAX_ABORT_REASON_CHARS, PartRecord
+from ckptdrain.client.recordfields import ManifestError
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.assembly import build_manifest, describe_aborted, missing_ranks
 
 CLOCKS = {"handoff": 1.0, "staged": 2.0, "drained": 3.0}

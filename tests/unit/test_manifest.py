@@ -8,24 +8,19 @@ import time
 
 import pytest
 
-from ckptdrain.client.manifest import (
-    FORMAT_VERSION,
-    TMP_SUFFIX,
-    Manifest,
-    ManifestError,
-    PartRecord,
-    ShardEntry,
-    format_checksum,
+from ckptdrain.client.keys import (
     generation_prefix,
     latest_key,
     manifest_key,
-    parse_checksum,
     parse_generation_dir,
     parse_manifest_key,
     part_key,
     shard_key,
     validate_node_id,
 )
+from ckptdrain.client.manifest import FORMAT_VERSION, TMP_SUFFIX, Manifest, PartRecord
+from ckptdrain.client.recordfields import ManifestError, format_checksum, parse_checksum
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.assembly import (
     MISSING_RANKS_LISTED,
     build_manifest,

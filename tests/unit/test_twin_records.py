@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckptdrain.client.manifest import PartRecord, ShardEntry
+from ckptdrain.client.manifest import PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.assembly import not_this_nodes
 
 CLOCKS = {"handoff": 1.0, "staged": 2.0, "drained": 3.0}
