@@ -5,14 +5,7 @@ pulls events out with :meth:`Connection.next_event`, and writes the bytes :meth:
 returns. The same machine serves the blocking client (CLIENT role) and the asyncio daemon
 (SERVER role), so both sides agree on every rule by construction.
 
-Frame (both directions)::
-
-    +------+------------+-------------+------------------------+---------------------+
-    | CKD1 | header_len | payload_len | header: UTF-8 JSON obj | payload (raw bytes) |
-    | 4 B  | u32 BE     | u64 BE      | header_len bytes       | payload_len bytes   |
-    +------+------------+-------------+------------------------+---------------------+
-
-The header is a JSON object whose ``"type"`` names the message; the other keys are its fields.
+Frames, and the events made of them, are ``frames.py``'s (the frame layout is drawn there).
 
 A shard sent as bytes takes two round trips: ``put`` declares it (``size``, no payload), the
 daemon answers ``ok`` once it has admitted it (budget reserved: backpressure happens before any
@@ -43,12 +36,25 @@ messages raises :class:`ProtocolError` and leaves the receiving side dead.
 from __future__ import annotations
 
 import enum
-import json
-import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from ckptdrain.client.frames import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    NEED_DATA,
+    PREFIX,
+    PREFIX_BYTES,
+    ConnectionClosed,
+    Event,
+    Message,
+    PayloadChunk,
+    PayloadEnd,
+    Rejected,
+    Sentinel,
+    decode_header,
+    encode_message,
+)
 from ckptdrain.client.messages import (
     ACK_MODES,
     BACKPRESSURE,
@@ -84,59 +90,22 @@ from ckptdrain.client.messages import (
     validate,
 )
 
-# The field rules live in messages.py; their names are re-exported here because both sides
-# speak the protocol through this module (``wire.BAD_REQUEST``, ``wire.ProtocolError``).
+# The field rules live in messages.py, frames and their events in frames.py; their names are
+# re-exported here because both sides speak the protocol through this module
+# (``wire.BAD_REQUEST``, ``wire.ProtocolError``, ``wire.Message``).
 __all__ = [
-    "ACK_MODES",
-    "BACKPRESSURE",
-    "BAD_REQUEST",
-    "CLIENT_MESSAGE_TYPES",
-    "COMMITTED",
-    "DESTINATION",
-    "DRAINING",
-    "DUPLICATE",
-    "ERROR_CODES",
-    "GENERATION_FAILED",
-    "INLINE_MAX_BYTES",
-    "INTERNAL",
-    "INVALID_NAME",
-    "MAGIC",
-    "MAX_ATTEMPT_CHARS",
-    "MAX_CLIENT_NAME_CHARS",
-    "MAX_HEADER_BYTES",
-    "MAX_PAYLOAD_BYTES",
-    "MAX_REASON_CHARS",
-    "MAX_TIMEOUT_S",
-    "NEED_DATA",
-    "NOT_FOUND",
-    "PERMISSION_DENIED",
-    "PREFIX",
-    "PREFIX_BYTES",
-    "PROTOCOL_VERSION",
-    "SERVER_MESSAGE_TYPES",
-    "SIZE_MISMATCH",
-    "TIMEOUT",
-    "UNAVAILABLE",
-    "UNSUPPORTED_VERSION",
-    "Connection",
-    "ConnectionClosed",
-    "Event",
-    "Message",
-    "PayloadChunk",
-    "PayloadEnd",
-    "ProtocolError",
-    "Rejected",
-    "Role",
-    "encode_message",
-    "needs_fd",
+    "ACK_MODES", "BACKPRESSURE", "BAD_REQUEST", "CLIENT_MESSAGE_TYPES", "COMMITTED",
+    "DESTINATION", "DRAINING", "DUPLICATE", "ERROR_CODES", "GENERATION_FAILED",
+    "INLINE_MAX_BYTES", "INTERNAL", "INVALID_NAME", "MAGIC", "MAX_ATTEMPT_CHARS",
+    "MAX_CLIENT_NAME_CHARS", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_REASON_CHARS",
+    "MAX_TIMEOUT_S", "NEED_DATA", "NOT_FOUND", "PERMISSION_DENIED", "PREFIX", "PREFIX_BYTES",
+    "PROTOCOL_VERSION", "SERVER_MESSAGE_TYPES", "SIZE_MISMATCH", "TIMEOUT", "UNAVAILABLE",
+    "UNSUPPORTED_VERSION", "Connection", "ConnectionClosed", "Event", "Message", "PayloadChunk",
+    "PayloadEnd", "ProtocolError", "Rejected", "Role", "encode_message", "needs_fd",
     "takes_payload",
 ]
 
 PROTOCOL_VERSION: Final = 1
-MAGIC: Final = b"CKD1"
-PREFIX: Final = struct.Struct(">4sIQ")
-PREFIX_BYTES: Final = PREFIX.size  # 16
-MAX_HEADER_BYTES: Final = 64 * 1024
 # Once this much consumed data sits before the read offset, it is dropped from the buffer:
 # compacting on every event would copy the tail each time (quadratic on many small frames).
 _COMPACT_BYTES = 64 * 1024
@@ -145,108 +114,6 @@ _COMPACT_BYTES = 64 * 1024
 class Role(enum.Enum):
     CLIENT = "client"
     SERVER = "server"
-
-
-@dataclass(frozen=True)
-class Message:
-    """One frame's header: its ``type`` as ``kind`` and its other keys as ``fields``."""
-
-    kind: str
-    fields: dict[str, Any]
-    payload_len: int = 0
-
-
-@dataclass(frozen=True)
-class PayloadChunk:
-    """Part of the payload of the last ``data`` Message (a view of bytes nobody else holds)."""
-
-    data: memoryview
-
-
-@dataclass(frozen=True)
-class PayloadEnd:
-    """The payload of the last ``data`` Message is complete."""
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A well-framed request whose fields break a rule (server role only): the frame is
-    consumed and the conversation goes on; the IO layer answers ``error`` with this ``code``
-    and ``message`` and reads the next request. Framing and ordering faults raise instead."""
-
-    kind: str
-    code: str
-    message: str
-
-
-@dataclass(frozen=True)
-class ConnectionClosed:
-    """The peer closed its side at a frame boundary (a clean EOF)."""
-
-
-class _Sentinel(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-    def __repr__(self) -> str:
-        return self.value
-
-
-NEED_DATA: Final = _Sentinel.NEED_DATA
-"""next_event() returns this when it needs more bytes from receive_data()."""
-
-Event = Message | Rejected | PayloadChunk | PayloadEnd | ConnectionClosed
-
-
-def encode_message(
-    kind: str, fields: Mapping[str, Any] | None = None, payload_len: int = 0
-) -> bytes:
-    """The prefix and header bytes of one frame (the caller sends ``payload_len`` bytes after)."""
-    checked = validate(kind, fields or {}, payload_len, outgoing=True)
-    try:
-        header = json.dumps(
-            {"type": kind, **checked}, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        ).encode("utf-8")
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(BAD_REQUEST, f"{kind!r} fields are not JSON: {exc}") from None
-    if len(header) > MAX_HEADER_BYTES:
-        raise ProtocolError(
-            BAD_REQUEST,
-            f"{kind!r} header is {len(header)} bytes, over the limit of {MAX_HEADER_BYTES}",
-        )
-    return PREFIX.pack(MAGIC, len(header), payload_len) + header
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Two parsers may pick different duplicates; refusing them removes the ambiguity.
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _decode_header(header: bytes) -> tuple[str, dict[str, Any]]:
-    try:
-        obj = json.loads(
-            header.decode("utf-8"),
-            object_pairs_hook=_reject_duplicates,
-            parse_constant=_reject_constant,
-        )
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise ProtocolError(BAD_REQUEST, f"frame header is not valid UTF-8 JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(
-            BAD_REQUEST, f"frame header must be a JSON object, not {type(obj).__name__}"
-        )
-    kind = obj.pop("type", None)
-    if not isinstance(kind, str):
-        raise ProtocolError(BAD_REQUEST, "frame header has no string 'type'")
-    return kind, obj
 
 
 class Connection:
@@ -335,7 +202,7 @@ class Connection:
         self._payload_left -= n
         self._received += n
 
-    def next_event(self) -> Event | Literal[_Sentinel.NEED_DATA]:
+    def next_event(self) -> Event | Literal[Sentinel.NEED_DATA]:
         """The next event, or NEED_DATA. Raises ProtocolError on input that breaks the framing
         or the order of messages, for good; a bad field of one request is a Rejected event."""
         self._raise_if_failed()
@@ -359,7 +226,7 @@ class Connection:
             truncated=True,
         )
 
-    def _next_event(self) -> Event | Literal[_Sentinel.NEED_DATA]:
+    def _next_event(self) -> Event | Literal[Sentinel.NEED_DATA]:
         if self._in_payload:
             return self._payload_event()
         if self._closed:
@@ -408,7 +275,7 @@ class Connection:
             self._payload_left = payload_len
         return message
 
-    def _payload_event(self) -> PayloadChunk | PayloadEnd | Literal[_Sentinel.NEED_DATA]:
+    def _payload_event(self) -> PayloadChunk | PayloadEnd | Literal[Sentinel.NEED_DATA]:
         if self._payload_left == 0:
             self._in_payload = False
             return PayloadEnd()
@@ -442,7 +309,7 @@ class Connection:
         )
 
     def _parse(self, header: bytes, payload_len: int) -> Message | Rejected:
-        kind, fields = _decode_header(header)
+        kind, fields = decode_header(header)
         if kind not in self._peer_kinds:
             schema_for(kind)  # raises "unknown message type" for a type nobody sends
             peer = "client" if self.role is Role.SERVER else "server"
