@@ -1,20 +1,13 @@
 """Prometheus metrics of one daemon: what operators watch, headed by the oldest undrained age.
 
-Two kinds of series live here:
+Two kinds of series, in one registry:
 
 - Counters and histograms (hand-offs, bytes drained, errors, backpressure, commits) are updated
-  by the daemon as events happen, through one method per event.
+  by the daemon as events happen, through one method per event: here.
 - Gauges describing the daemon's current state are computed at scrape time from the latest
-  :class:`Snapshot` the daemon hands over (about once a second). The oldest undrained age is
-  computed from a timestamp at scrape time, so it keeps growing even if the refresh loop stalls:
-  a wedged daemon must not look healthy.
+  snapshot the daemon hands over (about once a second): metricsgauges.py.
 
-Every label has a bounded set of values except ``job`` (one per training job the node serves).
-The sets below are the whole contract with ``deploy/`` (alerts and dashboard): the values are
-the ones the daemon passes (the ack mode, the limit's config key, the backend's error kind, the
-failure's cause), and a live-daemon test checks no series ever reads anything else. A value
-outside a set is still folded into ``"other"`` rather than raised (a metric call sits on the
-data path and must never fail a hand-off or a drain), and that test fails when it happens.
+Their label sets, bounded and the contract with ``deploy/``, are metricslabels.py's.
 
 Note for the Prometheus side: the ``job`` label collides with the target label Prometheus adds,
 so with the default ``honor_labels: false`` it is stored as ``exported_job``. The alert rules and
@@ -26,242 +19,38 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from ckptdrain.daemon.metricsendpoint import MetricsEndpoint
-from ckptdrain.daemon.state import ShardState
+from ckptdrain.daemon.metricsgauges import Snapshot, SnapshotCollector
+from ckptdrain.daemon.metricslabels import (
+    BACKPRESSURE_ACTIONS,
+    BACKPRESSURE_LIMITS,
+    CLIENT_ERROR_EVENTS,
+    DRAIN_ERROR_KINDS,
+    FAILURE_REASONS,
+    HANDOFF_BUCKETS_S,
+    HANDOFF_MODES,
+    INTERNAL_ERROR_WHERE,
+    PHASE_BUCKETS_S,
+    PHASES,
+    bounded,
+)
 
-__all__ = [
-    "BACKPRESSURE_ACTIONS",
-    "BACKPRESSURE_LIMITS",
-    "DRAIN_ERROR_KINDS",
-    "FAILURE_REASONS",
-    "HANDOFF_MODES",
-    "PHASES",
-    "SHARD_STATES",
-    "TIERS",
-    "Metrics",
-    "Snapshot",
-]
+# Re-exported: publisher.py, which others are editing, imports it from here.
+from ckptdrain.daemon.metricslabels import FAILURE_REASONS_USER as FAILURE_REASONS_USER
+
+__all__ = ["Metrics"]
 
 log = logging.getLogger(__name__)
 
 # The one process-wide switch prometheus-client offers: without it every counter and histogram
 # carries a `_created` sibling series that doubles the cardinality and that nothing here uses.
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-
-# Every lifecycle state of a shard record (daemon/state.py), and hand-offs still arriving.
-SHARD_STATES = ("receiving", *(state.value for state in ShardState))
-TIERS = ("local", "memory")
-# The ack mode of the generation (config ``ack``), not how the bytes travelled.
-HANDOFF_MODES = ("local", "memory")
-PHASES = ("handoff", "staged", "drained", "committed")
-# Why a generation will never commit. The first five are the node's or the destination's
-# doing and page (CkptdrainGenerationFailed); the training job's own doing does not:
-# ``aborted`` (a rank aborted its part: an exception in the save, a bad shard path, a rank that
-# went away, an ack=memory memfd cut short after its acknowledgement) and ``replaced`` (a
-# restarted job saved the step again under a new attempt).
-FAILURE_REASONS_PAGING = ("drain", "conflict", "timeout", "interrupted", "internal",
-                          "superseded")
-FAILURE_REASONS_USER = ("aborted", "replaced")
-FAILURE_REASONS = FAILURE_REASONS_PAGING + FAILURE_REASONS_USER
-BACKPRESSURE_ACTIONS = ("blocked", "rejected", "timed_out", "superseded")
-# The limit that was full, named by its config key (``staging_filesystem``: the disk itself).
-BACKPRESSURE_LIMITS = (
-    "max_staged_bytes",
-    "max_memory_bytes",
-    "max_queued_shards",
-    "max_generations_in_flight",
-    "max_clients",
-    "staging_filesystem",
-    # A uid's share (limits.*_per_uid): one user over it, not the node full.
-    "max_reserved_bytes_per_uid",
-    "max_queued_shards_per_uid",
-    "max_generations_per_uid",
-    "max_clients_per_uid",
-    # A uid whose clients' errors held its connections back too long (allowance.py).
-    "client_errors_per_s",
-    # The jobs a node tracks at once, every one with a generation in flight.
-    "max_jobs",
-    # The daemon's own file descriptors (RLIMIT_NOFILE) or the node's, run short.
-    "file_descriptors",
-)
-# The kinds a backend reports (daemon/backends/base.py BackendError.kind), and ``staging``: a
-# staged copy that could not be read back to drain it.
-DRAIN_ERROR_KINDS = ("io", "timeout", "throttled", "auth", "integrity", "conflict", "full",
-                     "not_found", "unsafe", "staging")
-INTERNAL_ERROR_WHERE = ("connection", "drain", "commit", "background")
-# What a client got wrong (its own doing, not the daemon's): the log events of the same name.
-CLIENT_ERROR_EVENTS = ("client_dropped", "client_protocol_error", "request_refused")
-OTHER = "other"
-
-# Hand-off stalls are what training sees: from a memfd hand-off (about a millisecond) to a
-# multi-GiB fsync on a busy NVMe, up to the block timeout (300 s by default) under backpressure.
-HANDOFF_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
-# Generation clocks run from milliseconds (the handoff and staged clocks of a small shard on
-# NVMe) to hours (a 1 TB checkpoint behind a slow shared tier); the objective operators care
-# about is usually 5-15 minutes.
-PHASE_BUCKETS_S = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0,
-    1800.0, 3600.0, 7200.0, 14400.0, 43200.0,
-)  # fmt: skip
-
-@dataclass
-class Snapshot:
-    """The daemon's current state as the gauges show it; refreshed about once a second."""
-
-    # job -> when its oldest undrained shard was staged, on the monotonic clock (None: none)
-    oldest_undrained_since: dict[str, float | None] = field(default_factory=dict)
-    # state -> shards; states: receiving, staged, draining, drained, failed
-    shards_by_state: dict[str, int] = field(default_factory=dict)
-    staged_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes
-    # Of the local tier's bytes, drained copies kept for a fast restore: evicted as soon as a
-    # hand-off needs their room, so they are no sign of a full node.
-    kept_copy_bytes: int = 0
-    limit_bytes: dict[str, int] = field(default_factory=dict)  # tier -> configured limit
-    queued_shards: int = 0
-    max_queued_shards: int = 0
-    staging_free_bytes: int = 0
-    staging_free_inodes: int = 0
-    generations_in_flight: dict[str, int] = field(default_factory=dict)  # job -> count
-    blocked_handoffs: int = 0
-    drain_rate_bytes_per_s: float = 0.0
-    config_reload_failed: bool = False  # the last SIGHUP's config did not load
-    config_needs_restart: int = 0  # changed keys only a restart applies
-
-
-def _bounded(value: str, allowed: Iterable[str]) -> str:
-    return value if value in allowed else OTHER
-
-
-class _SnapshotCollector(Collector):
-    """Builds the state gauges from the latest snapshot each time Prometheus scrapes."""
-
-    def __init__(self, node_id: str, version: str, clock: Callable[[], float]) -> None:
-        self._node_id = node_id
-        self._version = version
-        self._clock = clock
-        # Replaced whole, never mutated: a scrape reads one consistent snapshot.
-        self.snapshot: Snapshot | None = None
-
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        # Registering calls describe(); returning nothing keeps it from calling collect()
-        # before the daemon has handed over a snapshot.
-        return []
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        build = GaugeMetricFamily(
-            "ckptdrain_build_info",
-            "Always 1; the daemon's version and node id as labels.",
-            labels=["version", "node"],
-        )
-        build.add_metric([self._version, self._node_id], 1.0)
-        yield build
-
-        snap = self.snapshot
-        if snap is None:
-            return
-        now = self._clock()
-
-        age = GaugeMetricFamily(
-            "ckptdrain_oldest_undrained_age_seconds",
-            "Seconds since the oldest shard of the job not yet drained was handed off; 0 when "
-            "everything handed off has drained.",
-            labels=["job"],
-        )
-        for job, since in sorted(snap.oldest_undrained_since.items()):
-            age.add_metric([job], 0.0 if since is None else max(0.0, now - since))
-        yield age
-
-        queue = GaugeMetricFamily(
-            "ckptdrain_queue_shards",
-            "Shards the daemon holds, by lifecycle state.",
-            labels=["state"],
-        )
-        by_state = dict.fromkeys(SHARD_STATES, 0)
-        for state, count in snap.shards_by_state.items():
-            key = _bounded(state, SHARD_STATES)
-            by_state[key] = by_state.get(key, 0) + count
-        for state, count in by_state.items():
-            queue.add_metric([state], float(count))
-        yield queue
-
-        yield _by_tier(
-            "ckptdrain_staged_bytes",
-            "Bytes of shards held by the daemon, by tier (local NVMe or memory).",
-            snap.staged_bytes,
-        )
-        yield GaugeMetricFamily(
-            "ckptdrain_kept_copy_bytes",
-            "Of ckptdrain_staged_bytes{tier=\"local\"}, drained copies kept for a fast restore "
-            "(retention.keep_local_copy): evicted as soon as a hand-off needs the room.",
-            value=float(snap.kept_copy_bytes),
-        )
-        yield _by_tier(
-            "ckptdrain_staged_limit_bytes",
-            "Configured limit of staged bytes, by tier; 0 means the tier is disabled.",
-            snap.limit_bytes,
-        )
-        for name, text, value in (
-            ("ckptdrain_queued_shards", "Shards queued in the daemon (every state but drained).",
-             snap.queued_shards),
-            ("ckptdrain_queued_shards_limit",
-             "Configured limit of queued shards (limits.max_queued_shards).",
-             snap.max_queued_shards),
-            ("ckptdrain_staging_free_bytes",
-             "Free bytes of the filesystem holding the staging directory.",
-             snap.staging_free_bytes),
-            ("ckptdrain_staging_free_inodes",
-             "Free inodes of the filesystem holding the staging directory.",
-             snap.staging_free_inodes),
-            ("ckptdrain_config_reload_failed",
-             "1 when the last reload (SIGHUP) failed and the daemon runs on its old config.",
-             snap.config_reload_failed),
-            ("ckptdrain_config_needs_restart_keys",
-             "Config keys changed since the start that only a restart applies.",
-             snap.config_needs_restart),
-        ):
-            yield GaugeMetricFamily(name, text, value=float(value))
-        in_flight = GaugeMetricFamily(
-            "ckptdrain_generations_in_flight",
-            "Generations begun on this node and not yet committed or failed, by job.",
-            labels=["job"],
-        )
-        for job, count in sorted(snap.generations_in_flight.items()):
-            in_flight.add_metric([job], float(count))
-        yield in_flight
-        yield GaugeMetricFamily(
-            "ckptdrain_blocked_handoffs",
-            "Hand-offs waiting now for space (backpressure with on_full = block).",
-            value=float(snap.blocked_handoffs),
-        )
-        yield GaugeMetricFamily(
-            "ckptdrain_drain_rate_bytes_per_second",
-            "Recent drain throughput to the destination as the daemon measures it.",
-            value=float(snap.drain_rate_bytes_per_s),
-        )
-
-
-def _by_tier(name: str, documentation: str, values: Mapping[str, int]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation, labels=["tier"])
-    by_tier = dict.fromkeys(TIERS, 0)
-    for tier, value in values.items():
-        key = _bounded(tier, TIERS)
-        by_tier[key] = by_tier.get(key, 0) + value
-    for tier, value in by_tier.items():
-        family.add_metric([tier], float(value))
-    return family
 
 
 class Metrics:
@@ -280,7 +69,7 @@ class Metrics:
         # A dedicated registry: nothing from the process-wide default (python_gc_*, process_*)
         # and no clash when tests build several daemons in one process.
         self.registry = CollectorRegistry(auto_describe=True)
-        self._state = _SnapshotCollector(node_id, version, clock)
+        self._state = SnapshotCollector(node_id, version, clock)
         self.registry.register(self._state)
         reg = self.registry
 
@@ -409,7 +198,7 @@ class Metrics:
     def handoff(self, job: str, seconds: float, nbytes: int, mode: str) -> None:
         """One shard handed off: ``seconds`` of stall seen by training, ``mode`` the ack mode."""
         self._see_job(job)
-        self._handoff_seconds.labels(_bounded(mode, HANDOFF_MODES)).observe(max(0.0, seconds))
+        self._handoff_seconds.labels(bounded(mode, HANDOFF_MODES)).observe(max(0.0, seconds))
         self._handoff_bytes.labels(job).inc(max(0, nbytes))
 
     def drained(self, job: str, nbytes: int, destination: str) -> None:
@@ -423,21 +212,21 @@ class Metrics:
     def drain_error(self, destination: str, kind: str) -> None:
         """A destination operation failed; ``kind`` is ``BackendError.kind``."""
         self._see_destination(destination)
-        self._drain_errors.labels(destination, _bounded(kind, DRAIN_ERROR_KINDS)).inc()
+        self._drain_errors.labels(destination, bounded(kind, DRAIN_ERROR_KINDS)).inc()
 
     def backpressure(self, action: str, limit: str) -> None:
         """A hand-off met a full ``limit``; ``action``: blocked, rejected, timed_out, superseded."""
         self._backpressure.labels(
-            _bounded(action, BACKPRESSURE_ACTIONS), _bounded(limit, BACKPRESSURE_LIMITS)
+            bounded(action, BACKPRESSURE_ACTIONS), bounded(limit, BACKPRESSURE_LIMITS)
         ).inc()
 
     def internal_error(self, where: str) -> None:
         """An unexpected exception was caught at a failure boundary (a bug: it is logged)."""
-        self._internal_errors.labels(_bounded(where, INTERNAL_ERROR_WHERE)).inc()
+        self._internal_errors.labels(bounded(where, INTERNAL_ERROR_WHERE)).inc()
 
     def client_error(self, event: str) -> None:
         """A client's own error (one of CLIENT_ERROR_EVENTS), logged or held back."""
-        self._client_errors.labels(_bounded(event, CLIENT_ERROR_EVENTS)).inc()
+        self._client_errors.labels(bounded(event, CLIENT_ERROR_EVENTS)).inc()
 
     def client_held_back(self) -> None:
         """A client's next frame waits: its uid is over its error allowance."""
@@ -489,7 +278,7 @@ class Metrics:
     def generation_failed(self, job: str, reason: str) -> None:
         """A generation of ``job`` will never commit; ``reason`` one of FAILURE_REASONS."""
         self._see_job(job)
-        self._failed.labels(job, _bounded(reason, FAILURE_REASONS)).inc()
+        self._failed.labels(job, bounded(reason, FAILURE_REASONS)).inc()
 
     def _see_job(self, job: str) -> None:
         # The first time a job appears, create its counters at 0 so that the first commit or

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon import __version__
-from ckptdrain.daemon.metrics import Snapshot
+from ckptdrain.daemon.metricsgauges import Snapshot
 from ckptdrain.daemon.state import GenerationState, ShardState
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import Backpressure, DrainError
-from ckptdrain.daemon import metrics as M
+from ckptdrain.daemon import metricslabels as M
 from tests.conftest import DaemonProcess, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

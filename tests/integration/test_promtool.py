@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from ckptdrain.daemon.metrics import Metrics, Snapshot
+from ckptdrain.daemon.metrics import Metrics
+from ckptdrain.daemon.metricsgauges import Snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"

@@ -14,14 +14,14 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckptdrain.daemon import metricsendpoint as endpoint_module
-from ckptdrain.daemon.metrics import (
+from ckptdrain.daemon.metrics import Metrics
+from ckptdrain.daemon.metricsendpoint import MetricsServerError
+from ckptdrain.daemon.metricsgauges import Snapshot
+from ckptdrain.daemon.metricslabels import (
     BACKPRESSURE_ACTIONS,
     BACKPRESSURE_LIMITS,
     FAILURE_REASONS,
-    Metrics,
-    Snapshot,
 )
-from ckptdrain.daemon.metricsendpoint import MetricsServerError
 
 Labels = frozenset[tuple[str, str]]
 
