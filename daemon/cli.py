@@ -4,8 +4,8 @@ Exit codes: 0 ok, 1 the operation failed, 2 usage, 75 a disk the daemon must wri
 is full for now (EX_TEMPFAIL: ``Restart=on-failure`` retries it), 78 configuration or
 environment (EX_CONFIG: a bad config, an unwritable path, a port in use, a lock held). An
 expected failure prints one sentence naming the cause and the fix, never a traceback. The
-commands live in :mod:`.cli_node` (the daemon on this node) and :mod:`.cli_destination` (a
-destination).
+commands live in :mod:`.cli_node` (the daemon on this node), :mod:`.cli_destination` and
+:mod:`.cli_restore` (a destination).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from ckptdrain.daemon import restore as restoring
 from ckptdrain.daemon.backends.posix import PosixBackend, ReadSettings
-from ckptdrain.daemon.cli_destination import _local_source
+from ckptdrain.daemon.cli_restore import _local_source
 from tests.conftest import CKPTDRAIN, DaemonProcess
 
 
