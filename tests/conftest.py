@@ -29,11 +29,13 @@ os.environ.setdefault("WORLD_SIZE", "1")
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 30.0,
-             interval_s: float = 0.02) -> None:
-    """Poll ``predicate`` until it holds; fail once ``timeout_s`` is over (never a bare sleep)."""
+             interval_s: float = 0.02, *, what: str = "") -> None:
+    """Poll ``predicate`` until it holds; fail once ``timeout_s`` is over (never a bare sleep),
+    saying ``what`` was not reached."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"not reached in {timeout_s:g} s: {what}" if what \
+            else "condition not met in time"
         time.sleep(interval_s)
 
 

@@ -12,7 +12,6 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,13 @@ import pytest
 from ckptdrain.client import Backpressure, GenerationFailed
 from ckptdrain.client.manifest import PartRecord
 from ckptdrain.daemon.tombstone import tombstone_json
-from tests.conftest import CKPTDRAIN, DaemonProcess
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 
 JOB = "ends"
 # One generation in flight, refused at once when full: a generation that never ends would
 # block the job's next step for good, which is what these tests look for.
 ONE_SLOT = {"CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT": "1", "CKPTDRAIN_LIMITS__ON_FULL": "reject"}
 
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.02)
 
 
 def seal(d: DaemonProcess, step: int, rank: int, world_size: int = 2) -> None:
@@ -55,7 +48,7 @@ def state(d: DaemonProcess, step: int) -> dict[str, Any]:
 
 
 def recorded(d: DaemonProcess, step: int) -> None:
-    wait_for(lambda: state(d, step)["state"] == "recorded", 30, f"step {step} recorded")
+    wait_for(lambda: state(d, step)["state"] == "recorded", 30, what=f"step {step} recorded")
 
 
 def part_record(d: DaemonProcess, step: int, node: str) -> PartRecord | None:
@@ -97,7 +90,7 @@ def test_a_rank_aborted_on_another_node_ends_the_generation_here(make_daemon) ->
     assert state(a, 1)["state"] == "failed"
     assert "rank 1 aborted on node 'node-b'" in state(a, 1)["error"]
     # Its drained copies can never be retried into a commit: they are released with it.
-    wait_for(lambda: a.client().status()["kept_copy_bytes"] == 0, 30, "node-a's copies released")
+    wait_for(lambda: a.client().status()["kept_copy_bytes"] == 0, 30, what="node-a's copies released")
     # node-b's record says so, and keeps the layout's promise: no manifest, ever.
     record = part_record(b, 1, "node-b")
     assert record is not None and record.aborted_ranks == (1,) and record.ranks == ()
@@ -113,7 +106,7 @@ def test_an_abort_seen_after_a_restart_ends_the_generation(make_daemon) -> None:
     assert a.stop() == 0
     abort(b, 1, 1)
     wait_for(lambda: (r := part_record(b, 1, "node-b")) is not None and r.aborted_ranks == (1,),
-             30, "node-b's failure record")
+             30, what="node-b's failure record")
     a.start()
     fails_quickly(a, 1, r"rank 1 aborted on node 'node-b'")
     next_step_commits(a, b, 2)
@@ -123,7 +116,7 @@ def test_an_abort_before_this_node_records_ends_it_at_once(make_daemon) -> None:
     a: DaemonProcess = make_daemon("node-a", **ONE_SLOT)
     b: DaemonProcess = make_daemon("node-b")
     abort(b, 1, 1)
-    wait_for(lambda: part_record(b, 1, "node-b") is not None, 30, "node-b's failure record")
+    wait_for(lambda: part_record(b, 1, "node-b") is not None, 30, what="node-b's failure record")
     seal(a, 1, 0)
     fails_quickly(a, 1, r"rank 1 aborted on node 'node-b'")
 
@@ -266,7 +259,7 @@ def test_a_step_another_node_committed_is_committed_here_though_a_newer_one_foll
         manifest = b.dest / JOB / f"{1:020d}" / "MANIFEST.json"
         if keep_last == "1":
             wait_for(lambda: b'"was_committed": true' in read_or_nothing(manifest), 30,
-                     "step 1 removed by retention, its tombstone left")
+                     what="step 1 removed by retention, its tombstone left")
     finally:
         a.proc.send_signal(signal.SIGCONT)
     assert a.client().wait(JOB, 1, timeout_s=15)["committed"] is True
@@ -330,7 +323,7 @@ def test_another_attempts_commit_of_the_step_is_not_this_nodes(make_daemon, save
         manifest = b.dest / JOB / f"{1:020d}" / "MANIFEST.json"
         if keep_last == "1":
             wait_for(lambda: b'"was_committed": true' in read_or_nothing(manifest), 30,
-                     "step 1 removed by retention, its tombstone left")
+                     what="step 1 removed by retention, its tombstone left")
             tombstone = json.loads(manifest.read_bytes())
             assert tombstone["world_size"] == 1 and tombstone["nodes"] == ["node-b"]
         if keep_last == "old":
@@ -357,7 +350,7 @@ def test_an_operators_abort_of_a_step_committed_and_since_removed_says_so(make_d
     b.client().wait(JOB, 2, timeout_s=30)
     manifest = b.dest / JOB / f"{1:020d}" / "MANIFEST.json"
     wait_for(lambda: b'"was_committed": true' in read_or_nothing(manifest), 30,
-             "step 1 removed by retention, its tombstone left")
+             what="step 1 removed by retention, its tombstone left")
     out = subprocess.run([CKPTDRAIN, "abort", JOB, "1"], env=a.env(), capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 1 and "is committed at the destination" in out.stderr, out.stderr
@@ -401,7 +394,7 @@ def test_retention_of_a_step_whose_manifest_was_damaged_says_nothing_was_committ
             seal(b, step, 0, world_size=1)
             b.client().wait(JOB, step, timeout_s=30)
         wait_for(lambda: b'"kind": "abandoned"' in read_or_nothing(key), 30,
-                 "step 1 removed by retention, its tombstone left")
+                 what="step 1 removed by retention, its tombstone left")
         assert b"was_committed" not in key.read_bytes()
     finally:
         a.proc.send_signal(signal.SIGCONT)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from ckptdrain.client import GenerationFailed
-from ckptdrain.client.manifest import PartRecord, ShardEntry, manifest_key, part_key
+from ckptdrain.client.keys import manifest_key, part_key
+from ckptdrain.client.manifest import PartRecord
+from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.assembly import build_manifest
 from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.commit import Committer
@@ -33,17 +34,11 @@ from ckptdrain.daemon.metrics import Metrics
 from ckptdrain.daemon.scheduler import Scheduler
 from ckptdrain.daemon.staging import Staging
 from ckptdrain.daemon.state import GenerationState
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 from tests.functional.test_scheduler import _staged_generation
 
 JOB = "expiry"
 
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.02)
 
 
 def seal(d: DaemonProcess, step: int, rank: int, world_size: int = 2) -> None:
@@ -59,7 +54,7 @@ def state(d: DaemonProcess, step: int) -> str:
 
 
 def recorded(d: DaemonProcess, step: int) -> None:
-    wait_for(lambda: state(d, step) == "recorded", 30, f"step {step} recorded")
+    wait_for(lambda: state(d, step) == "recorded", 30, what=f"step {step} recorded")
 
 
 def part_record(d: DaemonProcess, step: int, node: str) -> PartRecord | None:
@@ -127,7 +122,7 @@ def test_a_retry_of_an_expired_step_rewrites_its_record_and_commits(make_daemon)
     a.start()
     a.client().retry(JOB, 1)
     wait_for(lambda: (r := part_record(a, 1, "node-a")) is not None and r.ranks == (0,)
-             and r.aborted_ranks == (), 30, "node-a's record rewritten as recorded")
+             and r.aborted_ranks == (), 30, what="node-a's record rewritten as recorded")
     b.client().retry(JOB, 1)
     assert a.client().wait(JOB, 1, timeout_s=30)["committed"] is True
     assert b.client().wait(JOB, 1, timeout_s=30)["committed"] is True

@@ -4,22 +4,13 @@ only: the daemon stays up, serves other jobs, and a restart does not crash on it
 from __future__ import annotations
 
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptdrain.client import DestinationError, GenerationFailed
-from tests.conftest import CKPTDRAIN, DaemonProcess
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.02)
+from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 
 
 def block_part_records(d: DaemonProcess, job: str, step: int) -> Path:
@@ -91,7 +82,7 @@ def test_a_failed_part_record_is_logged_once(daemon: DaemonProcess) -> None:
         g.put("a.bin", b"a" * 100)
     with pytest.raises(GenerationFailed):
         daemon.client().wait("blocked-log", 1, timeout_s=30)
-    wait_for(lambda: "event=generation_failed" in daemon.log(), 10, "the failure log line")
+    wait_for(lambda: "event=generation_failed" in daemon.log(), 10, what="the failure log line")
     lines = [line for line in daemon.log().splitlines() if "blocked-log" in line and "level=error" in line]
     assert sum("event=generation_failed" in line for line in lines) == 1, lines
 
