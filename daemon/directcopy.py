@@ -6,7 +6,7 @@ written back and evicted: on ext4 here that copy is most of a drain's CPU (1 GiB
 CPU s and 0.84-0.98 s, against 0.02-0.04 CPU s and 0.44-0.58 s written direct from a mapping of
 the staged pages), and the copies push the training job's own cached files out of memory.
 
-So, where the destination is a local block filesystem (ext4, XFS: posixfs.writes_direct), the
+So, where the destination is a local block filesystem (ext4, XFS: posixlayout.writes_direct), the
 staged file's pages are mapped and written from there with ``O_DIRECT``, and the checksum is
 taken from the same mapping right after the write. Only the last partial block goes through the
 page cache (direct I/O takes whole blocks). The staged file is the daemon's own and immutable
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Direct I/O takes buffers, offsets and lengths in whole logical blocks; a page is a whole
-# number of them on every device the filesystems in posixfs.DIRECT_WRITE_FILESYSTEMS use.
+# number of them on every device the filesystems in posixlayout.DIRECT_WRITE_FILESYSTEMS use.
 DIRECT_ALIGN_BYTES = mmap.PAGESIZE
 # The staged pages are mapped this much at a time (mapped pages count in the daemon's RSS,
 # though they are the page cache's). 1 GiB here: 2 MiB windows 0.07 CPU s, 8 MiB 0.03-0.04,

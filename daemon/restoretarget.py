@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptdrain.client.manifest import TMP_SUFFIX
-from ckptdrain.daemon.backends.posixfs import NAME_MAX, RANDOM_HEX
+from ckptdrain.daemon.backends.posixfs import NAME_MAX
+from ckptdrain.daemon.backends.posixtemps import RANDOM_HEX
 from ckptdrain.daemon.catalog import CatalogError
 from ckptdrain.daemon.threads import outlast
 
@@ -318,7 +319,7 @@ def write_file(root_fd: int, path: Path, data: bytes) -> None:
 
 def _temp_name(name: str) -> str:
     """``.<name>.<random>.ckptdrain-tmp``, the name part shortened to keep the whole within
-    NAME_MAX, as the daemon's own temp names are (``posixfs.temp_name``). Found attacking
+    NAME_MAX, as the daemon's own temp names are (``posixtemps.temp_name``). Found attacking
     restore: a shard's name may be 255 bytes (MAX_COMPONENT_BYTES), its temp name was 28
     more, and every restore of it failed "File name too long", from the destination and
     from the local copy alike. The sweep (:func:`remove_stale_temps`) knows a temp file by

@@ -40,16 +40,13 @@ from ckptdrain.daemon.backends.posixbatch import (
     create_many,
 )
 from ckptdrain.daemon.backends.posixfs import (
-    LFS_TIMEOUT_S,
     NAME_MAX,
     backend_error,
     link_temp,
-    striped_mkdir,
-    sweep_temps,
-    temp_name,
     temp_vanished,
     write_all,
 )
+from ckptdrain.daemon.backends.posixlayout import LFS_TIMEOUT_S, striped_mkdir
 from ckptdrain.daemon.backends.posixreads import PosixReads
 from ckptdrain.daemon.backends.posixremove import (
     REMOVE_AT_ONCE,
@@ -58,6 +55,7 @@ from ckptdrain.daemon.backends.posixremove import (
     remove_many,
     remove_one,
 )
+from ckptdrain.daemon.backends.posixtemps import sweep_temps, temp_name
 from ckptdrain.daemon.directcopy import DIRECT_MIN_BYTES, direct_copy_and_checksum
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.filecopy import (

@@ -7,23 +7,22 @@ A shard is created once: written under a temp name in its final directory, its c
 recorded in the ``user.ckptdrain.checksum`` xattr of that same inode, fsynced, and then
 ``link()``ed to its final name, which fails with EEXIST instead of replacing a file (rename
 would). The name therefore appears with its bytes and its checksum at once.
+
+The temp names and the sweep of temps left behind are posixtemps.py's; which filesystem a file
+lands on, and what that means for how it is written (segments, direct I/O, Lustre striping),
+is posixlayout.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
-import logging
 import os
 import pwd
-import secrets
 import stat
-import subprocess
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.client.names import MAX_PATH_BYTES
@@ -32,15 +31,7 @@ from ckptdrain.daemon.backends.base import BackendError, ObjectInfo
 from ckptdrain.daemon.backends.beneath import Beneath, link_in
 from ckptdrain.daemon.checksums import Stopped
 from ckptdrain.daemon.filecopy import hash_file
-from ckptdrain.daemon.logs import log_event
 
-# Logged under the backend's name: operators filter on it.
-log = logging.getLogger("ckptdrain.daemon.backends.posix")
-
-# `lfs setstripe` talks to the MDS; if it hangs, the generation is written with the directory's
-# default layout rather than not at all.
-LFS_TIMEOUT_S = 30.0
-RANDOM_HEX = 12
 # Longest file name on Linux filesystems, Lustre included (names are ASCII, so bytes = chars).
 NAME_MAX = 255
 # Where a shard's checksum is recorded. Lustre, ext4, XFS and NFS 4.2 keep user xattrs; a
@@ -56,46 +47,6 @@ _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIME
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _AUTH_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
-# What refuses a sweep one file (its directory's permissions, an immutable or append-only
-# directory), not the destination as a whole (EROFS, EIO: the sweep stops and says so).
-_STUCK_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EBUSY})
-
-# Filesystems whose clients write ranges of one file at once (statfs f_type): Lustre, NFS,
-# GPFS, BeeGFS, CephFS. On a local filesystem (ext4, XFS, tmpfs) buffered writes to one file
-# take its inode lock in turn, so a file copied as parallel segments only adds contention:
-# 8 x 128 MiB to ext4 here cost 6.9-8.0 CPU s/GB in segments against 3.8-4.8 in one copy
-# per file, at 0.22-0.27 against 0.34-0.50 GB/s (docs/benchmarks.md).
-PARALLEL_WRITE_FILESYSTEMS = frozenset({0x0BD00BD0, 0x6969, 0x47504653, 0x19830326, 0x00C36400})
-
-
-def filesystem_type(fd: int) -> int | None:
-    """statfs ``f_type`` of the filesystem ``fd`` is on (None where it cannot be asked)."""
-    try:
-        fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
-    except (OSError, AttributeError):  # not Linux/glibc
-        return None
-    # struct statfs begins with f_type (a long) on every Linux ABI; 256 bytes hold it all.
-    buf = ctypes.create_string_buffer(256)
-    if fstatfs(ctypes.c_int(fd), buf) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-
-
-def writes_in_parallel(fd: int) -> bool:
-    """Whether a large file on ``fd``'s filesystem is best written as parallel segments."""
-    return filesystem_type(fd) in PARALLEL_WRITE_FILESYSTEMS
-
-
-# Local block filesystems (statfs f_type: ext2/3/4, XFS), where a shard is written from the
-# staged pages with direct I/O (directcopy.py) instead of being copied into the page cache.
-# Elsewhere it is not: a network filesystem's client has its own direct I/O semantics (on NFS
-# each direct write is a round trip), and tmpfs keeps every byte in memory anyway.
-DIRECT_WRITE_FILESYSTEMS = frozenset({0xEF53, 0x58465342})
-
-
-def writes_direct(fd: int) -> bool:
-    """Whether shards on ``fd``'s filesystem are written with direct I/O."""
-    return filesystem_type(fd) in DIRECT_WRITE_FILESYSTEMS
 
 
 def backend_error(exc: OSError, what: str, root: str | None = None) -> BackendError:
@@ -178,34 +129,6 @@ def link_temp(dir_fd: int, tmp: str, name: str, what: str) -> bool:
         raise temp_vanished(what) from None
     return True
 
-
-# Before the node id in a temp name; node ids are letters, digits, '.', '_' and '-'.
-_OWNER = "~"
-
-
-def temp_name(final_name: str, node_id: str) -> str:
-    """``.<name>~<node>.<random>.ckptdrain-tmp``: hidden, unique, and saying whose it is, so
-    a sweep can remove this node's leftovers at once and other nodes' only when old.
-
-    The node follows the last ``~``, which no node id holds: with a ``.`` there (as before),
-    node ``gpu1`` read ``.w.bin.rack2.gpu1.<random>`` as its own, and its sweep removed node
-    ``rack2.gpu1``'s file while it was being written (found attacking). The name part is
-    shortened to keep the whole within NAME_MAX: it is only there to help a human, while the
-    owner and suffix (which sweeps parse from the end) must survive.
-    """
-    tail = f"{_OWNER}{node_id}.{secrets.token_hex(RANDOM_HEX // 2)}{TMP_SUFFIX}"
-    budget = max(0, NAME_MAX - 1 - len(tail))
-    return f".{final_name[:budget]}{tail}"
-
-
-def temp_owner_matches(name: str, node_id: str) -> bool:
-    """Whether temp ``name`` is ``node_id``'s. One named the older way (the node after a
-    ``.``) is nobody's: it goes once older than the grace, as another node's would."""
-    stem = name[: -len(TMP_SUFFIX)]
-    head, dot, rand = stem.rpartition(".")
-    if not dot or len(rand) != RANDOM_HEX:
-        return False
-    return _OWNER in head and head.rpartition(_OWNER)[2] == node_id
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
@@ -421,143 +344,4 @@ def read_some(fd: int, chunk_bytes: int, stop: threading.Event) -> bytes:
     return os.read(fd, chunk_bytes)
 
 
-def setstripe(lfs: str, directory: Path, stripe_count: int, stripe_size_bytes: int) -> None:
-    """``lfs setstripe`` on ``directory``; a failure is logged, never raised: the files then
-    get the filesystem's default layout, and the checkpoint is still written."""
-    cmd = [lfs, "setstripe", "-c", str(stripe_count), "-S", str(stripe_size_bytes), str(directory)]
-    try:
-        result = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=LFS_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning(
-            "lfs setstripe on %s failed (%s); files get the default layout", directory, exc
-        )
-        return
-    if result.returncode != 0:
-        log.warning(
-            "lfs setstripe on %s exited %d (%s); files get the default layout",
-            directory,
-            result.returncode,
-            result.stderr.strip()[:500],
-        )
 
-
-def striped_mkdir(lfs: str, parent_fd: int, tmp_name: str, name: str, stripe_count: int,
-                  stripe_size_bytes: int) -> None:
-    """Make directory ``name`` in ``parent_fd`` already striped: stripe the private, empty
-    ``tmp_name`` and rename it into place (a lost race to another node leaves theirs)."""
-    os.mkdir(tmp_name, 0o755, dir_fd=parent_fd)
-    try:
-        tmp_fd = os.open(tmp_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=parent_fd)
-        try:
-            # lfs is handed the directory we hold, not a path someone could swap under it.
-            setstripe(lfs, Path(f"/proc/{os.getpid()}/fd/{tmp_fd}"), stripe_count,
-                      stripe_size_bytes)
-        finally:
-            os.close(tmp_fd)
-        try:
-            os.rename(tmp_name, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-        except OSError as exc:
-            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.rmdir(tmp_name, dir_fd=parent_fd)
-
-
-# Other nodes' temps a sweep keeps watching (a bound: past it, newer ones wait their turn).
-MAX_WATCHED_TEMPS = 100_000
-# (size, mtime, ctime, inode) of another node's temp when a sweep last saw it, and when (this
-# process's monotonic clock) it first saw it so.
-Watched = dict[str, tuple[tuple[int, int, int, int], float]]
-
-
-def sweep_temps(
-    fs: Beneath, node_id: str, live: set[str], grace_s: float, watched: Watched, now: float,
-    stop: threading.Event,
-) -> int:
-    """Remove temp files and striping temp directories under ``root`` left by interrupted
-    writes: ``node_id``'s at any age, never one in ``live`` (being written by this process),
-    and another node's once this process has seen it unchanged for ``grace_s`` (``now`` and
-    ``watched`` on this process's monotonic clock, kept from sweep to sweep).
-
-    Another node's temp is judged by what this process saw, not by its mtime against this
-    node's clock: a node whose clock ran two hours ahead (started before NTP stepped it)
-    found every temp other nodes were writing an hour old and removed them, failing their
-    generations (found attacking); a filesystem that stamps mtimes with its server's clock
-    does the same. A temp being written changes; one left by a crash does not. Returns how
-    many went."""
-    root = fs.root
-    if not root.is_dir():
-        return 0
-    removed = 0
-    seen: set[str] = set()
-    # fwalk removes by name in a directory it holds open: a directory swapped for a link
-    # mid-sweep cannot send an unlink elsewhere.
-    with fs.dir([]) as root_fd:
-        for dirpath, dirs, files, dir_fd in walk(root_fd, 0):
-            if stop.is_set():
-                raise Stopped
-            removed += _sweep_dir(root, dirpath, dirs, files, dir_fd, node_id, live,
-                                  _Watch(watched, seen, now, grace_s))
-    for gone in [path for path in watched if path not in seen]:
-        del watched[gone]
-    return removed
-
-
-class _Watch:
-    """One sweep's view of other nodes' temps: whether each has stayed unchanged long enough."""
-
-    def __init__(self, watched: Watched, seen: set[str], now: float, grace_s: float) -> None:
-        self.watched, self.seen, self.now, self.grace_s = watched, seen, now, grace_s
-
-    def abandoned(self, path: str, st: os.stat_result) -> bool:
-        self.seen.add(path)
-        looks = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-        before = self.watched.get(path)
-        if before is None or before[0] != looks:
-            if before is not None or len(self.watched) < MAX_WATCHED_TEMPS:
-                self.watched[path] = (looks, self.now)
-            return False
-        return self.now - before[1] >= self.grace_s
-
-
-def _sweep_dir(root: Path, dirpath: str, dirs: list[str], files: list[str], dir_fd: int,
-               node_id: str, live: set[str], watch: _Watch) -> int:
-    removed = 0
-    for name in [*files, *dirs]:
-        if not name.endswith(TMP_SUFFIX):
-            continue
-        path = os.path.normpath(os.path.join(root, dirpath, name))
-        if path in live:
-            continue
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if not temp_owner_matches(name, node_id) and not watch.abandoned(path, st):
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                os.rmdir(name, dir_fd=dir_fd)  # only ever an empty striping temp directory
-            else:
-                os.unlink(name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                continue
-            if exc.errno in _STUCK_ERRNOS:
-                # This one file's directory refuses it (made immutable, its permissions
-                # changed): raised, it ended every sweep there, and each temp the walk met
-                # after it stayed (found attacking). The next sweep tries it again.
-                log_event(log, logging.WARNING, "destination_temp_left", path=path,
-                          error=exc.strerror or str(exc),
-                          action="let the daemon's user change that directory; the next "
-                                 "sweep removes it")
-                continue
-            raise
-        watch.watched.pop(path, None)
-        removed += 1
-        log.info("removed leftover temp %s", path)
-    dirs[:] = [d for d in dirs if not d.endswith(TMP_SUFFIX)]
-    return removed

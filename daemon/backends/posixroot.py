@@ -23,13 +23,9 @@ from typing import Protocol, TypeVar
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.backends.beneath import Beneath, Entry
 from ckptdrain.daemon.backends.posixbatch import LOCAL_BATCH_LANES
-from ckptdrain.daemon.backends.posixfs import (
-    ChecksumXattr,
-    Watched,
-    backend_error,
-    writes_direct,
-    writes_in_parallel,
-)
+from ckptdrain.daemon.backends.posixfs import ChecksumXattr, backend_error
+from ckptdrain.daemon.backends.posixlayout import writes_direct, writes_in_parallel
+from ckptdrain.daemon.backends.posixtemps import Watched
 from ckptdrain.daemon.filecopy import PARALLEL_SEGMENTS, Truncated, yield_to_handoffs
 from ckptdrain.daemon.threads import settled
 
@@ -149,14 +145,14 @@ class PosixRoot:
 
     def _parallel_writes(self, dir_fd: int) -> bool:
         """Large shards go as parallel segments only where the destination's filesystem
-        takes writes to one file at once (posixfs.writes_in_parallel); learnt once."""
+        takes writes to one file at once (posixlayout.writes_in_parallel); learnt once."""
         if self.parallel_writes is None:
             self.parallel_writes = writes_in_parallel(dir_fd)
         return self.parallel_writes
 
     def _direct_writes(self, dir_fd: int) -> bool:
         """Shards go with direct I/O where the destination is a local block filesystem
-        (posixfs.writes_direct); learnt once."""
+        (posixlayout.writes_direct); learnt once."""
         if self.direct_writes is None:
             self.direct_writes = writes_direct(dir_fd)
         return self.direct_writes

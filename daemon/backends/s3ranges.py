@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ckptdrain.daemon import checksums
-from ckptdrain.daemon.backends.posixfs import writes_in_parallel
+from ckptdrain.daemon.backends.posixlayout import writes_in_parallel
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.threads import settled

@@ -15,7 +15,7 @@ from typing import Any
 from ckptdrain.client.manifest import MAX_RECORD_BYTES
 from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, ObjectInfo
-from ckptdrain.daemon.backends.posixfs import writes_in_parallel
+from ckptdrain.daemon.backends.posixlayout import writes_in_parallel
 from ckptdrain.daemon.backends.s3client import S3Client, unix_time
 from ckptdrain.daemon.backends.s3errors import S3Failure, first_cause
 from ckptdrain.daemon.backends.s3proof import Listed

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from ckptdrain.daemon import directcopy, filecopy
-from ckptdrain.daemon.backends import posixfs
+from ckptdrain.daemon.backends import posixlayout
 from ckptdrain.daemon.backends.base import open_backend
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.checksums import Stopped, of_bytes
@@ -29,7 +29,7 @@ KEY = "job/00000000000000000001/model.bin"
 def _on_a_direct_filesystem(path: Path) -> bool:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return posixfs.writes_direct(fd)
+        return posixlayout.writes_direct(fd)
     finally:
         os.close(fd)
 
@@ -189,15 +189,15 @@ def test_a_set_stop_ends_the_copy_between_ranges(disk: Path) -> None:
 def test_local_block_filesystems_are_told_apart_by_their_statfs_type(tmp_path: Path) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        kind = posixfs.filesystem_type(fd)
-        assert posixfs.writes_direct(fd) == (kind in (0xEF53, 0x58465342))
+        kind = posixlayout.filesystem_type(fd)
+        assert posixlayout.writes_direct(fd) == (kind in (0xEF53, 0x58465342))
     finally:
         os.close(fd)
     shm = Path("/dev/shm")
     if shm.is_dir():
         fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            assert not posixfs.writes_direct(fd)  # tmpfs keeps every byte in memory anyway
+            assert not posixlayout.writes_direct(fd)  # tmpfs keeps every byte in memory anyway
         finally:
             os.close(fd)
 

@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from ckptdrain.client.manifest import TMP_SUFFIX
 from ckptdrain.daemon import filecopy
-from ckptdrain.daemon.backends import posix, posixfs, posixremove
+from ckptdrain.daemon.backends import posix, posixfs, posixlayout, posixremove
 from ckptdrain.daemon.backends.base import BackendError, ObjectInfo, open_backend
 from ckptdrain.daemon.backends.posix import PosixBackend, backend_error, temp_name
 from ckptdrain.daemon.checksums import of_bytes
@@ -120,12 +120,12 @@ async def test_a_large_shard_goes_in_segments_only_where_the_filesystem_takes_th
 def test_parallel_filesystems_are_told_apart_by_their_statfs_type(tmp_path: Path) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        kind = posixfs.filesystem_type(fd)
+        kind = posixlayout.filesystem_type(fd)
         assert kind is not None and kind == _statfs_type(tmp_path)
-        assert not posixfs.writes_in_parallel(fd)
+        assert not posixlayout.writes_in_parallel(fd)
     finally:
         os.close(fd)
-    assert 0x0BD00BD0 in posixfs.PARALLEL_WRITE_FILESYSTEMS  # Lustre's LL_SUPER_MAGIC
+    assert 0x0BD00BD0 in posixlayout.PARALLEL_WRITE_FILESYSTEMS  # Lustre's LL_SUPER_MAGIC
 
 
 def _statfs_type(path: Path) -> int:
