@@ -23,7 +23,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import forks, names, wire
-from ckptdrain.client.channel import Channel, default_socket_path, reply_grace_s
+from ckptdrain.client.channel import Channel, reply_grace_s
+from ckptdrain.client.daemonsocket import default_socket_path
 from ckptdrain.client.errors import (
     DrainError,
     RejectedInput,

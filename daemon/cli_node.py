@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ckptdrain.client import Client, wire
-from ckptdrain.client.channel import default_socket_path
+from ckptdrain.client.daemonsocket import default_socket_path
 from ckptdrain.daemon.cli_destination import EXIT_OK, EXIT_USAGE, CommandFailed, job_arg, step_arg
 from ckptdrain.daemon.cli_destination import human as _human
 from ckptdrain.daemon.errors import ConfigError, one_line

@@ -112,7 +112,7 @@ def socket_free(path: Path) -> None:
     finally:
         probe.close()
     if st.st_uid != os.getuid() and uid != os.getuid():
-        # Someone else's process holds the path (clients refuse it: channel.check_listener).
+        # Someone else's process holds the path (clients refuse it: daemonsocket.check_listener).
         raise StartupError("socket", f"{path} is held by a process of uid {uid}, not this "
                            "daemon's user: stop it; and if it has no business there (in a "
                            "directory other users can write, like /tmp, anyone may take the "

@@ -1,6 +1,6 @@
 """Whom a client trusts with its bytes and descriptors inside a user namespace (a rootless
 container), where uids say little: each case was found attacking the client's check of the
-listener (client/channel.py check_listener), and each has a squatter that must get nothing,
+listener (client/daemonsocket.py check_listener), and each has a squatter that must get nothing,
 not even the client's first request."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_the_nodes_socket_is_trusted_only_by_its_exact_path(
 ) -> None:
     # A path that reads as the node's socket once '..' is taken as text, but that the kernel
     # resolves through a link into the attacker's directory, was trusted as the node's.
-    from ckptdrain.client import channel
+    from ckptdrain.client import daemonsocket
 
     evil = shared / "e"
     deep = evil / "a" / "b" / "c" / "d"
@@ -140,7 +140,7 @@ def test_the_nodes_socket_is_trusted_only_by_its_exact_path(
     squat = squatter(target / "ckptdrain.sock", 1001)
 
     def victim() -> str:
-        channel.SYSTEM_SOCKET_PATH = str(system_socket_dir / "ckptdrain.sock")
+        daemonsocket.SYSTEM_SOCKET_PATH = str(system_socket_dir / "ckptdrain.sock")
         return attempt(crafted)
 
     said = in_a_user_namespace("0 65534 1", 0, victim)
@@ -251,7 +251,7 @@ def test_the_nodes_socket_is_trusted_from_a_user_namespace_and_nothing_else(
     # Found attacking: from a rootless container the node's root daemon reads as the
     # overflow uid and was refused; naming that uid, as the refusal said, then trusted any
     # user not mapped into the namespace. Only the node's own socket is trusted there.
-    from ckptdrain.client import channel
+    from ckptdrain.client import daemonsocket
 
     node_socket = system_socket_dir / "ckptdrain.sock"
     (tmp_path / "node").mkdir()
@@ -263,7 +263,7 @@ def test_the_nodes_socket_is_trusted_from_a_user_namespace_and_nothing_else(
     squat = squatter(shared / "sq.sock", 1001)
 
     def in_a_container() -> str:
-        channel.SYSTEM_SOCKET_PATH = str(node_socket)  # this test's node socket
+        daemonsocket.SYSTEM_SOCKET_PATH = str(node_socket)  # this test's node socket
         with open("/proc/sys/kernel/overflowuid") as f:  # what the node's root reads as
             os.environ["CKPTDRAIN_DAEMON_UID"] = f.read().strip()  # as once advised
         node = Client(node_socket, timeout_s=10).status()["node_id"]

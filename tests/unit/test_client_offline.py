@@ -31,6 +31,7 @@ from ckptdrain.client import (
     RejectedInput,
     Timeout,
     UnsupportedVersion,
+    daemonsocket,
     wire,
 )
 from ckptdrain.client import channel as channel_module
@@ -215,7 +216,7 @@ def client(daemon: FakeDaemon) -> Iterator[Client]:
 
 def test_default_socket_path_prefers_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTDRAIN_SOCKET", "/somewhere/ck.sock")
-    assert channel_module.default_socket_path() == "/somewhere/ck.sock"
+    assert daemonsocket.default_socket_path() == "/somewhere/ck.sock"
     assert Client().socket_path == "/somewhere/ck.sock"
 
 
@@ -225,9 +226,9 @@ def test_default_socket_path_falls_back_to_a_per_user_socket(
 ) -> None:
     monkeypatch.delenv("CKPTDRAIN_SOCKET", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
-    assert channel_module.default_socket_path() == f"/run/user/1234/ckptdrain-{os.getuid()}.sock"
+    assert daemonsocket.default_socket_path() == f"/run/user/1234/ckptdrain-{os.getuid()}.sock"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert channel_module.default_socket_path() == f"/tmp/ckptdrain-{os.getuid()}.sock"
+    assert daemonsocket.default_socket_path() == f"/tmp/ckptdrain-{os.getuid()}.sock"
 
 
 def test_bad_input_fails_before_any_io(sockdir: str) -> None:

@@ -131,7 +131,7 @@ def test_embedded_default_follows_xdg() -> None:
 
 
 def test_default_socket_matches_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptdrain.client import channel as client
+    from ckptdrain.client import daemonsocket as client
 
     assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/42"}) == Path(
         f"/run/user/42/ckptdrain-{os.getuid()}.sock"
