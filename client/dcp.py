@@ -19,15 +19,16 @@ How one save maps onto the ckptdrain protocol:
 - Any exception aborts the rank's part, and with it the generation: it never commits, and the
   previous committed generation stays the latest.
 
-This module imports torch; the rest of :mod:`ckptdrain.client` uses the standard library only.
+Which attempt each save goes under, the same on every rank, is :mod:`.dcpattempts`'s.
+
+This module and the other ``dcp*`` modules import torch; the rest of :mod:`ckptdrain.client`
+uses the standard library only.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import hashlib
 import os
 import pickle
 import threading
@@ -38,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -47,12 +47,13 @@ from torch.futures import Future
 
 from ckptdrain.client import dcpfiles, names
 from ckptdrain.client.client import Client
+from ckptdrain.client.dcpattempts import agreed_attempt, save_attempt, this_save
 from ckptdrain.client.dcpfiles import METADATA_NAME
 from ckptdrain.client.dcpreader import DrainReader
 from ckptdrain.client.errors import DrainError, RejectedInput
 from ckptdrain.client.generation import Generation, default_attempt
-from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
 
+# agreed_attempt (dcpattempts.py) stays importable from here, where the docs name it.
 __all__ = ["METADATA_NAME", "DrainReader", "DrainWriter", "agreed_attempt"]
 
 # DCP's name for the checkpoint's metadata file (torch.distributed.checkpoint.filesystem).
@@ -73,54 +74,6 @@ class _RankPlan:
     rank: int
     world_size: int
     attempt: str = ""
-
-
-def _save_attempt(run: str) -> str:
-    """One save's attempt: a fresh token, under the run's attempt when there is one."""
-    token = f"dcp:{uuid.uuid4().hex}"
-    if not run:
-        return token
-    # The run's name is kept whole (a waiter of the run matches on it); the token gives way.
-    room = MAX_ATTEMPT_CHARS - len(run) - 1 - len("dcp:")
-    if room < 16:
-        run = hashlib.sha256(run.encode()).hexdigest()[:32]
-        room = MAX_ATTEMPT_CHARS - len(run) - 1 - len("dcp:")
-    return f"{run}/{token[:len('dcp:') + room]}"
-
-
-# Saves this process began, by job, step and the attempt their plan named. DCP's plan caching
-# (DefaultSavePlanner(enable_plan_caching=True)) hands later saves the first one's plan, and
-# the attempt the coordinator put in it with it: a failed step saved again came as the failed
-# attempt, refused for good (found attacking). Every rank counts its own saves, and DCP saves
-# on every rank alike, so each rank comes to the same attempt.
-_PLANNED: collections.Counter[tuple[str, int, str]] = collections.Counter()
-
-
-def _this_save(job: str, step: int, planned: str) -> str:
-    """This save's attempt: the plan's, its last characters replaced by how many saves of
-    ``job`` and ``step`` under it came before (none: the plan's as it is)."""
-    earlier = _PLANNED[(job, step, planned)]
-    _PLANNED[(job, step, planned)] += 1
-    return planned if not earlier else f"{planned[:-8]}{earlier:08x}"
-
-
-def agreed_attempt(group: dist.ProcessGroup | None = None) -> str:
-    """This run's attempt, the same on every rank of ``group`` (default: the whole job): rank
-    0's :func:`~ckptdrain.client.generation.default_attempt`, sent to the others. Pass it as
-    ``generation(..., attempt=...)`` when saving through the client on several nodes under
-    torchrun: its restart count is each node's own (an agent whose workers were healthy
-    restarts them without counting), so after a restart each node's ``default_attempt()`` may
-    differ and no step saved on several nodes would commit. A collective: every rank calls it,
-    once per process start. Without an initialized process group, ``default_attempt()``.
-    (``DrainWriter`` needs none of this: its coordinator names each save's attempt.)"""
-    if not (dist.is_available() and dist.is_initialized()):
-        return default_attempt()
-    box: list[object] = [default_attempt() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    attempt = box[0]
-    if not isinstance(attempt, str):  # another program's object on the wire
-        raise RejectedInput(f"rank 0 sent {type(attempt).__name__} for the run's attempt")
-    return attempt
 
 
 def _abort_part(stack: contextlib.ExitStack, reason: str) -> None:
@@ -235,7 +188,7 @@ class DrainWriter(StorageWriter, AsyncStager):
         # job saving the same step again is a new attempt, never mixed with the old one.
         # Named under the run's own attempt (torchrun's restart count, $CKPTDRAIN_ATTEMPT), so
         # a `wait` of the restarted run waits for this save, not for the crashed run's.
-        attempt = _save_attempt(default_attempt())
+        attempt = save_attempt(default_attempt())
         return [
             dataclasses.replace(
                 plan, storage_data=_RankPlan(f"__{rank}_", rank, world_size, attempt)
@@ -275,7 +228,7 @@ class DrainWriter(StorageWriter, AsyncStager):
                 "create a DrainWriter(job, step) for each save"
             )
         self._state = "writing"
-        self._attempt = _this_save(self.job, self.step, rank_plan.attempt)
+        self._attempt = this_save(self.job, self.step, rank_plan.attempt)
         generation = self._client.generation(
             self.job, self.step, rank=rank_plan.rank, world_size=rank_plan.world_size,
             ack=self.ack, attempt=self._attempt,
