@@ -1,6 +1,6 @@
 """Work keyed by a generation or a job, one at a time per key: each map holds a key only while
 its work is held or running, so it stays bounded by the work in progress, not by every key
-ever seen."""
+ever seen. And a lock that knows which task holds it (:class:`HeldBy`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,31 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from typing import Any, Literal
+
+
+class HeldBy(asyncio.Lock):
+    """An asyncio lock that says whether the running task holds it: for work that must hold
+    it and is reached both from inside and from outside it (a generation's commit point:
+    Publisher.end), where taking it again from inside would wait on itself for good."""
+
+    _holder: asyncio.Task[Any] | None = None
+
+    async def acquire(self) -> Literal[True]:
+        await super().acquire()
+        self._holder = asyncio.current_task()
+        return True
+
+    def release(self) -> None:
+        self._holder = None
+        super().release()
+
+    def held_here(self) -> bool:
+        return self._holder is not None and self._holder is asyncio.current_task()
+
+    def here(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """The lock to take, or nothing when the running task holds it already."""
+        return contextlib.nullcontext() if self.held_here() else self
 
 
 class KeyedLocks:

@@ -5,11 +5,12 @@ A node writes its part record once every rank begun here has drained (the publis
 advance): the ranks, every shard of theirs, the four clocks so far. A generation that then
 fails here gets the record rewritten with the ranks it can no longer deliver marked aborted
 (its *failure record*), so the other nodes end the generation at their next look rather
-than after ``drain.commit_wait_s``. A node whose own ``drain.commit_wait_s`` runs out writes
-it too, before it ends the generation, with every rank of its own aborted: a slower node that
-came later otherwise published the step from the record that said "recorded". Both writes of
-one generation hold the same per-generation lock, so the failure record, written last, is the
-one that stands.
+than after ``drain.commit_wait_s``. One whose ranks were all recorded gets it too, with every
+rank of its own aborted: a node that looked later otherwise published the step from the
+record that said "recorded", whatever ended it here (its commit wait, its own create
+refused), and that record is written before the ranks hear of the failure
+(:meth:`FailureRecords.write_told`, Publisher.end). Both writes of one generation hold the
+same per-generation lock, so the failure record, written last, is the one that stands.
 """
 
 from __future__ import annotations
@@ -93,20 +94,25 @@ class FailureRecords:
         self._locks = locks  # the publisher's, held while it writes the part record
         self._retrying = retrying  # retried on transient destination errors
 
-    async def write(self, gen: GenerationRecord, *, unless_present: bool = False) -> None:
+    async def write(self, gen: GenerationRecord, *, unless_present: bool = False,
+                    every_rank: bool = False) -> None:
         """Rewrite this node's part record with the ranks it can no longer deliver marked
         aborted, so the other nodes end the generation now rather than after commit_wait_s.
-        ``unless_present``: not when the destination already holds that record (resent at
-        start-up)."""
+        ``every_rank``: all of them when all were recorded (it failed here for a reason of
+        this node's, after :meth:`write_told` could not write: told it failed all the same,
+        and that record let another node cover them). Without it such a generation, which
+        failed at the commit itself or on another node's record, is left as it is: the other
+        nodes see the same (a record of each would also fail every retry on a node whose
+        peers were not retried yet). ``unless_present``: not when the destination already
+        holds that record (resent at start-up)."""
         async with self._locks.hold(gen.key):
             if gen.state is not GenerationState.FAILED or self.ledger.get(gen.job, gen.step) is not gen:
                 return  # retried or replaced meanwhile: the new record is the truth
             recorded = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
             failed = [r for r in gen.ranks if r not in recorded]
+            if not failed and every_rank:
+                recorded, failed = [], recorded
             if not failed:
-                # It failed at the commit itself, or on another node's record; the other
-                # nodes see the same. (An expiry writes its record before it ends the step:
-                # write_expired.)
                 return
             if len(gen.ranks) >= gen.world_size:
                 # Every rank began here: no other node waits on this generation, and the
@@ -118,32 +124,32 @@ class FailureRecords:
         log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
                   aborted_ranks=describe_ranks(failed))
 
-    async def write_expired(self, gen: GenerationRecord, reason: str) -> bool:
-        """Before ``drain.commit_wait_s`` ends a RECORDED generation here: rewrite this node's
-        part record with every rank of this node marked aborted (they stay RECORDED in the
-        ledger, so ``ckptdrain retry`` can bring them back). Its ranks are about to hear the
-        step failed; left saying "recorded", the record let a slower node cover every rank
-        and publish the step from it (found attacking multi-node commits). True when written;
+    async def write_told(self, gen: GenerationRecord, reason: str) -> bool:
+        """Before its ranks hear that ``gen`` failed, while every rank of it is recorded here
+        (Publisher.end): rewrite this node's part record with them all marked aborted (they
+        stay RECORDED in the ledger, so ``ckptdrain retry`` can bring them back). Left
+        saying "recorded", the record let a node that looked later cover every rank and
+        publish the step from it (found attacking multi-node commits). True when written;
         False when there was nothing to write (every rank began here, no other node waits)
-        or it could not be written (logged; the step ends all the same)."""
+        or it could not be written (logged; the step ends all the same, and
+        :meth:`write` tries again after the end)."""
         async with self._locks.hold(gen.key):
-            if (gen.state is not GenerationState.RECORDED
-                    or self.ledger.get(gen.job, gen.step) is not gen):
+            if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False
             ranks = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
             if not ranks or len(gen.ranks) >= gen.world_size:
                 return False
             if not await self._put(gen, [], ranks, reason, action=(
-                    "a node that comes later may still commit the step from this node's "
+                    "a node that looks later may still commit the step from this node's "
                     "earlier record")):
                 return False
         log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
-                  aborted_ranks=describe_ranks(ranks), why="drain.commit_wait_s")
+                  aborted_ranks=describe_ranks(ranks), before="its ranks hear of it")
         return True
 
     async def write_recorded(self, gen: GenerationRecord) -> None:
         """This node's part record as its advance writes it (its recorded ranks), over a
-        failure record that :meth:`write_expired` wrote for a step that did not end after
+        failure record that :meth:`write_told` wrote for a step that did not end after
         all: it committed meanwhile, or a rank began here. Not for an ended generation, but a
         committed one (its failure record would tell every node still waiting that it can
         never commit). Errors are logged: those nodes then end the step at their next look."""

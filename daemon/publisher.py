@@ -7,10 +7,11 @@ through the :class:`~ckptdrain.daemon.commit.Committer`. A generation waiting fo
 record marks a rank aborted, or ``drain.commit_wait_s`` passed since this node's drained clock,
 which is journalled), or CANCELLED (a newer step of the job committed). A node that fails a
 generation it cannot deliver rewrites its record with those ranks aborted, so the others end
-it too; so does one whose commit_wait_s ran out, with all of its ranks, before it ends the
-step (_expire: no node may commit a step whose ranks were told it failed). Around every step,
-a failure boundary: a destination error fails that generation with its message, anything else
-is logged once with its traceback and fails that generation; nothing reaches the TaskGroup.
+it too; so does one whose ranks were all recorded, with all of them, before they hear of it,
+whatever ended it (its commit_wait_s, its own create refused): no node may commit a step whose
+ranks were told it failed (Publisher.end). Around every step, a failure boundary: a
+destination error fails that generation with its message, anything else is logged once with
+its traceback and fails that generation; nothing reaches the TaskGroup.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
 from ckptdrain.daemon.partrecords import FailureRecords, part_record
 from ckptdrain.daemon.records import assign, retrying_note
 from ckptdrain.daemon.state import (
+    TRANSITIONS,
     GenerationEvent,
     GenerationState,
     RankEvent,
@@ -190,13 +192,85 @@ class Publisher:
                       reason=reason, exc_info=True)
 
     async def end(self, gen: GenerationRecord, reason: str, *, kind: str,
-                  event: GenerationEvent = GenerationEvent.FAILED) -> None:
+                  event: GenerationEvent = GenerationEvent.FAILED, told: str = "") -> None:
         """End a generation that cannot commit from this node (FAILED), or that a newer one
         of the same job replaced (CANCELLED): its slot is freed, its copies in flight are
         cancelled, and (FAILED) the other nodes are told through this node's part record.
-        ``event`` names why (the lifecycle table decides the state it leads to)."""
+        ``event`` names why (the lifecycle table decides the state it leads to).
+
+        The one place a generation ends, so the one place that keeps the rule that no node
+        may commit a multi-node step whose ranks on some node were told it failed: a step
+        that other nodes may still publish from this node's record (_publishable_elsewhere)
+        gets its failure record (saying ``told``, else ``reason``) before its ranks hear of
+        the end, and ends committed instead where the manifest holds this node's part
+        (_end_recorded). Called with the generation's commit point held or not."""
         if gen.terminal:
             return
+        if self._publishable_elsewhere(gen, event):
+            await self._end_recorded(gen, reason, kind=kind, event=event, told=told or reason)
+        else:
+            await self._end(gen, reason, kind=kind, event=event)
+
+    @staticmethod
+    def _publishable_elsewhere(gen: GenerationRecord, event: GenerationEvent) -> bool:
+        """Whether ending ``gen`` by ``event`` tells ranks it failed that another node may
+        still commit from this node's part record: it leads to FAILED, every rank begun here
+        is recorded (the record says so, and nothing of this node's says otherwise), and ranks
+        begin on other nodes. Found attacking multi-node commits: a node whose commit wait ran
+        out, or whose own create was refused, left its record saying "recorded", and a node
+        that looked later published the step. Not on another node's failure record
+        (PEER_ABORTED): that record ends it on every node already."""
+        return (event is not GenerationEvent.PEER_ABORTED
+                and TRANSITIONS.get((gen.state, event)) is _G.FAILED
+                and 0 < len(gen.ranks) < gen.world_size
+                and all(st is RankState.RECORDED for st in gen.ranks.values()))
+
+    async def _end_recorded(self, gen: GenerationRecord, reason: str, *, kind: str,
+                            event: GenerationEvent, told: str) -> None:
+        """:meth:`end` of a generation another node may still publish: this node's part
+        record is rewritten with its ranks aborted first (FailureRecords.write_told), so a
+        node that reads it later ends the step as aborted.
+
+        The manifest decides a race with a node publishing meanwhile: looked for before the
+        failure record (there: committed here, the record left as it is) and after it (there:
+        committed here, and the record written back as recorded, so nodes still waiting do
+        not end a committed step). One window stays open: a node that read the records just
+        before the failure record landed and creates the manifest after this second look
+        commits a step this node's ranks heard had failed. It is as wide as that node's
+        publish (its shard checks and create); for an expiry, only a node whose own wait ran
+        out within that much of this one's meets it, and a commit_wait_s longer than the
+        nodes' lag keeps it shut. The looks and the end hold the commit point, as a publish
+        does (an abort never lands between them); the record's writes and their retries do
+        not, unless the caller holds it (an abort waits for nothing longer: partrecords.py)."""
+        async with gen.commit_point.here():
+            if gen.terminal:
+                return
+            if not self._publishable_elsewhere(gen, event):
+                # Changed while the commit point was awaited: a rank began here, which no
+                # node can cover from this node's record (an expiry does not apply then:
+                # the step goes on).
+                if TRANSITIONS.get((gen.state, event)) is not None:
+                    await self._end(gen, reason, kind=kind, event=event)
+                return
+            if await self._found_committed(gen):
+                return
+        written = await self._failures.write_told(gen, told)
+        ended = False
+        async with gen.commit_point.here():
+            # The event may no longer apply: a rank began here (REOPENED; an expiry does not
+            # apply then, and the step goes on), or an abort ended it (its own failure record
+            # follows this one).
+            if (not gen.terminal and TRANSITIONS.get((gen.state, event)) is not None
+                    and not (written and await self._found_committed(gen))):
+                await self._end(gen, reason, kind=kind, event=event, told=not written)
+                ended = True
+        if written and not ended:
+            await self._failures.write_recorded(gen)  # not over an abort's record
+
+    async def _end(self, gen: GenerationRecord, reason: str, *, kind: str,
+                   event: GenerationEvent, told: bool = False) -> None:
+        """:meth:`end`, the move itself. ``told``: the failure record that _end_recorded
+        should have written before it is not there (written after the end, then)."""
         try:
             await self.ledger.apply(gen, event, error=reason)
         finally:
@@ -210,7 +284,7 @@ class Publisher:
                 state = gen.state
                 if state is _G.FAILED:
                     self.submit(f"failure-record {gen.job} {gen.step}",
-                                lambda: self._failures.write(gen))
+                                lambda: self._failures.write(gen, every_rank=told))
                 if kind in FAILURE_REASONS_USER:
                     # The job's own doing (it aborted, or a new attempt replaced it): a
                     # warning, and per owner bounded (a user beginning and aborting jobs in a
@@ -276,18 +350,20 @@ class Publisher:
         part = await part_record(self.config, self.ledger, gen,
                                  [r for r, st in gen.ranks.items()
                                   if st is RankState.RECORDED or r in ready])
+        failure: tuple[str, str] | None = None
         async with self._part_locks.hold(gen.key):
             if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False  # ended meanwhile: its failure record says so, not this one
             try:
                 await self._with_retries(lambda: self.committer.record_part(part), gen)
             except BackendError as exc:
-                await self.end(gen, f"could not write this node's part record: {exc}",
-                               kind="drain")
-                return False
+                failure = f"could not write this node's part record: {exc}", "drain"
             except RecordTooLarge as exc:  # the job's doing: too many shards
-                await self.end(gen, str(exc), kind="aborted")
-                return False
+                failure = str(exc), "aborted"
+        if failure is not None:
+            # Not under the part lock: the end may write the failure record first (end).
+            await self.end(gen, failure[0], kind=failure[1])
+            return False
         if gen.terminal:
             # Ended (an abort) while the record was written: its failure record, written
             # after this one under the same part lock, is the one that stands.
@@ -324,9 +400,9 @@ class Publisher:
             return
         aborted = describe_aborted(parts)
         if aborted:
-            # Another node's expiry writes its failure record over a record that said
-            # "recorded" (_expire), and a node that read the records just before may have
-            # published from them: the manifest, if there is one with this node's part,
+            # Another node that failed the step writes its failure record over a record
+            # that said "recorded" (end), and a node that read the records just before may
+            # have published from them: the manifest, if there is one with this node's part,
             # decides (at the commit point: not in the middle of an operator's abort). A
             # destination that cannot say now: the abort stands, as before.
             async with gen.commit_point:
@@ -446,8 +522,13 @@ class Publisher:
         # The commit point, from the manifest's create to the COMMITTED it leads to: an abort
         # (Daemon.give_up) waits for it, or it for the abort.
         async with gen.commit_point:
-            if not gen.terminal:
-                await self._publish(gen)
+            if gen.terminal:
+                return
+            failure = await self._publish(gen)
+        if failure is not None:
+            # After the commit point: the end writes the failure record first, and an abort
+            # waits for none of its retries (end).
+            await self.end(gen, failure[0], kind=failure[1])
 
     async def _retention_would_take(self, gen: GenerationRecord) -> bool:
         """End ``gen`` rather than publish it when ``retention.keep_last`` newer steps of its
@@ -477,16 +558,16 @@ class Publisher:
                        kind="superseded", event=GenerationEvent.SUPERSEDED_BY_COMMIT)
         return True
 
-    async def _publish(self, gen: GenerationRecord) -> None:
+    async def _publish(self, gen: GenerationRecord) -> tuple[str, str] | None:
+        """The create, at the commit point; what fails the generation, as (reason, kind), is
+        returned for the caller to end it by (after the commit point)."""
         try:
             result = await self._with_retries(lambda: self.committer.try_publish(
                 gen.job, gen.step, gen.world_size, gen.attempt), gen)
         except BackendError as exc:
-            await self.end(gen, f"commit failed: {exc}", kind="drain")
-            return
+            return f"commit failed: {exc}", "drain"
         except RecordTooLarge as exc:
-            await self.end(gen, str(exc), kind="aborted")
-            return
+            return str(exc), "aborted"
         if result.committed:
             self.committer.owners.remember(gen.job, self.ledger.jobs.get(gen.job))
         if result.outcome is CommitOutcome.PUBLISHED:
@@ -494,14 +575,14 @@ class Publisher:
             # generation ended here meanwhile (cancelled, expired).
             self._on_published(gen)
         if gen.terminal:
-            return
+            return None
         if result.committed:
             await self._committed(gen, result.manifest, result.outcome.name.lower())
         elif result.outcome is CommitOutcome.CONFLICT:
-            await self.end(gen, f"it cannot commit: {result.reason}",
-                           kind="conflict")
+            return f"it cannot commit: {result.reason}", "conflict"
         elif result.absent:
-            await self._absent(gen, result)
+            return await self._absent(gen, result)
+        return None
 
     async def _committed(self, gen: GenerationRecord, manifest: Manifest | None,
                          outcome: str) -> None:
@@ -527,20 +608,21 @@ class Publisher:
                   bytes=sum(s.size for s in gen.shards.values()))
         await self._end_older(gen.job, gen.step)
 
-    async def _absent(self, gen: GenerationRecord, result: CommitResult) -> None:
+    async def _absent(self, gen: GenerationRecord,
+                      result: CommitResult) -> tuple[str, str] | None:
         """Shards the part records list are missing at the destination: deleted behind the
         daemon's back after they drained (an operator freeing room, a cleanup script). This
-        node's own end the generation now, each failed so that `ckptdrain retry` drains its
-        kept copy again; waiting could only end at drain.commit_wait_s, saying the manifest
-        never appeared (found attacking: an hour's silent wait, and a retry that re-sent
-        only the shards that had failed before). Other nodes' are theirs to see: the reason
-        is kept for this generation's expiry."""
+        node's own end the generation now (returned, as _publish's failures are), each failed
+        so that `ckptdrain retry` drains its kept copy again; waiting could only end at
+        drain.commit_wait_s, saying the manifest never appeared (found attacking: an hour's
+        silent wait, and a retry that re-sent only the shards that had failed before).
+        Other nodes' are theirs to see: the reason is kept for this generation's expiry."""
         node = self.config.node_id
         mine = [gen.shards[s.path] for s in result.absent
                 if s.node == node and s.path in gen.shards]
         if not mine:
             self._why_waiting[gen.key] = result.reason
-            return
+            return None
         for shard in mine:
             if shard.state is ShardState.DRAINED:
                 await self.ledger.apply(shard, ShardEvent.VANISHED,
@@ -551,9 +633,8 @@ class Publisher:
         then = ("their local copies are gone too: save a new step" if lost else
                 f"`ckptdrain retry {gen.job} {gen.step}` drains them again from this node's "
                 "local copies")
-        await self.end(gen, f"{len(mine)} shard(s) drained from this node ({names}) are "
-                            "missing at the destination: something deleted them before the "
-                            f"commit; {then}", kind="drain")
+        return (f"{len(mine)} shard(s) drained from this node ({names}) are missing at the "
+                f"destination: something deleted them before the commit; {then}", "drain")
 
     async def _end_older(self, job: str, step: int) -> None:
         """Step ``step`` of ``job`` committed: older steps still waiting here can never be the
@@ -671,40 +752,13 @@ class Publisher:
 
     async def _expire(self, gen: GenerationRecord, wait_s: float, why: str) -> None:
         """End ``gen`` at drain.commit_wait_s, on every node: its ranks are told the step
-        failed, so no other node may commit it afterwards. This node's part record said its
-        ranks were recorded, and a slower node that came later covered every rank with it and
-        published the step its ranks had heard had failed (found attacking multi-node
-        commits). The record is rewritten with them aborted first (the failure record other
-        failures write), so a node that reads it later ends the step as aborted.
-
-        The manifest decides a race with a node publishing meanwhile: looked for before the
-        failure record (there: committed here, the record left as it is) and after it (there:
-        committed here, and the record written back as recorded, so nodes still waiting do
-        not end a committed step). One window stays open: a node that read the records just
-        before the failure record landed and creates the manifest after this second look
-        commits a step this node's ranks heard had failed. It is as wide as that node's
-        publish (its shard checks and create), and only a node whose own wait ran out within
-        that much of this one's meets it; a commit_wait_s longer than the nodes' lag keeps it
-        shut. The looks and the end hold the commit point, as a publish does (an abort never
-        lands between them); the record's writes and their retries do not (an abort waits
-        for nothing longer: partrecords.py)."""
-        reason = (f"not committed within drain.commit_wait_s = {wait_s:g} s of this node "
-                  f"recording its part: {why}")
-        told = (f"the step expired on node {self.config.node_id!r} after drain.commit_wait_s "
-                f"= {wait_s:g} s without a commit ({why}); its ranks were told it failed")
-        async with gen.commit_point:
-            if gen.state is not _G.RECORDED or await self._found_committed(gen):
-                return
-        written = await self._failures.write_expired(gen, told)
-        async with gen.commit_point:
-            # Not RECORDED now: a rank began here (REOPENED: the step goes on), or an abort
-            # ended it (its own failure record follows this one).
-            goes_on = gen.state is not _G.RECORDED or (
-                written and await self._found_committed(gen))
-            if not goes_on:
-                await self.end(gen, reason, kind="timeout", event=GenerationEvent.EXPIRED)
-        if goes_on and written:
-            await self._failures.write_recorded(gen)  # not over an abort's record
+        failed, so no other node may commit it afterwards (end writes this node's failure
+        record first, and ends it committed where the manifest turns out to be there)."""
+        await self.end(
+            gen, f"not committed within drain.commit_wait_s = {wait_s:g} s of this node "
+                 f"recording its part: {why}", kind="timeout", event=GenerationEvent.EXPIRED,
+            told=f"the step expired on node {self.config.node_id!r} after drain.commit_wait_s "
+                 f"= {wait_s:g} s without a commit ({why}); its ranks were told it failed")
 
     async def _found_committed(self, gen: GenerationRecord) -> bool:
         """Whether ``gen``'s step is committed at the destination with this node's part

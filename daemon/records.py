@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptdrain.client.manifest import entry_bytes
 from ckptdrain.client.shardentries import parents
+from ckptdrain.daemon.locks import HeldBy
 from ckptdrain.daemon.state import (
     INITIAL_GENERATION,
     TERMINAL_GENERATION,
@@ -172,8 +173,9 @@ class GenerationRecord:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Held around the manifest's create only, and by an abort (Daemon.give_up): an abort never
     # lands in the middle of the commit point, and waits for nothing longer (`lock` is held
-    # across paced drains of deferred shards and part-record retries).
-    commit_point: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # across paced drains of deferred shards and part-record retries). It knows its holder:
+    # Publisher.end takes it, and is also called with it held.
+    commit_point: HeldBy = field(default_factory=HeldBy)
     # The destination named no other owner of the job before the first write (owners.py).
     owner_checked: bool = False
     # The destination error its drains or commit are retrying right now, and how often they
