@@ -14,7 +14,7 @@ from typing import Any, Literal
 class HeldBy(asyncio.Lock):
     """An asyncio lock that says whether the running task holds it: for work that must hold
     it and is reached both from inside and from outside it (a generation's commit point:
-    Publisher.end), where taking it again from inside would wait on itself for good."""
+    Endings.end), where taking it again from inside would wait on itself for good."""
 
     _holder: asyncio.Task[Any] | None = None
 

@@ -9,7 +9,7 @@ than after ``drain.commit_wait_s``. One whose ranks were all recorded gets it to
 rank of its own aborted: a node that looked later otherwise published the step from the
 record that said "recorded", whatever ended it here (its commit wait, its own create
 refused), and that record is written before the ranks hear of the failure
-(:meth:`FailureRecords.write_told`, Publisher.end). Both writes of one generation hold the
+(:meth:`FailureRecords.write_told`, Endings.end). Both writes of one generation hold the
 same per-generation lock, so the failure record, written last, is the one that stands.
 """
 
@@ -126,7 +126,7 @@ class FailureRecords:
 
     async def write_told(self, gen: GenerationRecord, reason: str) -> bool:
         """Before its ranks hear that ``gen`` failed, while every rank of it is recorded here
-        (Publisher.end): rewrite this node's part record with them all marked aborted (they
+        (Endings.end): rewrite this node's part record with them all marked aborted (they
         stay RECORDED in the ledger, so ``ckptdrain retry`` can bring them back). Left
         saying "recorded", the record let a node that looked later cover every rank and
         publish the step from it (found attacking multi-node commits). True when written;

@@ -174,7 +174,7 @@ class GenerationRecord:
     # Held around the manifest's create only, and by an abort (Daemon.give_up): an abort never
     # lands in the middle of the commit point, and waits for nothing longer (`lock` is held
     # across paced drains of deferred shards and part-record retries). It knows its holder:
-    # Publisher.end takes it, and is also called with it held.
+    # Endings.end takes it, and is also called with it held.
     commit_point: HeldBy = field(default_factory=HeldBy)
     # The destination named no other owner of the job before the first write (owners.py).
     owner_checked: bool = False
