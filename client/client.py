@@ -28,6 +28,7 @@ from ckptdrain.client.daemonsocket import default_socket_path
 from ckptdrain.client.errors import (
     DrainError,
     RejectedInput,
+    Timeout,
 )
 from ckptdrain.client.generation import Generation, checked_fd, default_attempt
 from ckptdrain.client.memfd import DEFAULT_MAX_IDLE_BYTES, MemfdPool
@@ -76,6 +77,18 @@ def _check_timeout(value: object, what: str, limit: float = _MAX_SOCKET_TIMEOUT_
         shown = value if len(str(value)) <= 40 else f"{str(value)[:20]}..."
         raise RejectedInput(f"{what} is {shown}; use a finite number of seconds from 0 to {limit}")
     return float(value)
+
+
+# How the daemon's last word to a connection it drops for idleness begins (its ``timeout``
+# error, sent before it hangs up; daemon/connection.py).
+_IDLE_LAST_WORD = "the daemon closed this connection"
+
+
+def _hung_up_before(exc: Timeout) -> bool:
+    """Whether ``exc``, the answer to a request on a pooled connection, is the daemon's last
+    word to that connection, dropped for idleness before it read the request; never our own
+    timer running out (the daemon may be hung, and the bound is spent)."""
+    return exc.message.startswith(_IDLE_LAST_WORD)
 
 
 def _close_channels(channels: list[Channel], lock: threading.RLock) -> None:
@@ -183,16 +196,34 @@ class Client:
                     channel = candidate
                 else:
                     candidate.close()
-        if channel is None:
-            channel = self._open_channel(kind, limit_s)
+        if channel is not None:
+            try:
+                return self._request(channel, kind, fields, limit_s, started)
+            except Timeout as exc:
+                if not _hung_up_before(exc):
+                    raise
+                with self._lock:  # back in the pool if its send went through: it is done
+                    if channel in self._idle:
+                        self._idle.remove(channel)
+                channel.close()
+            # The daemon dropped the idle connection after it was checked and before it read
+            # the request, and answered it with its last word (client idle): nothing was done,
+            # so the request goes again on a new connection, within the same bound. A poll
+            # every client_idle_timeout_s (120 s) raised Timeout "the daemon closed this
+            # connection" now and then, a wait() of a committed step included (found attacking).
+        return self._request(self._open_channel(kind, limit_s), kind, fields, limit_s, started)
+
+    def _request(self, channel: Channel, kind: str, fields: dict[str, Any], limit_s: float,
+                 started: float) -> dict[str, Any]:
+        """``kind`` on ``channel``, which goes back to the pool after, unless it broke."""
         try:
             return channel.request(kind, fields, timeout_s=limit_s, started=started)
         finally:
             with self._lock:
-                if channel.broken is None and not self._closed:
+                pooled = channel.broken is None and not self._closed
+                if pooled:
                     self._idle.append(channel)
-                    channel = None
-            if channel is not None:
+            if not pooled:
                 channel.close()
 
     def generation(
