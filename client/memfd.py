@@ -76,6 +76,7 @@ class MemfdPool:
         self._fds: list[int] = []  # idle, oldest first
         self._sizes: dict[int, int] = {}  # an idle memfd's bytes
         self._out: set[int] = set()  # acquired, not given back yet
+        self._closed = False  # closed: a memfd given back is closed, never kept
         # Re-entrant: a signal handler saving (ack=memory) while its thread was in here
         # waited for good on a plain lock (found attacking).
         self._lock = threading.RLock()
@@ -101,6 +102,12 @@ class MemfdPool:
         acquire checks), closing the oldest idle ones beyond the pool's bounds."""
         with self._lock:
             self._out.discard(fd)
+            if self._closed:
+                # Given back by a generation still open when its Client was closed: kept, it
+                # stayed open (its pages charged to the job) until the process exited, the
+                # pool's close having run (found attacking).
+                os.close(fd)
+                return
             self._fds.append(fd)
             self._sizes[fd] = size
             while self._fds and (len(self._fds) > self.max_fds
@@ -126,7 +133,9 @@ class MemfdPool:
                 os.close(fd)
 
     def close(self) -> None:
+        """Close the idle memfds, and each memfd in use when it is given back."""
         with self._lock:
+            self._closed = True
             fds, self._fds, self._sizes = self._fds, [], {}
         for fd in fds:
             os.close(fd)

@@ -3,6 +3,7 @@ soon as the daemon holds the fd; the daemon writes it to NVMe and drains it in t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import resource
@@ -228,3 +229,29 @@ def test_a_put_that_cannot_make_or_fill_a_memfd_is_staged_as_local(make_daemon) 
     assert shard_path(d, "nomemfd", 1, "small").read_bytes() == b"s" * 1000
     assert shard_path(d, "nomemfd", 1, "big").read_bytes() == data
     assert shard_path(d, "nomemfd", 1, "capped").read_bytes() == data
+
+
+def _shard_memfds() -> int:
+    """How many of the client's pooled memfds this process holds open."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd, closed meanwhile
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:ckptdrain-shard")
+    return count
+
+
+def test_memfds_of_a_generation_saving_on_after_its_client_closed_are_not_kept(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking: a generation still open when its Client was closed (open generations
+    # keep working, as documented) gave its memfds back to a pool already closed, which kept
+    # them, and their pages, open until the process exited.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACK="memory")
+    before = _shard_memfds()
+    client = d.client(timeout_s=60)
+    with client.generation("closed-client", 1) as gen:
+        client.close()
+        for i in range(3):
+            gen.put(f"s{i}", os.urandom(1 << 20))
+        assert gen.effective_ack == "memory"
+    assert _shard_memfds() == before
+    with d.client() as other:
+        assert other.wait("closed-client", 1, timeout_s=60)["committed"]
