@@ -79,6 +79,18 @@ def _check_timeout(value: object, what: str, limit: float = _MAX_SOCKET_TIMEOUT_
     return float(value)
 
 
+def _above_zero(seconds: float, what: str) -> float:
+    """A client's own timeout is never 0: every call would raise Timeout blaming the daemon
+    ("it may be overloaded or hung"; found attacking with timeout_s=0, which some take for
+    "no timeout"). A wait's own timeout_s may be 0: a poll."""
+    if seconds <= 0:
+        raise RejectedInput(
+            f"{what} is 0: use the seconds a reply may take, above 0 (every call is bounded; "
+            "there is no 'no timeout': for a long one pass a large number)"
+        )
+    return seconds
+
+
 # How the daemon's last word to a connection it drops for idleness begins (its ``timeout``
 # error, sent before it hangs up; daemon/connection.py).
 _IDLE_LAST_WORD = "the daemon closed this connection"
@@ -124,8 +136,9 @@ class Client:
             raise RejectedInput(
                 f"socket_path must be a path (str or os.PathLike), not {socket_path!r}"
             ) from None
-        self.timeout_s = _check_timeout(timeout_s, "timeout_s")
-        self.connect_timeout_s = _check_timeout(connect_timeout_s, "connect_timeout_s")
+        self.timeout_s = _above_zero(_check_timeout(timeout_s, "timeout_s"), "timeout_s")
+        self.connect_timeout_s = _above_zero(
+            _check_timeout(connect_timeout_s, "connect_timeout_s"), "connect_timeout_s")
         # Held only to take or give back an idle connection. Re-entrant: a signal handler
         # calling the client while this thread holds it would otherwise wait for good.
         self._lock = threading.RLock()

@@ -249,6 +249,11 @@ def test_bad_input_fails_before_any_io(sockdir: str) -> None:
         c.latest("")
     with pytest.raises(RejectedInput, match="timeout_s"):
         Client(c.socket_path, timeout_s=float("nan"))
+    # Found attacking: a client timeout of 0 (taken for "no timeout") was accepted, and every
+    # call raised Timeout saying the daemon "may be overloaded or hung".
+    for zero in ({"timeout_s": 0}, {"connect_timeout_s": 0.0}):
+        with pytest.raises(RejectedInput, match="above 0"):
+            Client(c.socket_path, **zero)
     gen = c.generation("job", 1)
     with pytest.raises(InvalidName, match="absolute"):
         gen.put("/etc/passwd", b"x")
