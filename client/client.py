@@ -26,6 +26,7 @@ from ckptdrain.client import forks, names, wire
 from ckptdrain.client.channel import Channel, reply_grace_s
 from ckptdrain.client.daemonsocket import default_socket_path
 from ckptdrain.client.errors import (
+    DaemonUnavailable,
     DrainError,
     RejectedInput,
     Timeout,
@@ -89,6 +90,19 @@ def _above_zero(seconds: float, what: str) -> float:
             "there is no 'no timeout': for a long one pass a large number)"
         )
     return seconds
+
+
+class _Lost(Exception):
+    """A connection that went away during a request (``error``: its DaemonUnavailable)."""
+
+    def __init__(self, error: DaemonUnavailable) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+# A wait whose daemon went away asks the next one after this pause, doubling up to the most.
+_REWAIT_FIRST_PAUSE_S = 0.05
+_REWAIT_MAX_PAUSE_S = 1.0
 
 
 # How the daemon's last word to a connection it drops for idleness begins (its ``timeout``
@@ -197,8 +211,11 @@ class Client:
         return Channel.open(self.socket_path, timeout_s=self.timeout_s, connect_timeout_s=bound_s)
 
     def _call(
-        self, kind: str, fields: dict[str, Any], timeout_s: float | None = None
+        self, kind: str, fields: dict[str, Any], timeout_s: float | None = None,
+        lost: bool = False,
     ) -> dict[str, Any]:
+        """``kind`` on a pooled connection or a new one. ``lost``: a connection that goes
+        away during the request (DaemonUnavailable once it was connected) raises ``_Lost``."""
         started = time.monotonic()
         limit_s = self.timeout_s if timeout_s is None else timeout_s
         channel: Channel | None = None
@@ -211,7 +228,7 @@ class Client:
                     candidate.close()
         if channel is not None:
             try:
-                return self._request(channel, kind, fields, limit_s, started)
+                return self._request(channel, kind, fields, limit_s, started, lost)
             except Timeout as exc:
                 if not _hung_up_before(exc):
                     raise
@@ -224,13 +241,18 @@ class Client:
             # so the request goes again on a new connection, within the same bound. A poll
             # every client_idle_timeout_s (120 s) raised Timeout "the daemon closed this
             # connection" now and then, a wait() of a committed step included (found attacking).
-        return self._request(self._open_channel(kind, limit_s), kind, fields, limit_s, started)
+        return self._request(self._open_channel(kind, limit_s), kind, fields, limit_s, started,
+                             lost)
 
     def _request(self, channel: Channel, kind: str, fields: dict[str, Any], limit_s: float,
-                 started: float) -> dict[str, Any]:
+                 started: float, lost: bool = False) -> dict[str, Any]:
         """``kind`` on ``channel``, which goes back to the pool after, unless it broke."""
         try:
             return channel.request(kind, fields, timeout_s=limit_s, started=started)
+        except DaemonUnavailable as exc:
+            if lost:
+                raise _Lost(exc) from exc
+            raise
         finally:
             with self._lock:
                 pooled = channel.broken is None and not self._closed
@@ -285,11 +307,28 @@ class Client:
         names.validate_step(step)
         limit_s = _check_timeout(timeout_s, "timeout_s", wire.MAX_TIMEOUT_S)
         mine = default_attempt() if attempt is None else _check_attempt(attempt)
-        return self._call(
-            "wait",
-            {"job": job, "step": step, "timeout_s": limit_s, "attempt": mine or None},
-            timeout_s=limit_s,
-        )
+        started = time.monotonic()
+        pause_s = _REWAIT_FIRST_PAUSE_S
+        left_s = limit_s
+        while True:
+            try:
+                return self._call(
+                    "wait",
+                    {"job": job, "step": step, "timeout_s": left_s, "attempt": mine or None},
+                    timeout_s=left_s, lost=True,
+                )
+            except _Lost as lost:
+                # The daemon went away during the wait (a restart: `systemctl restart`, whose
+                # socket unit holds the socket meanwhile, so the next connect waits for the new
+                # daemon). The step survives a restart, and the new daemon knows how it ends:
+                # asked again on a new connection for what is left of timeout_s. A connect
+                # that fails raises as ever (no daemon to ask). It raised DaemonUnavailable
+                # at once before, though the step committed seconds after (found attacking).
+                if limit_s - (time.monotonic() - started) <= pause_s:
+                    raise lost.error from None
+                time.sleep(pause_s)
+                pause_s = min(pause_s * 2, _REWAIT_MAX_PAUSE_S)
+                left_s = max(0.0, limit_s - (time.monotonic() - started))
 
     def latest(self, job: str) -> int | None:
         """The newest committed generation of ``job``, or None when there is none."""

@@ -12,8 +12,9 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from ckptdrain.client import Client
+from ckptdrain.client import Client, DaemonUnavailable
 from tests.conftest import CKPTDRAIN, DaemonProcess, wait_for
 from tests.functional.test_startup import scrape
 
@@ -247,3 +248,99 @@ def test_status_and_the_metrics_say_a_reload_failed_or_waits_for_a_restart(  # t
     assert d.client().status()["config"]["needs_restart"] == ["destination.max_concurrency"]
     wait_for(lambda: scrape(d).get("ckptdrain_config_needs_restart_keys") == 1)
     wait_for(lambda: scrape(d).get("ckptdrain_config_reload_failed") == 0)
+
+
+def _activated(listener: socket.socket, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``ckptdrain serve`` on ``listener`` as systemd's socket unit starts it (LISTEN_FDS)."""
+    fd = listener.fileno()
+    env = {**env, "LISTEN_FDS": "1"}
+    return subprocess.Popen(["sh", "-c", 'LISTEN_PID=$$ exec "$0" serve', CKPTDRAIN], env=env,
+                            pass_fds=(3, fd), preexec_fn=lambda: os.dup2(fd, 3),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_a_wait_across_a_restart_of_a_socket_activated_daemon_gets_the_step_end(
+        tmp_path: Path, short_tmp: Path) -> None:
+    # Found attacking: `systemctl restart ckptdrain` (its socket unit holding the socket)
+    # during a job's wait(timeout_s=60) raised DaemonUnavailable at once, though the step
+    # survived the restart and committed seconds later.
+    listen_path = short_tmp / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # what systemd holds
+    listener.bind(str(listen_path))
+    listener.listen(16)
+    env = DaemonProcess(root=tmp_path, socket_path=short_tmp / "unused.sock",
+                        dest_uri=f"file://{tmp_path / 'dest'}").env()
+    daemons = [_activated(listener, env)]
+    try:
+        client = Client(listen_path, timeout_s=30)
+        assert client.status()["generations"] == []  # served; its connection is pooled
+        with client.generation("job", 1, rank=0, world_size=2) as gen:
+            gen.put("r0", b"rank 0")  # rank 1 saves after the restart: the step waits for it
+        [pooled] = client._idle  # the first daemon's connection: the wait goes on it
+        sent = threading.Event()
+        read_reply = pooled._read_reply
+
+        def reply_after_the_request_went(deadline: float) -> Any:
+            sent.set()
+            return read_reply(deadline)
+
+        pooled._read_reply = reply_after_the_request_went  # type: ignore[method-assign]
+        answers: list[object] = []
+
+        def wait() -> None:
+            try:
+                answers.append(client.wait("job", 1, timeout_s=60))
+            except Exception as exc:  # the assertion below shows it
+                answers.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert sent.wait(30)
+        daemons[0].send_signal(signal.SIGTERM)
+        assert daemons[0].wait(30) == 0
+        daemons.append(_activated(listener, env))
+        with Client(listen_path, timeout_s=30).generation("job", 1, rank=1, world_size=2) as gen:
+            gen.put("r1", b"rank 1")
+        waiter.join(60)
+        [answer] = answers
+        assert isinstance(answer, dict) and answer["committed"], answer
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+        listener.close()
+
+
+def test_a_wait_whose_daemon_dies_for_good_still_raises_at_once(daemon: DaemonProcess) -> None:
+    # The wait asks again only a daemon it can reach: with none behind the socket it raises
+    # DaemonUnavailable at once, not after its timeout_s.
+    client = daemon.client(timeout_s=30)
+    assert client.status()["generations"] == []
+    with client.generation("job", 1, rank=0, world_size=2) as gen:
+        gen.put("r0", b"rank 0")
+    [pooled] = client._idle
+    sent = threading.Event()
+    read_reply = pooled._read_reply
+
+    def reply_after_the_request_went(deadline: float) -> Any:
+        sent.set()
+        return read_reply(deadline)
+
+    pooled._read_reply = reply_after_the_request_went  # type: ignore[method-assign]
+    answers: list[tuple[object, float]] = []
+
+    def wait() -> None:
+        started = time.monotonic()
+        try:
+            answers.append((client.wait("job", 1, timeout_s=600), 0.0))
+        except Exception as exc:  # the assertion below shows it
+            answers.append((exc, time.monotonic() - started))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert sent.wait(30)
+    daemon.kill()
+    waiter.join(60)
+    [(answer, took_s)] = answers
+    assert isinstance(answer, DaemonUnavailable) and took_s < 10, (answer, took_s)
