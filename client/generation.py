@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 __all__ = ["Generation", "checked_fd", "default_attempt"]
 
 _MAX_REASON_CHARS = wire.MAX_REASON_CHARS
+# How long leaving a `with` block by an exception waits for the daemon's answer to its abort.
+_EXIT_ABORT_S = 5.0
 
 
 def default_attempt() -> str:
@@ -181,9 +183,14 @@ class Generation:
                     self.seal()
                 else:
                     # Best effort: the original exception matters more than why abort failed,
-                    # and the daemon drops an unsealed part whose connection goes away.
+                    # and the daemon drops an unsealed part whose connection goes away. So the
+                    # abort has a short bound of its own: the training code's exception waited
+                    # behind it for the whole timeout_s (300 s) on a hung daemon (found
+                    # attacking a SIGSTOPped one); if it runs out, the connection closes and
+                    # the daemon aborts the part all the same, only without the reason.
                     with contextlib.suppress(DrainError, OSError):
-                        self.abort(f"{type(exc).__name__}: {exc}")
+                        self._abort(f"{type(exc).__name__}: {exc}",
+                                    min(self._client.timeout_s, _EXIT_ABORT_S))
         finally:
             if self._channel is not None:
                 self._channel.close()
@@ -394,6 +401,9 @@ class Generation:
 
     def abort(self, reason: str) -> None:
         """Give up this rank's part; the daemon discards its shards and the generation fails."""
+        self._abort(reason, None)
+
+    def _abort(self, reason: str, timeout_s: float | None) -> None:
         with self._turn():
             channel = self._open_channel()
             self._state = "aborted"
@@ -405,6 +415,7 @@ class Generation:
                     "rank": self.rank,
                     "reason": str(reason)[:_MAX_REASON_CHARS],
                 },
+                timeout_s=timeout_s,
             )
 
 

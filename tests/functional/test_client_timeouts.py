@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ckptdrain.client import RejectedInput, Timeout
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_for
 
 
 def _grace_s(timeout_s: float) -> float:
@@ -85,3 +85,42 @@ def test_put_file_of_a_fifo_with_no_writer_is_refused_not_waited_on(
         putter.join(10)
         pytest.fail("put_file waited on a FIFO with no writer")
     assert refused and "must be a regular file or memfd" in str(refused[0]), refused
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+class TrainingCodeFailed(Exception):
+    pass
+
+
+def test_an_exception_in_the_block_is_not_held_back_by_a_hung_daemon(
+        daemon: DaemonProcess) -> None:
+    # Found attacking: leaving `with client.generation(...)` by an exception of the training
+    # code sends a best-effort abort, which waited the client's whole timeout_s (300 s by
+    # default) for a SIGSTOPped daemon before the job's own exception came out.
+    client = daemon.client(timeout_s=120)
+    started = 0.0
+    with _stopped_here(daemon), pytest.raises(TrainingCodeFailed), \
+            client.generation("job", 1) as gen:
+        gen.put("shard", b"bytes")
+        daemon.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        wait_for(lambda: _state(daemon.pid) == "T")
+        started = time.monotonic()
+        raise TrainingCodeFailed("a NaN loss")
+    assert time.monotonic() - started < 5 + 3
+    # Resumed, the daemon sees the part's connection gone and aborts it.
+    with daemon.client(timeout_s=30) as c:
+        wait_for(lambda: c.status("job")["generations"][0]["state"] == "failed")
+
+
+@contextmanager
+def _stopped_here(d: DaemonProcess) -> Iterator[None]:
+    """Whatever stops ``d`` inside the block, it runs again after it."""
+    try:
+        yield
+    finally:
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGCONT)
