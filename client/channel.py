@@ -265,6 +265,11 @@ class Channel:
             raise self.broken
         limit_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = (time.monotonic() if started is None else started) + limit_s
+        if kind == "wait":
+            # The daemon times a wait itself: its request (a few bytes) may go out for as
+            # long as its answer is waited for. Sent by the caller's timeout_s, a wait of
+            # timeout_s=0 (a poll) raised Timeout before asking, of a committed step too.
+            deadline += reply_grace_s(kind, limit_s)
         try:
             header = self._wire.send(kind, fields, len(payload) if payload is not None else 0)
         except wire.ProtocolError as exc:
@@ -292,7 +297,8 @@ class Channel:
                 if message.kind == "error":
                     raise self._error_from(message) from None
                 raise self.broken from None
-            deadline += reply_grace_s(kind, limit_s)
+            if kind != "wait":
+                deadline += reply_grace_s(kind, limit_s)
             message = self._read_reply(deadline)
         except DrainError as exc:
             if self.broken is None:

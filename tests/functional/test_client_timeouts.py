@@ -124,3 +124,18 @@ def _stopped_here(d: DaemonProcess) -> Iterator[None]:
     finally:
         assert d.proc is not None
         d.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_wait_of_no_time_asks_the_daemon(daemon: DaemonProcess) -> None:
+    # Found attacking: wait(timeout_s=0), a poll, raised Timeout ("did not finish 'wait'
+    # within 0 s; it may be overloaded or hung") before the request went, of a committed
+    # step too, and dropped the pooled connection.
+    with daemon.client(timeout_s=30) as c:
+        with c.generation("poll", 1) as gen:
+            gen.put("shard", b"bytes")
+        assert c.wait("poll", 1, timeout_s=30)["committed"]
+        [pooled] = c._idle
+        assert c.wait("poll", 1, timeout_s=0)["committed"]
+        with pytest.raises(Timeout, match="not committed"):  # the daemon's answer
+            c.wait("poll", 2, timeout_s=0)
+        assert c._idle == [pooled]  # answered: the connection stays in use
