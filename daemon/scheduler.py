@@ -23,16 +23,15 @@ from typing import TYPE_CHECKING
 from ckptdrain.client.manifest import ManifestError, generation_prefix, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
+from ckptdrain.daemon.drainpace import DrainPace, ShardFlow
 from ckptdrain.daemon.drainqueue import BatchLanes, FairQueue
 from ckptdrain.daemon.errors import RUN_OUT, DaemonError
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.publisher import Publisher
-from ckptdrain.daemon.ratelimit import TokenBucket
 from ckptdrain.daemon.reads import Identity, identity
 from ckptdrain.daemon.records import retrying_note
 from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
-from ckptdrain.daemon.yielding import HandoffYield
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
@@ -46,7 +45,7 @@ class _Discarded(DaemonError):
     """The copy was cancelled because its generation failed or was cancelled."""
 
 
-class Scheduler:
+class Scheduler(DrainPace):
     def __init__(
         self,
         *,
@@ -82,14 +81,12 @@ class Scheduler:
         # their generation is live: forgotten when it ends (_terminal), or a daemon that runs
         # for months kept one string per generation it ever drained.
         self._prepared: set[str] = set()
-        self._drained_bytes_window: list[tuple[float, int]] = []
         self.destination = config.destination.scheme
         # A destination outage fails every shard the same way: log each cause once a minute
         # with a count, not once per shard and attempt.
         self._error_log = OncePerCause(60.0)
-        self._pacer_changed = asyncio.Event()
-        self.pacer = TokenBucket(config.drain.max_bandwidth_bytes_per_s)
-        self.yielding = HandoffYield()  # hand-offs in flight, which pace() waits for
+        DrainPace.__init__(self, config.drain.max_bandwidth_bytes_per_s, metrics,
+                           self.destination)
         # Copies in flight, by shard id, each in a cancel scope: ending its generation cancels
         # just that copy (an S3 upload then waits for its in-flight parts and aborts itself).
         self._inflight: dict[int, asyncio.Timeout] = {}
@@ -109,35 +106,12 @@ class Scheduler:
         # Jobs take turns; within a job, oldest generation first, then hand-off order.
         self._queue.put(gen.job, (gen.created_mono, shard.id, next(self._seq)), shard)
 
-    def set_bandwidth(self, bytes_per_s: int) -> None:
-        """A new drain rate (SIGHUP), from here on: what paced waiters still owe is paid at
-        the new rate (:meth:`pace`), and a limited rate keeps the bucket's debt. Found
-        attacking: every reload made a new bucket and let the waiters go, so a reload that
-        lowered the rate, or changed nothing, let a paced drain through at full speed."""
-        if bytes_per_s == self.pacer.rate:
-            return
-        if bytes_per_s and not self.pacer.unlimited:
-            self.pacer.set_rate(bytes_per_s, time.monotonic())
-        else:
-            self.pacer = TokenBucket(bytes_per_s)
-        self._pacer_changed.set()
-        self._pacer_changed = asyncio.Event()
-
     def poke_commits(self) -> None:
         self.publisher.poke()
 
     @property
     def queued(self) -> int:
         return self._queue.qsize()
-
-    def drain_rate_bytes_per_s(self, window_s: float = 30.0) -> float:
-        now = time.monotonic()
-        self._drained_bytes_window = [(t, n) for t, n in self._drained_bytes_window if now - t < window_s]
-        if not self._drained_bytes_window:
-            return 0.0
-        total = sum(n for _, n in self._drained_bytes_window)
-        span = max(1.0, now - self._drained_bytes_window[0][0])
-        return total / span
 
     # -- what the server calls; the publisher does it ----------------------------------------
     async def advance(self, gen: GenerationRecord) -> None:
@@ -284,9 +258,7 @@ class Scheduler:
             for shard, _ in written:
                 shard.moved_bytes = shard.size
             if written:
-                total = sum(shard.size for shard, _ in written)
-                self._drained_bytes_window.append((time.monotonic(), total))
-                self.metrics.drained(gen.job, total, self.destination)
+                self.count_drained(gen.job, sum(shard.size for shard, _ in written))
             await self.ledger.apply_shards(
                 [(shard, {"checksum": checksum, "drained_at": now}) for shard, checksum in written],
                 ShardEvent.DRAINED)
@@ -343,36 +315,6 @@ class Scheduler:
         finally:
             for fd in fds:
                 os.close(fd)
-
-    async def pace(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` more may be sent (``drain.max_bandwidth_bytes_per_s``); the
-        backends call it as bytes move (per part, per copied range), so a large shard is paced
-        as evenly as many small ones. While hand-offs that move are in flight it first waits
-        for them to end, up to ``drain.yield_to_handoffs_s`` (yielding.py)."""
-        await self.yielding.wait(self.config.drain.yield_to_handoffs_s)
-        now = time.monotonic()
-        delay = self.pacer.reserve(nbytes, now)
-        until = now + delay
-        while delay > 0:
-            # A reload that changes the rate wakes the wait (set_bandwidth): what is left of
-            # it is paid at the new rate (none when the drain is no longer limited).
-            rate, changed = self.pacer.rate, self._pacer_changed
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await changed.wait()
-            now = time.monotonic()
-            if self.pacer.unlimited or now >= until:
-                return
-            until = now + (until - now) * rate / self.pacer.rate
-            delay = until - now
-
-    def moved(self, shard: ShardRecord, nbytes: int) -> None:
-        """``nbytes`` of ``shard`` reached the destination: drained bytes, the drain rate and
-        the shard's progress move now, not when the whole shard is done."""
-        shard.moved_bytes += nbytes
-        shard.progress_mono = now = time.monotonic()
-        self._drained_bytes_window.append((now, nbytes))
-        self.metrics.drained(shard.job, nbytes, self.destination)
 
     async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
                             then_advance: bool) -> bool:
@@ -459,7 +401,7 @@ class Scheduler:
                     shard.progress_mono = time.monotonic()
                     return await self.backend.put_file(
                         shard_key(shard.job, shard.step, shard.path), fd, shard.size,
-                        upload_log=upload_log, flow=_ShardFlow(self, shard),
+                        upload_log=upload_log, flow=ShardFlow(self, shard),
                     )
                 finally:
                     self._inflight.pop(shard.id, None)
@@ -536,20 +478,6 @@ class Scheduler:
             log_event(log, logging.WARNING, "abort_failed", job=shard.job, step=shard.step,
                       path=shard.path, error=str(exc),
                       action="left to the orphan sweep and the lifecycle rule")
-
-
-class _ShardFlow:
-    """The :class:`~ckptdrain.daemon.backends.base.Flow` of one shard's copy."""
-
-    def __init__(self, scheduler: Scheduler, shard: ShardRecord) -> None:
-        self._scheduler = scheduler
-        self._shard = shard
-
-    async def pace(self, nbytes: int) -> None:
-        await self._scheduler.pace(nbytes)
-
-    def moved(self, nbytes: int) -> None:
-        self._scheduler.moved(self._shard, nbytes)
 
 
 def _vouch(shard: ShardRecord, fd: int, before: Identity, checksum: str) -> None:
