@@ -4,11 +4,10 @@ Rules (docs/layout.md, "Retention"):
 
 - Keep the newest ``keep_last`` committed generations (manifest present and valid). The newest
   committed generation is never deleted, since ``keep_last`` is at least 1.
-- An older committed generation loses its ``MANIFEST.json`` first, then a tombstone takes the
-  key (below), then its part records go, then its shards. The manifest is the commit point, so
-  from the moment any shard is gone no reader can see a manifest that lists it; a crash in the
-  middle leaves an uncommitted directory, which the abandoned rule below removes on a later
-  run.
+- An older committed generation loses its ``MANIFEST.json`` first: a tombstone replaces it in
+  one write (below); then its part records go, then its shards. The manifest is the commit
+  point, so from the moment any shard is gone no reader can see a manifest that lists it; a
+  crash in the middle leaves a tombstoned directory, which a later run finishes removing.
 - An uncommitted generation (no manifest) older than the newest committed one is abandoned once
   nothing under it has been written for ``abandoned_grace_s``: a node died or a rank aborted.
   Uncommitted generations newer than the newest committed one may be in flight: never touched.

@@ -4,8 +4,8 @@ Removing an abandoned generation races a late publish of it (a slow node may sti
 part record), and so does removing a committed one (another node of the job running its own
 commit step of it). The two meet at the one key both must create, ``MANIFEST.json``:
 retention first creates it exclusively, holding a tombstone (tombstone.py; a committed
-generation's right after its manifest is deleted), and deletes shards only if that create
-succeeded or found a tombstone; a publish whose create finds the tombstone does not commit
+generation's tombstone replaces its manifest in one write, so that key is never empty), and
+deletes shards only if that create succeeded or found a tombstone; a publish whose create finds the tombstone does not commit
 (it hears "committed" where the tombstone says the generation was). So whichever create
 lands first wins, on S3 as on POSIX, and no manifest ever lists deleted shards. Two separate
 keys (an ``ABANDONED`` marker beside the manifest) would not do: each side would write its key
@@ -21,6 +21,7 @@ reports the run: this module is how one goes.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence
 
 from ckptdrain.client.keys import manifest_key
@@ -30,6 +31,9 @@ from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import NOT_A_COMMIT, parse_manifest
 from ckptdrain.daemon.retention_plan import GenerationKeys, deletion_order
 from ckptdrain.daemon.tombstone import is_tombstone, placed_at, tombstone_json, was_committed
+
+# Retention's logger, as before this module was split out of retention.py.
+log = logging.getLogger("ckptdrain.daemon.retention")
 
 
 class Abandoned(enum.Enum):
@@ -61,19 +65,20 @@ async def _committed_by(job: str, step: int,
 async def delete_committed(backend: Backend, job: str, gen: GenerationKeys,
                            now: float, held: bytes | None) -> bool:
     """Remove a committed generation beyond keep_last (``held``: what its manifest key held
-    when read just before); False where a publish recreated its manifest before the
-    tombstone below (then nothing else was removed)."""
+    when read just before); False where the key held nothing then (or the manifest had to go
+    first, for room) and a publish created its manifest before the tombstone below (then
+    nothing else was removed)."""
     by = await _committed_by(job, gen.step, held)
-    manifest, parts, rest = deletion_order(job, gen)
-    # The manifest goes alone and first; each batch starts only after the previous one
-    # finished, so no shard is missing while its manifest can still be read.
-    await _delete_all(backend, manifest)
-    # Then the key is taken with a tombstone, as an abandoned generation's is. Found
-    # attacking: a second node whose publish of this generation had checked the part records
-    # and shards before they went, and created the manifest after it was deleted, brought it
-    # back over a directory whose shards retention then deleted. Its create now meets the
-    # tombstone; one that landed first means a manifest whose shards are all still there.
-    key = manifest_key(job, gen.step)
+    _, parts, rest = deletion_order(job, gen)
+    # The manifest goes first and alone: one write puts the tombstone in its place, and only
+    # then do the part records and shards go, so no shard is missing while the manifest can
+    # still be read, and the key is never empty. Found attacking: deleted first and then
+    # taken with an exclusive create, the key was empty for a moment; a second run that had
+    # read the manifest before a first run replaced it deleted the first run's tombstone
+    # there, after the first run had deleted the shards, and a late publish that had checked
+    # them before created the manifest again over the missing shards. A late publish now
+    # meets the manifest or the tombstone, both of which say it committed; a run that
+    # replaces another's tombstone leaves a tombstone.
     # It names the manifest's world size and nodes: a node still waiting on the step tells
     # from them whether its own part was the one committed (found attacking: one whose
     # attempt had been replaced by another node's heard its step committed).
@@ -83,7 +88,12 @@ async def delete_committed(backend: Backend, job: str, gen: GenerationKeys,
     # more, as older ones do).
     tombstone = tombstone_json(job, gen.step, backend.node_id, now,
                                was_committed=by is not None, committed_by=by)
-    if not await backend.put_bytes(key, tombstone, exclusive=True):
+    key = manifest_key(job, gen.step)
+    if (held is None or not await _replaced(backend, key, tombstone)) and not (
+            await backend.put_bytes(key, tombstone, exclusive=True)):
+        # Nothing was there a moment ago (removed since the listing), or the manifest had to
+        # go first for room: the key is taken only if still empty. A manifest created
+        # meanwhile lists shards that are all still there.
         data = await read_manifest_key(backend, job, gen.step)
         if data is not None and not is_tombstone(data):
             return False
@@ -93,6 +103,26 @@ async def delete_committed(backend: Backend, job: str, gen: GenerationKeys,
     await _delete_all(backend, parts)
     await _delete_all(backend, rest)
     return True
+
+
+async def _replaced(backend: Backend, key: str, tombstone: bytes) -> bool:
+    """Put ``tombstone`` in the place of the manifest at ``key`` with one write; False where
+    the destination is full, after deleting the manifest to make the room (the caller then
+    takes the key with an exclusive create). Found attacking the one write: on a destination
+    too full for a few hundred bytes beside the manifest, every `gc` failed "the destination
+    is full" and could free nothing; deleting first frees the manifest's room. Only a full
+    destination has the moment with no key (module docstring)."""
+    try:
+        await backend.put_bytes(key, tombstone)
+    except BackendError as exc:
+        if exc.kind != "full":
+            raise
+        log.warning("retention: no room for the tombstone of %s beside it (%s); deleting the "
+                    "manifest first", key, exc)
+        await backend.delete(key)
+        return False
+    return True
+
 
 def _tombstone_written(gen: GenerationKeys, data: bytes | None, now: float,
                        grace_s: float) -> float | None:

@@ -42,6 +42,7 @@ from ckptdrain.daemon.retention import (
     plan_retention,
 )
 from ckptdrain.daemon.tombstone import is_tombstone
+from tests.conftest import fill_up
 
 JOB = "llama"
 NODE = "gpu1"
@@ -235,7 +236,8 @@ async def test_a_run_lists_only_the_generations_it_may_remove() -> None:
     reads = [key for op, key in calls if op == "get_bytes"]
     assert reads[:4] == [manifest_key(JOB, s) for s in (6, 4, 3, 2)]
     assert manifest_key(JOB, 1) not in reads[:4]
-    assert len([k for op, k in calls if op == "delete"]) == len(many) + 2  # shards, part, manifest
+    # Shards and the part record deleted; the manifest replaced by its tombstone.
+    assert len([k for op, k in calls if op == "delete"]) == len(many) + 1
     await backend.aclose()
 
 
@@ -378,13 +380,16 @@ async def test_manifest_goes_before_part_records_before_shards(tmp_path: Path) -
     report = await retain(backend, 1)
 
     assert (report.deleted, report.abandoned_deleted) == ([30, 20, 10], [15])
-    deletes = [key for _node, op, key in store.calls if op == "delete"]
+    changes = [(op, key) for _node, op, key in store.calls if op in ("delete", "put_bytes")]
     for step in report.deleted:
         prefix = generation_prefix(JOB, step)
-        mine = [k for k in deletes if k.startswith(prefix)]
-        assert mine[0] == manifest_key(JOB, step), mine
+        mine = [(op, k) for op, k in changes if k.startswith(prefix)]
+        # The manifest is replaced by its tombstone in one write (the key is never empty),
+        # and only then do the others go.
+        assert mine[0] == ("put_bytes", manifest_key(JOB, step)), mine
+        assert all(op == "delete" for op, _ in mine[1:]), mine
         kinds = ["manifest" if k.endswith("MANIFEST.json") else "part" if "/_parts/" in k
-                 else "shard" for k in mine]
+                 else "shard" for _, k in mine]
         # One manifest, then every part record, then every shard: never a shard first.
         assert kinds == sorted(kinds, key=["manifest", "part", "shard"].index)
         assert kinds.count("shard") == len(PATHS)
@@ -1003,3 +1008,26 @@ def test_a_manifest_key_that_is_no_regular_file_is_left_with_its_shards(tmp_path
     assert {f for f in before - files_of(root)} == {
         f for f in before if f.startswith(generation_prefix(JOB, 150))} - {manifest_key(JOB, 150)}
     assert stat.S_ISFIFO(fifo.lstat().st_mode) and directory.is_dir()
+
+
+@pytest.mark.asyncio
+async def test_a_destination_too_full_for_the_tombstone_still_frees_its_old_generations(
+    small_tmpfs: Path,
+) -> None:
+    """The tombstone replacing a committed generation's manifest in one write needs room
+    beside it: on a destination with none, every run failed "the destination is full" and
+    could free nothing (found attacking the one write). The manifest then goes first, making
+    the room, as before."""
+    backend = PosixBackend(DestinationConfig(uri=f"file://{small_tmpfs / 'dest'}"), NODE)
+    try:
+        for step in (1, 2, 3):
+            await commit(backend, step)
+        fill_up(small_tmpfs)
+        report = await retain(backend, 1)
+        assert (report.deleted, report.failed) == ([2, 1], [])
+        for step in (1, 2):
+            assert is_tombstone(await backend.get_bytes(manifest_key(JOB, step)) or b"")
+        assert await committed_steps(backend) == [3]
+        assert (await catalog.verify(backend, JOB, 3)).ok
+    finally:
+        await backend.aclose()

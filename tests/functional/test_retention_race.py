@@ -313,12 +313,12 @@ async def test_a_tombstone_whose_time_is_no_time_ages_by_its_listing(
 
 
 @pytest.mark.asyncio
-async def test_a_publish_between_the_manifests_delete_and_the_tombstone_keeps_it_whole(
+async def test_a_publish_while_retention_replaces_the_manifest_hears_it_committed(
     tmp_path: Path,
 ) -> None:
-    """The other order: the late create lands between retention's delete of the manifest
-    and its tombstone. Retention then finds a manifest, and deletes nothing more: every shard
-    it lists is there."""
+    """The late create reaches the key while retention is about to put its tombstone in the
+    manifest's place: the key is never empty, so the create meets the manifest (or the
+    tombstone) and its node hears the step committed; retention removes the generation."""
     d = await _step_90_committed_by_one_node_of_two(tmp_path)
     gc = d.backend("gc")
     assert isinstance(gc, MemoryBackend)
@@ -331,11 +331,55 @@ async def test_a_publish_between_the_manifests_delete_and_the_tombstone_keeps_it
         held.release()
     report = removal.result()
 
-    assert result.outcome is CommitOutcome.PUBLISHED
-    assert report.deleted == [] and report.failed == []
-    assert any(step == 90 and "published again" in why for step, why in report.skipped)
+    assert result.outcome is CommitOutcome.ACCEPTED
+    assert report.deleted == [90] and report.failed == []
     assert await manifests_over_missing_shards(gc) == []
-    assert (await catalog.verify(gc, JOB, 90)).ok
+    assert is_tombstone(await gc.get_bytes(manifest_key(JOB, 90)) or b"")
+
+
+@pytest.mark.asyncio
+async def test_a_run_that_read_the_manifest_before_another_removed_it_keeps_a_tombstone(
+    tmp_path: Path,
+) -> None:
+    """Found attacking retention: run B read generation 90's manifest (beyond keep_last),
+    then run A removed 90 (tombstone, part records, shards). B then deleted the manifest key
+    (A's tombstone) and, in the moment before its own tombstone, n2's late publish (which had
+    checked every shard before A deleted them) created the manifest again: a committed
+    manifest over missing shards, which B then kept as "published again". The tombstone now
+    replaces the manifest in one write, so the key is never empty."""
+    d = await _step_90_committed_by_one_node_of_two(tmp_path)
+    publisher, gc_b = d.backend("n2"), d.backend("gcB")
+    assert isinstance(publisher, MemoryBackend) and isinstance(gc_b, MemoryBackend)
+    key = manifest_key(JOB, 90)
+    publishing = publisher.hold("put_bytes", key_contains=key)
+    # B's first change to the key after reading it, whichever call it is.
+    b_delete = gc_b.hold("delete", key_contains=key)
+    b_put = gc_b.hold("put_bytes", key_contains=key)
+    async with asyncio.TaskGroup() as group:
+        publish = group.create_task(Committer(publisher, "n2").try_publish(JOB, 90, 2))
+        await publishing.wait_reached()
+        run_b = group.create_task(apply_retention(gc_b, JOB, keep_last=2,
+                                                  abandoned_grace_s=GRACE_S))
+        first = [group.create_task(b_delete.wait_reached()),
+                 group.create_task(b_put.wait_reached())]
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in first:
+            waiting.cancel()
+        run_a = await apply_retention(d.backend("gcA"), JOB, keep_last=2,
+                                      abandoned_grace_s=GRACE_S)
+        b_delete.release()
+        await b_put.wait_reached()
+        publishing.release()
+        await publish
+        b_put.release()
+        await run_b
+
+    reader = d.backend("reader")
+    assert run_a.deleted == [90]
+    assert await manifests_over_missing_shards(reader) == []
+    assert is_tombstone(await reader.get_bytes(key) or b"")
+    assert publish.result().outcome is CommitOutcome.ACCEPTED
+    assert 90 not in [g.step for g in await catalog.list_generations(reader, JOB)]
 
 
 @pytest.mark.asyncio

@@ -28,6 +28,7 @@ from ckptdrain.daemon.checksums import of_bytes
 from ckptdrain.daemon.commit import CommitOutcome, Committer
 from ckptdrain.daemon.config import DestinationConfig
 from ckptdrain.daemon.retention import apply_retention
+from ckptdrain.daemon.tombstone import is_tombstone, was_committed
 from tests.integration.seaweedfs import REGION, SeaweedFS
 
 PREFIX = "ckpt/run1"
@@ -270,6 +271,28 @@ async def test_retention_and_a_late_publish_meet_at_the_manifest_key(
         assert result.outcome is CommitOutcome.PUBLISHED
         assert report.abandoned_deleted == [] and STEP in report.kept
         assert (await catalog.verify(gc, JOB, STEP)).ok
+
+
+async def test_a_committed_generation_s_tombstone_replaces_its_manifest(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    """Retention removing a committed generation puts its tombstone in the manifest's place
+    with one plain PUT (the key is never empty), before the shards go: a late create of the
+    manifest then fails, and its node hears the step committed."""
+    n1, gc = nodes("n1"), nodes("gc")
+    for step in (4, 6):
+        data = f"step {step}".encode()
+        await put_step(n1, tmp_path, step, data)
+        await Committer(n1, "n1").record_part(record_of(step, data))
+        assert (await Committer(n1, "n1").try_publish(JOB, step, 1)).committed
+    report = await apply_retention(gc, JOB, keep_last=1, abandoned_grace_s=600)
+    assert (report.kept, report.deleted) == ([6], [4])
+    held = await gc.get_bytes(manifest_key(JOB, 4))
+    assert held is not None and is_tombstone(held) and was_committed(held)
+    assert [i.key for i in await gc.list(f"{JOB}/{4:020d}/")] == [manifest_key(JOB, 4)]
+    # A node that had checked the shards before they went reaches its create only now.
+    assert not await n1.put_bytes(manifest_key(JOB, 4), b"{}", exclusive=True)
+    assert await catalog.latest(gc, JOB) == 6
 
 
 async def put_step(backend: S3Backend, tmp_path: Path, step: int, data: bytes) -> None:
