@@ -70,6 +70,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# The least time a tombstone stays after it was written, whatever the grace period: it keeps
+# a publish that checked the shards just before they went from creating the manifest over
+# them, and a few hundred bytes cost nothing. Found attacking `gc --grace-s 0`: the tombstone
+# went in the run that placed it, and a late publish (its checks done, its create a moment
+# later) committed a manifest over the shards the run had deleted, which `ls` then listed.
+TOMBSTONE_MIN_S = 600.0
+
 
 @dataclass(frozen=True)
 class RetentionReport:
@@ -124,6 +131,7 @@ async def apply_retention(
         now=now,
         tombstoned=tombstoned,
     )
+    tombstone_s = max(abandoned_grace_s, TOMBSTONE_MIN_S)  # how long a tombstone stays
     deleted: list[int] = []
     abandoned: list[int] = []
     skipped = list(plan.skipped)
@@ -143,13 +151,13 @@ async def apply_retention(
                 deleted.append(step)
                 continue
             if dry_run:  # a tombstoned or abandoned step: as the real run would settle it
-                outcome = foreseen(job, gen, tomb, now, abandoned_grace_s)
+                outcome = foreseen(job, gen, tomb, now, tombstone_s)
                 if outcome is Abandoned.RETIRED_REMOVED:
                     deleted.append(step)
                 elif outcome is Abandoned.REMOVED:
                     abandoned.append(step)
                 elif outcome is Abandoned.TOMBSTONE_KEPT:
-                    skipped.append((step, _kept_tombstone(abandoned_grace_s)))
+                    skipped.append((step, _kept_tombstone(tombstone_s)))
                 continue
             if committed and tomb is None:
                 if await delete_committed(backend, job, gen, now, held):
@@ -159,7 +167,7 @@ async def apply_retention(
                     skipped.append((step, "published again while retention was removing it "
                                           "(its shards were all there); kept"))
                 continue
-            outcome = await delete_abandoned(backend, job, gen, now, abandoned_grace_s)
+            outcome = await delete_abandoned(backend, job, gen, now, tombstone_s)
         except NotUsable as exc:
             # Found attacking: a link at an old generation's manifest key failed every run
             # ("the next run retries it", exit 1, the dry run too), where a run that read it
@@ -186,7 +194,7 @@ async def apply_retention(
             log.info("retention removed abandoned generation %d of job %r", step, job)
             abandoned.append(step)
         elif outcome is Abandoned.TOMBSTONE_KEPT:
-            skipped.append((step, _kept_tombstone(abandoned_grace_s)))
+            skipped.append((step, _kept_tombstone(tombstone_s)))
         else:
             skipped.append((step, "committed while retention was removing it; kept"))
     if empty:

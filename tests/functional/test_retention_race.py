@@ -36,7 +36,7 @@ from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.commit import CommitOutcome, Committer, StepAbandoned
 from ckptdrain.daemon.config import DestinationConfig
-from ckptdrain.daemon.retention import RetentionReport, apply_retention
+from ckptdrain.daemon.retention import TOMBSTONE_MIN_S, RetentionReport, apply_retention
 from ckptdrain.daemon.tombstone import is_tombstone, tombstone_json
 
 JOB = "llama"
@@ -380,6 +380,41 @@ async def test_a_run_that_read_the_manifest_before_another_removed_it_keeps_a_to
     assert is_tombstone(await reader.get_bytes(key) or b"")
     assert publish.result().outcome is CommitOutcome.ACCEPTED
     assert 90 not in [g.step for g in await catalog.list_generations(reader, JOB)]
+
+
+@pytest.mark.asyncio
+async def test_with_no_grace_period_the_tombstone_still_stops_a_late_publish(
+    tmp_path: Path,
+) -> None:
+    """Found attacking `gc --grace-s 0`: the run tombstoned the abandoned generation, deleted
+    its part records and shards, and removed the tombstone at once (it was "one grace period
+    old"); the late node's create, its checks done just before, then found the key empty and
+    committed a manifest over the deleted shards, which `ls` listed. The tombstone now stays
+    TOMBSTONE_MIN_S whatever the grace period."""
+    d = Destination("memory", tmp_path)
+    await d.populate()
+    publisher = d.backend("n2")
+    assert isinstance(publisher, MemoryBackend)
+    held = publisher.hold("put_bytes", key_contains=manifest_key(JOB, LATE))
+    async with asyncio.TaskGroup() as group:
+        publish = group.create_task(Committer(publisher, "n2").try_publish(JOB, LATE, 2))
+        await held.wait_reached()
+        report = await apply_retention(d.backend("gc"), JOB, keep_last=3, abandoned_grace_s=0)
+        held.release()
+
+    reader = d.backend("reader")
+    assert report.abandoned_deleted == [LATE]
+    assert publish.result().outcome is CommitOutcome.CONFLICT
+    assert await manifests_over_missing_shards(reader) == []
+    assert [g.step for g in await catalog.list_generations(reader, JOB)] == [200, 100]
+    # Kept while young, whatever the grace period; gone once TOMBSTONE_MIN_S old.
+    again = await apply_retention(reader, JOB, keep_last=3, abandoned_grace_s=0)
+    assert [step for step, _ in again.skipped] == [LATE]
+    assert is_tombstone(await reader.get_bytes(manifest_key(JOB, LATE)) or b"")
+    later = await apply_retention(reader, JOB, keep_last=3, abandoned_grace_s=0,
+                                  now=time.time() + TOMBSTONE_MIN_S + 1)
+    assert later.abandoned_deleted == [LATE]
+    assert await reader.get_bytes(manifest_key(JOB, LATE)) is None
 
 
 @pytest.mark.asyncio
