@@ -33,6 +33,7 @@ from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import GenerationState
 
 if TYPE_CHECKING:
+    from ckptdrain.daemon.backends.base import Backend, BackendError
     from ckptdrain.daemon.connection import ClientHandler
     from ckptdrain.daemon.staging import Staging
 
@@ -150,6 +151,16 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
                 shard_key(job, step, path), into, h.uid, algo=entry.algo, expected_size=entry.size,
                 gone=gone)
     except (BackendError, ManifestError) as exc:
+        if isinstance(exc, BackendError) and await _removed(d.backend, job, step, exc):
+            # Found attacking retention: a generation another node's retention (or `gc`)
+            # removed after this daemon read its manifest was still "committed" here, and
+            # each fetch said "could not read ... check the destination and retry", which no
+            # retry mends (the manifest stays cached).
+            d.committer.manifests.forget(job, [step])
+            raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} was removed from "
+                               "the destination while it was read (retention keeps the "
+                               "newest retention.keep_last committed steps): load a newer "
+                               "step (`ckptdrain ls` lists them)") from None
         raise destination_error(job, step, exc) from None
     except ConnectionError:
         log_event(log, logging.INFO, "fetch_abandoned", uid=h.uid, job=job, step=step,
@@ -167,6 +178,17 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
                            f"destination does not match its manifest ({found}); "
                            "run `ckptdrain verify` on it")
     return {"path": path, "size": size, "checksum": checksum}
+
+
+async def _removed(backend: Backend, job: str, step: int, exc: BackendError) -> bool:
+    """Whether a shard that could not be read went because its generation was removed (its
+    manifest key holds no manifest now), not because it is damaged. (S3 says not_found of a
+    missing object, POSIX integrity.)"""
+    from ckptdrain.daemon.catalog import still_committed
+
+    if exc.kind not in ("integrity", "not_found"):
+        return False
+    return not await still_committed(backend, job, step)
 
 
 async def fetch(h: ClientHandler, job: str, step: int, path: str, fd: int, *,

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client import Client, InvalidName, RejectedInput, SizeMismatch, wire
-from tests.conftest import DaemonProcess
+from ckptdrain.client import Client, InvalidName, NotFound, RejectedInput, SizeMismatch, wire
+from tests.conftest import CKPTDRAIN, DaemonProcess
 from tests.functional.test_bad_input import RawClient
 from tests.functional.test_failure_boundary import memfd_with, still_serves
 
@@ -309,6 +310,39 @@ def test_a_fetch_makes_the_file_exactly_the_shard_whatever_it_held(
         os.close(fd)
     assert got["size"] == len(data)
     assert target.read_bytes() == data
+
+
+def test_a_fetch_of_a_generation_removed_meanwhile_says_so(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """Found attacking retention: once this daemon had read a generation's manifest (a
+    reader's first fetch), `gc` (or another node's retention) removing the generation left
+    every further fetch of it saying "could not read ... check the destination and retry",
+    a retry that never mends it. It now says the step was removed and to load a newer one."""
+    c = daemon.client()
+    for step in (1, 2):
+        with c.generation("gone", step) as gen:
+            gen.put("a.bin", b"a" * 1000)
+            gen.put("b.bin", b"b" * 1000)
+        c.wait("gone", step, timeout_s=30)
+    fd = os.open(tmp_path / "a.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert c.fetch_from_destination("gone", 1, "a.bin", fd)["size"] == 1000
+    finally:
+        os.close(fd)
+    gc = subprocess.run([CKPTDRAIN, "gc", daemon.dest_uri, "--job", "gone", "--keep-last",
+                         "1"], capture_output=True, text=True, timeout=60)
+    assert gc.returncode == 0 and "deleted 1" in gc.stdout, gc
+    # And then, not "committed" from what the daemon read before.
+    for said in (r"was removed from the destination while it was read.*load a newer step",
+                 r"step 1 of job 'gone' is not committed"):
+        fd = os.open(tmp_path / "b.bin", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(NotFound, match=said):
+                c.fetch_from_destination("gone", 1, "b.bin", fd)
+        finally:
+            os.close(fd)
+    still_serves(daemon)
 
 
 @pytest.mark.parametrize("source", ["local", "destination"])
