@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 MANIFEST_READ_CONCURRENCY = 8
+# Scans of a job's generations by :func:`latest` while retention removes what it found
+# committed: each round needs another commit during the scan, so a few settle it.
+LATEST_SCANS = 4
 # Below this a chunk is hashed on the event loop; above it in a thread, where hashlib releases
 # the GIL and several shards are hashed in parallel.
 _THREAD_HASH_BYTES = 256 << 10
@@ -183,15 +186,28 @@ async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | 
     then only as a floor: a node can write a stale, lower hint over a newer one, so the
     generation directories above it are listed (one request, not a listing of shards) and
     the newest with a valid manifest wins. Never a step older than a generation whose
-    manifest existed when the call began. ``use_hint=False`` skips the hint.
+    manifest existed when the call began (one retention removed during the scan sends it
+    round again, a few times at most). ``use_hint=False`` skips the hint.
     """
-    floor: int | None = None
-    if use_hint:
-        hinted = await read_latest(backend, job)
-        if hinted is not None and await read_manifest(backend, job, hinted) is not None:
-            floor = hinted
-    newer = await newest_committed(backend, job, above=-1 if floor is None else floor)
-    return newer if newer is not None else floor
+    answer: int | None = None
+    for _ in range(LATEST_SCANS):
+        floor: int | None = None
+        if use_hint:
+            hinted = await read_latest(backend, job)
+            if hinted is not None and await read_manifest(backend, job, hinted) is not None:
+                floor = hinted
+        removed: list[int] = []
+        newer = await newest_committed(backend, job, above=-1 if floor is None else floor,
+                                       removed=removed)
+        answer = newer if newer is not None else floor
+        # Retention removes a committed generation only once newer ones committed. One it
+        # removed during this scan, above the answer, was committed when the call began, and
+        # its successors committed after the scan read their keys: scan again (found
+        # attacking: with commits landing during the scan, a job that always had a committed
+        # generation was answered None, "no committed generation", a restart from scratch).
+        if not any(answer is None or step > answer for step in removed):
+            return answer
+    return answer
 
 
 async def resolve(backend: Backend, job: str, generation: int | Literal["latest"]) -> Manifest:

@@ -20,7 +20,7 @@ from ckptdrain.client.manifest import Manifest, PartRecord
 from ckptdrain.client.names import MAX_STEP
 from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.backends.base import Backend, BackendError
-from ckptdrain.daemon.tombstone import is_tombstone
+from ckptdrain.daemon.tombstone import is_tombstone, was_committed
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -110,20 +110,25 @@ async def manifest_bytes(backend: Backend, job: str, step: int) -> bytes | None:
         return None
 
 
-async def newest_committed(backend: Backend, job: str, above: int) -> int | None:
-    """The newest step of ``job`` above ``above`` with a valid manifest, or None."""
-    found = await committed_above(backend, job, above, enough=1)
+async def newest_committed(backend: Backend, job: str, above: int, *,
+                           removed: list[int] | None = None) -> int | None:
+    """The newest step of ``job`` above ``above`` with a valid manifest, or None (``removed``:
+    as :func:`committed_above`)."""
+    found = await committed_above(backend, job, above, enough=1, removed=removed)
     return found[0] if found else None
 
 
 async def committed_above(backend: Backend, job: str, above: int, *, enough: int,
-                          look_at: int | None = None) -> list[int]:
+                          look_at: int | None = None,
+                          removed: list[int] | None = None) -> list[int]:
     """Up to ``enough`` steps of ``job`` above ``above`` with a valid manifest, newest first.
 
     One listing of the job's generation directories (not of their shards), then a manifest
     read per directory, newest first, until ``enough`` are valid: directories above the newest
     commit are usually just the generations in flight. ``look_at`` bounds the directories
-    read (the newest ones): a best effort for a question asked on every begin.
+    read (the newest ones): a best effort for a question asked on every begin. ``removed``
+    gets the steps read whose key holds the tombstone of a committed generation (retention
+    removed it: a newer commit exists).
     """
     steps = sorted(
         (
@@ -137,6 +142,8 @@ async def committed_above(backend: Backend, job: str, above: int, *, enough: int
     for step in steps[:look_at]:
         data = await manifest_bytes(backend, job, step)
         if data is None or is_tombstone(data):
+            if removed is not None and data is not None and was_committed(data):
+                removed.append(step)
             continue
         try:
             manifest = await parse_manifest(data)

@@ -24,6 +24,7 @@ from ckptdrain.daemon.backends.memory import MemoryBackend, MemoryStore
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.commit import CommitOutcome, Committer, parse_latest
 from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.retention import apply_retention
 
 JOB = "llama"
 TRIALS = 200
@@ -199,3 +200,30 @@ async def test_a_lowered_hint_does_not_hide_a_newer_commit(tmp_path: Path, kind:
         assert await backend.list_dirs("absent/") == []
     finally:
         await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_latest_answers_a_commit_while_retention_removes_what_it_found(
+    tmp_path: Path,
+) -> None:
+    """Found attacking retention: with no usable LATEST (a write of it failed, or it names a
+    removed step), `latest` scanned the generations newest first; it read step 31 (still
+    draining), then 31 committed and retention (keep_last 1) removed 30, which it read next:
+    None, "no committed generation", for a job that had one all along. A scan that passes a
+    committed generation's tombstone above its answer scans again."""
+    store = MemoryStore()
+    writer = Committer(MemoryBackend("n1", store=store), "n1")
+    await recorded(writer, tmp_path, 30)
+    assert (await writer.try_publish(JOB, 30, 1)).committed
+    await writer.backend.delete(latest_key(JOB))  # the hint could not be written
+    await recorded(writer, tmp_path, 31)
+    reader = MemoryBackend("reader", store=store)
+    held = reader.hold("get_bytes", key_contains=manifest_key(JOB, 30))
+    async with asyncio.TaskGroup() as group:
+        asking = group.create_task(catalog.latest(reader, JOB))
+        await held.wait_reached()  # 31 read as not committed yet; 30 next
+        assert (await writer.try_publish(JOB, 31, 1)).committed
+        report = await apply_retention(writer.backend, JOB, keep_last=1, abandoned_grace_s=60)
+        assert report.deleted == [30]
+        held.release()
+    assert asking.result() == 31
