@@ -213,13 +213,23 @@ async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | 
 async def resolve(backend: Backend, job: str, generation: int | Literal["latest"]) -> Manifest:
     """The manifest for ``generation`` (a step, or ``"latest"``), or NotCommitted."""
     if generation == "latest":
-        step = await latest(backend, job)
-        if step is None:
-            raise NotCommitted(
-                f"job {job!r} has no committed generation at {backend.uri}; "
-                "check the job name with `ckptdrain ls`"
-            )
-    elif isinstance(generation, int) and not isinstance(generation, bool):
+        for _ in range(LATEST_SCANS):
+            step = await latest(backend, job)
+            if step is None:
+                raise NotCommitted(
+                    f"job {job!r} has no committed generation at {backend.uri}; "
+                    "check the job name with `ckptdrain ls`"
+                )
+            manifest = await read_manifest(backend, job, step)
+            if manifest is not None:
+                return manifest
+            # Removed by retention since it was found, once a newer step committed (found
+            # attacking: `restore --generation latest` said "generation 30 is not committed;
+            # pick one listed by `ckptdrain ls`" while 31 had just committed): ask again.
+        raise NotCommitted(
+            f"job {job!r} at {backend.uri} commits and removes generations faster than its "
+            "newest can be read; retry, or name a step (`ckptdrain ls` lists them)")
+    if isinstance(generation, int) and not isinstance(generation, bool):
         step = generation
     else:
         raise ValueError(f"generation must be a step number or 'latest', not {generation!r}")

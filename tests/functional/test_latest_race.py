@@ -227,3 +227,38 @@ async def test_latest_answers_a_commit_while_retention_removes_what_it_found(
         assert report.deleted == [30]
         held.release()
     assert asking.result() == 31
+
+
+@pytest.mark.asyncio
+async def test_the_latest_manifest_removed_after_it_was_found_is_asked_again(
+    tmp_path: Path,
+) -> None:
+    """Found attacking retention: `restore --generation latest` found 30 the newest, then 31
+    committed and retention removed 30 before its manifest was read, and the restore said
+    "generation 30 is not committed; pick one listed by `ckptdrain ls`"."""
+    store = MemoryStore()
+    writer = Committer(MemoryBackend("n1", store=store), "n1")
+    await recorded(writer, tmp_path, 30)
+    assert (await writer.try_publish(JOB, 30, 1)).committed
+    reader = MemoryBackend("reader", store=store)
+    reads, reached, go = [0], asyncio.Event(), asyncio.Event()
+    plain = reader.get_bytes
+
+    async def get_bytes(key: str, **kw: int) -> bytes | None:
+        if key == manifest_key(JOB, 30):
+            reads[0] += 1
+            if reads[0] == 2:  # latest() read it (the hint's); resolve reads it next
+                reached.set()
+                await go.wait()
+        return await plain(key, **kw)
+
+    reader.get_bytes = get_bytes  # type: ignore[method-assign]
+    async with asyncio.TaskGroup() as group:
+        resolving = group.create_task(catalog.resolve(reader, JOB, "latest"))
+        await reached.wait()
+        await recorded(writer, tmp_path, 31)
+        assert (await writer.try_publish(JOB, 31, 1)).committed
+        assert (await apply_retention(writer.backend, JOB, keep_last=1,
+                                      abandoned_grace_s=60)).deleted == [30]
+        go.set()
+    assert resolving.result().generation == 31
