@@ -23,7 +23,13 @@ from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.fanout import for_each_bounded
-from ckptdrain.daemon.latest import manifest_bytes, newest_committed, parse_manifest, read_latest
+from ckptdrain.daemon.latest import (
+    LATEST_SCANS,
+    manifest_bytes,
+    newest_committed,
+    parse_manifest,
+    read_latest,
+)
 from ckptdrain.daemon.threads import in_thread
 from ckptdrain.daemon.tombstone import is_tombstone
 
@@ -32,9 +38,6 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 MANIFEST_READ_CONCURRENCY = 8
-# Scans of a job's generations by :func:`latest` while retention removes what it found
-# committed: each round needs another commit during the scan, so a few settle it.
-LATEST_SCANS = 4
 # Below this a chunk is hashed on the event loop; above it in a thread, where hashlib releases
 # the GIL and several shards are hashed in parallel.
 _THREAD_HASH_BYTES = 256 << 10

@@ -28,6 +28,9 @@ _T = TypeVar("_T")
 _LATEST_MAX_BYTES = 64
 # Write-then-check rounds of raise_latest: two racing writers settle within two.
 LATEST_ROUNDS = 5
+# Scans for the newest commit (catalog.latest) while retention removes what a scan found
+# committed: each round needs another commit during the scan, so a few settle it.
+LATEST_SCANS = 4
 # JSON larger than this is parsed, built or serialised in a worker thread.
 OFF_LOOP_BYTES = 1 << 20
 # About how many bytes of JSON one shard's entry takes in a manifest or part record: what

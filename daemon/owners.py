@@ -27,7 +27,7 @@ from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.access import is_operator as operator
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.errors import RequestError
-from ckptdrain.daemon.latest import newest_committed, parse_part, read_latest
+from ckptdrain.daemon.latest import LATEST_SCANS, newest_committed, parse_part, read_latest
 from ckptdrain.daemon.logs import log_event
 
 if TYPE_CHECKING:
@@ -75,13 +75,25 @@ class DestinationOwners:
         backend = self._committer.backend
         # catalog.latest's steps, with the manifests read through the committer's cache (a
         # large one is parsed once, not once to find the step and again for its nodes).
-        hinted = await read_latest(backend, job)
-        floor = hinted if hinted is not None and await self._committed(job, hinted) else None
-        newer = await newest_committed(backend, job, above=-1 if floor is None else floor)
-        step = newer if newer is not None else floor
-        manifest = None if step is None else await self._committed(job, step)
+        step: int | None = None
+        manifest: Manifest | None = None
+        for _ in range(LATEST_SCANS):
+            hinted = await read_latest(backend, job)
+            floor = hinted if hinted is not None and await self._committed(job, hinted) else None
+            removed: list[int] = []
+            newer = await newest_committed(backend, job, above=-1 if floor is None else floor,
+                                           removed=removed)
+            step = newer if newer is not None else floor
+            manifest = None if step is None else await self._committed(job, step)
+            if manifest is not None:
+                break
+            # Retention removed what the scan found committed, or a commit it passed above the
+            # answer, meanwhile (catalog.latest): ask again. Found attacking retention: "no
+            # owner" let another user's begin of the job through.
+            if step is None and not removed:
+                return None  # no commit: nobody to ask
         if step is None or manifest is None:
-            return None  # no commit (or removed since by retention): nobody to ask
+            return None
         for node in sorted(manifest.nodes):
             data = await backend.get_bytes(part_key(job, step, node))
             if data is None:

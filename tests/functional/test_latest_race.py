@@ -262,3 +262,39 @@ async def test_the_latest_manifest_removed_after_it_was_found_is_asked_again(
                                       abandoned_grace_s=60)).deleted == [30]
         go.set()
     assert resolving.result().generation == 31
+
+
+@pytest.mark.asyncio
+async def test_the_owner_of_a_job_is_found_while_retention_removes_what_it_read(
+    tmp_path: Path,
+) -> None:
+    """The owner lookup before another user's begin scans as latest does, and the same race
+    (31 read uncommitted, then committed, and 30 removed before it was read) answered "no
+    owner": the other user's begin of the job went through."""
+    store = MemoryStore()
+    writer = Committer(MemoryBackend("n1", store=store), "n1")
+    for step in (30, 31):
+        data = f"step {step}".encode()
+        staged = tmp_path / f"owned-{step}"
+        staged.write_bytes(data)
+        fd = os.open(staged, os.O_RDONLY)
+        try:
+            checksum = await writer.backend.put_file(shard_key(JOB, step, "w.bin"), fd, len(data))
+        finally:
+            os.close(fd)
+        entry = ShardEntry("w.bin", len(data), checksum, 0, "n1")
+        await writer.record_part(PartRecord(JOB, step, 1, "n1", (0,), (entry,), CLOCKS,
+                                            owner_uid=1000))
+        if step == 30:
+            assert (await writer.try_publish(JOB, 30, 1)).committed
+            await writer.backend.delete(latest_key(JOB))  # the hint could not be written
+    reader = MemoryBackend("reader", store=store)
+    held = reader.hold("get_bytes", key_contains=manifest_key(JOB, 30))
+    async with asyncio.TaskGroup() as group:
+        asking = group.create_task(Committer(reader, "n2").owners.owner(JOB))
+        await held.wait_reached()  # 31 read as not committed yet; 30 next
+        assert (await writer.try_publish(JOB, 31, 1)).committed
+        assert (await apply_retention(writer.backend, JOB, keep_last=1,
+                                      abandoned_grace_s=60)).deleted == [30]
+        held.release()
+    assert asking.result() == 1000
