@@ -10,10 +10,9 @@ deletes shards only if that create succeeded or found a tombstone; a publish who
 lands first wins, on S3 as on POSIX, and no manifest ever lists deleted shards. Two separate
 keys (an ``ABANDONED`` marker beside the manifest) would not do: each side would write its key
 and then read the other's, and on a store without multi-key transactions both reads can come
-before both writes. The tombstone stays for one grace period (at least retention.TOMBSTONE_MIN_S) after the
-shards are gone, so
-that a publisher which read the part records just before they were deleted finds it too; a
-later run removes it.
+before both writes. The tombstone stays for one grace period (at least
+retention.TOMBSTONE_MIN_S) after the shards are gone, so that a publisher which read the part
+records just before they were deleted finds it too; a later run removes it.
 
 Apart from retention.py, which decides which generations go (with retention_plan.py) and
 reports the run: this module is how one goes.
