@@ -282,9 +282,10 @@ class Client:
         Names are checked here, so a bad one fails before any I/O.
         """
         names.validate_job(job)
-        names.validate_step(step)
+        step = names.validate_step(step)
         rank, world_size = default_rank_and_world_size(rank, world_size)
-        names.validate_rank(rank, world_size)
+        world_size = names.validate_world_size(world_size)
+        rank = names.validate_rank(rank, world_size)
         if ack is not None and ack not in wire.ACK_MODES:
             raise RejectedInput(f"ack is {ack!r}; use one of {list(wire.ACK_MODES)} or None")
         if attempt is not None:
@@ -304,7 +305,7 @@ class Client:
         the re-save begins waits for the re-save. ``""`` takes whatever attempt is there.
         """
         names.validate_job(job)
-        names.validate_step(step)
+        step = names.validate_step(step)
         limit_s = _check_timeout(timeout_s, "timeout_s", wire.MAX_TIMEOUT_S)
         mine = default_attempt() if attempt is None else _check_attempt(attempt)
         started = time.monotonic()
@@ -350,7 +351,7 @@ class Client:
         (``s3://bucket/prefix/job/<step>``); None when nothing is committed."""
         names.validate_job(job)
         if step is not None:
-            names.validate_step(step)
+            step = names.validate_step(step)
         reply = self._call("latest", {"job": job})
         root, newest = reply.get("root"), reply.get("generation")
         if step is None:
@@ -365,7 +366,7 @@ class Client:
         ``step``, which the daemon has just checked against the manifest; the caller closes
         it. Raises NotFound when the destination must serve the shard instead."""
         names.validate_job(job)
-        names.validate_step(step)
+        step = names.validate_step(step)
         names.validate_shard_path(path)
         started = time.monotonic()
         channel = self._open_channel("open", self.timeout_s)
@@ -391,7 +392,7 @@ class Client:
         when this node holds no local copy. The caller checks the checksum against the
         manifest."""
         names.validate_job(job)
-        names.validate_step(step)
+        step = names.validate_step(step)
         names.validate_shard_path(path)
         fd = checked_fd(fd, "fd")
         started = time.monotonic()
@@ -408,7 +409,7 @@ class Client:
         file becomes exactly the shard), checked against the manifest (for a destination this
         process cannot read itself, such as S3); returns ``{"size", "checksum"}``."""
         names.validate_job(job)
-        names.validate_step(step)
+        step = names.validate_step(step)
         names.validate_shard_path(path)
         fd = checked_fd(fd, "fd")
         started = time.monotonic()
@@ -424,7 +425,7 @@ class Client:
     def retry(self, job: str, step: int) -> dict[str, Any]:
         """Ask the daemon to retry draining a generation that failed on a transient error."""
         names.validate_job(job)
-        names.validate_step(step)
+        step = names.validate_step(step)
         return self._call("retry", {"job": job, "step": step})
 
     def drain(self) -> dict[str, Any]:
@@ -441,7 +442,7 @@ class Client:
         """Operators: end generation ``step`` of ``job`` on this node (it fails, with
         ``reason``, and frees what it holds). Only the job's owner or root may."""
         names.validate_job(job)
-        names.validate_step(step)
+        step = names.validate_step(step)
         fields: dict[str, Any] = {"job": job, "step": step}
         if reason:
             fields["reason"] = reason

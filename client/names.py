@@ -8,6 +8,7 @@ means the same thing on Lustre, in an S3 key, in a URL and in a shell.
 
 from __future__ import annotations
 
+import operator
 import re
 
 from ckptdrain.client.errors import InvalidName, RejectedInput
@@ -141,10 +142,18 @@ def validate_shard_path(path: object) -> str:
 
 
 def _exact_int(value: object, what: str) -> int:
-    # bool is an int subclass; True as a step is a caller bug, not step 1.
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a plain int: an int, or any integer type (``__index__``: numpy's int64, a
+    0-d integer tensor), which a training loop's step or rank often is; refused as such they
+    failed with "step must be an integer, not int64" (found attacking the client). Never a
+    float, and never a bool: True as a step is a caller bug, not step 1."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
         raise RejectedInput(f"{what} must be an integer, not {type(value).__name__}")
-    return value
+    if isinstance(value, int):
+        return int(value)
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise RejectedInput(f"{what} must be an integer, not {type(value).__name__}") from None
 
 
 def validate_step(step: object) -> int:

@@ -349,3 +349,22 @@ def test_old_failed_generations_are_forgotten_after_the_grace(make_daemon) -> No
     # What is left on staging is the newest commit's copy, kept for a fast restore and
     # counted inside max_staged_bytes; the failed generation's bytes are gone.
     assert c.status()["staged_bytes"] == len(b"kept")
+
+
+def test_a_step_rank_and_world_size_of_numpy_or_torch_integers_are_taken(
+        daemon: DaemonProcess) -> None:
+    # Found attacking the client: a training loop's step is often a numpy int64 or a 0-d
+    # tensor; they were refused ("step must be an integer, not int64"). Floats and bools are
+    # still refused: 1.0 as a step or True as a rank is a caller bug.
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    with daemon.client() as c:
+        with c.generation("ints", np.int64(7), rank=torch.tensor(0),
+                          world_size=np.int32(1)) as gen:
+            gen.put("a.bin", b"bytes")
+        assert c.wait("ints", np.uint16(7), timeout_s=30)["committed"]
+        assert c.latest("ints") == 7
+        assert c.latest_path("ints", np.int64(7)) == c.latest_path("ints")
+        for bad in (7.0, np.float32(7), True, np.bool_(True)):
+            with pytest.raises(RejectedInput, match="step must be an integer"):
+                c.generation("ints", bad, rank=0, world_size=1)
