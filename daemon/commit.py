@@ -32,7 +32,6 @@ from ckptdrain.client.keys import (
     latest_key,
     manifest_key,
     part_key,
-    parts_prefix,
     validate_node_id,
 )
 from ckptdrain.client.manifest import Manifest, PartRecord, checked_size
@@ -42,24 +41,27 @@ from ckptdrain.daemon.assembly import (
     build_manifest,
     describe_ranks,
     missing_ranks,
-    owners_disagree,
     same_contents,
 )
 from ckptdrain.daemon.backends.base import Backend, BackendError
-from ckptdrain.daemon.errors import DaemonError
-from ckptdrain.daemon.fanout import for_each_bounded
+from ckptdrain.daemon.commitreads import (
+    CommitError,
+    CommitReads,
+    ManifestDamaged,
+    StepAbandoned,
+    StepUnusable,
+)
 from ckptdrain.daemon.latest import (
     PART_ENTRY_BYTES,
     off_loop_if_large,
     parse_latest,
-    parse_manifest,
     raise_latest,
 )
-from ckptdrain.daemon.manifestcache import Committed, ManifestCache
 from ckptdrain.daemon.owners import DestinationOwners
-from ckptdrain.daemon.tombstone import is_tombstone, was_committed
+from ckptdrain.daemon.tombstone import was_committed
 
-# Re-exported: the LATEST helpers lived here first (latest.py now).
+# Re-exported: the LATEST helpers lived here first (latest.py now), the refusals until
+# commitreads.py took the reads that raise them.
 __all__ = [
     "CommitError", "CommitOutcome", "CommitResult", "Committer", "ManifestDamaged",
     "StepAbandoned", "StepUnusable", "parse_latest",
@@ -68,9 +70,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-# Part records are read concurrently, but bounded: a 1,000-node job must not open 1,000
-# requests at once against the destination.
-PART_READ_CONCURRENCY = 16
 # Shards checked at once before a publish: a 100,000-shard generation is 100,000 HEADs on S3
 # (a few seconds at this width) and must not be 100,000 requests at once.
 SHARD_CHECK_CONCURRENCY = 32
@@ -78,29 +77,6 @@ SHARD_CHECK_CONCURRENCY = 32
 # (then doubled). LATEST is a hint, so after them the commit stands without it.
 LATEST_TRIES = 3
 LATEST_RETRY_S = 0.2
-
-
-class CommitError(DaemonError):
-    """Root of the commit protocol's refusals: the message says what to do."""
-
-
-class StepUnusable(CommitError):
-    """A step whose MANIFEST.json key is taken by something other than a valid manifest of
-    that step: a new attempt there could never commit. Refuse it; the job saves a new step."""
-
-    def __init__(self, job: str, step: int, message: str) -> None:
-        super().__init__(message)
-        self.job = job
-        self.step = step
-
-
-class ManifestDamaged(StepUnusable):
-    """The step's MANIFEST.json exists but is not a valid manifest of that step: committed
-    (nothing may overwrite it), but not loadable. Keep it for inspection."""
-
-
-class StepAbandoned(StepUnusable):
-    """Retention is removing the step as abandoned (its tombstone holds the manifest key)."""
 
 
 class CommitOutcome(enum.Enum):
@@ -124,18 +100,18 @@ class CommitResult:
         return self.outcome in (CommitOutcome.PUBLISHED, CommitOutcome.ACCEPTED)
 
 
-class Committer:
-    """Writes this node's part records and publishes manifests at one destination."""
+class Committer(CommitReads):
+    """Writes this node's part records and publishes manifests at one destination (what it
+    reads to decide: :class:`~ckptdrain.daemon.commitreads.CommitReads`)."""
 
     def __init__(
         self, backend: Backend, node_id: str, *, clock: Callable[[], float] = time.time
     ) -> None:
-        self.backend = backend
+        super().__init__(backend)
         self.node_id = validate_node_id(node_id)
         self._clock = clock
         # One per job this committer has raised LATEST for: a handful per daemon.
         self._latest_locks: dict[str, asyncio.Lock] = {}
-        self.manifests = ManifestCache()
         # Who owns each job at the destination (owners.py): asked before a begin or a commit.
         self.owners = DestinationOwners(self)
 
@@ -253,160 +229,7 @@ class Committer:
         await self._raise_latest_hint(job, step)
         return CommitResult(CommitOutcome.ACCEPTED, existing)
 
-    async def ranks_missing(
-        self, job: str, step: int, world_size: int, attempt: str = ""
-    ) -> list[int] | None:
-        """Ranks with no part record yet; None when the records disagree (try_publish says why)."""
-        parts, problem = await self.read_parts(job, step, world_size, attempt)
-        return None if problem else missing_ranks(parts, world_size)
-
-    async def committed(self, job: str, step: int) -> Manifest | None:
-        """The generation's manifest, or None if it is not committed (also when retention
-        has tombstoned it as abandoned); read and parsed once (:mod:`.manifestcache`).
-
-        Raises ManifestError when a manifest exists but is malformed: that is damage to
-        report, not an uncommitted generation to wait for.
-        """
-        found = await self.committed_shards(job, step)
-        return None if found is None else found.manifest
-
-    async def committed_shards(self, job: str, step: int) -> Committed | None:
-        """:meth:`committed`, with its shards by path."""
-        return await self.manifests.get(job, step, lambda: self._read_committed(job, step))
-
-    async def committed_or_removed(self, job: str, step: int
-                                   ) -> tuple[Manifest | None, bytes | None]:
-        """:meth:`committed`, and, where retention removed the step after it committed, the
-        tombstone its manifest key holds now (tombstone.py: it says so, and by which world
-        size and nodes), from one read."""
-        read: list[bytes] = []
-        found = await self.manifests.get(job, step, lambda: self._read_committed(job, step, read))
-        if found is not None:
-            return found.manifest, None
-        if read and is_tombstone(read[0]) and was_committed(read[0]):
-            return None, read[0]
-        return None, None
-
-    async def _read_key(self, key: str) -> tuple[bytes | None, Manifest | None]:
-        """What a MANIFEST.json key holds: (None, None) nothing, (bytes, None) a tombstone,
-        (bytes, manifest) a manifest. Bytes that are neither are read once more before they
-        count (ManifestError): one answer that held no object's bytes (a 200 whose body was
-        an S3 <Error>, from a middlebox) refused a step nobody had saved, failed a late
-        publish as a conflict, and cancelled a step another node had committed (found
-        attacking the S3 drain, then multi-node commits). Twice unreadable, it is the key's.
-        Every read of a manifest key for a decision goes through here."""
-        # The raw key, not latest.manifest_bytes: for the step asked about, a link or an
-        # oversized object there is an error to report (a wait on it must not just time out).
-        for read in (1, 2):
-            data = await self.backend.get_bytes(key)
-            if data is None or is_tombstone(data):
-                return data, None
-            try:
-                return data, await parse_manifest(data)
-            except ManifestError:
-                if read == 2:
-                    raise
-        raise AssertionError("unreachable")
-
-    async def _read_committed(self, job: str, step: int,
-                              read: list[bytes] | None = None) -> Manifest | None:
-        """The manifest at the step's key, or None; ``read`` takes what the key held."""
-        data, manifest = await self._read_key(manifest_key(job, step))
-        if data is not None and read is not None:
-            read.append(data)
-        return manifest
-
-    async def is_committed(self, job: str, step: int) -> bool:
-        """Whether ``job`` step ``step`` is committed at the destination: what a ``begin``
-        asks before accepting a generation (a committed step must be refused: "step 5 of job
-        X is committed; save a new step").
-
-        Raises :class:`ManifestDamaged` when the manifest key holds anything but a valid
-        manifest of this step, and :class:`StepAbandoned` when retention has tombstoned it:
-        either way a new attempt there could never commit, so the caller refuses it too.
-        BackendError when the destination cannot answer (transient ones are worth a retry).
-        """
-        key = manifest_key(job, step)
-        try:
-            data, manifest = await self._read_key(key)
-        except ManifestError as exc:
-            raise ManifestDamaged(
-                job, step,
-                f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} ({exc}); "
-                "nothing may overwrite it: inspect it, and save a new step",
-            ) from exc
-        if data is None:
-            return False
-        if manifest is None:
-            what = ("was committed, and retention has since removed it (older than the "
-                    "newest retention.keep_last commits)" if was_committed(data) else
-                    "was abandoned and is being removed by retention")
-            raise StepAbandoned(
-                job, step,
-                f"step {step} of job {job!r} {what} ({key} holds its tombstone); save a "
-                "new step",
-            )
-        if (manifest.job, manifest.generation) != (job, step):
-            raise ManifestDamaged(
-                job, step,
-                f"step {step} of job {job!r} has a damaged MANIFEST.json at {key} (it "
-                f"describes {manifest.job!r} generation {manifest.generation}); nothing may "
-                "overwrite it: inspect it, and save a new step",
-            )
-        return True
-
     # --- steps ------------------------------------------------------------------------------
-
-    async def read_parts(
-        self, job: str, step: int, world_size: int, attempt: str = "", *,
-        others: list[PartRecord] | None = None,
-    ) -> tuple[list[PartRecord], str]:
-        """Every readable part record of ``attempt``, or a reason why they cannot be trusted.
-        Records of another attempt at the same step are stale: not counted, not a conflict
-        (appended to ``others`` when given: what a wait that never ends names).
-        A destination error is raised as itself (BackendError), not inside an ExceptionGroup,
-        so callers can retry it; records are parsed off the event loop."""
-        prefix = parts_prefix(job, step)
-        keys = [
-            info.key
-            for info in await self.backend.list(prefix)
-            if info.key.endswith(".json") and "/" not in info.key[len(prefix) :]
-        ]
-        found: dict[str, bytes | None] = {}
-
-        async def read(key: str) -> None:
-            found[key] = await self.backend.get_bytes(key)
-
-        await for_each_bounded(keys, read, PART_READ_CONCURRENCY)
-        datas = [found[key] for key in keys]
-        # 100,000 shards are megabytes of JSON: parsed in a worker thread, never on the loop.
-        decoded = await off_loop_if_large(sum(len(d) for d in datas if d), _decode_parts, datas)
-        parts: list[PartRecord] = []
-        for key, part_or_error in zip(keys, decoded, strict=True):
-            if part_or_error is None:
-                continue  # removed since the listing; the coverage check decides
-            if isinstance(part_or_error, ManifestError):
-                return [], f"part record {key} is unreadable: {part_or_error}"
-            part = part_or_error
-            if key != part_key(job, step, part.node):
-                return [], f"part record {key} names node {part.node!r}; it is misplaced"
-            if (part.job, part.step) != (job, step):
-                return [], f"part record {key} is for {part.job!r} step {part.step}"
-            if part.attempt != attempt:
-                if others is not None:
-                    others.append(part)
-                continue  # left by another attempt at this step; its node will rewrite it
-            if part.world_size != world_size:
-                return [], (
-                    f"node {part.node!r} drained this generation with world_size "
-                    f"{part.world_size}, this node with {world_size}; two runs wrote the same "
-                    "job and step"
-                )
-            parts.append(part)
-        mixed = owners_disagree(parts)
-        if mixed:
-            return [], mixed
-        return parts, ""
 
     async def _unproven_shards(
         self, manifest: Manifest
@@ -488,16 +311,3 @@ def _some(shards: Sequence[ShardEntry], shown: int = 5) -> str:
     """``'a', 'b' and 3 more``: bounded, so 100,000 bad shards make a readable reason."""
     names = ", ".join(repr(shard.path) for shard in shards[:shown])
     return names + (f" and {len(shards) - shown} more" if len(shards) > shown else "")
-
-
-def _decode_parts(datas: list[bytes | None]) -> list[PartRecord | ManifestError | None]:
-    out: list[PartRecord | ManifestError | None] = []
-    for data in datas:
-        if data is None:
-            out.append(None)
-            continue
-        try:
-            out.append(PartRecord.from_json(data))
-        except ManifestError as exc:
-            out.append(exc)
-    return out

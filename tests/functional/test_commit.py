@@ -398,7 +398,7 @@ async def test_large_part_records_are_parsed_off_the_event_loop(monkeypatch: pyt
     commit poll) must not stall the event loop that serves hand-offs."""
     import threading
 
-    from ckptdrain.daemon import commit as commit_module
+    from ckptdrain.daemon import commitreads as commit_module
 
     backend = MemoryBackend("n0", store=MemoryStore())
     shards = []

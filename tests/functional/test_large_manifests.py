@@ -170,10 +170,10 @@ def _direct_parses(path: Path) -> Iterator[tuple[str, int]]:
 
 
 def test_the_daemon_parses_manifests_and_part_records_only_through_the_off_loop_helpers() -> None:
-    # latest.parse_manifest and latest.parse_part run large ones in a thread; commit's
+    # latest.parse_manifest and latest.parse_part run large ones in a thread; commitreads'
     # _decode_parts is itself run through off_loop_if_large.
     allowed = {("latest.py", "parse_manifest"), ("latest.py", "parse_part"),
-               ("commit.py", "_decode_parts")}
+               ("commitreads.py", "_decode_parts")}
     found = [(path.relative_to(DAEMON).as_posix(), func, line)
              for path in sorted(DAEMON.rglob("*.py"))
              for func, line in _direct_parses(path)
