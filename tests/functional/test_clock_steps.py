@@ -121,8 +121,16 @@ def test_the_last_commit_time_after_a_restart_is_still_this_nodes(
     clock.set(-7200.0)
     wait_for(lambda: stepped(c, -7200.0), timeout_s=10, interval_s=0.2)
     rank_recorded(d, 1, rank=0)
-    with c.client().generation(JOB, 1, rank=1, world_size=2) as g:  # the last: it publishes
-        g.put("rank1.bin", b"\x01" * 4096)
+    # node-d stopped while node-c records the last rank: node-c publishes, not a poll of
+    # node-d's that read node-c's record first (the test failed so now and then).
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        with c.client().generation(JOB, 1, rank=1, world_size=2) as g:  # the last: it publishes
+            g.put("rank1.bin", b"\x01" * 4096)
+        c.client().wait(JOB, 1, timeout_s=30)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
     d.client().wait(JOB, 1, timeout_s=30)
     manifest = json.loads((d.dest / JOB / f"{1:020d}" / "MANIFEST.json").read_text())
     assert manifest["clocks"]["committed"] < time.time() - 7000  # node-c's clock published it
