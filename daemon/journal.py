@@ -24,12 +24,13 @@ from typing import Any, TypeVar
 from ckptdrain.daemon.journalfaults import (
     JournalError,
     JournalFull,
+    JournalTooOld,
     cannot_write,
     damaged,
     is_damaged,
     unwritable,
 )
-from ckptdrain.daemon.journalrows import SCHEMA
+from ckptdrain.daemon.journalrows import SCHEMA, upgrade
 from ckptdrain.daemon.logs import log_event
 
 T = TypeVar("T")
@@ -154,6 +155,20 @@ class Journal:
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA foreign_keys=OFF")
         db.executescript(SCHEMA)
+        try:
+            added = upgrade(db)
+        except ValueError as exc:
+            db.close()
+            raise JournalTooOld(
+                f"the journal {self.path} was written by an older ckptdrain that this version "
+                f"cannot upgrade in place: {exc}; start the version that wrote it, let it "
+                "drain what it holds (`ckptdrain drain --wait`), stop it, then move the "
+                "journal aside and start this version") from None
+        if added:
+            log_event(log, logging.WARNING, "journal_upgraded", path=str(self.path),
+                      columns=",".join(added),
+                      action="the journal was written by an older ckptdrain: its tables gained "
+                      "the columns this version records (an older version still reads it)")
         self._db = db
 
     async def close(self) -> None:

@@ -45,6 +45,11 @@ class JournalDamaged(JournalError, OperatorNeeded):
     restarts)."""
 
 
+class JournalTooOld(JournalError, OperatorNeeded):
+    """The journal was written by a version whose tables this one cannot extend in place: no
+    restart mends it, the operator chooses (the message says how)."""
+
+
 def damaged(path: Path, exc: sqlite3.Error) -> JournalError:
     return JournalDamaged(
         f"cannot read the journal {path}: {exc}; check the staging disk (staging_dir) for I/O "

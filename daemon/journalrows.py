@@ -9,6 +9,7 @@ write; this module owns what the rows say.
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,46 @@ CREATE TABLE IF NOT EXISTS upload_parts (
     PRIMARY KEY (shard_id, number)
 );
 """
+
+
+def upgrade(db: sqlite3.Connection) -> list[str]:
+    """Add to a journal an older version wrote the columns :data:`SCHEMA` gained since
+    (``CREATE TABLE IF NOT EXISTS`` leaves an existing table as it was); returns them as
+    ``table.column``. A column added to the schema takes a DEFAULT (or NULL), so the rows
+    already there read as they meant. Without this, a journal from before ``attempt`` or
+    ``deferred`` existed failed the upgraded daemon's start as "a row this version cannot read
+    ... written by a newer ckptdrain", whose advice (move the journal aside) set its
+    acknowledged shards aside (found attacking upgrades). A missing column with no default
+    cannot be added in place: :class:`ValueError` naming it."""
+    want = sqlite3.connect(":memory:")
+    try:
+        want.executescript(SCHEMA)
+        tables = [r[0] for r in want.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        missing = []
+        for table in tables:
+            have = {r[1] for r in db.execute(f'PRAGMA table_info("{table}")')}
+            for _, name, kind, notnull, default, pk in want.execute(
+                    f'PRAGMA table_info("{table}")'):
+                if name in have:
+                    continue
+                if pk or (notnull and default is None):
+                    raise ValueError(f"table {table!r} lacks column {name!r}, which has no "
+                                     "default to give the rows already there")
+                missing.append((table, name, f'"{name}" {kind}' + (" NOT NULL" if notnull else "")
+                                + ("" if default is None else f" DEFAULT {default}")))
+    finally:
+        want.close()
+    if missing:
+        db.execute("BEGIN IMMEDIATE")  # all of them or none, should the daemon die meanwhile
+        try:
+            for table, _, column in missing:
+                db.execute(f'ALTER TABLE "{table}" ADD COLUMN {column}')
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+    return [f"{table}.{name}" for table, name, _ in missing]
 
 
 # Statement builders: keep SQL in one place so callers compose them into one transaction.
