@@ -86,6 +86,17 @@ _MANIFEST_FIELDS = frozenset(
 )
 
 
+class NewerFormat(ManifestError):
+    """A record in a format newer than this ckptdrain reads: a newer version wrote it, and
+    only an upgrade reads it. Not damage: a reader that skipped it as damage answered an
+    older step as the newest without saying why."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+        self.step: int | None = None  # the step whose record it is, where the reader knows
+
+
 class RecordTooLarge(ManifestError):
     """A manifest or part record would pass :data:`MAX_RECORD_BYTES`: no reader would take it."""
 
@@ -111,13 +122,24 @@ def checked_size(body: bytes, what: str, shards: int) -> None:
             "save fewer, larger files (with DCP, single_file_per_rank=True)")
 
 
+def _fields_of(data: bytes, what: str, fields: frozenset[str],
+               optional: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The record's JSON object, its fields checked, after its format_version: a newer
+    format grows by fields this version does not know, so checked first they made a newer
+    version's record read as damage ("unknown field(s)") instead of :class:`NewerFormat`."""
+    obj = load_json(data, what)
+    if isinstance(obj, dict) and "format_version" in obj:
+        version = int_field(obj["format_version"], f"{what} format_version", minimum=1)
+        if version > FORMAT_VERSION:
+            raise NewerFormat(
+                f"{what} has format_version {version}, newer than this ckptdrain understands "
+                f"({FORMAT_VERSION}); upgrade ckptdrain to read it", version
+            )
+    return object_field(obj, what, fields, optional)
+
+
 def _check_version(obj: dict[str, Any], kind: str, what: str) -> None:
     version = int_field(obj["format_version"], f"{what} format_version", minimum=1)
-    if version > FORMAT_VERSION:
-        raise ManifestError(
-            f"{what} has format_version {version}, newer than this ckptdrain understands "
-            f"({FORMAT_VERSION}); upgrade ckptdrain to read it"
-        )
     if version not in READABLE_VERSIONS:
         raise ManifestError(f"{what} has unsupported format_version {version}")
     if obj["kind"] != kind:
@@ -249,7 +271,7 @@ class PartRecord:
     @classmethod
     def from_json(cls, data: bytes) -> PartRecord:
         what = "part record"
-        obj = object_field(load_json(data, what), what, _PART_FIELDS, _PART_OPTIONAL_FIELDS)
+        obj = _fields_of(data, what, _PART_FIELDS, _PART_OPTIONAL_FIELDS)
         _check_version(obj, "part", what)
         node = str_field(obj["node"], f"{what} node")
         what = f"part record of node {node!r}"
@@ -334,7 +356,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         what = "manifest"
-        obj = object_field(load_json(data, what), what, _MANIFEST_FIELDS)
+        obj = _fields_of(data, what, _MANIFEST_FIELDS)
         _check_version(obj, "manifest", what)
         shards = tuple(
             ShardEntry.from_dict(item, f"{what} shard {i}")

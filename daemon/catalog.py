@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 
 from ckptdrain.client.errors import RejectedInput
 from ckptdrain.client.keys import generation_prefix, manifest_key, parse_generation_dir, shard_key
-from ckptdrain.client.manifest import Manifest
+from ckptdrain.client.manifest import FORMAT_VERSION, Manifest, NewerFormat
 from ckptdrain.client.names import validate_job
 from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.client.shardentries import ShardEntry
@@ -49,6 +49,19 @@ class CatalogError(DaemonError):
 
 class NotCommitted(CatalogError):
     """The generation has no (readable) manifest: it was never committed or was removed."""
+
+
+class NeedsUpgrade(CatalogError):
+    """The generation's manifest is in a format a newer ckptdrain writes: it is committed,
+    and only a newer version reads it. Passed by as damage, `latest` and `restore --generation
+    latest` answered an older step, and a step named outright was "not committed"."""
+
+
+def _needs_upgrade(backend: Backend, job: str, step: int, exc: NewerFormat) -> NeedsUpgrade:
+    return NeedsUpgrade(
+        f"generation {step} of job {job!r} at {backend.uri} was committed by a newer ckptdrain "
+        f"(its manifest has format_version {exc.version}; this version reads up to "
+        f"{FORMAT_VERSION}): upgrade ckptdrain here to read it")
 
 
 @dataclass(frozen=True)
@@ -126,7 +139,8 @@ async def _manifest_steps(backend: Backend, job: str) -> list[int]:
 
 async def read_manifest(backend: Backend, job: str, step: int) -> Manifest | None:
     """The generation's manifest, or None when it is absent or damaged (logged): either way
-    the generation is not one a restart may use."""
+    the generation is not one a restart may use. :class:`NeedsUpgrade` when a newer ckptdrain
+    wrote it."""
     key = manifest_key(job, step)
     data = await manifest_bytes(backend, job, step)
     if data is None or is_tombstone(data):
@@ -135,6 +149,8 @@ async def read_manifest(backend: Backend, job: str, step: int) -> Manifest | Non
         return None
     try:
         manifest = await parse_manifest(data)
+    except NewerFormat as exc:
+        raise _needs_upgrade(backend, job, step, exc) from None
     except ManifestError as exc:
         log.warning("ignoring %s: %s", key, exc)
         return None
@@ -164,7 +180,11 @@ async def list_generations(backend: Backend, job: str) -> list[GenerationInfo]:
     found: dict[int, Manifest] = {}
 
     async def load(step: int) -> None:
-        manifest = await read_manifest(backend, job, step)
+        try:
+            manifest = await read_manifest(backend, job, step)
+        except NeedsUpgrade as exc:  # the others are listed; this one says why it is not
+            log.warning("ignoring %s: %s", manifest_key(job, step), exc)
+            return
         if manifest is not None:
             found[step] = manifest
 
@@ -191,6 +211,8 @@ async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | 
     the newest with a valid manifest wins. Never a step older than a generation whose
     manifest existed when the call began (one retention removed during the scan sends it
     round again, a few times at most). ``use_hint=False`` skips the hint.
+    :class:`NeedsUpgrade` when the newest commit is one a newer ckptdrain wrote: the answer
+    is never an older step.
     """
     answer: int | None = None
     for _ in range(LATEST_SCANS):
@@ -200,8 +222,12 @@ async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | 
             if hinted is not None and await read_manifest(backend, job, hinted) is not None:
                 floor = hinted
         removed: list[int] = []
-        newer = await newest_committed(backend, job, above=-1 if floor is None else floor,
-                                       removed=removed)
+        try:
+            newer = await newest_committed(backend, job, above=-1 if floor is None else floor,
+                                           removed=removed, newer_format=True)
+        except NewerFormat as exc:
+            assert exc.step is not None  # (committed_above names it)
+            raise _needs_upgrade(backend, job, exc.step, exc) from None
         answer = newer if newer is not None else floor
         # Retention removes a committed generation only once newer ones committed. One it
         # removed during this scan, above the answer, was committed when the call began, and

@@ -387,6 +387,8 @@ class ClientHandler:
     async def _latest(self, job: str) -> dict[str, Any]:
         try:
             step = await catalog.latest(self.d.backend, job)
+        except catalog.NeedsUpgrade as exc:  # committed, by a newer version: no older answer
+            raise RequestError(wire.DESTINATION, f"{exc} (this daemon's)") from None
         except (BackendError, ManifestError, OSError) as exc:
             raise destination_error(job, None, exc) from None
         # Where the job's generations lie (`Client.latest_path`): `<root>/<step:020d>`.

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ckptdrain.client.keys import STEP_DIGITS, latest_key, manifest_key, parse_generation_dir
-from ckptdrain.client.manifest import Manifest, PartRecord
+from ckptdrain.client.manifest import Manifest, NewerFormat, PartRecord
 from ckptdrain.client.names import MAX_STEP
 from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.backends.base import Backend, BackendError
@@ -114,16 +114,21 @@ async def manifest_bytes(backend: Backend, job: str, step: int) -> bytes | None:
 
 
 async def newest_committed(backend: Backend, job: str, above: int, *,
-                           removed: list[int] | None = None) -> int | None:
+                           removed: list[int] | None = None,
+                           newer_format: bool = False) -> int | None:
     """The newest step of ``job`` above ``above`` with a valid manifest, or None (``removed``:
-    as :func:`committed_above`)."""
-    found = await committed_above(backend, job, above, enough=1, removed=removed)
+    as :func:`committed_above`). ``newer_format``: a manifest a newer ckptdrain wrote
+    (:class:`NewerFormat`) raises rather than being passed by, for readers that must not
+    answer an older step without saying why."""
+    found = await committed_above(backend, job, above, enough=1, removed=removed,
+                                  newer_format=newer_format)
     return found[0] if found else None
 
 
 async def committed_above(backend: Backend, job: str, above: int, *, enough: int,
                           look_at: int | None = None,
-                          removed: list[int] | None = None) -> list[int]:
+                          removed: list[int] | None = None,
+                          newer_format: bool = False) -> list[int]:
     """Up to ``enough`` steps of ``job`` above ``above`` with a valid manifest, newest first.
 
     One listing of the job's generation directories (not of their shards), then a manifest
@@ -131,7 +136,7 @@ async def committed_above(backend: Backend, job: str, above: int, *, enough: int
     commit are usually just the generations in flight. ``look_at`` bounds the directories
     read (the newest ones): a best effort for a question asked on every begin. ``removed``
     gets the steps read whose key holds the tombstone of a committed generation (retention
-    removed it: a newer commit exists).
+    removed it: a newer commit exists). ``newer_format``: see :func:`newest_committed`.
     """
     steps = sorted(
         (
@@ -150,6 +155,11 @@ async def committed_above(backend: Backend, job: str, above: int, *, enough: int
             continue
         try:
             manifest = await parse_manifest(data)
+        except NewerFormat as exc:
+            if newer_format:
+                exc.step = step
+                raise
+            continue
         except ManifestError:
             continue  # damaged: not a commit a restart may use (catalog logs it)
         if (manifest.job, manifest.generation) == (job, step):
