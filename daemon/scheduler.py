@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptdrain.client.manifest import ManifestError, generation_prefix, shard_key
+from ckptdrain.client.recordfields import parse_checksum
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.drainpace import DrainPace, ShardFlow
@@ -32,6 +33,7 @@ from ckptdrain.daemon.publisher import Publisher
 from ckptdrain.daemon.reads import Identity, identity
 from ckptdrain.daemon.records import retrying_note
 from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
+from ckptdrain.daemon.threads import in_thread
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
@@ -366,10 +368,13 @@ class Scheduler(DrainPace):
         if gen.terminal or shard.state is not ShardState.DRAINING:
             return False
         if shard.deferred and shard.checksum and checksum != shard.checksum:
-            # The part record already promised shard.checksum: the staged copy changed.
-            self.metrics.drain_error(self.destination, "integrity")
-            await self._fail_shard(gen, shard, f"staged copy changed: {checksum} != {shard.checksum}")
-            return False
+            promised = await self._promised(shard, checksum)
+            if promised is None:
+                # The part record already promised shard.checksum: the staged copy changed.
+                self.metrics.drain_error(self.destination, "integrity")
+                await self._fail_shard(gen, shard, f"staged copy changed: {checksum} != {shard.checksum}")
+                return False
+            checksum = promised
         now = time.time()
         gen.retrying = ""
         await self.ledger.apply(shard, ShardEvent.DRAINED, checksum=checksum, drained_at=now)
@@ -377,6 +382,24 @@ class Scheduler(DrainPace):
         if then_advance:
             await self.publisher.advance(gen)
         return True
+
+    async def _promised(self, shard: ShardRecord, checksum: str) -> str | None:
+        """The checksum a deferred shard's part record promised, when its staged copy still
+        has it though the drain computed ``checksum`` with another algorithm; else None. A
+        version writing format 1 promised sha256 at the hand-off: upgraded before the
+        generation committed, this version's CRC64NVME of the same bytes failed the shard
+        as "staged copy changed", and the generation with it (found attacking upgrades)."""
+        try:
+            algo = parse_checksum(shard.checksum)[0]
+        except ManifestError:
+            return None
+        if algo == parse_checksum(checksum)[0]:
+            return None  # one algorithm, two values: the bytes did change
+        try:
+            now = await in_thread(self.staging.checksum, shard.staged_name, algo)
+        except OSError:
+            return None
+        return shard.checksum if now == shard.checksum else None
 
     async def _put(self, shard: ShardRecord) -> str:
         fd = self.staging.open_data(shard.staged_name)
