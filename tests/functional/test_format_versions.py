@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client.errors import DestinationError
-from ckptdrain.client.keys import latest_key, manifest_key, shard_key
+from ckptdrain.client.errors import DestinationError, DrainError, NotFound
+from ckptdrain.client.keys import latest_key, manifest_key, part_key, shard_key
 from ckptdrain.client.manifest import FORMAT_VERSION, Manifest, NewerFormat, PartRecord
 from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog
@@ -144,3 +144,57 @@ def test_client_latest_says_upgrade_rather_than_answer_an_older_step(make_daemon
                          capture_output=True, text=True, timeout=60, env=d.env())
     assert out.returncode == 1 and "upgrade ckptdrain" in out.stderr, out.stderr
     assert not (root.parent / "restored").exists()
+
+
+def test_a_format_1_generation_is_fetched_through_the_daemon_checked_by_sha256(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # What DrainReader does for a shard this node holds no copy of.
+    d: DaemonProcess = make_daemon()
+    data = os.urandom(300_000)
+    committed(d.dest, 100, {"model/rank0.pt": data}, version=1)
+    out = tmp_path / "fetched"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        got = d.client().fetch_from_destination(JOB, 100, "model/rank0.pt", fd)
+    finally:
+        os.close(fd)
+    assert got["checksum"] == f"sha256:{hashlib.sha256(data).hexdigest()}"
+    assert out.read_bytes() == data
+    with pytest.raises(NotFound):
+        d.client().open_local(JOB, 100, "model/rank0.pt")  # no copy here: the destination's
+    # Damaged at the destination: refused by its own algorithm, not passed.
+    (d.dest / shard_key(JOB, 100, "model/rank0.pt")).write_bytes(os.urandom(300_000))
+    fd = os.open(out, os.O_RDWR | os.O_TRUNC, 0o600)
+    try:
+        with pytest.raises(DrainError, match="sha256"):
+            d.client().fetch_from_destination(JOB, 100, "model/rank0.pt", fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_rolling_upgrade_commits_an_older_nodes_format_1_part_beside_a_new_one(
+        make_daemon: Any) -> None:
+    # Node gpu-old still runs a version writing format 1: sha256 checksums (in its record
+    # and its shards' attribute), no owner_uid. Node new, upgraded, drains rank 1 and
+    # commits both, each shard with its own checksum.
+    d: DaemonProcess = make_daemon("new", CKPTDRAIN_ATTEMPT="")
+    old = os.urandom(70_000)
+    path = shard_key(JOB, 5, "rank0.bin")
+    (d.dest / path).parent.mkdir(parents=True)
+    (d.dest / path).write_bytes(old)
+    checksum = f"sha256:{hashlib.sha256(old).hexdigest()}"
+    os.setxattr(d.dest / path, XATTR, checksum.encode())
+    record = json.loads(PartRecord(JOB, 5, 2, "gpu-old", (0,),
+                                   (ShardEntry("rank0.bin", len(old), checksum, 0, "gpu-old"),),
+                                   {"handoff": 1.0, "staged": 2.0, "drained": 3.0}).to_json())
+    record["format_version"] = 1
+    (d.dest / part_key(JOB, 5, "gpu-old")).parent.mkdir(parents=True)
+    (d.dest / part_key(JOB, 5, "gpu-old")).write_bytes(json.dumps(record).encode())
+    new = os.urandom(50_000)
+    with d.client().generation(JOB, 5, rank=1, world_size=2, attempt="") as gen:
+        gen.put("rank1.bin", new)
+    d.client().wait(JOB, 5, timeout_s=60, attempt="")
+    manifest = Manifest.from_json((d.dest / manifest_key(JOB, 5)).read_bytes())
+    assert {s.path: s.checksum for s in manifest.shards} == {
+        "rank0.bin": checksum, "rank1.bin": of_bytes(new)}
+    assert d.client().latest(JOB) == 5
