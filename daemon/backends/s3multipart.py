@@ -114,9 +114,12 @@ class MultipartUploads(S3Client):
         if on_server is None:
             log_event(log, logging.INFO, "s3_upload_gone", key=key, upload_id=upload_id)
             return None, {}
-        if any(part_crc(checksum) is None for _, checksum in journal.values()):
+        if not journal or any(part_crc(checksum) is None for _, checksum in journal.values()):
             # Begun by an older version with another part checksum (CRC32): that upload cannot
-            # take CRC64NVME parts, so it is given up and a new one begun.
+            # take CRC64NVME parts, so it is given up and a new one begun. So is one with no
+            # part journalled, whose checksum nothing here tells: an older version's, stopped
+            # for the upgrade before its first part, failed every CRC64NVME part sent to it
+            # ("InvalidRequest", found attacking upgrades), and nothing of it would be kept.
             await self._abort(key, full, upload_id)
             return None, {}
         kept: dict[int, tuple[str, str]] = {}
