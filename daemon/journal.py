@@ -148,7 +148,7 @@ class Journal:
         if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
             # Incremental: compact() can then give freed pages back without a full VACUUM.
             db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-            db.execute("VACUUM")
+            self._vacuum(db)
         db.execute("PRAGMA journal_mode=WAL")
         # A WAL reset after a checkpoint is cut back to this, never to nothing (compact).
         db.execute(f"PRAGMA journal_size_limit={WAL_KEPT_BYTES}")
@@ -170,6 +170,23 @@ class Journal:
                       action="the journal was written by an older ckptdrain: its tables gained "
                       "the columns this version records (an older version still reads it)")
         self._db = db
+
+    def _vacuum(self, db: sqlite3.Connection) -> None:
+        """Rewrite the journal with its new auto_vacuum mode: a journal an older version made
+        has none. The rewrite needs room for a copy of the journal, which a full staging disk
+        has not: it failed the start (exit 75, retried for as long as the disk stayed full)
+        of a daemon upgraded onto it, whose acknowledged shards only it can drain and so make
+        room (found attacking upgrades). The mode is no record: the journal opens without it,
+        and a later start with room rewrites it."""
+        try:
+            db.execute("VACUUM")
+        except sqlite3.Error as exc:
+            if not cannot_write(exc):
+                raise
+            log_event(log, logging.WARNING, "journal_not_vacuumed", path=str(self.path),
+                      error=str(exc), action="the staging filesystem has no room to rewrite "
+                      "the journal an older version made; it is used as it is (its file does "
+                      "not shrink as it forgets) until a start with room rewrites it")
 
     async def close(self) -> None:
         self._closing.set()

@@ -15,7 +15,8 @@ from ckptdrain.daemon.errors import OperatorNeeded
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.journalfaults import JournalError
 from ckptdrain.daemon.ledger import Ledger
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, fill_up
+from tests.functional.test_startup import MiB, destination_not_mounted, small_filesystem
 
 # The tables as the first version wrote them: `generations.attempt` and `shards.deferred`
 # came later, with defaults, and `CREATE TABLE IF NOT EXISTS` leaves a table as it was.
@@ -113,3 +114,32 @@ async def test_a_journal_missing_a_column_with_no_default_is_refused_for_the_ope
     await journal.close()
     assert isinstance(caught.value, OperatorNeeded)  # exit 78: no restart mends it
     assert "'upload_id'" in str(caught.value) and "older ckptdrain" in str(caught.value)
+
+
+def test_an_upgrade_onto_a_full_staging_disk_drains_an_older_journals_shards(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking upgrades: a journal an older version made has no auto_vacuum mode, and
+    # setting it rewrote the whole journal at the start, which a full staging disk has no room
+    # for: exit 75, retried for as long as the disk stayed full, while the acknowledged shards
+    # that only the daemon could drain (and so make room) waited. A journal of the same size
+    # made by this version started.
+    d, root = destination_not_mounted(make_daemon, tmp_path)
+    with small_filesystem(d.staging, 64):
+        d.start()
+        with d.client().generation("job", 1) as g:
+            g.put("w.bin", b"w" * (4 * MiB))
+        assert d.stop() == 0
+        db = sqlite3.connect(d.staging / "journal.sqlite3", isolation_level=None)
+        db.execute("PRAGMA auto_vacuum=NONE")  # as versions before it made journals
+        db.execute("CREATE TABLE padding (b BLOB)")  # a journal grown over months of work
+        for _ in range(20):
+            db.execute("INSERT INTO padding VALUES (?)", (b"p" * MiB,))
+        db.execute("VACUUM")
+        db.close()
+        fill_up(d.staging)  # another user's files
+        d.start()
+        assert "event=journal_not_vacuumed" in d.log()
+        (tmp_path / "lustre" / "proj").mkdir()  # the destination mounted
+        d.client().wait("job", 1, timeout_s=60)
+        assert (root / "job" / f"{1:020d}" / "w.bin").read_bytes() == b"w" * (4 * MiB)
+        assert d.stop() == 0
