@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError
+from ckptdrain.client.manifest import ManifestError, NewerFormat
 from ckptdrain.client.wire import Message, ProtocolError
 from ckptdrain.daemon import catalog, maintenance, owners, payloads, reads, waits
 from ckptdrain.daemon.access import Peer
@@ -549,6 +549,9 @@ class ClientHandler:
 def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:
     what = f"step {step} of job {job!r}" if step is not None else f"job {job!r}"
     detail = str(exc) or type(exc).__name__
+    if isinstance(exc, NewerFormat):  # not damage: `verify` would say the same
+        return RequestError(wire.DESTINATION, f"{what} was committed by a newer ckptdrain at "
+                            f"the destination ({detail}); upgrade this node's daemon")
     if isinstance(exc, ManifestError):
         return RequestError(wire.DESTINATION, f"the manifest of {what} at the destination is "
                             f"damaged: {detail}; run `ckptdrain verify` on it")

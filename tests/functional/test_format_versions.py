@@ -198,3 +198,12 @@ def test_a_rolling_upgrade_commits_an_older_nodes_format_1_part_beside_a_new_one
     assert {s.path: s.checksum for s in manifest.shards} == {
         "rank0.bin": checksum, "rank1.bin": of_bytes(new)}
     assert d.client().latest(JOB) == 5
+
+
+def test_a_wait_on_a_step_a_newer_version_committed_says_upgrade_not_damaged(
+        make_daemon: Any) -> None:
+    d: DaemonProcess = make_daemon()
+    newer(d.dest, 300)
+    with pytest.raises(DestinationError, match="newer ckptdrain") as caught:
+        d.client().wait(JOB, 300, timeout_s=5)
+    assert "damaged" not in str(caught.value)
