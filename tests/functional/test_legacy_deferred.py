@@ -65,9 +65,6 @@ async def test_a_deferred_shard_promised_in_sha256_whose_copy_changed_still_fail
         assert "staged copy changed" in shard.error
 
 
-@pytest.mark.xfail(strict=True, reason="the commit's proof (commit.Committer._unproven_shards) "
-                   "compares a destination's CRC64NVME with a part record's sha256 as if one "
-                   "algorithm: it must compare only checksums of the same algorithm")
 def test_an_upgrade_with_a_format_1_deferred_shard_pending_commits(make_daemon: Any) -> None:
     a: DaemonProcess = make_daemon("node-a")
     b: DaemonProcess = make_daemon("node-b")
