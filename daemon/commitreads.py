@@ -11,7 +11,7 @@ the exclusive create of the manifest, LATEST).
 from __future__ import annotations
 
 from ckptdrain.client.keys import manifest_key, part_key, parts_prefix
-from ckptdrain.client.manifest import Manifest, PartRecord
+from ckptdrain.client.manifest import Manifest, NewerFormat, PartRecord
 from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.assembly import missing_ranks, owners_disagree
 from ckptdrain.daemon.backends.base import Backend
@@ -132,6 +132,15 @@ class CommitReads:
         key = manifest_key(job, step)
         try:
             data, manifest = await self._read_key(key)
+        except NewerFormat as exc:
+            # Committed, by a newer ckptdrain: refused all the same, but no damage to inspect
+            # (it was "damaged ... inspect it"; reported by the helper attacking upgrades).
+            raise StepUnusable(
+                job, step,
+                f"step {step} of job {job!r} is committed by a newer ckptdrain ({exc}); "
+                "nothing may overwrite it: save a new step, and upgrade ckptdrain on this "
+                "node to read it",
+            ) from exc
         except ManifestError as exc:
             raise ManifestDamaged(
                 job, step,

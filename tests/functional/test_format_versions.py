@@ -207,3 +207,15 @@ def test_a_wait_on_a_step_a_newer_version_committed_says_upgrade_not_damaged(
     with pytest.raises(DestinationError, match="newer ckptdrain") as caught:
         d.client().wait(JOB, 300, timeout_s=5)
     assert "damaged" not in str(caught.value)
+
+
+def test_a_begin_on_a_step_a_newer_version_committed_says_upgrade_not_damaged(
+        make_daemon: Any) -> None:
+    # Reported by the helper attacking upgrades: the refusal was right, its words not ("a
+    # damaged MANIFEST.json ... inspect it").
+    d: DaemonProcess = make_daemon()
+    newer(d.dest, 301)
+    with pytest.raises(DrainError, match="committed by a newer ckptdrain") as caught:
+        with d.client().generation(JOB, 301, rank=0, world_size=1) as gen:
+            gen.put("w.bin", b"w")
+    assert "damaged" not in str(caught.value)
