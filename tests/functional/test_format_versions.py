@@ -215,7 +215,7 @@ def test_a_begin_on_a_step_a_newer_version_committed_says_upgrade_not_damaged(
     # damaged MANIFEST.json ... inspect it").
     d: DaemonProcess = make_daemon()
     newer(d.dest, 301)
-    with pytest.raises(DrainError, match="committed by a newer ckptdrain") as caught:
-        with d.client().generation(JOB, 301, rank=0, world_size=1) as gen:
-            gen.put("w.bin", b"w")
+    with (pytest.raises(DrainError, match="committed by a newer ckptdrain") as caught,
+          d.client().generation(JOB, 301, rank=0, world_size=1) as gen):
+        gen.put("w.bin", b"w")
     assert "damaged" not in str(caught.value)
