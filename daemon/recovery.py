@@ -36,6 +36,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.recovery")
 
 
+async def _discard_all(d: Daemon, gen: GenerationRecord) -> None:
+    """``gen`` just failed here with nothing a retry could save (a rank aborted, a shard
+    lost): every shard it staged is discarded, as the next restart would (``given_up``
+    above). Left "staged", they were the job's oldest undrained shard for good
+    (CkptdrainOldestUndrainedTooOld fired until the job committed a newer step, or for a day),
+    `ckptdrain drain` counted them as failed shards kept for `retry`, while `retry` refused
+    them and `abort` said there was nothing to abort (found attacking what operators see).
+    Their copies went as the generation ended (Daemon._after_terminal)."""
+    for shard in gen.shards.values():
+        if shard.state is not ShardState.DISCARDED:
+            await d.ledger.apply(shard, ShardEvent.DISCARDED)
+    d.copies.discard_generation(gen)
+
+
 async def recover(d: Daemon) -> None:
     """Rebuild from the journal and sweep the staging directory; what the staging directory
     does not let it do ends the start naming ``staging_dir`` (any OSError escaping here was
@@ -92,6 +106,7 @@ async def _recover(d: Daemon) -> None:
             await d.fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
                               "local storage; memory hand-offs do not survive a daemon "
                               f"crash; {SAVE_AGAIN}", kind="interrupted")
+            await _discard_all(d, gen)
             continue
         if open_ranks or aborted:
             for r in open_ranks:
@@ -100,6 +115,7 @@ async def _recover(d: Daemon) -> None:
                    if open_ranks else f"rank(s) {aborted} had been aborted when the daemon "
                    "stopped")
             await d.fail(gen, f"{why}; {SAVE_AGAIN}", kind="interrupted")
+            await _discard_all(d, gen)
             continue
         failed = [s for s in gen.shards.values() if s.state is ShardState.FAILED]
         if failed:

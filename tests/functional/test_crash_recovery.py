@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptdrain.client import GenerationFailed
+from ckptdrain.client import DrainError, GenerationFailed
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.daemon.checksums import of_bytes
 from tests.conftest import DaemonProcess, wait_for
@@ -432,3 +432,29 @@ def test_a_journal_removed_under_the_running_daemon_is_written_again(make_daemon
     d.client().wait("gone", 1, timeout_s=30)
     d.client().wait("gone", 2, timeout_s=30)
     assert not (d.staging / "journal-lost").exists()
+
+
+def test_a_generation_a_restart_interrupted_holds_no_undrained_shard(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking what operators see: a daemon killed while a rank was still saving
+    # failed the generation at its restart (the rank aborted: no retry can save it) but left
+    # the shards it had staged "staged". They counted as the job's oldest undrained shard
+    # (CkptdrainOldestUndrainedTooOld fired until the job committed a newer step, or for a
+    # day), `ckptdrain drain` called them failed shards "kept for `ckptdrain retry`", while
+    # `retry` refused them and `abort` said "nothing to abort": nothing cleared them.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="1000")
+    c = d.client()
+    gen = c.generation("cut", 5, rank=0, world_size=2)
+    gen.__enter__()
+    gen.put("r0.bin", b"0" * (1 << 20))  # staged; at 1000 B/s it drains for minutes
+    d.kill()
+    with pytest.raises(DrainError):  # its daemon is gone
+        gen.__exit__(None, None, None)
+    d.start()
+    status = d.client().status()
+    (summary,) = [g for g in status["generations"] if g["job"] == "cut"]
+    assert summary["state"] == "failed" and "staged" not in summary["shards"], summary
+    assert summary["oldest_undrained_age_s"] == 0.0
+    assert "cut" not in status["oldest_undrained_age_s"]
+    report = d.client().drain()
+    assert report["done"] and report["left"]["shards_failed"] == 0, report
+    wait_for(lambda: not list((d.staging / "shards").iterdir()))  # its copy went with it
