@@ -120,7 +120,10 @@ class Reloads:
         free_bytes, _ = d.staging_free
         # From the refresh loop's last sample: a reload never waits on the staging disk.
         capacity = free_bytes + d.admission.staged.used - d.staging_reserve
-        new = startup.fit_staged_limit(new, capacity)
+        # With the disk's size, as at start: a disk someone else filled is full for now, not
+        # too small. Without it every reload failed while the staging filesystem had under
+        # 16 MiB free, in just the incident where an operator reloads (found attacking).
+        new = startup.fit_staged_limit(new, capacity, d.staging_size)
         rate_changed = (new.drain.max_bandwidth_bytes_per_s
                         != d.config.drain.max_bandwidth_bytes_per_s)
         d.config = new

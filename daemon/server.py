@@ -152,6 +152,9 @@ class Daemon:
         self.started_mono = time.monotonic()  # what uptime is read from
         self.staging_free: tuple[int, int] = (0, 0)
         self.staging_reserve = 0
+        # What the staging filesystem could hold were it empty (startup.staging_size), taken at
+        # start: what tells a reload a disk full for now from one too small (reloads.py).
+        self.staging_size: int | None = None
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()  # served, and READY=1 sent
         self._listener: Listener | None = None
@@ -200,6 +203,8 @@ class Daemon:
                                      journal_reserve=self.journal_reserve)
         self.config = self.scheduler.config = fitted
         self.admission.set_limits(fitted)
+        with contextlib.suppress(OSError):  # read a moment ago by the check: not expected
+            self.staging_size = startup.staging_size(fitted.staging_dir)
         try:
             await open_journal(self.journal, self.staging, self.journal_reserve)
         except BaseException:

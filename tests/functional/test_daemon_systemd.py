@@ -344,3 +344,35 @@ def test_a_wait_whose_daemon_dies_for_good_still_raises_at_once(daemon: DaemonPr
     waiter.join(60)
     [(answer, took_s)] = answers
     assert isinstance(answer, DaemonUnavailable) and took_s < 10, (answer, took_s)
+
+
+def test_a_reload_while_the_staging_disk_is_full_for_now_applies(make_daemon,  # type: ignore[no-untyped-def]
+                                                                 tmp_path: Path) -> None:
+    # Found attacking the reload: with the staging filesystem filled by someone else (under
+    # 16 MiB free), every SIGHUP failed with "the filesystem ... has N bytes usable, under the
+    # 16777216 bytes a checkpoint needs; free space there or move staging_dir to a larger
+    # disk", and kept the old limits: in the incident where an operator reloads to change
+    # on_full or the drain's pace, and CkptdrainConfigNotApplied fired on top. A start-up on
+    # such a disk already went on (full for now, not too small); a reload does the same.
+    from tests.conftest import fill_up
+    from tests.functional.test_startup import small_filesystem
+
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text('[limits]\nmax_staged_bytes = "1GiB"\n')
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    with small_filesystem(d.staging, 64):
+        d.start()
+        limit = d.client().status()["limits"]["max_staged_bytes"]
+        assert 32 << 20 <= limit < 64 << 20, limit
+        fill_up(d.staging)
+        wait_for(lambda: d.client().status()["staging_free_bytes"] < 16 << 20)
+        config.write_text('[limits]\nmax_staged_bytes = "1GiB"\non_full = "reject"\n')
+        os.kill(d.pid, signal.SIGHUP)
+        wait_for(lambda: "event=reload" in d.log())
+        status = d.client().status()
+        assert status["config"]["reload_failed"] is None, status["config"]
+        assert status["limits"]["on_full"] == "reject"
+        # The disk's size still bounds the limit; a full disk does not shrink it for good.
+        assert status["limits"]["max_staged_bytes"] == limit
+        (d.staging / "filler").unlink()
+        assert d.stop() == 0
