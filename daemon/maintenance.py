@@ -64,6 +64,8 @@ def report(d: Daemon) -> dict[str, Any]:
     for gen in d.ledger.generations.values():
         receiving += len(gen.receiving)
         # From the generation's tallies (records.py), not a walk of its shards.
+        if gen.never_drains:
+            continue  # given up for good: nothing of it is kept, nothing left to drain
         if gen.terminal:
             # A failed generation's copies kept for `retry`: its failed shards and those it
             # never drained (staged ones were left out, and `drain` said "nothing left" over

@@ -237,8 +237,20 @@ class GenerationRecord:
     def undrained(self) -> list[ShardRecord]:
         return list(self.open_shards.values())
 
+    @property
+    def never_drains(self) -> bool:
+        """Ended for good: cancelled (superseded, replaced), or failed with a rank aborted
+        here, which no ``retry`` can save. What it staged is given up (its copies went as it
+        ended) whatever state a shard's record still reads: a deferred shard of a step
+        superseded by a newer commit stays "staged" (found attacking what operators see)."""
+        return self.state is GenerationState.CANCELLED or (
+            self.state is GenerationState.FAILED and RankState.ABORTED in self.ranks.values())
+
     def oldest_undrained_since(self) -> float | None:
-        """When the oldest shard not yet drained was staged, on the monotonic clock."""
+        """When the oldest shard not yet drained was staged, on the monotonic clock (None:
+        none, or none that will ever drain)."""
+        if self.never_drains:
+            return None
         times = [s.staged_mono for s in self.undrained()]
         return min(times) if times else None
 
@@ -279,8 +291,14 @@ class GenerationRecord:
 
     def summary(self) -> dict[str, Any]:
         held = [st for st, n in self.by_state.items() if n]
-        by_state = {str(st): self.by_state[st] for st in held}
-        bytes_by_state = {str(st): self.bytes_by_state[st] for st in held}
+        given_up = self.never_drains
+        by_state: dict[str, int] = {}
+        bytes_by_state: dict[str, int] = {}
+        for st in held:
+            # Given up: shown as what they are, not "staged" (the runbook's stuck drain).
+            name = str(ShardState.DISCARDED if given_up and st in UNDRAINED_SHARD else st)
+            by_state[name] = by_state.get(name, 0) + self.by_state[st]
+            bytes_by_state[name] = bytes_by_state.get(name, 0) + self.bytes_by_state[st]
         since = self.oldest_undrained_since()
         return {
             "job": self.job,

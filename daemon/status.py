@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon import __version__
 from ckptdrain.daemon.metricsgauges import Snapshot
-from ckptdrain.daemon.state import GenerationState, ShardState
+from ckptdrain.daemon.state import UNDRAINED_SHARD, GenerationState, ShardState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.access import Peer
@@ -230,12 +230,16 @@ def refresh_snapshot(d: Daemon) -> None:
         if not g.terminal:
             in_flight[g.job] = in_flight.get(g.job, 0) + 1
         failed = g.state is GenerationState.FAILED
+        given_up = g.never_drains
         for st, n in g.by_state.items():
             if n:
                 # A failed generation's copies are failed, whatever state their drain reached:
                 # kept for `retry`, they read "staged", which the runbook takes for a stuck
-                # scheduler (found attacking).
-                st = ShardState.FAILED if failed and st in _KEPT_FOR_RETRY else st
+                # scheduler (found attacking). Those of one given up for good are discarded.
+                if given_up and st in UNDRAINED_SHARD:
+                    st = ShardState.DISCARDED
+                elif failed and st in _KEPT_FOR_RETRY:
+                    st = ShardState.FAILED
                 shards_by_state[st] = shards_by_state.get(st, 0) + n
         if g.receiving:
             shards_by_state["receiving"] = shards_by_state.get("receiving", 0) + len(g.receiving)

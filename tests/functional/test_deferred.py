@@ -44,3 +44,38 @@ def test_deferred_shard_on_a_single_node_survives_a_restart(make_daemon) -> None
     d.start()
     d.client().wait("dcp1", 1, timeout_s=30)
     assert (d.dest / "dcp1" / f"{1:020d}" / ".metadata").read_bytes() == b"meta"
+
+
+def test_a_deferred_shard_of_a_step_superseded_by_a_newer_commit_is_not_left_undrained(  # type: ignore[no-untyped-def]
+        make_daemon) -> None:
+    # Found attacking what operators see: step 1 recorded here, waiting for another node's
+    # rank, was cancelled when step 2 committed first; its deferred .metadata (DCP's) stayed
+    # "staged". It was the job's oldest undrained shard on a node that drained fine
+    # (CkptdrainOldestUndrainedTooOld fired until the step was forgotten, an hour or more
+    # later), ckptdrain_queue_shards{state="staged"} showed a stuck drain, and `ckptdrain
+    # drain` called it a failed shard kept for `ckptdrain retry`, which refuses a cancelled
+    # step.
+    from tests.conftest import wait_for
+    from tests.functional.test_startup import scrape
+
+    d: DaemonProcess = make_daemon()
+    c = d.client()
+    with c.generation("dcp", 1, rank=0, world_size=2) as gen:
+        gen.put("__0_0.distcp", b"rank zero data" * 100)
+        gen.put(".metadata", b"the metadata", deferred=True)
+    wait_for(lambda: c.status()["generations"][0]["state"] == "recorded")
+    with c.generation("dcp", 2) as gen:
+        gen.put("__0_0.distcp", b"step two" * 100)
+    c.wait("dcp", 2, timeout_s=30)
+    wait_for(lambda: c.status(job="dcp")["generations"][0]["state"] == "cancelled")
+    status = c.status()
+    (one,) = [g for g in status["generations"] if g["step"] == 1]
+    assert "staged" not in one["shards"] and one["oldest_undrained_age_s"] == 0.0, one
+    assert "dcp" not in status["oldest_undrained_age_s"]
+    report = c.drain()
+    assert report["done"] and report["left"]["shards_failed"] == 0, report
+    # The gauges: read once the refresh loop has seen step 2's commit.
+    wait_for(lambda: scrape(d).get('ckptdrain_queue_shards{state="drained"}') == 2.0)
+    metrics = scrape(d)
+    assert metrics['ckptdrain_oldest_undrained_age_seconds{job="dcp"}'] == 0.0
+    assert metrics['ckptdrain_queue_shards{state="staged"}'] == 0.0
