@@ -37,13 +37,12 @@ log = logging.getLogger("ckptdrain.recovery")
 
 
 async def _discard_all(d: Daemon, gen: GenerationRecord) -> None:
-    """``gen`` just failed here with nothing a retry could save (a rank aborted, a shard
-    lost): every shard it staged is discarded, as the next restart would (``given_up``
-    above). Left "staged", they were the job's oldest undrained shard for good
-    (CkptdrainOldestUndrainedTooOld fired until the job committed a newer step, or for a day),
-    `ckptdrain drain` counted them as failed shards kept for `retry`, while `retry` refused
-    them and `abort` said there was nothing to abort (found attacking what operators see).
-    Their copies went as the generation ended (Daemon._after_terminal)."""
+    """``gen`` failed with nothing a retry could save (a rank aborted, a shard or its kept
+    copy lost): every shard it staged is discarded, and its copies go. Left "staged" or
+    "failed", they were the job's oldest undrained shards for good (CkptdrainOldestUndrained-
+    TooOld fired until the job committed a newer step, or for a day), `ckptdrain drain`
+    counted them as failed shards kept for `retry`, while `retry` refused them and `abort`
+    said there was nothing to abort (found attacking what operators see)."""
     for shard in gen.shards.values():
         if shard.state is not ShardState.DISCARDED:
             await d.ledger.apply(shard, ShardEvent.DISCARDED)
@@ -96,6 +95,12 @@ async def _recover(d: Daemon) -> None:
                     d.copies.recovered(shard)
                 else:
                     shard.local_copy = False
+        if gen.state is GenerationState.FAILED and not given_up and gen.why_not_retryable():
+            # Its copies kept for `retry` are gone (removed while the daemon was down): left,
+            # its shards stayed "failed" across every restart, the job's oldest undrained for
+            # good, that `retry` and `abort` both refused (found attacking). Given up now.
+            await _discard_all(d, gen)
+            continue
         if gen.terminal:
             continue
         held = [s.path for s in gen.shards.values() if s.state is ShardState.HELD]

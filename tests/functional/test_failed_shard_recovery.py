@@ -78,3 +78,33 @@ def test_a_generation_given_up_before_a_crash_gives_its_shards_back_at_restart(
     with pytest.raises(GenerationFailed, match="cannot be retried"):
         d.client().retry("job", 4)
     assert not list((d.staging / "shards").glob("*.data"))
+
+
+def test_a_failed_generation_whose_kept_copies_vanished_is_given_up_at_restart(
+        make_daemon: Any, tmp_path: Path) -> None:
+    # Found attacking what operators see: a failed generation's copies kept for `retry`,
+    # removed from staging while the daemon was down, left its shards "failed" with no copy
+    # behind them, across every restart: the job's oldest undrained shard for good (the alert
+    # fired until the job committed a newer step, or for a day), `ckptdrain drain` said their
+    # only copy was kept on this node for `retry`, `retry` refused ("lost the local copies")
+    # and `abort` said "already failed; nothing to abort". Recovery gives it up now.
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where the destination's parent should be")
+    d: DaemonProcess = make_daemon(dest=f"file://{blocker}/dest",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="1")
+    with d.client() as c:
+        with contextlib.suppress(GenerationFailed), c.generation("job", 1) as gen:
+            gen.put("w.bin", b"x" * 4096)
+        with pytest.raises(GenerationFailed):
+            c.wait("job", 1, timeout_s=60)
+    d.stop()
+    for copy in (d.staging / "shards").iterdir():
+        copy.unlink()
+    d.start()
+    with d.client() as c:
+        status = c.status()
+        (one,) = status["generations"]
+        assert one["state"] == "failed" and "failed" not in one["shards"], one
+        assert "job" not in status["oldest_undrained_age_s"]
+        report = c.drain()
+        assert report["done"] and report["left"]["shards_failed"] == 0, report
