@@ -111,12 +111,24 @@ class Reloads:
 
         d = self.d
         loaded = await self._read()
-        new = with_limits_from(d.config, loaded)
+        restart = startup.needs_restart(startup.changed_keys(d.loaded_config, loaded))
+        self.needs_restart = list(restart)
+        try:
+            new = with_limits_from(d.config, loaded)
+        except ConfigError as exc:
+            if not restart:
+                raise
+            # The file's limits fit its own keys, not the running ones (ack = "memory" running,
+            # the file's ack = "local" and max_memory_bytes = 0): said so, not the merge's own
+            # fix, which told the operator to do what the file already did (found attacking).
+            them = "it" if len(restart) == 1 else "them"
+            raise ConfigError(exc.key, "the file's [limits] do not fit the "
+                              f"{', '.join(restart)} the daemon runs with until a restart "
+                              f"(only a restart applies {them}); restart the daemon to apply "
+                              "the file") from None
         # The drain's pace is a limit too: an operator slows or frees it without a restart.
         new = new.model_copy(update={"drain": new.drain.model_copy(update={
             "max_bandwidth_bytes_per_s": loaded.drain.max_bandwidth_bytes_per_s})})
-        restart = startup.needs_restart(startup.changed_keys(d.loaded_config, loaded))
-        self.needs_restart = list(restart)
         free_bytes, _ = d.staging_free
         # From the refresh loop's last sample: a reload never waits on the staging disk.
         capacity = free_bytes + d.admission.staged.used - d.staging_reserve

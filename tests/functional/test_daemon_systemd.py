@@ -376,3 +376,26 @@ def test_a_reload_while_the_staging_disk_is_full_for_now_applies(make_daemon,  #
         assert status["limits"]["max_staged_bytes"] == limit
         (d.staging / "filler").unlink()
         assert d.stop() == 0
+
+
+def test_a_reload_the_running_config_cannot_take_says_why_and_what_waits_for_a_restart(  # type: ignore[no-untyped-def]
+        make_daemon, tmp_path: Path) -> None:
+    # Found attacking the reload: a file that switched ack from "memory" to "local" and set
+    # max_memory_bytes to 0 (valid: `config check` says OK) failed the reload with 'ack:
+    # "memory" needs a RAM tier, but limits.max_memory_bytes is 0; raise it or use ack =
+    # "local"' (which the file already did), and `status` named no key waiting for a restart.
+    # The limit cannot go to 0 under the running ack, so the reload still fails; but it says
+    # that the running ack is the start's, and names ack as waiting for a restart.
+    config = tmp_path / "ckptdrain.toml"
+    config.write_text('ack = "memory"\n[limits]\nmax_memory_bytes = "1GiB"\n')
+    d: DaemonProcess = make_daemon(start=False, CKPTDRAIN_CONFIG=str(config))
+    d.start()
+    config.write_text('ack = "local"\n[limits]\nmax_memory_bytes = 0\n')
+    os.kill(d.pid, signal.SIGHUP)
+    wait_for(lambda: d.client().status()["config"]["reload_failed"])
+    state = d.client().status()["config"]
+    assert "ack" in state["needs_restart"], state
+    failed = state["reload_failed"]
+    assert "restart" in failed and "use ack = \"local\"" not in failed, failed
+    assert d.client().status()["limits"]["max_memory_bytes"] == 1 << 30
+    wait_for(lambda: scrape(d)["ckptdrain_config_needs_restart_keys"] >= 1)
