@@ -240,11 +240,17 @@ class GenerationRecord:
     @property
     def never_drains(self) -> bool:
         """Ended for good: cancelled (superseded, replaced), or failed with a rank aborted
-        here, which no ``retry`` can save. What it staged is given up (its copies went as it
-        ended) whatever state a shard's record still reads: a deferred shard of a step
-        superseded by a newer commit stays "staged" (found attacking what operators see)."""
-        return self.state is GenerationState.CANCELLED or (
-            self.state is GenerationState.FAILED and RankState.ABORTED in self.ranks.values())
+        here or a shard lost before local storage (ack=memory), which no ``retry`` can save
+        (why_not_retryable, but for copies gone missing, which recovery gives up: from the
+        tallies, O(ranks)). What it staged is given up (its copies went as it ended) whatever
+        state a shard's record still reads: a deferred shard of a step superseded by a newer
+        commit stays "staged", a failed one beside a lost memory hand-off "failed" (found
+        attacking what operators see)."""
+        if self.state is GenerationState.CANCELLED:
+            return True
+        return self.state is GenerationState.FAILED and (
+            RankState.ABORTED in self.ranks.values()
+            or self.by_state[ShardState.HELD] > 0 or self.by_state[ShardState.DISCARDED] > 0)
 
     def oldest_undrained_since(self) -> float | None:
         """When the oldest shard not yet drained was staged, on the monotonic clock (None:

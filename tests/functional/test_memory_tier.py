@@ -255,3 +255,31 @@ def test_memfds_of_a_generation_saving_on_after_its_client_closed_are_not_kept(m
     assert _shard_memfds() == before
     with d.client() as other:
         assert other.wait("closed-client", 1, timeout_s=60)["committed"]
+
+
+def test_a_generation_failed_beside_a_lost_memory_hand_off_leaves_no_undrained_shard(  # type: ignore[no-untyped-def]
+        make_daemon, tmp_path: Path) -> None:
+    # Found attacking what operators see: an ack=memory generation that failed (a
+    # destination outage) while one of its shards was still held in RAM lost that shard,
+    # so no `retry` could save it, and its copies went; but its failed shard stayed
+    # "failed": the job's oldest undrained shard until a newer step committed (the alert
+    # fired on), `ckptdrain drain` said its only copy was kept here for `retry`, while
+    # `retry` refused ("lost shards") and `abort` said "nothing to abort".
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where the destination's parent should be")
+    d: DaemonProcess = make_daemon(dest=f"file://{blocker}/dest", CKPTDRAIN_ACK="memory",
+                                   CKPTDRAIN_LIMITS__MAX_STAGED_BYTES="1MiB",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="1")
+    c = d.client()
+    with contextlib.suppress(GenerationFailed), c.generation("lost", 1) as gen:
+        gen.put("a", os.urandom(1 << 20))  # fills the staged budget, then fails to drain
+        gen.put("b", os.urandom(1000))  # held in memory: no room on local storage
+    with pytest.raises(GenerationFailed):
+        c.wait("lost", 1, timeout_s=30)
+    wait_for(lambda: "discarded" in c.status()["generations"][0]["shards"])
+    status = c.status()
+    [one] = status["generations"]
+    assert one["state"] == "failed" and set(one["shards"]) == {"discarded"}, one
+    assert not status["oldest_undrained_age_s"].get("lost"), status["oldest_undrained_age_s"]
+    report = c.drain()
+    assert report["done"] and report["left"]["shards_failed"] == 0, report
