@@ -253,7 +253,7 @@ class Endings:
         if await self.committed_elsewhere(gen):
             return
         await self.end(gen, f"step {newer} of this job committed first, so this older step can "
-                            "never become the latest", kind="superseded",
+                            "never become the latest", kind="overtaken",
                        event=GenerationEvent.SUPERSEDED_BY_COMMIT)
 
     async def committed_elsewhere(self, gen: GenerationRecord) -> bool:

@@ -22,14 +22,17 @@ TIERS = ("local", "memory")
 # The ack mode of the generation (config ``ack``), not how the bytes travelled.
 HANDOFF_MODES = ("local", "memory")
 PHASES = ("handoff", "staged", "drained", "committed")
-# Why a generation will never commit. The first five are the node's or the destination's
-# doing and page (CkptdrainGenerationFailed); the training job's own doing does not:
+# Why a generation will never commit. The paging ones are the node's or the destination's
+# doing (CkptdrainGenerationFailed; ``superseded``: dropped for a newer step under
+# backpressure, on_full = "supersede"); the others do not page: the training job's own doing,
 # ``aborted`` (a rank aborted its part: an exception in the save, a bad shard path, a rank that
 # went away, an ack=memory memfd cut short after its acknowledgement) and ``replaced`` (a
-# restarted job saved the step again under a new attempt).
+# restarted job saved the step again under a new attempt), and ``overtaken`` (a newer step of
+# the job committed first: the job has a newer checkpoint; it paged as "superseded", whose
+# runbook said staging was full, found attacking what operators see).
 FAILURE_REASONS_PAGING = ("drain", "conflict", "timeout", "interrupted", "internal",
                           "superseded")
-FAILURE_REASONS_USER = ("aborted", "replaced")
+FAILURE_REASONS_USER = ("aborted", "replaced", "overtaken")
 FAILURE_REASONS = FAILURE_REASONS_PAGING + FAILURE_REASONS_USER
 BACKPRESSURE_ACTIONS = ("blocked", "rejected", "timed_out", "superseded")
 # The limit that was full, named by its config key (``staging_filesystem``: the disk itself).

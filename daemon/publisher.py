@@ -401,7 +401,7 @@ class Publisher:
         await self.end(gen, f"steps {', '.join(map(str, above))} of this job committed while "
                             f"it was saved: retention.keep_last = {keep} would remove it as soon "
                             "as it committed, and a restart resumes from the newest step anyway",
-                       kind="superseded", event=GenerationEvent.SUPERSEDED_BY_COMMIT)
+                       kind="overtaken", event=GenerationEvent.SUPERSEDED_BY_COMMIT)
         return True
 
     async def _publish(self, gen: GenerationRecord) -> tuple[str, str] | None:

@@ -79,3 +79,8 @@ def test_a_deferred_shard_of_a_step_superseded_by_a_newer_commit_is_not_left_und
     metrics = scrape(d)
     assert metrics['ckptdrain_oldest_undrained_age_seconds{job="dcp"}'] == 0.0
     assert metrics['ckptdrain_queue_shards{state="staged"}'] == 0.0
+    # Overtaken, which does not page: it was counted as "superseded", which pages
+    # CkptdrainGenerationFailed with a runbook saying staging was full.
+    assert metrics['ckptdrain_generations_failed_total{job="dcp",reason="overtaken"}'] == 1.0
+    assert metrics.get('ckptdrain_generations_failed_total{job="dcp",reason="superseded"}',
+                       0.0) == 0.0
