@@ -248,8 +248,11 @@ def test_a_retried_generation_holds_its_slot(make_daemon: Any) -> None:
     blocker = d.dest / "job" / f"{1:020d}"
     blocker.parent.mkdir(parents=True)
     blocker.write_text("not a directory")  # step 1 cannot drain
+    # Deferred: its drain comes after the rank sealed, so it fails a sealed generation, which
+    # a retry takes (drained at once, it failed the rank's seal now and then, and a step that
+    # failed while a rank was still handing off cannot be retried).
     with c.generation("job", 1) as gen:
-        gen.put("a.bin", b"a" * (1 << 20))
+        gen.put("a.bin", b"a" * (1 << 20), deferred=True)
     with pytest.raises(GenerationFailed):
         c.wait("job", 1, timeout_s=30)
     blocker.unlink()
@@ -269,10 +272,12 @@ def test_a_failed_generation_can_be_given_up(make_daemon: Any) -> None:
     blocker = d.dest / "job" / f"{1:020d}"
     blocker.parent.mkdir(parents=True)
     blocker.write_text("not a directory")
-    # The drain may fail (not a directory: no retry) before the rank seals, or after.
+    # Deferred: its drain fails (not a directory: no retry) after the rank sealed, which keeps
+    # the copy for a retry (drained at once, it failed before the seal now and then, and the
+    # copy of a rank that was still handing off is not kept).
+    with c.generation("job", 1) as gen:
+        gen.put("a.bin", os.urandom(300_000), deferred=True)
     with pytest.raises(GenerationFailed):
-        with c.generation("job", 1) as gen:
-            gen.put("a.bin", os.urandom(300_000))
         c.wait("job", 1, timeout_s=30)
     assert c.status()["staged_bytes"] >= 300_000
     out = cli(d, "abort", "job", "1")
