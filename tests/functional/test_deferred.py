@@ -3,6 +3,8 @@ destination, right before the manifest, so the directory never looks loadable ea
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 from pathlib import Path
 
@@ -79,6 +81,15 @@ def test_a_deferred_shard_of_a_step_superseded_by_a_newer_commit_is_not_left_und
     metrics = scrape(d)
     assert metrics['ckptdrain_oldest_undrained_age_seconds{job="dcp"}'] == 0.0
     assert metrics['ckptdrain_queue_shards{state="staged"}'] == 0.0
+    # The records too, in the journal a restart goes by: the deferred one discarded, not
+    # "staged"; the drained one says where it went.
+    journal = d.staging / "journal.sqlite3"
+
+    def states() -> set[str]:
+        with contextlib.closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as db:
+            return {r[0] for r in db.execute("SELECT state FROM shards WHERE step = 1")}
+
+    wait_for(lambda: states() == {"discarded", "drained"})
     # Overtaken, which does not page: it was counted as "superseded", which pages
     # CkptdrainGenerationFailed with a runbook saying staging was full.
     assert metrics['ckptdrain_generations_failed_total{job="dcp",reason="overtaken"}'] == 1.0
