@@ -456,6 +456,23 @@ def read_ends_held(count: int) -> Iterator[list[int]]:
             s.close()
 
 
+def _pass_last_close(d: DaemonProcess, raw: RawClient, r: int) -> bool:
+    """Pass read end ``r`` on a frame that takes no fd, so that the daemon's close of it is
+    the last one (which waits for the pipe's lock); False when the daemon hung up. The daemon
+    is stopped meanwhile, so that this process's close of its copy comes first (else it is
+    the last close, and waits for the lock its own thread holds)."""
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        send_fds(raw, wire.encode_message("latest", {"job": "j"}), [r])
+    except OSError:  # hung up on after its last word
+        return False
+    finally:
+        os.close(r)  # the daemon's is the last close now
+        d.proc.send_signal(signal.SIGCONT)
+    return True
+
+
 def test_a_user_holding_the_locks_of_the_pipes_it_passed_is_served_no_more(
         make_daemon: Any) -> None:
     # Found attacking: the daemon closes a pipe a client passes in a thread of its own, as
@@ -473,17 +490,8 @@ def test_a_user_holding_the_locks_of_the_pipes_it_passed_is_served_no_more(
             assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
             answers = []
             while ends:
-                r = ends.pop()
-                # Stopped meanwhile, so that this process's close of its copy comes first
-                # (else it is the last close, and waits for the lock its own thread holds).
-                d.proc.send_signal(signal.SIGSTOP)
-                try:
-                    send_fds(raw, wire.encode_message("latest", {"job": "j"}), [r])
-                except OSError:  # hung up on after its last word
+                if not _pass_last_close(d, raw, ends.pop()):
                     break
-                finally:
-                    os.close(r)  # the daemon's is the last close now
-                    d.proc.send_signal(signal.SIGCONT)
                 try:
                     answers.append(raw.reply())
                 except OSError:
@@ -516,15 +524,8 @@ def test_the_connections_of_a_user_whose_closes_are_wedged_hold_no_fds_of_the_da
         with RawClient(d.socket_path) as raw:
             assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
             while ends:
-                r = ends.pop()
-                d.proc.send_signal(signal.SIGSTOP)  # so that this process's close comes first
-                try:
-                    send_fds(raw, wire.encode_message("latest", {"job": "j"}), [r])
-                except OSError:  # hung up on after its last word
+                if not _pass_last_close(d, raw, ends.pop()):
                     break
-                finally:
-                    os.close(r)  # the daemon's is the last close now
-                    d.proc.send_signal(signal.SIGCONT)
                 try:
                     if raw.reply().kind == "error":
                         break
