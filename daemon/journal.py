@@ -28,6 +28,7 @@ from ckptdrain.daemon.journalfaults import (
     cannot_write,
     damaged,
     is_damaged,
+    is_full,
     unwritable,
 )
 from ckptdrain.daemon.journalrows import SCHEMA, upgrade
@@ -181,8 +182,8 @@ class Journal:
         try:
             db.execute("VACUUM")
         except sqlite3.Error as exc:
-            if not cannot_write(exc):
-                raise
+            if not is_full(exc):
+                raise  # a read-only or failing disk: no room is not the cause, the open fails
             log_event(log, logging.WARNING, "journal_not_vacuumed", path=str(self.path),
                       error=str(exc), action="the staging filesystem has no room to rewrite "
                       "the journal an older version made; it is used as it is (its file does "

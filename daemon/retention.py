@@ -5,7 +5,7 @@ Rules (docs/layout.md, "Retention"):
 - Keep the newest ``keep_last`` committed generations (manifest present and valid). The newest
   committed generation is never deleted, since ``keep_last`` is at least 1.
 - An older committed generation loses its ``MANIFEST.json`` first: a tombstone replaces it in
-  one write (below); then its part records go, then its shards. The manifest is the commit
+  one write (retention_removal.py); then its part records go, then its shards. The manifest is the commit
   point, so from the moment any shard is gone no reader can see a manifest that lists it; a
   crash in the middle leaves a tombstoned directory, which a later run finishes removing.
 - An uncommitted generation (no manifest) older than the newest committed one is abandoned once

@@ -1,10 +1,11 @@
-"""The tombstone: what retention writes at ``MANIFEST.json`` of a generation it removes as
-abandoned, before it deletes anything.
+"""The tombstone: what retention writes at ``MANIFEST.json`` of a generation it removes,
+before it deletes anything.
 
 The manifest key is the one key every publisher of a generation must create (exclusively),
 so it is the only place where "publish" and "delete the shards" can exclude each other on a
 destination without multi-key transactions. Retention takes the key with its own exclusive
-create; from then on no node's publish can succeed, and retention deletes the shards knowing
+create (an abandoned generation's), or replaces the manifest with one write (a committed
+one's, so the key is never empty); from then on no node's publish can succeed, and retention deletes the shards knowing
 no manifest can appear over them (docs/layout.md, "Retention racing a late publish").
 
 A tombstone is not a manifest: ``Manifest.from_json`` refuses it (it lacks the manifest's
@@ -33,7 +34,7 @@ def tombstone_json(job: str, step: int, node: str, at: float, *,
                    committed_by: tuple[int, Sequence[str]] | None = None) -> bytes:
     """The tombstone of ``job`` step ``step``, written by retention on ``node`` at ``at``;
     ``was_committed`` for a committed generation retention removes (beyond keep_last), whose
-    manifest it deleted just before (a late publish finding it is told so, not "abandoned").
+    manifest it replaces (a late publish finding it is told so, not "abandoned").
     ``committed_by``: that manifest's world size and nodes, so that a node still waiting on
     the step can tell whether its own part was the one committed (:func:`committed_by`); the
     nodes only while the tombstone stays within _MAX_TOMBSTONE_BYTES."""
