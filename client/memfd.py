@@ -106,7 +106,7 @@ class MemfdPool:
                 # Given back by a generation still open when its Client was closed: kept, it
                 # stayed open (its pages charged to the job) until the process exited, the
                 # pool's close having run (found attacking).
-                os.close(fd)
+                self.discard(fd)
                 return
             self._fds.append(fd)
             self._sizes[fd] = size

@@ -146,10 +146,9 @@ def _exact_int(value: object, what: str) -> int:
     0-d integer tensor), which a training loop's step or rank often is; refused as such they
     failed with "step must be an integer, not int64" (found attacking the client). Never a
     float, and never a bool: True as a step is a caller bug, not step 1."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
+    # numpy's bool and a 0-d bool tensor index as 0 and 1: refused by their dtype.
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
         raise RejectedInput(f"{what} must be an integer, not {type(value).__name__}")
-    if isinstance(value, int):
-        return int(value)
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:

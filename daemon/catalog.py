@@ -174,6 +174,17 @@ async def still_committed(backend: Backend, job: str, step: int) -> bool:
     return data is not None and not is_tombstone(data)
 
 
+async def removed_meanwhile(backend: Backend, job: str, step: int, exc: BackendError) -> bool:
+    """Whether a shard that could not be read went because its generation was removed (its
+    manifest key holds no manifest now), not because it is damaged: restore and the daemon's
+    fetch then say "removed: load a newer one", not "damaged". (S3 says not_found of a missing
+    object, POSIX integrity.) A tombstone at the key is retention's removal under way: it
+    replaces a committed manifest in one write before any shard goes."""
+    if exc.kind not in ("integrity", "not_found"):
+        return False
+    return not await still_committed(backend, job, step)
+
+
 async def list_generations(backend: Backend, job: str) -> list[GenerationInfo]:
     """Committed generations of ``job`` (manifest present and valid), newest first."""
     steps = await _manifest_steps(backend, job)

@@ -311,7 +311,7 @@ def _same_or_unknown(recorded: str | None, shard: ShardEntry) -> bool:
     conflict, "another attempt wrote them" (found attacking upgrades). Its size still counts."""
     if recorded is None:
         return True
-    if recorded.partition(":")[0] != shard.checksum.partition(":")[0]:
+    if recorded.partition(":")[0] != shard.algo:
         return True
     return recorded == shard.checksum
 

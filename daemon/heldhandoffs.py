@@ -48,7 +48,7 @@ def _copy_held(staging: Staging, src: int, dst: int, size: int, name: str) -> OS
 
 
 class HeldHandoffs:
-    """The ack=memory hand-offs of one daemon (``Handoffs.memory``)."""
+    """The ack=memory hand-offs of one daemon (``Daemon.held``)."""
 
     def __init__(self, handoffs: Handoffs) -> None:
         self.handoffs = handoffs

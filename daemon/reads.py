@@ -33,7 +33,6 @@ from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import GenerationState
 
 if TYPE_CHECKING:
-    from ckptdrain.daemon.backends.base import Backend, BackendError
     from ckptdrain.daemon.connection import ClientHandler
     from ckptdrain.daemon.staging import Staging
 
@@ -125,6 +124,7 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
     from ckptdrain.client.keys import shard_key
     from ckptdrain.client.recordfields import ManifestError
     from ckptdrain.daemon.backends.base import BackendError
+    from ckptdrain.daemon.catalog import removed_meanwhile
     from ckptdrain.daemon.connection import destination_error
 
     d = h.d
@@ -151,7 +151,7 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
                 shard_key(job, step, path), into, h.uid, algo=entry.algo, expected_size=entry.size,
                 gone=gone)
     except (BackendError, ManifestError) as exc:
-        if isinstance(exc, BackendError) and await _removed(d.backend, job, step, exc):
+        if isinstance(exc, BackendError) and await removed_meanwhile(d.backend, job, step, exc):
             # Found attacking retention: a generation another node's retention (or `gc`)
             # removed after this daemon read its manifest was still "committed" here, and
             # each fetch said "could not read ... check the destination and retry", which no
@@ -178,17 +178,6 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
                            f"destination does not match its manifest ({found}); "
                            "run `ckptdrain verify` on it")
     return {"path": path, "size": size, "checksum": checksum}
-
-
-async def _removed(backend: Backend, job: str, step: int, exc: BackendError) -> bool:
-    """Whether a shard that could not be read went because its generation was removed (its
-    manifest key holds no manifest now), not because it is damaged. (S3 says not_found of a
-    missing object, POSIX integrity.)"""
-    from ckptdrain.daemon.catalog import still_committed
-
-    if exc.kind not in ("integrity", "not_found"):
-        return False
-    return not await still_committed(backend, job, step)
 
 
 async def fetch(h: ClientHandler, job: str, step: int, path: str, fd: int, *,

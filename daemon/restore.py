@@ -23,7 +23,7 @@ from ckptdrain.client.keys import shard_key
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon.backends.base import Backend, BackendError
-from ckptdrain.daemon.catalog import resolve, still_committed
+from ckptdrain.daemon.catalog import removed_meanwhile, resolve
 from ckptdrain.daemon.fanout import for_each_bounded
 from ckptdrain.daemon.restoretarget import (
     Made,
@@ -164,7 +164,7 @@ async def _restore_into(backend: Backend, manifest: Manifest, walk: Walk,
             exc.kind == "not_found" and getattr(exc, "code", "") != "NoSuchBucket")
         hint = ("; the generation at the destination is damaged: restore an older generation "
                 "(`ckptdrain ls` lists them)" if damaged else "")
-        if exc.kind in ("integrity", "not_found") and not await _still_there(backend, job, step):
+        if await removed_meanwhile(backend, job, step, exc):
             hint = ("; the generation was removed while it was restored (retention keeps the "
                     "newest retention.keep_last): restore a newer one (`ckptdrain ls` lists "
                     "them)")
@@ -173,15 +173,6 @@ async def _restore_into(backend: Backend, manifest: Manifest, walk: Walk,
     await in_thread(write_file, root_fd, root / "MANIFEST.json", manifest.to_json())
     return RestoreReport(job=job, step=step, files=len(manifest.shards), bytes=written, to_dir=root,
                          local_files=local_files, local_rejected=local_rejected)
-
-
-async def _still_there(backend: Backend, job: str, step: int) -> bool:
-    """Whether the generation's manifest is still at the destination (True when that cannot
-    be told: the damage stays the likelier reading). A tombstone at its key is retention's
-    removal under way, not the manifest (found attacking: retention puts one there right
-    after it deletes a committed generation's manifest, before the shards go, so a key that
-    merely existed sent a restore that lost the race to "damaged: restore an older one")."""
-    return await still_committed(backend, job, step)
 
 
 async def _write_local(local: LocalSource, dir_fd: int, target: Path, shard: ShardEntry) -> str:

@@ -365,6 +365,6 @@ def test_a_step_rank_and_world_size_of_numpy_or_torch_integers_are_taken(
         assert c.wait("ints", np.uint16(7), timeout_s=30)["committed"]
         assert c.latest("ints") == 7
         assert c.latest_path("ints", np.int64(7)) == c.latest_path("ints")
-        for bad in (7.0, np.float32(7), True, np.bool_(True)):
+        for bad in (7.0, np.float32(7), True, np.bool_(True), torch.tensor(True)):
             with pytest.raises(RejectedInput, match="step must be an integer"):
                 c.generation("ints", bad, rank=0, world_size=1)
