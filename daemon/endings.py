@@ -95,7 +95,8 @@ class Endings:
                       reason=reason, exc_info=True)
 
     async def end(self, gen: GenerationRecord, reason: str, *, kind: str,
-                  event: GenerationEvent = GenerationEvent.FAILED, told: str = "") -> None:
+                  event: GenerationEvent = GenerationEvent.FAILED, told: str = "",
+                  record_first: bool = True) -> None:
         """End a generation that cannot commit from this node (FAILED), or that a newer one
         of the same job replaced (CANCELLED): its slot is freed, its copies in flight are
         cancelled, and (FAILED) the other nodes are told through this node's part record.
@@ -106,11 +107,20 @@ class Endings:
         that other nodes may still publish from this node's record (_publishable_elsewhere)
         gets its failure record (saying ``told``, else ``reason``) before its ranks hear of
         the end, and ends committed instead where the manifest holds this node's part
-        (_end_recorded). Called with the generation's commit point held or not."""
+        (_end_recorded). Called with the generation's commit point held or not.
+
+        ``record_first=False`` (recovery, before the daemon serves): no destination I/O
+        before the end, whose looks and record writes retry for up to drain.retry_budget_s
+        and held the start that long on a destination that did not answer; the failure
+        record, every rank aborted, is queued after the end instead (found reviewing)."""
         if gen.terminal:
             return
         if self._publishable_elsewhere(gen, event):
-            await self._end_recorded(gen, reason, kind=kind, event=event, told=told or reason)
+            if record_first:
+                await self._end_recorded(gen, reason, kind=kind, event=event,
+                                         told=told or reason)
+            else:
+                await self._end(gen, reason, kind=kind, event=event, told=True)
         else:
             await self._end(gen, reason, kind=kind, event=event)
 

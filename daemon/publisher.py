@@ -140,9 +140,11 @@ class Publisher:
 
     # -- ends (endings.py) ---------------------------------------------------------------------
     async def end(self, gen: GenerationRecord, reason: str, *, kind: str,
-                  event: GenerationEvent = GenerationEvent.FAILED, told: str = "") -> None:
+                  event: GenerationEvent = GenerationEvent.FAILED, told: str = "",
+                  record_first: bool = True) -> None:
         """:meth:`Endings.end`: the one place a generation ends."""
-        await self.ends.end(gen, reason, kind=kind, event=event, told=told)
+        await self.ends.end(gen, reason, kind=kind, event=event, told=told,
+                            record_first=record_first)
 
     async def end_safely(self, gen: GenerationRecord, reason: str, *, kind: str,
                          event: GenerationEvent = GenerationEvent.FAILED) -> None:

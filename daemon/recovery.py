@@ -110,7 +110,7 @@ async def _recover(d: Daemon) -> None:
                     await d.ledger.apply(shard, ShardEvent.DISCARDED)
             await d.fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
                               "local storage; memory hand-offs do not survive a daemon "
-                              f"crash; {SAVE_AGAIN}", kind="interrupted")
+                              f"crash; {SAVE_AGAIN}", kind="interrupted", record_first=False)
             await _discard_all(d, gen)
             continue
         if open_ranks or aborted:
@@ -119,7 +119,7 @@ async def _recover(d: Daemon) -> None:
             why = (f"the daemon restarted while rank(s) {open_ranks} were still handing off"
                    if open_ranks else f"rank(s) {aborted} had been aborted when the daemon "
                    "stopped")
-            await d.fail(gen, f"{why}; {SAVE_AGAIN}", kind="interrupted")
+            await d.fail(gen, f"{why}; {SAVE_AGAIN}", kind="interrupted", record_first=False)
             await _discard_all(d, gen)
             continue
         failed = [s for s in gen.shards.values() if s.state is ShardState.FAILED]
@@ -128,12 +128,13 @@ async def _recover(d: Daemon) -> None:
             # them left a generation that waited for good on a shard that never drains
             # (chaos seed 39036). It fails now as it would have; `retry` resends the copy.
             await d.fail(gen, failed[0].error or f"shard {failed[0].path!r} could not drain",
-                         kind="drain")
+                         kind="drain", record_first=False)
             continue
         for shard in gen.shards.values():
             if shard.state is ShardState.STAGED:
                 if not shard.local_copy:
-                    await d.fail(gen, f"staged copy of {shard.path!r} is missing", kind="drain")
+                    await d.fail(gen, f"staged copy of {shard.path!r} is missing", kind="drain",
+                                 record_first=False)
                     break
                 requeue.append((gen, shard))
     # Uploads of generations that ended (here, or before the crash) are aborted now: queued

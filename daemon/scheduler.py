@@ -122,10 +122,11 @@ class Scheduler(DrainPace):
         await self.publisher.advance(gen)
 
     async def fail_generation(self, gen: GenerationRecord, reason: str, *, kind: str,
-                              event: GenerationEvent = GenerationEvent.FAILED) -> None:
+                              event: GenerationEvent = GenerationEvent.FAILED,
+                              record_first: bool = True) -> None:
         """End a generation that cannot commit from this node (FAILED), or that a newer one
-        of the same job replaced (CANCELLED)."""
-        await self.publisher.end(gen, reason, kind=kind, event=event)
+        of the same job replaced (CANCELLED); ``record_first`` as in Endings.end."""
+        await self.publisher.end(gen, reason, kind=kind, event=event, record_first=record_first)
 
     # -- tasks -------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -366,8 +366,10 @@ class Daemon:
             return gen
 
     async def fail(self, gen: GenerationRecord, reason: str, *, kind: str,
-                   event: GenerationEvent = GenerationEvent.FAILED) -> None:
-        await self.scheduler.fail_generation(gen, reason, kind=kind, event=event)
+                   event: GenerationEvent = GenerationEvent.FAILED,
+                   record_first: bool = True) -> None:
+        await self.scheduler.fail_generation(gen, reason, kind=kind, event=event,
+                                             record_first=record_first)
 
     def _after_terminal(self, gen: GenerationRecord) -> None:
         """Free what a finished generation held on this node (its slot was freed the moment
