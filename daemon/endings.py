@@ -28,6 +28,7 @@ from ckptdrain.daemon.logs import log_event, per_user
 from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
 from ckptdrain.daemon.state import (
     TRANSITIONS,
+    UNDRAINED_SHARD,
     GenerationEvent,
     GenerationState,
     RankState,
@@ -215,8 +216,15 @@ class Endings:
         # `held: N` in status and counted as the job's oldest undrained shard until the job
         # committed a newer step, paging about bytes no drain would ever move (found
         # truncating a memfd after its acknowledgement).
+        # And every shard not drained of a generation that can never be retried (cancelled, a
+        # rank aborted, a shard lost before local storage): left "staged" or "failed" in the
+        # journal (a step cancelled because a newer one committed kept its deferred .metadata
+        # staged), they counted as undrained across restarts (found attacking what operators
+        # see). A failed generation a retry can save keeps its shards as they are.
+        given_up = gen.terminal and (gen.state is _G.CANCELLED or bool(gen.why_not_retryable()))
         lost: list[tuple[ShardRecord, dict[str, Any]]] = [
-            (s, {}) for s in gen.shards.values() if s.state is ShardState.HELD]
+            (s, {}) for s in gen.shards.values()
+            if s.state is ShardState.HELD or (given_up and s.state in UNDRAINED_SHARD)]
         if lost:
             await self.ledger.apply_shards(lost, ShardEvent.DISCARDED)
 

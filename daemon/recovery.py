@@ -22,6 +22,7 @@ from ckptdrain.daemon.errors import StartupError
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.records import SAVE_AGAIN
 from ckptdrain.daemon.state import (
+    UNDRAINED_SHARD,
     GenerationState,
     RankEvent,
     RankState,
@@ -36,16 +37,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.recovery")
 
 
-async def _discard_all(d: Daemon, gen: GenerationRecord) -> None:
-    """``gen`` failed with nothing a retry could save (a rank aborted, a shard or its kept
-    copy lost): every shard it staged is discarded, and its copies go. Left "staged" or
-    "failed", they were the job's oldest undrained shards for good (CkptdrainOldestUndrained-
-    TooOld fired until the job committed a newer step, or for a day), `ckptdrain drain`
-    counted them as failed shards kept for `retry`, while `retry` refused them and `abort`
-    said there was nothing to abort (found attacking what operators see)."""
-    for shard in gen.shards.values():
-        if shard.state is not ShardState.DISCARDED:
-            await d.ledger.apply(shard, ShardEvent.DISCARDED)
+async def _give_up(d: Daemon, gen: GenerationRecord) -> None:
+    """``gen`` failed, and the copies kept for its ``retry`` are gone (removed while the daemon
+    was down): its undrained shards are discarded, as where a generation that cannot be
+    retried ends (Endings._end), and its copies go. Left "failed", they were the job's oldest
+    undrained shards for good (CkptdrainOldestUndrainedTooOld fired until the job committed a
+    newer step, or for a day), `ckptdrain drain` counted them as kept for `retry`, while
+    `retry` refused them and `abort` said there was nothing to abort (found attacking what
+    operators see)."""
+    undrained = [(s, {}) for s in gen.shards.values() if s.state in UNDRAINED_SHARD]
+    if undrained:
+        await d.ledger.apply_shards(undrained, ShardEvent.DISCARDED)
     d.copies.discard_generation(gen)
 
 
@@ -99,7 +101,7 @@ async def _recover(d: Daemon) -> None:
             # Its copies kept for `retry` are gone (removed while the daemon was down): left,
             # its shards stayed "failed" across every restart, the job's oldest undrained for
             # good, that `retry` and `abort` both refused (found attacking). Given up now.
-            await _discard_all(d, gen)
+            await _give_up(d, gen)
             continue
         if gen.terminal:
             continue
@@ -111,7 +113,6 @@ async def _recover(d: Daemon) -> None:
             await d.fail(gen, f"the daemon stopped before {held[:3]} (ack=memory) reached "
                               "local storage; memory hand-offs do not survive a daemon "
                               f"crash; {SAVE_AGAIN}", kind="interrupted", record_first=False)
-            await _discard_all(d, gen)
             continue
         if open_ranks or aborted:
             for r in open_ranks:
@@ -120,7 +121,6 @@ async def _recover(d: Daemon) -> None:
                    if open_ranks else f"rank(s) {aborted} had been aborted when the daemon "
                    "stopped")
             await d.fail(gen, f"{why}; {SAVE_AGAIN}", kind="interrupted", record_first=False)
-            await _discard_all(d, gen)
             continue
         failed = [s for s in gen.shards.values() if s.state is ShardState.FAILED]
         if failed:

@@ -65,7 +65,6 @@ from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.scheduler import Scheduler
 from ckptdrain.daemon.staging import Staging
 from ckptdrain.daemon.state import (
-    UNDRAINED_SHARD,
     GenerationEvent,
     GenerationState,
     RankEvent,
@@ -383,14 +382,9 @@ class Daemon:
         self.supervisor.spawn(lambda: self.expiry.trim(job), what=f"trim ended {job}")
         if gen.state is GenerationState.CANCELLED or gen.why_not_retryable():
             # Superseded, an aborted rank or a shard lost before local storage: never
-            # retried, so nothing of it is worth keeping (every byte it reserved goes back),
-            # and its shards' records say so: left "staged" or "failed" (a step cancelled
-            # because a newer one committed kept its deferred .metadata "staged"), the
-            # journal held them as undrained across restarts (found attacking what
-            # operators see, whose views GenerationRecord.never_drains corrects meanwhile).
+            # retried, so nothing of it is worth keeping (every byte it reserved goes back;
+            # its shards' records are discarded where it ends, Endings._end).
             self.copies.discard_generation(gen)
-            self.supervisor.spawn(lambda: self._discard_shards(gen, undrained_only=True),
-                                  what=f"discard {gen.job}/{gen.step}")
         else:
             # Failed: `ckptdrain retry` re-sends only what did not drain, so only those copies
             # are kept; drained ones (all of them, when another node's rank aborted or the
@@ -436,15 +430,11 @@ class Daemon:
             self.copies.discard_generation(gen)
         return True
 
-    async def _discard_shards(self, gen: GenerationRecord, *, persist: bool = True,
-                              undrained_only: bool = False) -> None:
-        """Every shard of ``gen`` not yet discarded is (it will never drain); with
-        ``undrained_only``, those not drained (a drained one's record says where it went)."""
+    async def _discard_shards(self, gen: GenerationRecord, *, persist: bool = True) -> None:
+        """Every shard of ``gen`` not yet discarded is (it will never drain)."""
         for shard in gen.shards.values():
-            if shard.state is ShardState.DISCARDED or (
-                    undrained_only and shard.state not in UNDRAINED_SHARD):
-                continue
-            await self.ledger.apply(shard, ShardEvent.DISCARDED, persist=persist)
+            if shard.state is not ShardState.DISCARDED:
+                await self.ledger.apply(shard, ShardEvent.DISCARDED, persist=persist)
 
     async def replace_generation(self, gen: GenerationRecord, attempt: str) -> None:
         """A new attempt at an uncommitted step: end the old attempt on this node, drop what it
