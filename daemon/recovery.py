@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.errors import StartupError
 from ckptdrain.daemon.logs import log_event
@@ -45,7 +45,8 @@ async def _give_up(d: Daemon, gen: GenerationRecord) -> None:
     newer step, or for a day), `ckptdrain drain` counted them as kept for `retry`, while
     `retry` refused them and `abort` said there was nothing to abort (found attacking what
     operators see)."""
-    undrained = [(s, {}) for s in gen.shards.values() if s.state in UNDRAINED_SHARD]
+    undrained: list[tuple[ShardRecord, dict[str, Any]]] = [
+        (s, {}) for s in gen.shards.values() if s.state in UNDRAINED_SHARD]
     if undrained:
         await d.ledger.apply_shards(undrained, ShardEvent.DISCARDED)
     d.copies.discard_generation(gen)
