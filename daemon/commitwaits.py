@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from ckptdrain.client.manifest import ManifestError, latest_key
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.commit import parse_latest
 from ckptdrain.daemon.fanout import for_each_bounded
+from ckptdrain.daemon.latest import parse_latest
 from ckptdrain.daemon.ledger import GenerationRecord, GenKey
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import GenerationEvent, GenerationState

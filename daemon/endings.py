@@ -121,7 +121,7 @@ class Endings:
                 await self._end_recorded(gen, reason, kind=kind, event=event,
                                          told=told or reason)
             else:
-                await self._end(gen, reason, kind=kind, event=event, told=True)
+                await self._end(gen, reason, kind=kind, event=event, every_rank=True)
         else:
             await self._end(gen, reason, kind=kind, event=event)
 
@@ -176,15 +176,16 @@ class Endings:
             # follows this one).
             if (not gen.terminal and TRANSITIONS.get((gen.state, event)) is not None
                     and not (written and await self.found_committed(gen))):
-                await self._end(gen, reason, kind=kind, event=event, told=not written)
+                await self._end(gen, reason, kind=kind, event=event, every_rank=not written)
                 ended = True
         if written and not ended:
             await self.p.failures.write_recorded(gen)  # not over an abort's record
 
     async def _end(self, gen: GenerationRecord, reason: str, *, kind: str,
-                   event: GenerationEvent, told: bool = False) -> None:
-        """:meth:`end`, the move itself. ``told``: the failure record that _end_recorded
-        should have written before it is not there (written after the end, then)."""
+                   event: GenerationEvent, every_rank: bool = False) -> None:
+        """:meth:`end`, the move itself. ``every_rank``: the failure record, every rank of
+        this node's aborted, is not at the destination yet (not written before the end, as
+        _end_recorded writes it): the one queued after the end writes it so."""
         try:
             await self.ledger.apply(gen, event, error=reason)
         finally:
@@ -198,7 +199,7 @@ class Endings:
                 state = gen.state
                 if state is _G.FAILED:
                     self.p.submit(f"failure-record {gen.job} {gen.step}",
-                                  lambda: self.p.failures.write(gen, every_rank=told))
+                                  lambda: self.p.failures.write(gen, every_rank=every_rank))
                 if kind in FAILURE_REASONS_USER:
                     # The job's own doing (it aborted, or a new attempt replaced it): a
                     # warning, and per owner bounded (a user beginning and aborting jobs in a
