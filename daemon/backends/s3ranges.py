@@ -15,11 +15,12 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ckptdrain.daemon import checksums
+from ckptdrain.daemon.backends import s3rangeget
 from ckptdrain.daemon.backends.posixlayout import writes_in_parallel
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.logs import log_event
@@ -58,6 +59,21 @@ MIN_RANGE_BYTES_PER_S = 1 << 20
 Writer = Callable[[builtins.list[bytes], int, int], Awaitable[int]]
 
 
+class LoopWriter:
+    """A :data:`Writer` that writes on the event loop's own thread; its ranges are read
+    straight into a buffer of their own where the endpoint allows (s3rangeget.py), since
+    each batch is written from that buffer before the next is read into it."""
+
+    def __init__(self, out_fd: int) -> None:
+        self.out_fd = out_fd
+
+    async def __call__(self, pieces: builtins.list[bytes], at: int, crc: int) -> int:
+        return write_at(self.out_fd, pieces, at, crc)
+
+    def now(self, pieces: Sequence[bytes | memoryview], at: int, crc: int) -> int:
+        return write_at(self.out_fd, pieces, at, crc)
+
+
 @dataclass(frozen=True, slots=True)
 class Range:
     """``length`` bytes of the object ``full`` (the shard's ``key``) from ``offset``, read
@@ -89,10 +105,7 @@ def writer(out_fd: int, *, on_loop: bool) -> Writer:
     Queued here, a range's write waits without burning a core. A network filesystem's
     client takes them at once."""
     if on_loop:
-        async def on_this_thread(pieces: builtins.list[bytes], at: int, crc: int) -> int:
-            return write_at(out_fd, pieces, at, crc)
-
-        return on_this_thread
+        return LoopWriter(out_fd)
     loop = asyncio.get_running_loop()
     writers: contextlib.AbstractAsyncContextManager[Any] = (
         contextlib.nullcontext() if writes_in_parallel(out_fd) else asyncio.Lock())
@@ -150,7 +163,10 @@ async def _attempt(client: S3Client, rng: Range, write: Writer,
     """One GET of what of ``rng`` is not written yet: True once all of it is, False when
     its answer was cut short and is worth reading on (``resumes`` so far); raises when not."""
     try:
-        await _read_on(client, rng, write, progress, done)
+        if isinstance(write, LoopWriter):
+            await _read_here_or_on(client, rng, write, progress, done)
+        else:
+            await _read_on(client, rng, write, progress, done)
         return True
     except S3Failure as exc:
         if done.written == rng.length:
@@ -173,6 +189,19 @@ class _Done:
 
     written: int = 0
     crc: int = 0
+
+
+async def _read_here_or_on(client: S3Client, rng: Range, write: LoopWriter,
+                           progress: Callable[[int], None] | None, done: _Done) -> None:
+    """What of ``rng`` is not written yet, read into a buffer of its own (s3rangeget.py);
+    through aiobotocore where that read did not start (an answer that is not the plain
+    one: its typed error, renewed credentials and retries are aiobotocore's)."""
+    try:
+        await s3rangeget.read_on(client, rng.full, rng.offset + done.written,
+                                 rng.length - done.written, rng.etag, write.now, progress, done)
+    except s3rangeget.NotPlain as exc:  # (raised before any byte of it was written)
+        log.debug("range of %s through aiobotocore: %s", rng.key, exc)
+        await _read_on(client, rng, write, progress, done)
 
 
 async def _read_on(client: S3Client, rng: Range, write: Writer,
@@ -268,7 +297,7 @@ def piece_reader(body: Any) -> Callable[[], Awaitable[bytes]]:
     return next_piece
 
 
-def write_at(fd: int, pieces: builtins.list[bytes], offset: int, crc: int) -> int:
+def write_at(fd: int, pieces: Sequence[bytes | memoryview], offset: int, crc: int) -> int:
     """Write ``pieces`` one after another at ``offset`` of ``fd``; the CRC64NVME continued
     from ``crc`` over them."""
     views = [memoryview(p) for p in pieces if p]

@@ -73,8 +73,8 @@ async def backends() -> AsyncIterator[Any]:
     """Factory for S3Backends, closed after the test."""
     made: list[S3Backend] = []
 
-    def make(config: DestinationConfig, node_id: str = NODE) -> S3Backend:
-        b = S3Backend(config, node_id)
+    def make(config: DestinationConfig, node_id: str = NODE, **options: Any) -> S3Backend:
+        b = S3Backend(config, node_id, **options)
         made.append(b)
         return b
 

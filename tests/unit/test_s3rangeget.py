@@ -1,0 +1,44 @@
+"""The head of a ranged GET's answer: whether its body is read straight into a buffer
+(s3rangeget.py) or the range is asked again through aiobotocore (NotPlain)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptdrain.daemon.backends.s3rangeget import NotPlain, is_plain, parse_head
+
+ASKED = "bytes 8-15/"
+PLAIN = (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 8\r\n"
+         b"Content-Range: bytes 8-15/100\r\nETag: \"e\"\r\nServer: x")
+
+
+def test_a_plain_answer_is_read_here() -> None:
+    head = parse_head(PLAIN)
+    assert head.status == 206 and head.fields["content-range"] == "bytes 8-15/100"
+    assert is_plain(head, ASKED, 8)
+
+
+@pytest.mark.parametrize("raw", [
+    PLAIN.replace(b"206 Partial Content", b"200 OK"),          # the whole object
+    PLAIN.replace(b"206 Partial Content", b"412 Precondition Failed"),
+    PLAIN.replace(b"Content-Length: 8", b"Content-Length: 9"),  # not the range's length
+    PLAIN.replace(b"bytes 8-15/100", b"bytes 0-7/100"),        # another range
+    PLAIN.replace(b"Content-Length: 8", b"Transfer-Encoding: chunked"),
+    PLAIN + b"\r\nContent-Encoding: gzip",
+    PLAIN.replace(b"Content-Range: bytes 8-15/100\r\n", b""),
+])
+def test_anything_else_is_asked_again_through_aiobotocore(raw: bytes) -> None:
+    assert not is_plain(parse_head(raw), ASKED, 8)
+
+
+@pytest.mark.parametrize("raw", [
+    b"SSH-2.0-OpenSSH_9",
+    b"HTTP/2 206",
+    b"HTTP/1.1 2x6 Partial",
+    PLAIN + b"\r\nno colon here",
+    PLAIN + b"\r\n folded: value",
+    PLAIN + b"\r\nContent-Length: 8",  # the same field twice: which one frames the body?
+])
+def test_a_head_that_is_not_http_1_is_not_plain(raw: bytes) -> None:
+    with pytest.raises(NotPlain):
+        parse_head(raw)
