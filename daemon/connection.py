@@ -510,8 +510,9 @@ class ClientHandler:
         effective: str = self.d.config.ack
         if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:
             effective = ack
-        gen = await self.d.begin_generation(job, step, world_size, effective, self.uid, attempt,
-                                            connected=self.channel.unless_hung_up)
+        gen = await self.d.generations.begin_generation(
+            job, step, world_size, effective, self.uid, attempt,
+            connected=self.channel.unless_hung_up)
         if gen.world_size != world_size:
             raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} began with world_size "
                                f"{gen.world_size}, not {world_size}")
@@ -543,7 +544,7 @@ class ClientHandler:
                 "bytes": sum(s.size for s in shards)}
 
     async def abort_rank(self, gen: GenerationRecord, rank: int, reason: str) -> None:
-        await self.d.give_up(gen, f"rank {rank}: {reason}", ranks=(rank,))
+        await self.d.generations.give_up(gen, f"rank {rank}: {reason}", ranks=(rank,))
 
 
 def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:

@@ -56,6 +56,31 @@ class Expiry:
             d.copies.discard_generation(g)
             await d.ledger.forget(g)
 
+    async def forget_older(self, job: str) -> None:
+        """After a commit, on every node: forget this job's committed generations beyond the
+        newest ``keep_last`` (retention removes them at the destination), and its failed or
+        cancelled ones older than the newest commit once the grace period is over (nobody
+        will retry them now), so the journal and the local copies stay bounded."""
+        retention = self.d.config.retention
+        mine = [g for g in self.d.ledger.generations.values() if g.job == job]
+        committed = sorted((g.step for g in mine if g.state is GenerationState.COMMITTED),
+                           reverse=True)
+        if not committed:
+            return
+        older = set(committed[retention.keep_last:])
+        self.d.committer.manifests.forget(job, older)
+        cutoff = time.monotonic() - retention.abandoned_grace_s
+        for old in mine:
+            stale = (old.state in (GenerationState.FAILED, GenerationState.CANCELLED)
+                     and old.step < committed[0] and old.created_mono < cutoff)
+            # Another run may have forgotten it while this one waited on the journal.
+            if (old.terminal and (old.step in older or stale)
+                    and self.d.ledger.generations.get(old.key) is old):
+                self.d.copies.discard_generation(old)
+                if old.state is GenerationState.COMMITTED:
+                    self.d.retired.add(old)
+                await self.d.ledger.forget(old)
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(max(0.5, min(PERIOD_S, self.d.config.retention.forget_after_s / 2)))

@@ -133,7 +133,7 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
                                "the destination (another node published it); nothing to "
                                "abort")
     why = f"aborted by an operator (uid {uid})" + (f": {reason}" if reason else "")
-    if not await d.give_up(gen, why):
+    if not await d.generations.give_up(gen, why):
         raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} committed while "
                            "the abort waited for its commit to finish; nothing to abort")
     log_event(log, logging.WARNING, "generation_aborted", job=job, step=step, uid=uid,

@@ -171,8 +171,8 @@ class GenerationRecord:
     # takes is refused.
     line_bytes: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Held around the manifest's create only, and by an abort (Daemon.give_up): an abort never
-    # lands in the middle of the commit point, and waits for nothing longer (`lock` is held
+    # Held around the manifest's create only, and by an abort (Generations.give_up): an abort
+    # never lands in the middle of the commit point, and waits for nothing longer (`lock` is held
     # across paced drains of deferred shards and part-record retries). It knows its holder:
     # Endings.end takes it, and is also called with it held.
     commit_point: HeldBy = field(default_factory=HeldBy)

@@ -7,8 +7,9 @@ that outlives a request belongs to the supervisor. Shutdown, in uvicorn's order:
 accepting, let hand-offs in flight finish within a bounded grace, persist (or give up) held
 memfds, flush the journal, exit 0 — well inside the unit's TimeoutStopSec.
 
-This module also owns the few decisions that span rooms: opening or replacing a generation,
-failing one, and what a finished generation gives back.
+Failing a generation is here too (``Daemon.fail``); opening, replacing, superseding and
+giving one up, and what an ended one gives back, are :mod:`.generations`'; retention after a
+publish is :mod:`.retention_runs`'.
 """
 
 from __future__ import annotations
@@ -20,15 +21,13 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from ckptdrain.daemon import (
     __version__,
     collector,
     logs,
-    maintenance,
-    owners,
     reloads,
     startup,
     waits,
@@ -40,7 +39,6 @@ from ckptdrain.daemon.allowance import ClientAllowance
 from ckptdrain.daemon.backends.base import open_backend
 from ckptdrain.daemon.backends.beneath import ROOT_DEVICES
 from ckptdrain.daemon.beginchecks import BeginChecks
-from ckptdrain.daemon.budget import Budget, Reservation
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import Config
 from ckptdrain.daemon.connection import ClientHandler
@@ -49,29 +47,21 @@ from ckptdrain.daemon.dataplane import DataPlane, io_threads
 from ckptdrain.daemon.errors import RequestError
 from ckptdrain.daemon.expiry import Expiry
 from ckptdrain.daemon.fetcher import Fetchers
+from ckptdrain.daemon.generations import Generations
 from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.heldhandoffs import HeldHandoffs
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.journalroom import JournalReserve, open_journal
 from ckptdrain.daemon.journalrows import GroupCommit, JournalUploadLog
-from ckptdrain.daemon.keptmanifests import KeptManifests
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
-from ckptdrain.daemon.locks import CoalescedRuns, KeyedLocks
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.metrics import Metrics
 from ckptdrain.daemon.recovery import recover, sweep_forever
-from ckptdrain.daemon.retention import apply_retention
+from ckptdrain.daemon.retention_runs import RetentionRuns
 from ckptdrain.daemon.scheduler import Scheduler
 from ckptdrain.daemon.staging import Staging
-from ckptdrain.daemon.state import (
-    GenerationEvent,
-    GenerationState,
-    RankEvent,
-    RankState,
-    ShardEvent,
-    ShardState,
-)
+from ckptdrain.daemon.state import GenerationEvent
 from ckptdrain.daemon.supervisor import Supervisor, report_slow_stop
 from ckptdrain.daemon.systemd import Notifier
 
@@ -79,17 +69,11 @@ __all__ = ["Daemon", "RequestError"]
 
 log = logging.getLogger("ckptdrain.server")
 
-# A wait run only while its client stays connected (Channel.unless_hung_up).
-Connected = Callable[[Awaitable[Reservation], str], Awaitable[Reservation]]
-
 # Hand-offs in flight get this long to finish on SIGTERM, then held memfds the same again to
 # reach local storage: both well inside the unit's TimeoutStopSec (120 s).
 STOP_GRACE_S = 10.0
 # Starting the S3 upload workers (a process spawn each) must not hold up start-up for long.
 BACKEND_START_TIMEOUT_S = 10.0
-# Retention runs of one job start at least this far apart: a job committing every few
-# milliseconds (a test loop, a tiny model) pays for one run a second, not one per commit.
-RETENTION_INTERVAL_S = 1.0
 
 
 class Daemon:
@@ -133,11 +117,13 @@ class Daemon:
         self.copies.keep_after_drain = config.retention.keep_local_copy
         self.admission.make_room = self.copies.make_room
         self.admission.held_for_retry = self.copies.held_for_retry
-        self.admission.supersede = self.supersede
+        self.generations = Generations(self)
+        self.retention_runs = RetentionRuns(self)
+        self.admission.supersede = self.generations.supersede
         self.scheduler = Scheduler(
             config=config, ledger=self.ledger, staging=self.staging, backend=self.backend,
             committer=self.committer, metrics=self.metrics, on_drained=self.copies.drained,
-            on_terminal=self._after_terminal, on_published=self._published,
+            on_terminal=self.generations.after_terminal, on_published=self.retention_runs.published,
             on_vanished=self.copies.vanished,
             upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
@@ -158,9 +144,6 @@ class Daemon:
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()  # served, and READY=1 sent
         self._listener: Listener | None = None
-        self._retention_runs = CoalescedRuns(RETENTION_INTERVAL_S)  # by job
-        self._kept_manifests = KeptManifests()
-        self._begin_locks = KeyedLocks()
         self.metrics_address: tuple[str, int] | None = None
         self.stopping = False
         self.draining = False  # `ckptdrain drain`: no new generation (daemon/maintenance.py)
@@ -306,233 +289,11 @@ class Daemon:
         """Queue a commit attempt for ``gen`` to the supervisor (it outlives any request)."""
         self.supervisor.spawn(lambda: self.scheduler.advance(gen),
                               what=f"advance {gen.job}/{gen.step}")
-
-    # -- generations -------------------------------------------------------------------------
-    async def begin_generation(self, job: str, step: int, world_size: int, ack: str, uid: int,
-                               attempt: str, *, connected: Connected | None = None
-                               ) -> GenerationRecord:
-        """The generation a rank joins: this node's, a new attempt replacing an old one, or a
-        new one with its in-flight slot. One at a time per step, so ranks of one node that
-        begin at once all join the same generation. ``connected`` cuts the wait for a slot
-        short when the beginning client hangs up (Channel.unless_hung_up): a killed job's
-        begin held the step's lock, and its restarted job's begin with it, till
-        block_timeout_s."""
-        async with self._begin_locks.hold((job, step)):
-            gen = self.ledger.get(job, step)
-            looked_up: tuple[int, bool] | None = None
-            if gen is None or (gen.attempt != attempt
-                               and gen.state is not GenerationState.COMMITTED):
-                maintenance.refuse_new_generation(self, job, step)
-                if gen is None and job not in self.ledger.jobs:
-                    # Both ask the destination, each within its own timeout: one after the
-                    # other, a destination that answered nothing held a new job's begin for
-                    # both (10 s, found attacking an S3 outage).
-                    looked_up = await self.begin_checks.new_job(job, step, uid)
-                else:
-                    await self.begin_checks.refuse_if_committed(job, step)
-            if (gen is not None and gen.attempt != attempt
-                    and gen.state is not GenerationState.COMMITTED):
-                # A restarted job saving this step again: the new attempt replaces the old.
-                owners.check_now(self, job, uid)
-                await self.replace_generation(gen, attempt)
-                gen = self.ledger.get(job, step)
-            if gen is not None:
-                owners.check_now(self, job, uid)
-                self.expiry.touch(job)
-                return gen
-            verified, owner = True, uid
-            if job not in self.ledger.jobs:
-                owner, verified = looked_up or await self.begin_checks.job_owner(job, uid)
-            self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
-            await self.expiry.make_room_for(job, owner)
-            waiting = self.admission.admit(self.admission.slots(job), 1, job, step)
-            slot = await (waiting if connected is None else
-                          connected(waiting, "its begin waited for a generation slot"))
-            try:
-                # Checked again with nothing awaited before the job and its generation are
-                # tracked: other begins may have opened while this one waited.
-                owners.check_now(self, job, uid)
-                self.admission.check_uid_generations(self.ledger.jobs.get(job, owner))
-                self.expiry.check_room(job, owner)
-                gen = await self.ledger.open_generation(job, step, world_size, ack, owner,
-                                                        attempt)
-            except BaseException:
-                slot.release()
-                raise
-            self.admission.hold_generation(gen, slot)
-            if not verified and self.ledger.jobs.get(job) == owner:
-                self.committer.owners.unverified.add(job)
-            return gen
-
     async def fail(self, gen: GenerationRecord, reason: str, *, kind: str,
                    event: GenerationEvent = GenerationEvent.FAILED,
                    record_first: bool = True) -> None:
         await self.scheduler.fail_generation(gen, reason, kind=kind, event=event,
                                              record_first=record_first)
-
-    def _after_terminal(self, gen: GenerationRecord) -> None:
-        """Free what a finished generation held on this node (its slot was freed the moment
-        it ended: Ledger.ended)."""
-        if gen.state is GenerationState.COMMITTED:
-            self.copies.drop_older_committed(gen)
-            job = gen.job
-            self.supervisor.spawn(lambda: self._forget_older(job), what=f"forget older {job}")
-            return
-        job = gen.job
-        self.supervisor.spawn(lambda: self.expiry.trim(job), what=f"trim ended {job}")
-        if gen.state is GenerationState.CANCELLED or gen.why_not_retryable():
-            # Superseded, an aborted rank or a shard lost before local storage: never
-            # retried, so nothing of it is worth keeping (every byte it reserved goes back;
-            # its shards' records are discarded where it ends, Endings._end).
-            self.copies.discard_generation(gen)
-        else:
-            # Failed: `ckptdrain retry` re-sends only what did not drain, so only those copies
-            # are kept; drained ones (all of them, when another node's rank aborted or the
-            # commit wait ran out) go now. Except when shards of its recorded ranks vanished
-            # at the destination (the only way a recorded rank holds a failed shard): a retry
-            # commits it as it is, and its drained copies are that commit's fast-restore
-            # copies, and the retry's own if another shard vanishes (found attacking: after
-            # such a retry the committed generation had kept copies of the re-sent shards only).
-            vanished = (any(s.state is ShardState.FAILED for s in gen.shards.values())
-                        and all(st is RankState.RECORDED for st in gen.ranks.values()))
-            if not vanished:
-                for shard in gen.shards.values():
-                    if shard.state is ShardState.DRAINED:
-                        self.copies.discard(shard)
-            self.copies.kept_for_retry(gen)
-
-    async def give_up(self, gen: GenerationRecord, reason: str,
-                      ranks: Iterable[int] | None = None) -> bool:
-        """End ``gen`` for good (a rank's or an operator's abort): ``ranks`` (default: every
-        one begun here, recorded ones too) are aborted, which no ``retry`` can undo, so every
-        shard it staged goes back now, also when it had already ended. False, and nothing
-        done, when it committed first.
-
-        Holding the generation's commit point, so never in the middle of this node's manifest
-        create (found racing aborts: a manifest written while the abort failed the generation
-        left it committed and reported failed), and waiting for nothing longer: holding the
-        whole commit's lock instead made an abort wait out a paced drain of deferred shards
-        or a part record's retries (and the step then committed). Aborting the ranks is what
-        makes it final: an abort that left a rank open, or recorded, left the generation
-        retryable (its shards kept for a retry that could never come) or let another node
-        commit it from this node's part record."""
-        async with gen.commit_point:
-            if gen.state is GenerationState.COMMITTED:
-                return False
-            chosen = list(gen.ranks) if ranks is None else list(ranks)
-            for rank in chosen:
-                if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED,
-                                           RankState.RECORDED):
-                    await self.ledger.apply((gen, rank), RankEvent.ABORTED)
-            if not gen.terminal:
-                await self.fail(gen, reason, kind="aborted", event=GenerationEvent.FAILED)
-            await self._discard_shards(gen)
-            self.copies.discard_generation(gen)
-        return True
-
-    async def _discard_shards(self, gen: GenerationRecord, *, persist: bool = True) -> None:
-        """Every shard of ``gen`` not yet discarded is (it will never drain)."""
-        for shard in gen.shards.values():
-            if shard.state is not ShardState.DISCARDED:
-                await self.ledger.apply(shard, ShardEvent.DISCARDED, persist=persist)
-
-    async def replace_generation(self, gen: GenerationRecord, attempt: str) -> None:
-        """A new attempt at an uncommitted step: end the old attempt on this node, drop what it
-        staged, and forget it. Its part record at the destination names the old attempt, so
-        no node counts it; this node rewrites it for the new attempt."""
-        reason = (f"replaced by a new attempt at this step ({attempt or 'unnamed'}); "
-                  f"the old attempt was {gen.attempt or 'unnamed'}")
-        if not gen.terminal:
-            await self.fail(gen, reason, kind="replaced", event=GenerationEvent.CANCELLED)
-        else:
-            for shard in gen.shards.values():
-                if shard.state is ShardState.FAILED:
-                    await self.scheduler.abort_upload(shard)
-            self.copies.discard_generation(gen)
-        # Still queued, perhaps: a worker must never take it for the new attempt's.
-        await self._discard_shards(gen, persist=False)
-        log_event(log, logging.INFO, "generation_replaced", job=gen.job, step=gen.step,
-                  old_attempt=gen.attempt, attempt=attempt)
-        await self.ledger.forget(gen)
-
-    async def supersede(self, job: str, step: int, budget: Budget, amount: int) -> bool:
-        """on_full = "supersede": cancel this job's older uncommitted generations, oldest
-        first, until ``amount`` fits ``budget``; True when it was acquired. Never touches a
-        committed generation, another job's, or one that already drained everything here."""
-        while not budget.try_acquire(amount):
-            victims = sorted(
-                (g for g in self.ledger.generations.values()
-                 if g.job == job and g.step < step and g.state is GenerationState.OPEN),
-                key=lambda g: g.step,
-            )
-            if not victims:
-                return False
-            victim = victims[0]
-            self.metrics.backpressure("superseded", budget.name)
-            await self.fail(victim, f"superseded by step {step}: {budget.name} was full and "
-                                    "on_full = \"supersede\" keeps the newest checkpoint",
-                            kind="superseded", event=GenerationEvent.CANCELLED)
-            await self._discard_shards(victim)
-        return True
-
-    def _published(self, gen: GenerationRecord) -> None:
-        job = gen.job
-        self.supervisor.spawn(lambda: self._retain(job), what=f"retention {job}")
-
-    async def _retain(self, job: str) -> None:
-        """Retention at the destination after this node published a generation of ``job``.
-
-        Only the publishing node runs it: every node of a 100-node job listing the job and
-        deleting the same old generation would multiply its requests by 100. A publisher that
-        dies before its run leaves the old generation to the next commit's run (or
-        ``ckptdrain gc``). One run per job at a time, and a commit during a run asks for one
-        more after it (CoalescedRuns): the newest commit is always seen by a run that began
-        after it. Runs of a job start at least RETENTION_INTERVAL_S apart.
-        """
-        await self._retention_runs.run(job, lambda: self._retain_once(job))
-
-    async def _retain_once(self, job: str) -> None:
-        retention = self.config.retention
-        try:
-            report = await apply_retention(self.backend, job, keep_last=retention.keep_last,
-                                           abandoned_grace_s=retention.abandoned_grace_s,
-                                           kept=self._kept_manifests)
-        except Exception as exc:  # a destination hiccup: the next commit runs it again
-            log_event(log, logging.WARNING, "retention_failed", job=job, error=str(exc))
-            return
-        if report.deleted or report.abandoned_deleted or report.failed:
-            # A failed removal leaves the destination growing: worth a warning.
-            log_event(log, logging.WARNING if report.failed else logging.INFO, "retention",
-                      job=job, kept=report.kept,
-                      deleted=report.deleted, abandoned=report.abandoned_deleted,
-                      failed=[step for step, _ in report.failed],
-                      error=report.failed[0][1] if report.failed else None)
-        self.committer.manifests.forget(job, [*report.deleted, *report.abandoned_deleted])
-
-    async def _forget_older(self, job: str) -> None:
-        """After a commit, on every node: forget this job's committed generations beyond the
-        newest ``keep_last`` (retention removes them at the destination), and its failed or
-        cancelled ones older than the newest commit once the grace period is over (nobody
-        will retry them now), so the journal and the local copies stay bounded."""
-        retention = self.config.retention
-        mine = [g for g in self.ledger.generations.values() if g.job == job]
-        committed = sorted((g.step for g in mine if g.state is GenerationState.COMMITTED),
-                           reverse=True)
-        if not committed:
-            return
-        older = set(committed[retention.keep_last:])
-        self.committer.manifests.forget(job, older)
-        cutoff = time.monotonic() - retention.abandoned_grace_s
-        for old in mine:
-            stale = (old.state in (GenerationState.FAILED, GenerationState.CANCELLED)
-                     and old.step < committed[0] and old.created_mono < cutoff)
-            # Another run may have forgotten it while this one waited on the journal.
-            if (old.terminal and (old.step in older or stale)
-                    and self.ledger.generations.get(old.key) is old):
-                self.copies.discard_generation(old)
-                if old.state is GenerationState.COMMITTED:
-                    self.retired.add(old)
-                await self.ledger.forget(old)
 
     # -- status ------------------------------------------------------------------------------
     def status(self, *, job: str | None = None, peer: Peer | None = None) -> dict[str, Any]:
