@@ -18,32 +18,26 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
-from ckptdrain.client.manifest import ManifestError, NewerFormat
+from ckptdrain.client.manifest import ManifestError
 from ckptdrain.client.wire import Message, ProtocolError
-from ckptdrain.daemon import catalog, maintenance, owners, payloads, reads, waits
+from ckptdrain.daemon import catalog, maintenance, payloads, permissions, ranks, reads, waits
 from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.allowance import TurnedAway
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.channel import Channel, DescriptorsShort, IdleTimeout, is_memfd
+from ckptdrain.daemon.channel import Channel, DescriptorsShort, IdleTimeout
 from ckptdrain.daemon.errors import DaemonError, RequestError, descriptors_short
+from ckptdrain.daemon.errors import destination_error as destination_error  # for waits.py
 from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, MAX_PIPE_CLOSES_PER_UID
 from ckptdrain.daemon.journalfaults import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord
 from ckptdrain.daemon.logs import log_event
-from ckptdrain.daemon.records import SAVE_AGAIN
-from ckptdrain.daemon.state import (
-    GenerationEvent,
-    GenerationState,
-    RankEvent,
-    RankState,
-)
+from ckptdrain.daemon.state import RankState
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.server import Daemon
 
 log = logging.getLogger("ckptdrain.connection")
 
-ACK_STRENGTH = {"memory": 0, "local": 1}
 # Error replies that draw on the uid's allowance (allowance.py), and how much: in full what a
 # correct client never gets. A `not_found` a reader meets for every shard with no local copy
 # before it reads the destination (charged in full, 64 ranks restoring were held and 15
@@ -179,7 +173,7 @@ class ClientHandler:
         # the training job (found attacking).
         why = ("the daemon stopped while the rank was handing off" if self.d.stopping
                else "the client disconnected before sealing the rank")
-        await self.abort_rank(gen, rank, why)
+        await ranks.abort_rank(self, gen, rank, why)
 
     async def send(self, kind: str, fields: dict[str, Any] | None = None) -> None:
         await self.channel.sendall(self.conn.send(kind, fields or {}))
@@ -320,14 +314,14 @@ class ClientHandler:
         f = msg.fields
         kind = msg.kind
         if kind == "begin":
-            return await self.begin(f["job"], f["step"], f["rank"], f["world_size"], f.get("ack"),
-                                    f.get("attempt") or "")
+            return await ranks.begin(self, f["job"], f["step"], f["rank"], f["world_size"],
+                                     f.get("ack"), f.get("attempt") or "")
         if kind == "put_bytes":
             # Read whole before anything is decided: a refusal then leaves no bytes of it in
             # the stream, and the conversation goes on. Only the rank's own shard is a
             # hand-off a stopping daemon lets finish: a stranger's stalled payload is not.
             try:
-                mine: tuple[GenerationRecord, int] | RequestError = self._own_rank(f)
+                mine: tuple[GenerationRecord, int] | RequestError = ranks.own_rank(self, f)
             except RequestError as exc:
                 mine = exc
             self.busy = not isinstance(mine, RequestError)
@@ -338,18 +332,18 @@ class ClientHandler:
             return await self.d.handoffs.stage(self, gen, rank, f["path"], f["size"], None,
                                                bool(f.get("deferred", False)), inline)
         if kind in ("put", "put_fd", "put_memfd"):
-            return await self._put(kind, f["job"], f["step"], f["rank"], f["path"], f["size"],
-                                   bool(f.get("deferred", False)))
+            return await ranks.put(self, kind, f["job"], f["step"], f["rank"], f["path"],
+                                   f["size"], bool(f.get("deferred", False)))
         if kind == "seal":
-            return await self.seal(self._own_rank(f))
+            return await ranks.seal(self, ranks.own_rank(self, f))
         if kind == "abort":
-            gen, rank = self._own_rank(f)
-            await self.abort_rank(gen, rank, f"the client aborted: {f['reason']}")
+            gen, rank = ranks.own_rank(self, f)
+            await ranks.abort_rank(self, gen, rank, f"the client aborted: {f['reason']}")
             return {}
         if kind in ("wait", "latest"):
             # A node that does not track the job still answers from the destination.
-            await self.check_destination_owner(f["job"])
-            self.check_job_visible(f["job"])
+            await permissions.check_destination_owner(self, f["job"])
+            permissions.check_job_visible(self, f["job"])
         if kind == "wait":
             # A waiter that hangs up ends its wait: it must not keep its slot till the timeout.
             with self.channel.hangup_watch() as gone:
@@ -358,9 +352,9 @@ class ClientHandler:
                         self.d, f["job"], f["step"], float(f["timeout_s"]),
                         f.get("attempt") or "", gone=gone)
                 except RequestError:
-                    await self._may_still_see(f["job"])  # a failure or a timeout says as much
+                    await permissions.may_still_see(self, f["job"])  # a failure or a timeout says as much
                     raise
-            await self._may_still_see(f["job"])
+            await permissions.may_still_see(self, f["job"])
             return reply
         if kind == "latest":
             return await self._latest(f["job"])
@@ -379,7 +373,7 @@ class ClientHandler:
             return maintenance.drain(self.d, self.peer) if kind == "drain" else \
                 maintenance.resume(self.d, self.peer)
         if kind == "abort_generation":
-            self.check_job_owner(f["job"])
+            permissions.check_job_owner(self, f["job"])
             return await maintenance.abort_generation(self.d, self.uid, f["job"], f["step"],
                                                       f.get("reason") or "")
         raise RequestError(wire.BAD_REQUEST, f"{kind!r} is not a request a client may send")
@@ -394,167 +388,3 @@ class ClientHandler:
         # Where the job's generations lie (`Client.latest_path`): `<root>/<step:020d>`.
         return {"job": job, "generation": step,
                 "root": f"{self.d.config.destination.uri.rstrip('/')}/{job}"}
-
-    # -- hand-off requests -------------------------------------------------------------------
-    async def _may_still_see(self, job: str) -> None:
-        """What a `wait` found is told only to a waiter who may see ``job`` now: checked when
-        it began only, a wait on a name nobody used yet was told another user's commit of
-        it, with its time and attempt (found attacking)."""
-        await self.check_destination_owner(job)
-        self.check_job_visible(job)
-
-    def check_job_visible(self, job: str) -> None:
-        """A user learns nothing of another user's job (root and the daemon's uid see all)."""
-        if not self.peer.may_see(self.d.ledger.jobs.get(job)):
-            raise RequestError(wire.PERMISSION_DENIED, f"job {job!r} belongs to another user; "
-                               f"uid {self.uid} may not see it")
-
-    async def settle_owner(self, job: str, *, reading: bool) -> None:
-        """Before the ledger's owner of ``job`` is trusted: settled with the destination if
-        it was recorded without its word (owners.settle). A write goes on when the
-        destination cannot answer now (the commit checks); a read fails."""
-        d = self.d
-        if self.peer.operator or not d.config.access.check_destination_owner:
-            return
-        try:
-            await owners.settle(d, job)
-        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
-            if reading:
-                raise destination_error(job, None, exc) from None
-
-    async def check_destination_owner(self, job: str) -> None:
-        """A job this node does not track (or tracks unverified) is read for a peer only when
-        its commits at the destination name no other owner (owners.py): the daemon reads
-        with its own rights."""
-        d = self.d
-        if self.peer.operator or not d.config.access.check_destination_owner:
-            return
-        await self.settle_owner(job, reading=True)
-        if job in d.ledger.jobs:
-            return
-        try:
-            async with asyncio.timeout(owners.LOOKUP_TIMEOUT_S):
-                owner = await d.committer.owners.someone_else(job, self.uid)
-        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
-            raise destination_error(job, None, exc) from None
-        if owner is not None:
-            raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, self.uid))
-
-    def check_job_owner(self, job: str) -> None:
-        """Writes to a job: its owner's, or an operator's (root or the daemon's uid, who act
-        for the owner)."""
-        owner = self.d.ledger.jobs.get(job)
-        if owner is not None and owner != self.uid and not self.peer.operator:
-            raise RequestError(wire.PERMISSION_DENIED,
-                               f"job {job!r} belongs to {self._owner_name(owner)}; uid "
-                               f"{self.uid} may not write it")
-
-    def _owner_name(self, owner: int) -> str:
-        # Operators are told which uid; other users only that it is not theirs.
-        return f"uid {owner}" if self.peer.operator else "another user"
-
-    def _own_rank(self, f: dict[str, Any]) -> tuple[GenerationRecord, int]:
-        gen, rank = self.gen, self.rank
-        if gen is None or rank is None:
-            raise RequestError(wire.BAD_REQUEST, "send begin before handing off shards")
-        if (f["job"], f["step"], f["rank"]) != (gen.job, gen.step, rank):
-            raise RequestError(wire.BAD_REQUEST, f"this connection began job {gen.job!r} step "
-                               f"{gen.step} rank {rank}, not job {f['job']!r} step {f['step']} "
-                               f"rank {f['rank']}")
-        if gen.terminal:
-            raise RequestError(wire.GENERATION_FAILED, f"step {gen.step} of job {gen.job!r} is "
-                               f"{gen.state}: {gen.error}")
-        if gen.ranks.get(rank) is not RankState.OPEN:
-            raise RequestError(wire.GENERATION_FAILED, f"rank {rank} is {gen.ranks.get(rank)}: "
-                               f"{gen.error or 'no more shards accepted'}")
-        return gen, rank
-
-    def still_open(self, gen: GenerationRecord, rank: int) -> None:
-        if gen.terminal or gen.ranks.get(rank) is not RankState.OPEN:
-            raise RequestError(wire.GENERATION_FAILED, f"step {gen.step} of job {gen.job!r} "
-                               f"ended while this shard was handed off ({gen.state}: {gen.error})")
-
-    async def _put(self, kind: str, job: str, step: int, rank: int, path: str, size: int,
-                   deferred: bool) -> dict[str, Any]:
-        fd = self.channel.take_frame_fd(kind) if wire.needs_fd(kind) else None
-        try:
-            gen, rank = self._own_rank({"job": job, "step": step, "rank": rank})
-            if kind == "put_memfd" and fd is not None and not is_memfd(fd):
-                # Checked before any lock is taken on it: a lock on a file of a network
-                # filesystem can wait on a server, and nothing here may wait on the loop.
-                raise RequestError(wire.BAD_REQUEST, f"the fd passed with put_memfd for {path!r} "
-                                   "is not a memfd; pass a memfd_create() fd, or use put_fd")
-        except BaseException:
-            if fd is not None:
-                self.d.dataplane.close_client_fd(fd, self.uid)
-            raise
-        # From here the hand-off owns the fd (closes it, or leaves it to a stuck thread).
-        if kind == "put_memfd" and self.ack == "memory" and fd is not None:
-            return await self.d.held.hold(self, gen, rank, path, size, fd, deferred)
-        return await self.d.handoffs.stage(self, gen, rank, path, size, fd, deferred)
-
-    async def begin(self, job: str, step: int, rank: int, world_size: int, ack: str | None,
-                    attempt: str) -> dict[str, Any]:
-        if self.gen is not None:
-            raise RequestError(wire.BAD_REQUEST, "this connection already began a rank; "
-                               "use one connection per generation and rank")
-        if rank >= world_size:
-            raise RequestError(wire.BAD_REQUEST, f"rank {rank} is outside world_size {world_size}")
-        max_world_size = self.d.config.limits.max_world_size
-        if world_size > max_world_size:
-            raise RequestError(wire.BAD_REQUEST, f"world_size {world_size} is over this daemon's "
-                               f"limits.max_world_size ({max_world_size}); ask the operator to "
-                               "raise it")
-        await self.settle_owner(job, reading=False)
-        self.check_job_owner(job)
-        effective: str = self.d.config.ack
-        if ack is not None and ACK_STRENGTH[ack] > ACK_STRENGTH[effective]:
-            effective = ack
-        gen = await self.d.generations.begin_generation(
-            job, step, world_size, effective, self.uid, attempt,
-            connected=self.channel.unless_hung_up)
-        if gen.world_size != world_size:
-            raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} began with world_size "
-                               f"{gen.world_size}, not {world_size}")
-        if gen.state is GenerationState.COMMITTED:
-            raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is committed; save a "
-                               "new step")
-        if gen.terminal:
-            # Said once: a generation a restart ended carries it in its error already.
-            then = "" if (gen.error or "").endswith(SAVE_AGAIN) else f"; {SAVE_AGAIN}"
-            raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} is "
-                               f"{gen.state} for this attempt: {gen.error}{then}")
-        if rank in gen.ranks:
-            raise RequestError(wire.DUPLICATE, f"rank {rank} of step {step} of job {job!r} already "
-                               f"began on this node ({gen.ranks[rank]})")
-        if gen.state is GenerationState.RECORDED:
-            await self.d.ledger.apply(gen, GenerationEvent.REOPENED)
-        await self.d.ledger.open_rank(gen, rank)
-        self.gen, self.rank, self.ack = gen, rank, effective
-        # inline_bytes: this daemon takes a shard that small as one put_bytes frame.
-        return {"job": job, "step": step, "rank": rank, "ack": effective, "node_id": self.d.node_id,
-                "inline_bytes": wire.INLINE_MAX_BYTES}
-
-    async def seal(self, owned: tuple[GenerationRecord, int]) -> dict[str, Any]:
-        gen, rank = owned
-        await self.d.ledger.apply((gen, rank), RankEvent.SEALED)
-        shards = [s for s in gen.shards.values() if s.rank == rank]
-        self.d.spawn_advance(gen)  # the commit outlives this request: the supervisor owns it
-        return {"job": gen.job, "step": gen.step, "rank": rank, "shards": len(shards),
-                "bytes": sum(s.size for s in shards)}
-
-    async def abort_rank(self, gen: GenerationRecord, rank: int, reason: str) -> None:
-        await self.d.generations.give_up(gen, f"rank {rank}: {reason}", ranks=(rank,))
-
-
-def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:
-    what = f"step {step} of job {job!r}" if step is not None else f"job {job!r}"
-    detail = str(exc) or type(exc).__name__
-    if isinstance(exc, NewerFormat):  # not damage: `verify` would say the same
-        return RequestError(wire.DESTINATION, f"{what} was committed by a newer ckptdrain at "
-                            f"the destination ({detail}); upgrade this node's daemon")
-    if isinstance(exc, ManifestError):
-        return RequestError(wire.DESTINATION, f"the manifest of {what} at the destination is "
-                            f"damaged: {detail}; run `ckptdrain verify` on it")
-    return RequestError(wire.DESTINATION, f"could not read {what} at the destination: {detail}; "
-                        "check the destination and retry")

@@ -11,6 +11,7 @@ import errno
 from typing import Any
 
 from ckptdrain.client import wire
+from ckptdrain.client.manifest import ManifestError, NewerFormat
 
 
 class DaemonError(Exception):
@@ -92,3 +93,16 @@ def one_line(text: str) -> str:
     broke the one line an expected failure is, and reached the user's terminal raw (found
     attacking)."""
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def destination_error(job: str, step: int | None, exc: BaseException) -> RequestError:
+    what = f"step {step} of job {job!r}" if step is not None else f"job {job!r}"
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, NewerFormat):  # not damage: `verify` would say the same
+        return RequestError(wire.DESTINATION, f"{what} was committed by a newer ckptdrain at "
+                            f"the destination ({detail}); upgrade this node's daemon")
+    if isinstance(exc, ManifestError):
+        return RequestError(wire.DESTINATION, f"the manifest of {what} at the destination is "
+                            f"damaged: {detail}; run `ckptdrain verify` on it")
+    return RequestError(wire.DESTINATION, f"could not read {what} at the destination: {detail}; "
+                        "check the destination and retry")

@@ -28,6 +28,7 @@ from ckptdrain.daemon.budget import Reservation
 from ckptdrain.daemon.dataplane import SourceEnded, SourceUnreadable, kernel_copy, readable
 from ckptdrain.daemon.errors import RUN_OUT, RequestError, StuckIO, descriptors_short
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
+from ckptdrain.daemon.ranks import still_open
 from ckptdrain.daemon.staging import (
     NO_BYTES_ADVICE,
     NO_INODES_ADVICE,
@@ -313,12 +314,12 @@ class Handoffs:
                 close_fds(fd)
             # The generation may have ended while this hand-off waited for room or bytes
             # (another rank aborted, a newer one superseded it): then nothing is kept.
-            h.still_open(gen, rank)
+            still_open(gen, rank)
             # A deferred shard is listed in the part record before it drains, so its
             # checksum is needed now (deferred shards are small: DCP's .metadata).
             checksum = await d.dataplane.call(d.staging.checksum, name) if deferred else ""
             if deferred:
-                h.still_open(gen, rank)  # ... and while its checksum was computed
+                still_open(gen, rank)  # ... and while its checksum was computed
             shard = ShardRecord(
                 id=d.ledger.shard_ids(), job=gen.job, step=gen.step, rank=rank, path=path,
                 size=size, staged_name=name, state=ShardState.STAGED, handed_at=handed_at,

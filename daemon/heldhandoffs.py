@@ -24,6 +24,7 @@ from ckptdrain.daemon.errors import RequestError, StuckIO
 from ckptdrain.daemon.handoff import DISK_FULL, close_fds
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.ranks import still_open
 from ckptdrain.daemon.staging import NO_INODES_ADVICE, Staging, StagingFull
 from ckptdrain.daemon.state import ShardEvent, ShardState
 
@@ -77,7 +78,7 @@ class HeldHandoffs:
             # held memfds got past it until staged (found attacking the share).
             d.admission.take_share_with(memory, d.admission.shards, owner, 1)
             incoming.enter_context(d.admission.incoming(owner, deferred))
-            h.still_open(gen, rank)
+            still_open(gen, rank)
             try:
                 # Marks the memfd busy for the client's pool until we close it (memfd.py).
                 # Never blocking: a client that write-locked its memfd is refused, not waited for.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
 from ckptdrain.client.manifest import ManifestError
+from ckptdrain.daemon import permissions
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.beginchecks import COMMITTED_CHECK_TIMEOUT_S
 from ckptdrain.daemon.budget import BudgetFull, TooLarge
@@ -144,7 +145,7 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
 async def retry(h: ClientHandler, job: str, step: int) -> dict[str, Any]:
     """``ckptdrain retry JOB STEP``: a failed generation whose local copies are kept drains
     again, with a fresh ``commit_wait_s``."""
-    h.check_job_owner(job)
+    permissions.check_job_owner(h, job)
     d = h.d
     gen = d.ledger.get(job, step)
     if gen is None:

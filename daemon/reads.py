@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import wire
 from ckptdrain.client.recordfields import parse_checksum
-from ckptdrain.daemon import checksums
+from ckptdrain.daemon import checksums, permissions
 from ckptdrain.daemon.channel import writable
-from ckptdrain.daemon.errors import DaemonError, RequestError
+from ckptdrain.daemon.errors import DaemonError, RequestError, destination_error
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.state import GenerationState
 
@@ -55,7 +55,7 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
     """A read-only fd of this node's verified local copy of ``path``; the caller sends and
     closes it. Raises ``not_found`` when the destination must serve it."""
     d = h.d
-    h.check_job_owner(job)
+    permissions.check_job_owner(h, job)
     gen = d.ledger.get(job, step)
     shard = gen.shards.get(path) if gen is not None else None
     if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
@@ -125,11 +125,10 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
     from ckptdrain.client.recordfields import ManifestError
     from ckptdrain.daemon.backends.base import BackendError
     from ckptdrain.daemon.catalog import removed_meanwhile
-    from ckptdrain.daemon.connection import destination_error
 
     d = h.d
-    await h.check_destination_owner(job)
-    h.check_job_owner(job)
+    await permissions.check_destination_owner(h, job)
+    permissions.check_job_owner(h, job)
     try:
         committed = await d.committer.committed_shards(job, step)
         if committed is None:
@@ -214,7 +213,7 @@ async def _fetch_local(h: ClientHandler, job: str, step: int, path: str, out_fd:
     never trusted on its own. Owns ``out_fd`` (closes it, or leaves it to a stuck thread)."""
     owned = True
     try:
-        h.check_job_owner(job)
+        permissions.check_job_owner(h, job)
         gen = h.d.ledger.get(job, step)
         shard = gen.shards.get(path) if gen is not None else None
         if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
