@@ -14,26 +14,25 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ckptdrain.client.manifest import ManifestError, generation_prefix, shard_key
+from ckptdrain.client.manifest import ManifestError, generation_prefix
 from ckptdrain.client.recordfields import parse_checksum
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.commit import Committer
-from ckptdrain.daemon.drainpace import DrainPace, ShardFlow
+from ckptdrain.daemon.drainpace import DrainPace
 from ckptdrain.daemon.drainqueue import BatchLanes, FairQueue
-from ckptdrain.daemon.errors import RUN_OUT, DaemonError
+from ckptdrain.daemon.errors import RUN_OUT
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
 from ckptdrain.daemon.publisher import Publisher
-from ckptdrain.daemon.reads import Identity, identity
 from ckptdrain.daemon.records import retrying_note
 from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
 from ckptdrain.daemon.threads import in_thread
+from ckptdrain.daemon.transfers import Discarded, Transfers
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.config import Config
@@ -43,11 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.scheduler")
 
 
-class _Discarded(DaemonError):
-    """The copy was cancelled because its generation failed or was cancelled."""
-
-
-class Scheduler(DrainPace):
+class Scheduler(Transfers):
     def __init__(
         self,
         *,
@@ -275,50 +270,6 @@ class Scheduler(DrainPace):
             await self._drain(gen, shard, then_advance=False)
         await self.publisher.advance(gen)
 
-    async def _put_batch(self, gen: GenerationRecord,
-                         shards: list[ShardRecord]) -> list[str | BackendError | None] | None:
-        """put_files of ``shards``, paced as one; None when their generation ended meanwhile.
-        An error that stopped the whole call stands for every shard."""
-        fds: list[int] = []
-        scope: asyncio.Timeout | None = None
-        try:
-            await self._prepare(gen)
-            for shard in shards:
-                fds.append(self.staging.open_data(shard.staged_name))
-            befores = [identity(os.fstat(fd)) for fd in fds]
-            # One cancel scope for the batch: ending the generation cancels all of it.
-            async with asyncio.timeout(None) as scope:
-                began = time.monotonic()
-                for shard in shards:
-                    self._inflight[shard.id] = scope
-                    shard.progress_mono = began
-                try:
-                    await self.pace(sum(s.size for s in shards))
-                    outcomes = await self.backend.put_files(
-                        [(shard_key(s.job, s.step, s.path), fd, s.size)
-                         for s, fd in zip(shards, fds, strict=False)])
-                finally:
-                    for shard in shards:
-                        self._inflight.pop(shard.id, None)
-            # As _put does for one shard (found when the suite first ran in two workers:
-            # shards drained in a batch were vouched for by nothing, and their first reader
-            # hashed them).
-            for shard, fd, before, outcome in zip(shards, fds, befores, outcomes, strict=True):
-                if isinstance(outcome, str):
-                    _vouch(shard, fd, before, outcome)
-            return outcomes
-        except TimeoutError:
-            if scope is not None and scope.expired():
-                return None
-            raise
-        except BackendError as exc:
-            return [exc] * len(shards)
-        except OSError as exc:  # a staged copy unreadable: its own drain says which
-            return [BackendError(str(exc))] * len(shards)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
     async def _drain_staged(self, gen: GenerationRecord, shard: ShardRecord, *,
                             then_advance: bool) -> bool:
         await self.ledger.apply(shard, ShardEvent.DRAIN_STARTED, persist=False)
@@ -332,7 +283,7 @@ class Scheduler(DrainPace):
                 await self._prepare(gen)
                 checksum = await self._put(shard)
                 break
-            except _Discarded:
+            except Discarded:
                 # Its generation ended mid-copy: the upload will never complete. Left open, a
                 # resumed one (its id journalled before a restart) stayed until the orphan
                 # sweep's grace, an hour (found attacking `abort` after a restart).
@@ -402,38 +353,6 @@ class Scheduler(DrainPace):
             return None
         return shard.checksum if now == shard.checksum else None
 
-    async def _put(self, shard: ShardRecord) -> str:
-        fd = self.staging.open_data(shard.staged_name)
-        try:
-            before = identity(os.fstat(fd))  # (see _vouch)
-            checksum = await self._put_fd(shard, fd)
-            _vouch(shard, fd, before, checksum)
-            return checksum
-        finally:
-            os.close(fd)
-
-    async def _put_fd(self, shard: ShardRecord, fd: int) -> str:
-        scope: asyncio.Timeout | None = None
-        try:
-            upload_log = self._upload_log_for(shard) if self._upload_log_for else None
-            # A cancel scope rather than a task of its own: _discard_copies expires it, which
-            # cancels this copy alone, and a stopping daemon's cancellation passes through.
-            async with asyncio.timeout(None) as scope:
-                self._inflight[shard.id] = scope
-                try:
-                    shard.moved_bytes = 0  # this attempt's progress
-                    shard.progress_mono = time.monotonic()
-                    return await self.backend.put_file(
-                        shard_key(shard.job, shard.step, shard.path), fd, shard.size,
-                        upload_log=upload_log, flow=ShardFlow(self, shard),
-                    )
-                finally:
-                    self._inflight.pop(shard.id, None)
-        except TimeoutError:
-            if scope is not None and scope.expired():
-                raise _Discarded from None
-            raise
-
     async def _fail_shard(self, gen: GenerationRecord, shard: ShardRecord, reason: str) -> None:
         if shard.state is not ShardState.DRAINING:
             return  # discarded meanwhile: its generation was aborted or cancelled
@@ -442,15 +361,6 @@ class Scheduler(DrainPace):
         if not gen.terminal:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",
                                        kind="drain")
-
-    async def _prepare(self, gen: GenerationRecord) -> None:
-        """The destination's directory of ``gen`` (prepare_prefix), once per live generation."""
-        prefix = generation_prefix(gen.job, gen.step)
-        if prefix in self._prepared:
-            return
-        await self.backend.prepare_prefix(prefix)
-        if not gen.terminal:  # one that ended meanwhile is not forgotten again (_terminal)
-            self._prepared.add(prefix)
 
     def _terminal(self, gen: GenerationRecord) -> None:
         """``gen`` committed, failed or was cancelled: forget its prepared prefix (a retry
@@ -477,35 +387,3 @@ class Scheduler(DrainPace):
     async def _abort_uploads(self, shards: list[ShardRecord]) -> None:
         for shard in shards:
             await self.abort_upload(shard)
-
-    async def _abort_stale_upload(self, shard: ShardRecord) -> None:
-        """A multipart upload journalled for ``shard`` before a restart, which the shard's copy
-        just now did not complete (it went as one PutObject: multipart_threshold_bytes was
-        raised meanwhile), is aborted: it was left to the orphan sweep's grace, an hour by
-        default (found attacking the S3 drain). A dict lookup when there is none."""
-        if self._upload_log_for is None:
-            return
-        upload_log = self._upload_log_for(shard)
-        if upload_log is not None and upload_log.is_open():
-            await self.abort_upload(shard)
-
-    async def abort_upload(self, shard: ShardRecord) -> None:
-        if self._upload_log_for is None:
-            return
-        upload_log = self._upload_log_for(shard)
-        if upload_log is None:
-            return
-        try:
-            await self.backend.abort_upload(
-                shard_key(shard.job, shard.step, shard.path), upload_log)
-        except BackendError as exc:
-            log_event(log, logging.WARNING, "abort_failed", job=shard.job, step=shard.step,
-                      path=shard.path, error=str(exc),
-                      action="left to the orphan sweep and the lifecycle rule")
-
-
-def _vouch(shard: ShardRecord, fd: int, before: Identity, checksum: str) -> None:
-    """A staged copy unchanged across the read that gave its checksum is vouched for by it:
-    reads.open_local need not hash it. (Local staging: an fstat does not block.)"""
-    if identity(os.fstat(fd)) == before:
-        shard.vouched = (before, checksum)
