@@ -23,13 +23,7 @@ from ckptdrain.daemon import checksums
 from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.fanout import for_each_bounded
-from ckptdrain.daemon.latest import (
-    LATEST_SCANS,
-    manifest_bytes,
-    newest_committed,
-    parse_manifest,
-    read_latest,
-)
+from ckptdrain.daemon.latest import manifest_bytes, newest_commit, parse_manifest
 from ckptdrain.daemon.threads import in_thread
 from ckptdrain.daemon.tombstone import is_tombstone
 
@@ -214,61 +208,50 @@ async def list_generations(backend: Backend, job: str) -> list[GenerationInfo]:
 
 
 async def latest(backend: Backend, job: str, *, use_hint: bool = True) -> int | None:
-    """The newest committed generation of ``job``, or None.
+    """The newest committed generation of ``job``, or None (:func:`newest`).
+    ``use_hint=False`` skips the LATEST hint."""
+    found = await newest(backend, job, use_hint=use_hint)
+    return None if found is None else found.generation
 
-    The LATEST hint is trusted only when the manifest it names exists and parses, and even
-    then only as a floor: a node can write a stale, lower hint over a newer one, so the
-    generation directories above it are listed (one request, not a listing of shards) and
-    the newest with a valid manifest wins. Never a step older than a generation whose
-    manifest existed when the call began (one retention removed during the scan sends it
-    round again, a few times at most). ``use_hint=False`` skips the hint.
+
+async def newest(backend: Backend, job: str, *, use_hint: bool = True) -> Manifest | None:
+    """The manifest of the newest committed generation of ``job``, read once; None when it
+    has none (:func:`~ckptdrain.daemon.latest.newest_commit`: LATEST as a floor only, and a
+    scan again when retention removed a commit above the answer meanwhile).
     :class:`NeedsUpgrade` when the newest commit is one a newer ckptdrain wrote: the answer
     is never an older step.
     """
-    answer: int | None = None
-    for _ in range(LATEST_SCANS):
-        floor: int | None = None
-        if use_hint:
-            hinted = await read_latest(backend, job)
-            if hinted is not None and await read_manifest(backend, job, hinted) is not None:
-                floor = hinted
-        removed: list[int] = []
-        try:
-            newer = await newest_committed(backend, job, above=-1 if floor is None else floor,
-                                           removed=removed, newer_format=True)
-        except NewerFormat as exc:
-            assert exc.step is not None  # (committed_above names it)
-            raise _needs_upgrade(backend, job, exc.step, exc) from None
-        answer = newer if newer is not None else floor
-        # Retention removes a committed generation only once newer ones committed. One it
-        # removed during this scan, above the answer, was committed when the call began, and
-        # its successors committed after the scan read their keys: scan again (found
-        # attacking: with commits landing during the scan, a job that always had a committed
-        # generation was answered None, "no committed generation", a restart from scratch).
-        if not any(answer is None or step > answer for step in removed):
-            return answer
-    return answer
+
+    async def read_hinted(step: int) -> Manifest | None:
+        return await read_manifest(backend, job, step)
+
+    try:
+        found = await newest_commit(backend, job, read_hinted if use_hint else None,
+                                    newer_format=True)
+    except NewerFormat as exc:
+        assert exc.step is not None  # (the scan names it)
+        raise _needs_upgrade(backend, job, exc.step, exc) from None
+    return None if found is None else found[1]
 
 
-async def resolve(backend: Backend, job: str, generation: int | Literal["latest"]) -> Manifest:
-    """The manifest for ``generation`` (a step, or ``"latest"``), or NotCommitted."""
+async def resolve(backend: Backend, job: str,
+                  generation: int | Literal["latest"] | Manifest) -> Manifest:
+    """The manifest for ``generation`` (a step, or ``"latest"``), or NotCommitted. A manifest
+    a caller resolved already is taken as is: a command resolves its generation once and
+    passes the manifest on (read again, a step retention removed meanwhile, once a newer one
+    committed, was "not committed"; found attacking `restore --generation latest`)."""
+    if isinstance(generation, Manifest):
+        if generation.job != job:
+            raise ValueError(f"a manifest of job {generation.job!r} given for job {job!r}")
+        return generation
     if generation == "latest":
-        for _ in range(LATEST_SCANS):
-            step = await latest(backend, job)
-            if step is None:
-                raise NotCommitted(
-                    f"job {job!r} has no committed generation at {backend.uri}; "
-                    "check the job name with `ckptdrain ls`"
-                )
-            manifest = await read_manifest(backend, job, step)
-            if manifest is not None:
-                return manifest
-            # Removed by retention since it was found, once a newer step committed (found
-            # attacking: `restore --generation latest` said "generation 30 is not committed;
-            # pick one listed by `ckptdrain ls`" while 31 had just committed): ask again.
-        raise NotCommitted(
-            f"job {job!r} at {backend.uri} commits and removes generations faster than its "
-            "newest can be read; retry, or name a step (`ckptdrain ls` lists them)")
+        manifest = await newest(backend, job)
+        if manifest is None:
+            raise NotCommitted(
+                f"job {job!r} has no committed generation at {backend.uri}; "
+                "check the job name with `ckptdrain ls`"
+            )
+        return manifest
     if isinstance(generation, int) and not isinstance(generation, bool):
         step = generation
     else:
@@ -286,7 +269,7 @@ async def resolve(backend: Backend, job: str, generation: int | Literal["latest"
 
 
 async def verify(
-    backend: Backend, job: str, step: int | Literal["latest"], *, concurrency: int = 4,
+    backend: Backend, job: str, step: int | Literal["latest"] | Manifest, *, concurrency: int = 4,
     read: bool = False,
 ) -> VerifyReport:
     """Check every shard of a committed generation against its size and checksum.
@@ -296,7 +279,8 @@ async def verify(
     unless ``read``; elsewhere (and for a shard without a stored checksum of the manifest's
     algorithm) every byte is re-read. Damage is reported, not raised: the report names every
     bad shard. Raises NotCommitted when there is no valid manifest, and BackendError when the
-    destination itself fails.
+    destination itself fails. ``step``: a step, ``"latest"``, or the manifest :func:`resolve`
+    gave (not read again).
     """
     manifest = await resolve(backend, job, step)
     step = manifest.generation

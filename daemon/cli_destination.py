@@ -16,11 +16,14 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptdrain.daemon.cli_stop import stoppable
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.sizes import human_amount
+
+if TYPE_CHECKING:
+    from ckptdrain.client.manifest import Manifest
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
 T = TypeVar("T")
@@ -247,16 +250,15 @@ def cmd_ls(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def resolve_generation(backend: Any, job: str, generation: str) -> int:
+async def resolve_generation(backend: Any, job: str, generation: str) -> Manifest:
+    """The manifest ``--generation`` names (a step, or ``latest``), read once: the command
+    goes on with it, never with a step whose manifest it reads again (retention removing
+    "latest" between the two reads, once a newer step committed, failed `restore` and
+    `verify` with "generation 30 is not committed"). NotCommitted when there is none."""
     from ckptdrain.daemon import catalog
 
-    if generation == "latest":
-        step = await catalog.latest(backend, job)
-        if step is None:
-            raise CommandFailed(f"job {job!r} has no committed generation at {backend.uri}; "
-                                "check the job name with `ckptdrain ls`")
-        return int(step)
-    return int(generation)
+    return await catalog.resolve(backend, job,
+                                 "latest" if generation == "latest" else int(generation))
 
 
 # -- verify -----------------------------------------------------------------------------------
@@ -264,8 +266,9 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     from ckptdrain.daemon import catalog
 
     async def run(backend: Any) -> tuple[int, Any]:
-        step = await resolve_generation(backend, ns.job, ns.generation)
-        return step, await catalog.verify(backend, ns.job, step, read=ns.read)
+        manifest = await resolve_generation(backend, ns.job, ns.generation)
+        return manifest.generation, await catalog.verify(backend, ns.job, manifest,
+                                                         read=ns.read)
 
     step, report = run_on(ns, run)
     if ns.json:

@@ -76,7 +76,6 @@ def _check_outside_destination(to: Path, dest: str) -> None:
 
 
 def cmd_restore(ns: argparse.Namespace) -> int:
-    from ckptdrain.daemon import catalog
     from ckptdrain.daemon.restore import restore
 
     to = Path(ns.to)
@@ -84,14 +83,15 @@ def cmd_restore(ns: argparse.Namespace) -> int:
     _check_restore_target(to, ns.overwrite)
 
     async def run(backend: Any) -> tuple[int, Any]:
-        step = await resolve_generation(backend, ns.job, ns.generation)
-        manifest = await catalog.read_manifest(backend, ns.job, step)
-        total = manifest.total_bytes if manifest is not None else 0
-        bar = ProgressBar(total, enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
+        # Read once and passed on: the bar's total and the restore use this manifest.
+        manifest = await resolve_generation(backend, ns.job, ns.generation)
+        step = manifest.generation
+        bar = ProgressBar(manifest.total_bytes,
+                          enabled=(not ns.quiet and sys.stderr.isatty()) or ns.progress)
         try:
             # A shard landing in the destination (mounted below --to) is refused by identity
             # as restore walks --to's directories (restoretarget.open_dir).
-            report = await restore(backend, ns.job, step, to, progress=bar.advance,
+            report = await restore(backend, ns.job, manifest, to, progress=bar.advance,
                                    local=None if ns.no_local else _local_source(ns, step),
                                    keep_out=_destination_root(ns.dest))
         finally:

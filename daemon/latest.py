@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from ckptdrain.client.keys import STEP_DIGITS, latest_key, manifest_key, parse_generation_dir
@@ -120,24 +120,31 @@ async def newest_committed(backend: Backend, job: str, above: int, *,
     as :func:`committed_above`). ``newer_format``: a manifest a newer ckptdrain wrote
     (:class:`NewerFormat`) raises rather than being passed by, for readers that must not
     answer an older step without saying why."""
-    found = await committed_above(backend, job, above, enough=1, removed=removed,
-                                  newer_format=newer_format)
-    return found[0] if found else None
+    found = await _committed_manifests(backend, job, above, enough=1, removed=removed,
+                                       newer_format=newer_format)
+    return found[0][0] if found else None
 
 
 async def committed_above(backend: Backend, job: str, above: int, *, enough: int,
-                          look_at: int | None = None,
-                          removed: list[int] | None = None,
-                          newer_format: bool = False) -> list[int]:
+                          look_at: int | None = None) -> list[int]:
     """Up to ``enough`` steps of ``job`` above ``above`` with a valid manifest, newest first.
 
     One listing of the job's generation directories (not of their shards), then a manifest
     read per directory, newest first, until ``enough`` are valid: directories above the newest
     commit are usually just the generations in flight. ``look_at`` bounds the directories
-    read (the newest ones): a best effort for a question asked on every begin. ``removed``
-    gets the steps read whose key holds the tombstone of a committed generation (retention
-    removed it: a newer commit exists). ``newer_format``: see :func:`newest_committed`.
+    read (the newest ones): a best effort for a question asked on every begin.
     """
+    found = await _committed_manifests(backend, job, above, enough=enough, look_at=look_at)
+    return [step for step, _ in found]
+
+
+async def _committed_manifests(backend: Backend, job: str, above: int, *, enough: int,
+                               look_at: int | None = None,
+                               removed: list[int] | None = None,
+                               newer_format: bool = False) -> list[tuple[int, Manifest]]:
+    """:func:`committed_above`, with each step's manifest as read. ``removed`` gets the steps
+    read whose key holds the tombstone of a committed generation (retention removed it: a
+    newer commit exists). ``newer_format``: see :func:`newest_committed`."""
     steps = sorted(
         (
             step
@@ -146,7 +153,7 @@ async def committed_above(backend: Backend, job: str, above: int, *, enough: int
         ),
         reverse=True,
     )
-    found: list[int] = []
+    found: list[tuple[int, Manifest]] = []
     for step in steps[:look_at]:
         data = await manifest_bytes(backend, job, step)
         if data is None or is_tombstone(data):
@@ -163,10 +170,52 @@ async def committed_above(backend: Backend, job: str, above: int, *, enough: int
         except ManifestError:
             continue  # damaged: not a commit a restart may use (catalog logs it)
         if (manifest.job, manifest.generation) == (job, step):
-            found.append(step)
+            found.append((step, manifest))
             if len(found) >= enough:
                 break
     return found
+
+
+async def newest_commit(
+    backend: Backend, job: str, read_hinted: Callable[[int], Awaitable[Manifest | None]] | None,
+    *, newer_format: bool = False,
+) -> tuple[int, Manifest] | None:
+    """The newest committed generation of ``job`` and its manifest, as read once; None when
+    it has none. The one lookup of "the newest commit": `latest`, `restore` and `verify` of
+    "latest" (catalog) and the owner lookup (owners) all find it here.
+
+    ``read_hinted`` reads the manifest of the step LATEST names (None: not a commit); the hint
+    is trusted only as a floor, as a node can write a stale, lower hint over a newer one: the
+    generation directories above it are listed (one request, not a listing of shards) and the
+    newest with a valid manifest wins. ``read_hinted=None`` skips the hint. ``newer_format``:
+    see :func:`newest_committed`.
+
+    Never a step older than a generation whose manifest existed when the call began.
+    Retention removes a committed generation only once newer ones committed, so one it
+    removed during the scan, above the answer, was committed when the call began and its
+    successors committed after the scan read their keys: the scan goes round again, a few
+    times at most (found attacking: with commits landing during the scan, a job that always
+    had a committed generation was answered "no committed generation", a restart from
+    scratch; the owner lookup answered an older generation's owner, or none). The manifest
+    is returned with the step, so a caller never reads it again: retention removing it
+    between two reads failed `restore --generation latest` with "generation 30 is not
+    committed" while 31 had just committed.
+    """
+    answer: tuple[int, Manifest] | None = None
+    for _ in range(LATEST_SCANS):
+        floor: tuple[int, Manifest] | None = None
+        if read_hinted is not None:
+            hinted = await read_latest(backend, job)
+            if hinted is not None and (manifest := await read_hinted(hinted)) is not None:
+                floor = (hinted, manifest)
+        removed: list[int] = []
+        newer = await _committed_manifests(backend, job, -1 if floor is None else floor[0],
+                                           enough=1, removed=removed,
+                                           newer_format=newer_format)
+        answer = newer[0] if newer else floor
+        if not any(answer is None or step > answer[0] for step in removed):
+            return answer
+    return answer
 
 
 async def overtaken(backend: Backend, job: str, step: int, *, keep: int) -> list[int]:

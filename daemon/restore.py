@@ -68,7 +68,7 @@ LocalSource = Callable[[ShardEntry, int], Awaitable[str | None]]
 async def restore(
     backend: Backend,
     job: str,
-    step: int | Literal["latest"],
+    step: int | Literal["latest"] | Manifest,
     to_dir: Path,
     *,
     concurrency: int = 8,
@@ -84,7 +84,8 @@ async def restore(
     The manifest is copied last, so a restored directory says what it holds and ``verify``
     can be re-run against it. Files are not fsynced: a restore is repeatable. ``keep_out``
     (a ``file://`` destination's root) is a directory no file may land in: met below
-    ``to_dir``, under any path, it is refused before anything is written.
+    ``to_dir``, under any path, it is refused before anything is written. ``step``: a step,
+    ``"latest"``, or the manifest ``catalog.resolve`` gave (not read again).
     """
     manifest = await resolve(backend, job, step)
     step = manifest.generation

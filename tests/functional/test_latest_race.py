@@ -235,7 +235,10 @@ async def test_the_latest_manifest_removed_after_it_was_found_is_asked_again(
 ) -> None:
     """Found attacking retention: `restore --generation latest` found 30 the newest, then 31
     committed and retention removed 30 before its manifest was read, and the restore said
-    "generation 30 is not committed; pick one listed by `ckptdrain ls`"."""
+    "generation 30 is not committed; pick one listed by `ckptdrain ls`". The manifest is now
+    read once, as the hint's floor, and returned with the answer (test_latest_resolved_once
+    races the commands themselves): removed before that read, 30 is no floor, and the scan
+    finds 31."""
     store = MemoryStore()
     writer = Committer(MemoryBackend("n1", store=store), "n1")
     await recorded(writer, tmp_path, 30)
@@ -247,7 +250,7 @@ async def test_the_latest_manifest_removed_after_it_was_found_is_asked_again(
     async def get_bytes(key: str, **kw: int) -> bytes | None:
         if key == manifest_key(JOB, 30):
             reads[0] += 1
-            if reads[0] == 2:  # latest() read it (the hint's); resolve reads it next
+            if reads[0] == 1:  # the hint's read, the only one
                 reached.set()
                 await go.wait()
         return await plain(key, **kw)
@@ -262,6 +265,7 @@ async def test_the_latest_manifest_removed_after_it_was_found_is_asked_again(
                                       abandoned_grace_s=60)).deleted == [30]
         go.set()
     assert resolving.result().generation == 31
+    assert reads[0] == 1
 
 
 @pytest.mark.asyncio
