@@ -16,6 +16,7 @@ refused. Root and the daemon's own uid act for any owner.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -25,9 +26,9 @@ from ckptdrain.client.keys import part_key
 from ckptdrain.client.manifest import Manifest
 from ckptdrain.client.recordfields import ManifestError
 from ckptdrain.daemon.access import is_operator as operator
-from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.backends.base import Backend, BackendError
 from ckptdrain.daemon.errors import RequestError
-from ckptdrain.daemon.latest import LATEST_SCANS, newest_committed, parse_part, read_latest
+from ckptdrain.daemon.latest import LATEST_SCANS, newest_commit, parse_part
 from ckptdrain.daemon.logs import log_event
 
 if TYPE_CHECKING:
@@ -73,39 +74,45 @@ class DestinationOwners:
             self._known.move_to_end(job)
             return known
         backend = self._committer.backend
-        # catalog.latest's steps, with the manifests read through the committer's cache (a
-        # large one is parsed once, not once to find the step and again for its nodes).
-        step: int | None = None
-        manifest: Manifest | None = None
         for _ in range(LATEST_SCANS):
-            hinted = await read_latest(backend, job)
-            floor = hinted if hinted is not None and await self._committed(job, hinted) else None
-            removed: list[int] = []
-            newer = await newest_committed(backend, job, above=-1 if floor is None else floor,
-                                           removed=removed)
-            step = newer if newer is not None else floor
-            manifest = None if step is None else await self._committed(job, step)
-            if manifest is not None:
-                break
-            # Retention removed what the scan found committed, or a commit it passed above the
-            # answer, meanwhile (catalog.latest): ask again. Found attacking retention: "no
-            # owner" let another user's begin of the job through.
-            if step is None and not removed:
+            # The newest commit as `latest` finds it (the scan again when retention removed a
+            # commit above the answer meanwhile: without it, an older generation's owner was
+            # answered, or none), with the hint's manifest read through the committer's cache
+            # and the one found returned with the step: a large one is parsed once, not once
+            # to find the step and again for its nodes.
+            found = await newest_commit(backend, job, functools.partial(self._committed, job))
+            if found is None:
                 return None  # no commit: nobody to ask
-        if step is None or manifest is None:
-            return None
+            step, manifest = found
+            owner, records = await self._named(backend, job, step, manifest)
+            if owner is not None:
+                self.remember(job, owner)
+                return owner
+            if records:
+                return None  # its records predate owners
+            # Not one of its part records is there: retention removed the generation after
+            # its manifest was read (it deletes them after the tombstone), once a newer one
+            # committed. Ask again; "no owner" let another user's begin of the job through.
+        return None
+
+    @staticmethod
+    async def _named(backend: Backend, job: str, step: int,
+                     manifest: Manifest) -> tuple[int | None, bool]:
+        """The owner the part records of ``job`` step ``step`` name (None: none does), and
+        whether any record was there at all."""
+        records = False
         for node in sorted(manifest.nodes):
             data = await backend.get_bytes(part_key(job, step, node))
             if data is None:
                 continue
+            records = True
             try:
                 part = await parse_part(data)
             except ManifestError:
                 continue
             if part.owner_uid is not None:
-                self.remember(job, part.owner_uid)
-                return part.owner_uid
-        return None
+                return part.owner_uid, True
+        return None, records
 
     async def _committed(self, job: str, step: int) -> Manifest | None:
         """The manifest of a commit, None for a damaged one (catalog.latest skips it too)."""

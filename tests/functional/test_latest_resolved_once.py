@@ -1,9 +1,12 @@
-"""`--generation latest` finds the newest commit once, and goes on with the manifest in hand.
+"""`--generation latest` and the owner lookup find the newest commit once, manifest in hand.
 
 `restore` and `verify --generation latest` turned "latest" into a step, then read that step's
 manifest again (restore read it three times): retention removing the step between the reads,
 once a newer one committed, failed the command with "generation 30 is not committed; pick one
-listed by `ckptdrain ls`".
+listed by `ckptdrain ls`". The owner lookup scanned as `latest` does but took an answer even
+when retention had removed a commit above it during the scan, or removed the answer itself
+before its part records were read, and named an older generation's owner or none (which let
+another user's begin of the job through).
 
 Each test runs on a real directory, through a backend that records every manifest read and
 changes the destination at one chosen call, as another node would at that moment.
@@ -22,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client.keys import manifest_key, shard_key
+from ckptdrain.client.keys import latest_key, manifest_key, part_key, shard_key
 from ckptdrain.client.manifest import PartRecord
 from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import cli_destination
@@ -30,6 +33,7 @@ from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.cli import main
 from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import DestinationConfig
+from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.tombstone import tombstone_json
 
 JOB = "llama"
@@ -161,3 +165,71 @@ def test_restore_of_a_named_step_reads_its_manifest_once(
     assert code == 0, err
     assert json.loads(out)["generation"] == 7
     assert racing[0].reads == [manifest_key(JOB, 7)]
+
+
+@pytest.mark.asyncio
+async def test_the_owner_lookup_scans_again_when_a_commit_above_its_answer_was_removed(
+    tmp_path: Path,
+) -> None:
+    """30 was committed by an older version (its part record names no owner), 31 by uid 1000,
+    and LATEST lags at 30 (a lowered hint). The lookup takes 30 as its floor and scans above
+    it: 32 is still in flight; then 32 commits (uid 1000) and retention (keep_last 1) removes
+    30 and 31, and the scan meets 31's tombstone. A commit above the answer was removed, so a
+    newer one exists: the owner is 32's, 1000, not "nobody" (which let another user's begin
+    of the job through)."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    node = writer(dest)
+    try:
+        await published(node, tmp_path, 30)
+        await published(node, tmp_path, 31, owner_uid=1000)
+        await node.backend.put_bytes(latest_key(JOB), b"30\n")  # lowered by a stale writer
+        await recorded(node, tmp_path, 32, owner_uid=1000)
+
+        async def commit_32_and_apply_retention() -> None:
+            assert (await node.try_publish(JOB, 32, 1)).committed
+            report = await apply_retention(node.backend, JOB, keep_last=1,
+                                           abandoned_grace_s=60)
+            assert report.deleted == [31, 30]
+
+        reader = RacingPosix(dest, "n2", manifest_key(JOB, 32), commit_32_and_apply_retention)
+        try:
+            assert await Committer(reader, "n2").owners.owner(JOB) == 1000
+            assert manifest_key(JOB, 31) in reader.reads  # the scan met the tombstone
+        finally:
+            await reader.aclose()
+    finally:
+        await node.backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_owner_lookup_asks_again_when_its_answer_is_removed_before_its_records_are_read(
+    tmp_path: Path,
+) -> None:
+    """30 and 31 are committed by uid 1000 and LATEST says 31; 32 is in flight. The lookup
+    reads 31's manifest and finds 32's key empty; then 32 commits and retention (keep_last 1)
+    removes 30 and 31, part records too, before the lookup reads 31's records. None of them
+    is there: the generation went after its manifest was read, and the lookup asks again
+    (it answered "no owner")."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    node = writer(dest)
+    try:
+        await published(node, tmp_path, 30, owner_uid=1000)
+        await published(node, tmp_path, 31, owner_uid=1000)
+        await recorded(node, tmp_path, 32, owner_uid=1000)
+
+        async def commit_32_and_apply_retention() -> None:
+            assert (await node.try_publish(JOB, 32, 1)).committed
+            report = await apply_retention(node.backend, JOB, keep_last=1,
+                                           abandoned_grace_s=60)
+            assert report.deleted == [31, 30]
+
+        reader = RacingPosix(dest, "n2", manifest_key(JOB, 32), commit_32_and_apply_retention)
+        try:
+            assert await Committer(reader, "n2").owners.owner(JOB) == 1000
+            assert part_key(JOB, 31, "n1") in reader.reads  # read after the removal
+        finally:
+            await reader.aclose()
+    finally:
+        await node.backend.aclose()
