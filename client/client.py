@@ -105,16 +105,22 @@ _REWAIT_FIRST_PAUSE_S = 0.05
 _REWAIT_MAX_PAUSE_S = 1.0
 
 
-# How the daemon's last word to a connection it drops for idleness begins (its ``timeout``
-# error, sent before it hangs up; daemon/connection.py).
-_IDLE_LAST_WORD = "the daemon closed this connection"
+# How the last word of a daemon older than ``details.closed`` began, to a connection it dropped
+# for going quiet (daemon/connection.py). Such a daemon, still running on a node whose clients
+# were upgraded first, answers a pooled request that races its drop with this text and nothing
+# else to tell it by. A daemon that sends ``details.closed`` is judged by the field alone.
+_OLD_IDLE_LAST_WORD = "the daemon closed this connection"
 
 
 def _hung_up_before(exc: Timeout) -> bool:
     """Whether ``exc``, the answer to a request on a pooled connection, is the daemon's last
-    word to that connection, dropped for idleness before it read the request; never our own
-    timer running out (the daemon may be hung, and the bound is spent)."""
-    return exc.message.startswith(_IDLE_LAST_WORD)
+    word to that connection, dropped while idle before it read any of the request; never our
+    own timer running out (the daemon may be hung, and the bound is spent), nor a drop
+    mid-frame."""
+    closed: object = exc.details.get(wire.CLOSED)
+    if closed is not None:
+        return closed == wire.CLOSED_IDLE
+    return exc.message.startswith(_OLD_IDLE_LAST_WORD)
 
 
 def _close_channels(channels: list[Channel], lock: threading.RLock) -> None:

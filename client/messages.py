@@ -41,6 +41,16 @@ COMMITTED: Final = "committed"
 DESTINATION: Final = "destination"
 # The node is being drained for maintenance (`ckptdrain drain`): no new generation here.
 DRAINING: Final = "draining"
+# ``details.closed`` of the ``timeout`` error a daemon sends as its last word before hanging up
+# on a connection that went quiet (the message says the same to a person, in words that may
+# change; a client decides by this field). CLOSED_IDLE: nothing of a request had come since the
+# last reply, so a request sent as it hung up was never read, nor acted on, and may go again on
+# a new connection. CLOSED_STALLED: a frame begun, or a shard's bytes due, stopped coming for the
+# idle timeout; CLOSED_TOO_SLOW: they came slower than the minimum rate.
+CLOSED: Final = "closed"
+CLOSED_IDLE: Final = "idle"
+CLOSED_STALLED: Final = "stalled"
+CLOSED_TOO_SLOW: Final = "too_slow"
 ERROR_CODES: Final = frozenset(
     {
         DRAINING,

@@ -60,6 +60,10 @@ from ckptdrain.client.messages import (
     BACKPRESSURE,
     BAD_REQUEST,
     CLIENT_MESSAGE_TYPES,
+    CLOSED,
+    CLOSED_IDLE,
+    CLOSED_STALLED,
+    CLOSED_TOO_SLOW,
     COMMITTED,
     DATA_KINDS,
     DESTINATION,
@@ -94,7 +98,8 @@ from ckptdrain.client.messages import (
 # re-exported here because both sides speak the protocol through this module
 # (``wire.BAD_REQUEST``, ``wire.ProtocolError``, ``wire.Message``).
 __all__ = [
-    "ACK_MODES", "BACKPRESSURE", "BAD_REQUEST", "CLIENT_MESSAGE_TYPES", "COMMITTED",
+    "ACK_MODES", "BACKPRESSURE", "BAD_REQUEST", "CLIENT_MESSAGE_TYPES", "CLOSED",
+    "CLOSED_IDLE", "CLOSED_STALLED", "CLOSED_TOO_SLOW", "COMMITTED",
     "DESTINATION", "DRAINING", "DUPLICATE", "ERROR_CODES", "GENERATION_FAILED",
     "INLINE_MAX_BYTES", "INTERNAL", "INVALID_NAME", "MAGIC", "MAX_ATTEMPT_CHARS",
     "MAX_CLIENT_NAME_CHARS", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_REASON_CHARS",

@@ -64,9 +64,24 @@ def _shared_buffer() -> memoryview:
 
 
 class IdleTimeout(DaemonError):
-    """The client sent nothing for longer than the idle timeout."""
+    """The client sent nothing for longer than the idle timeout. ``between_requests``: no
+    byte of a request had come since the last reply (no frame begun, no bytes due)."""
 
     hint = "raise limits.client_idle_timeout_s or limits.open_rank_idle_timeout_s"
+
+    def __init__(self, message: str, *, between_requests: bool = False) -> None:
+        super().__init__(message)
+        self.between_requests = between_requests
+
+    @property
+    def details(self) -> dict[str, str]:
+        """The last word's ``details``: whether a request sent as the daemon hung up went
+        unread (wire.CLOSED_IDLE), so that a client may send it again (a pooled connection's
+        request can race this drop). Clients used to tell by the message's words, which are
+        for people and may change."""
+        closed = (wire.CLOSED_TOO_SLOW if isinstance(self, TooSlow)
+                  else wire.CLOSED_IDLE if self.between_requests else wire.CLOSED_STALLED)
+        return {wire.CLOSED: closed}
 
 
 class DescriptorsShort(DaemonError):
@@ -196,7 +211,9 @@ class Channel:
         if not ready:
             if floor is not None and due < self.idle_timeout_s:
                 raise TooSlow(str(floor.too_slow(time.monotonic())))
-            raise IdleTimeout(f"client idle for {self.idle_timeout_s:g} s")
+            # No transfer under way: the reply went out and nothing of a request came since.
+            raise IdleTimeout(f"client idle for {self.idle_timeout_s:g} s",
+                              between_requests=floor is None)
 
     async def send_with_fd(self, data: bytes, fd: int) -> None:
         """Send ``data`` with ``fd`` riding on its first byte (SCM_RIGHTS): a reply that

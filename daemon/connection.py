@@ -116,7 +116,7 @@ class ClientHandler:
             self._client_error("client_dropped", reason=str(exc))
             # Said before hanging up, so the client's next request reads why.
             await self._last_word(wire.TIMEOUT, f"the daemon closed this connection: {exc}; "
-                                  f"{exc.hint}")
+                                  f"{exc.hint}", exc.details)
         except (ConnectionError, TimeoutError) as exc:
             self._client_error("client_dropped", reason=str(exc) or type(exc).__name__)
         except ProtocolError as exc:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import select
 from typing import Any
 
-from ckptdrain.client import Client
+from ckptdrain.client import Client, Timeout, wire
+from ckptdrain.client.client import _hung_up_before
 from tests.conftest import DaemonProcess
+from tests.functional.test_bad_input import RawClient, error_in
 
 IDLE_S = "0.5"
 
@@ -50,3 +52,23 @@ def test_a_call_racing_the_daemons_idle_drop_goes_again_on_a_new_connection(
         assert c.status("job")["generations"][0]["state"] == "committed"
         # The dropped connections are not kept: one live connection is pooled.
         assert len(c._idle) == 1 and c._idle[0].is_reusable()
+
+
+def test_the_idle_last_word_is_told_by_a_field_not_by_its_words(make_daemon: Any) -> None:
+    # The client resent a pooled request when the daemon's last word began "the daemon closed
+    # this connection": words for people, which a rewording would have turned back into the
+    # Timeout above. The daemon marks the drop in ``details.closed``; the client reads that.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__CLIENT_IDLE_TIMEOUT_S=IDLE_S)
+    with RawClient(d.socket_path) as raw:  # nothing of a request came: it may go again
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        idle = error_in(raw.raw(b""))
+    assert idle["code"] == "timeout" and idle["details"] == {"closed": "idle"}
+    with RawClient(d.socket_path) as raw:  # a frame begun, then nothing: it was read in part
+        assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
+        stalled = error_in(raw.raw(wire.encode_message("latest", {"job": "j"})[:10]))
+    assert stalled["code"] == "timeout" and stalled["details"] == {"closed": "stalled"}
+
+    assert _hung_up_before(Timeout("reworded", details=idle["details"]))
+    assert not _hung_up_before(Timeout(stalled["message"], details=stalled["details"]))
+    # A daemon from before the field sent the words alone: still taken as its idle drop.
+    assert _hung_up_before(Timeout(idle["message"]))
