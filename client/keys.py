@@ -33,6 +33,11 @@ _NODE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _GENERATION_RE = re.compile(r"[0-9]{20}")
 
 
+def is_node_id(node: str) -> bool:
+    """Whether validate_node_id takes the string ``node``."""
+    return _NODE_RE.fullmatch(node) is not None
+
+
 def validate_node_id(node: object) -> str:
     """Return ``node`` if it can name a part record and a temp file, else raise ManifestError."""
     if not isinstance(node, str) or not _NODE_RE.fullmatch(node):

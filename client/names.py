@@ -80,8 +80,35 @@ def validate_job(job: object) -> str:
     return job
 
 
+# A shard path every rule of validate_shard_path accepts, in one match: its components of
+# _COMPONENT_CHARS (ASCII: the path's length is its bytes), none empty, '.' or '..', starting
+# with '-', longer than MAX_COMPONENT_BYTES or ending in TEMP_SUFFIX; the first not PARTS_DIR
+# nor MANIFEST_NAME. Every path of every manifest read is checked (100,000 in a large one, on
+# each `ls`): one match in C, and the rules one by one only for a path it does not take, to
+# name what is wrong (`ls` of 100,000-shard generations spent most of its time here).
+_COMPONENT = (rf"(?!-)(?!\.\.?(?:/|\Z)){_COMPONENT_CHARS.pattern}{{1,{MAX_COMPONENT_BYTES}}}"
+              rf"(?<!{re.escape(TEMP_SUFFIX)})")
+_PLAIN_PATH = re.compile(rf"(?!(?:{re.escape(PARTS_DIR)}|{re.escape(MANIFEST_NAME)})(?:/|\Z))"
+                         rf"{_COMPONENT}(?:/{_COMPONENT})*")
+
+
+def is_plain_shard_path(path: object) -> bool:
+    """Whether ``path`` is a shard path validate_shard_path accepts, by one match; False says
+    only that the rules must be checked one by one (a path with a character outside the
+    plain set is refused there)."""
+    return (type(path) is str and len(path) <= MAX_PATH_BYTES
+            and _PLAIN_PATH.fullmatch(path) is not None)
+
+
 def validate_shard_path(path: object) -> str:
     """Return ``path`` if it is an acceptable shard path, else raise :class:`InvalidName`."""
+    if is_plain_shard_path(path):
+        return path  # type: ignore[return-value]
+    return _shard_path_rules(path)
+
+
+def _shard_path_rules(path: object) -> str:
+    """validate_shard_path, rule by rule: each refusal says what is wrong."""
     if not isinstance(path, str):
         raise InvalidName(f"shard path must be a string, not {type(path).__name__}; {_PATH_RULE}")
     if not path:

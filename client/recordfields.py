@@ -20,6 +20,9 @@ from ckptdrain.client.errors import RejectedInput
 CHECKSUM_ALGO = "crc64nvme"
 _HEX_DIGITS = {"sha256": 64, "crc64nvme": 16}
 _HEX_RE = re.compile(r"[0-9a-f]+")
+# A checksum parse_checksum accepts, in one match (see is_plain_checksum).
+_PLAIN_CHECKSUM = re.compile("|".join(f"{algo}:[0-9a-f]{{{digits}}}"
+                                      for algo, digits in _HEX_DIGITS.items()))
 
 _T = TypeVar("_T")
 
@@ -52,6 +55,12 @@ def parse_checksum(checksum: str) -> tuple[str, str]:
     algo, _, digest = checksum.partition(":")
     _checksum_string(algo, digest, "checksum")
     return algo, digest
+
+
+def is_plain_checksum(checksum: object) -> bool:
+    """Whether parse_checksum accepts ``checksum``, by one match: every shard entry of every
+    record read checks one. False says only that parse_checksum must say what is wrong."""
+    return type(checksum) is str and _PLAIN_CHECKSUM.fullmatch(checksum) is not None
 
 
 def _checksum_string(algo: str, digest_hex: str, what: str) -> str:

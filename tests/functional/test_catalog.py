@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from ckptdrain.client.keys import latest_key, manifest_key, shard_key
-from ckptdrain.client.manifest import TMP_SUFFIX, PartRecord
+from ckptdrain.client.manifest import TMP_SUFFIX, Manifest, PartRecord
 from ckptdrain.client.shardentries import ShardEntry
 from ckptdrain.daemon import catalog
 from ckptdrain.daemon.backends.base import Backend, BackendError
@@ -161,6 +163,56 @@ async def test_only_committed_generations_are_listed(
     assert g100.bytes == sum(len(shard_bytes(100, p)) for p in PATHS)
     assert await catalog.list_generations(backend, "broken") == []
     assert await catalog.list_generations(backend, "nobody") == []
+
+
+_CRC = "crc64nvme:" + "0" * 16
+# One field of a manifest's second shard, and why `ls` leaves the manifest out: the words it
+# logged before shard entries were checked by one match each (the rules now run only to say
+# what is wrong), kept word for word.
+_DAMAGED_SHARD = [
+    ("rank", 2, "rank 2 is out of range for world_size 2; use 0..1"),
+    ("size", True, "manifest shard 1: manifest shard 1 size must be an integer, not bool"),
+    ("size", -1, "manifest shard 1: manifest shard 1 size is -1; it must be 0..9223372036854775807"),
+    ("checksum", "crc64nvme:" + "A" * 16, "manifest shard 1: checksum digest 'AAAAAAAAAAAAAAAA' "
+     "is not 16 lowercase hex digits for crc64nvme"),
+    ("path", "model/../x", "manifest shard 1: shard path 'model/../x' contains a '..' component"),
+    ("path", "model/x.ckptdrain-tmp", "manifest shard 1: shard path 'model/x.ckptdrain-tmp' ends "
+     "a component in '.ckptdrain-tmp', which is reserved for ckptdrain's temporary files"),
+    ("path", "_parts/x", "manifest shard 1: shard path '_parts/x' is reserved"),
+    ("path", "model/\u00e9", "manifest shard 1: shard path 'model/\u00e9' contains '\u00e9'"),
+    ("path", "model/a.pt/inner", "manifest of 'llama' generation 200 lists shard 'model/a.pt' "
+     "and shard 'model/a.pt/inner': one is a directory of the other"),
+    ("path", "model/a.pt", "manifest of 'llama' generation 200 lists shard path 'model/a.pt' twice"),
+    ("node", "gpu2", "manifest of 'llama' generation 200 shard 'model/b.pt' names node 'gpu2', "
+     "not one of ['gpu1']"),
+    ("node", "-gpu", "manifest shard 1: node id '-gpu' is not acceptable"),
+    ("extra", 1, "manifest shard 1 has unknown field(s) extra"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("field", "value", "why"), _DAMAGED_SHARD)
+async def test_ls_leaves_out_a_manifest_with_one_damaged_shard_saying_why(
+    dest: tuple[Backend, Corrupt], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    field: str, value: object, why: str,
+) -> None:
+    backend, _ = dest
+    await commit(backend, tmp_path, 100)
+    manifest = Manifest(job=JOB, generation=200, world_size=2, nodes=("gpu1",),
+                        shards=(ShardEntry("model/a.pt", 3, _CRC, 0, "gpu1"),
+                                ShardEntry("model/b.pt", 4, _CRC, 1, "gpu1")),
+                        clocks={"handoff": 1.0, "staged": 2.0, "drained": 3.0, "committed": 4.0})
+    obj = json.loads(manifest.to_json())
+    obj["generation"] = 300
+    await backend.put_bytes(manifest_key(JOB, 300), json.dumps(obj).encode())  # intact
+    obj["generation"] = 200
+    obj["shards"][1][field] = value
+    await backend.put_bytes(manifest_key(JOB, 200), json.dumps(obj).encode())
+
+    with caplog.at_level(logging.WARNING, logger="ckptdrain.daemon.catalog"):
+        listed = await catalog.list_generations(backend, JOB)
+    assert [g.step for g in listed] == [300, 100]
+    assert f"ignoring {manifest_key(JOB, 200)}: {why}" in caplog.text
 
 
 @pytest.mark.asyncio

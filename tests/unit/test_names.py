@@ -192,3 +192,22 @@ def test_the_whole_name_match_finds_what_a_scan_of_each_character_finds(text: st
     for allowed in (names._JOB_CHARS, names._COMPONENT_CHARS):
         scanned = next((c for c in text if not allowed.fullmatch(c)), None)
         assert names._first_bad_char(text, allowed) == scanned
+
+
+_PIECES = st.sampled_from(["a", "Z", "0", ".", "..", "-", "_", "+", "=", ",", "@", "/", "//",
+                           "\\", "\x00", "\n", " ", "é", "\ud800", "_parts", "MANIFEST.json",
+                           ".ckptdrain-tmp", "a" * 254, "b" * 300])
+
+
+@given(st.lists(_PIECES, max_size=8).map("".join) | st.text(max_size=20))
+def test_the_one_match_takes_exactly_the_paths_the_rules_take(path: str) -> None:
+    # A shard path is matched whole (every path of every manifest read: `ls` of 100,000-shard
+    # generations spent most of its time on the rules one by one); the rules then only say
+    # what is wrong. The match may take no path the rules refuse, and should take every
+    # path they accept (or the slow way is back).
+    try:
+        names._shard_path_rules(path)
+        accepted = True
+    except InvalidName:
+        accepted = False
+    assert names.is_plain_shard_path(path) == accepted, path
