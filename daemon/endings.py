@@ -125,6 +125,26 @@ class Endings:
         else:
             await self._end(gen, reason, kind=kind, event=event)
 
+    async def record_abort_first(self, gen: GenerationRecord, reason: str) -> bool:
+        """Before an abort (Daemon.give_up, its commit point held) aborts the ranks of ``gen``
+        and its waiters hear it failed: where other nodes may still publish the step from
+        this node's record (every rank recorded), that record is rewritten with them aborted
+        first, as :meth:`end` does for its own ends. Found reviewing multi-node commits: the
+        abort aborted the ranks first, which took it off end's record-first path, answered,
+        and queued the failure record; a node that sealed meanwhile published the step from
+        the record that still said "recorded". False when the step is committed with this
+        node's part (looked for before and after the write, as :meth:`_end_recorded` does):
+        COMMITTED here, nothing to abort. A record that could not be written is logged, and
+        the abort goes ahead (:meth:`FailureRecords.write` tries again after the end)."""
+        if gen.terminal or not self._publishable_elsewhere(gen, GenerationEvent.FAILED):
+            return True
+        if await self.found_committed(gen):
+            return False
+        if await self.p.failures.write_told(gen, reason) and await self.found_committed(gen):
+            await self.p.failures.write_recorded(gen)
+            return False
+        return True
+
     @staticmethod
     def _publishable_elsewhere(gen: GenerationRecord, event: GenerationEvent) -> bool:
         """Whether ending ``gen`` by ``event`` tells ranks it failed that another node may

@@ -143,9 +143,13 @@ class Generations:
         or a part record's retries (and the step then committed). Aborting the ranks is what
         makes it final: an abort that left a rank open, or recorded, left the generation
         retryable (its shards kept for a retry that could never come) or let another node
-        commit it from this node's part record."""
+        commit it from this node's part record; where every rank here is recorded, that
+        record is rewritten with them aborted before they are (Endings.record_abort_first)."""
         async with gen.commit_point:
             if gen.state is GenerationState.COMMITTED:
+                return False
+            # First, while its ranks are still recorded: the record, then the answer.
+            if not await self.d.scheduler.publisher.ends.record_abort_first(gen, reason):
                 return False
             chosen = list(gen.ranks) if ranks is None else list(ranks)
             for rank in chosen:

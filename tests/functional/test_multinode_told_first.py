@@ -1,0 +1,55 @@
+"""No node commits a multi-node step whose ranks on another node were told it failed.
+
+Two daemons ("nodes") on one file:// destination, world_size 2: rank 0 on node-a, rank 1 on
+node-b. node-a records its part first; each test ends the step on node-a while node-b has
+not come yet, and checks that node-a's part record says its rank aborted by the time node-a
+answers, so node-b, coming later, ends the step rather than publish it from node-a's record.
+strace slows (or fails) node-a's renames, its part record writes: the window the end must
+not leave open, made wide enough to see.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from ckptdrain.client import GenerationFailed
+from tests.conftest import CKPTDRAIN, DaemonProcess, strace_attached
+from tests.functional.test_commit_ends import JOB, part_record, recorded, seal, state
+
+# Every part record write (posix backend: a temp file renamed over the key) waits this long.
+SLOW_RENAMES = ("-e", "trace=rename,renameat,renameat2",
+                "-e", "inject=rename,renameat,renameat2:delay_enter=3000000")
+
+
+def manifest_exists(d: DaemonProcess, step: int) -> bool:
+    return (d.dest / JOB / f"{step:020d}" / "MANIFEST.json").exists()
+
+
+def test_an_operators_abort_of_a_recorded_step_rewrites_the_record_before_it_answers(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found reviewing multi-node commits: `ckptdrain abort` of a step node-a had recorded
+    # aborted its ranks and answered (its waiters heard "failed") first, and queued the
+    # failure record after; node-b, sealing meanwhile, read node-a's record still saying
+    # "recorded" and published the step.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    with strace_attached(a.pid, *SLOW_RENAMES):
+        out = subprocess.run([CKPTDRAIN, "abort", JOB, "1", "--reason", "bad node"],
+                             env=a.env(), capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert out.returncode == 0, out.stderr
+        mine = part_record(a, 1, "node-a")
+        assert mine is not None and (mine.ranks, mine.aborted_ranks) == ((), (0,)), mine
+        assert "bad node" in mine.abort_reason
+        with pytest.raises(GenerationFailed, match="aborted by an operator"):
+            a.client().wait(JOB, 1, timeout_s=5)
+        seal(b, 1, 1)
+        with pytest.raises(GenerationFailed, match="rank 0 aborted on node 'node-a'"):
+            b.client().wait(JOB, 1, timeout_s=30)
+    assert not manifest_exists(a, 1)
+    assert state(a, 1)["state"] == "failed"
+
