@@ -198,6 +198,28 @@ class FailureRecords:
             return False
         return True
 
+    async def resend(self, gen: GenerationRecord) -> None:
+        """At start-up, for a generation of :meth:`unsent`: its failure record as the end
+        owed it, unless the destination holds it already. Every rank of this node's aborted
+        where all were recorded (its commit wait, its own create, an abort: their ranks heard
+        it failed), but where another node's record marks a rank aborted, whose end ended it
+        here (the record left as it is, as at run time: :meth:`write`). Found reviewing
+        multi-node commits: which it was is not journalled, and the resend wrote only the
+        ranks not recorded (none), so a failure record owed when the daemon was killed, or
+        given up against a destination that refused it, was never written; the record kept
+        saying "recorded", and a node that came later published the step from it."""
+        every_rank = False
+        if 0 < len(gen.ranks) < gen.world_size and all(
+                st is RankState.RECORDED for st in gen.ranks.values()):
+            try:
+                parts, _ = await self.committer.read_parts(gen.job, gen.step, gen.world_size,
+                                                           gen.attempt)
+            except (BackendError, ManifestError):
+                parts = []  # cannot tell: the record that keeps every node from publishing
+            node = self.config.node_id
+            every_rank = not any(p.aborted_ranks for p in parts if p.node != node)
+        await self.write(gen, unless_present=True, every_rank=every_rank)
+
     async def _already(self, key: str, part: PartRecord) -> bool:
         data = await self.committer.backend.get_bytes(key)
         if data is None:

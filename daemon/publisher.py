@@ -119,7 +119,7 @@ class Publisher:
     async def run(self) -> None:
         for gen in self.failures.unsent():
             self.submit(f"failure-record {gen.job} {gen.step}",
-                        functools.partial(self.failures.write, gen, unless_present=True))
+                        functools.partial(self.failures.resend, gen))
         # As many at once as the destination is allowed requests; the rest wait their turn.
         slots = asyncio.Semaphore(max(1, self.config.destination.max_concurrency))
         async with asyncio.TaskGroup() as tg:

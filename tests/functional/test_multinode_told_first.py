@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from ckptdrain.client import GenerationFailed
-from tests.conftest import CKPTDRAIN, DaemonProcess, strace_attached
+from tests.conftest import CKPTDRAIN, DaemonProcess, strace_attached, wait_for
 from tests.functional.test_commit_ends import JOB, part_record, recorded, seal, state
 
 # Every part record write (posix backend: a temp file renamed over the key) waits this long.
@@ -53,3 +53,37 @@ def test_an_operators_abort_of_a_recorded_step_rewrites_the_record_before_it_ans
     assert not manifest_exists(a, 1)
     assert state(a, 1)["state"] == "failed"
 
+
+# Every part record write fails (EIO, retried for drain.retry_budget_s, then given up).
+FAILED_RENAMES = ("-e", "trace=rename,renameat,renameat2",
+                  "-e", "inject=rename,renameat,renameat2:error=EIO")
+
+
+def test_a_failure_record_not_written_before_a_kill_is_written_at_the_restart(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found reviewing multi-node commits: node-a's commit wait ran out and its ranks heard
+    # the step failed, but its failure record (every rank aborted) could not be written then,
+    # and was still owed when node-a was killed. The restart's resend wrote only the ranks
+    # not recorded (none), so node-a's record kept saying "recorded", and node-b, coming
+    # later, published the step from it.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    with strace_attached(a.pid, *FAILED_RENAMES):
+        with pytest.raises(GenerationFailed, match=r"drain\.commit_wait_s"):
+            a.client().wait(JOB, 1, timeout_s=30)
+        # Both tries given up: before the end (write_told) and the one queued after it.
+        wait_for(lambda: a.log().count('event=failure_record_failed') >= 2, 30,
+                 what="node-a gave up writing its failure record twice")
+    mine = part_record(a, 1, "node-a")
+    assert mine is not None and mine.ranks == (0,), mine  # as the expiry left it
+    a.kill()
+    a.start()
+    wait_for(lambda: (part_record(a, 1, "node-a") or mine).aborted_ranks == (0,), 15,
+             what="node-a's restart wrote its failure record, every rank aborted")
+    b: DaemonProcess = make_daemon("node-b")
+    seal(b, 1, 1)
+    with pytest.raises(GenerationFailed, match="rank 0 aborted on node 'node-a'"):
+        b.client().wait(JOB, 1, timeout_s=30)
+    assert not manifest_exists(a, 1)
