@@ -15,6 +15,7 @@ nothing reaches the TaskGroup.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptdrain.publisher")
 
 _G = GenerationState
+
+# How long an abort (record_abort_first) gives this node's failure record before it answers.
+ABORT_RECORD_WITHIN_S = 10.0
 
 
 def destination_error(exc: BaseException) -> BackendError | None:
@@ -134,16 +138,37 @@ class Endings:
         and queued the failure record; a node that sealed meanwhile published the step from
         the record that still said "recorded". False when the step is committed with this
         node's part (looked for before and after the write, as :meth:`_end_recorded` does):
-        COMMITTED here, nothing to abort. A record that could not be written is logged, and
-        the abort goes ahead (:meth:`FailureRecords.write` tries again after the end)."""
+        COMMITTED here, nothing to abort.
+
+        Within ABORT_RECORD_WITHIN_S: the write's retries run for drain.retry_budget_s (300 s
+        by default), which `ckptdrain abort` (30 s) would not wait out on a destination that
+        refuses writes. Past it, or where the record could not be written, the abort goes
+        ahead as before (logged; :meth:`FailureRecords.write` tries again after the end)."""
         if gen.terminal or not self._publishable_elsewhere(gen, GenerationEvent.FAILED):
             return True
-        if await self.found_committed(gen):
-            return False
-        if await self.p.failures.write_told(gen, reason) and await self.found_committed(gen):
+        here: bool | None = False
+        manifest: Manifest | None = None
+        written = False
+        try:
+            async with asyncio.timeout(ABORT_RECORD_WITHIN_S):
+                here, manifest = await self._look(gen, newer=False)
+                if not here:
+                    written = await self.p.failures.write_told(gen, reason)
+                    if written:
+                        here, manifest = await self._look(gen, newer=False)
+        except TimeoutError:
+            log_event(log, logging.WARNING, "failure_record_failed", job=gen.job, step=gen.step,
+                      error=f"not written within {ABORT_RECORD_WITHIN_S:g} s of the abort",
+                      action="written after the abort; a node that looks before it lands may "
+                             "still commit the step from this node's earlier record")
+            return True
+        if not here:
+            return True
+        if not gen.terminal:
+            await self.committed(gen, manifest, "accepted")
+        if written:
             await self.p.failures.write_recorded(gen)
-            return False
-        return True
+        return False
 
     @staticmethod
     def _publishable_elsewhere(gen: GenerationRecord, event: GenerationEvent) -> bool:
