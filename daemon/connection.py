@@ -25,8 +25,7 @@ from ckptdrain.daemon.access import Peer
 from ckptdrain.daemon.allowance import TurnedAway
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.channel import Channel, DescriptorsShort, IdleTimeout
-from ckptdrain.daemon.errors import DaemonError, RequestError, descriptors_short
-from ckptdrain.daemon.errors import destination_error as destination_error  # for waits.py
+from ckptdrain.daemon.errors import DaemonError, RequestError, descriptors_short, destination_error
 from ckptdrain.daemon.fdcloser import MAX_FDS_HELD_PER_UID, MAX_PIPE_CLOSES_PER_UID
 from ckptdrain.daemon.journalfaults import JournalFull
 from ckptdrain.daemon.ledger import GenerationRecord

@@ -130,7 +130,7 @@ class Endings:
             await self._end(gen, reason, kind=kind, event=event)
 
     async def record_abort_first(self, gen: GenerationRecord, reason: str) -> bool:
-        """Before an abort (Daemon.give_up, its commit point held) aborts the ranks of ``gen``
+        """Before an abort (Generations.give_up, its commit point held) aborts the ranks of ``gen``
         and its waiters hear it failed: where other nodes may still publish the step from
         this node's record (every rank recorded), that record is rewritten with them aborted
         first, as :meth:`end` does for its own ends. Found reviewing multi-node commits: the

@@ -368,7 +368,7 @@ class Publisher:
         if await self._retention_would_take(gen):
             return
         # The commit point, from the manifest's create to the COMMITTED it leads to: an abort
-        # (Daemon.give_up) waits for it, or it for the abort.
+        # (Generations.give_up) waits for it, or it for the abort.
         async with gen.commit_point:
             if gen.terminal:
                 return

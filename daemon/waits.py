@@ -90,7 +90,7 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
             try:
                 manifest, removed = await d.committer.committed_or_removed(job, step)
             except (BackendError, ManifestError, OSError) as exc:
-                from ckptdrain.daemon.connection import destination_error
+                from ckptdrain.daemon.errors import destination_error
                 raise destination_error(job, step, exc) from None
             if manifest is not None or removed:
                 committed_at = None if manifest is None else manifest.clocks.get("committed")
