@@ -108,9 +108,9 @@ def test_a_step_expired_on_one_node_is_never_committed_by_a_later_one(make_daemo
     assert record is not None and record.ranks == () and record.aborted_ranks == (0,)
 
 
-def test_a_retry_of_an_expired_step_rewrites_its_record_and_commits(make_daemon) -> None:  # type: ignore[no-untyped-def]
-    # The failure record is what a `retry` undoes: node-a's record says recorded again, and
-    # node-b's retry (it ended the step on node-a's failure record) finds both.
+def retried_on_node_a_after_it_expired(make_daemon) -> tuple[DaemonProcess, DaemonProcess]:  # type: ignore[no-untyped-def]
+    """Step 1 expired on node-a (commit_wait_s 1 s), ended on node-b by node-a's failure
+    record, then node-a restarted with time to commit and the step retried there."""
     a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="1")
     b: DaemonProcess = make_daemon("node-b")
     seal(a, 1, 0)
@@ -121,6 +121,13 @@ def test_a_retry_of_an_expired_step_rewrites_its_record_and_commits(make_daemon)
     assert a.stop() == 0
     a.start()
     a.client().retry(JOB, 1)
+    return a, b
+
+
+def test_a_retry_of_an_expired_step_rewrites_its_record_and_commits(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # The failure record is what a `retry` undoes: node-a's record says recorded again, and
+    # node-b's retry (it ended the step on node-a's failure record) finds both.
+    a, b = retried_on_node_a_after_it_expired(make_daemon)
     wait_for(lambda: (r := part_record(a, 1, "node-a")) is not None and r.ranks == (0,)
              and r.aborted_ranks == (), 30, what="node-a's record rewritten as recorded")
     b.client().retry(JOB, 1)
@@ -134,16 +141,7 @@ def test_a_step_another_nodes_retry_committed_is_committed_for_this_nodes_waiter
     # (its waiters heard "failed"), then `retry` on node-a alone committed it from both
     # records; node-b's waiters still heard "failed, this attempt never will" for a step whose
     # MANIFEST.json and LATEST were there.
-    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="1")
-    b: DaemonProcess = make_daemon("node-b")
-    seal(a, 1, 0)
-    fails_quickly(a, 1, r"not committed within drain.commit_wait_s = 1 s")
-    seal(b, 1, 1)
-    fails_quickly(b, 1, r"rank 0 aborted on node 'node-a'")
-    a.overrides["CKPTDRAIN_DRAIN__COMMIT_WAIT_S"] = "60"
-    assert a.stop() == 0
-    a.start()
-    a.client().retry(JOB, 1)
+    a, b = retried_on_node_a_after_it_expired(make_daemon)
     assert a.client().wait(JOB, 1, timeout_s=30)["committed"] is True
     assert b.client().wait(JOB, 1, timeout_s=5)["committed"] is True
 
