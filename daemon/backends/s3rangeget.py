@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.backends.s3errors import S3_FAILURES, S3Failure
 
 if TYPE_CHECKING:
     import ssl
@@ -259,9 +259,15 @@ async def read_on(client: S3Client, full: str, offset: int, length: int, etag: s
     last = offset + length - 1
     asked = f"bytes {offset}-{last}/"
     ranged = f"bytes={offset}-{last}"
-    url = await s3.generate_presigned_url(
-        "get_object", Params={"Bucket": client.bucket, "Key": full, "Range": ranged,
-                              "IfMatch": etag}, ExpiresIn=URL_EXPIRES_S)
+    try:
+        url = await s3.generate_presigned_url(
+            "get_object", Params={"Bucket": client.bucket, "Key": full, "Range": ranged,
+                                  "IfMatch": etag}, ExpiresIn=URL_EXPIRES_S)
+    except S3_FAILURES as exc:
+        # Signing renews credentials about to expire: a chain that fails to (a
+        # credential_process, a role's) raised botocore's own error out of the restore.
+        # aiobotocore's GET fails the same way, as a typed error, and renews the client.
+        raise NotPlain(f"presigning the GET: {exc}") from exc
     split = urllib.parse.urlsplit(url)
     target = split.path + ("?" + split.query if split.query else "")
     request = (f"GET {target} HTTP/1.1\r\nHost: {split.netloc}\r\nRange: {ranged}\r\n"

@@ -6,8 +6,10 @@ here; one signed in its headers went through aiobotocore."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.backends.s3errors import S3Failure
 from ckptdrain.daemon.backends.s3ranges import LoopWriter, Range, fetch_range
 from tests.integration.faultproxy import FaultProxy, ProxiedRequest
-from tests.integration.seaweedfs import SeaweedFS
+from tests.integration.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS
 from tests.integration.test_s3_backend import NODE, PREFIX, dest_config
 
 # Part bodies are pooled bytearrays on purpose (test_s3_backend.py says why).
@@ -218,3 +220,38 @@ def test_on_uvloop_as_the_command_runs_it(seaweedfs: SeaweedFS, s3_bucket: str, 
     assert (tmp_path / "restored").read_bytes() == shard.data
     assert len(gets) == 5 + 1 and all(_presigned(r) for r in gets)
     assert [r.fault for r in gets].count("truncate") == 1
+
+
+@pytest.mark.s3
+@pytest.mark.asyncio
+async def test_credentials_that_fail_to_renew_fail_the_range_with_a_typed_error(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, stored: Any, proxy: FaultProxy,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found attacking: the presigned URL is signed with the client's credentials, renewed
+    # first where they are about to expire (a credential_process, a role's): a chain that
+    # failed to renew them raised botocore's CredentialRetrievalError out of the restore,
+    # where aiobotocore's GET says what to do (kind "auth").
+    shard = await stored()
+    answer = tmp_path / "credentials.json"
+    expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 300))
+    answer.write_text(json.dumps({"Version": 1, "AccessKeyId": ACCESS_KEY,
+                                  "SecretAccessKey": SECRET_KEY, "Expiration": expires}))
+    process = tmp_path / "credential-process"
+    process.write_text(f"#!/bin/sh\nexec cat {answer}\n")
+    process.chmod(0o755)
+    (tmp_path / "aws-config").write_text(f"[default]\ncredential_process = {process}\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    on_loop = backends(dest_config(s3_bucket, proxy.endpoint_url), writes_on_loop=True)
+    fd = os.open(tmp_path / "restored", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        assert await _copy(on_loop, tmp_path, "first") == (SIZE, shard.checksum)
+        answer.unlink()  # the process fails from now on; the credentials expire in 5 min
+        with pytest.raises(S3Failure) as refused:
+            await fetch_range(on_loop, Range(KEY, f"{PREFIX}/{KEY}", 0, 8 * MiB, '"e"'),
+                              LoopWriter(fd))
+    finally:
+        os.close(fd)
+    assert (refused.value.kind, refused.value.transient) == ("auth", False)
+    assert "custom-process" in str(refused.value)
