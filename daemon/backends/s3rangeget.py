@@ -144,14 +144,19 @@ class _Answer(asyncio.BufferedProtocol):
         self.body = -1  # bytes of the body written; -1 while the head is still coming
         self.moved = False
         self.transport: asyncio.Transport | None = None
-        loop = asyncio.get_running_loop()
-        self.finished: asyncio.Future[None] = loop.create_future()
-        self.watch = loop.call_later(read_timeout_s, self._check_moving)
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.watch: asyncio.TimerHandle | None = None
 
     # -- protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are not asyncio.Transport's subclasses: no isinstance check)
         self.transport = cast("asyncio.Transport", transport)
+        # The read timeout counts from here, as aiohttp's sock_read does: the connect and a
+        # TLS handshake have connect_timeout_s. Counted from before the connect, a handshake
+        # slower than read_timeout_s (within connect_timeout_s) failed every attempt of the
+        # range as "no byte came", where aiobotocore's GET would have read it.
+        self.watch = asyncio.get_running_loop().call_later(self.read_timeout_s,
+                                                           self._check_moving)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.fill:]
@@ -229,7 +234,8 @@ class _Answer(asyncio.BufferedProtocol):
 
     def _end(self, exc: BaseException | None) -> None:
         """Settle the answer once; the connection is not reused either way."""
-        self.watch.cancel()
+        if self.watch is not None:
+            self.watch.cancel()
         if self.transport is not None and not self.transport.is_closing():
             if exc is None:
                 self.transport.close()
@@ -287,6 +293,7 @@ async def read_on(client: S3Client, full: str, offset: int, length: int, etag: s
         transport.write(request.encode("latin-1"))
         await answer.finished
     finally:
-        answer.watch.cancel()
+        if answer.watch is not None:
+            answer.watch.cancel()
         if transport is not None and not transport.is_closing():
             transport.abort()
