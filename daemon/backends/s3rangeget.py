@@ -92,6 +92,20 @@ def route_of(s3: Any) -> Route | None:
     return route
 
 
+def signed_host(url: str) -> str:
+    """The Host botocore signs for ``url`` (as botocore.auth's ``_host_from_url``): its host
+    lower-cased, an IPv6 address in brackets, its port unless the scheme's default. Sent as
+    the URL was written (``LocalHost``, ``:443``), it was refused (SignatureDoesNotMatch)
+    and every range was asked twice."""
+    split = urllib.parse.urlsplit(url)
+    host = split.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if split.port is not None and split.port != {"http": 80, "https": 443}.get(split.scheme):
+        host = f"{host}:{split.port}"
+    return host
+
+
 @dataclass(slots=True)
 class Head:
     """What of an answer's head decides whether its body is read here."""
@@ -276,7 +290,7 @@ async def read_on(client: S3Client, full: str, offset: int, length: int, etag: s
         raise NotPlain(f"presigning the GET: {exc}") from exc
     split = urllib.parse.urlsplit(url)
     target = split.path + ("?" + split.query if split.query else "")
-    request = (f"GET {target} HTTP/1.1\r\nHost: {split.netloc}\r\nRange: {ranged}\r\n"
+    request = (f"GET {target} HTTP/1.1\r\nHost: {signed_host(url)}\r\nRange: {ranged}\r\n"
                f"If-Match: {etag}\r\nUser-Agent: ckptdrain\r\nConnection: close\r\n\r\n")
     config = client._config
     answer = _Answer(asked, length, offset, write, done, progress, float(config.read_timeout_s))

@@ -4,8 +4,15 @@
 from __future__ import annotations
 
 import pytest
+from botocore.auth import _host_from_url
 
-from ckptdrain.daemon.backends.s3rangeget import BUFFER_BYTES, NotPlain, is_plain, parse_head
+from ckptdrain.daemon.backends.s3rangeget import (
+    BUFFER_BYTES,
+    NotPlain,
+    is_plain,
+    parse_head,
+    signed_host,
+)
 
 ASKED = "bytes 8-15/"
 PLAIN = (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 8\r\n"
@@ -49,3 +56,15 @@ def test_a_batch_is_not_a_whole_number_of_pages() -> None:
     # to five times the system CPU on a VM whose host takes free memory back (the module says
     # how it was measured).
     assert BUFFER_BYTES % 4096 != 0 and 128 << 10 < BUFFER_BYTES <= 256 << 10
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:8333/b/k?X-Amz-Signature=0", "http://LocalHost:8333/b/k",
+    "https://S3.Example.com:443/b/k", "http://s3.example.com:80/b/k",
+    "https://s3.example.com/b/k", "http://[::1]:8333/b/k", "http://[::1]:80/b/k",
+    "https://bucket.s3.example.com:8443/k",
+])
+def test_the_host_sent_is_the_one_botocore_signed(url: str) -> None:
+    # (A Host botocore did not sign is refused: SignatureDoesNotMatch, and the range is
+    # asked again through aiobotocore, every time.)
+    assert signed_host(url) == _host_from_url(url)
