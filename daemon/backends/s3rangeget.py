@@ -181,17 +181,19 @@ class _Answer(asyncio.BufferedProtocol):
         try:
             if self.body < 0:
                 self._read_head()
-            elif self.body + self.fill > self.length:
-                raise S3Failure(f"more than the {self.length} bytes of the range came back; "
-                                "the server sent a wrong answer, retry", transient=True,
-                                kind="io")
+            if self.body >= 0 and self.body + self.fill > self.length:
+                # Bytes after the body its Content-Length frames are not the range's (HTTP;
+                # aiohttp leaves them too, for aiobotocore's GET): a server or a box on the
+                # way that adds some failed every attempt of the range here (found
+                # attacking). The connection is closed after the body either way.
+                self.fill = self.length - self.body
             if self.body >= 0 and (self.fill == len(self.buf)
                                    or self.body + self.fill == self.length):
                 self._write_batch()
         except Exception as exc:
             # Raised out of a protocol's callback, it would only be logged by the loop, and
             # the range would wait for its read timeout: it ends this answer instead (a full
-            # disk's OSError, a wrong answer's S3Failure, NotPlain).
+            # disk's OSError, NotPlain).
             self._end(exc)
 
     def eof_received(self) -> bool:
@@ -219,9 +221,6 @@ class _Answer(asyncio.BufferedProtocol):
         self.buf[:self.fill - begins] = self.buf[begins:self.fill]
         self.fill -= begins
         self.body = 0
-        if self.fill > self.length:
-            raise S3Failure(f"more than the {self.length} bytes of the range came back; the "
-                            "server sent a wrong answer, retry", transient=True, kind="io")
 
     def _write_batch(self) -> None:
         n = self.fill

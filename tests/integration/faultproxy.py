@@ -30,6 +30,9 @@ bodies) and then either forwards it and relays the answer, or injects one fault:
   (a byte every now and then: no read of the client's ever times out);
 - ``web_page``: ``200 OK`` with an HTML page and no ETag (a web server, a proxy or a load
   balancer answering in the S3 server's place); the request is not forwarded.
+- ``trailing``: the answer is relayed whole, in one write with a few bytes more after its
+  ``Content-Length`` body (a server or a box on the way that adds them), then the connection
+  is closed.
 
 Faults come first from the scripted queue (``inject``), then at random from ``set_rates`` with
 a seeded generator. ``unreachable`` resets every connection, old and new (the request head is
@@ -48,13 +51,16 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 FAULTS = ("reset", "slowdown", "stall", "error200", "drop_response", "corrupt", "truncate",
           "delete_denied", "stuck_listing", "endless_listing", "tokenless_listing",
-          "growing_listing", "wrong_etag", "web_page", "trickle")
+          "growing_listing", "wrong_etag", "web_page", "trickle", "trailing")
 # Faults applied to a request that is still forwarded to the server.
-_FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag", "trickle"})
+_FORWARDED = frozenset({None, "drop_response", "corrupt", "truncate", "wrong_etag", "trickle",
+                        "trailing"})
+# What ``trailing`` sends after an answer's body.
+TRAILING = b"\r\n\r\nnot the body"
 _MAX_HEAD = 64 * 1024
 _RELAY_CHUNK = 1 << 20
 _TRICKLE_PIECE = 1024
@@ -268,6 +274,12 @@ class FaultProxy:
                     await _relay_response(up_reader, writer, method, truncate=True)
                     _reset(writer)
                     return
+                if request.fault == "trailing":
+                    held = _Held()
+                    await _relay_response(up_reader, cast(asyncio.StreamWriter, held), method)
+                    writer.write(bytes(held.data) + TRAILING)
+                    await writer.drain()
+                    return  # (closed gracefully below: a reset could drop what was sent)
                 keep = await _relay_response(
                     up_reader, writer, method, wrong_etag=request.fault == "wrong_etag",
                     trickle_bytes_per_s=(self.trickle_bytes_per_s if request.fault == "trickle"
@@ -344,6 +356,19 @@ def _request_line(line: str) -> tuple[str, str]:
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise ValueError(f"not an HTTP/1.x request line: {line!r}")
     return parts[0], parts[1]
+
+
+class _Held:
+    """An answer held whole, to be written at once (the StreamWriter methods it takes)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None,
