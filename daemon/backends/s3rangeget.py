@@ -246,14 +246,15 @@ class _Answer(asyncio.BufferedProtocol):
                                                             self._check_moving)
 
     def _end(self, exc: BaseException | None) -> None:
-        """Settle the answer once; the connection is not reused either way."""
+        """Settle the answer once; the connection is not reused either way, so it is
+        dropped at once: closed gracefully, a TLS connection waited for the server's
+        close_notify, and one that neither answered nor closed after the body (the GET says
+        Connection: close) held the range's socket for the TLS shutdown timeout, 30 s after
+        the range was done (found attacking: at 100 ranges a second, 3000 descriptors)."""
         if self.watch is not None:
             self.watch.cancel()
         if self.transport is not None and not self.transport.is_closing():
-            if exc is None:
-                self.transport.close()
-            else:
-                self.transport.abort()
+            self.transport.abort()
         if self.finished.done():
             return
         if exc is None:
