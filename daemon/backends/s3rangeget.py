@@ -73,8 +73,8 @@ _routes: weakref.WeakKeyDictionary[Any, Route | None] = weakref.WeakKeyDictionar
 
 
 def route_of(s3: Any) -> Route | None:
-    """The route to ``s3``'s endpoint, or None: a proxy, an unknown scheme, or internals
-    that are not aiobotocore's as tested."""
+    """The route to ``s3``'s endpoint, or None: a proxy, an unknown scheme, internals that
+    are not aiobotocore's as tested, or TLS settings that do not load now."""
     if s3 in _routes:
         return _routes[s3]
     route: Route | None = None
@@ -87,7 +87,15 @@ def route_of(s3: Any) -> Route | None:
         if split.scheme == "http":
             route = Route(split.hostname, split.port or 80, None)
         elif split.scheme == "https" and contexts is not None:
-            route = Route(split.hostname, split.port or 443, contexts(None)[0])
+            try:
+                tls = contexts(None)[0]
+            except (OSError, ValueError):
+                # A CA bundle or client certificate that does not load (gone, rewritten in
+                # place): it raised a bare FileNotFoundError or ssl.SSLError out of the
+                # range, read as the local file's failure. aiobotocore's GET says which
+                # endpoint and what to do; the next range tries the route again (not kept).
+                return None
+            route = Route(split.hostname, split.port or 443, tls)
     _routes[s3] = route
     return route
 
@@ -275,7 +283,7 @@ async def read_on(client: S3Client, full: str, offset: int, length: int, etag: s
     route = route_of(s3)
     if route is None:
         raise NotPlain(f"{client.uri} is not read without aiohttp (a proxy, or TLS settings "
-                       "not known)")
+                       "not known or not loading)")
     last = offset + length - 1
     asked = f"bytes {offset}-{last}/"
     ranged = f"bytes={offset}-{last}"

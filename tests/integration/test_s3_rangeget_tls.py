@@ -20,6 +20,7 @@ import uvloop
 
 from ckptdrain.daemon.backends.s3 import S3Backend
 from ckptdrain.daemon.backends.s3errors import S3Failure
+from ckptdrain.daemon.backends.s3ranges import LoopWriter, Range, fetch_range
 from tests.integration.seaweedfs import SeaweedFS
 from tests.integration.test_s3_backend import NODE, dest_config
 
@@ -278,3 +279,34 @@ async def test_a_range_read_holds_no_connection_once_its_body_is_in(
     assert await _copy(on_loop, tmp_path, "held") == (SIZE, shard.checksum)
     assert _presigned_gets(front) == [True] * 3
     assert _sockets_to(front.port) <= 1, "aiobotocore's, kept for the next request (the HEAD)"
+
+
+@pytest.mark.parametrize("bundle", ["missing", "not a certificate"])
+@pytest.mark.asyncio
+async def test_a_ca_bundle_that_does_not_load_fails_the_range_as_aiobotocore_says(
+        seaweedfs: SeaweedFS, s3_bucket: str, backends: Any, staged: Any, front: TlsFront,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bundle: str) -> None:
+    # Found attacking: the route's TLS context is built from the client's settings at its
+    # first range (in a reader process, its first request of all); a CA bundle that did
+    # not load there (gone, or rewritten in place by a configuration tool) raised a bare
+    # FileNotFoundError or ssl.SSLError out of the range, read as a local file's failure,
+    # where aiobotocore's GET says which endpoint it could not reach and what to do.
+    shard = staged(SIZE, seed=45)
+    direct = backends(dest_config(s3_bucket, seaweedfs.endpoint_url))
+    assert await direct.put_file(KEY, shard.fd, shard.size) == shard.checksum
+    head = await direct._head(KEY, f"ckpt/run1/{KEY}")
+    assert head is not None
+    path = tmp_path / "bundle.pem"
+    if bundle != "missing":
+        path.write_text(bundle)
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(path))
+    on_loop = backends(dest_config(s3_bucket, front.endpoint_url, max_attempts=1),
+                       writes_on_loop=True)
+    fd = os.open(tmp_path / "restored", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with pytest.raises(S3Failure) as failed:
+            await fetch_range(on_loop, Range(KEY, f"ckpt/run1/{KEY}", 0, 5 * MiB,
+                                             str(head["ETag"])), LoopWriter(fd))
+    finally:
+        os.close(fd)
+    assert front.endpoint_url in str(failed.value)
