@@ -58,12 +58,28 @@ class NotPlain(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """How this process reaches the endpoint without aiohttp: host, port, and TLS context
-    (None: plain http)."""
+    """How this process reaches the endpoint without aiohttp: host, port, TLS context
+    (None: plain http), and the client's proxy settings (a request's own URL is checked
+    against them: a bucket's virtual host may be proxied where the endpoint is not)."""
 
     host: str
     port: int
     tls: ssl.SSLContext | None
+    proxies: Any
+
+    def target(self, url: str) -> tuple[str, int] | None:
+        """Where a presigned ``url`` is sent: its own host (a virtual-hosted bucket's name
+        under the endpoint's, or the endpoint's) and port; None when it is not the endpoint's
+        or goes through a proxy. Connecting to the endpoint's host and naming the bucket's
+        in Host reached a server aiobotocore could not (found attacking: ``bkt.localhost``
+        did not resolve, the endpoint did)."""
+        split = urllib.parse.urlsplit(url)
+        host = split.hostname or ""
+        if host != self.host and not host.endswith("." + self.host):
+            return None
+        if self.proxies.proxy_url_for(url):
+            return None
+        return host, split.port or self.port
 
 
 # Per aiobotocore client (a client built again after new credentials gets its own): the
@@ -85,7 +101,7 @@ def route_of(s3: Any) -> Route | None:
     split = urllib.parse.urlsplit(endpoint)
     if proxies is not None and not proxies.proxy_url_for(endpoint) and split.hostname:
         if split.scheme == "http":
-            route = Route(split.hostname, split.port or 80, None)
+            route = Route(split.hostname, split.port or 80, None, proxies)
         elif split.scheme == "https" and contexts is not None:
             try:
                 tls = contexts(None)[0]
@@ -95,7 +111,7 @@ def route_of(s3: Any) -> Route | None:
                 # range, read as the local file's failure. aiobotocore's GET says which
                 # endpoint and what to do; the next range tries the route again (not kept).
                 return None
-            route = Route(split.hostname, split.port or 443, tls)
+            route = Route(split.hostname, split.port or 443, tls, proxies)
     _routes[s3] = route
     return route
 
@@ -296,6 +312,10 @@ async def read_on(client: S3Client, full: str, offset: int, length: int, etag: s
         # credential_process, a role's) raised botocore's own error out of the restore.
         # aiobotocore's GET fails the same way, as a typed error, and renews the client.
         raise NotPlain(f"presigning the GET: {exc}") from exc
+    where = route.target(url)
+    if where is None:
+        raise NotPlain(f"{url.split('?')[0]} is not the endpoint's host, or is proxied")
+    host, port = where
     split = urllib.parse.urlsplit(url)
     target = split.path + ("?" + split.query if split.query else "")
     request = (f"GET {target} HTTP/1.1\r\nHost: {signed_host(url)}\r\nRange: {ranged}\r\n"
@@ -308,10 +328,10 @@ async def read_on(client: S3Client, full: str, offset: int, length: int, etag: s
         try:
             async with asyncio.timeout(float(config.connect_timeout_s)):
                 transport, _ = await loop.create_connection(
-                    lambda: answer, route.host, route.port, ssl=route.tls,
-                    server_hostname=route.host if route.tls is not None else None)
+                    lambda: answer, host, port, ssl=route.tls,
+                    server_hostname=host if route.tls is not None else None)
         except (OSError, TimeoutError) as exc:
-            raise NotPlain(f"connecting to {route.host}:{route.port}: {exc}") from exc
+            raise NotPlain(f"connecting to {host}:{port}: {exc}") from exc
         transport.write(request.encode("latin-1"))
         await answer.finished
     finally:

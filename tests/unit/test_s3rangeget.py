@@ -9,6 +9,7 @@ from botocore.auth import _host_from_url
 from ckptdrain.daemon.backends.s3rangeget import (
     BUFFER_BYTES,
     NotPlain,
+    Route,
     is_plain,
     parse_head,
     signed_host,
@@ -68,3 +69,37 @@ def test_the_host_sent_is_the_one_botocore_signed(url: str) -> None:
     # (A Host botocore did not sign is refused: SignatureDoesNotMatch, and the range is
     # asked again through aiobotocore, every time.)
     assert signed_host(url) == _host_from_url(url)
+
+
+class _Proxies:
+    """botocore's ProxyConfiguration as the route uses it: the proxy for a URL, recorded."""
+
+    def __init__(self, proxied: str = "") -> None:
+        self.proxied = proxied
+        self.asked: list[str] = []
+
+    def proxy_url_for(self, url: str) -> str | None:
+        self.asked.append(url)
+        return "http://proxy:3128" if self.proxied and self.proxied in url else None
+
+
+@pytest.mark.parametrize(("url", "where"), [
+    ("http://s3.example.com:8333/b/k?X-Amz-Signature=0", ("s3.example.com", 8333)),
+    # A virtual-hosted bucket: sent to its own host, as aiobotocore sends it.
+    ("http://bkt.s3.example.com:8333/k", ("bkt.s3.example.com", 8333)),
+    ("http://s3.example.com/b/k", ("s3.example.com", 8333)),
+    ("http://other.example.com:8333/b/k", None),   # not the endpoint's: aiobotocore's
+    ("http://evils3.example.com:8333/b/k", None),
+])
+def test_a_presigned_url_goes_to_its_own_host_under_the_endpoints(
+        url: str, where: tuple[str, int] | None) -> None:
+    route = Route("s3.example.com", 8333, None, _Proxies())
+    assert route.target(url) == where
+
+
+def test_a_url_the_proxy_settings_send_through_a_proxy_is_not_read_here() -> None:
+    proxies = _Proxies(proxied="bkt.")
+    route = Route("s3.example.com", 8333, None, proxies)
+    assert route.target("http://s3.example.com:8333/b/k") == ("s3.example.com", 8333)
+    assert route.target("http://bkt.s3.example.com:8333/k") is None
+    assert proxies.asked == ["http://s3.example.com:8333/b/k", "http://bkt.s3.example.com:8333/k"]
