@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ckptdrain.daemon.backends.s3errors import S3_FAILURES, S3Failure
+from ckptdrain.daemon.errors import DaemonError
 
 if TYPE_CHECKING:
     import ssl
@@ -52,8 +53,9 @@ URL_EXPIRES_S = 900
 WriteNow = Callable[[list[memoryview], int, int], int]
 
 
-class NotPlain(Exception):
-    """The range was not read here (nothing of it written): ask through aiobotocore."""
+class NotPlain(DaemonError):
+    """The range was not read here (nothing of it written): ask through aiobotocore. Never
+    reaches a user: s3ranges asks again on this."""
 
 
 @dataclass(frozen=True, slots=True)
