@@ -2,12 +2,13 @@
 
 :meth:`Publisher.advance` writes this node's part record once its ranks drained and, when the
 records of all nodes cover every rank, drains the deferred shards and publishes the manifest
-through the :class:`~ckptdrain.daemon.commit.Committer`. A generation waiting for other nodes
-(RECORDED) is polled until it ends (commitwaits.py). Every end of a generation, and the failure
-boundary around every commit step, is endings.py's: a node that fails a generation rewrites its
-record with the ranks it can no longer deliver aborted, so the others end it too, and one whose
-ranks were all recorded does so before they hear of it, whatever ended it (its commit_wait_s,
-its own create refused): no node may commit a step whose ranks were told it failed.
+through the :class:`~ckptdrain.daemon.commit.Committer` at the commit point (commitpoint.py,
+the publisher's base). A generation waiting for other nodes (RECORDED) is polled until it ends
+(commitwaits.py). Every end of a generation, and the failure boundary around every commit step,
+is endings.py's: a node that fails a generation rewrites its record with the ranks it can no
+longer deliver aborted, so the others end it too, and one whose ranks were all recorded does so
+before they hear of it, whatever ended it (its commit_wait_s, its own create refused): no node
+may commit a step whose ranks were told it failed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from ckptdrain.client.manifest import (
-    ManifestError,
     PartRecord,
     RecordTooLarge,
 )
@@ -33,12 +33,10 @@ from ckptdrain.daemon.assembly import (
     not_this_nodes,
 )
 from ckptdrain.daemon.backends.base import BackendError
-from ckptdrain.daemon.commit import CommitOutcome, CommitResult, Committer
+from ckptdrain.daemon.commit import Committer
+from ckptdrain.daemon.commitpoint import PART_READ_MAX_S, PART_READ_MIN_S, CommitPoint
 from ckptdrain.daemon.commitwaits import CommitWaits
 from ckptdrain.daemon.endings import Endings, destination_error
-from ckptdrain.daemon.latest import (
-    overtaken,
-)
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.locks import KeyedLocks
 from ckptdrain.daemon.logs import OncePerCause, log_event
@@ -49,8 +47,6 @@ from ckptdrain.daemon.state import (
     GenerationState,
     RankEvent,
     RankState,
-    ShardEvent,
-    ShardState,
 )
 
 if TYPE_CHECKING:
@@ -62,16 +58,10 @@ log = logging.getLogger("ckptdrain.publisher")
 _T = TypeVar("_T")
 _G = GenerationState
 
-# A poll's read of a generation's part records is bounded: a destination whose listing never
-# ends (new keys on every page) held the poller, past drain.commit_wait_s, and every other
-# generation it waits on with it (found attacking). As long as the commit's wait, between
-# these (a read of 1,000 nodes' records takes seconds).
-PART_READ_MIN_S = 2.0
-PART_READ_MAX_S = 60.0
 Work = Callable[[], Awaitable[None]]
 
 
-class Publisher:
+class Publisher(CommitPoint):
     def __init__(
         self,
         *,
@@ -357,105 +347,3 @@ class Publisher:
                        "nothing was written there: save under another job name",
                        kind="conflict")
         return True
-
-    async def _try_publish(self, gen: GenerationRecord) -> None:
-        try:
-            if await self.ended_if_foreign(gen, again=True):
-                return
-        except BackendError as exc:
-            await self.end(gen, f"commit failed: {exc}", kind="drain")
-            return
-        if await self._retention_would_take(gen):
-            return
-        # The commit point, from the manifest's create to the COMMITTED it leads to: an abort
-        # (Generations.give_up) waits for it, or it for the abort.
-        async with gen.commit_point:
-            if gen.terminal:
-                return
-            failure = await self._publish(gen)
-        if failure is not None:
-            # After the commit point: the end writes the failure record first, and an abort
-            # waits for none of its retries (end).
-            await self.end(gen, failure[0], kind=failure[1])
-
-    async def _retention_would_take(self, gen: GenerationRecord) -> bool:
-        """End ``gen`` rather than publish it when ``retention.keep_last`` newer steps of its
-        job committed since it began (latest.overtaken; found attacking: newer steps committed
-        while it was saved, and the begin's check had passed). A destination that cannot say
-        in time lets the commit go ahead, as before."""
-        keep = self.config.retention.keep_last
-        if gen.state is not _G.RECORDED:
-            return False  # (the one state a newer commit may end)
-        try:
-            async with asyncio.timeout(PART_READ_MIN_S * 5):
-                above = await overtaken(self.committer.backend, gen.job, gen.step, keep=keep)
-        except (BackendError, ManifestError, OSError, TimeoutError) as exc:
-            self.error_log.log_event(log, logging.WARNING, "rollback_check_failed",
-                                     cause=f"retention:{gen.job}", job=gen.job, step=gen.step,
-                                     error=str(exc) or type(exc).__name__)
-            return False
-        if not above:
-            return False
-        if await self.ends.committed_elsewhere(gen):
-            # Another node's create committed it with this node's part, and newer steps since
-            # (found attacking: a node restarted after that cancelled the committed step).
-            return True
-        await self.end(gen, f"steps {', '.join(map(str, above))} of this job committed while "
-                            f"it was saved: retention.keep_last = {keep} would remove it as soon "
-                            "as it committed, and a restart resumes from the newest step anyway",
-                       kind="overtaken", event=GenerationEvent.SUPERSEDED_BY_COMMIT)
-        return True
-
-    async def _publish(self, gen: GenerationRecord) -> tuple[str, str] | None:
-        """The create, at the commit point; what fails the generation, as (reason, kind), is
-        returned for the caller to end it by (after the commit point)."""
-        try:
-            result = await self._with_retries(lambda: self.committer.try_publish(
-                gen.job, gen.step, gen.world_size, gen.attempt), gen)
-        except BackendError as exc:
-            return f"commit failed: {exc}", "drain"
-        except RecordTooLarge as exc:
-            return str(exc), "aborted"
-        if result.committed:
-            self.committer.owners.remember(gen.job, self.ledger.jobs.get(gen.job))
-        if result.outcome is CommitOutcome.PUBLISHED:
-            # This node's create made the manifest: retention runs here, also when the
-            # generation ended here meanwhile (cancelled, expired).
-            self._on_published(gen)
-        if gen.terminal:
-            return None
-        if result.committed:
-            await self.ends.committed(gen, result.manifest, result.outcome.name.lower())
-        elif result.outcome is CommitOutcome.CONFLICT:
-            return f"it cannot commit: {result.reason}", "conflict"
-        elif result.absent:
-            return await self._absent(gen, result)
-        return None
-
-    async def _absent(self, gen: GenerationRecord,
-                      result: CommitResult) -> tuple[str, str] | None:
-        """Shards the part records list are missing at the destination: deleted behind the
-        daemon's back after they drained (an operator freeing room, a cleanup script). This
-        node's own end the generation now (returned, as _publish's failures are), each failed
-        so that `ckptdrain retry` drains its kept copy again; waiting could only end at
-        drain.commit_wait_s, saying the manifest never appeared (found attacking: an hour's
-        silent wait, and a retry that re-sent only the shards that had failed before).
-        Other nodes' are theirs to see: the reason is kept for this generation's expiry."""
-        node = self.config.node_id
-        mine = [gen.shards[s.path] for s in result.absent
-                if s.node == node and s.path in gen.shards]
-        if not mine:
-            self.waits.why_waiting[gen.key] = result.reason
-            return None
-        for shard in mine:
-            if shard.state is ShardState.DRAINED:
-                await self.ledger.apply(shard, ShardEvent.VANISHED,
-                                        error="missing at the destination after it drained")
-                self._on_vanished(shard)
-        names = ", ".join(repr(s.path) for s in mine[:5]) + (" ..." if len(mine) > 5 else "")
-        lost = [s for s in mine if not s.local_copy]
-        then = ("their local copies are gone too: save a new step" if lost else
-                f"`ckptdrain retry {gen.job} {gen.step}` drains them again from this node's "
-                "local copies")
-        return (f"{len(mine)} shard(s) drained from this node ({names}) are missing at the "
-                f"destination: something deleted them before the commit; {then}", "drain")
