@@ -3,7 +3,8 @@
 Every request is one frame out and one reply in, over a Unix socket, framed and checked by the
 sans-IO machine in :mod:`ckptdrain.client.wire`. Each :class:`Generation` has a connection of
 its own (its ``begin`` ... ``seal`` conversation); the other calls share a small pool of idle
-connections, so several threads may use one :class:`Client`.
+connections (connections.py, the client's base), so several threads may use one
+:class:`Client`.
 
 Every wait has a timeout: a request, with its payload, must finish within ``timeout_s`` (the
 ``wait`` call within its own timeout); a ``wait``, ``begin`` or ``put`` gets a tenth more, 2 to
@@ -23,13 +24,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import forks, names, wire
-from ckptdrain.client.channel import Channel, reply_grace_s
+from ckptdrain.client.channel import Channel
+from ckptdrain.client.connections import ConnectionPool, Lost, close_channels
 from ckptdrain.client.daemonsocket import default_socket_path
 from ckptdrain.client.errors import (
-    DaemonUnavailable,
     DrainError,
     RejectedInput,
-    Timeout,
 )
 from ckptdrain.client.generation import Generation, checked_fd, default_attempt
 from ckptdrain.client.memfd import DEFAULT_MAX_IDLE_BYTES, MemfdPool
@@ -92,43 +92,9 @@ def _above_zero(seconds: float, what: str) -> float:
     return seconds
 
 
-class _Lost(Exception):
-    """A connection that went away during a request (``error``: its DaemonUnavailable)."""
-
-    def __init__(self, error: DaemonUnavailable) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 # A wait whose daemon went away asks the next one after this pause, doubling up to the most.
 _REWAIT_FIRST_PAUSE_S = 0.05
 _REWAIT_MAX_PAUSE_S = 1.0
-
-
-# How the last word of a daemon older than ``details.closed`` began, to a connection it dropped
-# for going quiet (daemon/connection.py). Such a daemon, still running on a node whose clients
-# were upgraded first, answers a pooled request that races its drop with this text and nothing
-# else to tell it by. A daemon that sends ``details.closed`` is judged by the field alone.
-_OLD_IDLE_LAST_WORD = "the daemon closed this connection"
-
-
-def _hung_up_before(exc: Timeout) -> bool:
-    """Whether ``exc``, the answer to a request on a pooled connection, is the daemon's last
-    word to that connection, dropped while idle before it read any of the request; never our
-    own timer running out (the daemon may be hung, and the bound is spent), nor a drop
-    mid-frame."""
-    closed: object = exc.details.get(wire.CLOSED)
-    if closed is not None:
-        return closed == wire.CLOSED_IDLE
-    return exc.message.startswith(_OLD_IDLE_LAST_WORD)
-
-
-def _close_channels(channels: list[Channel], lock: threading.RLock) -> None:
-    with lock:
-        idle = list(channels)
-        channels.clear()
-    for channel in idle:
-        channel.close()
 
 
 def _client_for(socket_path: str, timeout_s: float, connect_timeout_s: float,
@@ -137,7 +103,7 @@ def _client_for(socket_path: str, timeout_s: float, connect_timeout_s: float,
                   memfd_pool_bytes=memfd_pool_bytes)
 
 
-class Client:
+class Client(ConnectionPool):
     """A handle on the node's ckptdrain daemon. Thread-safe; cheap to create."""
 
     def __init__(
@@ -170,7 +136,7 @@ class Client:
             raise RejectedInput(f"memfd_pool_bytes is {memfd_pool_bytes!r}; use a whole number "
                                 "of bytes, 0 or more (0 keeps no memfd between saves)")
         self._memfds = MemfdPool(max_idle_bytes=memfd_pool_bytes)
-        self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
+        self._finalizer = weakref.finalize(self, close_channels, self._idle, self._lock)
         self._memfd_finalizer = weakref.finalize(self, self._memfds.close)
         self._closed = False
         forks.register(self)
@@ -188,7 +154,7 @@ class Client:
         self._finalizer.detach()
         self._idle = []
         self._lock = threading.RLock()
-        self._finalizer = weakref.finalize(self, _close_channels, self._idle, self._lock)
+        self._finalizer = weakref.finalize(self, close_channels, self._idle, self._lock)
 
     def __enter__(self) -> Client:
         return self
@@ -207,65 +173,6 @@ class Client:
         self._finalizer()
         self._memfd_finalizer()
 
-    def _open_channel(self, kind: str, limit_s: float) -> Channel:
-        """A new connection for a ``kind`` call bounded by ``limit_s``: its connect and hello
-        wait at most connect_timeout_s and never past the call's own bound (found attacking a
-        stopped daemon: wait(timeout_s=3) raised after the 10 s connect timeout)."""
-        if self._closed:
-            raise RejectedInput("this ckptdrain Client is closed; create a new one")
-        bound_s = min(self.connect_timeout_s, limit_s + reply_grace_s(kind, limit_s))
-        return Channel.open(self.socket_path, timeout_s=self.timeout_s, connect_timeout_s=bound_s)
-
-    def _call(
-        self, kind: str, fields: dict[str, Any], timeout_s: float | None = None,
-        lost: bool = False,
-    ) -> dict[str, Any]:
-        """``kind`` on a pooled connection or a new one. ``lost``: a connection that goes
-        away during the request (DaemonUnavailable once it was connected) raises ``_Lost``."""
-        started = time.monotonic()
-        limit_s = self.timeout_s if timeout_s is None else timeout_s
-        channel: Channel | None = None
-        with self._lock:
-            while self._idle and channel is None:
-                candidate = self._idle.pop()
-                if candidate.is_reusable():
-                    channel = candidate
-                else:
-                    candidate.close()
-        if channel is not None:
-            try:
-                return self._request(channel, kind, fields, limit_s, started, lost)
-            except Timeout as exc:
-                if not _hung_up_before(exc):
-                    raise
-                with self._lock:  # back in the pool if its send went through: it is done
-                    if channel in self._idle:
-                        self._idle.remove(channel)
-                channel.close()
-            # The daemon dropped the idle connection after it was checked and before it read
-            # the request, and answered it with its last word (client idle): nothing was done,
-            # so the request goes again on a new connection, within the same bound. A poll
-            # every client_idle_timeout_s (120 s) raised Timeout "the daemon closed this
-            # connection" now and then, a wait() of a committed step included (found attacking).
-        return self._request(self._open_channel(kind, limit_s), kind, fields, limit_s, started,
-                             lost)
-
-    def _request(self, channel: Channel, kind: str, fields: dict[str, Any], limit_s: float,
-                 started: float, lost: bool = False) -> dict[str, Any]:
-        """``kind`` on ``channel``, which goes back to the pool after, unless it broke."""
-        try:
-            return channel.request(kind, fields, timeout_s=limit_s, started=started)
-        except DaemonUnavailable as exc:
-            if lost:
-                raise _Lost(exc) from exc
-            raise
-        finally:
-            with self._lock:
-                pooled = channel.broken is None and not self._closed
-                if pooled:
-                    self._idle.append(channel)
-            if not pooled:
-                channel.close()
 
     def generation(
         self,
@@ -324,7 +231,7 @@ class Client:
                     {"job": job, "step": step, "timeout_s": left_s, "attempt": mine or None},
                     timeout_s=left_s, lost=True,
                 )
-            except _Lost as lost:
+            except Lost as lost:
                 # The daemon went away during the wait (a restart: `systemctl restart`, whose
                 # socket unit holds the socket meanwhile, so the next connect waits for the new
                 # daemon). The step survives a restart, and the new daemon knows how it ends:

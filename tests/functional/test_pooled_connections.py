@@ -7,7 +7,7 @@ import select
 from typing import Any
 
 from ckptdrain.client import Client, Timeout, wire
-from ckptdrain.client.client import _hung_up_before
+from ckptdrain.client.connections import _hung_up_before
 from tests.conftest import DaemonProcess
 from tests.functional.test_bad_input import RawClient, error_in
 
