@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client import forks, names, wire
+from ckptdrain.client.attempts import default_attempt
 from ckptdrain.client.channel import Channel
 from ckptdrain.client.connections import ConnectionPool, Lost, close_channels
 from ckptdrain.client.daemonsocket import default_socket_path
@@ -31,7 +32,7 @@ from ckptdrain.client.errors import (
     DrainError,
     RejectedInput,
 )
-from ckptdrain.client.generation import Generation, checked_fd, default_attempt
+from ckptdrain.client.generation import Generation, checked_fd
 from ckptdrain.client.memfd import DEFAULT_MAX_IDLE_BYTES, MemfdPool
 
 if TYPE_CHECKING:

@@ -46,12 +46,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptdrain.client import dcpfiles, names
+from ckptdrain.client.attempts import default_attempt
 from ckptdrain.client.client import Client
 from ckptdrain.client.dcpattempts import agreed_attempt, save_attempt, this_save
 from ckptdrain.client.dcpfiles import METADATA_NAME
 from ckptdrain.client.dcpreader import DrainReader
 from ckptdrain.client.errors import DrainError, RejectedInput
-from ckptdrain.client.generation import Generation, default_attempt
+from ckptdrain.client.generation import Generation
 
 # agreed_attempt (dcpattempts.py) stays importable from here, where the docs name it.
 __all__ = ["METADATA_NAME", "DrainReader", "DrainWriter", "agreed_attempt"]

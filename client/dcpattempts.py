@@ -19,8 +19,8 @@ import uuid
 
 import torch.distributed as dist
 
+from ckptdrain.client.attempts import default_attempt
 from ckptdrain.client.errors import RejectedInput
-from ckptdrain.client.generation import default_attempt
 from ckptdrain.client.wire import MAX_ATTEMPT_CHARS
 
 __all__ = ["agreed_attempt", "save_attempt", "this_save"]
@@ -57,7 +57,7 @@ def this_save(job: str, step: int, planned: str) -> str:
 
 def agreed_attempt(group: dist.ProcessGroup | None = None) -> str:
     """This run's attempt, the same on every rank of ``group`` (default: the whole job): rank
-    0's :func:`~ckptdrain.client.generation.default_attempt`, sent to the others. Pass it as
+    0's :func:`~ckptdrain.client.attempts.default_attempt`, sent to the others. Pass it as
     ``generation(..., attempt=...)`` when saving through the client on several nodes under
     torchrun: its restart count is each node's own (an agent whose workers were healthy
     restarts them without counting), so after a restart each node's ``default_attempt()`` may
