@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptdrain.client import dcpfiles, names
+from ckptdrain.client import dcpfiles, dcpstaging, names
 from ckptdrain.client.attempts import default_attempt
 from ckptdrain.client.client import Client
 from ckptdrain.client.dcpattempts import agreed_attempt, save_attempt, this_save
@@ -97,7 +97,7 @@ class DrainWriter(StorageWriter, AsyncStager):
     ``ack="memory"`` the daemon keeps that memfd as it is); ``thread_count`` files are
     serialized at once. Passed to ``dcp.async_save``, the writer is also its ``AsyncStager``:
     the staging copy is serialized into the memfd the daemon takes over, and the state dict
-    DCP saves from is views of it, so there is no second copy (see :mod:`.dcpfiles`).
+    DCP saves from is views of it, so there is no second copy (see :mod:`.dcpstaging`).
 
     One writer saves one generation. Use it with ``with`` (or call :meth:`close`) so that a
     save that failed on another rank, which DCP does not report to this writer, also aborts
@@ -134,7 +134,7 @@ class DrainWriter(StorageWriter, AsyncStager):
         self._client = client if client is not None else Client(socket_path)
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
-        self._staged: dcpfiles.Staged | None = None  # async_save's staging copy
+        self._staged: dcpstaging.Staged | None = None  # async_save's staging copy
         # The coordinator's part stays open from write_data to finish; the ExitStack is its
         # ``with`` block. The finalizer aborts it if the writer is dropped in between.
         self._open: contextlib.ExitStack | None = None
@@ -210,7 +210,7 @@ class DrainWriter(StorageWriter, AsyncStager):
                 f"this DrainWriter already saved {self.checkpoint_id} ({self._state}); "
                 "create a DrainWriter(job, step) for each save"
             )
-        staged_dict, self._staged = dcpfiles.stage(state_dict, "staged")
+        staged_dict, self._staged = dcpstaging.stage(state_dict, "staged")
         return staged_dict  # type: ignore[no-any-return]
 
     def synchronize_staging(self) -> None:
@@ -394,7 +394,7 @@ class DrainWriter(StorageWriter, AsyncStager):
         planner: SavePlanner,
         generation: Generation,
         lock: threading.Lock,
-        staged: dcpfiles.Staged | None = None,
+        staged: dcpstaging.Staged | None = None,
     ) -> list[WriteResult]:
         """Serialize into the file's memfd and pass the memfd itself: with ack="memory" the
         daemon keeps it as it is, else it copies it to its staging disk."""

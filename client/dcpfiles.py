@@ -1,4 +1,4 @@
-"""DCP data files serialized straight into memfds, and the staging copy that lands there too.
+"""DCP data files serialized straight into memfds, and the archives within them.
 
 A data file is what torch's ``FileSystemWriter`` writes: for each write item of the file, the
 ``BYTE_IO`` items first, then the tensors, each a ``torch.save`` archive one after the other,
@@ -6,11 +6,10 @@ so torch's stock ``FileSystemReader`` loads it. Here the file is a memfd the dae
 over: it is written as it is serialized, never held as a whole in a Python buffer, and each
 tensor's bytes are copied once, from the tensor into the memfd (:class:`MemfdFile`).
 
-:func:`stage` is ``async_save``'s staging copy: each tensor of the state dict is serialized
-into one memfd per rank, and the staged state dict handed back to DCP is made of views of
-those very bytes (the storage record of each archive), so the copy that makes the state safe
-from the training loop *is* the file the daemon gets. The files then only need the items
-staged nothing for (non-tensor values, anything a planner resolves differently) appended.
+``async_save``'s staging copy (dcpstaging.py) lands in such a file too, its tensors' bytes
+written first; :func:`write_file` then appends only the items staged nothing for. Where an
+archive's storage bytes start in the file, and how stored bytes are read back as the tensor
+read them, is here: the staging copy and the loader (dcpload.py) both ask.
 
 Public torch APIs only, but for ``_StorageInfo``: the per-item record FileSystemReader reads
 back from ``.metadata``, which must be torch's own class for the stock reader to unpickle.
@@ -20,25 +19,23 @@ the archive layout ``torch.serialization.skip_data`` leaves (one gap, the storag
 
 from __future__ import annotations
 
-import collections
-import copy
 import ctypes
 import dataclasses
 import io
-import mmap
 import os
 import struct
 import zipfile
-from collections.abc import Callable
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor
 
 from ckptdrain.client import memfd
 from ckptdrain.client.errors import DrainError
+
+if TYPE_CHECKING:
+    from ckptdrain.client.dcpstaging import Staged
 
 # The file whose presence makes a DCP directory loadable; DrainWriter sends it last.
 METADATA_NAME = ".metadata"
@@ -180,7 +177,7 @@ class MemfdFile:
         if isinstance(data, io.BytesIO):
             self.stream.write(data.getbuffer())
         else:
-            self.write_tensor(_minimal(data))
+            self.write_tensor(minimal(data))
         return self.result(item, offset, self.stream.tell() - offset)
 
     def write_tensor(self, tensor: torch.Tensor) -> int:
@@ -225,7 +222,7 @@ def whole_archive(tensor: torch.Tensor) -> bool:
     return bool(tensor.is_quantized) or tensor.layout is not torch.strided
 
 
-def _minimal(tensor: torch.Tensor) -> torch.Tensor:
+def minimal(tensor: torch.Tensor) -> torch.Tensor:
     """What FileSystemWriter serializes: a CPU tensor whose storage is only its own bytes."""
     tensor = tensor.detach().cpu()
     if not whole_archive(tensor) and tensor.untyped_storage().size() != tensor.nbytes:
@@ -256,7 +253,7 @@ def write_file(file: MemfdFile, items: list[WriteItem], planner: SavePlanner,
     return results
 
 
-# -- the staging copy ----------------------------------------------------------------------
+# -- the archives within a file (read by the staging copy and by the loader) -------------
 class Window(io.RawIOBase):
     """A read-only file over part of a buffer (zipfile reads an archive's directory)."""
 
@@ -298,82 +295,6 @@ def storage_offset_in(archive: memoryview) -> int:
     return int(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
 
 
-@dataclasses.dataclass
-class _Record:
-    tensor: torch.Tensor  # the staged view
-    offset: int
-    length: int
-
-
-class Staged:
-    """One rank's staging copy: the archives in ``file``, and the views DCP plans with."""
-
-    def __init__(self, file: MemfdFile) -> None:
-        self.file = file
-        self.records: dict[tuple[int, int, torch.dtype, tuple[int, ...]], _Record] = {}
-        self.mapping: mmap.mmap | None = None
-        self.referred = 0  # items whose staged bytes the file refers to (none written twice)
-
-    def find(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """(offset, length) of the archive already holding ``tensor``'s staged bytes."""
-        if tensor.device.type != "cpu" or tensor.numel() == 0 or whole_archive(tensor):
-            return None
-        record = self.records.get(_key(tensor))
-        return (record.offset, record.length) if record is not None else None
-
-
-def _key(tensor: torch.Tensor) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
-    return (tensor.data_ptr(), tensor.nbytes, tensor.dtype, tuple(tensor.stride()))
-
-
-def stage(state_dict: Any, file_name: str) -> tuple[Any, Staged]:
-    """Serialize every tensor of ``state_dict`` into one memfd; returns the state dict made of
-    views of those bytes (DTensors keep their mesh and placements) and what it staged."""
-    staged = Staged(MemfdFile(file_name))
-    pending: list[tuple[torch.Tensor, int, int, int]] = []
-
-    def archive(tensor: torch.Tensor) -> int:
-        src = _minimal(tensor)
-        if whole_archive(src):
-            # Not shared with the file: a copy, safe from the training loop, that write_data
-            # serializes whole.
-            pending.append((src.clone(), 0, 0, -1))
-            return len(pending) - 1
-        offset = staged.file.tell()
-        data_at = staged.file.write_tensor(src)
-        pending.append((src, offset, staged.file.tell() - offset, data_at))
-        return len(pending) - 1
-
-    # First pass: write every archive (the file's size is known only at the end).
-    layout = _walk(state_dict, archive)
-    size = staged.file.tell()
-    if size:
-        staged.mapping = mmap.mmap(staged.file.fd, size, mmap.MAP_SHARED,
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
-    views: list[torch.Tensor] = []
-    for src, offset, length, data_at in pending:
-        views.append(_view(staged, src, offset, length, data_at))
-    return _rebuild(layout, views), staged
-
-
-def _view(staged: Staged, src: torch.Tensor, offset: int, length: int,
-          written_at: int) -> torch.Tensor:
-    if src.numel() == 0 or staged.mapping is None or written_at < 0:
-        return src  # nothing to share; write_data serializes it again
-    window = memoryview(staged.mapping)[offset:offset + length]
-    try:
-        data_at = offset + storage_offset_in(window)
-    finally:
-        window.release()
-    if data_at != written_at:
-        raise DrainError("torch.save wrote an archive this writer cannot stage in place")
-    nbytes = src.untyped_storage().nbytes()
-    flat = torch.frombuffer(staged.mapping, dtype=torch.uint8, count=nbytes, offset=data_at)
-    view = with_bits_of(src, flat.view(src.dtype).as_strided(src.shape, src.stride(),
-                                                            src.storage_offset()))
-    staged.records[_key(view)] = _Record(view, offset, length)
-    return view
-
 
 def with_bits_of(like: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     """``raw`` (a view of stored bytes) read as ``like`` reads its own: a conjugate or a
@@ -385,47 +306,3 @@ def with_bits_of(like: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     if like.is_neg():
         raw = torch._neg_view(raw)
     return raw
-
-
-@dataclasses.dataclass
-class _Leaf:
-    index: int
-    like: torch.Tensor  # the original (a DTensor keeps mesh and placements for the view)
-
-
-def _walk(obj: Any, archive: Callable[[torch.Tensor], int]) -> Any:
-    if isinstance(obj, DTensor):
-        return _Leaf(archive(obj.to_local()), obj)
-    if isinstance(obj, torch.Tensor):
-        return _Leaf(archive(obj), obj)
-    if isinstance(obj, dict):
-        return _same_mapping(obj, ((k, _walk(v, archive)) for k, v in obj.items()))
-    if isinstance(obj, list):
-        return [_walk(v, archive) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_walk(v, archive) for v in obj)
-    # Anything else is the training loop's to change: a copy, as DCP's own stager makes.
-    return copy.deepcopy(obj)
-
-
-def _same_mapping(like: dict[Any, Any], items: Any) -> dict[Any, Any]:
-    # An OrderedDict stays one; any other mapping type is rebuilt as a plain dict.
-    return collections.OrderedDict(items) if type(like) is collections.OrderedDict else dict(items)
-
-
-def _rebuild(layout: Any, views: list[torch.Tensor]) -> Any:
-    if isinstance(layout, _Leaf):
-        view = views[layout.index]
-        like = layout.like
-        if isinstance(like, DTensor):
-            return DTensor.from_local(view, like.device_mesh, like.placements, run_check=False,
-                                      shape=like.shape, stride=like.stride())
-        return view
-    if isinstance(layout, dict):
-        return _same_mapping(layout, ((k, _rebuild(v, views)) for k, v in layout.items()))
-    if isinstance(layout, list):
-        return [_rebuild(v, views) for v in layout]
-    if isinstance(layout, tuple):
-        return tuple(_rebuild(v, views) for v in layout)
-    return layout
-

@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from ckptdrain.client import dcpfiles
+from ckptdrain.client import dcpfiles, dcpstaging
 
 pytestmark = pytest.mark.torch
 
@@ -34,7 +34,7 @@ def test_each_archive_loads_with_torch_load_and_names_no_crc_for_its_data() -> N
         spans = {}
         for name, tensor in tensors().items():
             start = file.tell()
-            file.write_tensor(dcpfiles._minimal(tensor))
+            file.write_tensor(dcpfiles.minimal(tensor))
             spans[name] = (start, file.tell() - start)
         raw = os.pread(file.fd, file.tell(), 0)
     finally:
@@ -45,7 +45,7 @@ def test_each_archive_loads_with_torch_load_and_names_no_crc_for_its_data() -> N
         archive = raw[start:start + length]
         loaded = torch.load(io.BytesIO(archive), weights_only=True)
         assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor), name
-        assert loaded.stride() == dcpfiles._minimal(tensor).stride(), name
+        assert loaded.stride() == dcpfiles.minimal(tensor).stride(), name
         with zipfile.ZipFile(io.BytesIO(archive)) as zf:
             data = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
             # As torch writes it with set_crc32_options(False); torch.load does not check it.
@@ -54,14 +54,14 @@ def test_each_archive_loads_with_torch_load_and_names_no_crc_for_its_data() -> N
 
 def test_the_staged_views_are_the_bytes_written_into_the_file() -> None:
     state = {"a": tensors()["float"], "nested": [tensors()["transposed"], "text"]}
-    staged_dict, staged = dcpfiles.stage(state, "__0_0.distcp")
+    staged_dict, staged = dcpstaging.stage(state, "__0_0.distcp")
     try:
         view = staged_dict["a"]
         assert torch.equal(view, state["a"]) and view.data_ptr() != state["a"].data_ptr()
         assert torch.equal(staged_dict["nested"][0], state["nested"][0])
         assert staged_dict["nested"][1] == "text"
         # The view is the file: what the daemon reads is what DCP planned with.
-        record = staged.records[dcpfiles._key(view)]
+        record = staged.records[dcpstaging._key(view)]
         archive = os.pread(staged.file.fd, record.length, record.offset)
         assert torch.equal(torch.load(io.BytesIO(archive), weights_only=True), state["a"])
         state["a"].add_(1.0)  # the training loop goes on: the staged copy stays
