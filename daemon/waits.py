@@ -83,7 +83,7 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
         ours = gen is not None and is_of(gen, attempt)
         if ours and gen is not None and gen.terminal:
             if gen.state is GenerationState.FAILED:
-                committed = await _committed_elsewhere(d, gen)
+                committed = await _committed_elsewhere(d, job, step)
                 if committed is not None:
                     return committed
             raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} "
@@ -120,23 +120,21 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
             raise ConnectionError("the client hung up while waiting for a commit")
 
 
-async def _committed_elsewhere(d: Daemon, gen: GenerationRecord) -> dict[str, Any] | None:
-    """The answer for a step that failed here but that another node committed since with
-    this node's part as recorded (a multi-node step ended here on another node's failure
-    record, then that node's `retry` alone committed it): a committed step is final, whatever
-    this node's ledger says. Found attacking multi-node commits: this node's waiters heard
-    "failed, this attempt never will" for a step whose MANIFEST.json and LATEST were there.
-    None when the step is not committed with this node's part (another attempt's commit
-    fails this one: its bytes are not the ones committed), or the destination cannot say."""
+async def _committed_elsewhere(d: Daemon, job: str, step: int) -> dict[str, Any] | None:
+    """The answer for a step that failed here but that another node committed since, from
+    this node's recorded part (a multi-node step ended here on another node's failure record,
+    then that node's `retry` alone committed it): a committed step is final, whatever this
+    node's ledger says. Found attacking multi-node commits: this node's waiters heard "failed,
+    this attempt never will" for a step whose MANIFEST.json and LATEST were there. None when
+    the manifest is not there, or the destination cannot say (the ledger's answer stands)."""
     try:
-        here, manifest = await d.scheduler.publisher.ends.committed_with_part(gen)
+        manifest, removed = await d.committer.committed_or_removed(job, step)
     except (BackendError, ManifestError, OSError):
         return None
-    if not here:
+    if manifest is None and not removed:
         return None
     committed_at = None if manifest is None else manifest.clocks.get("committed")
-    return {"job": gen.job, "step": gen.step, "committed": True, "committed_at": committed_at,
-            "attempt": gen.attempt}
+    return {"job": job, "step": step, "committed": True, "committed_at": committed_at}
 
 
 def _timed_out(job: str, step: int, timeout_s: float, gen: GenerationRecord | None,
