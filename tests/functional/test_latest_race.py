@@ -31,7 +31,8 @@ TRIALS = 200
 CLOCKS = {"handoff": 1.0, "staged": 2.0, "drained": 3.0}
 
 
-async def recorded(committer: Committer, tmp_path: Path, step: int) -> None:
+async def recorded(committer: Committer, tmp_path: Path, step: int,
+                   owner_uid: int | None = None) -> None:
     """One rank of ``step`` drained and recorded by ``committer``'s node; not yet published."""
     data = f"step {step}".encode()
     staged = tmp_path / f"staged-{committer.node_id}-{step}"
@@ -43,7 +44,7 @@ async def recorded(committer: Committer, tmp_path: Path, step: int) -> None:
         os.close(fd)
     entry = ShardEntry("w.bin", len(data), checksum, 0, committer.node_id)
     await committer.record_part(
-        PartRecord(JOB, step, 1, committer.node_id, (0,), (entry,), CLOCKS)
+        PartRecord(JOB, step, 1, committer.node_id, (0,), (entry,), CLOCKS, owner_uid=owner_uid)
     )
 
 
@@ -278,17 +279,7 @@ async def test_the_owner_of_a_job_is_found_while_retention_removes_what_it_read(
     store = MemoryStore()
     writer = Committer(MemoryBackend("n1", store=store), "n1")
     for step in (30, 31):
-        data = f"step {step}".encode()
-        staged = tmp_path / f"owned-{step}"
-        staged.write_bytes(data)
-        fd = os.open(staged, os.O_RDONLY)
-        try:
-            checksum = await writer.backend.put_file(shard_key(JOB, step, "w.bin"), fd, len(data))
-        finally:
-            os.close(fd)
-        entry = ShardEntry("w.bin", len(data), checksum, 0, "n1")
-        await writer.record_part(PartRecord(JOB, step, 1, "n1", (0,), (entry,), CLOCKS,
-                                            owner_uid=1000))
+        await recorded(writer, tmp_path, step, owner_uid=1000)
         if step == 30:
             assert (await writer.try_publish(JOB, 30, 1)).committed
             await writer.backend.delete(latest_key(JOB))  # the hint could not be written

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,9 +24,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.client.keys import latest_key, manifest_key, part_key, shard_key
-from ckptdrain.client.manifest import PartRecord
-from ckptdrain.client.shardentries import ShardEntry
+from ckptdrain.client.keys import latest_key, manifest_key, part_key
 from ckptdrain.daemon import cli_destination
 from ckptdrain.daemon.backends.posix import PosixBackend
 from ckptdrain.daemon.cli import main
@@ -35,6 +32,7 @@ from ckptdrain.daemon.commit import Committer
 from ckptdrain.daemon.config import DestinationConfig
 from ckptdrain.daemon.retention import apply_retention
 from ckptdrain.daemon.tombstone import tombstone_json
+from tests.functional.test_latest_race import recorded
 
 JOB = "llama"
 CLOCKS = {"handoff": 1.0, "staged": 2.0, "drained": 3.0}
@@ -58,22 +56,6 @@ class RacingPosix(PosixBackend):
             act, self._when_absent = self._when_absent, None
             await act()
         return data
-
-
-async def recorded(committer: Committer, tmp_path: Path, step: int,
-                   owner_uid: int | None = None) -> None:
-    """One rank of ``step`` drained and its part record written; not yet published."""
-    data = f"step {step}".encode()
-    staged = tmp_path / f"staged-{step}"
-    staged.write_bytes(data)
-    fd = os.open(staged, os.O_RDONLY)
-    try:
-        checksum = await committer.backend.put_file(shard_key(JOB, step, "w.bin"), fd, len(data))
-    finally:
-        os.close(fd)
-    entry = ShardEntry("w.bin", len(data), checksum, 0, committer.node_id)
-    await committer.record_part(PartRecord(JOB, step, 1, committer.node_id, (0,), (entry,),
-                                           CLOCKS, owner_uid=owner_uid))
 
 
 async def published(committer: Committer, tmp_path: Path, step: int,
