@@ -179,7 +179,7 @@ class Generations:
         else:
             for shard in gen.shards.values():
                 if shard.state is ShardState.FAILED:
-                    await self.d.scheduler.abort_upload(shard)
+                    await self.d.scheduler.abort_upload(gen, shard)
             self.d.copies.discard_generation(gen)
         # Still queued, perhaps: a worker must never take it for the new attempt's.
         await self._discard_shards(gen, persist=False)

@@ -3,9 +3,10 @@
 Runs before the socket is served. Acknowledged shards go back on the drain queue, temp files
 and shards the journal never acknowledged are deleted, every kept file is counted against the
 limits again, and generations that cannot go on (a rank still open at the crash or already
-aborted, a memory hand-off that never reached local storage) fail here. Their uploads' aborts
-are queued to the supervisor, which starts with the scheduler, so they happen even though
-nothing runs yet.
+aborted, a memory hand-off that never reached local storage) fail here. The uploads journalled
+for shards that will not drain again (their generation ended, or they drained another way) are
+owed an abort (owedaborts.py), tried once the daemon runs and again until the destination
+answers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,14 +138,17 @@ async def _recover(d: Daemon) -> None:
                                  record_first=False)
                     break
                 requeue.append((gen, shard))
-    # Uploads of generations that ended (here, or before the crash) are aborted now: queued
-    # to the supervisor, which runs once serving starts. The orphan sweep cannot do it: it
-    # skips anything younger than orphan_grace_s.
+    # Uploads of generations that ended (here, or before the crash; an abort that failed
+    # then is still journalled), and of shards that drained another way (a PutObject after
+    # multipart_threshold_bytes was raised), are owed their abort now: tried as soon as the
+    # daemon runs, and again until the destination answers. The orphan sweep cannot do it:
+    # it skips anything younger than orphan_grace_s. A `ckptdrain retry` of a failed one
+    # before then takes its upload back (UploadAborts.abort: not wanted any more).
     for gen in d.ledger.generations.values():
-        if gen.terminal:
-            for shard in gen.shards.values():
-                if shard.id in uploads and shard.state is not ShardState.DRAINED:
-                    d.supervisor.spawn(_aborter(d, shard), what=f"abort upload {shard.path}")
+        for shard in gen.shards.values():
+            upload_id = uploads.get(shard.id)
+            if upload_id is not None and (gen.terminal or shard.state is ShardState.DRAINED):
+                d.scheduler.aborts.owe(gen, shard, upload_id)
     # Whether a copy is still kept is not journalled: an older committed generation's copy,
     # dropped before the restart but still read then (a lent copy), came back as a kept copy
     # charged to no one (found attacking). Dropped again, as at its newer one's commit.
@@ -193,10 +196,6 @@ async def _recover(d: Daemon) -> None:
             d.scheduler.enqueue(gen, shard)
     log_event(log, logging.INFO, "recovered", generations=len(d.ledger.generations),
               requeued=len(requeue), removed_files=removed)
-
-
-def _aborter(d: Daemon, shard: ShardRecord) -> Callable[[], Awaitable[None]]:
-    return lambda: d.scheduler.abort_upload(shard)
 
 
 def _existing(directory: Path) -> set[str]:

@@ -28,6 +28,7 @@ from ckptdrain.daemon.drainqueue import BatchLanes, FairQueue
 from ckptdrain.daemon.errors import RUN_OUT
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger, ShardRecord
 from ckptdrain.daemon.logs import OncePerCause, log_event
+from ckptdrain.daemon.owedaborts import UploadAborts
 from ckptdrain.daemon.publisher import Publisher
 from ckptdrain.daemon.records import retrying_note
 from ckptdrain.daemon.state import GenerationEvent, ShardEvent, ShardState
@@ -65,6 +66,9 @@ class Scheduler(Transfers):
         self._on_drained = on_drained
         self._on_terminal = on_terminal
         self._upload_log_for = upload_log_for
+        # Every abort of a journalled upload, and those a down destination left owed (its
+        # run() is a task of the daemon's, beside the scheduler's).
+        self.aborts = UploadAborts(backend, upload_log_for)
         self.publisher = Publisher(
             config=config, ledger=ledger, committer=committer, metrics=metrics,
             drain=self._drain_deferred, on_terminal=self._terminal, on_ended=self._discard_copies,
@@ -287,7 +291,7 @@ class Scheduler(Transfers):
                 # Its generation ended mid-copy: the upload will never complete. Left open, a
                 # resumed one (its id journalled before a restart) stayed until the orphan
                 # sweep's grace, an hour (found attacking `abort` after a restart).
-                await self.abort_upload(shard)
+                await self.abort_upload(gen, shard)
                 return False
             except (BackendError, OSError) as caught:
                 if isinstance(caught, BackendError):
@@ -316,8 +320,8 @@ class Scheduler(Transfers):
                 gen.retrying = retrying_note(exc, attempt)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.config.drain.retry_max_backoff_s)
-        await self._abort_stale_upload(shard)
         if gen.terminal or shard.state is not ShardState.DRAINING:
+            await self._abort_stale_upload(gen, shard)
             return False
         if shard.deferred and shard.checksum and checksum != shard.checksum:
             promised = await self._promised(shard, checksum)
@@ -331,6 +335,9 @@ class Scheduler(Transfers):
         gen.retrying = ""
         await self.ledger.apply(shard, ShardEvent.DRAINED, checksum=checksum, drained_at=now)
         self._on_drained(shard)
+        # Once drained, not before: an abort is never begun while the shard drains (its
+        # upload may be the drain's own: owedaborts.wanted).
+        await self._abort_stale_upload(gen, shard)
         if then_advance:
             await self.publisher.advance(gen)
         return True
@@ -357,7 +364,7 @@ class Scheduler(Transfers):
         if shard.state is not ShardState.DRAINING:
             return  # discarded meanwhile: its generation was aborted or cancelled
         await self.ledger.apply(shard, ShardEvent.DRAIN_FAILED, error=reason)
-        await self.abort_upload(shard)
+        await self.abort_upload(gen, shard)
         if not gen.terminal:
             await self.fail_generation(gen, f"shard {shard.path!r} could not drain: {reason}",
                                        kind="drain")
@@ -382,8 +389,8 @@ class Scheduler(Transfers):
                 kept.append(shard)
         if kept and self._upload_log_for is not None:
             self.publisher.submit(f"abort-uploads {gen.job} {gen.step}",
-                                  lambda: self._abort_uploads(kept))
+                                  lambda: self._abort_uploads(gen, kept))
 
-    async def _abort_uploads(self, shards: list[ShardRecord]) -> None:
+    async def _abort_uploads(self, gen: GenerationRecord, shards: list[ShardRecord]) -> None:
         for shard in shards:
-            await self.abort_upload(shard)
+            await self.abort_upload(gen, shard)

@@ -228,6 +228,7 @@ class Daemon:
                         tg.create_task(self.scheduler.run(), name="scheduler"),
                         tg.create_task(self._refresh_loop(), name="refresh"),
                         tg.create_task(sweep_forever(self), name="orphan-sweep"),
+                        tg.create_task(self.scheduler.aborts.run(), name="owed-aborts"),
                         tg.create_task(self.expiry.run(), name="expiry"),
                     ]
                     for gen in list(self.ledger.generations.values()):

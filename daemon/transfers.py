@@ -11,7 +11,6 @@ and what a copy's outcome does to its shard and generation.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,15 +20,12 @@ from ckptdrain.client.manifest import generation_prefix, shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
 from ckptdrain.daemon.drainpace import DrainPace, ShardFlow
 from ckptdrain.daemon.errors import DaemonError
-from ckptdrain.daemon.logs import log_event
+from ckptdrain.daemon.owedaborts import UploadAborts
 from ckptdrain.daemon.reads import Identity, identity
 
 if TYPE_CHECKING:
     from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
     from ckptdrain.daemon.staging import Staging
-
-# The scheduler's: abort_failed lines keep the name they were logged under.
-log = logging.getLogger("ckptdrain.scheduler")
 
 
 class Discarded(DaemonError):
@@ -44,6 +40,7 @@ class Transfers(DrainPace):
     _upload_log_for: Callable[[ShardRecord], UploadLog | None] | None
     _inflight: dict[int, asyncio.Timeout]
     _prepared: set[str]
+    aborts: UploadAborts
 
     async def _put_batch(self, gen: GenerationRecord,
                          shards: list[ShardRecord]) -> list[str | BackendError | None] | None:
@@ -103,6 +100,11 @@ class Transfers(DrainPace):
         scope: asyncio.Timeout | None = None
         try:
             upload_log = self._upload_log_for(shard) if self._upload_log_for else None
+            if upload_log is not None:
+                # An abort of this shard's upload begun before a retry took the shard ends
+                # first: resumed under it, the upload vanished mid-send (NoSuchUpload, which
+                # fails the shard for good). A dict lookup when there is none.
+                await self.aborts.settled(shard)
             # A cancel scope rather than a task of its own: _discard_copies expires it, which
             # cancels this copy alone, and a stopping daemon's cancellation passes through.
             async with asyncio.timeout(None) as scope:
@@ -130,7 +132,7 @@ class Transfers(DrainPace):
         if not gen.terminal:  # one that ended meanwhile is not forgotten again (_terminal)
             self._prepared.add(prefix)
 
-    async def _abort_stale_upload(self, shard: ShardRecord) -> None:
+    async def _abort_stale_upload(self, gen: GenerationRecord, shard: ShardRecord) -> None:
         """A multipart upload journalled for ``shard`` before a restart, which the shard's copy
         just now did not complete (it went as one PutObject: multipart_threshold_bytes was
         raised meanwhile), is aborted: it was left to the orphan sweep's grace, an hour by
@@ -139,21 +141,12 @@ class Transfers(DrainPace):
             return
         upload_log = self._upload_log_for(shard)
         if upload_log is not None and upload_log.is_open():
-            await self.abort_upload(shard)
+            await self.abort_upload(gen, shard)
 
-    async def abort_upload(self, shard: ShardRecord) -> None:
-        if self._upload_log_for is None:
-            return
-        upload_log = self._upload_log_for(shard)
-        if upload_log is None:
-            return
-        try:
-            await self.backend.abort_upload(
-                shard_key(shard.job, shard.step, shard.path), upload_log)
-        except BackendError as exc:
-            log_event(log, logging.WARNING, "abort_failed", job=shard.job, step=shard.step,
-                      path=shard.path, error=str(exc),
-                      action="left to the orphan sweep and the lifecycle rule")
+    async def abort_upload(self, gen: GenerationRecord, shard: ShardRecord) -> bool:
+        """Abort the upload journalled for ``shard`` (its generation ``gen``); one that fails
+        is owed and tried again until the destination answers (:mod:`.owedaborts`)."""
+        return await self.aborts.abort(gen, shard)
 
 
 def _vouch(shard: ShardRecord, fd: int, before: Identity, checksum: str) -> None:

@@ -41,6 +41,11 @@ from ckptdrain.daemon.logs import log_event
 
 log = logging.getLogger(__name__)
 
+# What becomes of an upload whose abort could not be confirmed: one the daemon's journal holds
+# is tried again (the daemon owes its abort); any other is the orphan sweep's, after its grace.
+JOURNALLED = "journalled: tried again once the destination answers"
+UNJOURNALLED = "left to the orphan sweep and the lifecycle rule"
+
 
 class MultipartUploads(S3Client):
     """Multipart uploads, resumption, aborts and the orphan sweep (a base of S3Backend)."""
@@ -242,14 +247,17 @@ class MultipartUploads(S3Client):
         upload_id, _ = await upload_log.load()
         if upload_id is None:
             return True
-        if await self._abort(key, self._key(key), upload_id):
+        # The journal keeps the upload's row until its abort is confirmed: the daemon owes
+        # the abort and tries it again (owedaborts.py).
+        if await self._abort(key, self._key(key), upload_id, then=JOURNALLED):
             await upload_log.finished()
             return True
         return False
 
-    async def _abort(self, key: str, full: str, upload_id: str) -> bool:
-        """Abort and confirm nothing is left; False (and a log line) when that could not be
-        done, leaving the upload to the orphan sweep and the lifecycle rule."""
+    async def _abort(self, key: str, full: str, upload_id: str, *,
+                     then: str = UNJOURNALLED) -> bool:
+        """Abort and confirm nothing is left; False (and a log line saying ``then``) when that
+        could not be done."""
         aborted = False
         try:
             async with asyncio.timeout(self.cleanup_timeout_s):
@@ -274,13 +282,12 @@ class MultipartUploads(S3Client):
                         return True
         except (BackendError, TimeoutError) as exc:
             log_event(log, logging.WARNING, "s3_abort_failed", key=key, upload_id=upload_id,
-                      error=str(exc) or "timed out",
-                      action="left to the orphan sweep and the lifecycle rule")
+                      error=str(exc) or "timed out", action=then)
             if aborted:
                 self.aborted_uploads += 1
             return False
         log_event(log, logging.WARNING, "s3_abort_unconfirmed", key=key, upload_id=upload_id,
-                  action="left to the orphan sweep and the lifecycle rule")
+                  action=then)
         if aborted:
             self.aborted_uploads += 1
         return False
