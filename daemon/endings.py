@@ -338,6 +338,12 @@ class Endings:
         None when the destination cannot say now."""
         return (await self._look(gen))[0]
 
+    async def committed_with_part(self, gen: GenerationRecord
+                                  ) -> tuple[bool | None, Manifest | None]:
+        """:meth:`committed_here`, asked for a waiter (nothing logged as waiting on it), and
+        the manifest that says so (None when a tombstone does)."""
+        return await self._look(gen, newer=False)
+
     async def _look(self, gen: GenerationRecord, *, newer: bool = True
                     ) -> tuple[bool | None, Manifest | None]:
         """:meth:`committed_here`, and the manifest that says so (None when a tombstone does).

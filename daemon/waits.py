@@ -1,11 +1,13 @@
 """`wait`: the answer for one step, for the waiter's attempt.
 
-A waiter is told "committed" as soon as the step is committed, by any attempt (a committed
-step is final). It is told "failed" only by its own attempt: a generation of an older
-attempt that failed here is a crash the waiter's job is re-saving, so the waiter waits for
-the re-save instead. Sleeps on the ledger's change event, so a commit on this node (or the
-new attempt's first begin) wakes it at once; the destination is asked at most once per
-``drain.commit_poll_interval_s`` while this node holds nothing of the waiter's attempt.
+A waiter is told "committed" as soon as the step is committed, by any attempt (a committed step
+is final). It is told "failed" only by its own attempt: a generation of an older attempt that
+failed here is a crash the waiter's job is re-saving, so the waiter waits for the re-save
+instead. Its own attempt's failure is looked up at the destination first: another node's
+`retry` may have committed the step since (from this node's recorded part). Sleeps on the
+ledger's change event, so a commit on this node (or the new attempt's first begin) wakes it at
+once; the destination is asked at most once per ``drain.commit_poll_interval_s`` while this
+node holds nothing of the waiter's attempt.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
             return dict(retired)
         ours = gen is not None and is_of(gen, attempt)
         if ours and gen is not None and gen.terminal:
+            if gen.state is GenerationState.FAILED:
+                committed = await _committed_elsewhere(d, gen)
+                if committed is not None:
+                    return committed
             raise RequestError(wire.GENERATION_FAILED, f"step {step} of job {job!r} "
                                f"{gen.state}: {gen.error}")
         now = time.monotonic()
@@ -113,6 +119,25 @@ async def wait_for_commit(d: Daemon, job: str, step: int, timeout_s: float,
             woken.cancel()
         if gone.done():
             raise ConnectionError("the client hung up while waiting for a commit")
+
+
+async def _committed_elsewhere(d: Daemon, gen: GenerationRecord) -> dict[str, Any] | None:
+    """The answer for a step that failed here but that another node committed since with
+    this node's part as recorded (a multi-node step ended here on another node's failure
+    record, then that node's `retry` alone committed it): a committed step is final, whatever
+    this node's ledger says. Found attacking multi-node commits: this node's waiters heard
+    "failed, this attempt never will" for a step whose MANIFEST.json and LATEST were there.
+    None when the step is not committed with this node's part (another attempt's commit
+    fails this one: its bytes are not the ones committed), or the destination cannot say."""
+    try:
+        here, manifest = await d.scheduler.publisher.ends.committed_with_part(gen)
+    except (BackendError, ManifestError, OSError):
+        return None
+    if not here:
+        return None
+    committed_at = None if manifest is None else manifest.clocks.get("committed")
+    return {"job": gen.job, "step": gen.step, "committed": True, "committed_at": committed_at,
+            "attempt": gen.attempt}
 
 
 def _timed_out(job: str, step: int, timeout_s: float, gen: GenerationRecord | None,

@@ -136,6 +136,16 @@ def test_a_retry_of_an_expired_step_rewrites_its_record_and_commits(make_daemon)
     assert (a.dest / JOB / f"{1:020d}" / "MANIFEST.json").exists()
 
 
+def test_a_step_another_nodes_retry_committed_is_committed_for_this_nodes_waiters(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking multi-node commits: node-b ended the step on node-a's failure record
+    # (its waiters heard "failed"), then `retry` on node-a alone committed it from both
+    # records; node-b's waiters still heard "failed, this attempt never will" for a step whose
+    # MANIFEST.json and LATEST were there.
+    a, b = retried_on_node_a_after_it_expired(make_daemon)
+    assert a.client().wait(JOB, 1, timeout_s=30)["committed"] is True
+    assert b.client().wait(JOB, 1, timeout_s=5)["committed"] is True
+
+
 def test_a_step_committed_before_it_expires_here_is_committed_here(make_daemon) -> None:  # type: ignore[no-untyped-def]
     # The race, decided by the manifest: another node published from node-a's record before
     # node-a's commit_wait_s ran out, and node-a's own look at the part records cannot tell
