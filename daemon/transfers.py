@@ -102,8 +102,8 @@ class Transfers(DrainPace):
             upload_log = self._upload_log_for(shard) if self._upload_log_for else None
             if upload_log is not None:
                 # An abort of this shard's upload begun before a retry took the shard ends
-                # first: resumed under it, the upload vanished mid-send (NoSuchUpload, which
-                # fails the shard for good). A dict lookup when there is none.
+                # first: resumed under it, the upload vanished mid-send (NoSuchUpload: a new
+                # upload, every part sent again). A dict lookup when there is none.
                 await self.aborts.settled(shard)
             # A cancel scope rather than a task of its own: _discard_copies expires it, which
             # cancels this copy alone, and a stopping daemon's cancellation passes through.

@@ -159,6 +159,14 @@ class MultipartUploads(S3Client):
                     if flow is not None and part.kept_crc is None:
                         await flow.pace(part.length)
                     sent = await self.parts.send(part, fd)
+            except S3Failure as exc:
+                if exc.code != "NoSuchUpload":
+                    raise
+                # Removed at the destination while its parts were sent: the staged copy is
+                # intact, so the next attempt (within drain.retry_budget_s) finds it gone
+                # (ListParts) and begins a new upload. As a permanent not_found it failed the
+                # generation for good.
+                raise self._vanished(key, "while it was sent") from exc
             finally:
                 window.release()
             results[part.number] = (sent.etag, sent.crc)
@@ -236,12 +244,20 @@ class MultipartUploads(S3Client):
                 return True
             if taken:
                 return False
-            raise S3Failure(
-                f"the upload of {key} at {self.uri} vanished before it completed "
-                "(aborted by another node's sweep or a lifecycle rule); it will be sent "
-                "again. Raise destination.orphan_grace_s above the longest upload",
-                transient=True, kind="not_found", code="NoSuchUpload",
-            ) from exc
+            raise self._vanished(key, "before it completed") from exc
+
+    def _vanished(self, key: str, when: str) -> S3Failure:
+        """The transient failure of an upload that was removed at the destination ``when``:
+        the next attempt begins a new one and sends every part again (a shard whose upload
+        is removed every time fails once drain.retry_budget_s is spent, with this)."""
+        return S3Failure(
+            f"the multipart upload of {key} at {self.uri} was removed at the destination "
+            f"{when} (another node's orphan sweep, a lifecycle rule that aborts incomplete "
+            "uploads, or an operator's abort?); a new upload is begun, every part sent "
+            "again, while drain.retry_budget_s lasts. If this repeats, raise "
+            "destination.orphan_grace_s on every node sharing the bucket, and the lifecycle "
+            "rule's DaysAfterInitiation, above the longest upload",
+            transient=True, kind="not_found", code="NoSuchUpload")
 
     async def abort_upload(self, key: str, upload_log: UploadLog) -> bool:
         upload_id, _ = await upload_log.load()
