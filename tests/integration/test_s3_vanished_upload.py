@@ -18,6 +18,7 @@ import pytest
 
 from ckptdrain.client import GenerationFailed
 from tests.conftest import DaemonProcess, wait_for
+from tests.integration.faultproxy import ThreadedProxy
 from tests.integration.seaweedfs import SeaweedFS
 from tests.integration.test_s3_daemon import PREFIX, _journalled_uploads, get, s3_daemon, uploads
 from tests.integration.test_s3_owed_aborts import _journalled_parts, checkpoint
@@ -25,11 +26,18 @@ from tests.integration.test_s3_owed_aborts import _journalled_parts, checkpoint
 pytestmark = pytest.mark.s3
 
 
-def slow_daemon(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str,
-                **env: str) -> DaemonProcess:
+@pytest.fixture
+def proxy(seaweedfs: SeaweedFS) -> Iterator[ThreadedProxy]:
+    p = ThreadedProxy(seaweedfs.endpoint_url, seed=7, stall_s=5)
+    yield p
+    p.close()
+
+
+def slow_daemon(make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, *,
+                endpoint: str = "", **env: str) -> DaemonProcess:
     """12 parts of 8 MiB, one at a time at 16 MiB/s: 6 s of parts to remove the upload under.
     The daemon's own sweep (grace an hour) is not what removes it."""
-    return s3_daemon(make_daemon, "node-a", s3_bucket, seaweedfs.endpoint_url,
+    return s3_daemon(make_daemon, "node-a", s3_bucket, endpoint or seaweedfs.endpoint_url,
                      CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1",
                      CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S="3600",
                      CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="16MiB", **env)
@@ -102,3 +110,38 @@ def test_an_upload_removed_every_time_fails_within_the_retry_budget(
     assert uploads(seaweedfs, s3_bucket) == []
     listed = seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/gone/")
     assert not [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith("big.bin")]
+
+
+def _is_complete(r: Any) -> bool:
+    return bool(r.method == "POST" and "uploadId=" in r.target)
+
+
+@pytest.mark.parametrize("how", ["answer lost", "removed"])
+def test_a_complete_that_finds_the_upload_gone(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy,
+        how: str) -> None:
+    # NoSuchUpload to a Complete that botocore sent again. "answer lost": the first one
+    # completed the upload, so the object is there with the ETag its parts make: done, nothing
+    # sent again. "removed": the upload was aborted while the Complete was held (5 s, then
+    # reset): nothing is there, and a new upload sends every part again.
+    d = slow_daemon(make_daemon, seaweedfs, s3_bucket, endpoint=proxy.endpoint_url)
+    fault = "drop_response" if how == "answer lost" else "stall"
+    proxy.do(lambda: proxy.proxy.inject(fault, match=_is_complete))
+    data = checkpoint()
+    with d.client().generation("done", 1) as gen:
+        gen.put("big.bin", data)
+    if how == "removed":
+        wait_for(lambda: proxy.do(lambda: proxy.proxy.faults("stall")), 60,
+                 what="the Complete held")
+        assert abort_all(seaweedfs, s3_bucket) == 1
+    d.client().wait("done", 1, timeout_s=120)
+    assert get(seaweedfs, s3_bucket, f"done/{1:020d}/big.bin") == data
+    assert uploads(seaweedfs, s3_bucket) == []
+    assert _journalled_uploads(d) == 0
+    parts = proxy.do(lambda: sum(1 for r in proxy.proxy.requests if r.is_upload_part))
+    if how == "answer lost":
+        assert proxy.do(lambda: proxy.proxy.faults("drop_response"))
+        assert parts == 12 and "removed at the destination" not in d.log()
+    else:
+        assert parts == 24
+        assert "removed at the destination before it completed" in d.log()
