@@ -2,10 +2,10 @@
 no socket is bound until the environment is known to be usable.
 
 In order (the config itself was validated when it loaded): the paths are writable
-(``staging_dir``, the directory of ``socket``), the ports are free (``metrics.listen``, and no
-live daemon on ``socket``), this daemon holds the lock on ``staging_dir`` (a second daemon on
-the same directory would adopt the first one's shards), and ``limits.max_staged_bytes`` fits the
-staging filesystem (clamped, with a warning, when it does not). Each failure is a
+(``staging_dir``, the directory of ``socket``), this daemon holds the lock on ``staging_dir`` (a
+second daemon on the same directory would adopt the first one's shards), no live daemon answers
+on ``socket``, ``metrics.listen`` is free, and ``limits.max_staged_bytes`` fits the staging
+filesystem (clamped, with a warning, when it does not). Each failure is a
 :class:`StartupError` naming the config key; the CLI exits 78 (EX_CONFIG) for it, so a unit
 with ``Restart=on-failure`` does not loop on a problem a restart cannot fix. A filesystem full
 for now is :class:`DiskFull` instead (exit 75): a later start gets past it, so it is retried.
@@ -308,13 +308,17 @@ def check(config: Config, *, inherited: socket.socket | None,
     writable_dir("staging_dir", config.staging_dir)
     if inherited is None:
         writable_dir("socket", config.socket.parent, mode=0o755)
-    if config.metrics.address is not None:
-        port_free(config.metrics.host, config.metrics.port)
+    # The lock and the socket before the metrics port: a second `ckptdrain serve` with the
+    # running daemon's config (an operator following the runbook's "run it in a shell to see
+    # the error") was told to pick another metrics.listen, naming the port and not the daemon
+    # that holds it (found trying the runbook).
     lock = StagingLock(config.staging_dir)
     lock.acquire()
     try:
         if inherited is None:
             socket_free(config.socket)
+        if config.metrics.address is not None:
+            port_free(config.metrics.host, config.metrics.port)
         journal_reserve.hand_over(after_crash=lock.unclean)
         try:
             capacity = staging_capacity(config.staging_dir, journal_reserve.held)

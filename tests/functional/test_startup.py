@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -103,6 +104,19 @@ def test_a_second_daemon_on_the_same_staging_dir(make_daemon: Any, short_tmp: Pa
     # Once the first has stopped, the lock is free again.
     assert first.stop() == 0
     first.start()
+
+
+def test_a_second_serve_with_the_running_daemons_config_names_that_daemon(
+        make_daemon: Any) -> None:
+    # Found trying the runbook ("`ckptdrain serve --config ...` in a shell shows the error")
+    # on a node whose daemon was running: the second serve, with the very same config, said
+    # the metrics port was in use and to pick another metrics.listen, not that a daemon runs.
+    first: DaemonProcess = make_daemon()
+    [port] = re.findall(r'event=ready .*metrics=\["127\.0\.0\.1",(\d+)\]', first.log())
+    line = refused(serve(first, CKPTDRAIN_METRICS__LISTEN=f"127.0.0.1:{port}"),
+                   "staging_dir:", "in use by another ckptdrain daemon", f"pid {first.pid}")
+    assert "metrics.listen" not in line
+    assert first.client().status()["draining"] is False  # the first one serves on
 
 
 def test_a_second_daemon_is_refused_after_the_lock_file_was_removed(make_daemon: Any,
