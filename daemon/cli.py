@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
 # Before the imports below (0.1-0.3 s): a SIGHUP in that time ended `serve` by its default
@@ -34,6 +33,7 @@ from ckptdrain.daemon.cli_destination import (
     EXIT_OK,
     EXIT_USAGE,
     CommandFailed,
+    file_arg,
 )
 from ckptdrain.daemon.cli_stop import Stopped
 from ckptdrain.daemon.errors import (
@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 parser_class=_Parser)
 
     def common(p: argparse.ArgumentParser, *, socket: bool = False) -> None:
-        p.add_argument("--config", type=Path, help="TOML config (default: $CKPTDRAIN_CONFIG or the embedded default)")
+        p.add_argument("--config", type=file_arg("a config file"), help="TOML config (default: $CKPTDRAIN_CONFIG or the embedded default)")
         if socket:
-            p.add_argument("--socket", type=Path, help="daemon socket (default: $CKPTDRAIN_SOCKET, /run/ckptdrain.sock or the per-user default)")
+            p.add_argument("--socket", type=file_arg("a socket path"), help="daemon socket (default: $CKPTDRAIN_SOCKET, /run/ckptdrain.sock or the per-user default)")
 
     cli_node.add_parsers(sub, common)
     cli_destination.add_parsers(sub, common)

@@ -90,6 +90,18 @@ def to_arg(text: str) -> str:
     return text
 
 
+def file_arg(what: str) -> Callable[[str], Path]:
+    """A path argument that may not be empty: ``--config ""`` read as the current directory
+    ("is a directory, not a config file", exit 78) and ``--socket ""`` as a daemon at "."
+    (exit 1), where the mistake is an unset variable in a script (found as a new operator)."""
+    def parse(text: str) -> Path:
+        if not text:
+            raise argparse.ArgumentTypeError(f"takes {what}, not an empty string (an unset "
+                                             "variable?); leave the option out for the default")
+        return Path(text)
+    return parse
+
+
 def generation_arg(text: str) -> str:
     # Bounded as step_arg is: a step past 2**63 - 1 came out of the manifest code as a
     # traceback (found attacking restore). Zero-padded steps (the generation directories'
@@ -375,7 +387,7 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
                            help="restore into a non-empty directory, replacing files of the same name")
             p.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
             p.add_argument("--quiet", action="store_true")
-            p.add_argument("--socket", type=Path, help="this node's daemon, for the local fast path")
+            p.add_argument("--socket", type=file_arg("a socket path"), help="this node's daemon, for the local fast path")
             p.add_argument("--no-local", action="store_true",
                            help="read everything from DEST, not from this node's local copies")
             p.add_argument("--readers", type=readers_arg, default=-1, metavar="N",

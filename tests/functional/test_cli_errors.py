@@ -297,6 +297,18 @@ def test_an_empty_to_is_a_usage_error(node: DaemonProcess, tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("argv", [["status", "--config", ""], ["status", "--socket", ""],
+                                  ["config", "check", "--config", ""], ["serve", "--config", ""],
+                                  ["drain", "--socket", ""], ["retry", "j", "1", "--socket", ""]])
+def test_an_empty_config_or_socket_is_a_usage_error(node: DaemonProcess, argv: list[str]) -> None:
+    # Found as a new operator: `--config "$CONF"` with CONF unset read the current directory
+    # ("is a directory, not a config file", exit 78), and `--socket ""` a daemon at "."
+    # ("nothing is listening on it; start it", exit 1): neither named the empty argument.
+    one_sentence(cli(node, *argv), 2, "--config" if "--config" in argv else "--socket",
+                 "empty string", "unset variable")
+    assert node.client().status()["draining"] is False  # drain was never sent
+
+
 @pytest.mark.parametrize("readers", ["-1", "65", "two", ""])
 def test_a_bad_readers_count_is_a_usage_error(node: DaemonProcess, readers: str,
                                               tmp_path: Path) -> None:
