@@ -104,6 +104,19 @@ def _client_for(socket_path: str, timeout_s: float, connect_timeout_s: float,
                   memfd_pool_bytes=memfd_pool_bytes)
 
 
+def _target_fd(fd: object) -> int:
+    """``fd`` for a fetch to write into, if it is open. A closed one failed as the kernel
+    refused to pass it, and that came back as a lost connection: DaemonUnavailable, "start
+    it with `ckptdrain serve`", for the caller's own mistake (found as a job author)."""
+    fd = checked_fd(fd, "fd")
+    try:
+        os.fstat(fd)
+    except OSError as exc:
+        raise RejectedInput(f"fd {fd} is not an open file descriptor ({exc.strerror}); pass "
+                            "a regular file open for writing") from None
+    return fd
+
+
 class Client(ConnectionPool):
     """A handle on the node's ckptdrain daemon. Thread-safe; cheap to create."""
 
@@ -308,7 +321,7 @@ class Client(ConnectionPool):
         names.validate_job(job)
         step = names.validate_step(step)
         names.validate_shard_path(path)
-        fd = checked_fd(fd, "fd")
+        fd = _target_fd(fd)
         started = time.monotonic()
         channel = self._open_channel("fetch", self.timeout_s)
         try:
@@ -325,7 +338,7 @@ class Client(ConnectionPool):
         names.validate_job(job)
         step = names.validate_step(step)
         names.validate_shard_path(path)
-        fd = checked_fd(fd, "fd")
+        fd = _target_fd(fd)
         started = time.monotonic()
         channel = self._open_channel("fetch", self.timeout_s)
         try:

@@ -438,6 +438,13 @@ def test_wrong_arguments_are_typed_refusals_not_raw_exceptions(daemon: DaemonPro
         for fd in (-1, 2**40, "3"):
             with pytest.raises(RejectedInput, match="file descriptor"):
                 c.fetch_local("args", 1, "a", fd)  # type: ignore[arg-type]
+        # A closed fd (found as a job author): the kernel refused to pass it, which read as
+        # a lost connection, DaemonUnavailable "start it with `ckptdrain serve`".
+        closed = os.open(tmp_path / "closed.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.close(closed)
+        for fetch in (c.fetch_local, c.fetch_from_destination):
+            with pytest.raises(RejectedInput, match="not an open file descriptor"):
+                fetch("args", 1, "a", closed)
         with pytest.raises(InvalidName):
             c.fetch_local("../x", 1, "a", out)
         with pytest.raises(RejectedInput):
