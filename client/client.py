@@ -136,6 +136,12 @@ class Client(ConnectionPool):
             raise RejectedInput(
                 f"socket_path must be a path (str or os.PathLike), not {socket_path!r}"
             ) from None
+        if not self.socket_path:
+            # Client(os.environ.get("MY_SOCK", "")) tried a daemon at "" and said "Invalid
+            # argument; start it with `ckptdrain serve`" (found as a job author).
+            raise RejectedInput("socket_path is empty (an unset variable?); pass the daemon's "
+                                "socket path, or None for the default ($CKPTDRAIN_SOCKET, "
+                                "then the system socket)")
         self.timeout_s = _above_zero(_check_timeout(timeout_s, "timeout_s"), "timeout_s")
         self.connect_timeout_s = _above_zero(
             _check_timeout(connect_timeout_s, "connect_timeout_s"), "connect_timeout_s")

@@ -451,6 +451,10 @@ def test_wrong_arguments_are_typed_refusals_not_raw_exceptions(daemon: DaemonPro
             c.fetch_from_destination("args", "1", "a", out)  # type: ignore[arg-type]
         with pytest.raises(RejectedInput, match="socket_path"):
             Client(5)  # type: ignore[arg-type]
+        # Found as a job author: an empty path was tried as one ("Invalid argument; start it
+        # with `ckptdrain serve`", DaemonUnavailable) at the first call.
+        with pytest.raises(RejectedInput, match="socket_path is empty"):
+            Client("")
     finally:
         os.close(out)
     still_serves(daemon)
