@@ -147,8 +147,26 @@ def _flush_and_exit(code: int) -> None:
 
 
 # -- status -----------------------------------------------------------------------------------
+def _nothing_listed(job: str | None, sock: str) -> str:
+    """What an empty listing was filtered by. "no generations on this node" read as an empty
+    node (found as a new operator) under `--job typo`, and for a user other than root and the
+    daemon's own, who is shown only the jobs it owns, on a node busy with other users' jobs.
+    The daemon's own user (a per-user daemon: its socket is the caller's) sees every job."""
+    what = f"no generations of job {job!r}" if job else "no generations"
+    try:
+        own = os.stat(sock).st_uid == os.geteuid()
+    except OSError:
+        own = False
+    if os.geteuid() != 0 and not own:
+        return (f"{what} on this node that uid {os.geteuid()} may see (a user sees the jobs it "
+                "owns; root sees every one)")
+    return f"{what} on this node; `ckptdrain status` lists every job's" if job else \
+        f"{what} on this node"
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
-    with Client(socket_path(ns), timeout_s=30) as client:
+    sock = socket_path(ns)
+    with Client(sock, timeout_s=30) as client:
         status = client.status(ns.job)
     if ns.json:
         print(json.dumps(status, indent=2, sort_keys=True))
@@ -171,7 +189,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
     )
     gens = status["generations"]
     if not gens:
-        print("no generations on this node")
+        print(_nothing_listed(ns.job, sock))
         return EXIT_OK
     # UNDRAINED: shards not yet at the destination (staged, draining, failed); the header's
     # "staged" is bytes held in staging (found attacking: a column named STAGED read 2 beside

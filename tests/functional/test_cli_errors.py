@@ -4,7 +4,9 @@ never a traceback. Each case is the real ``ckptdrain`` in a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import io
 import json
 import os
 import shutil
@@ -307,6 +309,53 @@ def test_an_empty_config_or_socket_is_a_usage_error(node: DaemonProcess, argv: l
     one_sentence(cli(node, *argv), 2, "--config" if "--config" in argv else "--socket",
                  "empty string", "unset variable")
     assert node.client().status()["draining"] is False  # drain was never sent
+
+
+def test_status_of_a_job_the_node_does_not_hold_names_the_job(node: DaemonProcess) -> None:
+    # Found as a new operator: `status --job typo` said "no generations on this node" on a
+    # node that held generations of another job.
+    out = cli(node, "status", "--job", "no-such-job")
+    assert out.returncode == 0 and not out.stderr, out
+    assert "no generations of job 'no-such-job' on this node" in out.stdout, out.stdout
+    assert "no generations on this node" not in out.stdout
+    listed = cli(node, "status")
+    assert JOB in listed.stdout, listed.stdout
+
+
+def test_status_of_a_user_who_owns_nothing_here_says_it_is_filtered(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found as a new user: on a node busy with root's job, another user's `ckptdrain status`
+    # said "no generations on this node". The CLI runs in a child as that user (its
+    # interpreter may be out of that user's reach, so not a new process).
+    from ckptdrain.daemon import cli as cli_module
+    from tests.functional.otheruser import run_as
+
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS="[65534]")
+    os.chmod(d.socket_path.parent, 0o755)
+    with d.client().generation("roots-job", 1, rank=0, world_size=2) as gen:
+        gen.put("w", b"held")
+
+    cli_module.build_parser()  # imports what the command needs while root may read it
+
+    def status(*argv: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli_module.main(["status", "--socket", str(d.socket_path), *argv])
+        return f"{code} {out.getvalue().splitlines()[-1]}"
+
+    for argv, what in (((), "no generations"), (("--job", "roots-job"), "no generations of job "
+                                                "'roots-job'")):
+        assert run_as(65534, lambda argv=argv: status(*argv)) == (
+            f"0 {what} on this node that uid 65534 may see (a user sees the jobs it owns; root "
+            "sees every one)")
+    assert "roots-job" in status()
+    # The daemon's own user sees every job: a per-user daemon, whose socket is the user's.
+    from ckptdrain.daemon.cli_node import _nothing_listed
+
+    own = d.socket_path.parent / "own.sock"  # where the user may look
+    own.touch()
+    os.chown(own, 65534, 65534)
+    assert run_as(65534, lambda: _nothing_listed(None, str(own))) == "no generations on this node"
 
 
 @pytest.mark.parametrize("readers", ["-1", "65", "two", ""])
