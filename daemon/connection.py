@@ -372,7 +372,7 @@ class ClientHandler:
             return maintenance.drain(self.d, self.peer) if kind == "drain" else \
                 maintenance.resume(self.d, self.peer)
         if kind == "abort_generation":
-            permissions.check_job_owner(self, f["job"])
+            permissions.check_job_owner(self, f["job"], "abort it")
             return await maintenance.abort_generation(self.d, self.uid, f["job"], f["step"],
                                                       f.get("reason") or "")
         raise RequestError(wire.BAD_REQUEST, f"{kind!r} is not a request a client may send")

@@ -145,7 +145,7 @@ async def abort_generation(d: Daemon, uid: int, job: str, step: int, reason: str
 async def retry(h: ClientHandler, job: str, step: int) -> dict[str, Any]:
     """``ckptdrain retry JOB STEP``: a failed generation whose local copies are kept drains
     again, with a fresh ``commit_wait_s``."""
-    permissions.check_job_owner(h, job)
+    permissions.check_job_owner(h, job, "retry it")
     d = h.d
     gen = d.ledger.get(job, step)
     if gen is None:

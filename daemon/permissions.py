@@ -66,14 +66,15 @@ async def check_destination_owner(h: ClientHandler, job: str) -> None:
         raise RequestError(wire.PERMISSION_DENIED, owners.refusal(job, h.uid))
 
 
-def check_job_owner(h: ClientHandler, job: str) -> None:
-    """Writes to a job: its owner's, or an operator's (root or the daemon's uid, who act
-    for the owner)."""
+def check_job_owner(h: ClientHandler, job: str, doing: str = "write it") -> None:
+    """Writes to a job, and reads of this node's copies of it: its owner's, or an
+    operator's (root or the daemon's uid, who act for the owner). ``doing`` is what was
+    refused: a restore's read was told "may not write it" (found as a new user)."""
     owner = h.d.ledger.jobs.get(job)
     if owner is not None and owner != h.uid and not h.peer.operator:
         raise RequestError(wire.PERMISSION_DENIED,
                            f"job {job!r} belongs to {_owner_name(h, owner)}; uid "
-                           f"{h.uid} may not write it")
+                           f"{h.uid} may not {doing}")
 
 
 def _owner_name(h: ClientHandler, owner: int) -> str:

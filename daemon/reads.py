@@ -55,7 +55,7 @@ async def open_local(h: ClientHandler, job: str, step: int, path: str) -> int:
     """A read-only fd of this node's verified local copy of ``path``; the caller sends and
     closes it. Raises ``not_found`` when the destination must serve it."""
     d = h.d
-    permissions.check_job_owner(h, job)
+    permissions.check_job_owner(h, job, "read it through this daemon")
     gen = d.ledger.get(job, step)
     shard = gen.shards.get(path) if gen is not None else None
     if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED
@@ -128,7 +128,7 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
 
     d = h.d
     await permissions.check_destination_owner(h, job)
-    permissions.check_job_owner(h, job)
+    permissions.check_job_owner(h, job, "read it through this daemon")
     try:
         committed = await d.committer.committed_shards(job, step)
         if committed is None:
@@ -213,7 +213,7 @@ async def _fetch_local(h: ClientHandler, job: str, step: int, path: str, out_fd:
     never trusted on its own. Owns ``out_fd`` (closes it, or leaves it to a stuck thread)."""
     owned = True
     try:
-        permissions.check_job_owner(h, job)
+        permissions.check_job_owner(h, job, "read it through this daemon")
         gen = h.d.ledger.get(job, step)
         shard = gen.shards.get(path) if gen is not None else None
         if (gen is None or shard is None or gen.state is not GenerationState.COMMITTED

@@ -358,6 +358,43 @@ def test_status_of_a_user_who_owns_nothing_here_says_it_is_filtered(make_daemon)
     assert run_as(65534, lambda: _nothing_listed(None, str(own))) == "no generations on this node"
 
 
+def test_another_users_refusals_name_what_was_refused(make_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Found as a new user: `ckptdrain restore` of another user's job said the daemon "did not
+    # serve a local copy (... uid 65534 may not write it)": a read, refused as a write.
+    from ckptdrain.client import Client, PermissionDenied
+    from tests.functional.otheruser import run_as
+
+    d: DaemonProcess = make_daemon(CKPTDRAIN_ACCESS__SOCKET_MODE="0666",
+                                   CKPTDRAIN_ACCESS__ALLOWED_UIDS="[65534]")
+    os.chmod(d.socket_path.parent, 0o755)
+    with d.client().generation("roots-job", 1, rank=0, world_size=1) as gen:
+        gen.put("w", b"held")
+    d.client().wait("roots-job", 1, timeout_s=60)
+    out = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT, 0o600)  # the child's too
+
+    def refusals() -> str:
+        c = Client(d.socket_path, timeout_s=20)
+        said = []
+        for call in (lambda: c.open_local("roots-job", 1, "w"),
+                     lambda: c.fetch_local("roots-job", 1, "w", out),
+                     lambda: c.fetch_from_destination("roots-job", 1, "w", out),
+                     lambda: c.retry("roots-job", 1),
+                     lambda: c.abort_generation("roots-job", 1)):
+            try:
+                call()
+                said.append("SERVED")
+            except PermissionDenied as exc:
+                said.append(str(exc).split("uid 65534 ", 1)[-1])
+        return " | ".join(said)
+
+    reading = "may not read it through this daemon"
+    try:
+        assert run_as(65534, refusals) == " | ".join(
+            [reading] * 3 + ["may not retry it", "may not abort it"])
+    finally:
+        os.close(out)
+
+
 @pytest.mark.parametrize("readers", ["-1", "65", "two", ""])
 def test_a_bad_readers_count_is_a_usage_error(node: DaemonProcess, readers: str,
                                               tmp_path: Path) -> None:
