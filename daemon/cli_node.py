@@ -260,6 +260,11 @@ def cmd_drain(ns: argparse.Namespace) -> int:
     if ns.timeout is not None and not 0 < ns.timeout < float("inf"):
         raise CommandFailed(f"--timeout must be a positive number of seconds, not {ns.timeout}",
                             EXIT_USAGE)
+    if ns.timeout is not None and not ns.wait:
+        # Without --wait it was ignored: `drain --timeout 1800 && systemctl stop ...` stopped
+        # the daemon at once, mid-save (found as a new operator).
+        raise CommandFailed("--timeout bounds --wait, and was given without it; add --wait to "
+                            "wait until nothing is left to drain", EXIT_USAGE)
     deadline = None if ns.timeout is None else time.monotonic() + ns.timeout
     # No request may take longer than the whole wait: a daemon that answers nothing (stopped,
     # wedged) made `--timeout 3` take the client's 10 s connect timeout (found attacking it).

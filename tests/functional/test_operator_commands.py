@@ -107,6 +107,10 @@ def test_drain_wait_gives_up_at_its_timeout_saying_what_is_left(make_daemon: Any
     [line] = out.stderr.splitlines()
     assert "still draining after 2 s" in line and "1 shard(s) (1.0 MiB) not yet drained" in line
     assert cli(d, "drain", "--timeout", "0").returncode == 2
+    # Found as a new operator: without --wait, --timeout was ignored and the drain returned at
+    # once, exit 0, with the shard still undrained (`drain --timeout 1800 && systemctl stop`).
+    out = cli(d, "drain", "--timeout", "1800")
+    assert out.returncode == 2 and "add --wait" in out.stderr, out.stdout + out.stderr
 
 
 def test_drain_wait_against_a_daemon_that_answers_nothing_ends_at_its_timeout(
