@@ -109,9 +109,15 @@ class Handoffs:
                                f"record of its {len(gen.shards) + 1} shards would pass the "
                                f"{MAX_RECORD_BYTES >> 20} MiB a reader takes; save fewer, "
                                "larger files (with DCP, single_file_per_rank=True)")
-        if size > self.d.config.limits.max_shard_bytes:
+        limit = self.d.config.limits.max_shard_bytes
+        if size > limit:
+            # Said what to do, as the refusal of a shard over a whole staging limit does (it
+            # named the limit only: found as a job author).
             raise RequestError(wire.BAD_REQUEST, f"shard {path!r} is {size} bytes, over "
-                               f"limits.max_shard_bytes ({self.d.config.limits.max_shard_bytes})")
+                               f"limits.max_shard_bytes ({limit}); split it into smaller "
+                               "shards, or raise limits.max_shard_bytes",
+                               {"limit": "max_shard_bytes", "limit_value": limit,
+                                "requested": size})
 
     async def check_source(self, uid: int, fd: int, path: str, size: int, what: str) -> None:
         if not readable(fd):

@@ -15,6 +15,7 @@ import pytest
 from ckptdrain.client import (
     DuplicateShard,
     InvalidName,
+    RejectedInput,
     SizeMismatch,
     wire,
 )
@@ -194,6 +195,19 @@ def test_client_api_size_mismatch_from_fd(daemon: DaemonProcess, tmp_path: Path)
         assert gen.put_file("g.bin", f)["size"] == 3
     with pytest.raises(SizeMismatch):
         raise SizeMismatch("typed error exists")
+
+
+def test_a_shard_over_max_shard_bytes_says_what_to_do(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found as a job author: the refusal named the limit and nothing to do about it.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_LIMITS__MAX_SHARD_BYTES="1MiB")
+    with pytest.raises(RejectedInput) as refused, d.client().generation("big", 1) as gen:
+        gen.put("w.bin", bytes((1 << 20) + 1))
+    message = str(refused.value)
+    assert "over limits.max_shard_bytes (1048576)" in message, message
+    assert "split it into smaller shards, or raise limits.max_shard_bytes" in message, message
+    assert refused.value.details["limit"] == "max_shard_bytes"
+    with d.client().generation("big", 2) as gen:  # at the limit it is taken
+        gen.put("w.bin", bytes(1 << 20))
 
 
 def test_unknown_request_type(bystander: DaemonProcess) -> None:
