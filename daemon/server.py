@@ -239,7 +239,7 @@ class Daemon:
                     collector.freeze_started()
                     log_event(log, logging.INFO, "ready", node=self.node_id,
                               socket=str(self.config.socket), destination=self.config.destination.uri,
-                              metrics=self.metrics_address)
+                              metrics=status_view.metrics_url(self.metrics_address))
                     self.notifier.ready(self.status_line())
                     self.ready.set()  # a reload waits for this (reloads.py)
                     serving = tg.create_task(self._listener.serve(self._stop, STOP_GRACE_S),

@@ -46,6 +46,17 @@ def shards_draining(gens: list[Any]) -> list[dict[str, Any]]:
             for g, s in found[:MAX_STATUS_DRAINING]]
 
 
+
+def metrics_url(address: tuple[str, int] | None) -> str | None:
+    """The endpoint's URL, an IPv6 host in brackets: with ``metrics.listen = "[::1]:9464"``
+    status said ``http://::1:9464/metrics``, which no HTTP client opens (found as a new
+    operator); the ready log line said ``["::1",9464]``."""
+    if not address:
+        return None
+    host, port = address[0], address[1]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> dict[str, Any]:
     """The node's status. ``job`` keeps one job's generations; a ``peer`` that is not an
     operator sees only the jobs it owns (the node-wide numbers are shown to all)."""
@@ -93,8 +104,7 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         # the start that only a restart applies.
         "config": {"reload_failed": d.reloads.failed,
                    "needs_restart": d.reloads.needs_restart},
-        "metrics": f"http://{d.metrics_address[0]}:{d.metrics_address[1]}/metrics"
-        if d.metrics_address else None,
+        "metrics": metrics_url(d.metrics_address),
         # Every byte on staging counted against max_staged_bytes; of those, kept_copy_bytes
         # are drained copies kept for a fast restore, evicted when a hand-off needs the room.
         "staged_bytes": a.staged.used,

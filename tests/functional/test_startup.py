@@ -112,7 +112,7 @@ def test_a_second_serve_with_the_running_daemons_config_names_that_daemon(
     # on a node whose daemon was running: the second serve, with the very same config, said
     # the metrics port was in use and to pick another metrics.listen, not that a daemon runs.
     first: DaemonProcess = make_daemon()
-    [port] = re.findall(r'event=ready .*metrics=\["127\.0\.0\.1",(\d+)\]', first.log())
+    [port] = re.findall(r'event=ready .*metrics=http://127\.0\.0\.1:(\d+)/metrics', first.log())
     line = refused(serve(first, CKPTDRAIN_METRICS__LISTEN=f"127.0.0.1:{port}"),
                    "staging_dir:", "in use by another ckptdrain daemon", f"pid {first.pid}")
     assert "metrics.listen" not in line
@@ -191,6 +191,27 @@ def scrape(d: DaemonProcess) -> dict[str, float]:
             name, _, number = line.rpartition(" ")
             values[name] = float(number)
     return values
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_metrics_endpoint_is_named_by_a_url_that_opens(make_daemon: Any) -> None:
+    # Found as a new operator: with metrics.listen = "[::1]:PORT", status's "metrics" was
+    # http://::1:PORT/metrics, which urllib, curl and Prometheus all refuse.
+    d: DaemonProcess = make_daemon(CKPTDRAIN_METRICS__LISTEN="[::1]:0")
+    url = d.client().status()["metrics"]
+    assert url.startswith("http://[::1]:") and url.endswith("/metrics"), url
+    assert "ckptdrain_build_info" in "".join(scrape(d))
+    assert f"event=ready node=node-a socket={d.socket_path}" in d.log()
+    assert f"metrics={url}" in d.log()
 
 
 def test_staged_limit_is_clamped_to_the_disk(make_daemon: Any, tmp_path: Path) -> None:
