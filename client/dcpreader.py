@@ -156,7 +156,6 @@ class DrainReader(FileSystemReader):
         self.job = names.validate_job(job)
         self._owns_client = client is None
         self._client = client if client is not None else Client(socket_path)
-        newest = step is None
         if step is None:
             step = self._client.latest(job)
             if step is None:
@@ -169,15 +168,24 @@ class DrainReader(FileSystemReader):
         self.files = _GenerationFiles(self._client, job, self.step, root)
         self.fs = self.files  # type: ignore[assignment]  # FileSystemReader reads through fs
         self.path = root
-        if not newest:
-            # A step named by the caller is checked here, as the newest one is by `latest`:
-            # left to dcp.load, an uncommitted step failed as torch's "metadata is None" under
-            # two chained tracebacks (found attacking). Its read takes this fd.
-            try:
-                self.files.open_ahead(METADATA_NAME)
-            except BaseException:
-                self.close()
+        # A step named by the caller is checked here, as the newest one is by `latest`: left
+        # to dcp.load, an uncommitted step failed as torch's "metadata is None" under two
+        # chained tracebacks (found attacking). So is a committed step that was not saved
+        # through DCP, the newest one too (found as a job author: Client.put's checkpoint
+        # loaded with DrainReader). Its read takes this fd.
+        try:
+            self.files.open_ahead(METADATA_NAME)
+        except NotFound as exc:
+            self.close()
+            if "has no shard" not in str(exc):  # the destination's word: committed, no such file
                 raise
+            raise NotFound(f"step {self.step} of job {job!r} has no {METADATA_NAME!r}: it was "
+                           "not saved through DCP (DrainWriter), so DrainReader cannot load it; "
+                           "read its files with `ckptdrain restore` or Client.open_local"
+                           ) from None
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def sources(self) -> dict[str, str]:

@@ -349,6 +349,27 @@ def test_a_step_that_is_not_committed_is_refused_when_the_reader_is_made(
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_a_checkpoint_not_saved_through_dcp_is_refused_when_the_reader_is_made(
+        make_daemon: Any) -> None:
+    # Found as a job author: a step saved with Client.put, loaded with DrainReader(job), failed
+    # inside dcp.load as torch's CheckpointException ("metadata is None; ... has no shard
+    # '.metadata'") under chained tracebacks. It is NotFound when the reader is made, saying
+    # what the step is, for the newest step and a named one alike.
+    daemon: DaemonProcess = make_daemon()
+    client = daemon.client()
+    with client.generation(JOB, 9, rank=0, world_size=1) as gen:
+        gen.put("model.pt", b"not dcp")
+    client.wait(JOB, 9, timeout_s=60)
+    fds = len(os.listdir("/proc/self/fd"))
+    for step in (None, 9):
+        with pytest.raises(NotFound, match="not saved through DCP") as refused:
+            DrainReader(JOB, step, socket_path=daemon.socket_path)
+        assert "step 9 of job 'reader' has no '.metadata'" in str(refused.value)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    with pytest.raises(NotFound, match="not committed"):  # as before
+        DrainReader(JOB, 10, socket_path=daemon.socket_path)
+
+
 def test_plain_tensors_load_into_conjugate_and_negative_targets(make_daemon: Any) -> None:
     # Found attacking the fix above: with a plain tensor saved and a conjugate (or negative)
     # view as the target, the bytes went straight into the target's storage, which reads
