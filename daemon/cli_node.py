@@ -164,6 +164,16 @@ def _nothing_listed(job: str | None, sock: str) -> str:
         f"{what} on this node"
 
 
+def _ranks_here(g: dict[str, Any]) -> str:
+    """This node's ranks of the generation, of its world size: "8/16" says a generation in
+    state `recorded` waits for 8 ranks elsewhere. Over 32 ranks the daemon sends counts by
+    state, whose len() the column showed as 1 (found as a new operator: 40 ranks read 1)."""
+    ranks = g["ranks"]
+    counts = ranks.get("count_by_state")
+    here = sum(counts.values()) if isinstance(counts, dict) else len(ranks)
+    return f"{here}/{g['world_size']}" if "world_size" in g else str(here)
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
     sock = socket_path(ns)
     with Client(sock, timeout_s=30) as client:
@@ -198,14 +208,16 @@ def cmd_status(ns: argparse.Namespace) -> int:
     # (names take up to 128) or a step past 10 digits pushed every column after it out of line.
     jw = max(20, *(len(g["job"]) for g in gens))
     sw = max(10, *(len(str(g["step"])) for g in gens))
-    header = f"{'JOB':<{jw}} {'STEP':>{sw}} {'STATE':<10} {'UID':>6} {'RANKS':>5} {'UNDRAINED':>9} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
+    ranks = [_ranks_here(g) for g in gens]
+    rw = max(5, *(len(r) for r in ranks))
+    header = f"{'JOB':<{jw}} {'STEP':>{sw}} {'STATE':<10} {'UID':>6} {'RANKS':>{rw}} {'UNDRAINED':>9} {'DRAINED':>7} {'BYTES':>11} {'OLDEST':>8}"
     print(header)
-    for g in gens:
+    for g, here in zip(gens, ranks, strict=True):
         shards = g["shards"]
         undrained = sum(shards.get(s, 0) for s in ("staged", "draining", "failed"))
         total_bytes = sum(g["bytes"].values())
         print(
-            f"{g['job']:<{jw}} {g['step']:>{sw}} {g['state']:<10} {g.get('uid', '-')!s:>6} {len(g['ranks']):>5}"
+            f"{g['job']:<{jw}} {g['step']:>{sw}} {g['state']:<10} {g.get('uid', '-')!s:>6} {here:>{rw}}"
             f" {undrained:>9} {shards.get('drained', 0):>7} {_human(total_bytes):>11}"
             f" {g['oldest_undrained_age_s']:>7.1f}s"
         )

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -357,6 +358,30 @@ def test_drain_says_which_failed_copies_only_this_node_holds(make_daemon: Any,
     # beside a header line saying "staged 0 B").
     [header] = [line for line in cli(d, "status").stdout.splitlines() if line.startswith("JOB")]
     assert "UNDRAINED" in header.split() and "STAGED" not in header.split()
+
+
+def test_status_counts_a_generations_ranks_here_of_its_world_size(make_daemon: Any) -> None:
+    # Found as a new operator: past 32 ranks on the node the daemon sends counts by state,
+    # and the RANKS column showed the length of that dict: 40 ranks read "1". And "recorded"
+    # beside "1" did not say the generation waits for ranks on other nodes.
+    d: DaemonProcess = make_daemon()
+    c = d.client()
+
+    def rank(r: int) -> None:
+        with c.generation("wide", 1, rank=r, world_size=48) as gen:
+            gen.put(f"r{r}", b"x")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    with c.generation("narrow", 1, rank=0, world_size=2) as gen:
+        gen.put("r0", b"x")
+    assert "count_by_state" in c.status("wide")["generations"][0]["ranks"]
+    rows = {line.split()[0]: line.split() for line in cli(d, "status").stdout.splitlines()
+            if line.startswith(("wide ", "narrow "))}
+    assert rows["wide"][4] == "40/48" and rows["narrow"][4] == "1/2", rows
 
 
 def test_status_shows_a_clients_error_text_on_one_line_with_no_terminal_escapes(
