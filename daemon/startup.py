@@ -54,6 +54,11 @@ def writable_dir(key: str, directory: Path, mode: int = 0o700) -> None:
     """Create ``directory`` if needed and prove a file can be made in it."""
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=mode)
+    except FileExistsError:
+        # Said "cannot create the directory X (File exists); create it ...", of a path that
+        # exists, as a file (found as a new operator).
+        raise StartupError(key, f"{directory} exists and is not a directory; remove it or set "
+                           "another path") from None
     except OSError as exc:
         if _full(exc):
             raise DiskFull(key, f"cannot create the directory {directory} ({_why(exc)}): its "

@@ -73,6 +73,19 @@ def test_socket_directory_it_cannot_create(make_daemon: Any, tmp_path: Path) -> 
     nothing_changed(d)
 
 
+def test_a_staging_dir_or_socket_directory_that_is_a_file(make_daemon: Any, tmp_path: Path) -> None:
+    # Found as a new operator: "cannot create the directory X (File exists); create it with
+    # the daemon's user as owner": of a path that exists, as a file.
+    d: DaemonProcess = make_daemon(start=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    refused(serve(d, CKPTDRAIN_STAGING_DIR=str(blocker)), "staging_dir:", str(blocker),
+            "exists and is not a directory")
+    refused(serve(d, CKPTDRAIN_SOCKET=str(blocker / "d.sock")), "socket:", str(blocker),
+            "exists and is not a directory")
+    assert blocker.read_text() == ""
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop CAP_DAC_OVERRIDE with setpriv")
 def test_unwritable_staging_dir(make_daemon: Any) -> None:
     d: DaemonProcess = make_daemon(start=False)
