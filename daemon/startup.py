@@ -338,6 +338,7 @@ def check(config: Config, *, inherited: socket.socket | None,
         lock.release()
         raise
     root_below_mount_point(config)
+    root_not_mounted(config)
     return fitted, lock
 
 
@@ -357,6 +358,24 @@ def root_below_mount_point(config: Config) -> None:
                       f"{(root / 'ckpt').as_uri()}): if the filesystem is not mounted, the daemon "
                       "sees that directory missing and waits; with the mount point itself it "
                       "sees an empty destination and writes to this node's disk")
+
+
+def root_not_mounted(config: Config) -> None:
+    """Warn when a ``file://`` destination's root is missing as an unmounted filesystem's is
+    (its parent missing too, say). The daemon starts all the same (a mount may come later),
+    but it said `ready` and nothing else: the first word of it was a drain failing, a save
+    later (found as a new operator)."""
+    if config.destination.scheme != "file":
+        return
+    from ckptdrain.daemon.backends.beneath import why_unmounted
+
+    root = config.destination.root_path
+    with contextlib.suppress(OSError):
+        why = why_unmounted(root)
+        if why is not None:
+            log_event(log, logging.WARNING, "destination_not_mounted", root=str(root), error=why,
+                      action=f"mount its filesystem, or create the root once (mkdir -p {root}); "
+                      "until then drains are retried and then fail, and `latest` fails")
 
 
 # Keys a SIGHUP applies; any other key that changed is named as needing a restart.

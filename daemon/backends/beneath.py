@@ -230,6 +230,15 @@ def _unmounted(directory: Path) -> BackendError | None:
     return None
 
 
+def why_unmounted(directory: Path) -> str | None:
+    """Why a missing ``directory`` (a destination root) looks like a filesystem that is not
+    mounted, for the start-up warning; None when it exists or is merely new."""
+    if directory.exists():
+        return None
+    unmounted = _unmounted(directory)
+    return str(unmounted) if unmounted is not None else None
+
+
 def _make_root(directory: Path) -> None:
     """``mkdir`` of the (trusted) root, made durable (a file fsynced into a directory whose own
     entry was never fsynced can vanish after a power cut). Only the root itself is made: when

@@ -227,6 +227,23 @@ def test_an_ipv6_metrics_endpoint_is_named_by_a_url_that_opens(make_daemon: Any)
     assert f"metrics={url}" in d.log()
 
 
+def test_a_destination_root_that_looks_unmounted_is_warned_of_at_start(make_daemon: Any,
+                                                                      tmp_path: Path) -> None:
+    # Found as a new operator: with the destination's filesystem not mounted (root and parent
+    # missing), the daemon logged `ready` and nothing else; a drain failing a save later was
+    # the first word of it. It starts all the same (the mount may come), and says so.
+    missing = tmp_path / "lustre" / "ckpt"
+    d: DaemonProcess = make_daemon(dest=missing.as_uri())
+    [line] = [ln for ln in d.log().splitlines() if "event=destination_not_mounted" in ln]
+    assert f"root={missing}" in line and "is its filesystem mounted?" in line, line
+    assert f"mkdir -p {missing}" in line, line
+    assert d.client().status()["destination"] == missing.as_uri()
+    # A new root whose parent exists is made at the first write: nothing to warn of.
+    (tmp_path / "lustre").mkdir()
+    fresh: DaemonProcess = make_daemon("node-b", dest=missing.as_uri())
+    assert "destination_not_mounted" not in fresh.log()
+
+
 def test_staged_limit_is_clamped_to_the_disk(make_daemon: Any, tmp_path: Path) -> None:
     d: DaemonProcess = make_daemon(start=False)
     with small_filesystem(d.staging, 200):
