@@ -361,7 +361,7 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
     p = sub.add_parser("ls", help="committed generations at a destination")
     common(p)
     p.add_argument("dest", metavar="DEST", type=dest_arg, help="file:///path or s3://bucket/prefix")
-    p.add_argument("--job", type=job_arg)
+    p.add_argument("--job", type=job_arg, help="only this job (default: every job)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_ls)
 
@@ -372,8 +372,9 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
                            ("restore", cmd_restore, "copy a committed generation to a directory")):
         p = sub.add_parser(name, help=text)
         common(p)
-        p.add_argument("dest", metavar="DEST", type=dest_arg)
-        p.add_argument("--job", required=True, type=job_arg)
+        p.add_argument("dest", metavar="DEST", type=dest_arg,
+                       help="file:///path or s3://bucket/prefix")
+        p.add_argument("--job", required=True, type=job_arg, help="the training job's name")
         p.add_argument("--generation", default="latest", type=generation_arg,
                        help="a step number or 'latest' (default)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -386,7 +387,8 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
             p.add_argument("--overwrite", action="store_true",
                            help="restore into a non-empty directory, replacing files of the same name")
             p.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
-            p.add_argument("--quiet", action="store_true")
+            p.add_argument("--quiet", action="store_true",
+                           help="no progress bar, even on a terminal (--progress wins)")
             p.add_argument("--socket", type=file_arg("a socket path"), help="this node's daemon, for the local fast path")
             p.add_argument("--no-local", action="store_true",
                            help="read everything from DEST, not from this node's local copies")

@@ -349,8 +349,8 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
 
     p = sub.add_parser("retry", help="drain a failed generation again from its local copy")
     common(p, socket=True)
-    p.add_argument("job", type=job_arg)
-    p.add_argument("step", type=step_arg)
+    p.add_argument("job", type=job_arg, help="the training job's name")
+    p.add_argument("step", type=step_arg, help="the generation (step) number")
     p.set_defaults(fn=cmd_retry)
 
     p = sub.add_parser("drain", help="take the node out of service: refuse new generations, "
@@ -368,8 +368,8 @@ def add_parsers(sub: Any, common: Callable[..., None]) -> None:
 
     p = sub.add_parser("abort", help="end one generation on this node (it will never commit)")
     common(p, socket=True)
-    p.add_argument("job", type=job_arg)
-    p.add_argument("step", type=step_arg)
+    p.add_argument("job", type=job_arg, help="the training job's name")
+    p.add_argument("step", type=step_arg, help="the generation (step) number")
     p.add_argument("--reason", type=_reason_arg, help="recorded with the failure "
                    f"(at most {wire.MAX_REASON_CHARS} characters)")
     p.set_defaults(fn=cmd_abort)

@@ -4,6 +4,7 @@ never a traceback. Each case is the real ``ckptdrain`` in a subprocess."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.server
 import io
@@ -393,6 +394,25 @@ def test_another_users_refusals_name_what_was_refused(make_daemon, tmp_path: Pat
             [reading] * 3 + ["may not retry it", "may not abort it"])
     finally:
         os.close(out)
+
+
+def test_every_argument_of_every_command_says_what_it_is() -> None:
+    # Found as a new operator: `ckptdrain restore --help` listed --job, DEST and --quiet with
+    # nothing beside them; so did ls, verify, retry and abort for some of theirs.
+    from ckptdrain.daemon.cli import build_parser
+
+    bare = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(child, f"{name} {sub}")
+            elif not isinstance(action, argparse._HelpAction) and not action.help:
+                bare.append(f"{name} {action.option_strings or action.dest}")
+
+    walk(build_parser(), "ckptdrain")
+    assert bare == []
 
 
 @pytest.mark.parametrize("readers", ["-1", "65", "two", ""])
