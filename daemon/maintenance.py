@@ -149,7 +149,9 @@ async def retry(h: ClientHandler, job: str, step: int) -> dict[str, Any]:
     d = h.d
     gen = d.ledger.get(job, step)
     if gen is None:
-        raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}")
+        raise RequestError(wire.NOT_FOUND, f"this node holds no step {step} of job {job!r}; "
+                           "`ckptdrain status` lists what it holds (retry runs on the node "
+                           "whose generation failed)")
     if gen.state is not GenerationState.FAILED:
         raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} is {gen.state}, not failed")
     unretryable = gen.why_not_retryable()

@@ -396,6 +396,15 @@ def test_another_users_refusals_name_what_was_refused(make_daemon, tmp_path: Pat
         os.close(out)
 
 
+def test_a_retry_or_abort_of_a_step_the_node_does_not_hold_says_where_to_look(
+        node: DaemonProcess) -> None:
+    # Found as a new operator: abort said "`ckptdrain status` lists what it holds", retry
+    # only "this node holds no step 999" (typically run on the wrong node).
+    for command in ("retry", "abort"):
+        one_sentence(cli(node, command, JOB, "999"), 1, "holds no step 999",
+                     "`ckptdrain status` lists what it holds")
+
+
 def test_every_argument_of_every_command_says_what_it_is() -> None:
     # Found as a new operator: `ckptdrain restore --help` listed --job, DEST and --quiet with
     # nothing beside them; so did ls, verify, retry and abort for some of theirs.
