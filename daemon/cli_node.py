@@ -174,6 +174,19 @@ def _ranks_here(g: dict[str, Any]) -> str:
     return f"{here}/{g['world_size']}" if "world_size" in g else str(here)
 
 
+def _retryable(g: dict[str, Any]) -> bool:
+    """A failed generation whose shards wait here for `ckptdrain retry`: its failed copies
+    are kept, and no rank aborted (those are never retried). The runbook's next step, which
+    status left to the operator to know (found as a new operator)."""
+    ranks = g["ranks"]
+    # Rank states: {rank: state}, or over 32 ranks {"count_by_state": {state: count}}.
+    rank_states = ranks["count_by_state"] if "count_by_state" in ranks else set(ranks.values())
+    shards = g["shards"]
+    return (g["state"] == "failed" and shards.get("failed", 0) > 0
+            and "aborted" not in rank_states
+            and not shards.get("discarded") and not shards.get("held"))
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
     sock = socket_path(ns)
     with Client(sock, timeout_s=30) as client:
@@ -223,6 +236,10 @@ def cmd_status(ns: argparse.Namespace) -> int:
         )
         if g.get("error"):
             print(f"    error: {one_line(g['error'])}")
+            if _retryable(g):
+                print(f"    its copies are kept here: `ckptdrain retry {g['job']} {g['step']}` "
+                      "drains it again once the cause is fixed (`ckptdrain abort "
+                      f"{g['job']} {g['step']}` gives it up)")
         elif g.get("retrying"):
             print(f"    retrying: {one_line(g['retrying'])}")
     if status.get("generations_omitted"):

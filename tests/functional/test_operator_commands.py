@@ -356,8 +356,13 @@ def test_drain_says_which_failed_copies_only_this_node_holds(make_daemon: Any,
     assert report["left"]["shards_failed"] == 1 and report["left"]["bytes_failed"] == 2 << 20
     # The failed shard counts as not drained, under a column that says so (it was STAGED,
     # beside a header line saying "staged 0 B").
-    [header] = [line for line in cli(d, "status").stdout.splitlines() if line.startswith("JOB")]
+    listing = cli(d, "status").stdout.splitlines()
+    [header] = [line for line in listing if line.startswith("JOB")]
     assert "UNDRAINED" in header.split() and "STAGED" not in header.split()
+    # And the generation says what to do with it (found as a new operator: the runbook knew,
+    # status did not say).
+    assert "    its copies are kept here: `ckptdrain retry full 1` drains it again once the " \
+        "cause is fixed (`ckptdrain abort full 1` gives it up)" in listing, listing
 
 
 def test_status_counts_a_generations_ranks_here_of_its_world_size(make_daemon: Any) -> None:
@@ -398,6 +403,7 @@ def test_status_shows_a_clients_error_text_on_one_line_with_no_terminal_escapes(
     [line] = [line for line in out.stdout.splitlines() if "CUDA out of memory" in line]
     assert line.startswith("    error: ") and "\\nts=2099 level=error \\x1b[31mRED" in line
     assert not any(line.startswith("ts=2099") for line in out.stdout.splitlines())
+    assert "ckptdrain retry" not in out.stdout  # an aborted rank is never retried
 
 
 def test_status_columns_stay_in_line_with_long_job_names_and_steps(daemon: DaemonProcess) -> None:
