@@ -36,7 +36,14 @@ def _existing(path: Path) -> Path:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
+    from ckptdrain.daemon.errors import ConfigError, StartupError
+    from ckptdrain.daemon.startup import socket_group_usable
+
     config, origin, by_env = _load(ns)
+    try:  # the group exists here (whose user runs the daemon, `serve` checks)
+        socket_group_usable(config.access.socket_group, member=False)
+    except StartupError as exc:
+        raise ConfigError(exc.key, exc.reason) from None
     print(f"configuration OK: {origin}"
           + (f", {len(by_env)} key(s) set by the environment ({', '.join(sorted(by_env.values()))})"
              if by_env else ""))

@@ -78,6 +78,27 @@ def writable_dir(key: str, directory: Path, mode: int = 0o700) -> None:
                            f"({_why(exc)}); fix its owner or mode, or set another path") from None
 
 
+def socket_group_usable(group: str, *, member: bool = True) -> None:
+    """``access.socket_group`` names a group here that this daemon may give its socket to
+    (``member``: that this process's user is in it, as the daemon's own must be).
+    Found as a new operator: an unknown group passed `config check`, and `serve` failed only
+    as it bound the socket, its journal already replayed ("socket: cannot serve: ..."); a
+    group the daemon's user is not in failed the same way, as chown's EPERM."""
+    if not group:
+        return
+    from ckptdrain.daemon.listener import group_id
+
+    try:
+        gid = group_id(group)
+    except OSError:
+        raise StartupError("access.socket_group", f"{group!r} is not a group on this host; "
+                           "create it, or give a numeric gid") from None
+    if member and os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise StartupError("access.socket_group", f"uid {os.geteuid()}, the daemon's user, is "
+                           f"not in group {group!r} (gid {gid}) and cannot give the socket to "
+                           "it; add the user to the group, or set another group")
+
+
 def port_free(host: str, port: int) -> None:
     if port == 0:
         return
@@ -313,6 +334,7 @@ def check(config: Config, *, inherited: socket.socket | None,
     writable_dir("staging_dir", config.staging_dir)
     if inherited is None:
         writable_dir("socket", config.socket.parent, mode=0o755)
+        socket_group_usable(config.access.socket_group)
     # The lock and the socket before the metrics port: a second `ckptdrain serve` with the
     # running daemon's config (an operator following the runbook's "run it in a shell to see
     # the error") was told to pick another metrics.listen, naming the port and not the daemon

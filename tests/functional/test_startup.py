@@ -64,6 +64,35 @@ def test_metrics_port_in_use(make_daemon: Any) -> None:
     nothing_changed(d)
 
 
+def test_a_socket_group_it_cannot_use_is_refused_before_anything_changes(
+        make_daemon: Any) -> None:
+    # Found as a new operator: an unknown access.socket_group passed `config check`, and
+    # serve failed only as it bound the socket ("socket: cannot serve: ..."), its journal
+    # already replayed: not before anything changed, and named as the socket's problem.
+    d: DaemonProcess = make_daemon(start=False)
+    refused(serve(d, CKPTDRAIN_ACCESS__SOCKET_GROUP="no-such-group-here"),
+            "access.socket_group:", "'no-such-group-here' is not a group on this host")
+    nothing_changed(d)
+    check = subprocess.run([CKPTDRAIN, "config", "check"], capture_output=True, text=True,
+                           timeout=60, env={**d.env(),
+                                            "CKPTDRAIN_ACCESS__SOCKET_GROUP": "no-such-group-here"})
+    refused(check, "bad configuration: access.socket_group:", "not a group on this host")
+    # A group the daemon's user is not in: chown's EPERM at bind before, the same late way.
+    from ckptdrain.daemon.startup import socket_group_usable
+    from tests.functional.otheruser import run_as
+
+    def as_nobody() -> str:
+        try:
+            socket_group_usable("0")
+        except StartupError as exc:
+            return str(exc)
+        return "ALLOWED"
+
+    socket_group_usable("0")  # root may: and it imports what the child needs while it can
+    said = run_as(65534, as_nobody)
+    assert said.startswith("access.socket_group: uid 65534, the daemon's user, is not in group"), said
+
+
 def test_socket_directory_it_cannot_create(make_daemon: Any, tmp_path: Path) -> None:
     d: DaemonProcess = make_daemon(start=False)
     blocker = tmp_path / "a-file"
