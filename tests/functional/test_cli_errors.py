@@ -405,6 +405,19 @@ def test_a_retry_or_abort_of_a_step_the_node_does_not_hold_says_where_to_look(
                      "`ckptdrain status` lists what it holds")
 
 
+def test_the_documented_log_line_is_the_daemons(node: DaemonProcess) -> None:
+    # Found as a new operator: configuration.md's example of a log line lacked the
+    # `outcome=` the daemon writes between the step and the shard count.
+    docs = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    [documented] = [ln for ln in docs.splitlines() if "event=generation_committed" in ln]
+    logged = next(ln for ln in node.log().splitlines() if "event=generation_committed" in ln)
+
+    def keys(line: str) -> list[str]:
+        return [part.split("=", 1)[0] for part in line.split() if "=" in part]
+
+    assert keys(documented) == keys(logged), (documented, logged)
+
+
 def test_every_argument_of_every_command_says_what_it_is() -> None:
     # Found as a new operator: `ckptdrain restore --help` listed --job, DEST and --quiet with
     # nothing beside them; so did ls, verify, retry and abort for some of theirs.
