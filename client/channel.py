@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import socket
+import stat
 import time
 from typing import Any
 
@@ -43,6 +44,19 @@ def _hint(path: str) -> str:
     return f"start it with `ckptdrain serve` or set CKPTDRAIN_SOCKET (tried {path})"
 
 
+def _not_a_socket(path: str) -> str:
+    """What ``path`` is when it is no socket: connect() refuses a directory or a file as it
+    refuses a socket nobody listens on, and "nothing is listening on it; start it" sent an
+    operator whose --socket named the config file to start a running daemon (found as one)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""
+    if stat.S_ISSOCK(mode):
+        return ""
+    return "a directory" if stat.S_ISDIR(mode) else "a file"
+
+
 def connect_error(path: str, exc: OSError) -> DrainError:
     """The typed error for a failed connect() to the daemon's socket."""
     if isinstance(exc, PermissionError):
@@ -59,6 +73,11 @@ def connect_error(path: str, exc: OSError) -> DrainError:
     if isinstance(exc, FileNotFoundError):
         reason = "no socket there"
     elif isinstance(exc, ConnectionRefusedError):
+        what = _not_a_socket(path)
+        if what:
+            return DaemonUnavailable(f"cannot reach the ckptdrain daemon at {path}: it is "
+                                     f"{what}, not a socket; point CKPTDRAIN_SOCKET (or "
+                                     "--socket) at the daemon's socket, `socket` in its config")
         reason = "nothing is listening on it"
     else:
         reason = exc.strerror or str(exc)

@@ -282,6 +282,20 @@ def test_socket_nobody_listens_on_is_daemon_unavailable(sockdir: str) -> None:
         Client(path).status()
 
 
+def test_a_path_that_is_no_socket_is_named_as_what_it_is(sockdir: str) -> None:
+    # Found as a new operator: `--socket` naming the config file (or a directory) said
+    # "nothing is listening on it; start it with `ckptdrain serve`", of a running daemon.
+    config = os.path.join(sockdir, "ckptdrain.toml")
+    with open(config, "w") as f:
+        f.write("")
+    for path, what in ((config, "a file"), (sockdir, "a directory")):
+        with pytest.raises(DaemonUnavailable) as info:
+            Client(path).status()
+        message = str(info.value)
+        assert f"it is {what}, not a socket" in message, message
+        assert "`socket` in its config" in message and "ckptdrain serve" not in message
+
+
 def test_connect_errors_map_to_typed_errors() -> None:
     denied = channel_module.connect_error("/run/x.sock", PermissionError(13, "Permission denied"))
     assert isinstance(denied, PermissionDenied) and "/run/x.sock" in denied.message
