@@ -255,10 +255,17 @@ def cmd_ls(ns: argparse.Namespace) -> int:
     if not rows:
         print(f"no committed generations at {ns.dest}" + (f" for job {ns.job}" if ns.job else ""))
         return EXIT_OK
-    print(f"{'JOB':<20} {'GENERATION':>12} {'SHARDS':>7} {'BYTES':>11}  COMMITTED")
+    # As wide as what they hold (a job name takes up to 128 characters, a step 19 digits: a
+    # long one pushed the row out of line), and the time with its zone: a bare local time
+    # read differently on nodes and laptops set to other zones (found as a new operator).
+    jw = max(20, *(len(r["job"]) for r in rows))
+    gw = max(12, *(len(str(r["generation"])) for r in rows))
+    print(f"{'JOB':<{jw}} {'GENERATION':>{gw}} {'SHARDS':>7} {'BYTES':>11}  COMMITTED")
     for r in rows:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_at"])) if r["committed_at"] else "-"
-        print(f"{r['job']:<20} {r['generation']:>12} {r['shards']:>7} {human(r['bytes']):>11}  {when}")
+        when = (time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(r["committed_at"]))
+                if r["committed_at"] else "-")
+        print(f"{r['job']:<{jw}} {r['generation']:>{gw}} {r['shards']:>7} "
+              f"{human(r['bytes']):>11}  {when}")
     return EXIT_OK
 
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -416,6 +417,26 @@ def test_the_documented_log_line_is_the_daemons(node: DaemonProcess) -> None:
         return [part.split("=", 1)[0] for part in line.split() if "=" in part]
 
     assert keys(documented) == keys(logged), (documented, logged)
+
+
+def test_ls_names_the_time_zone_and_keeps_long_names_in_line(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found as a new operator: COMMITTED was a bare local time (read one way on the node, another
+    # on a laptop in another zone), and a job name past 20 characters pushed its row out of line.
+    node: DaemonProcess = make_daemon()
+    long_job = "a-job-name-well-past-twenty-characters"
+    for job in (long_job, "short"):
+        with node.client().generation(job, 7) as gen:
+            gen.put("w.bin", b"w")
+        node.client().wait(job, 7, timeout_s=60)
+    out = cli(node, "ls", node.dest_uri, TZ="JST-9")
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert all(row.endswith(" JST") for row in rows), rows
+    assert all(len(row) == len(rows[0]) for row in rows), rows  # one width for every row
+    assert header.index("COMMITTED") == rows[0].index("20")  # the times start under it
+    [mine] = [json.loads(cli(node, "ls", node.dest_uri, "--json", "--job", long_job).stdout)[0]]
+    expected = time.strftime("%Y-%m-%d %H:%M", time.gmtime(mine["committed_at"] + 9 * 3600))
+    assert any(row.startswith(long_job) and expected in row for row in rows), (expected, rows)
 
 
 def test_every_argument_of_every_command_says_what_it_is() -> None:
