@@ -47,8 +47,10 @@ _UNRECORDED = (RankState.OPEN, RankState.SEALED)
 def check_operator(peer: Peer) -> None:
     """Draining the node is for operators (root, the daemon's own user), not a training job."""
     if not peer.operator:
+        # "as root or as uid 0" when the daemon runs as root (found as a new operator).
+        also = f" or as uid {os.getuid()} (the daemon's user)" if os.getuid() != 0 else ""
         raise RequestError(wire.PERMISSION_DENIED, f"uid {peer.uid} may not drain or resume "
-                           f"this node; run the command as root or as uid {os.getuid()}")
+                           f"this node; run the command as root{also}")
 
 
 def refuse_new_generation(d: Daemon, job: str, step: int) -> None:

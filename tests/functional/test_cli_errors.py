@@ -381,7 +381,8 @@ def test_another_users_refusals_name_what_was_refused(make_daemon, tmp_path: Pat
                      lambda: c.fetch_local("roots-job", 1, "w", out),
                      lambda: c.fetch_from_destination("roots-job", 1, "w", out),
                      lambda: c.retry("roots-job", 1),
-                     lambda: c.abort_generation("roots-job", 1)):
+                     lambda: c.abort_generation("roots-job", 1),
+                     c.drain):
             try:
                 call()
                 said.append("SERVED")
@@ -391,8 +392,10 @@ def test_another_users_refusals_name_what_was_refused(make_daemon, tmp_path: Pat
 
     reading = "may not read it through this daemon"
     try:
+        # (drain said "run the command as root or as uid 0" of a daemon run as root)
         assert run_as(65534, refusals) == " | ".join(
-            [reading] * 3 + ["may not retry it", "may not abort it"])
+            [reading] * 3 + ["may not retry it", "may not abort it",
+                             "may not drain or resume this node; run the command as root"])
     finally:
         os.close(out)
 
