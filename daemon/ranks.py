@@ -86,7 +86,9 @@ async def begin(h: ClientHandler, job: str, step: int, rank: int, world_size: in
         connected=h.channel.unless_hung_up)
     if gen.world_size != world_size:
         raise RequestError(wire.BAD_REQUEST, f"step {step} of job {job!r} began with world_size "
-                           f"{gen.world_size}, not {world_size}")
+                           f"{gen.world_size}, not {world_size}; every rank of a step passes the "
+                           "same world_size (a job restarted at another size saves a new step, "
+                           "or this one under a new attempt)")
     if gen.state is GenerationState.COMMITTED:
         raise RequestError(wire.COMMITTED, f"step {step} of job {job!r} is committed; save a "
                            "new step")

@@ -210,6 +210,23 @@ def test_a_shard_over_max_shard_bytes_says_what_to_do(make_daemon) -> None:  # t
         gen.put("w.bin", bytes(1 << 20))
 
 
+def test_a_rank_with_another_world_size_is_told_what_to_do(bystander: DaemonProcess) -> None:
+    # Found as a job author: the refusal said only "began with world_size 2, not 3".
+    c = bystander.client()
+    with c.generation("sizes-differ", 1, rank=0, world_size=2) as first:
+        first.put("r0", b"x")
+        with pytest.raises(RejectedInput) as refused, \
+                c.generation("sizes-differ", 1, rank=1, world_size=3):
+            pass
+    message = str(refused.value)
+    assert "began with world_size 2, not 3" in message, message
+    assert "every rank of a step passes the same world_size" in message, message
+    # What it says a restart at another size may do: the step under a new attempt.
+    with c.generation("sizes-differ", 1, rank=0, world_size=3, attempt="resized") as gen:
+        gen.put("r0", b"x")
+    assert c.status("sizes-differ")["generations"][0]["world_size"] == 3
+
+
 def test_unknown_request_type(bystander: DaemonProcess) -> None:
     with RawClient(bystander.socket_path) as raw:
         assert raw.call("hello", version=wire.PROTOCOL_VERSION).kind == "welcome"
