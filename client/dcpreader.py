@@ -177,7 +177,9 @@ class DrainReader(FileSystemReader):
             self.files.open_ahead(METADATA_NAME)
         except NotFound as exc:
             self.close()
-            if "has no shard" not in str(exc):  # the destination's word: committed, no such file
+            # Committed, without that file: the daemon's details.missing says so; an older
+            # daemon (no field) only in its wording.
+            if exc.details.get("missing", "shard" if "has no shard" in str(exc) else None) != "shard":
                 raise
             raise NotFound(f"step {self.step} of job {job!r} has no {METADATA_NAME!r}: it was "
                            "not saved through DCP (DrainWriter), so DrainReader cannot load it; "

@@ -135,7 +135,10 @@ async def fetch_from_destination(h: ClientHandler, job: str, step: int, path: st
             raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} is not committed")
         entry = committed.by_path.get(path)
         if entry is None:
-            raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}")
+            # details.missing: the step is committed, this file is not in it (a DrainReader
+            # of a step not saved through DCP says so), read by field, not by wording.
+            raise RequestError(wire.NOT_FOUND, f"step {step} of job {job!r} has no shard {path!r}",
+                               {"missing": "shard"})
         try:
             # The read's own fd (daemon/fetcher.py): closed when the read has ended, which
             # may be after this returns; out_fd stays the connection's.

@@ -345,6 +345,27 @@ def test_a_fetch_of_a_generation_removed_meanwhile_says_so(
     still_serves(daemon)
 
 
+def test_a_fetch_of_a_shard_a_committed_step_lacks_says_so_in_a_field(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """DrainReader tells "not saved through DCP" (no .metadata in a committed step) from a
+    step that is not committed by ``details.missing``, not by the message's wording."""
+    c = daemon.client()
+    with c.generation("nodcp", 1) as gen:
+        gen.put("a.bin", b"a" * 1000)
+    c.wait("nodcp", 1, timeout_s=30)
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(NotFound) as lacking:
+            c.fetch_from_destination("nodcp", 1, ".metadata", fd)
+        assert lacking.value.details.get("missing") == "shard", lacking.value.details
+        with pytest.raises(NotFound) as uncommitted:
+            c.fetch_from_destination("nodcp", 2, "a.bin", fd)
+        assert "missing" not in uncommitted.value.details, uncommitted.value.details
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("source", ["local", "destination"])
 def test_a_fetch_into_a_file_opened_to_append_is_refused(
     daemon: DaemonProcess, tmp_path: Path, source: str
