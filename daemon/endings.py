@@ -144,7 +144,7 @@ class Endings:
         by default), which `ckptdrain abort` (30 s) would not wait out on a destination that
         refuses writes. Past it, or where the record could not be written, the abort goes
         ahead as before (logged; :meth:`FailureRecords.write` tries again after the end)."""
-        if gen.terminal or not self._publishable_elsewhere(gen, GenerationEvent.FAILED):
+        if gen.terminal or not self._recorded_or_being(gen):
             return True
         here: bool | None = False
         manifest: Manifest | None = None
@@ -153,7 +153,7 @@ class Endings:
             async with asyncio.timeout(ABORT_RECORD_WITHIN_S):
                 here, manifest = await self._look(gen, newer=False)
                 if not here:
-                    written = await self.p.failures.write_told(gen, reason)
+                    written = await self.p.failures.write_told(gen, reason, sealed=True)
                     if written:
                         here, manifest = await self._look(gen, newer=False)
         except TimeoutError:
@@ -169,6 +169,21 @@ class Endings:
         if written:
             await self.p.failures.write_recorded(gen)
         return False
+
+    @staticmethod
+    def _recorded_or_being(gen: GenerationRecord) -> bool:
+        """:meth:`_publishable_elsewhere` for an abort, which also meets a record on its way:
+        every rank begun here is recorded, or sealed with its shards settled, whose record
+        the advance writes (or has written: a rank is RECORDED only once the write is in),
+        and ranks begin on other nodes. Found attacking the record-first abort: an abort
+        while the advance wrote the record took the plain path (a rank still SEALED), answered,
+        and the record saying "recorded" landed before the failure record; a node sealing
+        meanwhile published the step from it."""
+        return (TRANSITIONS.get((gen.state, GenerationEvent.FAILED)) is _G.FAILED
+                and 0 < len(gen.ranks) < gen.world_size
+                and all(st is RankState.RECORDED
+                        or (st is RankState.SEALED and gen.rank_drained(r))
+                        for r, st in gen.ranks.items()))
 
     @staticmethod
     def _publishable_elsewhere(gen: GenerationRecord, event: GenerationEvent) -> bool:

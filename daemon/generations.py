@@ -148,19 +148,29 @@ class Generations:
         async with gen.commit_point:
             if gen.state is GenerationState.COMMITTED:
                 return False
-            # First, while its ranks are still recorded: the record, then the answer.
-            if not await self.d.scheduler.publisher.ends.record_abort_first(gen, reason):
-                return False
-            chosen = list(gen.ranks) if ranks is None else list(ranks)
-            for rank in chosen:
-                if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED,
-                                           RankState.RECORDED):
-                    await self.d.ledger.apply((gen, rank), RankEvent.ABORTED)
-            if not gen.terminal:
-                await self.d.fail(gen, reason, kind="aborted", event=GenerationEvent.FAILED)
+            # First, while its ranks are still recorded: the record, then the answer. An
+            # advance waiting to write the record meanwhile must not land "recorded" over it.
+            gen.aborting = True
+            try:
+                if not await self.d.scheduler.publisher.ends.record_abort_first(gen, reason):
+                    return False
+                await self._abort_ranks(gen, reason, ranks)
+            finally:
+                gen.aborting = False
             await self._discard_shards(gen)
             self.d.copies.discard_generation(gen)
         return True
+
+    async def _abort_ranks(self, gen: GenerationRecord, reason: str,
+                           ranks: Iterable[int] | None) -> None:
+        """give_up's own: ``ranks`` (default: every one begun here) aborted, and ``gen``
+        failed."""
+        chosen = list(gen.ranks) if ranks is None else list(ranks)
+        for rank in chosen:
+            if gen.ranks.get(rank) in (RankState.OPEN, RankState.SEALED, RankState.RECORDED):
+                await self.d.ledger.apply((gen, rank), RankEvent.ABORTED)
+        if not gen.terminal:
+            await self.d.fail(gen, reason, kind="aborted", event=GenerationEvent.FAILED)
 
     async def _discard_shards(self, gen: GenerationRecord, *, persist: bool = True) -> None:
         """Every shard of ``gen`` not yet discarded is (it will never drain)."""

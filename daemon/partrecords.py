@@ -124,7 +124,8 @@ class FailureRecords:
         log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
                   aborted_ranks=describe_ranks(failed))
 
-    async def write_told(self, gen: GenerationRecord, reason: str) -> bool:
+    async def write_told(self, gen: GenerationRecord, reason: str, *,
+                         sealed: bool = False) -> bool:
         """Before its ranks hear that ``gen`` failed, while every rank of it is recorded here
         (Endings.end): rewrite this node's part record with them all marked aborted (they
         stay RECORDED in the ledger, so ``ckptdrain retry`` can bring them back). Left
@@ -132,11 +133,14 @@ class FailureRecords:
         publish the step from it (found attacking multi-node commits). True when written;
         False when there was nothing to write (every rank began here, no other node waits)
         or it could not be written (logged; the step ends all the same, and
-        :meth:`write` tries again after the end)."""
+        :meth:`write` tries again after the end). ``sealed``: sealed ranks too, whose record
+        the advance may be writing (an abort, Endings.record_abort_first): this write waits
+        for that one and lands over it."""
+        kept = (RankState.RECORDED, RankState.SEALED) if sealed else (RankState.RECORDED,)
         async with self._locks.hold(gen.key):
             if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False
-            ranks = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
+            ranks = [r for r, st in gen.ranks.items() if st in kept]
             if not ranks or len(gen.ranks) >= gen.world_size:
                 return False
             if not await self._put(gen, [], ranks, reason, action=(

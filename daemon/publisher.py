@@ -192,6 +192,11 @@ class Publisher(CommitPoint):
         async with self._part_locks.hold(gen.key):
             if gen.terminal or self.ledger.get(gen.job, gen.step) is not gen:
                 return False  # ended meanwhile: its failure record says so, not this one
+            if gen.aborting:
+                # An abort wrote (or is writing) its failure record first, and ends it next:
+                # "recorded" written over that let a node looking meanwhile publish the step
+                # (found attacking the record-first abort).
+                return False
             try:
                 await self._with_retries(lambda: self.committer.record_part(part), gen)
             except BackendError as exc:

@@ -176,6 +176,9 @@ class GenerationRecord:
     # across paced drains of deferred shards and part-record retries). It knows its holder:
     # Endings.end takes it, and is also called with it held.
     commit_point: HeldBy = field(default_factory=HeldBy)
+    # An abort (Generations.give_up) is under way: the advance writes no part record saying
+    # "recorded" over the failure record the abort writes first (Endings.record_abort_first).
+    aborting: bool = False
     # The destination named no other owner of the job before the first write (owners.py).
     owner_checked: bool = False
     # The destination error its drains or commit are retrying right now, and how often they

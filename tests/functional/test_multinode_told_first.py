@@ -108,3 +108,33 @@ def test_an_abort_on_a_destination_refusing_the_record_still_answers(
         with pytest.raises(GenerationFailed, match="aborted by an operator"):
             a.client().wait(JOB, 1, timeout_s=5)
     assert "not written within" in a.log()
+
+
+def test_an_abort_while_the_part_record_is_being_written_rewrites_it_before_it_answers(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the record-first abort: node-a's ranks had sealed and drained and its
+    # advance was writing the part record (ranks=(0,)) when `ckptdrain abort` came. The rank
+    # was still SEALED in the ledger (RECORDED is applied once the write is in), so the abort
+    # took the plain path: it answered and its waiters heard "failed" while the record saying
+    # "recorded" landed, and the failure record came only after it. node-b, sealing
+    # meanwhile, read node-a's record saying "recorded" and published the step.
+    a: DaemonProcess = make_daemon("node-a")
+    b: DaemonProcess = make_daemon("node-b")
+    parts = a.dest / JOB / f"{1:020d}" / "_parts"
+    with strace_attached(a.pid, *SLOW_RENAMES):
+        seal(a, 1, 0)
+        wait_for(lambda: parts.is_dir() and any(p.name.startswith(".node-a.json")
+                                                for p in parts.iterdir()), 30,
+                 what="node-a writing its part record")
+        out = subprocess.run([CKPTDRAIN, "abort", JOB, "1", "--reason", "bad node"],
+                             env=a.env(), capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert out.returncode == 0, out.stderr
+        mine = part_record(a, 1, "node-a")
+        assert mine is not None and (mine.ranks, mine.aborted_ranks) == ((), (0,)), mine
+        with pytest.raises(GenerationFailed, match="aborted by an operator"):
+            a.client().wait(JOB, 1, timeout_s=5)
+        seal(b, 1, 1)
+        with pytest.raises(GenerationFailed, match="rank 0 aborted on node 'node-a'"):
+            b.client().wait(JOB, 1, timeout_s=30)
+    assert not manifest_exists(a, 1)
