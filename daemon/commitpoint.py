@@ -74,12 +74,7 @@ class CommitPoint:
             return
         if await self._retention_would_take(gen):
             return
-        # The commit point, from the manifest's create to the COMMITTED it leads to: an abort
-        # (Generations.give_up) waits for it, or it for the abort.
-        async with gen.commit_point:
-            if gen.terminal:
-                return
-            failure = await self._publish(gen)
+        failure = await self._publish(gen)
         if failure is not None:
             # After the commit point: the end writes the failure record first, and an abort
             # waits for none of its retries (end).
@@ -114,15 +109,34 @@ class CommitPoint:
         return True
 
     async def _publish(self, gen: GenerationRecord) -> tuple[str, str] | None:
-        """The create, at the commit point; what fails the generation, as (reason, kind), is
-        returned for the caller to end it by (after the commit point)."""
+        """The create, retried on transient destination errors; what fails the generation, as
+        (reason, kind), is returned for the caller to end it by (after the commit point)."""
         try:
-            result = await self._with_retries(lambda: self.committer.try_publish(
-                gen.job, gen.step, gen.world_size, gen.attempt), gen)
+            return await self._with_retries(lambda: self._publish_once(gen), gen)
         except BackendError as exc:
             return f"commit failed: {exc}", "drain"
         except RecordTooLarge as exc:
             return str(exc), "aborted"
+
+    async def _publish_once(self, gen: GenerationRecord) -> tuple[str, str] | None:
+        """One try of the create at the commit point, from the manifest's create to the
+        COMMITTED it leads to: an abort (Generations.give_up) waits for it, or it for the
+        abort. One try, not its retries: held across them (drain.retry_budget_s, 300 s by
+        default, backing off in between), it held `ckptdrain abort` past its client's 30 s
+        on a destination refusing the create, and the step then committed (found attacking
+        the record-first abort). An abort between two tries ends the generation: the next
+        try finds it ended, and the abort's own look finds a manifest an earlier try may
+        have created after all."""
+        async with gen.commit_point:
+            if gen.terminal:
+                return None
+            result = await self.committer.try_publish(gen.job, gen.step, gen.world_size,
+                                                      gen.attempt)
+            return await self._published(gen, result)
+
+    async def _published(self, gen: GenerationRecord,
+                         result: CommitResult) -> tuple[str, str] | None:
+        """What the create's ``result`` makes of ``gen`` (at the commit point)."""
         if result.committed:
             self.committer.owners.remember(gen.job, self.ledger.jobs.get(gen.job))
         if result.outcome is CommitOutcome.PUBLISHED:

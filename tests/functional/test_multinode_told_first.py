@@ -16,6 +16,7 @@ import time
 import pytest
 
 from ckptdrain.client import GenerationFailed
+from ckptdrain.client.manifest import PartRecord
 from tests.conftest import CKPTDRAIN, DaemonProcess, strace_attached, wait_for
 from tests.functional.test_commit_ends import JOB, part_record, recorded, seal, state
 
@@ -138,3 +139,39 @@ def test_an_abort_while_the_part_record_is_being_written_rewrites_it_before_it_a
         with pytest.raises(GenerationFailed, match="rank 0 aborted on node 'node-a'"):
             b.client().wait(JOB, 1, timeout_s=30)
     assert not manifest_exists(a, 1)
+
+
+# Every create-once write (posix backend: link() of a temp file to its key) fails with EIO.
+FAILED_LINKS = ("-e", "trace=link,linkat", "-e", "inject=link,linkat:error=EIO")
+
+
+def test_an_abort_during_a_create_the_destination_refuses_still_answers(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the record-first abort: node-a held its generation's commit point
+    # across every retry of its manifest create (drain.retry_budget_s, 300 s by default), so
+    # `ckptdrain abort`, which waits for the commit point, said "did not finish
+    # 'abort_generation' within 30 s" on a destination refusing the create, and the step
+    # committed once the destination took it. The commit point is held for one try at a time.
+    a: DaemonProcess = make_daemon("node-a")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    mine = part_record(a, 1, "node-a")
+    assert mine is not None
+    # node-b's record of rank 1 (no shards), so that node-a's next poll publishes.
+    other = PartRecord(JOB, 1, 2, "node-b", (1,), (), dict(mine.clocks), attempt=mine.attempt,
+                       owner_uid=mine.owner_uid)
+    parts = a.dest / JOB / f"{1:020d}" / "_parts"
+    with strace_attached(a.pid, *FAILED_LINKS):
+        (parts / ".node-b.json.tmp").write_bytes(other.to_json())
+        (parts / ".node-b.json.tmp").rename(parts / "node-b.json")
+        wait_for(lambda: "MANIFEST.json at" in a.log(), 30,
+                 what="node-a's manifest create refused")
+        started = time.monotonic()
+        out = subprocess.run([CKPTDRAIN, "abort", JOB, "1"], env=a.env(), capture_output=True,
+                             text=True, timeout=60, check=False)
+        assert out.returncode == 0, out.stderr
+        assert time.monotonic() - started < 25
+        with pytest.raises(GenerationFailed, match="aborted by an operator"):
+            a.client().wait(JOB, 1, timeout_s=5)
+    assert not manifest_exists(a, 1)
+    assert state(a, 1)["state"] == "failed"
