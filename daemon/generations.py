@@ -200,11 +200,16 @@ class Generations:
     async def supersede(self, job: str, step: int, budget: Budget, amount: int) -> bool:
         """on_full = "supersede": cancel this job's older uncommitted generations, oldest
         first, until ``amount`` fits ``budget``; True when it was acquired. Never touches a
-        committed generation, another job's, or one that already drained everything here."""
+        committed generation, another job's, or one that already drained everything here:
+        its part record is written or on its way (a generation is RECORDED, and no victim,
+        only once the write is in), another node may publish the step from it, and cancelled
+        meanwhile its ranks heard "superseded" of a step committed with their part (found
+        attacking the record-first abort's window)."""
         while not budget.try_acquire(amount):
             victims = sorted(
                 (g for g in self.d.ledger.generations.values()
-                 if g.job == job and g.step < step and g.state is GenerationState.OPEN),
+                 if g.job == job and g.step < step and g.state is GenerationState.OPEN
+                 and not _drained_here(g)),
                 key=lambda g: g.step,
             )
             if not victims:
@@ -216,3 +221,11 @@ class Generations:
                             kind="superseded", event=GenerationEvent.CANCELLED)
             await self._discard_shards(victim)
         return True
+
+
+def _drained_here(gen: GenerationRecord) -> bool:
+    """Whether every rank begun here on ``gen`` is sealed (or recorded) with its shards
+    settled: what the advance writes the part record for."""
+    return bool(gen.ranks) and all(
+        st in (RankState.SEALED, RankState.RECORDED) and gen.rank_drained(r)
+        for r, st in gen.ranks.items())

@@ -175,3 +175,35 @@ def test_an_abort_during_a_create_the_destination_refuses_still_answers(
             a.client().wait(JOB, 1, timeout_s=5)
     assert not manifest_exists(a, 1)
     assert state(a, 1)["state"] == "failed"
+
+
+def test_supersede_passes_over_a_step_whose_part_record_is_being_written(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking the record-first abort's window: under on_full = "supersede", a begin
+    # short of a generation slot cancelled the oldest OPEN step of the job, which was node-a's
+    # step 1 while its part record (ranks=(0,), every shard drained) was being written. Its
+    # waiter heard "cancelled: superseded by step 3", the record landed saying "recorded", and
+    # node-b committed step 1 from it with node-a's part. A step that drained everything here
+    # is passed over, as a recorded one is.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_LIMITS__ON_FULL="supersede",
+                                   CKPTDRAIN_LIMITS__MAX_GENERATIONS_IN_FLIGHT="2",
+                                   CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="2")
+    b: DaemonProcess = make_daemon("node-b")
+    parts = a.dest / JOB / f"{1:020d}" / "_parts"
+    parts.mkdir(parents=True)
+    # Only the renames in step 1's _parts (its part record) wait; the staging's go on.
+    with strace_attached(a.pid, "-P", str(parts), *SLOW_RENAMES):
+        c = a.client()
+        with c.generation(JOB, 1, rank=0, world_size=2) as g:
+            g.put("rank0.bin", b"z")  # one byte: drains at once even at 2 B/s
+        wait_for(lambda: any(p.name.startswith(".node-a.json") for p in parts.iterdir()), 30,
+                 what="node-a writing its part record")
+        with c.generation(JOB, 2, rank=0, world_size=1) as g:
+            g.put("w", b"y" * 1000)  # stays undrained at 2 B/s: a step to supersede
+        with c.generation(JOB, 3, rank=0, world_size=1) as g:  # the slots are full
+            g.put("w", b"x")
+        assert state(a, 1)["state"] in ("open", "recorded"), state(a, 1)
+        assert state(a, 2)["state"] == "cancelled"
+    seal(b, 1, 1)
+    assert b.client().wait(JOB, 1, timeout_s=30)["committed"]
+    assert a.client().wait(JOB, 1, timeout_s=30)["committed"]
