@@ -119,12 +119,25 @@ def _local_source(ns: argparse.Namespace, step: int) -> Any:
     from ckptdrain.client import NotFound
     from ckptdrain.daemon.cli_node import socket_path
 
+    sock = socket_path(ns)
+    # A socket named with --socket is asked for: that it goes unused is said, not silent
+    # (found as a new operator: a mistyped path restored everything from the destination,
+    # quietly). The default socket may well have no daemon behind it (a login node).
+    named = bool(getattr(ns, "socket", None))
     try:
-        client = Client(socket_path(ns), timeout_s=600, connect_timeout_s=2)
-        if client.status()["destination"].rstrip("/") != ns.dest.rstrip("/"):
-            return None
-    except (DrainError, DaemonError):
-        return None  # no daemon here, or not ours: the destination has everything
+        client = Client(sock, timeout_s=600, connect_timeout_s=2)
+        theirs = client.status()["destination"]
+    except (DrainError, DaemonError) as exc:
+        if named:
+            log.warning("no local copies from %s (%s); restoring everything from %s", sock,
+                        getattr(exc, "message", None) or exc, ns.dest)
+        return None  # no daemon here: the destination has everything
+    if theirs.rstrip("/") != ns.dest.rstrip("/"):
+        if named:
+            log.warning("the daemon at %s drains to %s, not %s: its local copies are not this "
+                        "destination's; restoring everything from %s", sock, theirs, ns.dest,
+                        ns.dest)
+        return None
 
     gone: list[str] = []  # why the daemon did not serve a local copy, once it did not
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -64,6 +65,35 @@ def test_restore_with_a_progress_bar_and_without_a_daemon(daemon: DaemonProcess,
     assert out.returncode == 0, out.stderr
     assert "100.0%" in out.stderr and "[" in out.stderr
     assert (tmp_path / "r" / "w.bin").stat().st_size == 2 << 20
+
+
+def test_a_named_socket_that_gives_no_local_copies_is_said_so(daemon: DaemonProcess,
+                                                               tmp_path: Path) -> None:
+    """Found as a new operator: `--socket` naming no daemon (a typo), or a daemon draining
+    elsewhere, restored everything from the destination without a word. The default socket
+    stays quiet: a machine with no daemon restores from the destination as a matter of course."""
+    with daemon.client().generation("rj", 1) as gen:
+        gen.put("w.bin", os.urandom(1 << 16))
+    daemon.client().wait("rj", 1, timeout_s=30)
+    base = [CKPTDRAIN, "restore", daemon.dest_uri, "--job", "rj"]
+    typo = subprocess.run([*base, "--to", str(tmp_path / "a"), "--socket",
+                           str(tmp_path / "no.sock")], env=daemon.env(), capture_output=True,
+                          text=True)
+    assert typo.returncode == 0, typo.stderr
+    assert f"no local copies from {tmp_path / 'no.sock'}" in typo.stderr, typo.stderr
+    assert "local copy" not in typo.stdout
+    elsewhere = tmp_path / "other-dest"  # a copy of the destination: another destination
+    shutil.copytree(daemon.dest_uri.removeprefix("file://"), elsewhere)
+    other = subprocess.run([*base[:2], f"file://{elsewhere}", *base[3:], "--to",
+                            str(tmp_path / "b"), "--socket", str(daemon.socket_path)],
+                           env=daemon.env(), capture_output=True, text=True)
+    assert other.returncode == 0, other.stderr
+    assert "its local copies are not this destination's" in other.stderr, other.stderr
+    assert "local copy" not in other.stdout
+    quiet = subprocess.run([*base, "--to", str(tmp_path / "c")], capture_output=True, text=True,
+                           env={**daemon.env(), "CKPTDRAIN_SOCKET": str(tmp_path / "no.sock")})
+    assert quiet.returncode == 0, quiet.stderr
+    assert "no local copies" not in quiet.stderr, quiet.stderr
 
 
 STOPS = [  # (signals sent, SIGINT ignored as in a script's background job, exit, last words)
