@@ -304,6 +304,25 @@ class Config(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_destination_apart(self) -> Config:
+        """A ``file://`` destination neither inside ``staging_dir`` nor around it. Inside, the
+        node's own disk held the "shared" copy, and staging's room counted the destination's
+        bytes as staged (found as a new operator: `config check` said OK). Around it, the
+        destination's listing met the daemon's own files."""
+        if self.destination.scheme != "file":
+            return self
+        root = Path(os.path.normpath(self.destination.root_path))
+        staging = Path(os.path.normpath(self.staging_dir))
+        if root.is_relative_to(staging) or staging.is_relative_to(root):
+            where = "inside" if root.is_relative_to(staging) else "around"
+            raise cross_field(
+                "destination.uri",
+                f"{as_written(self.destination.uri)} is {where} staging_dir ({staging}): the "
+                "destination is the shared filesystem, staging the node's own disk; put each "
+                "outside the other")
+        return self
+
     @property
     def journal_path(self) -> Path:
         return self.staging_dir / "journal.sqlite3"

@@ -328,6 +328,14 @@ def test_config_is_frozen() -> None:
         ('[destination]\nuri = "s3://B/x"', "destination.uri", "valid bucket"),
         ('[destination]\nuri = "s3://bucket/a/../b"', "destination.uri", "unsafe prefix"),
         ('[destination]\nuri = "file:///a/../b"', "destination.uri", ".."),
+        # Found as a new operator: `config check` said OK to a destination on the node's own
+        # staging disk, its bytes counted as staged.
+        ('staging_dir = "/srv/s"\n[destination]\nuri = "file:///srv/s/dest"', "destination.uri",
+         "is inside staging_dir (/srv/s)"),
+        ('staging_dir = "/srv/s/"\n[destination]\nuri = "file:///srv/s"', "destination.uri",
+         "is inside staging_dir"),
+        ('staging_dir = "/srv/d/staging"\n[destination]\nuri = "file:///srv/d"', "destination.uri",
+         "is around staging_dir (/srv/d/staging)"),
         ('[destination]\nendpoint_url = "127.0.0.1:8333"', "destination.endpoint_url",
          "not an http(s) URL"),
         ('[destination]\nengine = "boto3"', "destination.engine",
