@@ -232,7 +232,9 @@ def cmd_status(ns: argparse.Namespace) -> int:
         print(
             f"{g['job']:<{jw}} {g['step']:>{sw}} {g['state']:<10} {g.get('uid', '-')!s:>6} {here:>{rw}}"
             f" {undrained:>9} {shards.get('drained', 0):>7} {_human(total_bytes):>11}"
-            f" {g['oldest_undrained_age_s']:>7.1f}s"
+            # Nothing undrained has no age ("0.0s" beside a committed step read as just now).
+            + (f" {g['oldest_undrained_age_s']:>7.1f}s"
+               if undrained or g["oldest_undrained_age_s"] else f" {'-':>8}")
         )
         if g.get("error"):
             print(f"    error: {one_line(g['error'])}")

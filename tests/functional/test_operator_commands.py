@@ -423,6 +423,8 @@ def test_status_columns_stay_in_line_with_long_job_names_and_steps(daemon: Daemo
         # STATE starts where the header says, and each row is as long as the header.
         assert row[header.index("STATE"):].startswith("committed"), (header, row)
         assert len(row) == len(header), (header, row)
+        # A committed step has nothing undrained, so no oldest age (it read "0.0s").
+        assert row.split()[-1] == "-", row
 
 
 def test_drain_counts_every_copy_a_failed_generation_keeps(make_daemon: Any,
