@@ -203,8 +203,13 @@ def cmd_status(ns: argparse.Namespace) -> int:
         print(f"CONFIG RELOAD FAILED, the old config runs on: {one_line(config['reload_failed'])}")
     if config.get("needs_restart"):
         print(f"config changed, waiting for a restart: {', '.join(config['needs_restart'])}")
+    # A limit clamped to the staging disk's room is not the one in the file (found as a new
+    # operator: "of 41.8 GiB" beside a configured 800 GiB, with no word why).
+    configured = limits.get("max_staged_bytes_configured")
+    clamped = ("" if configured is None else
+               f" (limits.max_staged_bytes {_human(configured)} clamped to the staging disk's room)")
     print(
-        f"staged {_human(status['staged_bytes'])} of {_human(limits['max_staged_bytes'])}"
+        f"staged {_human(status['staged_bytes'])} of {_human(limits['max_staged_bytes'])}{clamped}"
         f"  queued shards {status['queued_shards']}/{limits['max_queued_shards']}"
         f"  drain {_human(status['drain_rate_bytes_per_s'])}/s"
         f"  blocked hand-offs {status['blocked_handoffs']}"

@@ -135,11 +135,14 @@ class Reloads:
         # With the disk's size, as at start: a disk someone else filled is full for now, not
         # too small. Without it every reload failed while the staging filesystem had under
         # 16 MiB free, in just the incident where an operator reloads (found attacking).
-        new = startup.fit_staged_limit(new, capacity, d.staging_size)
+        fitted = startup.fit_staged_limit(new, capacity, d.staging_size)
+        clamped_from = startup.clamped_from(new, fitted)
+        new = fitted
         rate_changed = (new.drain.max_bandwidth_bytes_per_s
                         != d.config.drain.max_bandwidth_bytes_per_s)
         d.config = new
         d.scheduler.config = new
+        d.staged_limit_clamped_from = clamped_from
         d.admission.set_limits(new)
         # One pump thread per connection, as at start: a reload admitting more connections
         # than the data plane has pumps left the ones beyond waiting for a thread.

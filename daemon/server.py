@@ -141,6 +141,9 @@ class Daemon:
         # What the staging filesystem could hold were it empty (startup.staging_size), taken at
         # start: what tells a reload a disk full for now from one too small (reloads.py).
         self.staging_size: int | None = None
+        # limits.max_staged_bytes as configured, when the staging filesystem's room clamped it
+        # (startup.fit_staged_limit): `status` says the limit it shows is not the one written.
+        self.staged_limit_clamped_from: int | None = None
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()  # served, and READY=1 sent
         self._listener: Listener | None = None
@@ -184,6 +187,7 @@ class Daemon:
         # Before anything changes: no journal replayed, nothing swept, nothing bound yet.
         fitted, lock = startup.check(self.config, inherited=self._inherited,
                                      journal_reserve=self.journal_reserve)
+        self.staged_limit_clamped_from = startup.clamped_from(self.config, fitted)
         self.config = self.scheduler.config = fitted
         self.admission.set_limits(fitted)
         with contextlib.suppress(OSError):  # read a moment ago by the check: not expected

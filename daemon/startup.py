@@ -289,6 +289,13 @@ def staging_size(staging_dir: Path) -> int:
     return max(0, st.f_blocks * st.f_frsize - free_space_reserve(st))
 
 
+def clamped_from(config: Config, fitted: Config) -> int | None:
+    """``config``'s ``limits.max_staged_bytes`` when ``fitted`` (fit_staged_limit's) clamped
+    it, else None."""
+    wanted = config.limits.max_staged_bytes
+    return wanted if fitted.limits.max_staged_bytes < wanted else None
+
+
 def fit_staged_limit(config: Config, capacity: int, size: int | None = None) -> Config:
     """``config`` with ``limits.max_staged_bytes`` clamped to ``capacity`` (logged, naming
     both figures), or StartupError when the filesystem cannot hold even MIN_STAGED_BYTES.

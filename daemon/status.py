@@ -114,6 +114,9 @@ def status(d: Daemon, *, job: str | None = None, peer: Peer | None = None) -> di
         "memory_bytes": a.memory.used,
         "limits": {
             "max_staged_bytes": a.staged.limit,
+            # The configured limit, present only when the staging filesystem clamped it.
+            **({"max_staged_bytes_configured": d.staged_limit_clamped_from}
+               if d.staged_limit_clamped_from is not None else {}),
             "max_memory_bytes": a.memory.limit,
             "max_queued_shards": a.shards.limit,
             "max_generations_in_flight": d.config.limits.max_generations_in_flight,

@@ -280,6 +280,14 @@ def test_staged_limit_is_clamped_to_the_disk(make_daemon: Any, tmp_path: Path) -
         limit = d.client().status()["limits"]["max_staged_bytes"]
         assert 150 * MiB <= limit <= 200 * MiB, limit
         assert "event=max_staged_bytes_clamped" in d.log() and "configured=858993459200" in d.log()
+        # And `status` says the limit it shows is not the configured one (found as a new
+        # operator: "of 190.0 MiB" beside a configured 800 GiB, with no word why).
+        assert d.client().status()["limits"]["max_staged_bytes_configured"] == 800 << 30
+        shown = subprocess.run([CKPTDRAIN, "status", "--socket", str(d.socket_path)],
+                               env=d.env(), capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "(limits.max_staged_bytes 800.0 GiB clamped to the staging disk's room)" \
+            in shown.stdout, shown.stdout
         # The alert CkptdrainStagingNearlyFull on an idle daemon: free space under 10% of the
         # local limit. With the limit fitted to the disk it does not fire.
         m = scrape(d)
