@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ckptdrain.daemon.errors import StartupError
-from ckptdrain.daemon.startup import LOCK_NAME, StagingLock
+from ckptdrain.daemon.staginglock import LOCK_NAME, StagingLock
 
 
 def test_a_lock_held_before_its_pid_is_written_names_no_pid(tmp_path: Path) -> None:
