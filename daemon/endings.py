@@ -297,7 +297,10 @@ class Endings:
         # Journalled as this node saw it, on its own clock: what the last-commit gauge is
         # set from again after a restart (the manifest's clock is the publisher's, hours
         # off on a node whose clock is: found attacking). The phases keep the manifest's.
-        await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=time.time())
+        # A failed one (committed_since_failed) no longer says why it failed: it did not.
+        cleared = {"error": ""} if gen.state is _G.FAILED else {}
+        await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=time.time(),
+                                **cleared)
         self.p.waits.forget(gen.key)
         clocks = {
             "started": gen.created_at,
@@ -377,14 +380,43 @@ class Endings:
             return None, None
         except ManifestError:
             return False, None  # damaged: no commit of this step's
+        return self._holds(gen, manifest, removed), manifest
+
+    def _holds(self, gen: GenerationRecord, manifest: Manifest | None,
+               removed: bytes | None) -> bool:
+        """Whether ``manifest`` (or retention's tombstone ``removed``) holds this node's part
+        of ``gen`` as it recorded it."""
         node = self.config.node_id
         ranks = {r for r, st in gen.ranks.items() if st is RankState.RECORDED}
         if manifest is not None:
             mine = {(s.path, s.size, s.checksum, s.rank) for s in gen.shards.values()
                     if s.rank in ranks}
-            return holds_part(manifest, node, gen.world_size, mine), manifest
-        return (removed is not None
-                and held_part(removed, gen.job, gen.step, node, gen.world_size)), None
+            return holds_part(manifest, node, gen.world_size, mine)
+        return removed is not None and held_part(removed, gen.job, gen.step, node,
+                                                 gen.world_size)
+
+    async def committed_since_failed(self, gen: GenerationRecord) -> bool | None:
+        """For a FAILED ``gen`` whose failure record is owed (FailureRecords.resend): whether
+        another node committed its step with this node's part as recorded meanwhile (it read
+        this node's record before the failure record landed): a committed step is final, so
+        no failure record goes into it. COMMITTED here too where every rank begun here is
+        recorded (an expiry, its own create refused), so `wait` and `status` say what the
+        destination does; one whose ranks an abort aborted stays as the abort left it. Asked
+        within drain.retry_budget_s; None when the destination could not say (the record
+        stays owed: written at the next start)."""
+        try:
+            manifest, removed = await self.p.failures.retrying(
+                lambda: self.committer.committed_or_removed(gen.job, gen.step))
+        except BackendError:
+            return None
+        except ManifestError:
+            return False  # damaged: no commit of this step's
+        if not self._holds(gen, manifest, removed):
+            return False
+        if (gen.state is _G.FAILED and self.ledger.get(gen.job, gen.step) is gen
+                and all(st is RankState.RECORDED for st in gen.ranks.values())):
+            await self.committed(gen, manifest, "accepted")
+        return True
 
     async def found_committed(self, gen: GenerationRecord) -> bool:
         """Whether ``gen``'s step is committed at the destination with this node's part

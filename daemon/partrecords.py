@@ -92,10 +92,10 @@ class FailureRecords:
         self.ledger = ledger
         self.committer = committer
         self._locks = locks  # the publisher's, held while it writes the part record
-        self._retrying = retrying  # retried on transient destination errors
+        self.retrying = retrying  # retried on transient destination errors
 
     async def write(self, gen: GenerationRecord, *, unless_present: bool = False,
-                    every_rank: bool = False) -> None:
+                    every_rank: bool = False) -> bool:
         """Rewrite this node's part record with the ranks it can no longer deliver marked
         aborted, so the other nodes end the generation now rather than after commit_wait_s.
         ``every_rank``: all of them when all were recorded (it failed here for a reason of
@@ -104,25 +104,26 @@ class FailureRecords:
         failed at the commit itself or on another node's record, is left as it is: the other
         nodes see the same (a record of each would also fail every retry on a node whose
         peers were not retried yet). ``unless_present``: not when the destination already
-        holds that record (resent at start-up)."""
+        holds that record (resent at start-up). True when written."""
         async with self._locks.hold(gen.key):
             if gen.state is not GenerationState.FAILED or self.ledger.get(gen.job, gen.step) is not gen:
-                return  # retried or replaced meanwhile: the new record is the truth
+                return False  # retried or replaced meanwhile: the new record is the truth
             recorded = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
             failed = [r for r in gen.ranks if r not in recorded]
             if not failed and every_rank:
                 recorded, failed = [], recorded
             if not failed:
-                return
+                return False
             if len(gen.ranks) >= gen.world_size:
                 # Every rank began here: no other node waits on this generation, and the
                 # destination is spared a record per aborted generation.
-                return
+                return False
             if not await self._put(gen, recorded, failed, gen.error or "failed on this node",
                                    unless_present=unless_present):
-                return
+                return False
         log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
                   aborted_ranks=describe_ranks(failed))
+        return True
 
     async def write_told(self, gen: GenerationRecord, reason: str, *,
                          sealed: bool = False) -> bool:
@@ -164,7 +165,7 @@ class FailureRecords:
             recorded = [r for r, st in gen.ranks.items() if st is RankState.RECORDED]
             part = await part_record(self.config, self.ledger, gen, recorded)
             try:
-                await self._retrying(lambda: self.committer.record_part(part))
+                await self.retrying(lambda: self.committer.record_part(part))
             except (BackendError, ManifestError) as exc:
                 log_event(log, logging.WARNING, "part_record_restore_failed", job=gen.job,
                           step=gen.step, error=str(exc),
@@ -180,7 +181,7 @@ class FailureRecords:
         owner = self.ledger.jobs.get(gen.job)
         if owner is not None and self.config.access.check_destination_owner:
             try:
-                theirs = await self._retrying(
+                theirs = await self.retrying(
                     lambda: self.committer.owners.someone_else(gen.job, owner))
             except (BackendError, ManifestError) as exc:
                 # Cannot tell whose job it is: nothing is written into what may be
@@ -195,14 +196,16 @@ class FailureRecords:
         try:
             if unless_present and await self._already(key, part):
                 return False
-            await self._retrying(lambda: self.committer.record_part(part))
+            await self.retrying(lambda: self.committer.record_part(part))
         except (BackendError, ManifestError) as exc:
             log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
                       step=gen.step, error=str(exc), action=action)
             return False
         return True
 
-    async def resend(self, gen: GenerationRecord) -> None:
+    async def resend(self, gen: GenerationRecord,
+                     committed_since: Callable[[GenerationRecord], Awaitable[bool | None]]
+                     ) -> None:
         """At start-up, for a generation of :meth:`unsent`: its failure record as the end
         owed it, unless the destination holds it already. Every rank of this node's aborted
         where all were recorded (its commit wait, its own create, an abort: their ranks heard
@@ -211,7 +214,30 @@ class FailureRecords:
         multi-node commits: which it was is not journalled, and the resend wrote only the
         ranks not recorded (none), so a failure record owed when the daemon was killed, or
         given up against a destination that refused it, was never written; the record kept
-        saying "recorded", and a node that came later published the step from it."""
+        saying "recorded", and a node that came later published the step from it.
+
+        Not into a step committed meanwhile (``committed_since``: Endings.committed_since_failed,
+        which ends it COMMITTED here when the manifest holds this node's part): a node that
+        came while this one was down committed the step from the record saying "recorded".
+        Found attacking multi-node ends: the resend rewrote that record, every rank aborted,
+        inside the committed step, and status said "failed" here. Looked for again after the
+        write, as the end does (Endings._end_recorded): a node that read the records before it
+        landed may create the manifest after, and the record is written back as recorded.
+        Where the destination cannot say, nothing is written: the record stays owed."""
+        if len(gen.ranks) >= gen.world_size:
+            return  # every rank began here: no record is written (write), nothing to ask
+        looked = await committed_since(gen)
+        if looked is None:
+            log_event(log, logging.WARNING, "failure_record_failed", job=gen.job, step=gen.step,
+                      error="the destination could not say whether the step committed meanwhile",
+                      action="written at the next start; a node that looks before then may "
+                             "still commit the step from this node's earlier record")
+            return
+        if looked:
+            log_event(log, logging.INFO, "failure_record_not_sent", job=gen.job, step=gen.step,
+                      why="another node committed the step with this node's part",
+                      state=str(gen.state))
+            return
         every_rank = False
         if 0 < len(gen.ranks) < gen.world_size and all(
                 st is RankState.RECORDED for st in gen.ranks.values()):
@@ -222,7 +248,9 @@ class FailureRecords:
                 parts = []  # cannot tell: the record that keeps every node from publishing
             node = self.config.node_id
             every_rank = not any(p.aborted_ranks for p in parts if p.node != node)
-        await self.write(gen, unless_present=True, every_rank=every_rank)
+        if (await self.write(gen, unless_present=True, every_rank=every_rank)
+                and await committed_since(gen)):
+            await self.write_recorded(gen)
 
     async def _already(self, key: str, part: PartRecord) -> bool:
         data = await self.committer.backend.get_bytes(key)

@@ -58,7 +58,7 @@ log = logging.getLogger("ckptdrain.publisher")
 _T = TypeVar("_T")
 _G = GenerationState
 
-Work = Callable[[], Awaitable[None]]
+Work = Callable[[], Awaitable[object]]  # what it returns is not looked at
 
 
 class Publisher(CommitPoint):
@@ -109,7 +109,8 @@ class Publisher(CommitPoint):
     async def run(self) -> None:
         for gen in self.failures.unsent():
             self.submit(f"failure-record {gen.job} {gen.step}",
-                        functools.partial(self.failures.resend, gen))
+                        functools.partial(self.failures.resend, gen,
+                                          self.ends.committed_since_failed))
         # As many at once as the destination is allowed requests; the rest wait their turn.
         slots = asyncio.Semaphore(max(1, self.config.destination.max_concurrency))
         async with asyncio.TaskGroup() as tg:

@@ -130,8 +130,12 @@ TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     (_G.RECORDED, _GE.EXPIRED): _G.FAILED,
     (_G.RECORDED, _GE.CANCELLED): _G.CANCELLED,
     (_G.RECORDED, _GE.SUPERSEDED_BY_COMMIT): _G.CANCELLED,
-    # The only way out of an ended state, and only on an operator's word.
+    # The only ways out of an ended state: an operator's word, and the manifest. A committed
+    # step is final: one that failed here, but that another node committed with this node's
+    # part as recorded before this node's failure record landed (seen where that record is
+    # owed at start-up: FailureRecords.resend), is committed here too.
     (_G.FAILED, _GE.RETRIED): _G.OPEN,
+    (_G.FAILED, _GE.COMMITTED): _G.COMMITTED,
 }
 
 # Which states an event's lifecycle moves: the table alone cannot tell a string that happens
@@ -167,7 +171,8 @@ INITIAL_GENERATION: Final = _G.OPEN
 
 # Ended: the daemon moves it no further. A failed generation keeps its local copies, and only
 # an operator's `ckptdrain retry` (GenerationEvent.RETRIED) reopens it; only an operator's
-# `ckptdrain abort` aborts a recorded rank.
+# `ckptdrain abort` aborts a recorded rank. One that another node committed with this node's
+# part meanwhile is moved to COMMITTED where that is seen (the manifest is the truth).
 TERMINAL_SHARD: Final = frozenset({_S.DISCARDED})
 TERMINAL_RANK: Final = frozenset({_R.RECORDED, _R.ABORTED})
 TERMINAL_GENERATION: Final = frozenset({_G.COMMITTED, _G.FAILED, _G.CANCELLED})

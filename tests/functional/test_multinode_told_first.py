@@ -91,6 +91,43 @@ def test_a_failure_record_not_written_before_a_kill_is_written_at_the_restart(
     assert not manifest_exists(a, 1)
 
 
+def test_a_failure_record_owed_at_a_restart_is_not_written_into_a_step_committed_meanwhile(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking multi-node ends: node-a's commit wait ran out while its part record
+    # writes failed, and it was killed with its failure record owed; node-b then sealed and
+    # committed the step from node-a's record, which still said "recorded". node-a's restart
+    # rewrote that record, every rank aborted, inside the committed step (nothing may
+    # overwrite what is committed), and its status kept saying "failed" for a step whose
+    # MANIFEST.json held its part. It now asks the destination first: committed with its part,
+    # the record is left as it is and the step is committed on node-a too.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    with strace_attached(a.pid, *FAILED_RENAMES):
+        with pytest.raises(GenerationFailed, match=r"drain\.commit_wait_s"):
+            a.client().wait(JOB, 1, timeout_s=30)
+        wait_for(lambda: a.log().count('event=failure_record_failed') >= 2, 30,
+                 what="node-a gave up writing its failure record twice")
+    a.kill()
+    b: DaemonProcess = make_daemon("node-b")
+    seal(b, 1, 1)
+    assert b.client().wait(JOB, 1, timeout_s=30)["committed"]
+    before = part_record(a, 1, "node-a")
+    assert before is not None and (before.ranks, before.aborted_ranks) == ((0,), ()), before
+    a.start()
+    wait_for(lambda: state(a, 1)["state"] == "committed" or "event=failure_recorded" in a.log(),
+             15, what="node-a's restart settled its owed failure record")
+    assert "event=failure_recorded" not in a.log()
+    assert part_record(a, 1, "node-a") == before  # the committed step's record, untouched
+    assert (state(a, 1)["state"], state(a, 1)["error"]) == ("committed", "")
+    assert a.client().wait(JOB, 1, timeout_s=5)["committed"]
+    assert manifest_exists(a, 1)
+    a.kill()
+    a.start()  # journalled so: committed across a restart, nothing owed any more
+    assert (state(a, 1)["state"], state(a, 1)["error"]) == ("committed", "")
+
+
 def test_an_abort_on_a_destination_refusing_the_record_still_answers(
         make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the record-first abort above: its failure record's write retried for
