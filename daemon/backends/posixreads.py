@@ -25,10 +25,10 @@ from ckptdrain.daemon.backends.posixfs import (
     stat_files,
 )
 from ckptdrain.daemon.backends.posixroot import PosixRoot
+from ckptdrain.daemon.bufferedcopy import buffered_copy_and_checksum
 from ckptdrain.daemon.checksums import ALGO
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.fanout import for_each_bounded
-from ckptdrain.daemon.filecopy import copy_and_checksum
 
 # What only the file written to fails with: a read of the destination never runs out of room
 # (ENOSPC, EDQUOT, EFBIG), is never refused for a seal or an immutable or append-only file
@@ -110,29 +110,28 @@ class PosixReads(PosixRoot, Backend):
         progress: Callable[[int], None] | None = None, owned: bool = False,
         expected_size: int | None = None,
     ) -> tuple[int, str]:
-        # One thread job per file, copied by the kernel and checksummed from the page cache:
-        # no event-loop hop and no user-space write loop.
+        # One thread job per file, each piece checksummed in the buffer it is written from:
+        # no event-loop hop per piece. Any out_fd takes it (``owned`` changes nothing here).
+        del owned
         try:
             return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key),
-                                   out_fd, algo, progress, owned, expected_size)
+                                   out_fd, algo, progress, expected_size)
         except _OutFailed as exc:
             raise exc.error from None
 
     def _copy_into_sync(self, parts: builtins.list[str], out_fd: int, algo: str,
-                        progress: Callable[[int], None] | None, owned: bool,
+                        progress: Callable[[int], None] | None,
                         expected_size: int | None, stop: threading.Event) -> tuple[int, str]:
         src = open_existing(self.fs, parts, stop)
         try:
             size = os.fstat(src).st_size
             if expected_size is not None and size != expected_size:
                 return size, ""  # the caller reports the size; nothing copied for nothing
-            # A restore is not fsynced (it is repeatable): no write-behind to wait on. The
-            # checksum maps what was written when that is the caller's own file, never the
-            # destination's file or a client's, which others may truncate (checksum_into).
+            # A restore is not fsynced (it is repeatable): each piece is checksummed in the
+            # buffer it is written from (bufferedcopy.py), not read again after a kernel copy.
             try:
-                checksum = copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
-                                             progress=progress, write_behind=False,
-                                             mapped=out_fd if owned else None)
+                checksum = buffered_copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
+                                                      progress=progress)
             except OSError as exc:
                 if exc.errno in _OUT_ERRNOS:
                     raise _OutFailed(exc) from exc

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ckptdrain.daemon import checksums, filecopy
+from ckptdrain.daemon import bufferedcopy, checksums, filecopy
 from ckptdrain.daemon.checksums import Stopped, of_bytes
 
 MiB = 1 << 20
@@ -287,11 +287,12 @@ def _recording_mmap(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.asyncio
-async def test_restore_maps_only_its_own_file_and_never_writes_behind(
+async def test_restore_maps_no_file_and_never_writes_behind(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client's fd (the daemon's fetch for a reader) is never mapped: the client could
-    truncate it under the mapping and SIGBUS would end the daemon. The CLI's own temp file is
-    mapped (it checksums what it wrote). A restore is not fsynced, so it starts no writeback."""
+    """A restore's copy (and the daemon's fetch for a reader) checksums each piece in the
+    buffer it writes from (bufferedcopy.py): nothing is mapped, so no file anyone may
+    truncate (a client's fd, the destination's file) can SIGBUS the daemon, and nothing is
+    read twice. A restore is not fsynced, so it starts no writeback."""
     from ckptdrain.daemon.backends.posix import PosixBackend
     from ckptdrain.daemon.config import DestinationConfig
 
@@ -303,19 +304,59 @@ async def test_restore_maps_only_its_own_file_and_never_writes_behind(
     data = os.urandom(2 * filecopy.COPY_RANGE_BYTES + 99)
     try:
         assert await backend.put_bytes("job/1/model.bin", data)
-        source = os.stat(tmp_path / "dest" / "job" / "1" / "model.bin").st_ino
         for owned in (False, True):
             target = tmp_path / f"restored-{owned}"
             fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            moved: list[int] = []
             try:
-                size, checksum = await backend.copy_into("job/1/model.bin", fd, owned=owned)
+                size, checksum = await backend.copy_into("job/1/model.bin", fd, owned=owned,
+                                                         progress=moved.append)
             finally:
                 os.close(fd)
             assert (size, checksum) == (len(data), of_bytes(data))
             assert target.read_bytes() == data
-            ours = os.stat(target).st_ino
-            assert (ours in mapped) is owned
-            assert source not in mapped  # the destination's file: anyone may truncate it
+            # Told of progress a range at a time, not a piece at a time.
+            assert sum(moved) == len(data), moved
+            assert len(moved) <= len(data) // filecopy.COPY_RANGE_BYTES + 1, moved
     finally:
         await backend.aclose()
-    assert syncs == []
+    assert mapped == [] and syncs == []
+
+
+def test_a_buffered_copy_says_what_stopped_it(tmp_path: Path) -> None:
+    """bufferedcopy: a source shorter than its size is Truncated (never a short file taken
+    for whole), a set stop is Stopped, a write the target refuses is its OSError; a
+    write-only target takes the copy (nothing is read back from it)."""
+    data = os.urandom(3 * bufferedcopy.PIECE_BYTES + 7)
+    src_path = tmp_path / "src"
+    src_path.write_bytes(data)
+    src = os.open(src_path, os.O_RDONLY)
+    try:
+        out = os.open(tmp_path / "w", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            assert bufferedcopy.buffered_copy_and_checksum(
+                src, out, len(data), threading.Event(), "w") == of_bytes(data)
+        finally:
+            os.close(out)
+        assert (tmp_path / "w").read_bytes() == data
+        out = os.open(tmp_path / "t", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(filecopy.Truncated, match=f"ended at byte {len(data)}"):
+                bufferedcopy.buffered_copy_and_checksum(src, out, len(data) + 1,
+                                                        threading.Event(), "t")
+            stop = threading.Event()
+            stop.set()
+            with pytest.raises(checksums.Stopped):
+                bufferedcopy.buffered_copy_and_checksum(src, out, len(data), stop, "t")
+        finally:
+            os.close(out)
+        read_only = os.open(tmp_path / "w", os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as refused:
+                bufferedcopy.buffered_copy_and_checksum(src, read_only, len(data),
+                                                        threading.Event(), "w")
+            assert refused.value.errno == errno.EBADF
+        finally:
+            os.close(read_only)
+    finally:
+        os.close(src)
