@@ -22,11 +22,11 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.client.manifest import Manifest, ManifestError
-from ckptdrain.daemon.assembly import held_part, holds_part
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event, per_user
 from ckptdrain.daemon.metrics import FAILURE_REASONS_USER
+from ckptdrain.daemon.partrecords import holds_my_part
 from ckptdrain.daemon.state import (
     TRANSITIONS,
     UNDRAINED_SHARD,
@@ -143,7 +143,7 @@ class Endings:
         Within ABORT_RECORD_WITHIN_S: the write's retries run for drain.retry_budget_s (300 s
         by default), which `ckptdrain abort` (30 s) would not wait out on a destination that
         refuses writes. Past it, or where the record could not be written, the abort goes
-        ahead as before (logged; :meth:`FailureRecords.write` tries again after the end)."""
+        ahead as before (logged; FailureRecords.owed tries again after the end)."""
         if gen.terminal or not self._recorded_or_being(gen):
             return True
         here: bool | None = False
@@ -259,7 +259,8 @@ class Endings:
                 state = gen.state
                 if state is _G.FAILED:
                     self.p.submit(f"failure-record {gen.job} {gen.step}",
-                                  lambda: self.p.failures.write(gen, every_rank=every_rank))
+                                  lambda: self.p.failures.owed(gen, self.committed_after_all,
+                                                               every_rank=every_rank))
                 if kind in FAILURE_REASONS_USER:
                     # The job's own doing (it aborted, or a new attempt replaced it): a
                     # warning, and per owner bounded (a user beginning and aborting jobs in a
@@ -297,7 +298,7 @@ class Endings:
         # Journalled as this node saw it, on its own clock: what the last-commit gauge is
         # set from again after a restart (the manifest's clock is the publisher's, hours
         # off on a node whose clock is: found attacking). The phases keep the manifest's.
-        # A failed one (committed_since_failed) no longer says why it failed: it did not.
+        # A failed one (committed_after_all) no longer says why it failed: it did not.
         cleared = {"error": ""} if gen.state is _G.FAILED else {}
         await self.ledger.apply(gen, GenerationEvent.COMMITTED, committed_at=time.time(),
                                 **cleared)
@@ -380,43 +381,18 @@ class Endings:
             return None, None
         except ManifestError:
             return False, None  # damaged: no commit of this step's
-        return self._holds(gen, manifest, removed), manifest
+        return holds_my_part(self.config.node_id, gen, manifest, removed), manifest
 
-    def _holds(self, gen: GenerationRecord, manifest: Manifest | None,
-               removed: bytes | None) -> bool:
-        """Whether ``manifest`` (or retention's tombstone ``removed``) holds this node's part
-        of ``gen`` as it recorded it."""
-        node = self.config.node_id
-        ranks = {r for r, st in gen.ranks.items() if st is RankState.RECORDED}
-        if manifest is not None:
-            mine = {(s.path, s.size, s.checksum, s.rank) for s in gen.shards.values()
-                    if s.rank in ranks}
-            return holds_part(manifest, node, gen.world_size, mine)
-        return removed is not None and held_part(removed, gen.job, gen.step, node,
-                                                 gen.world_size)
-
-    async def committed_since_failed(self, gen: GenerationRecord) -> bool | None:
-        """For a FAILED ``gen`` whose failure record is owed (FailureRecords.resend): whether
-        another node committed its step with this node's part as recorded meanwhile (it read
-        this node's record before the failure record landed): a committed step is final, so
-        no failure record goes into it. COMMITTED here too where every rank begun here is
-        recorded (an expiry, its own create refused), so `wait` and `status` say what the
-        destination does; one whose ranks an abort aborted stays as the abort left it. Asked
-        within drain.retry_budget_s; None when the destination could not say (the record
-        stays owed: written at the next start)."""
-        try:
-            manifest, removed = await self.p.failures.retrying(
-                lambda: self.committer.committed_or_removed(gen.job, gen.step))
-        except BackendError:
-            return None
-        except ManifestError:
-            return False  # damaged: no commit of this step's
-        if not self._holds(gen, manifest, removed):
-            return False
+    async def committed_after_all(self, gen: GenerationRecord, manifest: Manifest | None) -> None:
+        """A FAILED ``gen`` whose failure record was owed (FailureRecords.owed) is committed at
+        the destination with this node's part as recorded: another node read its record
+        before the failure record landed, and a committed step is final. COMMITTED here too
+        where every rank begun here is recorded (an expiry, its own create refused), so
+        `wait` and `status` say what the destination does; one whose ranks an abort aborted
+        stays as the abort left it."""
         if (gen.state is _G.FAILED and self.ledger.get(gen.job, gen.step) is gen
                 and all(st is RankState.RECORDED for st in gen.ranks.values())):
             await self.committed(gen, manifest, "accepted")
-        return True
 
     async def found_committed(self, gen: GenerationRecord) -> bool:
         """Whether ``gen``'s step is committed at the destination with this node's part

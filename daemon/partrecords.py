@@ -10,7 +10,9 @@ rank of its own aborted: a node that looked later otherwise published the step f
 record that said "recorded", whatever ended it here (its commit wait, its own create
 refused), and that record is written before the ranks hear of the failure
 (:meth:`FailureRecords.write_told`, Endings.end). Both writes of one generation hold the
-same per-generation lock, so the failure record, written last, is the one that stands.
+same per-generation lock, so the failure record, written last, is the one that stands. One
+owed after the end, or at the next start, is never written into a step committed meanwhile
+(:meth:`FailureRecords.owed`, the one way both write it).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptdrain.client.manifest import (
     MAX_ABORT_REASON_CHARS,
+    Manifest,
     ManifestError,
     PartRecord,
     ShardEntry,
     part_key,
 )
-from ckptdrain.daemon.assembly import describe_ranks
+from ckptdrain.daemon.assembly import describe_ranks, held_part, holds_part
 from ckptdrain.daemon.backends.base import BackendError
 from ckptdrain.daemon.latest import PART_ENTRY_BYTES, off_loop_if_large, parse_part
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
@@ -44,6 +47,29 @@ log = logging.getLogger("ckptdrain.publisher")
 
 _T = TypeVar("_T")
 Retrying = Callable[[Callable[[], Awaitable[_T]]], Awaitable[_T]]
+# Told that a failed generation's step is committed with this node's part (its manifest; None
+# where retention's tombstone says so): Endings.committed_after_all.
+OnCommitted = Callable[[GenerationRecord, Manifest | None], Awaitable[None]]
+
+
+def holds_my_part(node: str, gen: GenerationRecord, manifest: Manifest | None,
+                  removed: bytes | None) -> bool:
+    """Whether ``manifest`` (or retention's tombstone ``removed``) holds ``node``'s part of
+    ``gen`` as it recorded it."""
+    ranks = {r for r, st in gen.ranks.items() if st is RankState.RECORDED}
+    if manifest is not None:
+        mine = {(s.path, s.size, s.checksum, s.rank) for s in gen.shards.values()
+                if s.rank in ranks}
+        return holds_part(manifest, node, gen.world_size, mine)
+    return removed is not None and held_part(removed, gen.job, gen.step, node, gen.world_size)
+
+
+class _CommittedMeanwhile(Exception):
+    """Raised through the write's retries: the step is committed with this node's part."""
+
+    def __init__(self, manifest: Manifest | None) -> None:
+        super().__init__("committed meanwhile")
+        self.manifest = manifest
 
 
 async def part_record(config: Config, ledger: Ledger, gen: GenerationRecord,
@@ -95,7 +121,7 @@ class FailureRecords:
         self.retrying = retrying  # retried on transient destination errors
 
     async def write(self, gen: GenerationRecord, *, unless_present: bool = False,
-                    every_rank: bool = False) -> bool:
+                    every_rank: bool = False, unless_committed: bool = False) -> bool:
         """Rewrite this node's part record with the ranks it can no longer deliver marked
         aborted, so the other nodes end the generation now rather than after commit_wait_s.
         ``every_rank``: all of them when all were recorded (it failed here for a reason of
@@ -104,7 +130,9 @@ class FailureRecords:
         failed at the commit itself or on another node's record, is left as it is: the other
         nodes see the same (a record of each would also fail every retry on a node whose
         peers were not retried yet). ``unless_present``: not when the destination already
-        holds that record (resent at start-up). True when written."""
+        holds that record (resent at start-up). ``unless_committed``: not once the step is
+        committed with this node's part, looked for before each try (:meth:`owed`; raises
+        _CommittedMeanwhile). True when written."""
         async with self._locks.hold(gen.key):
             if gen.state is not GenerationState.FAILED or self.ledger.get(gen.job, gen.step) is not gen:
                 return False  # retried or replaced meanwhile: the new record is the truth
@@ -119,7 +147,8 @@ class FailureRecords:
                 # destination is spared a record per aborted generation.
                 return False
             if not await self._put(gen, recorded, failed, gen.error or "failed on this node",
-                                   unless_present=unless_present):
+                                   unless_present=unless_present,
+                                   unless_committed=unless_committed):
                 return False
         log_event(log, logging.INFO, "failure_recorded", job=gen.job, step=gen.step,
                   aborted_ranks=describe_ranks(failed))
@@ -134,7 +163,7 @@ class FailureRecords:
         publish the step from it (found attacking multi-node commits). True when written;
         False when there was nothing to write (every rank began here, no other node waits)
         or it could not be written (logged; the step ends all the same, and
-        :meth:`write` tries again after the end). ``sealed``: sealed ranks too, whose record
+        :meth:`owed` tries again after the end). ``sealed``: sealed ranks too, whose record
         the advance may be writing (an abort, Endings.record_abort_first): this write waits
         for that one and lands over it."""
         kept = (RankState.RECORDED, RankState.SEALED) if sealed else (RankState.RECORDED,)
@@ -175,7 +204,7 @@ class FailureRecords:
                   state=str(gen.state))
 
     async def _put(self, gen: GenerationRecord, recorded: list[int], failed: list[int],
-                   reason: str, *, unless_present: bool = False,
+                   reason: str, *, unless_present: bool = False, unless_committed: bool = False,
                    action: str = "the other nodes end it after drain.commit_wait_s") -> bool:
         """Write the failure record (held: the part lock); False when it was not written."""
         owner = self.ledger.jobs.get(gen.job)
@@ -196,51 +225,98 @@ class FailureRecords:
         try:
             if unless_present and await self._already(key, part):
                 return False
-            await self.retrying(lambda: self.committer.record_part(part))
+            await self.retrying(lambda: self._try_put(gen, part, unless_committed))
         except (BackendError, ManifestError) as exc:
             log_event(log, logging.WARNING, "failure_record_failed", job=gen.job,
                       step=gen.step, error=str(exc), action=action)
             return False
         return True
 
-    async def resend(self, gen: GenerationRecord,
-                     committed_since: Callable[[GenerationRecord], Awaitable[bool | None]]
-                     ) -> None:
+    async def _try_put(self, gen: GenerationRecord, part: PartRecord,
+                       unless_committed: bool) -> None:
+        """One try of a failure record's write: where ``unless_committed``, the step is looked
+        for first, at every try, as a node may commit it while the tries retry."""
+        if unless_committed:
+            here, manifest = await self.committed_look(gen)
+            if here:
+                raise _CommittedMeanwhile(manifest)
+        await self.committer.record_part(part)
+
+    async def committed_look(self, gen: GenerationRecord) -> tuple[bool, Manifest | None]:
+        """One look (destination errors raised): whether ``gen``'s step is committed with this
+        node's part as it recorded it (holds_my_part), and the manifest that says so."""
+        try:
+            manifest, removed = await self.committer.committed_or_removed(gen.job, gen.step)
+        except ManifestError:
+            return False, None  # damaged: no commit of this step's
+        return holds_my_part(self.config.node_id, gen, manifest, removed), manifest
+
+    async def owed(self, gen: GenerationRecord, on_committed: OnCommitted, *,
+                   every_rank: bool, unless_present: bool = False) -> None:
+        """The failure record an end owes ``gen`` after it (:meth:`write`): queued by the end
+        (Endings._end: :meth:`write_told` could not write it, or the end wrote none first)
+        and resent at start-up (:meth:`resend`); the one way either writes it, so that
+        neither writes it into a step committed meanwhile (a committed step is final).
+
+        Looked for before the write, before each of its tries, and after it; committed with
+        this node's part (another node read its record saying "recorded" before the failure
+        record landed): nothing is written, ``on_committed`` (Endings.committed_after_all)
+        ends it COMMITTED here where every rank begun here is recorded, and a record written
+        just before the commit was seen is written back as recorded. Found attacking
+        multi-node ends: a queued write retrying against a destination that refused it (or
+        after an abort's 10 s) landed, once the destination took writes again, inside the
+        step another node had committed meanwhile, and status said "failed" here. Where the
+        destination cannot say, nothing is written: the record stays owed to the next start."""
+        if len(gen.ranks) >= gen.world_size or not ((every_rank and gen.ranks) or any(
+                st is not RankState.RECORDED for st in gen.ranks.values())):
+            return  # nothing to write (write): nothing to ask
+        try:
+            here, manifest = await self.retrying(lambda: self.committed_look(gen))
+            written = not here and await self.write(
+                gen, unless_present=unless_present, every_rank=every_rank, unless_committed=True)
+        except _CommittedMeanwhile as found:
+            here, manifest, written = True, found.manifest, False
+        except BackendError:
+            log_event(log, logging.WARNING, "failure_record_failed", job=gen.job, step=gen.step,
+                      error="the destination could not say whether the step committed meanwhile",
+                      action="written at the next start; a node that looks before then may "
+                             "still commit the step from this node's earlier record")
+            return
+        if written:
+            # A node that read the records before this one landed may create the manifest
+            # after: committed so, the record is written back as recorded.
+            try:
+                here, manifest = await self.retrying(lambda: self.committed_look(gen))
+            except BackendError:
+                return  # written; the other nodes end the step from it
+        if not here:
+            return
+        await on_committed(gen, manifest)
+        if written:
+            await self.write_recorded(gen)
+        else:
+            log_event(log, logging.INFO, "failure_record_not_sent", job=gen.job, step=gen.step,
+                      why="another node committed the step with this node's part",
+                      state=str(gen.state))
+
+    async def resend(self, gen: GenerationRecord, on_committed: OnCommitted) -> None:
         """At start-up, for a generation of :meth:`unsent`: its failure record as the end
-        owed it, unless the destination holds it already. Every rank of this node's aborted
+        owed it (:meth:`owed`: not into a step committed meanwhile), unless the destination
+        holds it already. Every rank of this node's aborted
         where all were recorded (its commit wait, its own create, an abort: their ranks heard
         it failed), but where another node's record marks a rank aborted, whose end ended it
         here (the record left as it is, as at run time: :meth:`write`). Found reviewing
         multi-node commits: which it was is not journalled, and the resend wrote only the
         ranks not recorded (none), so a failure record owed when the daemon was killed, or
         given up against a destination that refused it, was never written; the record kept
-        saying "recorded", and a node that came later published the step from it.
-
-        Not into a step committed meanwhile (``committed_since``: Endings.committed_since_failed,
-        which ends it COMMITTED here when the manifest holds this node's part): a node that
-        came while this one was down committed the step from the record saying "recorded".
-        Found attacking multi-node ends: the resend rewrote that record, every rank aborted,
-        inside the committed step, and status said "failed" here. Looked for again after the
-        write, as the end does (Endings._end_recorded): a node that read the records before it
-        landed may create the manifest after, and the record is written back as recorded.
-        Where the destination cannot say, nothing is written: the record stays owed."""
+        saying "recorded", and a node that came later published the step from it. Found
+        attacking multi-node ends: a node that came while this one was down committed the
+        step from that record, and the resend rewrote it, every rank aborted, inside the
+        committed step."""
         if len(gen.ranks) >= gen.world_size:
             return  # every rank began here: no record is written (write), nothing to ask
-        looked = await committed_since(gen)
-        if looked is None:
-            log_event(log, logging.WARNING, "failure_record_failed", job=gen.job, step=gen.step,
-                      error="the destination could not say whether the step committed meanwhile",
-                      action="written at the next start; a node that looks before then may "
-                             "still commit the step from this node's earlier record")
-            return
-        if looked:
-            log_event(log, logging.INFO, "failure_record_not_sent", job=gen.job, step=gen.step,
-                      why="another node committed the step with this node's part",
-                      state=str(gen.state))
-            return
         every_rank = False
-        if 0 < len(gen.ranks) < gen.world_size and all(
-                st is RankState.RECORDED for st in gen.ranks.values()):
+        if gen.ranks and all(st is RankState.RECORDED for st in gen.ranks.values()):
             try:
                 parts, _ = await self.committer.read_parts(gen.job, gen.step, gen.world_size,
                                                            gen.attempt)
@@ -248,9 +324,7 @@ class FailureRecords:
                 parts = []  # cannot tell: the record that keeps every node from publishing
             node = self.config.node_id
             every_rank = not any(p.aborted_ranks for p in parts if p.node != node)
-        if (await self.write(gen, unless_present=True, every_rank=every_rank)
-                and await committed_since(gen)):
-            await self.write_recorded(gen)
+        await self.owed(gen, on_committed, every_rank=every_rank, unless_present=True)
 
     async def _already(self, key: str, part: PartRecord) -> bool:
         data = await self.committer.backend.get_bytes(key)

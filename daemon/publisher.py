@@ -110,7 +110,7 @@ class Publisher(CommitPoint):
         for gen in self.failures.unsent():
             self.submit(f"failure-record {gen.job} {gen.step}",
                         functools.partial(self.failures.resend, gen,
-                                          self.ends.committed_since_failed))
+                                          self.ends.committed_after_all))
         # As many at once as the destination is allowed requests; the rest wait their turn.
         slots = asyncio.Semaphore(max(1, self.config.destination.max_concurrency))
         async with asyncio.TaskGroup() as tg:

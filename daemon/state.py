@@ -133,7 +133,7 @@ TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     # The only ways out of an ended state: an operator's word, and the manifest. A committed
     # step is final: one that failed here, but that another node committed with this node's
     # part as recorded before this node's failure record landed (seen where that record is
-    # owed at start-up: FailureRecords.resend), is committed here too.
+    # owed after the end or at start-up: FailureRecords.owed), is committed here too.
     (_G.FAILED, _GE.RETRIED): _G.OPEN,
     (_G.FAILED, _GE.COMMITTED): _G.COMMITTED,
 }

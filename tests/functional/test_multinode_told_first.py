@@ -128,6 +128,72 @@ def test_a_failure_record_owed_at_a_restart_is_not_written_into_a_step_committed
     assert (state(a, 1)["state"], state(a, 1)["error"]) == ("committed", "")
 
 
+def test_a_failure_record_retried_at_run_time_is_not_written_into_a_step_committed_meanwhile(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking multi-node ends: node-a's commit wait ran out while its part record
+    # writes failed (EIO), so its failure record was queued after the end and retried for
+    # drain.retry_budget_s. node-b sealed and committed the step meanwhile, from node-a's
+    # record still saying "recorded"; once the destination took writes again, a retry rewrote
+    # that record, every rank aborted, inside the committed step, and node-a's status kept
+    # saying "failed". The queued write now looks for the commit before each try, as the
+    # restart's resend does: nothing is written, and the step is committed on node-a too.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="10",
+                                   CKPTDRAIN_DRAIN__RETRY_INITIAL_BACKOFF_S="0.2",
+                                   CKPTDRAIN_DRAIN__RETRY_MAX_BACKOFF_S="0.5")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    with strace_attached(a.pid, *FAILED_RENAMES):
+        with pytest.raises(GenerationFailed, match=r"drain\.commit_wait_s"):
+            a.client().wait(JOB, 1, timeout_s=60)
+        # Given up before the end (write_told); the one queued after it retries for 10 s.
+        assert a.log().count("event=failure_record_failed") == 1
+        b: DaemonProcess = make_daemon("node-b")
+        seal(b, 1, 1)
+        assert b.client().wait(JOB, 1, timeout_s=30)["committed"]
+        before = part_record(a, 1, "node-a")
+        assert before is not None and (before.ranks, before.aborted_ranks) == ((0,), ()), before
+        assert a.log().count("event=failure_record_failed") == 1, "the queued write gave up"
+    # The destination takes writes again: the queued write's next try lands, unless it looks.
+    wait_for(lambda: state(a, 1)["state"] == "committed" or "event=failure_recorded" in a.log(),
+             20, what="node-a's queued failure record settled")
+    assert "event=failure_recorded" not in a.log()
+    assert "event=failure_record_not_sent" in a.log()
+    assert part_record(a, 1, "node-a") == before  # the committed step's record, untouched
+    assert (state(a, 1)["state"], state(a, 1)["error"]) == ("committed", "")
+    assert a.client().wait(JOB, 1, timeout_s=5)["committed"]
+
+
+def test_a_failure_record_retried_after_an_abort_is_not_written_into_a_step_committed_meanwhile(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # The same, after an operator's abort that gave its record 10 s: its failure record
+    # (rank 0 aborted), queued after the abort, landed inside the step node-b had committed
+    # meanwhile. Not written now; node-a's step stays as the abort left it.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__RETRY_BUDGET_S="20",
+                                   CKPTDRAIN_DRAIN__RETRY_INITIAL_BACKOFF_S="0.2",
+                                   CKPTDRAIN_DRAIN__RETRY_MAX_BACKOFF_S="0.5")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    with strace_attached(a.pid, *FAILED_RENAMES):
+        out = subprocess.run([CKPTDRAIN, "abort", JOB, "1"], env=a.env(), capture_output=True,
+                             text=True, timeout=60, check=False)
+        assert out.returncode == 0, out.stderr
+        assert "not written within" in a.log()
+        b: DaemonProcess = make_daemon("node-b")
+        seal(b, 1, 1)
+        assert b.client().wait(JOB, 1, timeout_s=30)["committed"]
+        before = part_record(a, 1, "node-a")
+        assert before is not None and (before.ranks, before.aborted_ranks) == ((0,), ()), before
+        # The abort's "not written within 10 s" only: the queued write still retries.
+        assert a.log().count("event=failure_record_failed") == 1, "the queued write gave up"
+    wait_for(lambda: "event=failure_record_not_sent" in a.log()
+             or "event=failure_recorded" in a.log(), 20,
+             what="node-a's queued failure record settled")
+    assert "event=failure_recorded" not in a.log()
+    assert part_record(a, 1, "node-a") == before  # the committed step's record, untouched
+    assert state(a, 1)["state"] == "failed"  # as the abort left it
+
+
 def test_an_abort_on_a_destination_refusing_the_record_still_answers(
         make_daemon) -> None:  # type: ignore[no-untyped-def]
     # Found attacking the record-first abort above: its failure record's write retried for
