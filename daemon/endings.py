@@ -206,9 +206,10 @@ class Endings:
         node that reads it later ends the step as aborted.
 
         The manifest decides a race with a node publishing meanwhile: looked for before the
-        failure record (there: committed here, the record left as it is) and after it (there:
-        committed here, and the record written back as recorded, so nodes still waiting do
-        not end a committed step). One window stays open: a node that read the records just
+        failure record (there: committed here, the record left as it is) and after it, written
+        or not (there: committed here, and the record written back as recorded, so nodes still
+        waiting do not end a committed step; not written, its tries retried for up to
+        drain.retry_budget_s while a node could commit: found attacking). One window stays open: a node that read the records just
         before the failure record landed and creates the manifest after this second look
         commits a step this node's ranks heard had failed. It is as wide as that node's
         publish (its shard checks and create); for an expiry, only a node whose own wait ran
@@ -235,7 +236,7 @@ class Endings:
             # apply then, and the step goes on), or an abort ended it (its own failure record
             # follows this one).
             if (not gen.terminal and TRANSITIONS.get((gen.state, event)) is not None
-                    and not (written and await self.found_committed(gen))):
+                    and not await self.found_committed(gen)):
                 await self._end(gen, reason, kind=kind, event=event, every_rank=not written)
                 ended = True
         if written and not ended:

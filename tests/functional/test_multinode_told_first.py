@@ -164,6 +164,32 @@ def test_a_failure_record_retried_at_run_time_is_not_written_into_a_step_committ
     assert a.client().wait(JOB, 1, timeout_s=5)["committed"]
 
 
+def test_a_step_committed_while_the_failure_record_is_refused_ends_committed(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found attacking multi-node ends: node-a's commit wait ran out and its failure record's
+    # write retried against a destination refusing it (EIO); node-b committed the step
+    # meanwhile from node-a's record saying "recorded". Once the write gave up, node-a ended
+    # the step failed without looking again (it looked only after a record it wrote): an
+    # error logged and a failure counted for a step whose MANIFEST.json held its part, its
+    # status "failed" until the failure record queued after the end found the commit.
+    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
+                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="8",
+                                   CKPTDRAIN_DRAIN__RETRY_INITIAL_BACKOFF_S="0.2",
+                                   CKPTDRAIN_DRAIN__RETRY_MAX_BACKOFF_S="0.5")
+    seal(a, 1, 0)
+    recorded(a, 1)
+    with strace_attached(a.pid, *FAILED_RENAMES):
+        wait_for(lambda: "event=destination_error" in a.log(), 30,
+                 what="node-a's commit wait ran out and its failure record's write retries")
+        b: DaemonProcess = make_daemon("node-b")
+        seal(b, 1, 1)
+        assert b.client().wait(JOB, 1, timeout_s=30)["committed"]
+        assert "event=failure_record_failed" not in a.log(), "the write gave up before"
+        assert a.client().wait(JOB, 1, timeout_s=30)["committed"]
+        assert (state(a, 1)["state"], state(a, 1)["error"]) == ("committed", "")
+    assert "event=generation_failed" not in a.log()
+
+
 def test_a_failure_record_retried_after_an_abort_is_not_written_into_a_step_committed_meanwhile(
         make_daemon) -> None:  # type: ignore[no-untyped-def]
     # The same, after an operator's abort that gave its record 10 s: its failure record
