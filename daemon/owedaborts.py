@@ -66,6 +66,10 @@ class _Owed:
     due: float  # time.monotonic() of the next try
     backoff: float = 0.0  # the wait before that try (doubled at each failure)
     tries: int = 0  # failed tries so far
+    # When last tried (UploadAborts' count of tries): among aborts due together the one tried
+    # longest ago goes first, so one that fails every time (refused for its key, or never
+    # confirmed) is not the one that stands for all at every round.
+    turn: int = 0
 
 
 class _Pinned:
@@ -105,6 +109,7 @@ class UploadAborts:
         self._owed: dict[int, _Owed] = {}  # by shard id
         self._busy: dict[int, asyncio.Event] = {}  # shard id -> set when its abort ends
         self._wake = asyncio.Event()
+        self._turns = 0
 
     @property
     def owed(self) -> int:
@@ -182,7 +187,7 @@ class UploadAborts:
         backoff = min(max(before.backoff * 2, FIRST_RETRY_S), MAX_RETRY_S)
         self._owed[shard.id] = _Owed(gen, shard, upload_id, since=before.since,
                                      due=now + backoff, backoff=backoff,
-                                     tries=before.tries + 1)
+                                     tries=before.tries + 1, turn=before.turn)
         if before.tries == 0:
             log_event(log, logging.INFO, "abort_owed", job=shard.job, step=shard.step,
                       path=shard.path, upload_id=upload_id, action=_OWED)
@@ -195,9 +200,12 @@ class UploadAborts:
         self._wake.set()
 
     async def run(self) -> None:
-        """Try the owed aborts as they fall due, oldest first. A try that fails puts the
-        others off till its next one: the destination is still down, and one try at a time
-        says so (a try against an endpoint that answers nothing takes up to its timeout)."""
+        """Try the owed aborts as they fall due, the one tried longest ago first. A try that
+        fails puts the others off till its next one: the destination is still down, and one
+        try at a time says so (a try against an endpoint that answers nothing takes up to its
+        timeout). The next round begins with another: an abort refused every time while the
+        destination answers (a bucket policy on its key) held every other owed abort back for
+        good when the oldest went first at every round (found attacking)."""
         while True:
             self._wake.clear()
             if not self._owed:
@@ -214,9 +222,11 @@ class UploadAborts:
     async def _round(self) -> None:
         now = time.monotonic()
         for entry in sorted((e for e in self._owed.values() if e.due <= now),
-                            key=lambda e: (e.due, e.since)):
+                            key=lambda e: (e.due, e.turn, e.since)):
             if self._owed.get(entry.shard.id) is not entry:
                 continue  # done, given to a retry, or owed again meanwhile
+            self._turns += 1
+            entry.turn = self._turns
             try:
                 await self.abort(entry.gen, entry.shard, upload_id=entry.upload_id)
             except Exception:

@@ -5,6 +5,7 @@ drains again is never aborted, and a drain waits for an abort of it in flight.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -92,9 +93,12 @@ def test_an_abort_that_failed_is_owed_and_done_once_the_destination_answers() ->
         assert aborts.owed == 2 and dest.tries == ["u1", "u2"]
         loop = asyncio.create_task(aborts.run())
         try:
-            # Down: one try at a time stands for every owed abort, at a growing interval.
+            # Down: one try at a time stands for every owed abort, at a growing interval,
+            # each in turn (the one tried longest ago first).
             await until(lambda: len(dest.tries) >= 6)
-            assert aborts.owed == 2 and set(dest.tries[2:]) == {"u1"}
+            again = dest.tries[2:6]
+            assert aborts.owed == 2 and set(again) == {"u1", "u2"}
+            assert all(a != b for a, b in itertools.pairwise(again))
             dest.down = False
             await until(lambda: aborts.owed == 0)
             assert logs[1].upload_id is None and logs[2].upload_id is None
@@ -129,6 +133,42 @@ def test_a_retried_shard_is_not_aborted_and_its_drain_waits_for_an_abort_in_flig
             dest.hold = None
             assert not await aborts.abort(gen, shard)
             assert aborts.owed == 0 and log.upload_id == "u2" and dest.tries[-1] == "u1"
+        finally:
+            loop.cancel()
+    asyncio.run(main())
+
+
+class Refusing(Destination):
+    """Up, but the abort of ``refused`` is refused every time (a bucket policy denying it on
+    that key, or a store that keeps listing that one upload)."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__()
+        self.refused = refused
+
+    async def abort_upload(self, key: str, upload_log: UploadLog) -> bool:
+        upload_id, _ = await upload_log.load()
+        self.down = upload_id == self.refused
+        return await super().abort_upload(key, upload_log)
+
+
+def test_an_abort_refused_forever_does_not_hold_back_the_others() -> None:
+    # Found attacking: the oldest owed abort was tried first at every round, and its failure
+    # put every other off to its next try, so one upload whose abort was always refused kept
+    # every other owed upload open for good, the destination answering them all along.
+    async def main() -> None:
+        dest = Refusing("u1")
+        logs = {n: Log(f"u{n}") for n in (1, 2, 3)}
+        aborts = UploadAborts(dest, lambda s: logs[s.id])  # type: ignore[arg-type]
+        owed = [failed(f"p{n}", n) for n in (1, 2, 3)]
+        for gen, shard in owed:
+            aborts.owe(gen, shard, f"u{shard.id}")
+        dest.down = True  # the first round: the destination down for all of them
+        loop = asyncio.create_task(aborts.run())
+        try:
+            await until(lambda: logs[2].upload_id is None and logs[3].upload_id is None,
+                        timeout_s=5)
+            assert aborts.owed == 1 and logs[1].upload_id == "u1"
         finally:
             loop.cancel()
     asyncio.run(main())
