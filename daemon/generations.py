@@ -187,9 +187,12 @@ class Generations:
         if not gen.terminal:
             await self.d.fail(gen, reason, kind="replaced", event=GenerationEvent.CANCELLED)
         else:
+            # Owed, not tried here: a destination answering nothing held this begin for the
+            # abort's timeout per failed shard. The daemon aborts it once the destination
+            # answers (owedaborts.py), forgotten generation or not.
             for shard in gen.shards.values():
                 if shard.state is ShardState.FAILED:
-                    await self.d.scheduler.abort_upload(gen, shard)
+                    await self.d.scheduler.aborts.leave(gen, shard)
             self.d.copies.discard_generation(gen)
         # Still queued, perhaps: a worker must never take it for the new attempt's.
         await self._discard_shards(gen, persist=False)

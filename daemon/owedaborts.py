@@ -122,6 +122,22 @@ class UploadAborts:
         self._owed[shard.id] = _Owed(gen, shard, upload_id, since=now, due=now)
         self._wake.set()
 
+    async def leave(self, gen: GenerationRecord, shard: ShardRecord) -> None:
+        """Owe the abort of the upload journalled for ``shard``, for a caller that must not
+        wait for the destination (a begin replacing ``gen``, under its step's lock): run()
+        tries it at once, or with the others already owed while the destination is down.
+        Tried here, a destination answering nothing held the new attempt's begin for the
+        abort's cleanup timeout per failed shard (found attacking an outage)."""
+        upload_log = self._upload_log_for(shard) if self._upload_log_for else None
+        if upload_log is None or not upload_log.is_open():
+            return
+        upload_id, _ = await upload_log.load()
+        if upload_id is None:
+            return
+        entry = self._owed.get(shard.id)
+        if entry is None or entry.upload_id != upload_id:
+            self.owe(gen, shard, upload_id)
+
     async def settled(self, shard: ShardRecord) -> None:
         """Return once no abort of ``shard``'s upload is in flight (each try is bounded)."""
         while (done := self._busy.get(shard.id)) is not None:

@@ -140,3 +140,29 @@ def test_an_abort_owed_across_a_kill_is_done_once_the_destination_answers(
     proxy.do(lambda: setattr(proxy.proxy, "unreachable", False))
     gone(seaweedfs, s3_bucket, d, GONE_WITHIN_S)
     assert d.client().status()["generations"][0]["state"] == "failed"
+
+
+def test_a_new_attempt_at_the_step_begins_without_waiting_for_the_owed_abort(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found attacking: the job restarted and saved the failed step again while the
+    # destination answered nothing; the begin replacing the failed attempt tried its owed
+    # abort itself, under the step's begin lock (the cleanup timeout per failed shard, on top
+    # of the begin's committed check): the hand-off waited out the outage's timeouts. The
+    # abort stays owed, tried by the daemon, and done once the destination answers.
+    d = failed_with_its_abort_owed(make_daemon, seaweedfs, s3_bucket, proxy, checkpoint())
+
+    def answer_nothing() -> None:
+        proxy.proxy.unreachable = False
+        proxy.proxy.set_rates(stall=1.0)
+
+    proxy.do(answer_nothing)
+    started = time.monotonic()
+    with d.client().generation("owed", 1, attempt="second") as gen:
+        begun = time.monotonic() - started
+        gen.put("small.bin", b"x" * 1024)
+    # The committed check's 5 s, and no abort try (2 x (1 s + 5 s) at least).
+    assert begun < 9, f"the new attempt's begin took {begun:.1f} s"
+    proxy.do(lambda: proxy.proxy.set_rates())
+    d.client().wait("owed", 1, timeout_s=120)
+    gone(seaweedfs, s3_bucket, d, GONE_WITHIN_S)
+    assert get(seaweedfs, s3_bucket, f"owed/{1:020d}/small.bin") == b"x" * 1024
