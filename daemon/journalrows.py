@@ -72,6 +72,12 @@ CREATE TABLE IF NOT EXISTS upload_parts (
     checksum TEXT NOT NULL,
     PRIMARY KEY (shard_id, number)
 );
+CREATE TABLE IF NOT EXISTS owed_aborts (
+    upload_id TEXT PRIMARY KEY,
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL
+);
 """
 
 
@@ -194,6 +200,39 @@ def end_upload(shard_id: int) -> list[tuple[str, tuple[Any, ...]]]:
         ("DELETE FROM upload_parts WHERE shard_id = ?", (shard_id,)),
         ("DELETE FROM uploads WHERE shard_id = ?", (shard_id,)),
     ]
+
+
+def owe_abort(upload_id: str, job: str, step: int, path: str) -> tuple[str, tuple[Any, ...]]:
+    return ("INSERT OR REPLACE INTO owed_aborts (upload_id, job, step, path) VALUES (?, ?, ?, ?)",
+            (upload_id, job, step, path))
+
+
+def drop_owed_abort(upload_id: str) -> tuple[str, tuple[Any, ...]]:
+    return ("DELETE FROM owed_aborts WHERE upload_id = ?", (upload_id,))
+
+
+class JournalOwedAborts:
+    """The journal's record of the aborts owed (owedaborts.py), by upload id with the shard's
+    key: unlike the ``uploads`` row, it outlives the generation's rows when the generation is
+    forgotten (a new attempt at its step, retention.keep_failed), so a restart still owes the
+    abort."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    async def owe(self, upload_id: str, job: str, step: int, path: str) -> None:
+        await self.journal.write(owe_abort(upload_id, job, step, path))
+
+    async def done(self, upload_id: str) -> None:
+        await self.journal.write(drop_owed_abort(upload_id))
+
+    async def load(self) -> list[tuple[str, str, int, str]]:
+        def read() -> list[tuple[str, str, int, str]]:
+            assert self.journal._db is not None
+            rows = self.journal._db.execute("SELECT upload_id, job, step, path FROM owed_aborts")
+            return [(str(r[0]), str(r[1]), int(r[2]), str(r[3])) for r in rows]
+
+        return await self.journal._run(read)
 
 
 class JournalUploadLog:

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ckptdrain.client.manifest import shard_key
 from ckptdrain.daemon.backends.base import Backend, BackendError, UploadLog
@@ -70,6 +70,17 @@ class _Owed:
     # longest ago goes first, so one that fails every time (refused for its key, or never
     # confirmed) is not the one that stands for all at every round.
     turn: int = 0
+    recorded: bool = False  # in the journal's owed_aborts (OwedRecord)
+
+
+class OwedRecord(Protocol):
+    """Where owed aborts are kept across a restart, by upload id with the shard's key
+    (journalrows.JournalOwedAborts): the ``uploads`` row goes when the generation is
+    forgotten, and an abort owed then was lost with it at the next start."""
+
+    async def owe(self, upload_id: str, job: str, step: int, path: str) -> None: ...
+
+    async def done(self, upload_id: str) -> None: ...
 
 
 class _Pinned:
@@ -110,16 +121,21 @@ class UploadAborts:
         self._busy: dict[int, asyncio.Event] = {}  # shard id -> set when its abort ends
         self._wake = asyncio.Event()
         self._turns = 0
+        # Set by the daemon (its journal); None: owed aborts are kept in memory alone.
+        self.record: OwedRecord | None = None
 
     @property
     def owed(self) -> int:
         return len(self._owed)
 
-    def owe(self, gen: GenerationRecord, shard: ShardRecord, upload_id: str) -> None:
+    def owe(self, gen: GenerationRecord, shard: ShardRecord, upload_id: str, *,
+            recorded: bool = False) -> None:
         """Owe the abort of ``upload_id`` (journalled for ``shard``), due now: a restart's, of
-        an upload whose shard will not drain again."""
+        an upload whose shard will not drain again (``recorded``: in the journal's
+        owed_aborts already)."""
         now = time.monotonic()
-        self._owed[shard.id] = _Owed(gen, shard, upload_id, since=now, due=now)
+        self._owed[shard.id] = _Owed(gen, shard, upload_id, since=now, due=now,
+                                     recorded=recorded)
         self._wake.set()
 
     async def leave(self, gen: GenerationRecord, shard: ShardRecord) -> None:
@@ -137,6 +153,27 @@ class UploadAborts:
         entry = self._owed.get(shard.id)
         if entry is None or entry.upload_id != upload_id:
             self.owe(gen, shard, upload_id)
+        # Recorded before the caller forgets the generation, its journal rows with it.
+        await self._note(shard, entry)
+
+    async def _note(self, shard: ShardRecord, before: _Owed | None) -> None:
+        """Keep the journal's owed_aborts as ``shard``'s owed abort now is (``before``: as it
+        was): a row while owed, none once done or a retry's upload again."""
+        after = self._owed.get(shard.id)
+        if self.record is None:
+            return
+        try:
+            if (before is not None and before.recorded
+                    and (after is None or after.upload_id != before.upload_id)):
+                await self.record.done(before.upload_id)
+            if after is not None and not after.recorded:
+                await self.record.owe(after.upload_id, shard.job, shard.step, shard.path)
+                after.recorded = True
+        except Exception as exc:  # the journal's own failure: said where it happens
+            log_event(log, logging.WARNING, "owed_abort_not_journalled", job=shard.job,
+                      step=shard.step, path=shard.path, error=str(exc) or type(exc).__name__,
+                      action="tried again while the daemon runs; after a restart, left to "
+                             "the orphan sweep")
 
     async def settled(self, shard: ShardRecord) -> None:
         """Return once no abort of ``shard``'s upload is in flight (each try is bounded)."""
@@ -149,6 +186,13 @@ class UploadAborts:
         its row; True when nothing is left. One that fails is owed, and tried again; one a
         drain may resume now is not aborted (False)."""
         await self.settled(shard)
+        before = self._owed.get(shard.id)
+        done = await self._abort(gen, shard, upload_id)
+        await self._note(shard, before)
+        return done
+
+    async def _abort(self, gen: GenerationRecord, shard: ShardRecord,
+                     upload_id: str | None) -> bool:
         owed = self._owed.get(shard.id)
         if not wanted(gen, shard):
             self._owed.pop(shard.id, None)  # a retry drains it: its upload is the drain's
@@ -203,7 +247,8 @@ class UploadAborts:
         backoff = min(max(before.backoff * 2, FIRST_RETRY_S), MAX_RETRY_S)
         self._owed[shard.id] = _Owed(gen, shard, upload_id, since=before.since,
                                      due=now + backoff, backoff=backoff,
-                                     tries=before.tries + 1, turn=before.turn)
+                                     tries=before.tries + 1, turn=before.turn,
+                                     recorded=before.recorded)
         if before.tries == 0:
             log_event(log, logging.INFO, "abort_owed", job=shard.job, step=shard.step,
                       path=shard.path, upload_id=upload_id, action=_OWED)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptdrain.daemon.errors import StartupError
+from ckptdrain.daemon.journalrows import JournalOwedAborts, drop_owed_abort
+from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
 from ckptdrain.daemon.logs import log_event
 from ckptdrain.daemon.records import SAVE_AGAIN
 from ckptdrain.daemon.state import (
@@ -31,7 +33,6 @@ from ckptdrain.daemon.state import (
 )
 
 if TYPE_CHECKING:
-    from ckptdrain.daemon.ledger import GenerationRecord, ShardRecord
     from ckptdrain.daemon.server import Daemon
 
 log = logging.getLogger("ckptdrain.recovery")
@@ -144,11 +145,17 @@ async def _recover(d: Daemon) -> None:
     # daemon runs, and again until the destination answers. The orphan sweep cannot do it:
     # it skips anything younger than orphan_grace_s. A `ckptdrain retry` of a failed one
     # before then takes its upload back (UploadAborts.abort: not wanted any more).
+    recorded = await JournalOwedAborts(d.journal).load()
+    recorded_ids = {row[0] for row in recorded}
+    owed: set[str] = set()
     for gen in d.ledger.generations.values():
         for shard in gen.shards.values():
             upload_id = uploads.get(shard.id)
             if upload_id is not None and (gen.terminal or shard.state is ShardState.DRAINED):
-                d.scheduler.aborts.owe(gen, shard, upload_id)
+                d.scheduler.aborts.owe(gen, shard, upload_id,
+                                       recorded=upload_id in recorded_ids)
+                owed.add(upload_id)
+    await _owe_forgotten(d, recorded, owed, set(uploads.values()))
     # Whether a copy is still kept is not journalled: an older committed generation's copy,
     # dropped before the restart but still read then (a lent copy), came back as a kept copy
     # charged to no one (found attacking). Dropped again, as at its newer one's commit.
@@ -196,6 +203,28 @@ async def _recover(d: Daemon) -> None:
             d.scheduler.enqueue(gen, shard)
     log_event(log, logging.INFO, "recovered", generations=len(d.ledger.generations),
               requeued=len(requeue), removed_files=removed)
+
+
+async def _owe_forgotten(d: Daemon, recorded: list[tuple[str, str, int, str]], owed: set[str],
+                         journalled: set[str]) -> None:
+    """Owe again the aborts recorded as owed whose generation was forgotten before the
+    restart (a new attempt at its step, retention.keep_failed, forget_after_s): their
+    ``uploads`` rows went with it, and so did the abort (left to the orphan sweep's grace,
+    found attacking). Each gets a stand-in record of its shard (a negative id, which no
+    shard has); one whose upload a live shard holds again (a retry's) is that drain's."""
+    now = time.time()
+    stand_in = 0
+    for upload_id, job, step, path in recorded:
+        if upload_id in owed:
+            continue
+        if upload_id in journalled:  # a retried shard's, which its drain resumes
+            await d.journal.write(drop_owed_abort(upload_id))
+            continue
+        stand_in -= 1
+        gen = GenerationRecord(job, step, 1, "local", now, state=GenerationState.FAILED)
+        shard = ShardRecord(stand_in, job, step, 0, path, 0, "", ShardState.FAILED, now, now)
+        gen.shards[path] = shard
+        d.scheduler.aborts.owe(gen, shard, upload_id, recorded=True)
 
 
 def _existing(directory: Path) -> set[str]:

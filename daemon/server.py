@@ -52,7 +52,7 @@ from ckptdrain.daemon.handoff import Handoffs
 from ckptdrain.daemon.heldhandoffs import HeldHandoffs
 from ckptdrain.daemon.journal import Journal
 from ckptdrain.daemon.journalroom import JournalReserve, open_journal
-from ckptdrain.daemon.journalrows import GroupCommit, JournalUploadLog
+from ckptdrain.daemon.journalrows import GroupCommit, JournalOwedAborts, JournalUploadLog
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.listener import Listener, bind
 from ckptdrain.daemon.logs import log_event
@@ -127,6 +127,8 @@ class Daemon:
             on_vanished=self.copies.vanished,
             upload_log_for=lambda shard: JournalUploadLog(self.journal, shard.id),
         )
+        # Owed aborts kept across a restart, even once their generation is forgotten.
+        self.scheduler.aborts.record = JournalOwedAborts(self.journal)
         self.handoffs = Handoffs(self)
         self.held = HeldHandoffs(self.handoffs)
         self.begin_checks = BeginChecks(self)

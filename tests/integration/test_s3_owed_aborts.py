@@ -166,3 +166,25 @@ def test_a_new_attempt_at_the_step_begins_without_waiting_for_the_owed_abort(
     d.client().wait("owed", 1, timeout_s=120)
     gone(seaweedfs, s3_bucket, d, GONE_WITHIN_S)
     assert get(seaweedfs, s3_bucket, f"owed/{1:020d}/small.bin") == b"x" * 1024
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_an_abort_owed_for_a_replaced_attempt_is_done_after_a_restart(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy,
+        how: str) -> None:
+    # Found attacking: the failed attempt was replaced by a new one (forgotten, its journal
+    # rows with it, the upload's among them) while its abort was owed; after a restart
+    # nothing owed it any more, and the upload stayed open for the orphan sweep's grace.
+    d = failed_with_its_abort_owed(make_daemon, seaweedfs, s3_bucket, proxy, checkpoint())
+    with d.client().generation("owed", 1, attempt="second") as gen:
+        gen.put("small.bin", b"x" * 1024)
+    if how == "stop":
+        d.stop(60)
+    else:
+        d.kill()
+    proxy.do(lambda: setattr(proxy.proxy, "unreachable", False))
+    d.start()
+    d.client().wait("owed", 1, timeout_s=120)
+    gone(seaweedfs, s3_bucket, d, GONE_WITHIN_S)
+    with contextlib.closing(sqlite3.connect(d.staging / "journal.sqlite3", timeout=10)) as db:
+        assert db.execute("SELECT COUNT(*) FROM owed_aborts").fetchone()[0] == 0

@@ -172,3 +172,40 @@ def test_an_abort_refused_forever_does_not_hold_back_the_others() -> None:
         finally:
             loop.cancel()
     asyncio.run(main())
+
+
+class Record:
+    """The journal's owed_aborts, in memory."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[str, int, str]] = {}
+
+    async def owe(self, upload_id: str, job: str, step: int, path: str) -> None:
+        self.rows[upload_id] = (job, step, path)
+
+    async def done(self, upload_id: str) -> None:
+        del self.rows[upload_id]
+
+
+def test_an_owed_abort_is_recorded_until_done_or_taken_by_a_retry() -> None:
+    async def main() -> None:
+        dest = Destination()
+        logs = {1: Log("u1"), 2: Log("u2")}
+        aborts = UploadAborts(dest, lambda s: logs[s.id])  # type: ignore[arg-type]
+        record = aborts.record = Record()
+        (g1, s1), (g2, s2) = failed("a", 1), failed("b", 2)
+        assert not await aborts.abort(g1, s1)
+        await aborts.leave(g2, s2)  # a begin replacing it: owed, not tried
+        assert dest.tries == ["u1"]
+        assert record.rows == {"u1": ("job", 1, "a"), "u2": ("job", 1, "b")}
+        g2.state, s2.state = GenerationState.OPEN, ShardState.STAGED  # `ckptdrain retry`
+        assert not await aborts.abort(g2, s2)
+        assert set(record.rows) == {"u1"} and logs[2].upload_id == "u2"
+        dest.down = False
+        loop = asyncio.create_task(aborts.run())
+        try:
+            await until(lambda: aborts.owed == 0)
+            assert record.rows == {} and logs[1].upload_id is None
+        finally:
+            loop.cancel()
+    asyncio.run(main())
