@@ -1,8 +1,9 @@
 """A copy checksummed on its way through one small buffer: each piece read into the buffer,
-checksummed there while it is in the CPU's cache, and written from it. For copies nobody
-fsyncs (a restore from a ``file://`` destination, a reader's fetch), where the drain's kernel
-copy (filecopy.py) wins nothing: its checksum must read every byte again afterwards, from a
-mapping of the pages it wrote (page faults, a TLB shootdown per window) or through a buffer.
+checksummed there while it is in the CPU's cache, and written from it. For the copies of the
+``ckptdrain restore`` command from a ``file://`` destination into its own files, which nobody
+fsyncs, so the drain's kernel copy (filecopy.py) wins nothing: its checksum must read every
+byte again afterwards, from a mapping of the pages it wrote (page faults, a TLB shootdown per
+window).
 
 Measured on the test VM (ext4, the source in the page cache, 8 files copied by 8 threads;
 a script outside the project, alternating): 8 x 128 MiB in 0.15-0.16 s and 0.27-0.29 CPU s,

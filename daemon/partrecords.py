@@ -32,6 +32,7 @@ from ckptdrain.client.manifest import (
 )
 from ckptdrain.daemon.assembly import describe_ranks, held_part, holds_part
 from ckptdrain.daemon.backends.base import BackendError
+from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.latest import PART_ENTRY_BYTES, off_loop_if_large, parse_part
 from ckptdrain.daemon.ledger import GenerationRecord, Ledger
 from ckptdrain.daemon.locks import KeyedLocks
@@ -64,7 +65,7 @@ def holds_my_part(node: str, gen: GenerationRecord, manifest: Manifest | None,
     return removed is not None and held_part(removed, gen.job, gen.step, node, gen.world_size)
 
 
-class _CommittedMeanwhile(Exception):
+class _CommittedMeanwhile(DaemonError):
     """Raised through the write's retries: the step is committed with this node's part."""
 
     def __init__(self, manifest: Manifest | None) -> None:

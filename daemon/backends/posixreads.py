@@ -29,6 +29,7 @@ from ckptdrain.daemon.bufferedcopy import buffered_copy_and_checksum
 from ckptdrain.daemon.checksums import ALGO
 from ckptdrain.daemon.errors import DaemonError
 from ckptdrain.daemon.fanout import for_each_bounded
+from ckptdrain.daemon.filecopy import copy_and_checksum
 
 # What only the file written to fails with: a read of the destination never runs out of room
 # (ENOSPC, EDQUOT, EFBIG), is never refused for a seal or an immutable or append-only file
@@ -110,28 +111,34 @@ class PosixReads(PosixRoot, Backend):
         progress: Callable[[int], None] | None = None, owned: bool = False,
         expected_size: int | None = None,
     ) -> tuple[int, str]:
-        # One thread job per file, each piece checksummed in the buffer it is written from:
-        # no event-loop hop per piece. Any out_fd takes it (``owned`` changes nothing here).
-        del owned
+        # One thread job per file: no event-loop hop per piece.
         try:
             return await self._run(f"reading {key}", self._copy_into_sync, self._parts(key),
-                                   out_fd, algo, progress, expected_size)
+                                   out_fd, algo, progress, owned, expected_size)
         except _OutFailed as exc:
             raise exc.error from None
 
     def _copy_into_sync(self, parts: builtins.list[str], out_fd: int, algo: str,
-                        progress: Callable[[int], None] | None,
+                        progress: Callable[[int], None] | None, owned: bool,
                         expected_size: int | None, stop: threading.Event) -> tuple[int, str]:
         src = open_existing(self.fs, parts, stop)
         try:
             size = os.fstat(src).st_size
             if expected_size is not None and size != expected_size:
                 return size, ""  # the caller reports the size; nothing copied for nothing
-            # A restore is not fsynced (it is repeatable): each piece is checksummed in the
-            # buffer it is written from (bufferedcopy.py), not read again after a kernel copy.
+            # A restore is not fsynced (it is repeatable): no write-behind to wait on. The
+            # caller's own file (``owned``: the restore command's) takes each piece
+            # checksummed in the buffer it is written from (bufferedcopy.py), not read again
+            # after a kernel copy. A client's fd (a reader's fetch through the daemon: a
+            # memfd, a file on another filesystem) keeps the kernel copy, the source read
+            # again for the checksum (never mapped: the client may truncate it).
             try:
-                checksum = buffered_copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
-                                                      progress=progress)
+                if owned:
+                    checksum = buffered_copy_and_checksum(src, out_fd, size, stop, parts[-1],
+                                                          algo, progress=progress)
+                else:
+                    checksum = copy_and_checksum(src, out_fd, size, stop, parts[-1], algo,
+                                                 progress=progress, write_behind=False)
             except OSError as exc:
                 if exc.errno in _OUT_ERRNOS:
                     raise _OutFailed(exc) from exc

@@ -235,7 +235,7 @@ def _daemon(ledger: Ledger) -> SimpleNamespace:
     metrics.set_snapshot = lambda snap: setattr(metrics, "snapshot", snap)
     return SimpleNamespace(
         ledger=ledger, node_id="n", started_at=0.0, started_mono=0.0, config=load_config(None),
-        metrics_address=None, staging_free=(0, 0), copies=SimpleNamespace(kept_bytes=0, pinned_bytes=0),
+        metrics_address=None, staging_free=(0, 0), staged_limit_clamped_from=None, copies=SimpleNamespace(kept_bytes=0, pinned_bytes=0),
         admission=SimpleNamespace(staged=budget, memory=budget, shards=budget, waiting=0,
                                   slots_waiting=0, share_waiting={}),
         scheduler=SimpleNamespace(drain_rate_bytes_per_s=lambda: 0.0,
