@@ -187,17 +187,15 @@ class Generations:
         if not gen.terminal:
             await self.d.fail(gen, reason, kind="replaced", event=GenerationEvent.CANCELLED)
         else:
-            # Owed, not tried here: a destination answering nothing held this begin for the
-            # abort's timeout per failed shard. The daemon aborts it once the destination
-            # answers (owedaborts.py), forgotten generation or not.
-            for shard in gen.shards.values():
-                if shard.state is ShardState.FAILED:
-                    await self.d.scheduler.aborts.leave(gen, shard)
             self.d.copies.discard_generation(gen)
         # Still queued, perhaps: a worker must never take it for the new attempt's.
         await self._discard_shards(gen, persist=False)
         log_event(log, logging.INFO, "generation_replaced", job=gen.job, step=gen.step,
                   old_attempt=gen.attempt, attempt=attempt)
+        # Each shard's upload still journalled is owed, not tried here (ledger.forgetting:
+        # UploadAborts.leave_all): a destination answering nothing held this begin for the
+        # abort's timeout per failed shard. The daemon aborts it once the destination
+        # answers, forgotten generation or not.
         await self.d.ledger.forget(gen)
 
     async def supersede(self, job: str, step: int, budget: Budget, amount: int) -> bool:

@@ -67,6 +67,11 @@ class Ledger(JournalReplay):
         # `wait` woken during that write sees the end while the job's next `begin` is still
         # refused for the slot.
         self.ended: Callable[[GenerationRecord], None] = lambda gen: None
+        # Awaited before a generation's journal rows are deleted (forget), the one place they
+        # go: the daemon owes, durably, the abort of every upload still journalled for its
+        # shards (UploadAborts.leave_all). Its end's queued abort ran after the delete found
+        # nothing journalled, and the upload waited for the orphan sweep's grace.
+        self.forgetting: Callable[[GenerationRecord], Awaitable[None]] | None = None
 
     def change(self) -> asyncio.Event:
         """An event set at the next change of any generation (take it before looking)."""
@@ -349,6 +354,10 @@ class Ledger(JournalReplay):
         writes its rows after this delete, never before it."""
         if not self.current(gen):
             return
+        if self.forgetting is not None:
+            await self.forgetting(gen)
+            if not self.current(gen):
+                return  # forgotten (or replaced) meanwhile
         del self.generations[gen.key]
         for shard in gen.shards.values():
             if self.shard_index.get(shard.id, (None, None))[1] is shard:

@@ -156,6 +156,16 @@ class UploadAborts:
         # Recorded before the caller forgets the generation, its journal rows with it.
         await self._note(shard, entry)
 
+    async def leave_all(self, gen: GenerationRecord) -> None:
+        """:meth:`leave` for every shard of ``gen``, about to be forgotten (Ledger.forgetting:
+        a new attempt at its step, retention.keep_failed, forget_after_s), its journal rows
+        with it. Every shard, not only the failed ones: the end's abort of a shard not yet
+        drained (queued on the publisher, or a drain's own once its copy is cancelled) ran
+        after the delete, found nothing journalled, and the upload waited for the orphan
+        sweep's grace. A dict lookup per shard with no upload open."""
+        for shard in gen.shards.values():
+            await self.leave(gen, shard)
+
     async def _note(self, shard: ShardRecord, before: _Owed | None) -> None:
         """Keep the journal's owed_aborts as ``shard``'s owed abort now is (``before``: as it
         was): a row while owed, none once done or a retry's upload again."""
@@ -198,7 +208,8 @@ class UploadAborts:
             self._owed.pop(shard.id, None)  # a retry drains it: its upload is the drain's
             return False
         upload_log = self._upload_log_for(shard) if self._upload_log_for else None
-        if upload_log is None or (upload_id is None and not upload_log.is_open()):
+        if upload_log is None or (upload_id is None and owed is None
+                                  and not upload_log.is_open()):
             # None journalled (the usual case, and every shard of a destination without
             # resumable uploads): asked of memory, not of the journal, shard by shard.
             self._owed.pop(shard.id, None)
@@ -209,10 +220,13 @@ class UploadAborts:
         try:
             if upload_id is None:
                 upload_id, _ = await upload_log.load()
-                if upload_id is None:
-                    if self._owed.get(shard.id) is owed:
-                        self._owed.pop(shard.id, None)
+            if upload_id is None:
+                # Nothing journalled, but an abort owed: its generation was forgotten (the
+                # rows deleted) after it was owed. That upload is still open: a cancelled
+                # drain's abort coming after the forget dropped the owed one.
+                if owed is None or self._owed.get(shard.id) is not owed:
                     return True
+                upload_id = owed.upload_id
             try:
                 async with asyncio.timeout(TRY_TIMEOUT_S):
                     aborted = await self.backend.abort_upload(

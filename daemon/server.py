@@ -129,6 +129,8 @@ class Daemon:
         )
         # Owed aborts kept across a restart, even once their generation is forgotten.
         self.scheduler.aborts.record = JournalOwedAborts(self.journal)
+        # Before any forget deletes a generation's rows, its uploads' aborts are owed.
+        self.ledger.forgetting = self.scheduler.aborts.leave_all
         self.handoffs = Handoffs(self)
         self.held = HeldHandoffs(self.handoffs)
         self.begin_checks = BeginChecks(self)

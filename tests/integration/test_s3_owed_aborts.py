@@ -188,3 +188,40 @@ def test_an_abort_owed_for_a_replaced_attempt_is_done_after_a_restart(
     gone(seaweedfs, s3_bucket, d, GONE_WITHIN_S)
     with contextlib.closing(sqlite3.connect(d.staging / "journal.sqlite3", timeout=10)) as db:
         assert db.execute("SELECT COUNT(*) FROM owed_aborts").fetchone()[0] == 0
+
+
+def test_an_attempt_replaced_mid_drain_leaves_no_upload_behind(
+        make_daemon: Any, seaweedfs: SeaweedFS, s3_bucket: str, proxy: ThreadedProxy) -> None:
+    # Found reviewing the owed aborts: a new attempt at the step replaced one whose shard was
+    # mid-multipart. The end cancelled the copy, whose abort (the destination slow to answer
+    # it) came after the replace had forgotten the old attempt, its journal rows with it: it
+    # found nothing journalled, nothing was owed, and the upload stayed open for the orphan
+    # sweep's grace. Every upload still journalled is owed before the rows go.
+    d = s3_daemon(make_daemon, "node-a", s3_bucket, proxy.endpoint_url,
+                  CKPTDRAIN_DESTINATION__MAX_ATTEMPTS="2",
+                  CKPTDRAIN_DESTINATION__CONNECT_TIMEOUT_S="1",
+                  CKPTDRAIN_DESTINATION__MAX_CONCURRENCY="1",
+                  CKPTDRAIN_DESTINATION__ORPHAN_GRACE_S="3600",
+                  CKPTDRAIN_DRAIN__MAX_BANDWIDTH_BYTES_PER_S="16MiB")
+    with d.client().generation("owed", 1) as gen:
+        gen.put("big.bin", checkpoint())
+    wait_for(lambda: _journalled_parts(d) > 0, 60, 0.01, what="a part sent and journalled")
+    # Every abort held (5 s, then reset) until the end of the test's outage: the cancelled
+    # copy's own abort fails, and slowly, well after the replace forgot the old attempt.
+    proxy.do(lambda: proxy.proxy.inject("stall", times=1000, match=_is_abort))
+    data = b"x" * 1024
+    with d.client().generation("owed", 1, attempt="second") as second:
+        second.put("small.bin", data)
+    d.client().wait("owed", 1, timeout_s=120)
+    assert len(uploads(seaweedfs, s3_bucket)) == 1  # the old attempt's, mid-multipart
+    wait_for(lambda: d.log().count("event=s3_abort_failed") >= 1, 60,
+             what="the cancelled copy's abort tried (and failed) while held")
+    proxy.do(lambda: proxy.proxy._script.clear())
+    gone(seaweedfs, s3_bucket, d, GONE_WITHIN_S)
+    assert get(seaweedfs, s3_bucket, f"owed/{1:020d}/small.bin") == data
+    wait_for(lambda: _owed_rows(d) == 0, 10, what="the owed abort's journal row dropped")
+
+
+def _owed_rows(d: DaemonProcess) -> int:
+    with contextlib.closing(sqlite3.connect(d.staging / "journal.sqlite3", timeout=10)) as db:
+        return int(db.execute("SELECT COUNT(*) FROM owed_aborts").fetchone()[0])

@@ -209,3 +209,31 @@ def test_an_owed_abort_is_recorded_until_done_or_taken_by_a_retry() -> None:
         finally:
             loop.cancel()
     asyncio.run(main())
+
+
+def test_an_abort_after_the_generation_is_forgotten_keeps_the_one_owed() -> None:
+    # A new attempt replaced one whose shard was mid-copy: its uploads were owed before the
+    # forget deleted their rows (leave_all), then the cancelled copy's own abort found nothing
+    # journalled and dropped the owed one, and the upload waited for the orphan sweep.
+    async def main() -> None:
+        dest = Destination()
+        logs = {1: Log("u1"), 2: Log(None)}
+        aborts = UploadAborts(dest, lambda s: logs[s.id])  # type: ignore[arg-type]
+        record = aborts.record = Record()
+        g, s1 = failed("a", 1)
+        s2 = ShardRecord(2, "job", 1, 0, "b", 1, "s2", ShardState.DISCARDED, 0.0, 0.0)
+        g.shards["b"] = s2
+        s1.state = ShardState.DISCARDED  # its copy cancelled by the end
+        await aborts.leave_all(g)
+        assert aborts.owed == 1 and dest.tries == [] and record.rows == {"u1": ("job", 1, "a")}
+        logs[1].upload_id = None  # forgotten: the journal's rows deleted
+        assert not await aborts.abort(g, s1)  # the cancelled copy's, the destination down
+        assert dest.tries == ["u1"] and aborts.owed == 1 and set(record.rows) == {"u1"}
+        dest.down = False
+        loop = asyncio.create_task(aborts.run())
+        try:
+            await until(lambda: aborts.owed == 0)
+            assert dest.tries[-1] == "u1" and record.rows == {}
+        finally:
+            loop.cancel()
+    asyncio.run(main())
