@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from typing import Any
 
 import pytest
 
@@ -61,13 +62,10 @@ FAILED_RENAMES = ("-e", "trace=rename,renameat,renameat2",
                   "-e", "inject=rename,renameat,renameat2:error=EIO")
 
 
-def test_a_failure_record_not_written_before_a_kill_is_written_at_the_restart(
-        make_daemon) -> None:  # type: ignore[no-untyped-def]
-    # Found reviewing multi-node commits: node-a's commit wait ran out and its ranks heard
-    # the step failed, but its failure record (every rank aborted) could not be written then,
-    # and was still owed when node-a was killed. The restart's resend wrote only the ranks
-    # not recorded (none), so node-a's record kept saying "recorded", and node-b, coming
-    # later, published the step from it.
+def expired_with_its_failure_record_owed(make_daemon: Any) -> DaemonProcess:
+    """node-a, its rank 0 of step 1 recorded, its commit wait run out while every part record
+    write failed: its failure record given up twice (before the end, write_told, and the one
+    queued after it), so still owed, and its record still saying "recorded"."""
     a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
                                    CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
     seal(a, 1, 0)
@@ -75,9 +73,19 @@ def test_a_failure_record_not_written_before_a_kill_is_written_at_the_restart(
     with strace_attached(a.pid, *FAILED_RENAMES):
         with pytest.raises(GenerationFailed, match=r"drain\.commit_wait_s"):
             a.client().wait(JOB, 1, timeout_s=30)
-        # Both tries given up: before the end (write_told) and the one queued after it.
         wait_for(lambda: a.log().count('event=failure_record_failed') >= 2, 30,
                  what="node-a gave up writing its failure record twice")
+    return a
+
+
+def test_a_failure_record_not_written_before_a_kill_is_written_at_the_restart(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Found reviewing multi-node commits: node-a's commit wait ran out and its ranks heard
+    # the step failed, but its failure record (every rank aborted) could not be written then,
+    # and was still owed when node-a was killed. The restart's resend wrote only the ranks
+    # not recorded (none), so node-a's record kept saying "recorded", and node-b, coming
+    # later, published the step from it.
+    a = expired_with_its_failure_record_owed(make_daemon)
     mine = part_record(a, 1, "node-a")
     assert mine is not None and mine.ranks == (0,), mine  # as the expiry left it
     a.kill()
@@ -100,15 +108,7 @@ def test_a_failure_record_owed_at_a_restart_is_not_written_into_a_step_committed
     # overwrite what is committed), and its status kept saying "failed" for a step whose
     # MANIFEST.json held its part. It now asks the destination first: committed with its part,
     # the record is left as it is and the step is committed on node-a too.
-    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
-    seal(a, 1, 0)
-    recorded(a, 1)
-    with strace_attached(a.pid, *FAILED_RENAMES):
-        with pytest.raises(GenerationFailed, match=r"drain\.commit_wait_s"):
-            a.client().wait(JOB, 1, timeout_s=30)
-        wait_for(lambda: a.log().count('event=failure_record_failed') >= 2, 30,
-                 what="node-a gave up writing its failure record twice")
+    a = expired_with_its_failure_record_owed(make_daemon)
     a.kill()
     b: DaemonProcess = make_daemon("node-b")
     seal(b, 1, 1)
