@@ -49,10 +49,11 @@ lint: $(VENV)/.stamp-install
 	ln -sfn ../../../daemon build/mypy/ckptdrain/daemon
 	cd build/mypy && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p ckptdrain.client -p ckptdrain.daemon
 
-# Two pytest-xdist workers: most of the suite's time is its daemons waiting (commit waits,
-# timeouts, restarts), not CPU, so two at once halve it on two cores (659 s -> 360 s here).
+# Three pytest-xdist workers: most of the suite's time is its daemons waiting (commit waits,
+# timeouts, restarts, an owed abort's backoff), not CPU, so on two cores two at once halved it
+# (659 s -> 360 s), and three keep both cores busy as the S3 fault tests grew (two: 722 s).
 # Each worker starts its own SeaweedFS; every server picks free ports.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: $(VENV)/.stamp-install $(VENV)/.stamp-torch system-deps lint
 	$(COMPILE)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15
