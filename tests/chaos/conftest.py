@@ -64,7 +64,7 @@ def _tallies() -> dict[str, dict[str, int]]:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Under pytest-xdist (``make test`` runs two workers) each worker counted its own trials:
+    """Under pytest-xdist (``make test`` runs three workers) each worker counted its own trials:
     it hands them to the controller, which adds them up (below) for the summary line."""
     output = getattr(session.config, "workeroutput", None)
     if output is not None:
