@@ -62,14 +62,25 @@ FAILED_RENAMES = ("-e", "trace=rename,renameat,renameat2",
                   "-e", "inject=rename,renameat,renameat2:error=EIO")
 
 
+def recorded_on_node_a(make_daemon: Any, *, retry_budget_s: str,
+                       backoff: bool = True) -> DaemonProcess:
+    """node-a, its commit wait 2 s, its rank 0 of step 1 sealed and recorded; ``backoff``:
+    destination retries 0.2 s, at most 0.5 s apart (a retry lands soon after a fault ends)."""
+    env = {"CKPTDRAIN_DRAIN__COMMIT_WAIT_S": "2", "CKPTDRAIN_DRAIN__RETRY_BUDGET_S": retry_budget_s}
+    if backoff:
+        env |= {"CKPTDRAIN_DRAIN__RETRY_INITIAL_BACKOFF_S": "0.2",
+                "CKPTDRAIN_DRAIN__RETRY_MAX_BACKOFF_S": "0.5"}
+    a: DaemonProcess = make_daemon("node-a", **env)
+    seal(a, 1, 0)
+    recorded(a, 1)
+    return a
+
+
 def expired_with_its_failure_record_owed(make_daemon: Any) -> DaemonProcess:
     """node-a, its rank 0 of step 1 recorded, its commit wait run out while every part record
     write failed: its failure record given up twice (before the end, write_told, and the one
     queued after it), so still owed, and its record still saying "recorded"."""
-    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="0.5")
-    seal(a, 1, 0)
-    recorded(a, 1)
+    a = recorded_on_node_a(make_daemon, retry_budget_s="0.5", backoff=False)
     with strace_attached(a.pid, *FAILED_RENAMES):
         with pytest.raises(GenerationFailed, match=r"drain\.commit_wait_s"):
             a.client().wait(JOB, 1, timeout_s=30)
@@ -137,16 +148,12 @@ def test_a_failure_record_retried_at_run_time_is_not_written_into_a_step_committ
     # that record, every rank aborted, inside the committed step, and node-a's status kept
     # saying "failed". The queued write now looks for the commit before each try, as the
     # restart's resend does: nothing is written, and the step is committed on node-a too.
-    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="10",
-                                   CKPTDRAIN_DRAIN__RETRY_INITIAL_BACKOFF_S="0.2",
-                                   CKPTDRAIN_DRAIN__RETRY_MAX_BACKOFF_S="0.5")
-    seal(a, 1, 0)
-    recorded(a, 1)
+    a = recorded_on_node_a(make_daemon, retry_budget_s="15")
     with strace_attached(a.pid, *FAILED_RENAMES):
         with pytest.raises(GenerationFailed, match=r"drain\.commit_wait_s"):
             a.client().wait(JOB, 1, timeout_s=60)
-        # Given up before the end (write_told); the one queued after it retries for 10 s.
+        # Given up before the end (write_told); the one queued after it retries for 15 s
+        # (room for node-b to start and commit on a loaded machine: 10 s was too little once).
         assert a.log().count("event=failure_record_failed") == 1
         b: DaemonProcess = make_daemon("node-b")
         seal(b, 1, 1)
@@ -172,12 +179,7 @@ def test_a_step_committed_while_the_failure_record_is_refused_ends_committed(
     # the step failed without looking again (it looked only after a record it wrote): an
     # error logged and a failure counted for a step whose MANIFEST.json held its part, its
     # status "failed" until the failure record queued after the end found the commit.
-    a: DaemonProcess = make_daemon("node-a", CKPTDRAIN_DRAIN__COMMIT_WAIT_S="2",
-                                   CKPTDRAIN_DRAIN__RETRY_BUDGET_S="8",
-                                   CKPTDRAIN_DRAIN__RETRY_INITIAL_BACKOFF_S="0.2",
-                                   CKPTDRAIN_DRAIN__RETRY_MAX_BACKOFF_S="0.5")
-    seal(a, 1, 0)
-    recorded(a, 1)
+    a = recorded_on_node_a(make_daemon, retry_budget_s="8")
     with strace_attached(a.pid, *FAILED_RENAMES):
         wait_for(lambda: "event=destination_error" in a.log(), 30,
                  what="node-a's commit wait ran out and its failure record's write retries")
